@@ -1,0 +1,54 @@
+// Per-model calibration basis (HeadQ's U per layer and KV head) and its files.
+//
+// On disk a registry entry is a folder: basis.safetensors (one F32 tensor per layer,
+// "layer.{l}.u" of shape [kv_heads, head_dim, rank], U row-major per head with orthonormal
+// columns) and manifest.json (the fields of BasisManifest). The reader validates every field,
+// the tensor table, sizes and orthonormality, and that the fingerprint matches the tensors.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace kvq::core {
+
+struct BasisManifest {
+  std::string model;            // e.g. "smollm2-135m-instruct"
+  int version = 1;              // basis version (>= 1); a sequence is pinned to one
+  int layers = 0;
+  int kv_heads = 0;
+  int q_heads = 0;              // multiple of kv_heads (grouped-query attention)
+  int head_dim = 0;
+  int rank = 0;                 // 1..head_dim
+  std::string rope_layout = "adjacent_pairs";  // or "halves"; keys and queries must agree
+  std::string channel_order = "gguf";          // channel order of keys/queries the basis expects
+  std::string kind = "query_pca_uncentred";    // query_pca_uncentred|query_pca_centred|random|...
+  int64_t calibration_tokens = 0;
+  std::string calibration_text;
+  std::string fingerprint;      // hex XXH3-64 of the tensor bytes (filled by WriteBasis)
+};
+
+struct ModelBasis {
+  BasisManifest manifest;
+  // [layers][kv_heads][head_dim][rank], row-major.
+  std::vector<float> u;
+  const float* head(int layer, int kv_head) const {
+    return u.data() + (static_cast<size_t>(layer) * manifest.kv_heads + kv_head) *
+                          manifest.head_dim * manifest.rank;
+  }
+  // A copy keeping only the first r columns of each head's U (r <= rank).
+  ModelBasis Truncated(int r) const;
+};
+
+// Writes dir/basis.safetensors and dir/manifest.json atomically (temp files + rename).
+// Fills manifest.fingerprint.
+absl::Status WriteBasis(const std::string& dir, ModelBasis& basis);
+absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir);
+std::string BasisFingerprint(const ModelBasis& basis);
+
+// A random orthonormal basis of the same shape (control), deterministic in `seed`.
+ModelBasis RandomBasis(const BasisManifest& shape, uint64_t seed);
+
+}  // namespace kvq::core

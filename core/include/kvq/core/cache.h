@@ -1,0 +1,109 @@
+// The compressed KV cache of one attention layer of one sequence: encoded blocks of G tokens
+// per KV head, plus the full-precision window (the incomplete group and the R most recent
+// tokens) kept in the dtype it arrived in. Score, readout and attend read both.
+//
+// Shapes: keys/values [kv_heads][n][d]; queries [q_heads][n_q][d] fp32 contiguous with
+// q_heads a multiple of kv_heads (query head h reads KV head h / (q_heads / kv_heads)).
+// Logits and attention weights are [q_heads][n_q][tokens()].
+//
+// Thread safety: const methods may run concurrently; Append/Attend(observe) need exclusion.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvq/core/codec.h"
+#include "kvq/core/tensor.h"
+
+namespace kvq::core {
+
+struct SizeReport {
+  int64_t tokens = 0;          // cached tokens per head
+  int64_t encoded_tokens = 0;  // tokens in encoded blocks
+  int64_t window_tokens = 0;   // tokens held at arrival precision
+  int64_t elements_per_token = 0;  // kv_heads * head_dim
+  int64_t key_block_bytes = 0, value_block_bytes = 0;
+  int64_t key_window_bytes = 0, value_window_bytes = 0;
+  // Steady state: 8 * block bytes / encoded elements.
+  double k_bits_steady() const;
+  double v_bits_steady() const;
+  // At this context: 8 * (block + window bytes) / all cached elements.
+  double k_bits_effective() const;
+  double v_bits_effective() const;
+  int64_t total_bytes() const {
+    return key_block_bytes + value_block_bytes + key_window_bytes + value_window_bytes;
+  }
+  SizeReport& operator+=(const SizeReport& o);
+};
+
+struct AttendOptions {
+  // Query i sees cached tokens [0, causal_offset + i]; -1: every cached token.
+  int64_t causal_offset = -1;
+  // Record the attention of these queries on window tokens as A^2 statistics for the
+  // value policy (what a server legitimately knows: earlier readouts).
+  bool observe = true;
+  // Softmax scale; 0 means 1/sqrt(head_dim).
+  float scale = 0.0f;
+};
+
+class LayerCache {
+ public:
+  // basis: [kv_heads][d][rank] (row-major U per head) or null when o.rank == 0. Copied.
+  LayerCache(const CodecOptions& o, int kv_heads, const float* basis);
+
+  const CodecOptions& options() const { return opts_; }
+  int kv_heads() const { return kv_heads_; }
+  int64_t tokens() const { return tokens_; }
+
+  // Appends tokens [start, start + n). k and v are [kv_heads][n][d] views of any dtype and
+  // strides; start must equal tokens() (the store handles re-sends). probe_weights:
+  // optional [kv_heads][n] A^2 weights predicted by the frontend (probe queries).
+  absl::Status Append(const TensorView& k, const TensorView& v, int64_t start,
+                      const float* probe_weights = nullptr);
+
+  // Logits: out[h][i][t] = scale * (q . k_base + U^T q . z_hat) over every cached token.
+  // corrections_only: only the HeadQ term (for frontends that score the base themselves).
+  absl::Status Score(const float* q, int q_heads, int n_q, float* out, float scale = 0.0f,
+                     bool corrections_only = false) const;
+  // out[h][i][:] = sum_t p[h][i][t] v_hat_t ; p [q_heads][n_q][tokens()].
+  absl::Status Readout(const float* p, int q_heads, int n_q, float* out) const;
+  // Fused score + softmax + readout; out [q_heads][n_q][d].
+  absl::Status Attend(const float* q, int q_heads, int n_q, const AttendOptions& ao, float* out);
+
+  // Keys as attention sees them and decoded values, [kv_heads][tokens()][d] fp32.
+  absl::Status Decode(std::vector<float>* keys, std::vector<float>* values) const;
+  // Verifies every block's checksum (scrub).
+  absl::Status VerifyAll() const;
+
+  SizeReport Size() const;
+
+  // Raw access for the store, golden-file tests and fault injection.
+  std::vector<uint8_t>& key_blocks(int h) { return heads_[h].kblocks; }
+  std::vector<uint8_t>& value_blocks(int h) { return heads_[h].vblocks; }
+
+ private:
+  struct Head {
+    std::vector<uint8_t> kblocks, vblocks;    // concatenated blocks
+    std::vector<uint32_t> voffsets;           // start of each value block (variable size)
+    std::vector<uint8_t> kwin, vwin;          // window tokens at arrival dtype
+    DType win_dtype = DType::kF32;
+    std::vector<float> a2_sum;                // per window token: sum of p^2 observed
+    std::vector<int32_t> a2_reads;            // per window token: number of observations
+    std::vector<float> probe;                 // per window token: probe weight (or -1)
+  };
+  absl::Status EncodeReadyGroups(int h);
+  void WindowToFloat(const Head& hd, bool keys, float* out) const;
+  int64_t window_len(const Head& hd) const;
+
+  CodecOptions opts_;
+  int kv_heads_;
+  std::vector<float> basis_;
+  std::vector<Head> heads_;
+  int64_t tokens_ = 0;
+  int64_t encoded_ = 0;  // tokens per head in blocks
+  size_t kblock_bytes_;
+};
+
+}  // namespace kvq::core

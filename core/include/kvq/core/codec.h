@@ -1,0 +1,149 @@
+// The HeadQ block codec: one block holds G consecutive tokens of one KV head.
+//
+// Keys:   KIVI-like asymmetric quantization per channel over the G tokens (fp16 scale and
+//         zero point per channel), plus the HeadQ side code: the residual e = k - k_base
+//         projected on the head's query basis U (d x r), c = U^T e, quantized per
+//         coefficient over the G tokens (fp16 scale and zero point, 4 or 8 bits).
+// Values: asymmetric quantization per token over groups of `value_group` channels. Bits
+//         per token are uniform, or chosen per token by the A^2 policy (value_policy.h).
+//
+// Block bytes (little-endian), every byte counted in the bits-per-element figures:
+//   header (16 bytes): u16 magic 0x514b "KQ" | u8 version | u8 kind (1 key, 2 value)
+//                      | u8 bits (0: per-token) | u8 side_bits | u16 tokens | u16 head_dim
+//                      | u16 rank or value_group | u32 checksum (low 32 bits of XXH3-64
+//                      over the header with the checksum zeroed, then the payload)
+//   key payload:   fp16 scale[d] | fp16 zero[d] | codes[d][G*bits/8] (channel-major)
+//                  | fp16 side_scale[r] | fp16 side_zero[r] | side codes[r][G*side_bits/8]
+//   value payload: (per-token bits only) u8 bits_code[ceil(G/4)] (2 bits per token:
+//                  0..3 -> 1,2,3,4 bits) | per token: fp16 scale[ng] | fp16 zero[ng]
+//                  | codes[ceil(d*bits/8)] (token-major, tight)
+// Codes of b bits are packed LSB-first: code i occupies bits [i*b, i*b+b) of the row.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvq::core {
+
+inline constexpr uint16_t kBlockMagic = 0x514b;
+inline constexpr uint8_t kBlockVersion = 1;
+inline constexpr size_t kBlockHeaderBytes = 16;
+
+enum class ValuePolicy : uint8_t {
+  kUniform = 0,  // every token at value_bits
+  kA2 = 1,       // per-token bits in {1,2,3,4} from A^2 weights, mean <= value_budget
+};
+
+struct CodecOptions {
+  // Head dimension d (1..512).
+  int head_dim = 64;
+  // Key base code bits: 2, 3, 4 or 8.
+  int key_bits = 2;
+  // G: tokens per key group and per block: 32, 64 or 128. Larger G amortizes the per-channel
+  // scale and zero point (32 bits per channel per group: 1 bit/element at G=32, 0.25 at 128)
+  // at the price of coarser per-channel ranges; HeadQ's side code repairs part of that.
+  int key_group = 32;
+  // HeadQ rank r (0..head_dim). 0 = KIVI-like base only (no side code).
+  int rank = 0;
+  // Side-code bits per coefficient: 4 or 8.
+  int side_bits = 8;
+  // Value bits for the uniform policy: 1, 2, 3, 4 or 8.
+  int value_bits = 2;
+  // Channels per value scale group (the last group of a head may be shorter).
+  // 32 at d=64 costs 1 bit/element of fp16 scale+zero; head_dim costs 0.5 at d=64.
+  int value_group = 32;
+  ValuePolicy value_policy = ValuePolicy::kUniform;
+  // A^2 policy: mean code bits per value element in a block (1.0..4.0), plus the 2-bit
+  // per-token width tag. Tokens with higher A^2 weight get more bits.
+  float value_budget = 2.0f;
+  // A^2 policy: the first `sink_tokens` positions of a sequence always get 4 bits
+  // (attention sinks carry large, persistent A^2 weight).
+  int sink_tokens = 4;
+  // R: the most recent tokens kept at the precision they arrived in, besides the
+  // incomplete group. Tokens are encoded a group at a time once more than R + G - 1 wait.
+  int window = 0;
+  // Control only: -1 flips the sign of the HeadQ correction (the paper's wrong-sign test).
+  float side_sign = 1.0f;
+  // Verify the block checksum on every score/readout/decode (true) or only when a
+  // block is read out whole (GetBlocks, moves) and by the store's scrub (false).
+  bool verify_on_read = true;
+
+  absl::Status Validate() const;
+  bool per_token_value_bits() const { return value_policy == ValuePolicy::kA2; }
+  int value_groups() const { return (head_dim + value_group - 1) / value_group; }
+  // A short human-readable summary, e.g. "k2g32 r4s8 v2g32 R0".
+  std::string ToString() const;
+};
+
+// Bytes of one encoded key block (fixed for given options).
+size_t KeyBlockBytes(const CodecOptions& o);
+// Bytes of one encoded value block with uniform bits; for kA2 the maximum is returned by
+// MaxValueBlockBytes and the actual size depends on the chosen widths.
+size_t ValueBlockBytes(const CodecOptions& o);
+size_t MaxValueBlockBytes(const CodecOptions& o);
+
+// keys: [G][d] fp32 token-major, row stride `ld` elements. basis: U as [d][r] row-major
+// (orthonormal columns), may be null only when o.rank == 0. Appends the block to `out`.
+absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld,
+                            const float* basis, std::vector<uint8_t>* out);
+
+// values: [G][d] fp32, row stride ld. bits_per_token: [G] widths in {1,2,3,4} (kA2) or
+// null (uniform value_bits). Appends the block to `out`.
+absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_t ld,
+                              const uint8_t* bits_per_token, std::vector<uint8_t>* out);
+
+// A parsed, validated block. Pointers point into the caller's bytes.
+struct KeyBlockView {
+  int bits = 0, side_bits = 0, tokens = 0, head_dim = 0, rank = 0;
+  const uint16_t* scale = nullptr;  // [d] fp16
+  const uint16_t* zero = nullptr;   // [d] fp16
+  const uint8_t* codes = nullptr;   // [d][tokens*bits/8]
+  const uint16_t* side_scale = nullptr;
+  const uint16_t* side_zero = nullptr;
+  const uint8_t* side_codes = nullptr;  // [r][tokens*side_bits/8]
+};
+
+struct ValueBlockView {
+  int bits = 0;  // 0: per-token widths
+  int tokens = 0, head_dim = 0, value_group = 0;
+  const uint8_t* bits_codes = nullptr;    // per-token width tags or null
+  const uint8_t* payload = nullptr;       // first token record
+  std::vector<uint32_t> token_offset;     // byte offset of each token record in payload
+  std::vector<uint8_t> token_bits;        // width of each token
+};
+
+// Checks magic, version, kind, every field against `o` (when `o` is given), the size, and
+// (when verify) the checksum. A corrupted or truncated block is an error, never garbage:
+// DATA_LOSS for checksum/size mismatch, INVALID_ARGUMENT for an incompatible layout.
+absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const CodecOptions& o,
+                                           bool verify);
+absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
+                                               const CodecOptions& o, bool verify);
+// Verifies only the checksum and the header (for scrubs and whole-block reads).
+absl::Status VerifyBlock(std::span<const uint8_t> block);
+
+// Scores n_q queries against one key block:
+//   out[i*out_stride + t] = scale * (q_i . k_base_t + side_sign * uq_i . z_hat_t)
+// q: [n_q][d]; uq: [n_q][r] = U^T q_i (computed once per query), may be null when r == 0.
+void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q,
+                   float scale, float side_sign, float* out, int64_t out_stride);
+
+// out[i*out_stride + c] += sum_t p[i*p_stride + t] * v_hat_t[c]
+void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,
+                       float* out, int64_t out_stride);
+
+// Keys as attention sees them: k_base + U z_hat (gives exactly the HeadQ scores, up to
+// rounding). out: [tokens][d]. basis may be null when rank == 0.
+void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float side_sign, float* out);
+void DecodeValueBlock(const ValueBlockView& b, float* out);
+
+// Base code only (no side code), for metrics and tests.
+void DecodeKeyBase(const KeyBlockView& b, float* out);
+
+}  // namespace kvq::core

@@ -1,0 +1,58 @@
+// The hot loops of the codec behind one small table of raw-pointer functions. Every table
+// (scalar reference, AVX2, AVX-512, and the CUDA launchers in kernels/cuda with the same
+// file stems) computes the same thing; parity tests hold the optimized ones to the
+// reference. Nothing here knows about blocks, caches or Abseil.
+//
+// Code layout: b-bit codes packed LSB-first in rows; code i of a row occupies bits
+// [i*b, i*b+b). Channel-major rows hold one channel over `tokens` tokens
+// (tokens*b/8 bytes, tokens a multiple of 32); token rows hold one token's channels.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvq::kernels {
+
+struct KernelTable {
+  const char* name;
+
+  // Per-channel asymmetric quantization over tokens. x: [tokens][ld] fp32 (first n_ch
+  // columns used). Writes fp16 scale[n_ch], zero[n_ch] (zero = min, scale = range/(2^b-1),
+  // both rounded to fp16 before the codes are computed) and codes[n_ch][tokens*bits/8].
+  // Optionally writes the dequantized values to deq [tokens][n_ch] (null: skip).
+  void (*quantize_channels)(const float* x, int64_t ld, int tokens, int n_ch, int bits,
+                            uint16_t* scale, uint16_t* zero, uint8_t* codes, float* deq);
+
+  // Asymmetric quantization of one token row of n values in groups of `group` channels.
+  // Writes fp16 scale[ng], zero[ng] and codes[ceil(n*bits/8)].
+  void (*quantize_row)(const float* x, int n, int group, int bits, uint16_t* scale,
+                       uint16_t* zero, uint8_t* codes);
+
+  // out[i*out_stride + t] += sum_c w[i*w_stride + c] * code(c, t) for t < tokens,
+  // c < n_ch, i < n_q. Channel-major codes.
+  void (*dot_channels)(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
+                       int n_q, int64_t w_stride, float* out, int64_t out_stride);
+
+  // out[i*out_stride + c] += coef[i * n_groups + c / group] * code(c), c < n, i < n_q.
+  // One token row of codes, coefficient per (query, channel group).
+  void (*axpy_row)(const uint8_t* codes, int bits, int n, int group, const float* coef,
+                   int n_q, float* out, int64_t out_stride);
+
+  // Dense baselines over fp16 data: out[i*os + t] = sum_c q[i*d + c] * k[t*d + c] and
+  // out[i*os + c] += sum_t p[i*ps + t] * v[t*d + c].
+  void (*dense_scores_f16)(const uint16_t* k, int tokens, int d, const float* q, int n_q,
+                           float* out, int64_t out_stride);
+  void (*dense_readout_f16)(const uint16_t* v, int tokens, int d, const float* p,
+                            int64_t p_stride, int n_q, float* out, int64_t out_stride);
+};
+
+// The scalar reference (*_ref): plain loops, the definition of correct.
+const KernelTable& Ref();
+// The best table this CPU supports (AVX-512 > AVX2 > reference), chosen once at run time.
+// KVQ_KERNELS=ref|avx2|avx512 in the environment forces one (if supported).
+const KernelTable& Best();
+// A specific table, or null when this CPU (or build) lacks it.
+const KernelTable* Avx2();
+const KernelTable* Avx512();
+
+}  // namespace kvq::kernels
