@@ -93,9 +93,11 @@ class LayerCache {
     std::vector<int32_t> a2_reads;            // per window token: number of observations
     std::vector<float> probe;                 // per window token: probe weight (or -1)
   };
-  absl::Status EncodeReadyGroups(int h);
+  absl::Status EncodeReadyGroups();
+  absl::Status ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
+                         float* out) const;
+  absl::Status ReadoutHead(int h, const float* p, int rows, float* out) const;
   void WindowToFloat(const Head& hd, bool keys, float* out) const;
-  int64_t window_len(const Head& hd) const;
 
   CodecOptions opts_;
   int kv_heads_;

@@ -112,10 +112,8 @@ struct KeyBlockView {
 struct ValueBlockView {
   int bits = 0;  // 0: per-token widths
   int tokens = 0, head_dim = 0, value_group = 0;
-  const uint8_t* bits_codes = nullptr;    // per-token width tags or null
-  const uint8_t* payload = nullptr;       // first token record
-  std::vector<uint32_t> token_offset;     // byte offset of each token record in payload
-  std::vector<uint8_t> token_bits;        // width of each token
+  const uint8_t* payload = nullptr;  // first token record: fp16 scale[ng] | zero[ng] | codes
+  uint8_t token_bits[128] = {};      // width of each token (<= 128 tokens per block)
 };
 
 // Checks magic, version, kind, every field against `o` (when `o` is given), the size, and
@@ -131,8 +129,10 @@ absl::Status VerifyBlock(std::span<const uint8_t> block);
 // Scores n_q queries against one key block:
 //   out[i*out_stride + t] = scale * (q_i . k_base_t + side_sign * uq_i . z_hat_t)
 // q: [n_q][d]; uq: [n_q][r] = U^T q_i (computed once per query), may be null when r == 0.
+// include_base = false gives only the HeadQ correction term.
 void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q,
-                   float scale, float side_sign, float* out, int64_t out_stride);
+                   float scale, float side_sign, float* out, int64_t out_stride,
+                   bool include_base = true);
 
 // out[i*out_stride + c] += sum_t p[i*p_stride + t] * v_hat_t[c]
 void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,

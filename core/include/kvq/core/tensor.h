@@ -4,7 +4,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <string_view>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
 
@@ -13,8 +13,8 @@ namespace kvq::core {
 enum class DType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-std::string_view DTypeName(DType t);
-absl::StatusOr<DType> ParseDType(std::string_view name);  // "f32"/"fp32"/"float32", "f16", "bf16"
+absl::string_view DTypeName(DType t);
+absl::StatusOr<DType> ParseDType(absl::string_view name);  // "f32"/"fp32"/"float32", "f16", "bf16"
 
 // Converts n elements of type `t` at `src` (little-endian) to fp32.
 void ToFloat(DType t, const void* src, float* dst, size_t n);

@@ -33,10 +33,12 @@ struct KernelTable {
   void (*dot_channels)(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
                        int n_q, int64_t w_stride, float* out, int64_t out_stride);
 
-  // out[i*out_stride + c] += coef[i * n_groups + c / group] * code(c), c < n, i < n_q.
-  // One token row of codes, coefficient per (query, channel group).
-  void (*axpy_row)(const uint8_t* codes, int bits, int n, int group, const float* coef,
-                   int n_q, float* out, int64_t out_stride);
+  // Readout over token rows: out[i*out_stride + c] += sum_t p[i*p_stride + t] * v_hat_t[c].
+  // rows: n_rows consecutive records, each fp16 scale[ng] | fp16 zero[ng] | codes of
+  // row_bits[t] bits for n channels (ng = ceil(n / group)); v_hat = scale_g * code + zero_g.
+  void (*readout_rows)(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n,
+                       int group, const float* p, int64_t p_stride, int n_q, float* out,
+                       int64_t out_stride);
 
   // Dense baselines over fp16 data: out[i*os + t] = sum_c q[i*d + c] * k[t*d + c] and
   // out[i*os + c] += sum_t p[i*ps + t] * v[t*d + c].
@@ -44,6 +46,9 @@ struct KernelTable {
                            float* out, int64_t out_stride);
   void (*dense_readout_f16)(const uint16_t* v, int tokens, int d, const float* p,
                             int64_t p_stride, int n_q, float* out, int64_t out_stride);
+
+  // x[t] = exp(x[t] - shift) for t < n; returns the sum (the softmax denominator).
+  float (*exp_sum)(float* x, int64_t n, float shift);
 };
 
 // The scalar reference (*_ref): plain loops, the definition of correct.

@@ -1,0 +1,241 @@
+// The block store: tenants, sequences and their per-layer caches, capacity and eviction, and
+// the model registry they are pinned to. No gRPC here: the server translates to and from it.
+//
+// * A tenant is a namespace: a sequence id means a different sequence in each tenant, and no
+//   call taking a tenant ever reads, reports or evicts another tenant's data beyond what the
+//   eviction rule below allows.
+// * A sequence is created by its first append, which names a model (and optionally a basis
+//   version; 0 = the latest at that moment). It is pinned to that version for its life:
+//   registering a new version never changes it, and a read naming another version fails
+//   with FAILED_PRECONDITION.
+// * Appends carry their start position. Every stored token keeps a 64-bit hash of the bytes
+//   it arrived as (8 bytes per token and layer, counted in the usage), so a re-sent range is
+//   compared token by token: identical bytes are a duplicate (accepted, nothing changes),
+//   different bytes are ALREADY_EXISTS, and a start beyond the stored length is
+//   FAILED_PRECONDITION. Appends straddling the end store only the new suffix.
+// * A batch of appends (one PutBlocks message) is validated whole before anything is stored.
+// * Capacity: usage is the bytes of the codes, the full-precision window and the token
+//   hashes. When a write would exceed the capacity or its tenant's quota, least-recently-used
+//   whole sequences are evicted (whole sequences, so no suffix outlives its prefix): first
+//   the writing tenant's own, then, for the global capacity only, sequences of tenants that
+//   hold more than an equal share of the capacity. A write that still cannot fit fails with
+//   RESOURCE_EXHAUSTED and stores nothing.
+//
+// Thread safety: every method may be called concurrently. Each sequence has its own lock
+// (reads share it; appends and observing Attends take it exclusively).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <list>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvq/core/basis.h"
+#include "kvq/core/cache.h"
+#include "kvq/core/codec.h"
+#include "kvq/core/tensor.h"
+#include "kvq/kernels/device.h"
+
+namespace kvq::core {
+
+// One registered (model, version).
+struct ModelEntry {
+  // Shape and identity; manifest.rank is the basis rank (0: no basis).
+  BasisManifest manifest;
+  bool has_basis = false;
+  ModelBasis basis;  // empty when !has_basis
+  // Defaults for new sequences: key_bits 2, G 32, rank min(4, basis rank) (0 without
+  // basis: KIVI-like base only), side_bits 8, value_bits 2, value_group min(32, head_dim),
+  // window 0, unless the entry's codec.json says otherwise.
+  CodecOptions codec;
+};
+
+// The model registry: a folder of entries, `<dir>/<model>/v<version>/` each holding
+// manifest.json + basis.safetensors (what kvq-calibrate writes, read with ReadBasis) or,
+// for a model without basis, model.json; an optional codec.json holds codec defaults.
+// Every version stays loaded (sequences keep theirs alive through shared_ptr anyway).
+class Registry {
+ public:
+  // dir "" keeps entries in memory only.
+  explicit Registry(std::string dir);
+
+  // Loads every entry under dir (entries that fail to load are skipped and reported in
+  // `skipped` as "path: reason"). Creates dir when it does not exist.
+  absl::Status LoadAll(std::vector<std::string>* loaded, std::vector<std::string>* skipped);
+
+  // Adds an entry and persists it (written into a temporary folder, then renamed into
+  // place, so a crash never leaves half an entry). An identical existing entry is OK
+  // (*already_registered = true); the same (model, version) with other contents is
+  // ALREADY_EXISTS. `entry.manifest.fingerprint` is recomputed.
+  absl::StatusOr<std::shared_ptr<const ModelEntry>> Register(ModelEntry entry,
+                                                              bool* already_registered);
+
+  // version 0: the latest. NOT_FOUND names what is missing.
+  absl::StatusOr<std::shared_ptr<const ModelEntry>> Get(const std::string& model,
+                                                         int version) const;
+  std::vector<std::shared_ptr<const ModelEntry>> List() const;
+  const std::string& dir() const { return dir_; }
+
+  // Checks a model entry's shape fields and basis (used by Register and LoadAll).
+  static absl::Status ValidateEntry(const ModelEntry& e);
+  // The default codec settings of a model shape (see ModelEntry::codec).
+  static CodecOptions DefaultCodec(const BasisManifest& m, bool has_basis);
+
+ private:
+  absl::Status Persist(const ModelEntry& e) const;
+  absl::StatusOr<ModelEntry> LoadEntry(const std::string& path) const;
+
+  std::string dir_;
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::map<int, std::shared_ptr<const ModelEntry>>> models_
+      ABSL_GUARDED_BY(mu_);
+};
+
+struct StoreOptions {
+  // Where blocks are accounted. Codes live in LayerCache's host vectors today; `gpu` and
+  // `pinned` are accepted only when the device API says they work (see kernels/device.h).
+  kernels::Pool pool = kernels::Pool::kHost;
+  // Total bytes of all tenants; 0 = unlimited (not recommended outside tests).
+  int64_t capacity_bytes = 0;
+  // Bytes one tenant may hold; 0 = no per-tenant limit (only the capacity).
+  int64_t tenant_quota_bytes = 0;
+  // Sequences untouched for this long are dropped by Sweep(); zero = never.
+  absl::Duration ttl = absl::ZeroDuration();
+  // Largest number of tokens one layer of one sequence may hold (a sanity limit).
+  int64_t max_tokens_per_layer = int64_t{1} << 20;
+  // Clock, replaceable in tests.
+  std::function<absl::Time()> now = [] { return absl::Now(); };
+};
+
+// One positioned append: tokens [start, start + n) of `layer` of a sequence. Views stay
+// owned by the caller for the duration of the call.
+struct AppendSpec {
+  std::string sequence_id;
+  int layer = 0;
+  int64_t start = 0;
+  TensorView keys;    // [kv_heads][n][head_dim]
+  TensorView values;  // [kv_heads][n][head_dim], same dtype as keys
+  const float* probe_weights = nullptr;  // [kv_heads][n] or null
+  // Creation (ignored for an existing sequence unless set, then checked):
+  std::string model;
+  int basis_version = 0;
+  bool has_codec = false;  // codec below overrides the model's defaults (creation only)
+  CodecOptions codec;
+};
+
+struct AppendOutcome {
+  int64_t tokens_written = 0;
+  int64_t tokens_duplicate = 0;
+  // (sequence, layer) -> tokens after the batch.
+  std::vector<std::tuple<std::string, int, int64_t>> lengths;
+};
+
+struct SequenceInfo {
+  std::shared_ptr<const ModelEntry> model;
+  CodecOptions codec;
+  std::vector<int64_t> layer_tokens;
+  int64_t bytes = 0;
+};
+
+struct UsageStats {
+  int64_t sequences = 0;
+  int64_t tokens = 0;  // per head, summed over layers and sequences
+  int64_t bytes = 0;
+  int64_t blocks = 0;  // encoded blocks (one per G tokens, KV head and K or V)
+  int64_t evictions = 0;
+  int64_t expirations = 0;
+  SizeReport size;
+};
+
+class Store {
+ public:
+  Store(StoreOptions opts, Registry* registry);
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  const StoreOptions& options() const { return opts_; }
+
+  // Validates every append, then applies them in order. Error messages start with
+  // "appends[i]" (the index in `batch`) and name the field and the limit.
+  absl::Status Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
+                      AppendOutcome* outcome);
+
+  // Logits over every cached token of `layer`: out [q_heads][n_q][*tokens].
+  // basis_version 0 accepts the sequence's version. q: [q_heads][n_q][head_dim] fp32.
+  absl::Status Score(const std::string& tenant, const std::string& sequence_id, int layer,
+                     int basis_version, const float* q, int q_heads, int n_q, int q_dim,
+                     float scale, bool corrections_only, std::vector<float>* out,
+                     int64_t* tokens);
+  // p: [q_heads][n_q][p_tokens], p_tokens must equal the layer's tokens; as_logits: softmax
+  // each row first. out [q_heads][n_q][head_dim].
+  absl::Status Readout(const std::string& tenant, const std::string& sequence_id, int layer,
+                       int basis_version, const float* p, int q_heads, int n_q,
+                       int64_t p_tokens, bool as_logits, std::vector<float>* out,
+                       int64_t* tokens);
+  absl::Status Attend(const std::string& tenant, const std::string& sequence_id, int layer,
+                      int basis_version, const float* q, int q_heads, int n_q, int q_dim,
+                      const AttendOptions& ao, std::vector<float>* out, int64_t* tokens);
+  // Keys as attention sees them and decoded values, [kv_heads][tokens][d] fp32 each;
+  // verifies every block's checksum first (DATA_LOSS on mismatch).
+  absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                      int basis_version, std::vector<float>* keys, std::vector<float>* values,
+                      int64_t* tokens);
+
+  absl::StatusOr<SequenceInfo> Describe(const std::string& tenant,
+                                        const std::string& sequence_id);
+  // Returns the bytes freed; NOT_FOUND when the tenant has no such sequence.
+  absl::StatusOr<int64_t> Delete(const std::string& tenant, const std::string& sequence_id);
+
+  UsageStats TenantUsage(const std::string& tenant) const;
+  UsageStats TotalUsage() const;
+  // Per-tenant usage (for metrics only; never returned to a tenant).
+  std::vector<std::pair<std::string, UsageStats>> AllTenants() const;
+  // Live sequences pinned to (model, version), all tenants.
+  int64_t LiveSequences(const std::string& model, int version) const;
+
+  // Drops sequences idle longer than the TTL; returns how many.
+  int64_t Sweep();
+  // Verifies every stored block's checksum; returns the number of sequences that failed
+  // (they are kept: reads of them fail with DATA_LOSS).
+  int64_t Scrub();
+
+  // Test seam: the layer cache of a sequence (null when absent). Not for production use.
+  LayerCache* LayerForTest(const std::string& tenant, const std::string& sequence_id,
+                           int layer);
+
+  struct Sequence;
+  struct Tenant;
+
+ private:
+  absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant,
+                                                 const std::string& id, int basis_version);
+  // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`.
+  absl::Status ReserveLocked(const std::string& tenant, int64_t bytes,
+                             const std::vector<Sequence*>& keep)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UnlinkLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TouchLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Re-measures a sequence after a change and fixes the accounting.
+  void Remeasure(Sequence* s, int64_t reserved);
+
+  StoreOptions opts_;
+  Registry* registry_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
+  std::list<Sequence*> lru_ ABSL_GUARDED_BY(mu_);  // front: most recent
+  int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t expirations_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvq::core

@@ -1,0 +1,235 @@
+// Basis files: safetensors (F32 tensors "layer.{l}.u" [kv_heads, head_dim, rank]) plus a JSON
+// manifest. The safetensors layout: u64 header length N, N bytes of JSON header
+// {name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}, then the data.
+#include "kvq/core/basis.h"
+
+#include <xxhash.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include <Eigen/Dense>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvq::core {
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+absl::Status WriteFileAtomic(const fs::path& path, const std::string& bytes) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) return absl::InternalError(absl::StrCat("cannot write ", tmp.string()));
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    f.flush();
+    if (!f) return absl::InternalError(absl::StrCat("short write to ", tmp.string()));
+  }
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) return absl::InternalError(absl::StrCat("rename ", tmp.string(), ": ", ec.message()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFile(const fs::path& path, size_t limit) {
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat(path.string(), ": ", ec.message()));
+  if (size > limit)
+    return absl::InvalidArgumentError(absl::StrCat(path.string(), ": ", size,
+                                                   " bytes, over the limit of ", limit));
+  std::ifstream f(path, std::ios::binary);
+  std::string s(size, '\0');
+  f.read(s.data(), static_cast<std::streamsize>(size));
+  if (!f) return absl::DataLossError(absl::StrCat(path.string(), ": short read"));
+  return s;
+}
+
+absl::Status Bad(const std::string& dir, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("basis ", dir, ": ", what));
+}
+
+}  // namespace
+
+std::string BasisFingerprint(const ModelBasis& b) {
+  return absl::StrFormat("%016x", XXH3_64bits(b.u.data(), b.u.size() * sizeof(float)));
+}
+
+ModelBasis ModelBasis::Truncated(int r) const {
+  ModelBasis out;
+  out.manifest = manifest;
+  out.manifest.rank = r;
+  const int R = manifest.rank, d = manifest.head_dim;
+  const size_t heads = static_cast<size_t>(manifest.layers) * manifest.kv_heads;
+  out.u.resize(heads * d * r);
+  for (size_t h = 0; h < heads; ++h)
+    for (int a = 0; a < d; ++a)
+      for (int j = 0; j < r; ++j) out.u[(h * d + a) * r + j] = u[(h * d + a) * R + j];
+  out.manifest.fingerprint = BasisFingerprint(out);
+  return out;
+}
+
+absl::Status WriteBasis(const std::string& dir, ModelBasis& b) {
+  const BasisManifest& m = b.manifest;
+  const size_t per_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
+  if (m.layers < 1 || m.kv_heads < 1 || m.head_dim < 1 || m.rank < 1 ||
+      b.u.size() != per_layer * m.layers)
+    return Bad(dir, "manifest shape does not match the tensor data");
+  b.manifest.fingerprint = BasisFingerprint(b);
+  json header;
+  for (int l = 0; l < m.layers; ++l) {
+    const size_t begin = l * per_layer * 4;
+    header[absl::StrCat("layer.", l, ".u")] = {
+        {"dtype", "F32"},
+        {"shape", {m.kv_heads, m.head_dim, m.rank}},
+        {"data_offsets", {begin, begin + per_layer * 4}}};
+  }
+  header["__metadata__"] = {{"format", "kvq-basis"}, {"fingerprint", b.manifest.fingerprint}};
+  std::string h = header.dump();
+  while (h.size() % 8) h.push_back(' ');
+  std::string bytes(8, '\0');
+  const uint64_t n = h.size();
+  std::memcpy(bytes.data(), &n, 8);
+  bytes += h;
+  bytes.append(reinterpret_cast<const char*>(b.u.data()), b.u.size() * 4);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("mkdir ", dir, ": ", ec.message()));
+  json mj = {{"format", "kvq-basis"},
+             {"format_version", 1},
+             {"model", m.model},
+             {"version", m.version},
+             {"layers", m.layers},
+             {"kv_heads", m.kv_heads},
+             {"q_heads", m.q_heads},
+             {"head_dim", m.head_dim},
+             {"rank", m.rank},
+             {"rope_layout", m.rope_layout},
+             {"channel_order", m.channel_order},
+             {"kind", m.kind},
+             {"calibration_tokens", m.calibration_tokens},
+             {"calibration_text", m.calibration_text},
+             {"fingerprint", b.manifest.fingerprint}};
+  if (auto s = WriteFileAtomic(fs::path(dir) / "basis.safetensors", bytes); !s.ok()) return s;
+  return WriteFileAtomic(fs::path(dir) / "manifest.json", mj.dump(2) + "\n");
+}
+
+absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir) {
+  auto ms = ReadFile(fs::path(dir) / "manifest.json", 1 << 20);
+  if (!ms.ok()) return ms.status();
+  json mj = json::parse(*ms, nullptr, false);
+  if (mj.is_discarded() || !mj.is_object()) return Bad(dir, "manifest.json is not a JSON object");
+  ModelBasis b;
+  BasisManifest& m = b.manifest;
+  try {
+    if (mj.value("format", "") != "kvq-basis") return Bad(dir, "manifest format must be 'kvq-basis'");
+    m.model = mj.at("model").get<std::string>();
+    m.version = mj.at("version").get<int>();
+    m.layers = mj.at("layers").get<int>();
+    m.kv_heads = mj.at("kv_heads").get<int>();
+    m.q_heads = mj.at("q_heads").get<int>();
+    m.head_dim = mj.at("head_dim").get<int>();
+    m.rank = mj.at("rank").get<int>();
+    m.rope_layout = mj.at("rope_layout").get<std::string>();
+    m.channel_order = mj.value("channel_order", "gguf");
+    m.kind = mj.value("kind", "query_pca_uncentred");
+    m.calibration_tokens = mj.value("calibration_tokens", int64_t{0});
+    m.calibration_text = mj.value("calibration_text", "");
+    m.fingerprint = mj.at("fingerprint").get<std::string>();
+  } catch (const json::exception& e) {
+    return Bad(dir, absl::StrCat("manifest field missing or mistyped: ", e.what()));
+  }
+  if (m.model.empty() || m.model.size() > 128) return Bad(dir, "model name must be 1..128 chars");
+  if (m.version < 1) return Bad(dir, absl::StrCat("version = ", m.version, ": must be >= 1"));
+  if (m.layers < 1 || m.layers > 1024) return Bad(dir, "layers must be in [1, 1024]");
+  if (m.kv_heads < 1 || m.kv_heads > 1024) return Bad(dir, "kv_heads must be in [1, 1024]");
+  if (m.q_heads < m.kv_heads || m.q_heads % m.kv_heads)
+    return Bad(dir, "q_heads must be a positive multiple of kv_heads");
+  if (m.head_dim < 1 || m.head_dim > 512) return Bad(dir, "head_dim must be in [1, 512]");
+  if (m.rank < 1 || m.rank > m.head_dim) return Bad(dir, "rank must be in [1, head_dim]");
+  if (m.rope_layout != "adjacent_pairs" && m.rope_layout != "halves")
+    return Bad(dir, "rope_layout must be 'adjacent_pairs' or 'halves'");
+  const size_t per_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
+  const size_t data_bytes = per_layer * m.layers * 4;
+  auto ts = ReadFile(fs::path(dir) / "basis.safetensors", data_bytes + (16 << 20));
+  if (!ts.ok()) return ts.status();
+  const std::string& t = *ts;
+  if (t.size() < 8) return Bad(dir, "basis.safetensors truncated (no header length)");
+  uint64_t hn;
+  std::memcpy(&hn, t.data(), 8);
+  if (hn > t.size() - 8) return Bad(dir, "basis.safetensors header length past the end of file");
+  json hj = json::parse(t.substr(8, hn), nullptr, false);
+  if (hj.is_discarded() || !hj.is_object()) return Bad(dir, "safetensors header is not JSON");
+  const size_t data0 = 8 + hn;
+  if (t.size() - data0 != data_bytes)
+    return Bad(dir, absl::StrCat("tensor data is ", t.size() - data0, " bytes, the manifest "
+                                 "implies ", data_bytes));
+  b.u.resize(per_layer * m.layers);
+  for (int l = 0; l < m.layers; ++l) {
+    const std::string name = absl::StrCat("layer.", l, ".u");
+    if (!hj.contains(name)) return Bad(dir, absl::StrCat("tensor ", name, " missing"));
+    const json& e = hj[name];
+    try {
+      if (e.at("dtype").get<std::string>() != "F32") return Bad(dir, name + ": dtype must be F32");
+      auto shape = e.at("shape").get<std::vector<int64_t>>();
+      if (shape != std::vector<int64_t>{m.kv_heads, m.head_dim, m.rank})
+        return Bad(dir, name + ": shape must be [kv_heads, head_dim, rank] of the manifest");
+      auto off = e.at("data_offsets").get<std::vector<uint64_t>>();
+      if (off.size() != 2 || off[1] - off[0] != per_layer * 4 || off[1] > data_bytes)
+        return Bad(dir, name + ": data_offsets out of range");
+      std::memcpy(b.u.data() + l * per_layer, t.data() + data0 + off[0], per_layer * 4);
+    } catch (const json::exception& ex) {
+      return Bad(dir, absl::StrCat(name, ": ", ex.what()));
+    }
+  }
+  for (float x : b.u)
+    if (!std::isfinite(x)) return Bad(dir, "basis holds a non-finite value");
+  if (BasisFingerprint(b) != m.fingerprint)
+    return absl::DataLossError(absl::StrCat("basis ", dir, ": fingerprint ", BasisFingerprint(b),
+                                            " does not match the manifest's ", m.fingerprint));
+  // Orthonormal columns per head (tolerance for float storage).
+  for (int l = 0; l < m.layers; ++l)
+    for (int h = 0; h < m.kv_heads; ++h) {
+      const float* u = b.head(l, h);
+      for (int i = 0; i < m.rank; ++i)
+        for (int j = i; j < m.rank; ++j) {
+          double dot = 0;
+          for (int a = 0; a < m.head_dim; ++a) dot += double(u[a * m.rank + i]) * u[a * m.rank + j];
+          if (std::fabs(dot - (i == j ? 1.0 : 0.0)) > 1e-3)
+            return Bad(dir, absl::StrCat("layer ", l, " head ", h, ": columns are not orthonormal"));
+        }
+    }
+  return b;
+}
+
+ModelBasis RandomBasis(const BasisManifest& shape, uint64_t seed) {
+  ModelBasis b;
+  b.manifest = shape;
+  b.manifest.kind = "random";
+  const int d = shape.head_dim, r = shape.rank;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd;
+  const size_t heads = static_cast<size_t>(shape.layers) * shape.kv_heads;
+  b.u.resize(heads * d * r);
+  for (size_t h = 0; h < heads; ++h) {
+    Eigen::MatrixXd g(d, r);
+    for (int a = 0; a < d; ++a)
+      for (int j = 0; j < r; ++j) g(a, j) = nd(rng);
+    Eigen::HouseholderQR<Eigen::MatrixXd> qr(g);
+    Eigen::MatrixXd q = qr.householderQ() * Eigen::MatrixXd::Identity(d, r);
+    for (int a = 0; a < d; ++a)
+      for (int j = 0; j < r; ++j) b.u[(h * d + a) * r + j] = static_cast<float>(q(a, j));
+  }
+  b.manifest.fingerprint = BasisFingerprint(b);
+  return b;
+}
+
+}  // namespace kvq::core

@@ -1,0 +1,380 @@
+#include "kvq/core/cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
+#include "kvq/core/value_policy.h"
+#include "kvq/kernels/kernels.h"
+
+namespace kvq::core {
+
+double SizeReport::k_bits_steady() const {
+  return encoded_tokens ? 8.0 * key_block_bytes / (encoded_tokens * elements_per_token) : 0.0;
+}
+double SizeReport::v_bits_steady() const {
+  return encoded_tokens ? 8.0 * value_block_bytes / (encoded_tokens * elements_per_token) : 0.0;
+}
+double SizeReport::k_bits_effective() const {
+  return tokens ? 8.0 * (key_block_bytes + key_window_bytes) / (tokens * elements_per_token) : 0.0;
+}
+double SizeReport::v_bits_effective() const {
+  return tokens ? 8.0 * (value_block_bytes + value_window_bytes) / (tokens * elements_per_token)
+                : 0.0;
+}
+SizeReport& SizeReport::operator+=(const SizeReport& o) {
+  // Summing layers (or sequences) of the same shape: token rows and bytes add up.
+  tokens += o.tokens;
+  encoded_tokens += o.encoded_tokens;
+  window_tokens += o.window_tokens;
+  if (elements_per_token == 0) elements_per_token = o.elements_per_token;
+  key_block_bytes += o.key_block_bytes;
+  value_block_bytes += o.value_block_bytes;
+  key_window_bytes += o.key_window_bytes;
+  value_window_bytes += o.value_window_bytes;
+  return *this;
+}
+
+LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis)
+    : opts_(o), kv_heads_(kv_heads), heads_(kv_heads), kblock_bytes_(KeyBlockBytes(o)) {
+  if (o.rank > 0 && basis)
+    basis_.assign(basis, basis + static_cast<size_t>(kv_heads) * o.head_dim * o.rank);
+  if (o.rank > 0 && !basis) opts_.rank = 0;  // no basis: KIVI-like base only
+}
+
+namespace {
+
+absl::Status CheckKV(const TensorView& t, absl::string_view name, int kv_heads, int d, int64_t n) {
+  if (t.rank != 3)
+    return absl::InvalidArgumentError(absl::StrCat(name, ": rank ", t.rank,
+                                                   ", must be 3 ([kv_heads, tokens, head_dim])"));
+  if (t.shape[0] != kv_heads)
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".shape[0] = ", t.shape[0], ": must equal kv_heads = ", kv_heads));
+  if (t.shape[1] != n)
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".shape[1] = ", t.shape[1], ": must equal the token count ", n));
+  if (t.shape[2] != d)
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".shape[2] = ", t.shape[2], ": must equal head_dim = ", d));
+  if (t.data == nullptr && t.numel() > 0)
+    return absl::InvalidArgumentError(absl::StrCat(name, ": no data"));
+  return absl::OkStatus();
+}
+
+// Copies one head's rows [n][d] (any dtype and strides) into dst as dtype `to`; fails on
+// non-finite values.
+absl::Status CopyRows(const TensorView& t, int h, int64_t n, int d, DType to,
+                      absl::string_view name, std::vector<uint8_t>* dst) {
+  std::vector<float> row(d);
+  const size_t es = DTypeSize(to);
+  const size_t at = dst->size();
+  dst->resize(at + n * d * es);
+  for (int64_t j = 0; j < n; ++j) {
+    t.RowToFloat({h, j}, row.data());
+    for (int c = 0; c < d; ++c)
+      if (!std::isfinite(row[c]))
+        return absl::InvalidArgumentError(absl::StrCat(name, "[", h, ", ", j, ", ", c,
+                                                       "] is not finite"));
+    if (to == t.dtype && t.stride[2] == 1) {
+      const uint8_t* src = static_cast<const uint8_t*>(t.data) +
+                           (h * t.stride[0] + j * t.stride[1]) * DTypeSize(t.dtype);
+      std::memcpy(dst->data() + at + j * d * es, src, d * es);
+    } else {
+      FromFloat(to, row.data(), dst->data() + at + j * d * es, d);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Widen(std::vector<uint8_t>* win, DType from) {
+  const size_t n = win->size() / DTypeSize(from);
+  std::vector<uint8_t> out(n * 4);
+  ToFloat(from, win->data(), reinterpret_cast<float*>(out.data()), n);
+  win->swap(out);
+}
+
+}  // namespace
+
+absl::Status LayerCache::Append(const TensorView& k, const TensorView& v, int64_t start,
+                                const float* probe_weights) {
+  RETURN_IF_ERROR(opts_.Validate());
+  if (start != tokens_)
+    return absl::InvalidArgumentError(absl::StrCat("start = ", start,
+                                                   ": must equal the cached token count ", tokens_));
+  const int d = opts_.head_dim;
+  const int64_t n = k.rank == 3 ? k.shape[1] : -1;
+  if (n < 0) return CheckKV(k, "keys", kv_heads_, d, 0);
+  RETURN_IF_ERROR(CheckKV(k, "keys", kv_heads_, d, n));
+  RETURN_IF_ERROR(CheckKV(v, "values", kv_heads_, d, n));
+  if (n == 0) return absl::OkStatus();
+  // Stage into copies first so that a bad value leaves the cache untouched.
+  // The window keeps the arrival dtype; mixed dtypes widen it to f32 (lossless).
+  const bool has_window = tokens_ > encoded_;
+  DType to = k.dtype == v.dtype ? k.dtype : DType::kF32;
+  if (has_window && heads_[0].win_dtype != to) to = DType::kF32;
+  std::vector<std::vector<uint8_t>> kst(kv_heads_), vst(kv_heads_);
+  for (int h = 0; h < kv_heads_; ++h) {
+    RETURN_IF_ERROR(CopyRows(k, h, n, d, to, "keys", &kst[h]));
+    RETURN_IF_ERROR(CopyRows(v, h, n, d, to, "values", &vst[h]));
+  }
+  for (int h = 0; h < kv_heads_; ++h) {
+    Head& hd = heads_[h];
+    if (has_window && hd.win_dtype != to) {
+      Widen(&hd.kwin, hd.win_dtype);
+      Widen(&hd.vwin, hd.win_dtype);
+    }
+    hd.win_dtype = to;
+    hd.kwin.insert(hd.kwin.end(), kst[h].begin(), kst[h].end());
+    hd.vwin.insert(hd.vwin.end(), vst[h].begin(), vst[h].end());
+    for (int64_t j = 0; j < n; ++j) {
+      hd.a2_sum.push_back(0.0f);
+      hd.a2_reads.push_back(0);
+      hd.probe.push_back(probe_weights ? probe_weights[h * n + j] : -1.0f);
+    }
+  }
+  tokens_ += n;
+  return EncodeReadyGroups();
+}
+
+void LayerCache::WindowToFloat(const Head& hd, bool keys, float* out) const {
+  const auto& w = keys ? hd.kwin : hd.vwin;
+  ToFloat(hd.win_dtype, w.data(), out, w.size() / DTypeSize(hd.win_dtype));
+}
+
+absl::Status LayerCache::EncodeReadyGroups() {
+  const int G = opts_.key_group, d = opts_.head_dim, r = opts_.rank;
+  std::vector<float> kf, vf, wts(G);
+  std::vector<uint8_t> widths(G);
+  while (tokens_ - encoded_ - G >= opts_.window) {
+    for (int h = 0; h < kv_heads_; ++h) {
+      Head& hd = heads_[h];
+      const size_t es = DTypeSize(hd.win_dtype);
+      const size_t bytes = static_cast<size_t>(G) * d * es;
+      kf.resize(static_cast<size_t>(G) * d);
+      vf.resize(static_cast<size_t>(G) * d);
+      ToFloat(hd.win_dtype, hd.kwin.data(), kf.data(), static_cast<size_t>(G) * d);
+      ToFloat(hd.win_dtype, hd.vwin.data(), vf.data(), static_cast<size_t>(G) * d);
+      RETURN_IF_ERROR(EncodeKeyBlock(opts_, kf.data(), d,
+                                     r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr,
+                                     &hd.kblocks));
+      const uint8_t* wp = nullptr;
+      if (opts_.per_token_value_bits()) {
+        bool any = false;
+        for (int t = 0; t < G; ++t) {
+          if (hd.probe[t] >= 0) {
+            wts[t] = hd.probe[t];
+            any = true;
+          } else if (hd.a2_reads[t] > 0) {
+            wts[t] = hd.a2_sum[t] / hd.a2_reads[t];
+            any = true;
+          } else {
+            wts[t] = 1.0f;
+          }
+        }
+        ChooseValueBits(opts_, vf.data(), d, any ? wts.data() : nullptr, G, encoded_, widths.data());
+        wp = widths.data();
+      }
+      hd.voffsets.push_back(static_cast<uint32_t>(hd.vblocks.size()));
+      RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &hd.vblocks));
+      hd.kwin.erase(hd.kwin.begin(), hd.kwin.begin() + bytes);
+      hd.vwin.erase(hd.vwin.begin(), hd.vwin.begin() + bytes);
+      hd.a2_sum.erase(hd.a2_sum.begin(), hd.a2_sum.begin() + G);
+      hd.a2_reads.erase(hd.a2_reads.begin(), hd.a2_reads.begin() + G);
+      hd.probe.erase(hd.probe.begin(), hd.probe.begin() + G);
+    }
+    encoded_ += G;
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+absl::Status CheckQueries(int q_heads, int kv_heads, int n_q) {
+  if (q_heads <= 0 || q_heads % kv_heads != 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q_heads = ", q_heads, ": must be a positive multiple of kv_heads = ", kv_heads));
+  if (n_q <= 0 || n_q > 65536)
+    return absl::InvalidArgumentError(absl::StrCat("n_queries = ", n_q, ": must be in [1, 65536]"));
+  return absl::OkStatus();
+}
+}  // namespace
+
+// Scores the rows [rows][d] of one KV head's query group into out [rows][T].
+absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
+                                   float* out) const {
+  const Head& hd = heads_[h];
+  const int d = opts_.head_dim, r = opts_.rank, G = opts_.key_group;
+  const int64_t T = tokens_;
+  thread_local std::vector<float> uq, win;
+  const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
+  if (r > 0) {
+    uq.assign(static_cast<size_t>(rows) * r, 0.0f);
+    for (int i = 0; i < rows; ++i)
+      for (int c = 0; c < d; ++c) {
+        const float qc = q[static_cast<size_t>(i) * d + c];
+        for (int j = 0; j < r; ++j) uq[i * r + j] += qc * U[c * r + j];
+      }
+  }
+  const int64_t nb = encoded_ / G;
+  for (int64_t b = 0; b < nb; ++b) {
+    std::span<const uint8_t> blk(hd.kblocks.data() + b * kblock_bytes_, kblock_bytes_);
+    ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(blk, opts_, opts_.verify_on_read));
+    ScoreKeyBlock(kv, q, r > 0 ? uq.data() : nullptr, rows, scale, opts_.side_sign, out + b * G, T,
+                  !corr_only);
+  }
+  const int64_t W = T - encoded_;
+  if (W > 0) {
+    win.resize(static_cast<size_t>(W) * d);
+    WindowToFloat(hd, true, win.data());
+    for (int i = 0; i < rows; ++i)
+      for (int64_t t = 0; t < W; ++t) {
+        float s = 0;
+        if (!corr_only)
+          for (int c = 0; c < d; ++c) s += q[static_cast<size_t>(i) * d + c] * win[t * d + c];
+        out[i * T + encoded_ + t] = scale * s;
+      }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out) const {
+  const Head& hd = heads_[h];
+  const int d = opts_.head_dim, G = opts_.key_group;
+  const int64_t T = tokens_;
+  thread_local std::vector<float> win;
+  std::fill(out, out + static_cast<size_t>(rows) * d, 0.0f);
+  const int64_t nb = encoded_ / G;
+  for (int64_t b = 0; b < nb; ++b) {
+    const size_t start = hd.voffsets[b];
+    const size_t end = b + 1 < nb ? hd.voffsets[b + 1] : hd.vblocks.size();
+    std::span<const uint8_t> blk(hd.vblocks.data() + start, end - start);
+    ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(blk, opts_, opts_.verify_on_read));
+    ReadoutValueBlock(vv, p + b * G, T, rows, out, d);
+  }
+  const int64_t W = T - encoded_;
+  if (W > 0) {
+    win.resize(static_cast<size_t>(W) * d);
+    WindowToFloat(hd, false, win.data());
+    for (int i = 0; i < rows; ++i)
+      for (int64_t t = 0; t < W; ++t) {
+        const float pt = p[i * T + encoded_ + t];
+        if (pt == 0.0f) continue;
+        for (int c = 0; c < d; ++c) out[static_cast<size_t>(i) * d + c] += pt * win[t * d + c];
+      }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::Score(const float* q, int q_heads, int n_q, float* out, float scale,
+                               bool corrections_only) const {
+  RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
+  const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
+  if (scale == 0.0f) scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int h = 0; h < kv_heads_; ++h)
+    RETURN_IF_ERROR(ScoreHead(h, q + static_cast<size_t>(h) * rows * d, rows, scale,
+                              corrections_only, out + static_cast<size_t>(h) * rows * tokens_));
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::Readout(const float* p, int q_heads, int n_q, float* out) const {
+  RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
+  const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
+  for (int h = 0; h < kv_heads_; ++h)
+    RETURN_IF_ERROR(ReadoutHead(h, p + static_cast<size_t>(h) * rows * tokens_, rows,
+                                out + static_cast<size_t>(h) * rows * d));
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const AttendOptions& ao,
+                                float* out) {
+  RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
+  if (tokens_ == 0) return absl::FailedPreconditionError("attend over an empty cache");
+  if (ao.causal_offset < -1)
+    return absl::InvalidArgumentError(absl::StrCat("causal_offset = ", ao.causal_offset,
+                                                   ": must be >= -1"));
+  const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
+  const int64_t T = tokens_;
+  const float scale = ao.scale != 0.0f ? ao.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  thread_local std::vector<float> s;
+  s.resize(static_cast<size_t>(rows) * T);
+  const auto& kt = kernels::Best();
+  for (int h = 0; h < kv_heads_; ++h) {
+    RETURN_IF_ERROR(ScoreHead(h, q + static_cast<size_t>(h) * rows * d, rows, scale, false, s.data()));
+    Head& hd = heads_[h];
+    for (int i = 0; i < rows; ++i) {
+      float* si = s.data() + static_cast<size_t>(i) * T;
+      const int qi = i % n_q;
+      const int64_t vis = ao.causal_offset < 0 ? T : std::min<int64_t>(T, ao.causal_offset + qi + 1);
+      float mx = si[0];
+      for (int64_t t = 1; t < vis; ++t) mx = std::max(mx, si[t]);
+      const float inv = 1.0f / kt.exp_sum(si, vis, mx);
+      for (int64_t t = 0; t < vis; ++t) si[t] *= inv;
+      std::fill(si + vis, si + T, 0.0f);
+      if (ao.observe)
+        for (int64_t t = encoded_; t < vis; ++t) {
+          hd.a2_sum[t - encoded_] += si[t] * si[t];
+          hd.a2_reads[t - encoded_] += 1;
+        }
+    }
+    RETURN_IF_ERROR(ReadoutHead(h, s.data(), rows, out + static_cast<size_t>(h) * rows * d));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::Decode(std::vector<float>* keys, std::vector<float>* values) const {
+  const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
+  const size_t per_head = static_cast<size_t>(tokens_) * d;
+  keys->assign(per_head * kv_heads_, 0.0f);
+  values->assign(per_head * kv_heads_, 0.0f);
+  const int64_t nb = encoded_ / G;
+  for (int h = 0; h < kv_heads_; ++h) {
+    const Head& hd = heads_[h];
+    float* kd = keys->data() + h * per_head;
+    float* vd = values->data() + h * per_head;
+    for (int64_t b = 0; b < nb; ++b) {
+      std::span<const uint8_t> kb(hd.kblocks.data() + b * kblock_bytes_, kblock_bytes_);
+      ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(kb, opts_, true));
+      DecodeKeyBlock(kv, r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr,
+                     opts_.side_sign, kd + b * G * d);
+      const size_t start = hd.voffsets[b];
+      const size_t end = b + 1 < nb ? hd.voffsets[b + 1] : hd.vblocks.size();
+      ASSIGN_OR_RETURN(ValueBlockView vv,
+                       ParseValueBlock({hd.vblocks.data() + start, end - start}, opts_, true));
+      DecodeValueBlock(vv, vd + b * G * d);
+    }
+    WindowToFloat(hd, true, kd + encoded_ * d);
+    WindowToFloat(hd, false, vd + encoded_ * d);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::VerifyAll() const {
+  const int64_t nb = encoded_ / opts_.key_group;
+  for (const Head& hd : heads_)
+    for (int64_t b = 0; b < nb; ++b) {
+      RETURN_IF_ERROR(VerifyBlock({hd.kblocks.data() + b * kblock_bytes_, kblock_bytes_}));
+      const size_t start = hd.voffsets[b];
+      const size_t end = b + 1 < nb ? hd.voffsets[b + 1] : hd.vblocks.size();
+      RETURN_IF_ERROR(VerifyBlock({hd.vblocks.data() + start, end - start}));
+    }
+  return absl::OkStatus();
+}
+
+SizeReport LayerCache::Size() const {
+  SizeReport s;
+  s.tokens = tokens_;
+  s.encoded_tokens = encoded_;
+  s.window_tokens = tokens_ - encoded_;
+  s.elements_per_token = static_cast<int64_t>(kv_heads_) * opts_.head_dim;
+  for (const Head& hd : heads_) {
+    s.key_block_bytes += hd.kblocks.size();
+    s.value_block_bytes += hd.vblocks.size();
+    s.key_window_bytes += hd.kwin.size();
+    s.value_window_bytes += hd.vwin.size();
+  }
+  return s;
+}
+
+}  // namespace kvq::core

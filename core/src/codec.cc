@@ -1,0 +1,380 @@
+// Block encode, parse/verify, score, readout and decode.
+#include "kvq/core/codec.h"
+
+#include <xxhash.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kvq/core/half.h"
+#include "kvq/kernels/kernels.h"
+
+namespace kvq::core {
+namespace {
+
+int64_t RowBytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
+
+bool OneOf(int v, std::initializer_list<int> allowed) {
+  for (int a : allowed)
+    if (v == a) return true;
+  return false;
+}
+
+uint32_t BlockChecksum(const uint8_t* block, size_t size) {
+  const uint64_t head = XXH3_64bits(block, 12);
+  return static_cast<uint32_t>(XXH3_64bits_withSeed(block + kBlockHeaderBytes,
+                                                    size - kBlockHeaderBytes, head));
+}
+
+void WriteHeader(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, int head_dim,
+                 int extra, size_t size) {
+  const uint16_t magic = kBlockMagic;
+  std::memcpy(p, &magic, 2);
+  p[2] = kBlockVersion;
+  p[3] = kind;
+  p[4] = static_cast<uint8_t>(bits);
+  p[5] = static_cast<uint8_t>(side_bits);
+  const uint16_t f[3] = {static_cast<uint16_t>(tokens), static_cast<uint16_t>(head_dim),
+                         static_cast<uint16_t>(extra)};
+  std::memcpy(p + 6, f, 6);
+  const uint32_t sum = BlockChecksum(p, size);
+  std::memcpy(p + 12, &sum, 4);
+}
+
+struct Header {
+  uint8_t kind, bits, side_bits;
+  uint16_t tokens, head_dim, extra;
+};
+
+absl::StatusOr<Header> ReadHeader(std::span<const uint8_t> b, uint8_t kind, bool verify) {
+  if (b.size() < kBlockHeaderBytes)
+    return absl::DataLossError(absl::StrCat("block truncated: ", b.size(),
+                                            " bytes, shorter than the 16-byte header"));
+  uint16_t magic;
+  std::memcpy(&magic, b.data(), 2);
+  if (magic != kBlockMagic)
+    return absl::DataLossError(absl::StrFormat("block magic 0x%04x, expected 0x%04x", magic,
+                                               kBlockMagic));
+  if (b[2] != kBlockVersion)
+    return absl::DataLossError(absl::StrCat("block version ", b[2], " unsupported (this build "
+                                            "reads version ", kBlockVersion, ")"));
+  if (b[3] != kind)
+    return absl::DataLossError(absl::StrCat("block kind ", b[3], ", expected ", kind));
+  Header h{b[3], b[4], b[5], 0, 0, 0};
+  uint16_t f[3];
+  std::memcpy(f, b.data() + 6, 6);
+  h.tokens = f[0];
+  h.head_dim = f[1];
+  h.extra = f[2];
+  if (verify) {
+    uint32_t stored;
+    std::memcpy(&stored, b.data() + 12, 4);
+    if (stored != BlockChecksum(b.data(), b.size()))
+      return absl::DataLossError("block checksum mismatch: the stored block is corrupted");
+  }
+  return h;
+}
+
+const kernels::KernelTable& K() { return kernels::Best(); }
+
+int CodeAt(const uint8_t* row, int bits, int64_t i) {
+  const int64_t bit = i * bits;
+  uint32_t w = row[bit >> 3] | (bits + (bit & 7) > 8 ? row[(bit >> 3) + 1] << 8 : 0);
+  return static_cast<int>((w >> (bit & 7)) & ((1u << bits) - 1));
+}
+
+}  // namespace
+
+absl::Status CodecOptions::Validate() const {
+  auto bad = [](absl::string_view field, double v, absl::string_view limit) {
+    return absl::InvalidArgumentError(absl::StrCat("codec.", field, " = ", v, ": ", limit));
+  };
+  if (head_dim < 1 || head_dim > 512) return bad("head_dim", head_dim, "must be in [1, 512]");
+  if (!OneOf(key_bits, {2, 3, 4, 8})) return bad("key_bits", key_bits, "must be 2, 3, 4 or 8");
+  if (!OneOf(key_group, {32, 64, 128}))
+    return bad("key_group", key_group, "must be 32, 64 or 128");
+  if (rank < 0 || rank > head_dim) return bad("rank", rank, "must be in [0, head_dim]");
+  if (rank > 0 && !OneOf(side_bits, {4, 8})) return bad("side_bits", side_bits, "must be 4 or 8");
+  if (!OneOf(value_bits, {1, 2, 3, 4, 8}))
+    return bad("value_bits", value_bits, "must be 1, 2, 3, 4 or 8");
+  if (value_group < 1 || value_group > head_dim)
+    return bad("value_group", value_group, "must be in [1, head_dim]");
+  if (value_groups() > 64) return bad("value_group", value_group, "at most 64 groups per head");
+  if (value_policy == ValuePolicy::kA2 && !(value_budget >= 1.0f && value_budget <= 4.0f))
+    return bad("value_budget", value_budget, "must be in [1, 4]");
+  if (sink_tokens < 0 || sink_tokens > 1024)
+    return bad("sink_tokens", sink_tokens, "must be in [0, 1024]");
+  if (window < 0 || window > 65536) return bad("window", window, "must be in [0, 65536]");
+  if (side_sign != 1.0f && side_sign != -1.0f) return bad("side_sign", side_sign, "must be 1 or -1");
+  return absl::OkStatus();
+}
+
+std::string CodecOptions::ToString() const {
+  std::string s = absl::StrFormat("k%dg%d", key_bits, key_group);
+  if (rank > 0) absl::StrAppendFormat(&s, " r%ds%d", rank, side_bits);
+  if (value_policy == ValuePolicy::kA2)
+    absl::StrAppendFormat(&s, " v-a2(%.2f)g%d", value_budget, value_group);
+  else
+    absl::StrAppendFormat(&s, " v%dg%d", value_bits, value_group);
+  absl::StrAppendFormat(&s, " R%d", window);
+  if (side_sign < 0) s += " wrongsign";
+  return s;
+}
+
+size_t KeyBlockBytes(const CodecOptions& o) {
+  const int64_t d = o.head_dim, g = o.key_group, r = o.rank;
+  size_t n = kBlockHeaderBytes + 4 * d + d * RowBytes(g, o.key_bits);
+  if (r > 0) n += 4 * r + r * RowBytes(g, o.side_bits);
+  return n;
+}
+
+size_t ValueBlockBytes(const CodecOptions& o) {
+  return kBlockHeaderBytes +
+         o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, o.value_bits));
+}
+
+size_t MaxValueBlockBytes(const CodecOptions& o) {
+  if (!o.per_token_value_bits()) return ValueBlockBytes(o);
+  return kBlockHeaderBytes + (o.key_group + 3) / 4 +
+         o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, 4));
+}
+
+absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld,
+                            const float* basis, std::vector<uint8_t>* out) {
+  const int d = o.head_dim, G = o.key_group, r = o.rank;
+  if (r > 0 && basis == nullptr) return absl::InvalidArgumentError("rank > 0 needs a basis");
+  const size_t size = KeyBlockBytes(o);
+  const size_t at = out->size();
+  out->resize(at + size);
+  uint8_t* p = out->data() + at;
+  uint16_t* scale = reinterpret_cast<uint16_t*>(p + kBlockHeaderBytes);
+  uint16_t* zero = scale + d;
+  uint8_t* codes = reinterpret_cast<uint8_t*>(zero + d);
+  thread_local std::vector<float> deq, coef;
+  if (r > 0) deq.resize(static_cast<size_t>(G) * d);
+  K().quantize_channels(keys, ld, G, d, o.key_bits, scale, zero, codes, r > 0 ? deq.data() : nullptr);
+  if (r > 0) {
+    // c_t = U^T (k_t - k_base_t): r coefficients per token.
+    coef.assign(static_cast<size_t>(G) * r, 0.0f);
+    for (int t = 0; t < G; ++t) {
+      const float* k = keys + t * ld;
+      const float* kb = deq.data() + static_cast<size_t>(t) * d;
+      float* c = coef.data() + static_cast<size_t>(t) * r;
+      for (int ch = 0; ch < d; ++ch) {
+        const float e = k[ch] - kb[ch];
+        const float* u = basis + static_cast<size_t>(ch) * r;
+        for (int j = 0; j < r; ++j) c[j] += e * u[j];
+      }
+    }
+    uint8_t* side = codes + d * RowBytes(G, o.key_bits);
+    uint16_t* sscale = reinterpret_cast<uint16_t*>(side);
+    uint16_t* szero = sscale + r;
+    uint8_t* scodes = reinterpret_cast<uint8_t*>(szero + r);
+    K().quantize_channels(coef.data(), r, G, r, o.side_bits, sscale, szero, scodes, nullptr);
+  }
+  WriteHeader(p, 1, o.key_bits, r > 0 ? o.side_bits : 0, G, d, r, size);
+  return absl::OkStatus();
+}
+
+absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_t ld,
+                              const uint8_t* bits_per_token, std::vector<uint8_t>* out) {
+  const int d = o.head_dim, G = o.key_group, ng = o.value_groups();
+  const bool per_token = o.per_token_value_bits();
+  if (per_token && bits_per_token == nullptr)
+    return absl::InvalidArgumentError("the A^2 value policy needs per-token widths");
+  size_t size = kBlockHeaderBytes;
+  if (per_token) {
+    size += (G + 3) / 4;
+    for (int t = 0; t < G; ++t) {
+      const int b = bits_per_token[t];
+      if (b < 1 || b > 4) return absl::InvalidArgumentError(absl::StrCat("value width ", b));
+      size += 4 * ng + RowBytes(d, b);
+    }
+  } else {
+    size = ValueBlockBytes(o);
+  }
+  const size_t at = out->size();
+  out->resize(at + size);
+  uint8_t* p = out->data() + at;
+  uint8_t* rec = p + kBlockHeaderBytes;
+  if (per_token) {
+    std::memset(rec, 0, (G + 3) / 4);
+    for (int t = 0; t < G; ++t) rec[t / 4] |= static_cast<uint8_t>((bits_per_token[t] - 1) << (2 * (t % 4)));
+    rec += (G + 3) / 4;
+  }
+  for (int t = 0; t < G; ++t) {
+    const int b = per_token ? bits_per_token[t] : o.value_bits;
+    uint16_t* sz = reinterpret_cast<uint16_t*>(rec);
+    K().quantize_row(values + t * ld, d, o.value_group, b, sz, sz + ng, rec + 4 * ng);
+    rec += 4 * ng + RowBytes(d, b);
+  }
+  WriteHeader(p, 2, per_token ? 0 : o.value_bits, 0, G, d, o.value_group, size);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const CodecOptions& o,
+                                           bool verify) {
+  auto h = ReadHeader(block, 1, verify);
+  if (!h.ok()) return h.status();
+  if (h->bits != o.key_bits || h->tokens != o.key_group || h->head_dim != o.head_dim ||
+      h->extra != o.rank || (o.rank > 0 && h->side_bits != o.side_bits))
+    return absl::DataLossError(absl::StrFormat(
+        "key block layout k%d g%d d%d r%d s%d does not match the sequence's codec %s", h->bits,
+        h->tokens, h->head_dim, h->extra, h->side_bits, o.ToString()));
+  if (block.size() != KeyBlockBytes(o))
+    return absl::DataLossError(absl::StrCat("key block is ", block.size(), " bytes, expected ",
+                                            KeyBlockBytes(o), " (truncated or padded)"));
+  const int d = o.head_dim, G = o.key_group, r = o.rank;
+  KeyBlockView v;
+  v.bits = o.key_bits;
+  v.side_bits = r > 0 ? o.side_bits : 0;
+  v.tokens = G;
+  v.head_dim = d;
+  v.rank = r;
+  const uint8_t* p = block.data() + kBlockHeaderBytes;
+  v.scale = reinterpret_cast<const uint16_t*>(p);
+  v.zero = v.scale + d;
+  v.codes = reinterpret_cast<const uint8_t*>(v.zero + d);
+  if (r > 0) {
+    v.side_scale = reinterpret_cast<const uint16_t*>(v.codes + d * RowBytes(G, v.bits));
+    v.side_zero = v.side_scale + r;
+    v.side_codes = reinterpret_cast<const uint8_t*>(v.side_zero + r);
+  }
+  return v;
+}
+
+absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
+                                               const CodecOptions& o, bool verify) {
+  auto h = ReadHeader(block, 2, verify);
+  if (!h.ok()) return h.status();
+  const bool per_token = o.per_token_value_bits();
+  if (h->tokens != o.key_group || h->head_dim != o.head_dim || h->extra != o.value_group ||
+      h->bits != (per_token ? 0 : o.value_bits))
+    return absl::DataLossError(absl::StrFormat(
+        "value block layout v%d g%d d%d vg%d does not match the sequence's codec %s", h->bits,
+        h->tokens, h->head_dim, h->extra, o.ToString()));
+  const int d = o.head_dim, G = o.key_group, ng = o.value_groups();
+  ValueBlockView v;
+  v.bits = h->bits;
+  v.tokens = G;
+  v.head_dim = d;
+  v.value_group = o.value_group;
+  size_t need = kBlockHeaderBytes;
+  const uint8_t* p = block.data() + kBlockHeaderBytes;
+  if (per_token) {
+    need += (G + 3) / 4;
+    if (block.size() < need) return absl::DataLossError("value block truncated in its width tags");
+    for (int t = 0; t < G; ++t) {
+      v.token_bits[t] = static_cast<uint8_t>(((p[t / 4] >> (2 * (t % 4))) & 3) + 1);
+      need += 4 * ng + RowBytes(d, v.token_bits[t]);
+    }
+    p += (G + 3) / 4;
+  } else {
+    for (int t = 0; t < G; ++t) v.token_bits[t] = static_cast<uint8_t>(o.value_bits);
+    need = ValueBlockBytes(o);
+  }
+  if (block.size() != need)
+    return absl::DataLossError(absl::StrCat("value block is ", block.size(), " bytes, expected ",
+                                            need, " (truncated or padded)"));
+  v.payload = p;
+  return v;
+}
+
+absl::Status VerifyBlock(std::span<const uint8_t> block) {
+  if (block.size() < kBlockHeaderBytes) return absl::DataLossError("block truncated");
+  auto h = ReadHeader(block, block[3], true);
+  return h.ok() ? absl::OkStatus() : h.status();
+}
+
+void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q, float scale,
+                   float side_sign, float* out, int64_t out_stride, bool include_base) {
+  const int d = b.head_dim, G = b.tokens, r = b.rank;
+  thread_local std::vector<float> w;
+  float sc[512], ze[512];
+  for (int i = 0; i < n_q; ++i)
+    for (int t = 0; t < G; ++t) out[i * out_stride + t] = 0.0f;
+  if (include_base) {
+    HalfToFloatN(b.scale, sc, d);
+    HalfToFloatN(b.zero, ze, d);
+    w.resize(static_cast<size_t>(n_q) * d);
+    for (int i = 0; i < n_q; ++i) {
+      const float* qi = q + static_cast<size_t>(i) * d;
+      float bias = 0;
+      for (int c = 0; c < d; ++c) {
+        w[i * d + c] = scale * qi[c] * sc[c];
+        bias += qi[c] * ze[c];
+      }
+      for (int t = 0; t < G; ++t) out[i * out_stride + t] = scale * bias;
+    }
+    K().dot_channels(b.codes, b.bits, d, G, w.data(), n_q, d, out, out_stride);
+  }
+  if (r > 0 && uq != nullptr) {
+    HalfToFloatN(b.side_scale, sc, r);
+    HalfToFloatN(b.side_zero, ze, r);
+    w.resize(static_cast<size_t>(n_q) * r);
+    const float f = scale * side_sign;
+    for (int i = 0; i < n_q; ++i) {
+      const float* ui = uq + static_cast<size_t>(i) * r;
+      float bias = 0;
+      for (int j = 0; j < r; ++j) {
+        w[i * r + j] = f * ui[j] * sc[j];
+        bias += ui[j] * ze[j];
+      }
+      for (int t = 0; t < G; ++t) out[i * out_stride + t] += f * bias;
+    }
+    K().dot_channels(b.side_codes, b.side_bits, r, G, w.data(), n_q, r, out, out_stride);
+  }
+}
+
+void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,
+                       float* out, int64_t out_stride) {
+  K().readout_rows(b.payload, b.token_bits, b.tokens, b.head_dim, b.value_group, p, p_stride, n_q,
+                   out, out_stride);
+}
+
+void DecodeKeyBase(const KeyBlockView& b, float* out) {
+  const int d = b.head_dim, G = b.tokens;
+  const int64_t rb = RowBytes(G, b.bits);
+  for (int c = 0; c < d; ++c) {
+    const float s = HalfToFloat(b.scale[c]), z = HalfToFloat(b.zero[c]);
+    const uint8_t* row = b.codes + c * rb;
+    for (int t = 0; t < G; ++t) out[static_cast<size_t>(t) * d + c] = z + s * CodeAt(row, b.bits, t);
+  }
+}
+
+void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float side_sign, float* out) {
+  DecodeKeyBase(b, out);
+  const int d = b.head_dim, G = b.tokens, r = b.rank;
+  if (r == 0 || basis == nullptr) return;
+  const int64_t rb = RowBytes(G, b.side_bits);
+  std::vector<float> z(static_cast<size_t>(r));
+  for (int t = 0; t < G; ++t) {
+    for (int j = 0; j < r; ++j)
+      z[j] = side_sign * (HalfToFloat(b.side_zero[j]) +
+                          HalfToFloat(b.side_scale[j]) * CodeAt(b.side_codes + j * rb, b.side_bits, t));
+    for (int c = 0; c < d; ++c) {
+      float acc = 0;
+      for (int j = 0; j < r; ++j) acc += basis[static_cast<size_t>(c) * r + j] * z[j];
+      out[static_cast<size_t>(t) * d + c] += acc;
+    }
+  }
+}
+
+void DecodeValueBlock(const ValueBlockView& b, float* out) {
+  const int d = b.head_dim, ng = (d + b.value_group - 1) / b.value_group;
+  const uint8_t* rec = b.payload;
+  for (int t = 0; t < b.tokens; ++t) {
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rec);
+    const uint8_t* codes = rec + 4 * ng;
+    for (int c = 0; c < d; ++c) {
+      const int g = c / b.value_group;
+      out[static_cast<size_t>(t) * d + c] =
+          HalfToFloat(sz[ng + g]) + HalfToFloat(sz[g]) * CodeAt(codes, b.token_bits[t], c);
+    }
+    rec += 4 * ng + RowBytes(d, b.token_bits[t]);
+  }
+}
+
+}  // namespace kvq::core

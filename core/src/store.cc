@@ -1,0 +1,775 @@
+// The block store: sequences per tenant, positioned idempotent appends, LRU eviction.
+#include "kvq/core/store.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <optional>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/metrics.h"
+#include "kvq/core/status.h"
+#include "xxhash.h"
+
+namespace kvq::core {
+
+struct Store::Sequence {
+  std::string tenant, id;
+  std::shared_ptr<const ModelEntry> model;
+  CodecOptions codec;
+
+  absl::Mutex mu;
+  std::vector<std::unique_ptr<LayerCache>> layers ABSL_GUARDED_BY(mu);
+  // Per layer, per stored token: hash of the bytes it arrived as.
+  std::vector<std::vector<uint64_t>> hashes ABSL_GUARDED_BY(mu);
+  bool dtype_set ABSL_GUARDED_BY(mu) = false;
+  DType dtype ABSL_GUARDED_BY(mu) = DType::kF32;
+  std::atomic<bool> corrupt{false};
+
+  // Guarded by Store::mu_.
+  int64_t bytes = 0;
+  int64_t tokens = 0;
+  int64_t blocks = 0;
+  SizeReport size;
+  absl::Time last_used;
+  std::list<Sequence*>::iterator lru;
+  bool linked = false;
+};
+
+struct Store::Tenant {
+  absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> seqs;
+  int64_t bytes = 0;  // stored + reserved
+  int64_t evictions = 0;
+  int64_t expirations = 0;
+};
+
+namespace {
+
+constexpr int64_t kMaxAppendTokens = 65536;
+
+// Hash of token t (all heads, keys then values) as it arrived, including the dtype.
+uint64_t TokenHash(const TensorView& k, const TensorView& v, int64_t t) {
+  const size_t es = DTypeSize(k.dtype);
+  uint64_t h = 0x6b7671ull ^ static_cast<uint64_t>(k.dtype);
+  uint8_t buf[512 * 4];
+  const TensorView* views[2] = {&k, &v};
+  for (const TensorView* tv : views) {
+    for (int64_t head = 0; head < tv->shape[0]; ++head) {
+      const uint8_t* base = static_cast<const uint8_t*>(tv->data) +
+                            (head * tv->stride[0] + t * tv->stride[1]) * es;
+      const size_t row = static_cast<size_t>(tv->shape[2]) * es;
+      if (tv->stride[2] == 1) {
+        h = XXH3_64bits_withSeed(base, row, h);
+      } else {
+        for (int64_t c = 0; c < tv->shape[2]; ++c) {
+          std::memcpy(buf + c * es, base + c * tv->stride[2] * es, es);
+        }
+        h = XXH3_64bits_withSeed(buf, row, h);
+      }
+    }
+  }
+  return h;
+}
+
+TensorView SliceTokens(const TensorView& t, int64_t from, int64_t n) {
+  TensorView s = t;
+  s.data = static_cast<const uint8_t*>(t.data) + from * t.stride[1] * DTypeSize(t.dtype);
+  s.shape[1] = n;
+  return s;
+}
+
+std::vector<float> LayerBasis(const ModelEntry& m, int layer, int rank) {
+  if (rank == 0 || !m.has_basis) return {};
+  const int kv = m.manifest.kv_heads, d = m.manifest.head_dim, R = m.manifest.rank;
+  std::vector<float> out(static_cast<size_t>(kv) * d * rank);
+  for (int h = 0; h < kv; ++h) {
+    const float* u = m.basis.head(layer, h);
+    for (int i = 0; i < d; ++i) {
+      for (int j = 0; j < rank; ++j) {
+        out[(static_cast<size_t>(h) * d + i) * rank + j] = u[i * R + j];
+      }
+    }
+  }
+  return out;
+}
+
+std::string Shape(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.rank; ++i) absl::StrAppend(&s, i ? "," : "", t.shape[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+Store::Store(StoreOptions opts, Registry* registry)
+    : opts_(std::move(opts)), registry_(registry) {}
+
+Store::~Store() {
+  absl::MutexLock l(&mu_);
+  lru_.clear();
+  tenants_.clear();
+}
+
+void Store::TouchLocked(Sequence* s) {
+  s->last_used = opts_.now();
+  if (s->linked) lru_.splice(lru_.begin(), lru_, s->lru);
+}
+
+void Store::UnlinkLocked(Sequence* s) {
+  if (!s->linked) return;
+  Tenant& t = *tenants_[s->tenant];
+  t.bytes -= s->bytes;
+  used_bytes_ -= s->bytes;
+  lru_.erase(s->lru);
+  s->linked = false;
+  t.seqs.erase(s->id);  // may destroy *s when nobody else holds it: do this last
+}
+
+absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
+                                  const std::vector<Sequence*>& keep) {
+  auto& tp = tenants_[tenant];
+  if (!tp) tp = std::make_unique<Tenant>();
+  Tenant& T = *tp;
+  auto kept = [&](Sequence* s) {
+    return std::find(keep.begin(), keep.end(), s) != keep.end();
+  };
+  auto evict = [&](Sequence* s) {
+    Tenant& owner = *tenants_[s->tenant];
+    ++owner.evictions;
+    ++evictions_;
+    UnlinkLocked(s);
+  };
+  const int64_t quota = opts_.tenant_quota_bytes, cap = opts_.capacity_bytes;
+  if (quota > 0 && bytes > quota) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the write needs ", bytes, " bytes; the tenant quota is ", quota, " bytes"));
+  }
+  if (cap > 0 && bytes > cap) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the write needs ", bytes, " bytes; the capacity is ", cap, " bytes"));
+  }
+  // Checks first, then evicts: a write that cannot fit evicts nothing.
+  auto plan = [&](bool apply) -> bool {
+    int64_t t_bytes = T.bytes, used = used_bytes_;
+    std::vector<Sequence*> victims;
+    auto chosen = [&](Sequence* s) {
+      return std::find(victims.begin(), victims.end(), s) != victims.end();
+    };
+    while (quota > 0 && t_bytes + bytes > quota) {
+      Sequence* v = nullptr;
+      for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+        if ((*it)->tenant == tenant && !kept(*it) && !chosen(*it)) { v = *it; break; }
+      }
+      if (!v) return false;
+      victims.push_back(v);
+      t_bytes -= v->bytes;
+      used -= v->bytes;
+    }
+    int64_t active = 0;
+    for (const auto& [name, t] : tenants_) active += (t->bytes > 0 || name == tenant) ? 1 : 0;
+    const int64_t share = cap > 0 ? cap / std::max<int64_t>(1, active) : 0;
+    absl::flat_hash_map<std::string, int64_t> after;
+    while (cap > 0 && used + bytes > cap) {
+      Sequence* v = nullptr;
+      for (auto it = lru_.rbegin(); it != lru_.rend() && !v; ++it) {
+        if ((*it)->tenant == tenant && !kept(*it) && !chosen(*it)) v = *it;
+      }
+      for (auto it = lru_.rbegin(); it != lru_.rend() && !v; ++it) {
+        Sequence* s = *it;
+        if (s->tenant == tenant || chosen(s)) continue;
+        auto a = after.find(s->tenant);
+        const int64_t owner_bytes = a != after.end() ? a->second : tenants_[s->tenant]->bytes;
+        if (owner_bytes > share) v = s;
+      }
+      if (!v) return false;
+      victims.push_back(v);
+      if (v->tenant == tenant) {
+        t_bytes -= v->bytes;
+      } else {
+        auto [a, fresh] = after.try_emplace(v->tenant, tenants_[v->tenant]->bytes);
+        a->second -= v->bytes;
+      }
+      used -= v->bytes;
+    }
+    if (apply) {
+      for (Sequence* v : victims) evict(v);
+    }
+    return true;
+  };
+  if (!plan(false)) {
+    const bool over_quota = quota > 0 && T.bytes + bytes > quota;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the write needs ", bytes, " bytes and cannot fit even after eviction (",
+        over_quota ? absl::StrCat("tenant quota ", quota, ", tenant holds ", T.bytes)
+                   : absl::StrCat("capacity ", cap, ", in use ", used_bytes_),
+        " bytes)"));
+  }
+  plan(true);
+  T.bytes += bytes;
+  used_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+void Store::Remeasure(Sequence* s, int64_t reserved) {
+  SizeReport size;
+  int64_t tokens = 0, blocks = 0;
+  for (const auto& l : s->layers) {
+    if (!l) continue;
+    const SizeReport r = l->Size();
+    size += r;
+    tokens += l->tokens();
+    blocks += 2 * (r.encoded_tokens / s->codec.key_group) * s->model->manifest.kv_heads;
+  }
+  int64_t bytes = size.total_bytes();
+  for (const auto& h : s->hashes) bytes += static_cast<int64_t>(h.size() * sizeof(uint64_t));
+  absl::MutexLock l(&mu_);
+  auto t = tenants_.find(s->tenant);
+  if (t == tenants_.end()) return;
+  t->second->bytes -= reserved;
+  used_bytes_ -= reserved;
+  if (s->linked) {
+    t->second->bytes += bytes - s->bytes;
+    used_bytes_ += bytes - s->bytes;
+  }
+  s->bytes = bytes;
+  s->tokens = tokens;
+  s->blocks = blocks;
+  s->size = size;
+}
+
+absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
+                           AppendOutcome* outcome) {
+  *outcome = AppendOutcome{};
+  if (batch.empty()) return absl::OkStatus();
+  for (int attempt = 0;; ++attempt) {
+    // 1. Find or prepare every sequence the batch names.
+    std::vector<std::string> ids;
+    absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> seqs;
+    absl::flat_hash_map<std::string, bool> fresh;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const std::string& id = batch[i].sequence_id;
+      if (id.empty() || id.size() > 256) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "appends[", i, "].sequence_id must be 1..256 bytes (got ", id.size(), ")"));
+      }
+      if (seqs.count(id)) continue;
+      {
+        absl::MutexLock l(&mu_);
+        auto t = tenants_.find(tenant);
+        if (t != tenants_.end()) {
+          auto s = t->second->seqs.find(id);
+          if (s != t->second->seqs.end()) seqs[id] = s->second;
+        }
+      }
+      if (!seqs.count(id)) {
+        const AppendSpec& a = batch[i];
+        if (a.model.empty()) {
+          return absl::NotFoundError(absl::StrCat(
+              "appends[", i, "]: sequence '", id,
+              "' does not exist; the append that creates it must name a model"));
+        }
+        absl::StatusOr<std::shared_ptr<const ModelEntry>> m =
+            registry_->Get(a.model, a.basis_version);
+        if (!m.ok()) {
+          return absl::Status(m.status().code(),
+                              absl::StrCat("appends[", i, "].model: ", m.status().message()));
+        }
+        auto s = std::make_shared<Sequence>();
+        s->tenant = tenant;
+        s->id = id;
+        s->model = *m;
+        s->codec = a.has_codec ? a.codec : (*m)->codec;
+        s->codec.head_dim = (*m)->manifest.head_dim;
+        if (s->codec.rank > (*m)->manifest.rank) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "appends[", i, "].codec.rank ", s->codec.rank, " exceeds the basis rank ",
+              (*m)->manifest.rank, " of model '", a.model, "'"));
+        }
+        if (absl::Status st = s->codec.Validate(); !st.ok()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("appends[", i, "].codec: ", st.message()));
+        }
+        s->layers.resize((*m)->manifest.layers);
+        s->hashes.resize((*m)->manifest.layers);
+        seqs[id] = s;
+        fresh[id] = true;
+      }
+      ids.push_back(id);
+    }
+
+    // 2. Lock every sequence, in address order.
+    std::vector<Sequence*> locked;
+    for (auto& [id, s] : seqs) locked.push_back(s.get());
+    std::sort(locked.begin(), locked.end());
+    for (Sequence* s : locked) s->mu.Lock();
+    auto unlock_all = [&] {
+      for (auto it = locked.rbegin(); it != locked.rend(); ++it) (*it)->mu.Unlock();
+    };
+
+    // 3. Validate the whole batch, simulating the lengths it produces.
+    struct Plan {
+      int64_t from = 0, n = 0;  // new tokens: [from, from + n) of the append's own range
+      std::vector<uint64_t> new_hashes;
+    };
+    std::vector<Plan> plans(batch.size());
+    absl::flat_hash_map<std::pair<Sequence*, int>, std::vector<uint64_t>> pending;
+    int64_t estimate = 0;
+    absl::Status bad;
+    for (size_t i = 0; i < batch.size() && bad.ok(); ++i) {
+      const AppendSpec& a = batch[i];
+      Sequence* s = seqs[a.sequence_id].get();
+      const BasisManifest& m = s->model->manifest;
+      const std::string at = absl::StrCat("appends[", i, "]");
+      auto fail = [&](absl::StatusCode code, auto&&... parts) {
+        bad = absl::Status(code, absl::StrCat(at, parts...));
+      };
+      if (!a.model.empty() && a.model != m.model) {
+        fail(absl::StatusCode::kFailedPrecondition, ".model '", a.model, "': sequence '",
+             a.sequence_id, "' belongs to model '", m.model, "'");
+        break;
+      }
+      if (a.basis_version != 0 && a.basis_version != m.version) {
+        fail(absl::StatusCode::kFailedPrecondition, ".basis_version ", a.basis_version,
+             ": sequence '", a.sequence_id, "' is pinned to version ", m.version, " of '",
+             m.model, "'");
+        break;
+      }
+      if (a.layer < 0 || a.layer >= m.layers) {
+        fail(absl::StatusCode::kInvalidArgument, ".layer ", a.layer, " must be in 0..",
+             m.layers - 1, " (model '", m.model, "' has ", m.layers, " layers)");
+        break;
+      }
+      const TensorView *k = &a.keys, *v = &a.values;
+      if (k->rank != 3 || k->shape[0] != m.kv_heads || k->shape[2] != m.head_dim ||
+          k->shape[1] < 1 || k->shape[1] > kMaxAppendTokens) {
+        fail(absl::StatusCode::kInvalidArgument, ".keys.shape ", Shape(*k),
+             " must be [kv_heads=", m.kv_heads, ", n in 1..", kMaxAppendTokens,
+             ", head_dim=", m.head_dim, "]");
+        break;
+      }
+      if (v->rank != 3 || v->shape[0] != k->shape[0] || v->shape[1] != k->shape[1] ||
+          v->shape[2] != k->shape[2]) {
+        fail(absl::StatusCode::kInvalidArgument, ".values.shape ", Shape(*v),
+             " must equal keys.shape ", Shape(*k));
+        break;
+      }
+      if (v->dtype != k->dtype) {
+        fail(absl::StatusCode::kInvalidArgument, ".values.dtype ", DTypeName(v->dtype),
+             " must equal keys.dtype ", DTypeName(k->dtype));
+        break;
+      }
+      if (s->dtype_set && k->dtype != s->dtype) {
+        fail(absl::StatusCode::kInvalidArgument, ".keys.dtype ", DTypeName(k->dtype),
+             " differs from the dtype sequence '", a.sequence_id, "' arrived in (",
+             DTypeName(s->dtype), ")");
+        break;
+      }
+      const int64_t n = k->shape[1];
+      auto& pend = pending[{s, a.layer}];
+      const std::vector<uint64_t>& stored = s->hashes[a.layer];
+      const int64_t len = static_cast<int64_t>(stored.size() + pend.size());
+      if (a.start < 0 || a.start > len) {
+        fail(a.start < 0 ? absl::StatusCode::kInvalidArgument
+                         : absl::StatusCode::kFailedPrecondition,
+             ".start ", a.start, " must be in 0..", len, " (layer ", a.layer, " of sequence '",
+             a.sequence_id, "' holds ", len, " tokens; appends leave no gaps)");
+        break;
+      }
+      const int64_t overlap = std::min(n, len - a.start);
+      for (int64_t t = 0; t < overlap; ++t) {
+        const int64_t pos = a.start + t;
+        const uint64_t have = pos < static_cast<int64_t>(stored.size())
+                                  ? stored[pos]
+                                  : pend[pos - stored.size()];
+        if (have != TokenHash(*k, *v, t)) {
+          fail(absl::StatusCode::kAlreadyExists, ": token ", pos, " of layer ", a.layer,
+               " of sequence '", a.sequence_id,
+               "' is already stored with different contents (re-sends must be identical)");
+          break;
+        }
+      }
+      if (!bad.ok()) break;
+      Plan& p = plans[i];
+      p.from = overlap;
+      p.n = n - overlap;
+      if (len + p.n > opts_.max_tokens_per_layer) {
+        fail(absl::StatusCode::kResourceExhausted, ": layer ", a.layer, " would hold ",
+             len + p.n, " tokens; the limit is ", opts_.max_tokens_per_layer);
+        break;
+      }
+      for (int64_t t = p.from; t < n; ++t) p.new_hashes.push_back(TokenHash(*k, *v, t));
+      pend.insert(pend.end(), p.new_hashes.begin(), p.new_hashes.end());
+      outcome->tokens_duplicate += overlap;
+      estimate += p.n * (m.kv_heads * m.head_dim * 2 * static_cast<int64_t>(DTypeSize(k->dtype)) +
+                         static_cast<int64_t>(sizeof(uint64_t)));
+      if (a.probe_weights == nullptr) continue;
+      for (int64_t j = 0; j < m.kv_heads * n; ++j) {
+        if (!(a.probe_weights[j] >= 0.0f)) {
+          fail(absl::StatusCode::kInvalidArgument, ".probe_weights[", j,
+               "] must be finite and >= 0");
+          break;
+        }
+      }
+    }
+    if (!bad.ok()) {
+      unlock_all();
+      *outcome = AppendOutcome{};
+      return bad;
+    }
+
+    // 4. Insert new sequences and reserve room.
+    {
+      absl::MutexLock l(&mu_);
+      bool raced = false;
+      auto& tp = tenants_[tenant];
+      if (!tp) tp = std::make_unique<Tenant>();
+      for (auto& [id, s] : seqs) {
+        auto it = tp->seqs.find(id);
+        if (fresh.count(id) ? it != tp->seqs.end() : (it == tp->seqs.end() || it->second != s)) {
+          raced = true;  // created, deleted or evicted concurrently
+        }
+      }
+      if (raced) {
+        unlock_all();
+        if (attempt < 3) continue;
+        return absl::AbortedError("sequences changed concurrently; retry the append");
+      }
+      absl::Status st = ReserveLocked(tenant, estimate, locked);
+      if (!st.ok()) {
+        unlock_all();
+        *outcome = AppendOutcome{};
+        return st;
+      }
+      for (auto& [id, s] : seqs) {
+        if (!fresh.count(id)) continue;
+        tp->seqs[id] = s;
+        lru_.push_front(s.get());
+        s->lru = lru_.begin();
+        s->linked = true;
+      }
+      for (auto& [id, s] : seqs) TouchLocked(s.get());
+    }
+
+    // 5. Apply.
+    absl::Status applied;
+    for (size_t i = 0; i < batch.size() && applied.ok(); ++i) {
+      const AppendSpec& a = batch[i];
+      const Plan& p = plans[i];
+      Sequence* s = seqs[a.sequence_id].get();
+      if (p.n == 0) continue;
+      auto& cache = s->layers[a.layer];
+      if (!cache) {
+        std::vector<float> basis = LayerBasis(*s->model, a.layer, s->codec.rank);
+        cache = std::make_unique<LayerCache>(s->codec, s->model->manifest.kv_heads,
+                                             basis.empty() ? nullptr : basis.data());
+      }
+      std::vector<float> probe;
+      if (a.probe_weights) {
+        const int64_t n = a.keys.shape[1];
+        for (int64_t h = 0; h < a.keys.shape[0]; ++h) {
+          probe.insert(probe.end(), a.probe_weights + h * n + p.from,
+                       a.probe_weights + h * n + n);
+        }
+      }
+      const int64_t start = a.start + p.from;
+      applied = cache->Append(SliceTokens(a.keys, p.from, p.n), SliceTokens(a.values, p.from, p.n),
+                              start, probe.empty() ? nullptr : probe.data());
+      if (!applied.ok()) {
+        applied = absl::Status(applied.code(),
+                               absl::StrCat("appends[", i, "]: ", applied.message()));
+        break;
+      }
+      s->dtype = a.keys.dtype;
+      s->dtype_set = true;
+      auto& h = s->hashes[a.layer];
+      h.insert(h.end(), p.new_hashes.begin(), p.new_hashes.end());
+      outcome->tokens_written += p.n;
+    }
+    int64_t reserved = estimate;
+    for (Sequence* s : locked) {
+      Remeasure(s, reserved);
+      reserved = 0;
+    }
+    std::set<std::pair<std::string, int>> seen;
+    for (const AppendSpec& a : batch) {
+      if (!seen.insert({a.sequence_id, a.layer}).second) continue;
+      Sequence* s = seqs[a.sequence_id].get();
+      outcome->lengths.emplace_back(a.sequence_id, a.layer,
+                                    static_cast<int64_t>(s->hashes[a.layer].size()));
+    }
+    unlock_all();
+    return applied;
+  }
+}
+
+absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& tenant,
+                                                             const std::string& id,
+                                                             int basis_version) {
+  absl::MutexLock l(&mu_);
+  auto t = tenants_.find(tenant);
+  std::shared_ptr<Sequence> s;
+  if (t != tenants_.end()) {
+    auto it = t->second->seqs.find(id);
+    if (it != t->second->seqs.end()) s = it->second;
+  }
+  if (!s) return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
+  const BasisManifest& m = s->model->manifest;
+  if (basis_version != 0 && basis_version != m.version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "basis_version ", basis_version, ": sequence '", id, "' is pinned to version ",
+        m.version, " of model '", m.model, "'"));
+  }
+  if (s->corrupt.load()) {
+    return absl::DataLossError(
+        absl::StrCat("sequence '", id, "' failed its checksum scrub; delete and re-send it"));
+  }
+  TouchLocked(s.get());
+  return s;
+}
+
+
+#define KVQ_READ_PROLOGUE()                                                                  \
+  const BasisManifest& m = s->model->manifest;                                               \
+  if (layer < 0 || layer >= m.layers) {                                                      \
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " must be in 0..",       \
+                                                   m.layers - 1));                           \
+  }                                                                                          \
+  LayerCache* cache = s->layers[layer].get();                                                \
+  if (cache == nullptr || cache->tokens() == 0) {                                            \
+    return absl::FailedPreconditionError(absl::StrCat(                                       \
+        "layer ", layer, " of sequence '", sequence_id, "' holds no tokens"));               \
+  }                                                                                          \
+  *tokens = cache->tokens()
+
+absl::Status Store::Score(const std::string& tenant, const std::string& sequence_id, int layer,
+                          int basis_version, const float* q, int q_heads, int n_q, int q_dim,
+                          float scale, bool corrections_only, std::vector<float>* out,
+                          int64_t* tokens) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
+  absl::ReaderMutexLock l(&s->mu);
+  KVQ_READ_PROLOGUE();
+  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
+                                                   " must be a multiple of kv_heads ",
+                                                   m.kv_heads));
+  }
+  if (q_dim != m.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("queries head_dim ", q_dim,
+                                                   " must equal the model's head_dim ",
+                                                   m.head_dim));
+  }
+  out->assign(static_cast<size_t>(q_heads) * n_q * *tokens, 0.0f);
+  return cache->Score(q, q_heads, n_q, out->data(), scale, corrections_only);
+}
+
+absl::Status Store::Readout(const std::string& tenant, const std::string& sequence_id,
+                            int layer, int basis_version, const float* p, int q_heads, int n_q,
+                            int64_t p_tokens, bool as_logits, std::vector<float>* out,
+                            int64_t* tokens) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
+  absl::ReaderMutexLock l(&s->mu);
+  KVQ_READ_PROLOGUE();
+  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("weights.shape[0] (q_heads) ", q_heads,
+                                                   " must be a multiple of kv_heads ",
+                                                   m.kv_heads));
+  }
+  if (p_tokens != *tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "weights.shape[2] ", p_tokens, " must equal the tokens cached in layer ", layer,
+        " of sequence '", sequence_id, "' (", *tokens, ")"));
+  }
+  std::vector<float> soft;
+  if (as_logits) {
+    soft.resize(static_cast<size_t>(q_heads) * n_q * p_tokens);
+    for (int64_t r = 0; r < int64_t{q_heads} * n_q; ++r) {
+      Softmax(p + r * p_tokens, p_tokens, soft.data() + r * p_tokens);
+    }
+    p = soft.data();
+  }
+  out->assign(static_cast<size_t>(q_heads) * n_q * m.head_dim, 0.0f);
+  return cache->Readout(p, q_heads, n_q, out->data());
+}
+
+absl::Status Store::Attend(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version, const float* q, int q_heads, int n_q, int q_dim,
+                           const AttendOptions& ao, std::vector<float>* out, int64_t* tokens) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
+  // Observing attends update the window's A^2 statistics: exclusive.
+  std::optional<absl::MutexLock> wl;
+  std::optional<absl::ReaderMutexLock> rl;
+  if (ao.observe) {
+    wl.emplace(&s->mu);
+  } else {
+    rl.emplace(&s->mu);
+  }
+  KVQ_READ_PROLOGUE();
+  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
+                                                   " must be a multiple of kv_heads ",
+                                                   m.kv_heads));
+  }
+  if (q_dim != m.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("queries head_dim ", q_dim,
+                                                   " must equal the model's head_dim ",
+                                                   m.head_dim));
+  }
+  if (ao.causal_offset < -1 || ao.causal_offset >= *tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("causal_offset ", ao.causal_offset,
+                                                   " must be in 0..", *tokens - 1,
+                                                   " (or absent)"));
+  }
+  out->assign(static_cast<size_t>(q_heads) * n_q * m.head_dim, 0.0f);
+  return cache->Attend(q, q_heads, n_q, ao, out->data());
+}
+
+absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version, std::vector<float>* keys,
+                           std::vector<float>* values, int64_t* tokens) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
+  absl::ReaderMutexLock l(&s->mu);
+  const BasisManifest& m = s->model->manifest;
+  if (layer < 0 || layer >= m.layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " must be in 0..", m.layers - 1));
+  }
+  LayerCache* cache = s->layers[layer].get();
+  if (cache == nullptr) {
+    *tokens = 0;
+    keys->clear();
+    values->clear();
+    return absl::OkStatus();
+  }
+  *tokens = cache->tokens();
+  RETURN_IF_ERROR(cache->VerifyAll());
+  return cache->Decode(keys, values);
+}
+
+absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
+                                             const std::string& sequence_id) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, 0));
+  SequenceInfo info;
+  info.model = s->model;
+  info.codec = s->codec;
+  absl::ReaderMutexLock l(&s->mu);
+  for (const auto& h : s->hashes) info.layer_tokens.push_back(static_cast<int64_t>(h.size()));
+  absl::MutexLock g(&mu_);
+  info.bytes = s->bytes;
+  return info;
+}
+
+absl::StatusOr<int64_t> Store::Delete(const std::string& tenant, const std::string& sequence_id) {
+  absl::MutexLock l(&mu_);
+  auto t = tenants_.find(tenant);
+  if (t != tenants_.end()) {
+    auto it = t->second->seqs.find(sequence_id);
+    if (it != t->second->seqs.end()) {
+      std::shared_ptr<Sequence> s = it->second;
+      const int64_t bytes = s->bytes;
+      UnlinkLocked(s.get());
+      return bytes;
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("sequence '", sequence_id, "' not found"));
+}
+
+UsageStats Store::TenantUsage(const std::string& tenant) const {
+  UsageStats u;
+  absl::MutexLock l(&mu_);
+  auto t = tenants_.find(tenant);
+  if (t == tenants_.end()) return u;
+  u.evictions = t->second->evictions;
+  u.expirations = t->second->expirations;
+  for (const auto& [id, s] : t->second->seqs) {
+    ++u.sequences;
+    u.tokens += s->tokens;
+    u.bytes += s->bytes;
+    u.blocks += s->blocks;
+    u.size += s->size;
+  }
+  return u;
+}
+
+UsageStats Store::TotalUsage() const {
+  UsageStats u;
+  absl::MutexLock l(&mu_);
+  u.evictions = evictions_;
+  u.expirations = expirations_;
+  for (const Sequence* s : lru_) {
+    ++u.sequences;
+    u.tokens += s->tokens;
+    u.blocks += s->blocks;
+    u.size += s->size;
+  }
+  u.bytes = used_bytes_;
+  return u;
+}
+
+std::vector<std::pair<std::string, UsageStats>> Store::AllTenants() const {
+  std::vector<std::string> names;
+  {
+    absl::MutexLock l(&mu_);
+    for (const auto& [name, t] : tenants_) names.push_back(name);
+  }
+  std::vector<std::pair<std::string, UsageStats>> out;
+  for (const auto& n : names) out.emplace_back(n, TenantUsage(n));
+  return out;
+}
+
+int64_t Store::LiveSequences(const std::string& model, int version) const {
+  absl::MutexLock l(&mu_);
+  int64_t n = 0;
+  for (const Sequence* s : lru_) {
+    n += s->model->manifest.model == model && s->model->manifest.version == version;
+  }
+  return n;
+}
+
+int64_t Store::Sweep() {
+  if (opts_.ttl <= absl::ZeroDuration()) return 0;
+  absl::MutexLock l(&mu_);
+  const absl::Time cutoff = opts_.now() - opts_.ttl;
+  int64_t n = 0;
+  while (!lru_.empty() && lru_.back()->last_used < cutoff) {
+    Sequence* s = lru_.back();
+    ++tenants_[s->tenant]->expirations;
+    ++expirations_;
+    UnlinkLocked(s);
+    ++n;
+  }
+  return n;
+}
+
+int64_t Store::Scrub() {
+  std::vector<std::shared_ptr<Sequence>> all;
+  {
+    absl::MutexLock l(&mu_);
+    for (const auto& [name, t] : tenants_) {
+      for (const auto& [id, s] : t->seqs) all.push_back(s);
+    }
+  }
+  int64_t bad = 0;
+  for (const auto& s : all) {
+    absl::ReaderMutexLock l(&s->mu);
+    for (const auto& c : s->layers) {
+      if (c && !c->VerifyAll().ok()) {
+        s->corrupt.store(true);
+        ++bad;
+        break;
+      }
+    }
+  }
+  return bad;
+}
+
+LayerCache* Store::LayerForTest(const std::string& tenant, const std::string& sequence_id,
+                                int layer) {
+  absl::StatusOr<std::shared_ptr<Sequence>> s = Find(tenant, sequence_id, 0);
+  if (!s.ok()) return nullptr;
+  absl::ReaderMutexLock l(&(*s)->mu);
+  if (layer < 0 || layer >= static_cast<int>((*s)->layers.size())) return nullptr;
+  return (*s)->layers[layer].get();
+}
+
+}  // namespace kvq::core

@@ -1,0 +1,342 @@
+// The model registry: a folder of basis entries, loaded at start and extended atomically.
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kvq/core/status.h"
+#include "kvq/core/store.h"
+#include "nlohmann/json.hpp"
+
+namespace kvq::core {
+namespace fs = std::filesystem;
+namespace {
+
+bool ValidModelName(const std::string& s) {
+  if (s.empty() || s.size() > 128 || s[0] == '.') return false;
+  for (char c : s) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+nlohmann::json CodecToJson(const CodecOptions& c) {
+  return {{"key_bits", c.key_bits},       {"key_group", c.key_group},
+          {"rank", c.rank},               {"side_bits", c.side_bits},
+          {"value_bits", c.value_bits},   {"value_group", c.value_group},
+          {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
+          {"value_budget", c.value_budget}, {"sink_tokens", c.sink_tokens},
+          {"window", c.window}};
+}
+
+void CodecFromJson(const nlohmann::json& j, CodecOptions* c) {
+  c->key_bits = j.value("key_bits", c->key_bits);
+  c->key_group = j.value("key_group", c->key_group);
+  c->rank = j.value("rank", c->rank);
+  c->side_bits = j.value("side_bits", c->side_bits);
+  c->value_bits = j.value("value_bits", c->value_bits);
+  c->value_group = j.value("value_group", c->value_group);
+  c->value_policy =
+      j.value("value_policy", std::string("uniform")) == "a2" ? ValuePolicy::kA2
+                                                             : ValuePolicy::kUniform;
+  c->value_budget = j.value("value_budget", c->value_budget);
+  c->sink_tokens = j.value("sink_tokens", c->sink_tokens);
+  c->window = j.value("window", c->window);
+}
+
+absl::Status WriteText(const fs::path& p, const std::string& text) {
+  std::ofstream f(p, std::ios::binary | std::ios::trunc);
+  f << text;
+  f.flush();
+  if (!f) return absl::InternalError(absl::StrCat("cannot write ", p.string()));
+  return absl::OkStatus();
+}
+
+bool SameCodec(const CodecOptions& a, const CodecOptions& b) {
+  return CodecToJson(a) == CodecToJson(b);
+}
+
+}  // namespace
+
+CodecOptions Registry::DefaultCodec(const BasisManifest& m, bool has_basis) {
+  CodecOptions c;
+  c.head_dim = m.head_dim;
+  c.key_bits = 2;
+  c.key_group = 32;
+  c.rank = has_basis ? std::min(4, m.rank) : 0;
+  c.side_bits = 8;
+  c.value_bits = 2;
+  c.value_group = std::min(32, m.head_dim);
+  c.window = 0;
+  return c;
+}
+
+Registry::Registry(std::string dir) : dir_(std::move(dir)) {}
+
+absl::Status Registry::ValidateEntry(const ModelEntry& e) {
+  const BasisManifest& m = e.manifest;
+  if (!ValidModelName(m.model)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model name '", m.model, "' must be 1..128 characters of [A-Za-z0-9._-]"));
+  }
+  if (m.version < 1 || m.version > 1000000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("version ", m.version, " must be in 1..1000000"));
+  }
+  if (m.layers < 1 || m.layers > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("layers ", m.layers, " must be in 1..1024"));
+  }
+  if (m.kv_heads < 1 || m.kv_heads > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_heads ", m.kv_heads, " must be in 1..256"));
+  }
+  if (m.q_heads < m.kv_heads || m.q_heads % m.kv_heads != 0 || m.q_heads > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q_heads ", m.q_heads, " must be a multiple of kv_heads ", m.kv_heads, " (<= 4096)"));
+  }
+  if (m.head_dim < 1 || m.head_dim > 512) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_dim ", m.head_dim, " must be in 1..512"));
+  }
+  if (m.rank < 0 || m.rank > m.head_dim || (e.has_basis && m.rank < 1) ||
+      (!e.has_basis && m.rank != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "basis_rank ", m.rank, " must be in 1..head_dim (", m.head_dim,
+        ") with a basis and 0 without"));
+  }
+  if (e.has_basis) {
+    const size_t want = static_cast<size_t>(m.layers) * m.kv_heads * m.head_dim * m.rank;
+    if (e.basis.u.size() != want) {
+      return absl::InvalidArgumentError(absl::StrCat("basis holds ", e.basis.u.size(),
+                                                     " floats; layers*kv_heads*head_dim*rank = ",
+                                                     want));
+    }
+    for (int l = 0; l < m.layers; ++l) {
+      for (int h = 0; h < m.kv_heads; ++h) {
+        const float* u = e.basis.head(l, h);
+        for (int a = 0; a < m.rank; ++a) {
+          for (int b = a; b < m.rank; ++b) {
+            double dot = 0;
+            for (int i = 0; i < m.head_dim; ++i) dot += double(u[i * m.rank + a]) * u[i * m.rank + b];
+            const double want_dot = a == b ? 1.0 : 0.0;
+            if (!std::isfinite(dot) || std::abs(dot - want_dot) > 1e-3) {
+              return absl::InvalidArgumentError(absl::StrFormat(
+                  "basis[%d] head %d: columns %d and %d are not orthonormal (dot %.4g, "
+                  "tolerance 1e-3)",
+                  l, h, a, b, dot));
+            }
+          }
+        }
+      }
+    }
+  }
+  CodecOptions c = e.codec;
+  if (c.head_dim != m.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat("codec head_dim ", c.head_dim,
+                                                   " differs from the model's ", m.head_dim));
+  }
+  if (c.rank > m.rank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec rank ", c.rank, " exceeds the basis rank ", m.rank));
+  }
+  RETURN_IF_ERROR(c.Validate());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ModelEntry> Registry::LoadEntry(const std::string& path) const {
+  ModelEntry e;
+  const fs::path p(path);
+  if (fs::exists(p / "manifest.json")) {
+    ASSIGN_OR_RETURN(e.basis, ReadBasis(path));
+    e.manifest = e.basis.manifest;
+    e.has_basis = true;
+  } else if (fs::exists(p / "model.json")) {
+    std::ifstream f(p / "model.json");
+    nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.is_object()) {
+      return absl::InvalidArgumentError("model.json is not a JSON object");
+    }
+    BasisManifest& m = e.manifest;
+    m.model = j.value("model", "");
+    m.version = j.value("version", 0);
+    m.layers = j.value("layers", 0);
+    m.kv_heads = j.value("kv_heads", 0);
+    m.q_heads = j.value("q_heads", 0);
+    m.head_dim = j.value("head_dim", 0);
+    m.rank = 0;
+    m.rope_layout = j.value("rope_layout", m.rope_layout);
+    m.channel_order = j.value("channel_order", m.channel_order);
+    m.kind = "none";
+    e.has_basis = false;
+  } else {
+    return absl::NotFoundError("neither manifest.json nor model.json");
+  }
+  e.codec = DefaultCodec(e.manifest, e.has_basis);
+  if (fs::exists(p / "codec.json")) {
+    std::ifstream f(p / "codec.json");
+    nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) {
+      return absl::InvalidArgumentError("codec.json is not a JSON object");
+    }
+    CodecFromJson(j, &e.codec);
+  }
+  RETURN_IF_ERROR(ValidateEntry(e));
+  return e;
+}
+
+absl::Status Registry::LoadAll(std::vector<std::string>* loaded,
+                               std::vector<std::string>* skipped) {
+  if (dir_.empty()) return absl::OkStatus();
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir_, ": ", ec.message()));
+  std::vector<fs::path> candidates;
+  for (auto it = fs::recursive_directory_iterator(dir_, ec); !ec && it != fs::end(it);
+       it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (it->is_directory() && !name.empty() && name[0] == '.') {
+      it.disable_recursion_pending();  // temporary folders of interrupted registrations
+      continue;
+    }
+    if (it.depth() > 3) it.disable_recursion_pending();
+    if (it->is_regular_file() && (name == "manifest.json" || name == "model.json")) {
+      candidates.push_back(it->path().parent_path());
+    }
+  }
+  if (ec) return absl::InternalError(absl::StrCat("cannot list ", dir_, ": ", ec.message()));
+  std::sort(candidates.begin(), candidates.end());
+  for (const fs::path& c : candidates) {
+    absl::StatusOr<ModelEntry> e = LoadEntry(c.string());
+    if (!e.ok()) {
+      if (skipped) skipped->push_back(absl::StrCat(c.string(), ": ", e.status().message()));
+      continue;
+    }
+    absl::MutexLock l(&mu_);
+    auto& versions = models_[e->manifest.model];
+    if (versions.count(e->manifest.version)) {
+      if (skipped) {
+        skipped->push_back(absl::StrCat(c.string(), ": duplicate of ", e->manifest.model, " v",
+                                        e->manifest.version));
+      }
+      continue;
+    }
+    if (loaded) loaded->push_back(absl::StrCat(e->manifest.model, " v", e->manifest.version));
+    versions[e->manifest.version] = std::make_shared<const ModelEntry>(*std::move(e));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Registry::Persist(const ModelEntry& e) const {
+  if (dir_.empty()) return absl::OkStatus();
+  static std::atomic<int> counter{0};
+  const fs::path final_dir =
+      fs::path(dir_) / e.manifest.model / absl::StrCat("v", e.manifest.version);
+  const fs::path tmp = fs::path(dir_) / absl::StrCat(".tmp-", e.manifest.model, "-v",
+                                                     e.manifest.version, "-", getpid(), "-",
+                                                     counter.fetch_add(1));
+  std::error_code ec;
+  fs::create_directories(tmp, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", tmp.string()));
+  auto cleanup = [&] { fs::remove_all(tmp, ec); };
+  absl::Status st;
+  if (e.has_basis) {
+    ModelBasis b = e.basis;
+    b.manifest = e.manifest;
+    st = WriteBasis(tmp.string(), b);
+  } else {
+    const BasisManifest& m = e.manifest;
+    nlohmann::json j = {{"model", m.model},       {"version", m.version},
+                        {"layers", m.layers},     {"kv_heads", m.kv_heads},
+                        {"q_heads", m.q_heads},   {"head_dim", m.head_dim},
+                        {"rope_layout", m.rope_layout}, {"channel_order", m.channel_order}};
+    st = WriteText(tmp / "model.json", j.dump(2));
+  }
+  if (st.ok()) st = WriteText(tmp / "codec.json", CodecToJson(e.codec).dump(2));
+  if (!st.ok()) {
+    cleanup();
+    return st;
+  }
+  fs::create_directories(final_dir.parent_path(), ec);
+  if (fs::exists(final_dir)) {
+    cleanup();
+    return absl::AlreadyExistsError(
+        absl::StrCat(final_dir.string(), " already exists on disk but was not loaded"));
+  }
+  fs::rename(tmp, final_dir, ec);
+  if (ec) {
+    cleanup();
+    return absl::InternalError(absl::StrCat("cannot rename into ", final_dir.string(), ": ",
+                                            ec.message()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry entry,
+                                                                     bool* already) {
+  if (already) *already = false;
+  RETURN_IF_ERROR(ValidateEntry(entry));
+  if (entry.has_basis) {
+    entry.basis.manifest = entry.manifest;
+    entry.manifest.fingerprint = BasisFingerprint(entry.basis);
+    entry.basis.manifest.fingerprint = entry.manifest.fingerprint;
+  } else {
+    entry.manifest.fingerprint.clear();
+    entry.basis = ModelBasis{};
+  }
+  absl::MutexLock l(&mu_);
+  auto& versions = models_[entry.manifest.model];
+  auto it = versions.find(entry.manifest.version);
+  if (it != versions.end()) {
+    const ModelEntry& old = *it->second;
+    const BasisManifest &a = old.manifest, &b = entry.manifest;
+    const bool same = old.has_basis == entry.has_basis && a.layers == b.layers &&
+                      a.kv_heads == b.kv_heads && a.q_heads == b.q_heads &&
+                      a.head_dim == b.head_dim && a.rank == b.rank &&
+                      a.fingerprint == b.fingerprint && SameCodec(old.codec, entry.codec);
+    if (!same) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "model '", b.model, "' version ", b.version,
+          " is already registered with different contents; register a new version"));
+    }
+    if (already) *already = true;
+    return it->second;
+  }
+  RETURN_IF_ERROR(Persist(entry));
+  auto p = std::make_shared<const ModelEntry>(std::move(entry));
+  versions[p->manifest.version] = p;
+  return p;
+}
+
+absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Get(const std::string& model,
+                                                                int version) const {
+  absl::MutexLock l(&mu_);
+  auto it = models_.find(model);
+  if (it == models_.end() || it->second.empty()) {
+    return absl::NotFoundError(absl::StrCat("model '", model, "' is not registered"));
+  }
+  if (version == 0) return it->second.rbegin()->second;
+  auto v = it->second.find(version);
+  if (v == it->second.end()) {
+    return absl::NotFoundError(absl::StrCat("model '", model, "' has no version ", version,
+                                            " (latest is ", it->second.rbegin()->first, ")"));
+  }
+  return v->second;
+}
+
+std::vector<std::shared_ptr<const ModelEntry>> Registry::List() const {
+  absl::MutexLock l(&mu_);
+  std::vector<std::shared_ptr<const ModelEntry>> out;
+  for (const auto& [name, versions] : models_) {
+    for (const auto& [v, e] : versions) out.push_back(e);
+  }
+  return out;
+}
+
+}  // namespace kvq::core

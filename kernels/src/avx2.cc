@@ -1,0 +1,123 @@
+// AVX2 + FMA + F16C kernel table (8 lanes), for CPUs without AVX-512.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+#include "kvq/kernels/kernels.h"
+
+namespace kvq::kernels {
+namespace {
+
+struct Isa {
+  static constexpr int W = 8;
+  static constexpr const char* kName = "avx2";
+  using F = __m256;
+  using I = __m256i;
+  struct Words {
+    __m256i lo, hi;
+  };
+
+  static F Zero() { return _mm256_setzero_ps(); }
+  static F Set1(float v) { return _mm256_set1_ps(v); }
+  static F Load(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F Fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F Min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F Max(F a, F b) { return _mm256_max_ps(a, b); }
+  static __m128 Half4(F v, __m128 (*op)(__m128, __m128)) {
+    __m128 a = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = op(a, _mm_movehl_ps(a, a));
+    return op(a, _mm_shuffle_ps(a, a, 1));
+  }
+  static float ReduceAdd(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); })); }
+  static float ReduceMin(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_min_ps(a, b); })); }
+  static float ReduceMax(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); })); }
+  static F CvtI(I v) { return _mm256_cvtepi32_ps(v); }
+  static F LoadHalf(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+
+  template <int B>
+  static F DecodeCodes(const uint8_t* p) {
+    if constexpr (B == 8) {
+      return _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    } else {
+      uint32_t w = 0;
+      std::memcpy(&w, p, B);  // 8 codes of B bits = B bytes
+      const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+      __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts);
+      return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((1 << B) - 1)));
+    }
+  }
+
+  static I QuantizeLanes(F x, F zero, F inv, int maxq) {
+    I q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(x, zero), inv));
+    return _mm256_min_epi32(_mm256_max_epi32(q, _mm256_setzero_si256()), _mm256_set1_epi32(maxq));
+  }
+
+  static void ClearWords(Words* w) { w->lo = w->hi = _mm256_setzero_si256(); }
+  static void OrIntoWords(Words* w, I q, int shift) {
+    const __m128i s = _mm_cvtsi32_si128(shift);
+    w->lo = _mm256_or_si256(w->lo, _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(q)), s));
+    w->hi = _mm256_or_si256(w->hi, _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_extracti128_si256(q, 1)), s));
+  }
+  static void StoreWords(const Words* w, uint64_t* out) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), w->lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 4), w->hi);
+  }
+
+  // Packs 8 codes into `bits` bytes at dst (bits != 3).
+  static void PackRow(I q, int bits, uint8_t* dst) {
+    alignas(32) int32_t c[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c), q);
+    if (bits == 8) {
+      for (int j = 0; j < 8; ++j) dst[j] = static_cast<uint8_t>(c[j]);
+      return;
+    }
+    uint32_t w = 0;
+    for (int j = 0; j < 8; ++j) w |= static_cast<uint32_t>(c[j]) << (j * bits);
+    std::memcpy(dst, &w, bits);
+  }
+
+  static F Exp(F x) {
+    const F underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    F fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    F p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    F y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(underflow, y);
+  }
+};
+
+#include "simd_impl.h"
+
+bool CpuHasAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+}  // namespace
+
+const KernelTable* Avx2() {
+  static const bool ok = CpuHasAvx2();
+  return ok ? &kTable : nullptr;
+}
+
+}  // namespace kvq::kernels

@@ -1,0 +1,146 @@
+// AVX-512 kernel table (16 lanes). Compiled with -mavx512f/bw/vl/dq; used only when the CPU
+// reports those features at run time.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+#include "kvq/kernels/kernels.h"
+
+namespace kvq::kernels {
+namespace {
+
+struct Isa {
+  static constexpr int W = 16;
+  static constexpr const char* kName = "avx512";
+  using F = __m512;
+  using I = __m512i;
+  struct Words {
+    __m512i lo, hi;
+  };
+
+  static F Zero() { return _mm512_setzero_ps(); }
+  static F Set1(float v) { return _mm512_set1_ps(v); }
+  static F Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F Fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F Min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F Max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float ReduceAdd(F v) { return _mm512_reduce_add_ps(v); }
+  static float ReduceMin(F v) { return _mm512_reduce_min_ps(v); }
+  static float ReduceMax(F v) { return _mm512_reduce_max_ps(v); }
+  static F CvtI(I v) { return _mm512_cvtepi32_ps(v); }
+  static F LoadHalf(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+
+  template <int B>
+  static F DecodeCodes(const uint8_t* p) {
+    if constexpr (B == 8) {
+      return _mm512_cvtepi32_ps(
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    } else {
+      uint64_t w = 0;
+      std::memcpy(&w, p, 2 * B);
+      __m512i v;
+      __m512i shifts;
+      if constexpr (B <= 2) {
+        v = _mm512_set1_epi32(static_cast<uint32_t>(w));
+        shifts = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32(B));
+      } else {
+        // Lanes 0-7 read bits [0, 32); lanes 8-15 read w >> kW1, which keeps codes 8..15
+        // whole for B = 3 (bits 24..47) and B = 4 (bits 32..63).
+        constexpr int kW1 = B == 3 ? 24 : 32;
+        v = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(static_cast<uint32_t>(w)),
+                                    _mm512_set1_epi32(static_cast<uint32_t>(w >> kW1)));
+        shifts = _mm512_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B, 8 * B - kW1,
+                                   9 * B - kW1, 10 * B - kW1, 11 * B - kW1, 12 * B - kW1,
+                                   13 * B - kW1, 14 * B - kW1, 15 * B - kW1);
+      }
+      v = _mm512_and_si512(_mm512_srlv_epi32(v, shifts), _mm512_set1_epi32((1 << B) - 1));
+      return _mm512_cvtepi32_ps(v);
+    }
+  }
+
+  static I QuantizeLanes(F x, F zero, F inv, int maxq) {
+    I q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(x, zero), inv));  // round to even
+    return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_setzero_si512()), _mm512_set1_epi32(maxq));
+  }
+
+  static void ClearWords(Words* w) { w->lo = w->hi = _mm512_setzero_si512(); }
+  static void OrIntoWords(Words* w, I q, int shift) {
+    const __m128i s = _mm_cvtsi32_si128(shift);
+    w->lo = _mm512_or_si512(w->lo, _mm512_sll_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(q)), s));
+    w->hi = _mm512_or_si512(
+        w->hi, _mm512_sll_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(q, 1)), s));
+  }
+  static void StoreWords(const Words* w, uint64_t* out) {
+    _mm512_storeu_si512(out, w->lo);
+    _mm512_storeu_si512(out + 8, w->hi);
+  }
+
+  // Packs 16 codes (one per lane, channel order) into 2*bits bytes at dst (bits != 3).
+  static void PackRow(I q, int bits, uint8_t* dst) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    switch (bits) {
+      case 8:
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q));
+        return;
+      case 4: {
+        __m512i s = _mm512_sllv_epi32(q, _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 2));
+        uint32_t w[2] = {static_cast<uint32_t>(_mm512_mask_reduce_or_epi32(0x00ff, s)),
+                         static_cast<uint32_t>(_mm512_mask_reduce_or_epi32(0xff00, s))};
+        std::memcpy(dst, w, 8);
+        return;
+      }
+      default: {
+        __m512i s = _mm512_sllv_epi32(q, _mm512_mullo_epi32(lane, _mm512_set1_epi32(bits)));
+        uint32_t w = static_cast<uint32_t>(_mm512_reduce_or_epi32(s));
+        std::memcpy(dst, &w, 2 * bits);
+        return;
+      }
+    }
+  }
+
+  static F Exp(F x) {
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    F fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    F r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+    F p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    F y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    y = _mm512_scalef_ps(y, fx);
+    return _mm512_mask_blend_ps(underflow, y, _mm512_setzero_ps());
+  }
+};
+
+#include "simd_impl.h"
+
+bool CpuHasAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+}
+
+}  // namespace
+
+const KernelTable* Avx512() {
+  static const bool ok = CpuHasAvx512();
+  return ok ? &kTable : nullptr;
+}
+
+}  // namespace kvq::kernels

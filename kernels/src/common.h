@@ -1,0 +1,72 @@
+// Helpers shared by the kernel tables (internal).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace kvq::kernels::internal {
+
+// fp16 <-> fp32 without depending on core/: GCC's _Float16 rounds to nearest even.
+inline float HalfToFloat(uint16_t h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+}
+inline uint16_t FloatToHalf(float f) {
+  _Float16 v = static_cast<_Float16>(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+
+// Quantization parameters as stored: fp16-rounded zero (= min) and scale.
+struct QParams {
+  float scale, zero, inv;
+};
+inline QParams MakeParams(float lo, float hi, int bits, uint16_t* s16, uint16_t* z16) {
+  const float levels = static_cast<float>((1 << bits) - 1);
+  *z16 = FloatToHalf(lo);
+  float zero = HalfToFloat(*z16);
+  float scale = (hi - zero) / levels;
+  *s16 = FloatToHalf(scale);
+  float s = HalfToFloat(*s16);
+  // fp16 rounding may shrink the scale so that hi no longer fits: bump to the next value.
+  if (s > 0 && zero + s * levels < hi) {
+    *s16 = static_cast<uint16_t>(*s16 + 1);
+    s = HalfToFloat(*s16);
+  }
+  if (!(s > 0) || !std::isfinite(s)) { *s16 = 0; s = 0; }
+  return {s, zero, s > 0 ? 1.0f / s : 0.0f};
+}
+
+inline int QuantizeOne(float x, const QParams& p, int maxq) {
+  float v = (x - p.zero) * p.inv;
+  int q = static_cast<int>(std::nearbyint(v));
+  return q < 0 ? 0 : (q > maxq ? maxq : q);
+}
+
+// Reads code i (bits b) from an LSB-first packed row.
+inline int GetCode(const uint8_t* row, int b, int64_t i) {
+  int64_t bit = i * b;
+  const uint8_t* p = row + (bit >> 3);
+  uint32_t w = p[0] | (b + (bit & 7) > 8 ? (static_cast<uint32_t>(p[1]) << 8) : 0u);
+  return static_cast<int>((w >> (bit & 7)) & ((1u << b) - 1));
+}
+inline void PutCode(uint8_t* row, int b, int64_t i, int code) {
+  int64_t bit = i * b;
+  uint8_t* p = row + (bit >> 3);
+  uint32_t v = static_cast<uint32_t>(code) << (bit & 7);
+  p[0] |= static_cast<uint8_t>(v);
+  if (b + (bit & 7) > 8) p[1] |= static_cast<uint8_t>(v >> 8);
+}
+inline int64_t RowBytes(int64_t n, int b) { return (n * b + 7) / 8; }
+
+// Scalar building blocks shared by the tables (defined in ref.cc). The channel range
+// function ORs codes into `codes`, which the caller has zeroed.
+void QuantizeChannelRange(const float* x, int64_t ld, int tokens, int n_ch, int c0, int c1,
+                          int bits, uint16_t* scale, uint16_t* zero, uint8_t* codes, float* deq);
+void QuantizeRowScalar(const float* x, int n, int group, int bits, uint16_t* scale,
+                       uint16_t* zero, uint8_t* codes);
+
+}  // namespace kvq::kernels::internal

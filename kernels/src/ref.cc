@@ -1,0 +1,138 @@
+// The scalar reference kernels: plain loops that define what every other table computes.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common.h"
+#include "kvq/kernels/kernels.h"
+
+namespace kvq::kernels {
+using namespace internal;
+
+void internal::QuantizeChannelRange(const float* x, int64_t ld, int tokens, int n_ch, int c0,
+                                    int c1, int bits, uint16_t* scale, uint16_t* zero,
+                                    uint8_t* codes, float* deq) {
+  const int64_t rb = RowBytes(tokens, bits);
+  const int maxq = (1 << bits) - 1;
+  for (int c = c0; c < c1; ++c) {
+    float lo = x[c], hi = x[c];
+    for (int t = 1; t < tokens; ++t) {
+      lo = std::min(lo, x[t * ld + c]);
+      hi = std::max(hi, x[t * ld + c]);
+    }
+    QParams p = MakeParams(lo, hi, bits, &scale[c], &zero[c]);
+    for (int t = 0; t < tokens; ++t) {
+      int q = QuantizeOne(x[t * ld + c], p, maxq);
+      PutCode(codes + c * rb, bits, t, q);
+      if (deq) deq[static_cast<int64_t>(t) * n_ch + c] = p.zero + p.scale * q;
+    }
+  }
+}
+
+namespace {
+
+void quantize_channels_ref(const float* x, int64_t ld, int tokens, int n_ch, int bits,
+                           uint16_t* scale, uint16_t* zero, uint8_t* codes, float* deq) {
+  std::memset(codes, 0, RowBytes(tokens, bits) * n_ch);
+  QuantizeChannelRange(x, ld, tokens, n_ch, 0, n_ch, bits, scale, zero, codes, deq);
+}
+
+}  // namespace
+
+void internal::QuantizeRowScalar(const float* x, int n, int group, int bits, uint16_t* scale,
+                                 uint16_t* zero, uint8_t* codes) {
+  const int maxq = (1 << bits) - 1;
+  std::memset(codes, 0, RowBytes(n, bits));
+  for (int g = 0, c0 = 0; c0 < n; ++g, c0 += group) {
+    const int c1 = std::min(n, c0 + group);
+    float lo = x[c0], hi = x[c0];
+    for (int c = c0 + 1; c < c1; ++c) {
+      lo = std::min(lo, x[c]);
+      hi = std::max(hi, x[c]);
+    }
+    QParams p = MakeParams(lo, hi, bits, &scale[g], &zero[g]);
+    for (int c = c0; c < c1; ++c) PutCode(codes, bits, c, QuantizeOne(x[c], p, maxq));
+  }
+}
+
+namespace {
+
+void quantize_row_ref(const float* x, int n, int group, int bits, uint16_t* scale,
+                      uint16_t* zero, uint8_t* codes) {
+  QuantizeRowScalar(x, n, group, bits, scale, zero, codes);
+}
+
+void dot_channels_ref(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
+                      int n_q, int64_t w_stride, float* out, int64_t out_stride) {
+  const int64_t rb = RowBytes(tokens, bits);
+  for (int i = 0; i < n_q; ++i) {
+    for (int c = 0; c < n_ch; ++c) {
+      const float wc = w[i * w_stride + c];
+      const uint8_t* row = codes + c * rb;
+      for (int t = 0; t < tokens; ++t) out[i * out_stride + t] += wc * GetCode(row, bits, t);
+    }
+  }
+}
+
+void readout_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n, int group,
+                      const float* p, int64_t p_stride, int n_q, float* out, int64_t out_stride) {
+  const int ng = (n + group - 1) / group;
+  for (int t = 0; t < n_rows; ++t) {
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rows);
+    const uint8_t* codes = rows + 4 * ng;
+    for (int i = 0; i < n_q; ++i) {
+      const float pt = p[i * p_stride + t];
+      for (int c = 0; c < n; ++c) {
+        float v = HalfToFloat(sz[c / group]) * GetCode(codes, row_bits[t], c) +
+                  HalfToFloat(sz[ng + c / group]);
+        out[i * out_stride + c] += pt * v;
+      }
+    }
+    rows += 4 * ng + RowBytes(n, row_bits[t]);
+  }
+}
+
+void dense_scores_f16_ref(const uint16_t* k, int tokens, int d, const float* q, int n_q,
+                          float* out, int64_t out_stride) {
+  for (int i = 0; i < n_q; ++i)
+    for (int t = 0; t < tokens; ++t) {
+      float s = 0;
+      for (int c = 0; c < d; ++c) s += q[i * d + c] * HalfToFloat(k[static_cast<int64_t>(t) * d + c]);
+      out[i * out_stride + t] = s;
+    }
+}
+
+void dense_readout_f16_ref(const uint16_t* v, int tokens, int d, const float* p,
+                           int64_t p_stride, int n_q, float* out, int64_t out_stride) {
+  for (int i = 0; i < n_q; ++i)
+    for (int t = 0; t < tokens; ++t) {
+      const float pt = p[i * p_stride + t];
+      for (int c = 0; c < d; ++c)
+        out[i * out_stride + c] += pt * HalfToFloat(v[static_cast<int64_t>(t) * d + c]);
+    }
+}
+
+float exp_sum_ref(float* x, int64_t n, float shift) {
+  double sum = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    x[t] = std::exp(x[t] - shift);
+    sum += x[t];
+  }
+  return static_cast<float>(sum);
+}
+
+}  // namespace
+
+const KernelTable& Ref() {
+  static const KernelTable t{"ref",
+                             quantize_channels_ref,
+                             quantize_row_ref,
+                             dot_channels_ref,
+                             readout_rows_ref,
+                             dense_scores_f16_ref,
+                             dense_readout_f16_ref,
+                             exp_sum_ref};
+  return t;
+}
+
+}  // namespace kvq::kernels

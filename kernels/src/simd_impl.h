@@ -1,0 +1,247 @@
+// The optimized kernels, written once over an ISA traits struct `Isa` (lane count W, float
+// vector F, int vector I) and included by avx2.cc and avx512.cc, each compiled with its own
+// -m flags. Shapes the SIMD paths do not cover fall back to the scalar building blocks.
+// Internal: include only after defining `Isa`, inside an anonymous namespace.
+
+constexpr int W = Isa::W;
+
+inline void LoadBytes(const uint8_t* p, int n, uint64_t* lo, uint64_t* hi) {
+  uint64_t v[2] = {0, 0};
+  std::memcpy(v, p, n);
+  *lo = v[0];
+  *hi = v[1];
+}
+
+// Decodes W codes of B bits starting at byte p (code 0 at bit 0) to floats.
+template <int B>
+inline typename Isa::F Decode(const uint8_t* p) {
+  return Isa::template DecodeCodes<B>(p);
+}
+
+template <int B, int NQ>
+void DotChannelsT(const uint8_t* codes, int n_ch, int tokens, const float* w, int64_t ws,
+                  float* out, int64_t os) {
+  const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
+  for (int t0 = 0; t0 < tokens; t0 += W) {
+    typename Isa::F acc[NQ];
+    for (int i = 0; i < NQ; ++i) acc[i] = Isa::Zero();
+    const uint8_t* base = codes + t0 * B / 8;
+    for (int c = 0; c < n_ch; ++c) {
+      typename Isa::F v = Decode<B>(base + c * rb);
+      for (int i = 0; i < NQ; ++i) acc[i] = Isa::Fmadd(Isa::Set1(w[i * ws + c]), v, acc[i]);
+    }
+    for (int i = 0; i < NQ; ++i)
+      Isa::Store(out + i * os + t0, Isa::Add(Isa::Load(out + i * os + t0), acc[i]));
+  }
+}
+
+template <int B>
+void DotChannelsB(const uint8_t* codes, int n_ch, int tokens, const float* w, int n_q,
+                  int64_t ws, float* out, int64_t os) {
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* wi = w + i0 * ws;
+    float* oi = out + i0 * os;
+    switch (std::min(4, n_q - i0)) {
+      case 1: DotChannelsT<B, 1>(codes, n_ch, tokens, wi, ws, oi, os); break;
+      case 2: DotChannelsT<B, 2>(codes, n_ch, tokens, wi, ws, oi, os); break;
+      case 3: DotChannelsT<B, 3>(codes, n_ch, tokens, wi, ws, oi, os); break;
+      default: DotChannelsT<B, 4>(codes, n_ch, tokens, wi, ws, oi, os); break;
+    }
+  }
+}
+
+void dot_channels_simd(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
+                       int n_q, int64_t ws, float* out, int64_t os) {
+  if (tokens % W != 0) return Ref().dot_channels(codes, bits, n_ch, tokens, w, n_q, ws, out, os);
+  switch (bits) {
+    case 1: return DotChannelsB<1>(codes, n_ch, tokens, w, n_q, ws, out, os);
+    case 2: return DotChannelsB<2>(codes, n_ch, tokens, w, n_q, ws, out, os);
+    case 3: return DotChannelsB<3>(codes, n_ch, tokens, w, n_q, ws, out, os);
+    case 4: return DotChannelsB<4>(codes, n_ch, tokens, w, n_q, ws, out, os);
+    case 8: return DotChannelsB<8>(codes, n_ch, tokens, w, n_q, ws, out, os);
+    default: return Ref().dot_channels(codes, bits, n_ch, tokens, w, n_q, ws, out, os);
+  }
+}
+
+// One token row: out_i[c] += coef_i,g * code_c for every query, W channels at a time.
+template <int B>
+inline void AxpyRow(const uint8_t* codes, int n, int group, const float* coef, int ng, int n_q,
+                    float* out, int64_t os) {
+  for (int c0 = 0; c0 < n; c0 += W) {
+    typename Isa::F v = Decode<B>(codes + c0 * B / 8);
+    const int g = c0 / group;
+    for (int i = 0; i < n_q; ++i) {
+      float* o = out + i * os + c0;
+      Isa::Store(o, Isa::Fmadd(Isa::Set1(coef[i * ng + g]), v, Isa::Load(o)));
+    }
+  }
+}
+
+void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n, int group,
+                       const float* p, int64_t ps, int n_q, float* out, int64_t os) {
+  if (n % W != 0 || group % W != 0 || n_q > 16)
+    return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
+  const int ng = (n + group - 1) / group;
+  float coef[16 * 16];
+  float zacc[16 * 16] = {};
+  if (ng > 16) return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
+  for (int t = 0; t < n_rows; ++t) {
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rows);
+    const uint8_t* codes = rows + 4 * ng;
+    float sc[16], ze[16];
+    for (int g = 0; g < ng; ++g) {
+      sc[g] = internal::HalfToFloat(sz[g]);
+      ze[g] = internal::HalfToFloat(sz[ng + g]);
+    }
+    for (int i = 0; i < n_q; ++i) {
+      const float pt = p[i * ps + t];
+      for (int g = 0; g < ng; ++g) {
+        coef[i * ng + g] = pt * sc[g];
+        zacc[i * ng + g] += pt * ze[g];
+      }
+    }
+    const int b = row_bits[t];
+    switch (b) {
+      case 1: AxpyRow<1>(codes, n, group, coef, ng, n_q, out, os); break;
+      case 2: AxpyRow<2>(codes, n, group, coef, ng, n_q, out, os); break;
+      case 3: AxpyRow<3>(codes, n, group, coef, ng, n_q, out, os); break;
+      case 4: AxpyRow<4>(codes, n, group, coef, ng, n_q, out, os); break;
+      default: AxpyRow<8>(codes, n, group, coef, ng, n_q, out, os); break;
+    }
+    rows += 4 * ng + internal::RowBytes(n, b);
+  }
+  for (int i = 0; i < n_q; ++i)
+    for (int c0 = 0; c0 < n; c0 += W) {
+      float* o = out + i * os + c0;
+      Isa::Store(o, Isa::Add(Isa::Load(o), Isa::Set1(zacc[i * ng + c0 / group])));
+    }
+}
+
+// Per-channel quantization over tokens, W channels per vector. Codes are accumulated into
+// 64-bit words per channel (B divides 64) and written to the channel-major rows.
+template <int B>
+void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_t* scale,
+                       uint16_t* zero, uint8_t* codes, float* deq) {
+  const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
+  const int full = n_ch / W * W;
+  for (int c0 = 0; c0 < full; c0 += W) {
+    typename Isa::F lo = Isa::Load(x + c0), hi = lo;
+    for (int t = 1; t < tokens; ++t) {
+      typename Isa::F v = Isa::Load(x + t * ld + c0);
+      lo = Isa::Min(lo, v);
+      hi = Isa::Max(hi, v);
+    }
+    alignas(64) float lov[W], hiv[W], zf[W], invf[W], sf[W];
+    Isa::Store(lov, lo);
+    Isa::Store(hiv, hi);
+    for (int j = 0; j < W; ++j) {
+      internal::QParams qp = internal::MakeParams(lov[j], hiv[j], B, &scale[c0 + j], &zero[c0 + j]);
+      zf[j] = qp.zero;
+      invf[j] = qp.inv;
+      sf[j] = qp.scale;
+    }
+    const typename Isa::F zv = Isa::Load(zf), iv = Isa::Load(invf), sv = Isa::Load(sf);
+    typename Isa::Words words;
+    Isa::ClearWords(&words);
+    for (int t = 0; t < tokens; ++t) {
+      typename Isa::I q = Isa::QuantizeLanes(Isa::Load(x + t * ld + c0), zv, iv, (1 << B) - 1);
+      if (deq) Isa::Store(deq + static_cast<int64_t>(t) * n_ch + c0, Isa::Fmadd(Isa::CvtI(q), sv, zv));
+      Isa::OrIntoWords(&words, q, (t * B) % 64);
+      if (((t + 1) * B) % 64 == 0) {
+        alignas(64) uint64_t wv[W];
+        Isa::StoreWords(&words, wv);
+        const int64_t off = (static_cast<int64_t>(t) * B / 64) * 8;
+        for (int j = 0; j < W; ++j) std::memcpy(codes + (c0 + j) * rb + off, &wv[j], 8);
+        Isa::ClearWords(&words);
+      }
+    }
+  }
+  if (full < n_ch)
+    internal::QuantizeChannelRange(x, ld, tokens, n_ch, full, n_ch, B, scale, zero, codes, deq);
+}
+
+void quantize_channels_simd(const float* x, int64_t ld, int tokens, int n_ch, int bits,
+                            uint16_t* scale, uint16_t* zero, uint8_t* codes, float* deq) {
+  if ((tokens * bits) % 64 != 0 || bits == 3)
+    return Ref().quantize_channels(x, ld, tokens, n_ch, bits, scale, zero, codes, deq);
+  std::memset(codes, 0, internal::RowBytes(tokens, bits) * n_ch);
+  switch (bits) {
+    case 1: return QuantizeChannelsB<1>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+    case 2: return QuantizeChannelsB<2>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+    case 4: return QuantizeChannelsB<4>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+    default: return QuantizeChannelsB<8>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+  }
+}
+
+void quantize_row_simd(const float* x, int n, int group, int bits, uint16_t* scale,
+                       uint16_t* zero, uint8_t* codes) {
+  if (n % W != 0 || group % W != 0 || bits == 3)
+    return internal::QuantizeRowScalar(x, n, group, bits, scale, zero, codes);
+  for (int g = 0, c0 = 0; c0 < n; ++g, c0 += group) {
+    const int c1 = std::min(n, c0 + group);
+    typename Isa::F lo = Isa::Load(x + c0), hi = lo;
+    for (int c = c0 + W; c < c1; c += W) {
+      lo = Isa::Min(lo, Isa::Load(x + c));
+      hi = Isa::Max(hi, Isa::Load(x + c));
+    }
+    internal::QParams qp = internal::MakeParams(Isa::ReduceMin(lo), Isa::ReduceMax(hi), bits,
+                                                &scale[g], &zero[g]);
+    const typename Isa::F zv = Isa::Set1(qp.zero), iv = Isa::Set1(qp.inv);
+    for (int c = c0; c < c1; c += W)
+      Isa::PackRow(Isa::QuantizeLanes(Isa::Load(x + c), zv, iv, (1 << bits) - 1), bits,
+                   codes + c * bits / 8);
+  }
+}
+
+void dense_scores_f16_simd(const uint16_t* k, int tokens, int d, const float* q, int n_q,
+                           float* out, int64_t os) {
+  if (d % W != 0 || d > 256 || n_q > 8) return Ref().dense_scores_f16(k, tokens, d, q, n_q, out, os);
+  for (int t = 0; t < tokens; ++t) {
+    const uint16_t* kr = k + static_cast<int64_t>(t) * d;
+    typename Isa::F acc[8];
+    for (int i = 0; i < n_q; ++i) acc[i] = Isa::Zero();
+    for (int c = 0; c < d; c += W) {
+      typename Isa::F kv = Isa::LoadHalf(kr + c);
+      for (int i = 0; i < n_q; ++i) acc[i] = Isa::Fmadd(Isa::Load(q + i * d + c), kv, acc[i]);
+    }
+    for (int i = 0; i < n_q; ++i) out[i * os + t] = Isa::ReduceAdd(acc[i]);
+  }
+}
+
+void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p, int64_t ps,
+                            int n_q, float* out, int64_t os) {
+  if (d % W != 0) return Ref().dense_readout_f16(v, tokens, d, p, ps, n_q, out, os);
+  constexpr int kTile = 64;  // tokens per tile: d * 2 * 64 bytes stay in L1
+  for (int t0 = 0; t0 < tokens; t0 += kTile) {
+    const int t1 = std::min(tokens, t0 + kTile);
+    for (int c = 0; c < d; c += W)
+      for (int i = 0; i < n_q; ++i) {
+        typename Isa::F acc = Isa::Load(out + i * os + c);
+        const float* pi = p + i * ps;
+        for (int t = t0; t < t1; ++t)
+          acc = Isa::Fmadd(Isa::Set1(pi[t]), Isa::LoadHalf(v + static_cast<int64_t>(t) * d + c), acc);
+        Isa::Store(out + i * os + c, acc);
+      }
+  }
+}
+
+float exp_sum_simd(float* x, int64_t n, float shift) {
+  typename Isa::F sum = Isa::Zero();
+  const typename Isa::F sh = Isa::Set1(shift);
+  int64_t t = 0;
+  for (; t + W <= n; t += W) {
+    typename Isa::F e = Isa::Exp(Isa::Sub(Isa::Load(x + t), sh));
+    Isa::Store(x + t, e);
+    sum = Isa::Add(sum, e);
+  }
+  float s = Isa::ReduceAdd(sum);
+  for (; t < n; ++t) {
+    x[t] = std::exp(x[t] - shift);
+    s += x[t];
+  }
+  return s;
+}
+
+const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
+                         dot_channels_simd,   readout_rows_simd,      dense_scores_f16_simd,
+                         dense_readout_f16_simd, exp_sum_simd};
