@@ -1,0 +1,171 @@
+#include "server/metrics.h"
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/store.h"
+
+namespace kvq::server {
+namespace {
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+
+const char* CodeName(int code) {
+  static const char* kNames[] = {"OK",
+                                 "CANCELLED",
+                                 "UNKNOWN",
+                                 "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED",
+                                 "NOT_FOUND",
+                                 "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED",
+                                 "RESOURCE_EXHAUSTED",
+                                 "FAILED_PRECONDITION",
+                                 "ABORTED",
+                                 "OUT_OF_RANGE",
+                                 "UNIMPLEMENTED",
+                                 "INTERNAL",
+                                 "UNAVAILABLE",
+                                 "DATA_LOSS",
+                                 "UNAUTHENTICATED"};
+  return code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN";
+}
+}  // namespace
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(BuildCounter()
+                    .Name("kvq_requests_total")
+                    .Help("gRPC calls by method and status code")
+                    .Register(*registry_)),
+      latency_(BuildHistogram()
+                   .Name("kvq_request_duration_seconds")
+                   .Help("Call latency from arrival to finish, by method")
+                   .Register(*registry_)),
+      bytes_in_(BuildCounter()
+                    .Name("kvq_received_bytes_total")
+                    .Help("Request message bytes by method")
+                    .Register(*registry_)),
+      bytes_out_(BuildCounter()
+                     .Name("kvq_sent_bytes_total")
+                     .Help("Response message bytes by method")
+                     .Register(*registry_)),
+      stored_bytes_(BuildGauge()
+                        .Name("kvq_stored_bytes")
+                        .Help("Bytes stored (codes, full-precision window, token hashes)")
+                        .Register(*registry_)),
+      stored_blocks_(BuildGauge()
+                         .Name("kvq_stored_blocks")
+                         .Help("Encoded blocks stored (per KV head, K and V)")
+                         .Register(*registry_)),
+      capacity_(BuildGauge()
+                    .Name("kvq_capacity_bytes")
+                    .Help("Capacity limit of the store (0: unlimited)")
+                    .Register(*registry_)),
+      k_bits_(BuildGauge()
+                  .Name("kvq_key_bits_per_element")
+                  .Help("Effective key bits per element, window included")
+                  .Register(*registry_)
+                  .Add({})),
+      v_bits_(BuildGauge()
+                  .Name("kvq_value_bits_per_element")
+                  .Help("Effective value bits per element, window included")
+                  .Register(*registry_)
+                  .Add({})),
+      tokens_(BuildGauge()
+                  .Name("kvq_cached_tokens")
+                  .Help("Cached tokens (per head) over all layers and sequences")
+                  .Register(*registry_)
+                  .Add({})),
+      sequences_(BuildGauge()
+                     .Name("kvq_sequences")
+                     .Help("Live sequences")
+                     .Register(*registry_)
+                     .Add({})),
+      evictions_(BuildCounter()
+                     .Name("kvq_evictions_total")
+                     .Help("Sequences evicted to make room (LRU)")
+                     .Register(*registry_)
+                     .Add({})),
+      expirations_(BuildCounter()
+                       .Name("kvq_expirations_total")
+                       .Help("Sequences dropped after the TTL")
+                       .Register(*registry_)
+                       .Add({})),
+      scrub_failures_(BuildCounter()
+                          .Name("kvq_scrub_failures_total")
+                          .Help("Sequences that failed a background checksum scrub")
+                          .Register(*registry_)
+                          .Add({})),
+      tenant_bytes_(BuildGauge()
+                        .Name("kvq_tenant_stored_bytes")
+                        .Help("Bytes stored per tenant")
+                        .Register(*registry_)),
+      tenant_sequences_(BuildGauge()
+                            .Name("kvq_tenant_sequences")
+                            .Help("Live sequences per tenant")
+                            .Register(*registry_)),
+      tenant_tokens_(BuildGauge()
+                         .Name("kvq_tenant_cached_tokens")
+                         .Help("Cached tokens per tenant")
+                         .Register(*registry_)),
+      models_(BuildGauge()
+                  .Name("kvq_models")
+                  .Help("Registry entries (model versions) loaded")
+                  .Register(*registry_)
+                  .Add({})),
+      ready_(BuildGauge()
+                 .Name("kvq_ready")
+                 .Help("1 once the registry is loaded and the service is SERVING")
+                 .Register(*registry_)
+                 .Add({})) {}
+
+int Metrics::Expose(const std::string& address, int port) {
+  exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat(address, ":", port));
+  exposer_->RegisterCollectable(registry_);
+  auto ports = exposer_->GetListeningPorts();
+  return ports.empty() ? port : ports[0];
+}
+
+void Metrics::RecordCall(const std::string& method, int code, double seconds, size_t bytes_in,
+                         size_t bytes_out) {
+  requests_.Add({{"method", method}, {"code", CodeName(code)}}).Increment();
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+      5,      10};
+  latency_.Add({{"method", method}}, kBuckets).Observe(seconds);
+  bytes_in_.Add({{"method", method}}).Increment(static_cast<double>(bytes_in));
+  bytes_out_.Add({{"method", method}}).Increment(static_cast<double>(bytes_out));
+}
+
+void Metrics::RecordScrubFailures(int64_t n) { scrub_failures_.Increment(static_cast<double>(n)); }
+
+void Metrics::SetReady(bool ready) { ready_.Set(ready ? 1 : 0); }
+
+void Metrics::Refresh(const core::Store& store, const core::Registry& registry,
+                      const char* pool) {
+  const core::UsageStats u = store.TotalUsage();
+  stored_bytes_.Add({{"pool", pool}}).Set(static_cast<double>(u.bytes));
+  stored_blocks_.Add({{"pool", pool}}).Set(static_cast<double>(u.blocks));
+  capacity_.Add({{"pool", pool}}).Set(static_cast<double>(store.options().capacity_bytes));
+  k_bits_.Set(u.size.tokens > 0 ? u.size.k_bits_effective() : 0);
+  v_bits_.Set(u.size.tokens > 0 ? u.size.v_bits_effective() : 0);
+  tokens_.Set(static_cast<double>(u.tokens));
+  sequences_.Set(static_cast<double>(u.sequences));
+  models_.Set(static_cast<double>(registry.List().size()));
+  {
+    absl::MutexLock l(&mu_);
+    if (u.evictions > seen_evictions_) evictions_.Increment(double(u.evictions - seen_evictions_));
+    if (u.expirations > seen_expirations_) {
+      expirations_.Increment(double(u.expirations - seen_expirations_));
+    }
+    seen_evictions_ = u.evictions;
+    seen_expirations_ = u.expirations;
+  }
+  for (const auto& [tenant, tu] : store.AllTenants()) {
+    tenant_bytes_.Add({{"tenant", tenant}}).Set(static_cast<double>(tu.bytes));
+    tenant_sequences_.Add({{"tenant", tenant}}).Set(static_cast<double>(tu.sequences));
+    tenant_tokens_.Add({{"tenant", tenant}}).Set(static_cast<double>(tu.tokens));
+  }
+}
+
+}  // namespace kvq::server

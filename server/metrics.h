@@ -1,0 +1,79 @@
+// Prometheus metrics of the service (prometheus-cpp), all named kvq_*.
+//
+//   kvq_requests_total{method,code}            counter   calls by gRPC method and status code
+//   kvq_request_duration_seconds{method}       histogram latency from arrival to finish
+//   kvq_received_bytes_total{method}           counter   request message bytes
+//   kvq_sent_bytes_total{method}               counter   response message bytes
+//   kvq_stored_bytes{pool}                     gauge     bytes held (codes + window + hashes)
+//   kvq_stored_blocks{pool}                    gauge     encoded blocks held
+//   kvq_capacity_bytes{pool}                   gauge     the capacity limit
+//   kvq_key_bits_per_element / kvq_value_bits_per_element   gauge (effective, window included)
+//   kvq_cached_tokens                          gauge     tokens per head over layers/sequences
+//   kvq_sequences                              gauge     live sequences
+//   kvq_evictions_total, kvq_expirations_total counter   sequences evicted (LRU) / expired (TTL)
+//   kvq_scrub_failures_total                   counter   sequences that failed a checksum scrub
+//   kvq_tenant_stored_bytes{tenant}, kvq_tenant_sequences{tenant}, kvq_tenant_tokens{tenant}
+//   kvq_models                                 gauge     registry entries (model versions)
+//   kvq_ready                                  gauge     1 once the registry is loaded
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace kvq::core {
+class Store;
+class Registry;
+}  // namespace kvq::core
+
+namespace kvq::server {
+
+class Metrics {
+ public:
+  Metrics();
+  // Serves /metrics on address:port (port 0: a free one). Returns the bound port.
+  int Expose(const std::string& address, int port);
+
+  void RecordCall(const std::string& method, int code, double seconds, size_t bytes_in,
+                  size_t bytes_out);
+  void RecordScrubFailures(int64_t n);
+  void SetReady(bool ready);
+  // Refreshes the store gauges (called periodically).
+  void Refresh(const core::Store& store, const core::Registry& registry, const char* pool);
+
+  prometheus::Registry& registry() { return *registry_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& latency_;
+  prometheus::Family<prometheus::Counter>& bytes_in_;
+  prometheus::Family<prometheus::Counter>& bytes_out_;
+  prometheus::Family<prometheus::Gauge>& stored_bytes_;
+  prometheus::Family<prometheus::Gauge>& stored_blocks_;
+  prometheus::Family<prometheus::Gauge>& capacity_;
+  prometheus::Gauge& k_bits_;
+  prometheus::Gauge& v_bits_;
+  prometheus::Gauge& tokens_;
+  prometheus::Gauge& sequences_;
+  prometheus::Counter& evictions_;
+  prometheus::Counter& expirations_;
+  prometheus::Counter& scrub_failures_;
+  prometheus::Family<prometheus::Gauge>& tenant_bytes_;
+  prometheus::Family<prometheus::Gauge>& tenant_sequences_;
+  prometheus::Family<prometheus::Gauge>& tenant_tokens_;
+  prometheus::Gauge& models_;
+  prometheus::Gauge& ready_;
+  absl::Mutex mu_;
+  int64_t seen_evictions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t seen_expirations_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvq::server

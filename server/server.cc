@@ -1,0 +1,240 @@
+#include "server/server.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "kvq/core/store.h"
+#include "kvq/kernels/device.h"
+#include "kvq/kernels/kernels.h"
+#include "server/auth.h"
+#include "server/metrics.h"
+#include "server/service.h"
+#include "server/worker_pool.h"
+
+namespace kvq::server {
+namespace {
+
+void Log(const std::string& line) { std::fprintf(stderr, "kvq-server: %s\n", line.c_str()); }
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", what, " ", path));
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+int64_t PhysicalMemory() {
+  const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && size > 0 ? int64_t{pages} * size : int64_t{8} << 30;
+}
+
+}  // namespace
+
+struct KvqServer::Impl {
+  ServerOptions opts;
+  std::string pool_name = "host";
+  std::unique_ptr<core::Registry> registry;
+  std::unique_ptr<core::Store> store;
+  Authenticator auth;
+  std::unique_ptr<Metrics> metrics;
+  std::unique_ptr<WorkerPool> pool;
+  std::unique_ptr<Service> service;
+  std::unique_ptr<grpc::Server> server;
+  std::atomic<bool> ready{false};
+  int grpc_port = 0, metrics_port = -1;
+  std::thread housekeeping;
+  absl::Mutex mu;
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  bool shut_down = false;
+
+  absl::Status Start();
+  void Housekeeping();
+};
+
+absl::Status KvqServer::Impl::Start() {
+  // Memory pool.
+  std::string why;
+  const kernels::Pool best = kernels::BestPool(&why);
+  if (opts.memory == "auto") {
+    if (best != kernels::Pool::kHost) {
+      Log(absl::StrCat("memory: auto found ", kernels::PoolName(best), " (", why,
+                       "), but this version keeps codes in host memory; using host"));
+    } else {
+      Log(absl::StrCat("memory: auto -> host (", why, ")"));
+    }
+  } else if (opts.memory == "host") {
+    Log("memory: host");
+  } else if (opts.memory == "gpu" || opts.memory == "pinned") {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "--memory ", opts.memory, " is not available: ",
+        kernels::CudaAvailable() ? "the store keeps codes in host memory in this version"
+                                 : why));
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--memory must be auto, gpu, pinned or host (got '", opts.memory, "')"));
+  }
+  pool_name = "host";
+
+  core::StoreOptions so;
+  so.pool = kernels::Pool::kHost;
+  so.capacity_bytes = opts.capacity_bytes > 0 ? opts.capacity_bytes : PhysicalMemory() / 2;
+  so.tenant_quota_bytes = opts.tenant_quota_bytes;
+  so.ttl = opts.sequence_ttl;
+  if (opts.capacity_bytes < 0 || opts.tenant_quota_bytes < 0) {
+    return absl::InvalidArgumentError("--capacity and --tenant-quota must be >= 0");
+  }
+
+  absl::StatusOr<Authenticator> a = Authenticator::Load(opts.auth_tokens_file);
+  if (!a.ok()) return a.status();
+  auth = *std::move(a);
+
+  registry = std::make_unique<core::Registry>(opts.registry_dir);
+  store = std::make_unique<core::Store>(so, registry.get());
+  const int workers =
+      opts.workers > 0 ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
+  pool = std::make_unique<WorkerPool>(workers);
+  metrics = std::make_unique<Metrics>();
+  if (opts.metrics_port >= 0) {
+    try {
+      metrics_port = metrics->Expose(opts.metrics_address, opts.metrics_port);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(absl::StrCat("cannot serve metrics on ", opts.metrics_address,
+                                                 ":", opts.metrics_port, ": ", e.what()));
+    }
+  }
+  const std::string backend = kernels::Best().name;
+  service = std::make_unique<Service>(store.get(), registry.get(), &auth, metrics.get(),
+                                      pool.get(), &ready, pool_name, backend);
+
+  std::shared_ptr<grpc::ServerCredentials> creds;
+  if (!opts.tls_cert.empty() || !opts.tls_key.empty()) {
+    if (opts.tls_cert.empty() || opts.tls_key.empty()) {
+      return absl::InvalidArgumentError("--tls-cert and --tls-key go together");
+    }
+    absl::StatusOr<std::string> cert = ReadFile(opts.tls_cert, "--tls-cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadFile(opts.tls_key, "--tls-key");
+    if (!key.ok()) return key.status();
+    grpc::SslServerCredentialsOptions ssl(
+        opts.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                   : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    if (!opts.tls_client_ca.empty()) {
+      absl::StatusOr<std::string> ca = ReadFile(opts.tls_client_ca, "--tls-client-ca");
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *ca;
+    }
+    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    creds = grpc::SslServerCredentials(ssl);
+  } else if (!opts.tls_client_ca.empty()) {
+    return absl::InvalidArgumentError("--tls-client-ca needs --tls-cert and --tls-key");
+  } else {
+    creds = grpc::InsecureServerCredentials();
+  }
+
+  grpc::EnableDefaultHealthCheckService(true);
+  if (opts.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(absl::StrCat(opts.grpc_address, ":", opts.grpc_port), creds,
+                           &grpc_port);
+  builder.RegisterService(service.get());
+  const int limit = static_cast<int>(std::min<int64_t>(opts.max_message_bytes, INT32_MAX));
+  builder.SetMaxReceiveMessageSize(limit);
+  builder.SetMaxSendMessageSize(limit);
+  server = builder.BuildAndStart();
+  if (!server || grpc_port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", opts.grpc_address, ":", opts.grpc_port));
+  }
+  server->GetHealthCheckService()->SetServingStatus(false);
+
+  std::vector<std::string> loaded, skipped;
+  absl::Status st = registry->LoadAll(&loaded, &skipped);
+  if (!st.ok()) return st;
+  for (const auto& s : skipped) Log(absl::StrCat("registry: skipped ", s));
+  Log(absl::StrCat("registry: ", opts.registry_dir.empty() ? "(memory only)" : opts.registry_dir,
+                   ", ", loaded.size(), " entries",
+                   loaded.empty() ? "" : absl::StrCat(": ", absl::StrJoin(loaded, ", "))));
+  Log(absl::StrCat("compute backend: ", backend, "; workers: ", workers,
+                   "; capacity: ", so.capacity_bytes, " bytes",
+                   so.tenant_quota_bytes ? absl::StrCat("; tenant quota: ", so.tenant_quota_bytes)
+                                         : ""));
+  Log(absl::StrCat("auth: ", auth.enabled() ? absl::StrCat("bearer tokens (", auth.tokens(), ")")
+                                            : "off (tenant from x-kvq-tenant; development only)",
+                   "; tls: ", opts.tls_cert.empty() ? "off" : (opts.tls_client_ca.empty() ? "on" : "mutual")));
+  ready.store(true, std::memory_order_release);
+  server->GetHealthCheckService()->SetServingStatus(true);
+  metrics->SetReady(true);
+  metrics->Refresh(*store, *registry, pool_name.c_str());
+  Log(absl::StrCat("serving gRPC on ", opts.grpc_address, ":", grpc_port, "; metrics ",
+                   metrics_port >= 0 ? absl::StrCat("on ", opts.metrics_address, ":",
+                                                    metrics_port, "/metrics")
+                                     : std::string("off")));
+  housekeeping = std::thread([this] { Housekeeping(); });
+  return absl::OkStatus();
+}
+
+void KvqServer::Impl::Housekeeping() {
+  absl::Time next_scrub = absl::Now() + opts.scrub_period;
+  for (;;) {
+    {
+      absl::MutexLock l(&mu);
+      auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return stopping; };
+      if (mu.AwaitWithTimeout(absl::Condition(&stop), opts.housekeeping_period)) return;
+    }
+    store->Sweep();
+    if (opts.scrub_period > absl::ZeroDuration() && absl::Now() >= next_scrub) {
+      const int64_t bad = store->Scrub();
+      if (bad) Log(absl::StrCat("scrub: ", bad, " sequences failed their checksums"));
+      metrics->RecordScrubFailures(bad);
+      next_scrub = absl::Now() + opts.scrub_period;
+    }
+    metrics->Refresh(*store, *registry, pool_name.c_str());
+  }
+}
+
+KvqServer::KvqServer(ServerOptions opts) : impl_(std::make_unique<Impl>()) {
+  impl_->opts = std::move(opts);
+}
+
+KvqServer::~KvqServer() { Shutdown(); }
+
+absl::Status KvqServer::Start() { return impl_->Start(); }
+
+void KvqServer::Shutdown() {
+  Impl& s = *impl_;
+  if (s.shut_down) return;
+  s.shut_down = true;
+  s.ready.store(false);
+  if (s.server) {
+    s.server->GetHealthCheckService()->SetServingStatus(false);
+    // Stops accepting; in-flight calls (their work is on the pool, still running) get the
+    // grace period, then are cancelled.
+    s.server->Shutdown(std::chrono::system_clock::now() +
+                       absl::ToChronoSeconds(s.opts.shutdown_grace));
+  }
+  {
+    absl::MutexLock l(&s.mu);
+    s.stopping = true;
+  }
+  if (s.housekeeping.joinable()) s.housekeeping.join();
+  if (s.server) s.server->Wait();
+  s.pool.reset();  // drains
+}
+
+int KvqServer::grpc_port() const { return impl_->grpc_port; }
+int KvqServer::metrics_port() const { return impl_->metrics_port; }
+core::Store& KvqServer::store() { return *impl_->store; }
+core::Registry& KvqServer::registry() { return *impl_->registry; }
+
+}  // namespace kvq::server

@@ -1,0 +1,90 @@
+// kvq-server: the gRPC service over core::Store, as a class that tests start in-process.
+//
+// Threads: gRPC's callback threads only parse, authenticate and hand work over; encoding,
+// scoring, attention and decoding run on a fixed worker pool (ServerOptions::workers), and
+// the reactor is finished from there. Echo alone is answered on the gRPC thread (it is the
+// transport baseline).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace kvq::core {
+class Registry;
+class Store;
+}  // namespace kvq::core
+
+namespace kvq::server {
+
+struct ServerOptions {
+  // gRPC listen address and port. Port 0 picks a free port (tests); see grpc_port().
+  std::string grpc_address = "0.0.0.0";
+  int grpc_port = 50051;
+  // Prometheus exporter (/metrics). -1 turns it off; 0 picks a free port.
+  std::string metrics_address = "0.0.0.0";
+  int metrics_port = 9464;
+  // Registry folder (created when absent). "" keeps models in memory only.
+  std::string registry_dir;
+  // Memory pool: "auto" (the best that works: gpu, pinned, then host), "gpu", "pinned",
+  // "host". The codes live in host vectors in this version, so auto always ends on host
+  // (and says why at start-up); gpu/pinned are refused with a clear error.
+  std::string memory = "auto";
+  // Capacity in bytes over all tenants; 0 = auto: half the machine's physical memory.
+  int64_t capacity_bytes = 0;
+  // Bytes one tenant may hold; 0 = no per-tenant limit.
+  int64_t tenant_quota_bytes = 0;
+  // Sequences untouched this long are dropped; zero = never.
+  absl::Duration sequence_ttl = absl::ZeroDuration();
+  // Worker threads for encode/score/attend; 0 = the number of CPU cores.
+  int workers = 0;
+  // Largest gRPC message either way. 256 MiB holds a 16k-token fp16 prefill of one layer
+  // at 8 KV heads x 128 dims (2 x 32 MiB) several times over; clients should split larger
+  // writes into several PutBlocks messages (each is applied atomically).
+  int64_t max_message_bytes = int64_t{256} << 20;
+  // TLS: server certificate chain and key (PEM files). Both empty = plaintext.
+  std::string tls_cert;
+  std::string tls_key;
+  // Client CA (PEM): when set, clients must present a certificate it signed (mTLS).
+  std::string tls_client_ca;
+  // Bearer tokens file: lines "<token> <tenant>" ('#' starts a comment). Empty = auth off:
+  // the tenant comes from the `x-kvq-tenant` metadata, trusted as sent (development only).
+  std::string auth_tokens_file;
+  // In-flight calls get this long to finish at shutdown before they are cancelled.
+  absl::Duration shutdown_grace = absl::Seconds(10);
+  // Seconds between metric refreshes, TTL sweeps and the checksum scrub (0: no scrub).
+  absl::Duration housekeeping_period = absl::Seconds(1);
+  absl::Duration scrub_period = absl::Minutes(10);
+  // gRPC server reflection (grpcurl-friendly).
+  bool reflection = true;
+};
+
+class KvqServer {
+ public:
+  explicit KvqServer(ServerOptions opts);
+  ~KvqServer();
+  KvqServer(const KvqServer&) = delete;
+  KvqServer& operator=(const KvqServer&) = delete;
+
+  // Binds the ports, starts serving (health NOT_SERVING), loads the registry, then reports
+  // SERVING. Logs the memory pool, compute backend, registry entries and ports.
+  absl::Status Start();
+  // Stops accepting, lets in-flight calls finish within the grace period, stops the
+  // workers. Idempotent.
+  void Shutdown();
+
+  int grpc_port() const;
+  int metrics_port() const;  // -1 when off
+  core::Store& store();
+  core::Registry& registry();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvq::server

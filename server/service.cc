@@ -1,0 +1,553 @@
+#include "server/service.h"
+
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
+#include "server/convert.h"
+
+namespace kvq::server {
+namespace {
+
+absl::Status CheckId(const std::string& id, absl::string_view field) {
+  if (id.empty() || id.size() > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be 1..256 bytes (got ", id.size(), ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckBatch(int n) {
+  if (n < 1 || n > kMaxBatchItems) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("items holds ", n, " entries; expected 1..", kMaxBatchItems));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Prefix(const absl::Status& st, absl::string_view prefix) {
+  if (st.ok()) return st;
+  return absl::Status(st.code(), absl::StrCat(prefix, ": ", st.message()));
+}
+
+}  // namespace
+
+Service::Service(core::Store* store, core::Registry* registry, const Authenticator* auth,
+                 Metrics* metrics, WorkerPool* pool, const std::atomic<bool>* ready,
+                 std::string pool_name, std::string backend_name)
+    : store_(store),
+      registry_(registry),
+      auth_(auth),
+      metrics_(metrics),
+      pool_(pool),
+      ready_(ready),
+      pool_name_(std::move(pool_name)),
+      backend_name_(std::move(backend_name)),
+      started_(absl::Now()) {}
+
+absl::StatusOr<std::string> Service::Admit(const grpc::CallbackServerContext& ctx,
+                                           bool need_ready) {
+  // Authenticate first: an unauthenticated caller learns nothing, not even readiness.
+  absl::StatusOr<std::string> tenant = auth_->TenantOf(ctx);
+  if (!tenant.ok()) return tenant.status();
+  if (need_ready && !ready_->load(std::memory_order_acquire)) {
+    return absl::UnavailableError("the registry is still loading; retry shortly");
+  }
+  return tenant;
+}
+
+void Service::Record(const char* method, const absl::Status& st, absl::Time start, size_t in,
+                     size_t out) {
+  if (metrics_ == nullptr) return;
+  metrics_->RecordCall(method, static_cast<int>(st.code()),
+                       absl::ToDoubleSeconds(absl::Now() - start), in, out);
+}
+
+template <typename Req, typename Resp, typename Fn>
+grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServerContext* ctx,
+                                         const Req* req, Resp* resp, bool on_pool, Fn fn) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const absl::Time start = absl::Now();
+  auto finish = [this, reactor, method, start, req, resp](const absl::Status& st) {
+    Record(method, st, start, req->ByteSizeLong(), st.ok() ? resp->ByteSizeLong() : 0);
+    reactor->Finish(ToGrpc(st));
+  };
+  absl::StatusOr<std::string> tenant = Admit(*ctx, /*need_ready=*/true);
+  if (!tenant.ok()) {
+    finish(tenant.status());
+    return reactor;
+  }
+  if (!on_pool) {
+    finish(fn(*tenant));
+    return reactor;
+  }
+  pool_->Submit([finish, fn = std::move(fn), tenant = *std::move(tenant)]() mutable {
+    finish(fn(tenant));
+  });
+  return reactor;
+}
+
+// ---------------------------------------------------------------------------- registry
+
+grpc::ServerUnaryReactor* Service::RegisterBasis(grpc::CallbackServerContext* ctx,
+                                                 const v1::RegisterBasisRequest* req,
+                                                 v1::RegisterBasisResponse* resp) {
+  return Unary("RegisterBasis", ctx, req, resp, true, [this, req, resp](const std::string&) {
+    ASSIGN_OR_RETURN(core::ModelEntry e, ModelFromProto(*req));
+    bool already = false;
+    ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> stored,
+                     registry_->Register(std::move(e), &already));
+    ModelToProto(*stored,
+                 store_->LiveSequences(stored->manifest.model, stored->manifest.version),
+                 resp->mutable_model());
+    resp->set_already_registered(already);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* Service::ListModels(grpc::CallbackServerContext* ctx,
+                                              const v1::ListModelsRequest* req,
+                                              v1::ListModelsResponse* resp) {
+  return Unary("ListModels", ctx, req, resp, false, [this, resp](const std::string&) {
+    for (const auto& e : registry_->List()) {
+      ModelToProto(*e, store_->LiveSequences(e->manifest.model, e->manifest.version),
+                   resp->add_models());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* Service::GetModel(grpc::CallbackServerContext* ctx,
+                                            const v1::GetModelRequest* req,
+                                            v1::ModelInfo* resp) {
+  return Unary("GetModel", ctx, req, resp, false, [this, req, resp](const std::string&) {
+    if (req->model().empty()) return absl::InvalidArgumentError("model must be set");
+    if (req->version() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("version ", req->version(), " must be >= 0 (0: latest)"));
+    }
+    ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> e,
+                     registry_->Get(req->model(), req->version()));
+    ModelToProto(*e, store_->LiveSequences(e->manifest.model, e->manifest.version), resp);
+    return absl::OkStatus();
+  });
+}
+
+// ---------------------------------------------------------------------------- PutBlocks
+
+namespace {
+
+class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksRequest> {
+ public:
+  PutBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, v1::PutBlocksResponse* resp)
+      : svc_(svc), resp_(resp), start_(absl::Now()) {
+    absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
+    if (!tenant.ok()) {
+      Done(tenant.status());
+      return;
+    }
+    tenant_ = *std::move(tenant);
+    StartRead(&req_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the client closed its side (or the call was cancelled)
+      for (const auto& [key, tokens] : lengths_) {
+        auto* l = resp_->add_lengths();
+        l->set_sequence_id(key.first);
+        l->set_layer(key.second);
+        l->set_tokens(tokens);
+      }
+      Done(absl::OkStatus());
+      return;
+    }
+    bytes_in_ += req_.ByteSizeLong();
+    svc_->pool()->Submit([this] {
+      absl::Status st = Apply();
+      if (!st.ok()) {
+        Done(st);
+        return;
+      }
+      StartRead(&req_);
+    });
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Apply() {
+    std::vector<core::AppendSpec> specs(req_.appends_size());
+    std::vector<std::vector<float>> probes(req_.appends_size());
+    for (int i = 0; i < req_.appends_size(); ++i) {
+      const v1::Append& a = req_.appends(i);
+      const std::string at = absl::StrCat("appends[", i, "]");
+      core::AppendSpec& s = specs[i];
+      RETURN_IF_ERROR(CheckId(a.sequence_id(), at + ".sequence_id"));
+      s.sequence_id = a.sequence_id();
+      s.layer = a.layer();
+      s.start = a.start();
+      ASSIGN_OR_RETURN(s.keys, ViewOf(a.keys(), at + ".keys", 3, 3));
+      ASSIGN_OR_RETURN(s.values, ViewOf(a.values(), at + ".values", 3, 3));
+      if (a.has_probe_weights()) {
+        ASSIGN_OR_RETURN(core::TensorView p, ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
+        if (p.shape[0] != s.keys.shape[0] || p.shape[1] != s.keys.shape[1]) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(at, ".probe_weights.shape must be [kv_heads, n] = [",
+                           s.keys.shape[0], ", ", s.keys.shape[1], "]"));
+        }
+        probes[i].resize(p.numel());
+        core::ToFloat(p.dtype, p.data, probes[i].data(), probes[i].size());
+        s.probe_weights = probes[i].data();
+      }
+      s.model = a.model();
+      if (a.basis_version() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(at, ".basis_version ", a.basis_version(), " must be >= 0"));
+      }
+      s.basis_version = a.basis_version();
+      if (a.has_codec()) {
+        if (a.model().empty()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(at, ".codec is only accepted with model (at creation)"));
+        }
+        absl::StatusOr<std::shared_ptr<const core::ModelEntry>> m =
+            svc_->registry()->Get(a.model(), a.basis_version());
+        if (!m.ok()) return Prefix(m.status(), at + ".model");
+        ASSIGN_OR_RETURN(s.codec, MergeCodec((*m)->codec, a.codec(), at + ".codec"));
+        s.has_codec = true;
+      }
+    }
+    core::AppendOutcome out;
+    RETURN_IF_ERROR(svc_->store()->Append(tenant_, specs, &out));
+    resp_->set_messages(resp_->messages() + 1);
+    resp_->set_appends(resp_->appends() + req_.appends_size());
+    resp_->set_tokens_written(resp_->tokens_written() + out.tokens_written);
+    resp_->set_tokens_duplicate(resp_->tokens_duplicate() + out.tokens_duplicate);
+    for (const auto& [id, layer, tokens] : out.lengths) lengths_[{id, layer}] = tokens;
+    return absl::OkStatus();
+  }
+
+  void Done(const absl::Status& st) {
+    svc_->Record("PutBlocks", st, start_, bytes_in_, st.ok() ? resp_->ByteSizeLong() : 0);
+    Finish(ToGrpc(st));
+  }
+
+  Service* svc_;
+  v1::PutBlocksResponse* resp_;
+  absl::Time start_;
+  std::string tenant_;
+  v1::PutBlocksRequest req_;
+  size_t bytes_in_ = 0;
+  std::map<std::pair<std::string, int>, int64_t> lengths_;
+};
+
+}  // namespace
+
+grpc::ServerReadReactor<v1::PutBlocksRequest>* Service::PutBlocks(
+    grpc::CallbackServerContext* ctx, v1::PutBlocksResponse* resp) {
+  return new PutBlocksReactor(this, ctx, resp);
+}
+
+// ---------------------------------------------------------------------------- reads
+
+grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
+                                         const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
+  return Unary("Score", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
+    RETURN_IF_ERROR(CheckBatch(req->items_size()));
+    std::vector<float> q, out;
+    for (int i = 0; i < req->items_size(); ++i) {
+      const v1::ScoreItem& item = req->items(i);
+      v1::ScoreResult* r = resp->add_results();
+      const std::string at = absl::StrCat("items[", i, "]");
+      int q_heads = 0, n_q = 0, d = 0;
+      int64_t tokens = 0;
+      absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
+      if (st.ok()) st = QueriesToFloat(item.queries(), at + ".queries", &q, &q_heads, &n_q, &d);
+      if (st.ok()) {
+        st = Prefix(store_->Score(tenant, item.sequence_id(), item.layer(), item.basis_version(),
+                                  q.data(), q_heads, n_q, d, item.scale(),
+                                  item.corrections_only(), &out, &tokens),
+                    at);
+      }
+      if (st.ok()) {
+        FillTensor(out.data(), {q_heads, n_q, tokens}, v1::DTYPE_F32, r->mutable_logits());
+        r->set_tokens(tokens);
+      }
+      SetItemStatus(st, r->mutable_status());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
+                                           const v1::ReadoutRequest* req,
+                                           v1::ReadoutResponse* resp) {
+  return Unary("Readout", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
+    RETURN_IF_ERROR(CheckBatch(req->items_size()));
+    std::vector<float> p, out;
+    for (int i = 0; i < req->items_size(); ++i) {
+      const v1::ReadoutItem& item = req->items(i);
+      v1::ReadoutResult* r = resp->add_results();
+      const std::string at = absl::StrCat("items[", i, "]");
+      int64_t tokens = 0;
+      int q_heads = 0, n_q = 0;
+      absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
+      absl::StatusOr<core::TensorView> w;
+      if (st.ok()) {
+        w = ViewOf(item.weights(), at + ".weights", 3, 3);
+        st = w.status();
+      }
+      if (st.ok() && w->dtype != core::DType::kF32) {
+        st = absl::InvalidArgumentError(absl::StrCat(at, ".weights.dtype must be DTYPE_F32"));
+      }
+      if (st.ok() && w->shape[1] > kMaxQueriesPerItem) {
+        st = absl::InvalidArgumentError(absl::StrCat(at, ".weights.shape[1] ", w->shape[1],
+                                                     " exceeds the limit ", kMaxQueriesPerItem));
+      }
+      if (st.ok()) {
+        q_heads = static_cast<int>(w->shape[0]);
+        n_q = static_cast<int>(w->shape[1]);
+        p.resize(w->numel());
+        core::ToFloat(core::DType::kF32, w->data, p.data(), p.size());
+        st = Prefix(store_->Readout(tenant, item.sequence_id(), item.layer(),
+                                    item.basis_version(), p.data(), q_heads, n_q, w->shape[2],
+                                    item.weights_are_logits(), &out, &tokens),
+                    at);
+      }
+      if (st.ok()) {
+        const int64_t d = static_cast<int64_t>(out.size()) / (int64_t{q_heads} * n_q);
+        FillTensor(out.data(), {q_heads, n_q, d}, item.output_dtype(), r->mutable_outputs());
+        r->set_tokens(tokens);
+      }
+      SetItemStatus(st, r->mutable_status());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
+                                          const v1::AttendRequest* req,
+                                          v1::AttendResponse* resp) {
+  return Unary("Attend", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
+    RETURN_IF_ERROR(CheckBatch(req->items_size()));
+    std::vector<float> q, out;
+    for (int i = 0; i < req->items_size(); ++i) {
+      const v1::AttendItem& item = req->items(i);
+      v1::AttendResult* r = resp->add_results();
+      const std::string at = absl::StrCat("items[", i, "]");
+      int q_heads = 0, n_q = 0, d = 0;
+      int64_t tokens = 0;
+      absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
+      if (st.ok()) st = QueriesToFloat(item.queries(), at + ".queries", &q, &q_heads, &n_q, &d);
+      if (st.ok()) {
+        core::AttendOptions ao;
+        ao.causal_offset = item.has_causal_offset() ? item.causal_offset() : -1;
+        ao.observe = item.has_observe() ? item.observe() : true;
+        ao.scale = item.scale();
+        if (item.has_causal_offset() && item.causal_offset() < 0) {
+          st = absl::InvalidArgumentError(
+              absl::StrCat(at, ".causal_offset ", item.causal_offset(), " must be >= 0"));
+        } else {
+          st = Prefix(store_->Attend(tenant, item.sequence_id(), item.layer(),
+                                     item.basis_version(), q.data(), q_heads, n_q, d, ao, &out,
+                                     &tokens),
+                      at);
+        }
+      }
+      if (st.ok()) {
+        FillTensor(out.data(), {q_heads, n_q, d}, item.output_dtype(), r->mutable_outputs());
+        r->set_tokens(tokens);
+      }
+      SetItemStatus(st, r->mutable_status());
+    }
+    return absl::OkStatus();
+  });
+}
+
+// ---------------------------------------------------------------------------- GetBlocks
+
+namespace {
+
+class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResponse> {
+ public:
+  GetBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx,
+                   const v1::GetBlocksRequest* req)
+      : svc_(svc), req_(*req), start_(absl::Now()) {
+    bytes_in_ = req->ByteSizeLong();
+    absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
+    if (!tenant.ok()) {
+      Done(tenant.status());
+      return;
+    }
+    tenant_ = *std::move(tenant);
+    svc_->pool()->Submit([this] { Next(); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Done(absl::CancelledError("the client went away"));
+      return;
+    }
+    bytes_out_ += msg_.ByteSizeLong();
+    svc_->pool()->Submit([this] { Next(); });
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // Runs on the pool: writes the next chunk, or finishes.
+  void Next() {
+    absl::Status st = Produce();
+    if (!st.ok()) {
+      Done(st);
+      return;
+    }
+    if (finished_) {
+      Done(absl::OkStatus());
+      return;
+    }
+    StartWrite(&msg_);
+  }
+
+  absl::Status Produce() {
+    if (!started_) {
+      started_ = true;
+      RETURN_IF_ERROR(CheckId(req_.sequence_id(), "sequence_id"));
+      if (req_.max_tokens_per_message() < 0) {
+        return absl::InvalidArgumentError("max_tokens_per_message must be >= 0 (0: 4096)");
+      }
+      chunk_ = req_.max_tokens_per_message() ? req_.max_tokens_per_message() : 4096;
+      if (req_.dtype() != v1::DTYPE_UNSPECIFIED) {
+        RETURN_IF_ERROR(FromProto(req_.dtype(), "dtype").status());
+      }
+      ASSIGN_OR_RETURN(core::SequenceInfo info,
+                       svc_->store()->Describe(tenant_, req_.sequence_id()));
+      if (req_.basis_version() != 0 && req_.basis_version() != info.model->manifest.version) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "basis_version ", req_.basis_version(), ": sequence '", req_.sequence_id(),
+            "' is pinned to version ", info.model->manifest.version));
+      }
+      kv_heads_ = info.model->manifest.kv_heads;
+      d_ = info.model->manifest.head_dim;
+      version_ = info.model->manifest.version;
+      const int n_layers = info.model->manifest.layers;
+      if (req_.layers_size() == 0) {
+        for (int l = 0; l < n_layers; ++l) layers_.push_back(l);
+      }
+      for (int i = 0; i < req_.layers_size(); ++i) {
+        if (req_.layers(i) < 0 || req_.layers(i) >= n_layers) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "layers[", i, "] = ", req_.layers(i), " must be in 0..", n_layers - 1));
+        }
+        layers_.push_back(req_.layers(i));
+      }
+    }
+    while (offset_ >= tokens_) {
+      if (next_layer_ >= layers_.size()) {
+        finished_ = true;
+        return absl::OkStatus();
+      }
+      layer_ = layers_[next_layer_++];
+      offset_ = 0;
+      RETURN_IF_ERROR(svc_->store()->Decode(tenant_, req_.sequence_id(), layer_,
+                                            req_.basis_version(), &keys_, &values_,
+                                            &tokens_));
+    }
+    const int64_t n = std::min<int64_t>(chunk_, tokens_ - offset_);
+    std::vector<float> kbuf(static_cast<size_t>(kv_heads_) * n * d_), vbuf(kbuf.size());
+    for (int h = 0; h < kv_heads_; ++h) {
+      const size_t src = (static_cast<size_t>(h) * tokens_ + offset_) * d_;
+      const size_t dst = static_cast<size_t>(h) * n * d_;
+      std::copy_n(keys_.data() + src, n * d_, kbuf.data() + dst);
+      std::copy_n(values_.data() + src, n * d_, vbuf.data() + dst);
+    }
+    msg_.Clear();
+    msg_.set_layer(layer_);
+    msg_.set_start(offset_);
+    msg_.set_layer_tokens(tokens_);
+    msg_.set_basis_version(version_);
+    FillTensor(kbuf.data(), {kv_heads_, n, d_}, req_.dtype(), msg_.mutable_keys());
+    FillTensor(vbuf.data(), {kv_heads_, n, d_}, req_.dtype(), msg_.mutable_values());
+    offset_ += n;
+    return absl::OkStatus();
+  }
+
+  void Done(const absl::Status& st) {
+    svc_->Record("GetBlocks", st, start_, bytes_in_, bytes_out_);
+    Finish(ToGrpc(st));
+  }
+
+  Service* svc_;
+  const v1::GetBlocksRequest req_;
+  absl::Time start_;
+  std::string tenant_;
+  size_t bytes_in_ = 0, bytes_out_ = 0;
+  bool started_ = false, finished_ = false;
+  int64_t chunk_ = 4096;
+  int kv_heads_ = 0, d_ = 0, version_ = 0;
+  std::vector<int> layers_;
+  size_t next_layer_ = 0;
+  int layer_ = 0;
+  int64_t offset_ = 0, tokens_ = 0;
+  std::vector<float> keys_, values_;
+  v1::GetBlocksResponse msg_;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<v1::GetBlocksResponse>* Service::GetBlocks(
+    grpc::CallbackServerContext* ctx, const v1::GetBlocksRequest* req) {
+  return new GetBlocksReactor(this, ctx, req);
+}
+
+// ---------------------------------------------------------------------------- misc
+
+grpc::ServerUnaryReactor* Service::DeleteSequence(grpc::CallbackServerContext* ctx,
+                                                  const v1::DeleteSequenceRequest* req,
+                                                  v1::DeleteSequenceResponse* resp) {
+  return Unary("DeleteSequence", ctx, req, resp, true,
+               [this, req, resp](const std::string& tenant) {
+                 RETURN_IF_ERROR(CheckId(req->sequence_id(), "sequence_id"));
+                 ASSIGN_OR_RETURN(int64_t freed, store_->Delete(tenant, req->sequence_id()));
+                 resp->set_bytes_freed(freed);
+                 return absl::OkStatus();
+               });
+}
+
+grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
+                                         const v1::StatsRequest* req, v1::StatsResponse* resp) {
+  return Unary("Stats", ctx, req, resp, false, [this, resp](const std::string& tenant) {
+    const core::UsageStats t = store_->TenantUsage(tenant);
+    const core::UsageStats all = store_->TotalUsage();
+    resp->set_tenant(tenant);
+    resp->set_sequences(t.sequences);
+    resp->set_tokens(t.tokens);
+    resp->set_stored_bytes(t.bytes);
+    resp->set_quota_bytes(store_->options().tenant_quota_bytes);
+    resp->set_evictions(t.evictions);
+    if (t.size.tokens > 0) {
+      resp->set_k_bits_per_element(t.size.k_bits_effective());
+      resp->set_v_bits_per_element(t.size.v_bits_effective());
+    }
+    resp->set_server_stored_bytes(all.bytes);
+    resp->set_server_capacity_bytes(store_->options().capacity_bytes);
+    resp->set_memory_pool(pool_name_);
+    resp->set_compute_backend(backend_name_);
+    resp->set_uptime_seconds(absl::ToDoubleSeconds(absl::Now() - started_));
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* Service::Echo(grpc::CallbackServerContext* ctx,
+                                        const v1::EchoRequest* req, v1::EchoResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> tenant = Admit(*ctx, /*need_ready=*/false);
+  absl::Status st = tenant.status();
+  if (st.ok()) *resp->mutable_payload() = req->payload();
+  Record("Echo", st, start, req->ByteSizeLong(), st.ok() ? resp->ByteSizeLong() : 0);
+  reactor->Finish(ToGrpc(st));
+  return reactor;
+}
+
+}  // namespace kvq::server

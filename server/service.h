@@ -1,0 +1,78 @@
+// The kvq.v1.Kvq callback service: a thin translator from protobuf to core::Store calls.
+// Each handler authenticates on the gRPC thread, then runs on the worker pool; one wrapper
+// (Unary / the stream reactors) adds the status mapping, timing and counters to every call.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include "kvq/core/store.h"
+#include "kvq/v1/kvq.grpc.pb.h"
+#include "server/auth.h"
+#include "server/metrics.h"
+#include "server/worker_pool.h"
+
+namespace kvq::server {
+
+class Service final : public v1::Kvq::CallbackService {
+ public:
+  // metrics may be null. `ready` turns true once the registry is loaded; until then every
+  // call but Echo is UNAVAILABLE.
+  Service(core::Store* store, core::Registry* registry, const Authenticator* auth,
+          Metrics* metrics, WorkerPool* pool, const std::atomic<bool>* ready,
+          std::string pool_name, std::string backend_name);
+
+  grpc::ServerUnaryReactor* RegisterBasis(grpc::CallbackServerContext* ctx,
+                                          const v1::RegisterBasisRequest* req,
+                                          v1::RegisterBasisResponse* resp) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* ctx,
+                                       const v1::ListModelsRequest* req,
+                                       v1::ListModelsResponse* resp) override;
+  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
+                                     const v1::GetModelRequest* req,
+                                     v1::ModelInfo* resp) override;
+  grpc::ServerReadReactor<v1::PutBlocksRequest>* PutBlocks(
+      grpc::CallbackServerContext* ctx, v1::PutBlocksResponse* resp) override;
+  grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
+                                  v1::ScoreResponse* resp) override;
+  grpc::ServerUnaryReactor* Readout(grpc::CallbackServerContext* ctx,
+                                    const v1::ReadoutRequest* req,
+                                    v1::ReadoutResponse* resp) override;
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
+                                   const v1::AttendRequest* req,
+                                   v1::AttendResponse* resp) override;
+  grpc::ServerWriteReactor<v1::GetBlocksResponse>* GetBlocks(
+      grpc::CallbackServerContext* ctx, const v1::GetBlocksRequest* req) override;
+  grpc::ServerUnaryReactor* DeleteSequence(grpc::CallbackServerContext* ctx,
+                                           const v1::DeleteSequenceRequest* req,
+                                           v1::DeleteSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
+                                  v1::StatsResponse* resp) override;
+  grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* req,
+                                 v1::EchoResponse* resp) override;
+
+  // Shared by the stream reactors.
+  core::Store* store() { return store_; }
+  core::Registry* registry() { return registry_; }
+  WorkerPool* pool() { return pool_; }
+  // Authentication and readiness; OK and the tenant, or the status to finish with.
+  absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext& ctx, bool need_ready);
+  void Record(const char* method, const absl::Status& st, absl::Time start, size_t in,
+              size_t out);
+
+ private:
+  template <typename Req, typename Resp, typename Fn>
+  grpc::ServerUnaryReactor* Unary(const char* method, grpc::CallbackServerContext* ctx,
+                                  const Req* req, Resp* resp, bool on_pool, Fn fn);
+
+  core::Store* store_;
+  core::Registry* registry_;
+  const Authenticator* auth_;
+  Metrics* metrics_;
+  WorkerPool* pool_;
+  const std::atomic<bool>* ready_;
+  std::string pool_name_, backend_name_;
+  absl::Time started_;
+};
+
+}  // namespace kvq::server
