@@ -1,0 +1,471 @@
+// Codec behaviour: error budgets, HeadQ's properties, accounting, corruption.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "kvq/core/basis.h"
+#include "kvq/core/cache.h"
+#include "kvq/core/calibration.h"
+#include "kvq/core/codec.h"
+#include "kvq/core/half.h"
+#include "kvq/core/metrics.h"
+#include "kvq/core/value_policy.h"
+#include "test_util.h"
+
+namespace kvq::core {
+namespace {
+using kvq::testing::DenseAttend;
+using kvq::testing::Gaussian;
+using kvq::testing::View3;
+
+TEST(Half, RoundTripsAndRounding) {
+  EXPECT_EQ(FloatToHalf(1.0f), 0x3c00);
+  EXPECT_EQ(HalfToFloat(0x7bff), 65504.0f);
+  EXPECT_EQ(HalfToFloat(FloatToHalf(1.0f + 1.0f / 4096)), 1.0f);  // ties to even
+  EXPECT_EQ(BF16ToFloat(FloatToBF16(3.0f)), 3.0f);
+  EXPECT_EQ(FloatToBF16(1.00390625f), 0x3f80);  // tie 1 + 2^-8 rounds to even (1.0)
+  std::vector<uint16_t> h(19);
+  std::vector<float> f(19), back(19);
+  for (int i = 0; i < 19; ++i) f[i] = 0.37f * i - 3;
+  FloatToHalfN(f.data(), h.data(), 19);
+  HalfToFloatN(h.data(), back.data(), 19);
+  for (int i = 0; i < 19; ++i) EXPECT_NEAR(back[i], f[i], 2e-3f);
+}
+
+TEST(Codec, OptionsValidationNamesTheField) {
+  CodecOptions o;
+  o.key_bits = 5;
+  auto s = o.Validate();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("key_bits"), std::string::npos);
+  o = CodecOptions();
+  o.key_group = 48;
+  EXPECT_NE(o.Validate().message().find("key_group"), std::string::npos);
+  o = CodecOptions();
+  o.rank = 65;
+  EXPECT_NE(o.Validate().message().find("rank"), std::string::npos);
+  EXPECT_TRUE(CodecOptions().Validate().ok());
+}
+
+// Every reconstructed key is within half a quantization step (plus fp16 rounding of the
+// zero point) of the original: the per-bit-width error budget.
+TEST(Codec, KeyRoundTripWithinHalfStep) {
+  for (int bits : {2, 3, 4, 8})
+    for (int G : {32, 64, 128}) {
+      SCOPED_TRACE(::testing::Message() << "bits=" << bits << " G=" << G);
+      CodecOptions o;
+      o.key_bits = bits;
+      o.key_group = G;
+      o.head_dim = 80;
+      auto k = Gaussian(static_cast<size_t>(G) * 80, bits + G, 2.0f, 0.5f);
+      std::vector<uint8_t> blk;
+      ASSERT_TRUE(EncodeKeyBlock(o, k.data(), 80, nullptr, &blk).ok());
+      auto v = ParseKeyBlock(blk, o, true);
+      ASSERT_TRUE(v.ok()) << v.status();
+      std::vector<float> out(k.size());
+      DecodeKeyBase(*v, out.data());
+      double mse = 0, budget = 0;
+      for (int c = 0; c < 80; ++c) {
+        const float step = HalfToFloat(v->scale[c]);
+        budget += 1.3 * step * step / 12 * G;  // uniform-error variance, 30% slack
+        for (int t = 0; t < G; ++t) {
+          const float e = std::fabs(out[t * 80 + c] - k[t * 80 + c]);
+          ASSERT_LE(e, 0.5f * step * 1.001f + 2e-3f * std::fabs(k[t * 80 + c]) + 1e-3f);
+          mse += e * e;
+        }
+      }
+      EXPECT_LT(mse, budget);
+      // And the width matters: the step shrinks as 1 / (2^bits - 1).
+      EXPECT_LT(HalfToFloat(v->scale[0]), 2.2f * 12.0f / ((1 << bits) - 1));
+    }
+}
+
+TEST(Codec, ValueRoundTripPerWidth) {
+  for (int bits : {1, 2, 3, 4, 8}) {
+    CodecOptions o;
+    o.value_bits = bits;
+    o.head_dim = 128;
+    o.value_group = 32;
+    auto x = Gaussian(32 * 128, 40 + bits);
+    std::vector<uint8_t> blk;
+    ASSERT_TRUE(EncodeValueBlock(o, x.data(), 128, nullptr, &blk).ok());
+    EXPECT_EQ(blk.size(), ValueBlockBytes(o));
+    auto v = ParseValueBlock(blk, o, true);
+    ASSERT_TRUE(v.ok());
+    std::vector<float> out(x.size());
+    DecodeValueBlock(*v, out.data());
+    double mse = 0, budget = 0;
+    const uint8_t* rec = v->payload;
+    const size_t rec_bytes = 16 + (128 * bits + 7) / 8;
+    for (int t = 0; t < 32; ++t, rec += rec_bytes)
+      for (int g = 0; g < 4; ++g) {
+        uint16_t h;
+        std::memcpy(&h, rec + 2 * g, 2);
+        const double step = HalfToFloat(h);
+        // 1 bit: two levels, the worst case (half a step) bounds every error.
+        budget += (bits == 1 ? 0.25 : 1.3 / 12) * step * step * 32;
+      }
+    for (size_t i = 0; i < x.size(); ++i) mse += (out[i] - x[i]) * (out[i] - x[i]);
+    EXPECT_LT(mse, budget) << "bits=" << bits;
+  }
+}
+
+// Optimized cache path vs a double-precision dense reference over the cache's own decoded
+// K/V, on odd shapes and grouped-query ratios.
+TEST(Codec, AttendMatchesReferenceOnOddShapes) {
+  for (int d : {64, 80, 128})
+    for (int64_t T : {1, 19, 111, 989})
+      for (int gq : {1, 3, 8}) {
+        SCOPED_TRACE(::testing::Message() << "d=" << d << " T=" << T << " gq=" << gq);
+        const int kv = 2, qh = kv * gq, nq = 2;
+        CodecOptions o;
+        o.head_dim = d;
+        o.rank = 4;
+        auto basis = RandomBasis({"t", 1, 1, kv, qh, d, 4}, 11);
+        LayerCache cache(o, kv, basis.u.data());
+        auto k = Gaussian(kv * T * d, 1 + d), v = Gaussian(kv * T * d, 2 + d);
+        ASSERT_TRUE(cache.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+        auto q = Gaussian(static_cast<size_t>(qh) * nq * d, 3);
+        std::vector<float> out(static_cast<size_t>(qh) * nq * d);
+        AttendOptions ao;
+        ao.causal_offset = T - 2;  // the last query sees everything, the first one token less
+        ASSERT_TRUE(cache.Attend(q.data(), qh, nq, ao, out.data()).ok());
+        std::vector<float> kd, vd;
+        ASSERT_TRUE(cache.Decode(&kd, &vd).ok());
+        auto ref = DenseAttend(kd, vd, q, kv, qh, nq, T, d, T - 2);
+        for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 2e-4f) << i;
+      }
+}
+
+TEST(Codec, OneTokenAppendsEqualOneBigAppend) {
+  const int kv = 3, d = 64, T = 150;
+  CodecOptions o;
+  o.rank = 4;
+  o.window = 16;
+  auto basis = RandomBasis({"t", 1, 1, kv, 9, d, 4}, 5);
+  LayerCache big(o, kv, basis.u.data()), small(o, kv, basis.u.data());
+  auto k = Gaussian(kv * T * d, 8), v = Gaussian(kv * T * d, 9);
+  ASSERT_TRUE(big.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  for (int t = 0; t < T; ++t) {
+    TensorView kt = View3(k, kv, T, d), vt = View3(v, kv, T, d);
+    kt.data = k.data() + t * d;
+    vt.data = v.data() + t * d;
+    kt.shape[1] = vt.shape[1] = 1;  // strided view of token t of every head
+    ASSERT_TRUE(small.Append(kt, vt, t).ok());
+  }
+  auto q = Gaussian(9 * d, 10);
+  std::vector<float> a(9 * T), b(9 * T);
+  ASSERT_TRUE(big.Score(q.data(), 9, 1, a.data()).ok());
+  ASSERT_TRUE(small.Score(q.data(), 9, 1, b.data()).ok());
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(big.Size().total_bytes(), small.Size().total_bytes());
+  EXPECT_EQ(big.Size().window_tokens, 150 - 128);  // 16 <= window < 16 + 32
+}
+
+TEST(Codec, AppendRejectsBadInputAndKeepsState) {
+  const int kv = 2, d = 64;
+  LayerCache c(CodecOptions(), kv, nullptr);
+  auto k = Gaussian(kv * 40 * d, 1), v = Gaussian(kv * 40 * d, 2);
+  ASSERT_TRUE(c.Append(View3(k, kv, 40, d), View3(v, kv, 40, d), 0).ok());
+  const int64_t bytes = c.Size().total_bytes();
+  auto bad = k;
+  bad[100] = std::nanf("");
+  auto s = c.Append(View3(bad, kv, 40, d), View3(v, kv, 40, d), 40);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("keys["), std::string::npos);
+  EXPECT_EQ(c.Append(View3(k, kv, 40, d), View3(v, kv, 40, d), 7).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.Append(View3(k, 3, 40, d), View3(v, 3, 40, d), 40).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.tokens(), 40);
+  EXPECT_EQ(c.Size().total_bytes(), bytes);
+}
+
+// A constant vector added to every key is softmax-null: attention and the Fisher metric
+// are unchanged (the asymmetric base code is shift-equivariant up to fp16 zero points).
+TEST(Codec, SoftmaxNullShift) {
+  const int kv = 1, d = 64, T = 256;
+  auto k = Gaussian(T * d, 21), v = Gaussian(T * d, 22), q = Gaussian(d, 23);
+  auto k2 = k;
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < d; ++c) k2[t * d + c] += 3.0f + 0.5f * (c % 5);
+  CodecOptions o;
+  LayerCache a(o, kv, nullptr), b(o, kv, nullptr);
+  ASSERT_TRUE(a.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  ASSERT_TRUE(b.Append(View3(k2, kv, T, d), View3(v, kv, T, d), 0).ok());
+  std::vector<float> sa(T), sb(T), oa(d), ob(d), ea(T), eb(T);
+  ASSERT_TRUE(a.Score(q.data(), 1, 1, sa.data()).ok());
+  ASSERT_TRUE(b.Score(q.data(), 1, 1, sb.data()).ok());
+  for (int t = 0; t < T; ++t) {
+    float x = 0, y = 0;
+    for (int c = 0; c < d; ++c) {
+      x += q[c] * k[t * d + c];
+      y += q[c] * k2[t * d + c];
+    }
+    ea[t] = x / 8;
+    eb[t] = y / 8;
+  }
+  // The shift moves every score by (nearly) the same amount: what remains comes from fp16
+  // rounding of the shifted zero points and is far below the quantization damage itself.
+  const double kl_quant = AttentionKL(ea.data(), sa.data(), T);
+  EXPECT_LT(AttentionKL(sa.data(), sb.data(), T), 0.05 * kl_quant);
+  EXPECT_NEAR(FisherScoreError(ea.data(), sa.data(), T), FisherScoreError(eb.data(), sb.data(), T),
+              0.02 * FisherScoreError(ea.data(), sa.data(), T));
+  // The metric itself ignores constants; the raw score MSE does not.
+  std::vector<float> shifted(sa);
+  for (auto& x : shifted) x += 5;
+  EXPECT_NEAR(FisherScoreError(sa.data(), shifted.data(), T), 0.0, 1e-9);
+  EXPECT_GT(MeanSquaredError(sa.data(), shifted.data(), T), 24.0);
+  ASSERT_TRUE(a.Attend(q.data(), 1, 1, {}, oa.data()).ok());
+  ASSERT_TRUE(b.Attend(q.data(), 1, 1, {}, ob.data()).ok());
+  std::vector<float> ex_out(d);
+  {
+    std::vector<float> p(T);
+    Softmax(ea.data(), T, p.data());
+    for (int t = 0; t < T; ++t)
+      for (int c = 0; c < d; ++c) ex_out[c] += p[t] * v[t * d + c];
+  }
+  EXPECT_LT(RelativeOutputError(oa.data(), ob.data(), d),
+            0.1 * RelativeOutputError(ex_out.data(), oa.data(), d));
+}
+
+TEST(Codec, FullRankEightBitSideCodeIsNearExact) {
+  const int kv = 1, d = 64, T = 128;
+  auto k = Gaussian(T * d, 31), v = Gaussian(T * d, 32), q = Gaussian(d, 33);
+  auto eye = RandomBasis({"t", 1, 1, 1, 1, d, d}, 3);  // any orthonormal basis of full rank
+  CodecOptions base;
+  CodecOptions full = base;
+  full.rank = d;
+  full.side_bits = 8;
+  LayerCache a(base, kv, nullptr), b(full, kv, eye.u.data());
+  ASSERT_TRUE(a.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  ASSERT_TRUE(b.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  std::vector<float> sa(T), sb(T), ex(T);
+  ASSERT_TRUE(a.Score(q.data(), 1, 1, sa.data()).ok());
+  ASSERT_TRUE(b.Score(q.data(), 1, 1, sb.data()).ok());
+  for (int t = 0; t < T; ++t) {
+    float x = 0;
+    for (int c = 0; c < d; ++c) x += q[c] * k[t * d + c];
+    ex[t] = x / 8;
+  }
+  const double e_base = MeanSquaredError(ex.data(), sa.data(), T);
+  const double e_full = MeanSquaredError(ex.data(), sb.data(), T);
+  EXPECT_LT(e_full, 1e-3 * e_base) << e_base << " " << e_full;
+}
+
+// Queries living in a 4-dimensional subspace: the query-PCA basis removes most of the
+// Fisher score error, a random basis of the same rank little, and the wrong sign hurts.
+TEST(Codec, QueryPcaVsRandomVsWrongSign) {
+  const int d = 64, T = 1024, r = 4, nq = 64, kv = 1;
+  std::mt19937 rng(41);
+  std::normal_distribution<float> nd;
+  std::vector<float> A(d * r);
+  for (auto& x : A) x = nd(rng);
+  auto sample_q = [&](int n) {
+    std::vector<float> q(static_cast<size_t>(n) * d);
+    for (int i = 0; i < n; ++i) {
+      float z[4];
+      for (float& x : z) x = 3 * nd(rng);
+      for (int c = 0; c < d; ++c) {
+        float acc = 0.05f * nd(rng);
+        for (int j = 0; j < r; ++j) acc += A[c * r + j] * z[j];
+        q[static_cast<size_t>(i) * d + c] = acc;
+      }
+    }
+    return q;
+  };
+  QueryStats stats(1, 1, 1, d);
+  auto cal = sample_q(4000);
+  stats.Add(0, 0, cal.data(), 4000);
+  BasisManifest m{"synthetic", 1, 1, 1, 1, d, r};
+  auto pca = stats.Basis(r, {}, m);
+  ASSERT_TRUE(pca.ok());
+  EXPECT_GT(stats.CapturedEnergy(*pca)[0], 0.99);
+  auto rnd = RandomBasis(pca->manifest, 99);
+
+  auto k = Gaussian(T * d, 42), v = Gaussian(T * d, 43);
+  auto q = sample_q(nq);
+  auto fisher = [&](const CodecOptions& o, const float* U) {
+    LayerCache c(o, kv, U);
+    EXPECT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+    std::vector<float> s(static_cast<size_t>(nq) * T);
+    EXPECT_TRUE(c.Score(q.data(), 1, nq, s.data()).ok());
+    double f = 0;
+    std::vector<float> ex(T);
+    for (int i = 0; i < nq; ++i) {
+      for (int t = 0; t < T; ++t) {
+        float x = 0;
+        for (int ch = 0; ch < d; ++ch) x += q[i * d + ch] * k[t * d + ch];
+        ex[t] = x / 8;
+      }
+      f += FisherScoreError(ex.data(), s.data() + static_cast<size_t>(i) * T, T);
+    }
+    return f / nq;
+  };
+  CodecOptions base;
+  CodecOptions hq = base;
+  hq.rank = r;
+  CodecOptions wrong = hq;
+  wrong.side_sign = -1;
+  const double f_base = fisher(base, nullptr);
+  const double f_pca = fisher(hq, pca->u.data());
+  const double f_rnd = fisher(hq, rnd.u.data());
+  const double f_wrong = fisher(wrong, pca->u.data());
+  EXPECT_LT(f_pca, 0.2 * f_base) << f_base << " " << f_pca;
+  EXPECT_GT(f_rnd, 0.7 * f_base) << f_base << " " << f_rnd;
+  EXPECT_GT(f_wrong, 1.5 * f_base) << f_base << " " << f_wrong;
+}
+
+TEST(Codec, BitFiguresEqualBytesStored) {
+  for (int rank : {0, 4})
+    for (int G : {32, 128}) {
+      const int kv = 3, d = 64, T = 1000;
+      CodecOptions o;
+      o.rank = rank;
+      o.key_group = G;
+      o.window = 64;
+      auto basis = RandomBasis({"t", 1, 1, kv, 9, d, 4}, 1);
+      LayerCache c(o, kv, rank ? basis.u.data() : nullptr);
+      auto k = Gaussian(kv * T * d, 1), v = Gaussian(kv * T * d, 2);
+      std::vector<uint16_t> kh(k.size()), vh(v.size());
+      FloatToHalfN(k.data(), kh.data(), k.size());
+      FloatToHalfN(v.data(), vh.data(), v.size());
+      ASSERT_TRUE(c.Append(TensorView::Contiguous(kh.data(), DType::kF16, {kv, T, d}),
+                           TensorView::Contiguous(vh.data(), DType::kF16, {kv, T, d}), 0).ok());
+      SizeReport s = c.Size();
+      const int64_t blocks = s.encoded_tokens / G;
+      EXPECT_EQ(s.encoded_tokens + s.window_tokens, T);
+      EXPECT_GE(s.window_tokens, 64);
+      EXPECT_LT(s.window_tokens, 64 + G);
+      // Block bytes: exactly the per-block layout, nothing hidden.
+      EXPECT_EQ(s.key_block_bytes, static_cast<int64_t>(KeyBlockBytes(o)) * blocks * kv);
+      EXPECT_EQ(s.value_block_bytes, static_cast<int64_t>(ValueBlockBytes(o)) * blocks * kv);
+      EXPECT_EQ(s.key_window_bytes, s.window_tokens * kv * d * 2);  // fp16 as it arrived
+      size_t stored_k = 0, stored_v = 0;
+      for (int h = 0; h < kv; ++h) {
+        stored_k += c.key_blocks(h).size();
+        stored_v += c.value_blocks(h).size();
+      }
+      EXPECT_DOUBLE_EQ(s.k_bits_steady() * s.encoded_tokens * kv * d / 8, stored_k);
+      EXPECT_DOUBLE_EQ(s.v_bits_steady() * s.encoded_tokens * kv * d / 8, stored_v);
+      EXPECT_NEAR(s.k_bits_effective() * T * kv * d / 8, stored_k + s.key_window_bytes, 1e-6);
+      // The documented formula: 2 bits + 32/G bits of scale+zero + header + side code.
+      const double expect_k = 2.0 + 32.0 / G + 128.0 / (G * d) +
+                              (rank ? (8.0 * rank / d + 32.0 * rank / (G * d)) : 0.0);
+      EXPECT_NEAR(s.k_bits_steady(), expect_k, 1e-9);
+    }
+}
+
+TEST(Codec, CorruptedAndTruncatedBlocksAreRejected) {
+  const int kv = 1, d = 64, T = 64;
+  CodecOptions o;
+  o.rank = 4;
+  auto basis = RandomBasis({"t", 1, 1, 1, 1, d, 4}, 1);
+  auto k = Gaussian(T * d, 1), v = Gaussian(T * d, 2), q = Gaussian(d, 3);
+  LayerCache c(o, kv, basis.u.data());
+  ASSERT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  std::vector<float> s(T), out(d);
+  ASSERT_TRUE(c.Score(q.data(), 1, 1, s.data()).ok());
+  // Flip one bit anywhere in a key block: every read path reports DATA_LOSS.
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    auto& kb = trial % 2 ? c.key_blocks(0) : c.value_blocks(0);
+    const size_t at = rng() % kb.size();
+    const uint8_t bit = static_cast<uint8_t>(1u << (rng() % 8));
+    kb[at] ^= bit;
+    EXPECT_EQ(c.Score(q.data(), 1, 1, s.data()).code() == absl::StatusCode::kDataLoss ||
+                  c.Attend(q.data(), 1, 1, {}, out.data()).code() == absl::StatusCode::kDataLoss,
+              true);
+    EXPECT_EQ(c.VerifyAll().code(), absl::StatusCode::kDataLoss);
+    kb[at] ^= bit;
+  }
+  EXPECT_TRUE(c.VerifyAll().ok());
+  // Truncated and garbage blocks.
+  const auto& kb = c.key_blocks(0);
+  for (size_t n : {size_t{0}, size_t{5}, size_t{16}, KeyBlockBytes(o) - 1})
+    EXPECT_EQ(ParseKeyBlock({kb.data(), n}, o, true).status().code(), absl::StatusCode::kDataLoss);
+  std::vector<uint8_t> junk(KeyBlockBytes(o));
+  for (int trial = 0; trial < 100; ++trial) {
+    for (auto& b : junk) b = static_cast<uint8_t>(rng());
+    EXPECT_FALSE(ParseKeyBlock(junk, o, true).ok());
+    EXPECT_FALSE(ParseValueBlock(junk, o, true).ok());
+  }
+  // A valid block read with another codec's options is refused, not misread.
+  CodecOptions other = o;
+  other.key_bits = 4;
+  EXPECT_EQ(ParseKeyBlock({kb.data(), KeyBlockBytes(o)}, other, true).status().code(),
+            absl::StatusCode::kDataLoss);
+}
+
+TEST(ValuePolicy, SpendsBitsOnHeavyTokensWithinBudget) {
+  CodecOptions o;
+  o.value_policy = ValuePolicy::kA2;
+  o.value_budget = 2.0f;
+  o.sink_tokens = 4;
+  const int n = 32, d = 64;
+  auto v = Gaussian(n * d, 3);
+  std::vector<float> w(n, 0.001f);
+  w[10] = w[20] = 1.0f;
+  std::vector<uint8_t> bits(n);
+  ChooseValueBits(o, v.data(), d, w.data(), n, 0, bits.data());
+  int sum = 0;
+  for (int t = 0; t < n; ++t) sum += bits[t];
+  EXPECT_LE(sum, 2 * n);
+  EXPECT_EQ(bits[0], 4);  // sink
+  EXPECT_EQ(bits[10], 4);
+  EXPECT_EQ(bits[20], 4);
+  ChooseValueBits(o, v.data(), d, w.data(), n, 100, bits.data());  // past the sinks
+  EXPECT_LT(bits[0], 4);
+}
+
+// The A^2 policy beats uniform 2-bit values on the A^2-weighted distortion at the same mean
+// code width when the weights are informative.
+TEST(ValuePolicy, LowersA2DistortionAtEqualBits) {
+  const int d = 64, G = 32, n = 32 * 8;
+  auto v = Gaussian(static_cast<size_t>(n) * d, 77);
+  std::vector<float> w(n);
+  std::mt19937 rng(3);
+  std::exponential_distribution<float> ex(1.0f);
+  for (auto& x : w) x = std::pow(ex(rng), 4.0f);  // heavy-tailed, like attention
+  CodecOptions uni;
+  uni.value_bits = 2;
+  CodecOptions a2 = uni;
+  a2.value_policy = ValuePolicy::kA2;
+  a2.value_budget = 2.0f;
+  a2.sink_tokens = 0;
+  double du = 0, da = 0;
+  size_t bytes_u = 0, bytes_a = 0;
+  for (int b = 0; b < n / G; ++b) {
+    const float* vb = v.data() + static_cast<size_t>(b) * G * d;
+    std::vector<uint8_t> bu, ba, widths(G);
+    ASSERT_TRUE(EncodeValueBlock(uni, vb, d, nullptr, &bu).ok());
+    ChooseValueBits(a2, vb, d, w.data() + b * G, G, 1000, widths.data());
+    ASSERT_TRUE(EncodeValueBlock(a2, vb, d, widths.data(), &ba).ok());
+    bytes_u += bu.size();
+    bytes_a += ba.size();
+    std::vector<float> ou(G * d), oa(G * d);
+    DecodeValueBlock(*ParseValueBlock(bu, uni, true), ou.data());
+    DecodeValueBlock(*ParseValueBlock(ba, a2, true), oa.data());
+    du += A2ValueDistortion(w.data() + b * G, vb, ou.data(), G, d);
+    da += A2ValueDistortion(w.data() + b * G, vb, oa.data(), G, d);
+  }
+  EXPECT_LT(da, 0.5 * du) << du << " " << da;
+  EXPECT_LE(bytes_a, bytes_u + (n / G) * ((G + 3) / 4));  // only the width tags extra
+}
+
+TEST(Metrics, FisherApproximatesKLForSmallErrors) {
+  auto s = Gaussian(500, 1, 2.0f);
+  auto ds = Gaussian(500, 2, 0.01f);
+  std::vector<float> s2(500);
+  for (int i = 0; i < 500; ++i) s2[i] = s[i] + ds[i];
+  const double kl = AttentionKL(s.data(), s2.data(), 500);
+  const double f = FisherScoreError(s.data(), s2.data(), 500);
+  EXPECT_NEAR(kl, f, 0.05 * f);
+  EXPECT_NEAR(SpearmanRho({1, 2, 3, 4}, {10, 20, 30, 40}), 1.0, 1e-12);
+  EXPECT_NEAR(SpearmanRho({1, 2, 3, 4}, {4, 3, 2, 1}), -1.0, 1e-12);
+}
+
+}  // namespace
+}  // namespace kvq::core

@@ -1,0 +1,143 @@
+// Every optimized kernel table against the scalar reference, on odd shapes (ggml's
+// test-backend-ops habit): tables this CPU lacks are skipped, never silently passed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kvq/kernels/kernels.h"
+#include "test_util.h"
+
+namespace kvq::kernels {
+namespace {
+
+std::vector<const KernelTable*> Optimized() {
+  std::vector<const KernelTable*> t;
+  if (Avx2()) t.push_back(Avx2());
+  if (Avx512()) t.push_back(Avx512());
+  return t;
+}
+
+int64_t RowBytes(int64_t n, int b) { return (n * b + 7) / 8; }
+
+TEST(KernelParity, AtLeastOneOptimizedTableOnThisMachine) {
+  // This machine (and CI's) has AVX-512; a build that lost its SIMD tables must fail here.
+  EXPECT_FALSE(Optimized().empty());
+  EXPECT_STRNE(Best().name, "ref");
+}
+
+TEST(KernelParity, QuantizeChannels) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {1, 2, 3, 4, 8})
+      for (int tokens : {32, 64, 128})
+        for (int n_ch : {4, 19, 64, 80, 128}) {
+          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens
+                                          << " ch=" << n_ch);
+          const int ld = n_ch + 3;  // non-contiguous rows
+          auto x = kvq::testing::Gaussian(static_cast<size_t>(tokens) * ld, bits * 1000 + n_ch);
+          const size_t cb = RowBytes(tokens, bits) * n_ch;
+          std::vector<uint16_t> s0(n_ch), z0(n_ch), s1(n_ch), z1(n_ch);
+          std::vector<uint8_t> c0(cb, 0xAA), c1(cb, 0x55);
+          std::vector<float> d0(tokens * n_ch), d1(tokens * n_ch);
+          Ref().quantize_channels(x.data(), ld, tokens, n_ch, bits, s0.data(), z0.data(), c0.data(), d0.data());
+          kt->quantize_channels(x.data(), ld, tokens, n_ch, bits, s1.data(), z1.data(), c1.data(), d1.data());
+          EXPECT_EQ(s0, s1);
+          EXPECT_EQ(z0, z1);
+          EXPECT_EQ(c0, c1);
+          for (size_t i = 0; i < d0.size(); ++i) ASSERT_NEAR(d0[i], d1[i], 1e-5f * (1 + std::fabs(d0[i])));
+        }
+}
+
+TEST(KernelParity, QuantizeRow) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {1, 2, 3, 4, 8})
+      for (int n : {64, 80, 128})
+        for (int group : {16, 32, 64, n}) {
+          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " n=" << n << " g=" << group);
+          auto x = kvq::testing::Gaussian(n, bits * 7 + n + group);
+          const int ng = (n + group - 1) / group;
+          std::vector<uint16_t> s0(ng), z0(ng), s1(ng), z1(ng);
+          std::vector<uint8_t> c0(RowBytes(n, bits)), c1(RowBytes(n, bits));
+          Ref().quantize_row(x.data(), n, group, bits, s0.data(), z0.data(), c0.data());
+          kt->quantize_row(x.data(), n, group, bits, s1.data(), z1.data(), c1.data());
+          EXPECT_EQ(s0, s1);
+          EXPECT_EQ(z0, z1);
+          EXPECT_EQ(c0, c1);
+        }
+}
+
+TEST(KernelParity, DotChannelsAndReadoutRows) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {1, 2, 3, 4, 8})
+      for (int n_q : {1, 3, 8})
+        for (int d : {64, 80, 128}) {
+          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " nq=" << n_q << " d=" << d);
+          const int tokens = 64;
+          std::vector<uint8_t> codes(RowBytes(tokens, bits) * d);
+          std::mt19937 rng(bits * 31 + n_q + d);
+          for (auto& c : codes) c = static_cast<uint8_t>(rng());
+          auto w = kvq::testing::Gaussian(n_q * d, 5 + d);
+          std::vector<float> o0(n_q * tokens, 0.5f), o1(n_q * tokens, 0.5f);
+          Ref().dot_channels(codes.data(), bits, d, tokens, w.data(), n_q, d, o0.data(), tokens);
+          kt->dot_channels(codes.data(), bits, d, tokens, w.data(), n_q, d, o1.data(), tokens);
+          for (size_t i = 0; i < o0.size(); ++i) ASSERT_NEAR(o0[i], o1[i], 1e-3f * (1 + std::fabs(o0[i])));
+
+          // Token rows: fp16 scale/zero per group then codes; varying widths per row.
+          const int group = 16, ng = (d + group - 1) / group, rows = 19;
+          std::vector<uint8_t> rb(rows), buf;
+          for (int t = 0; t < rows; ++t) {
+            rb[t] = static_cast<uint8_t>(bits == 8 ? 8 : 1 + (t + bits) % 4);
+            std::vector<uint8_t> rec(4 * ng + RowBytes(d, rb[t]));
+            for (int g = 0; g < 2 * ng; ++g) {
+              const uint16_t h = static_cast<uint16_t>(0x3000 + rng() % 0x800);  // modest fp16
+              std::memcpy(rec.data() + 2 * g, &h, 2);
+            }
+            for (size_t j = 4 * ng; j < rec.size(); ++j) rec[j] = static_cast<uint8_t>(rng());
+            buf.insert(buf.end(), rec.begin(), rec.end());
+          }
+          auto p = kvq::testing::Gaussian(n_q * rows, 9);
+          std::vector<float> r0(n_q * d, 0.25f), r1(n_q * d, 0.25f);
+          Ref().readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r0.data(), d);
+          kt->readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r1.data(), d);
+          for (size_t i = 0; i < r0.size(); ++i) ASSERT_NEAR(r0[i], r1[i], 1e-3f * (1 + std::fabs(r0[i])));
+        }
+}
+
+TEST(KernelParity, DenseAndExp) {
+  for (const KernelTable* kt : Optimized())
+    for (int d : {64, 80, 128})
+      for (int n_q : {1, 3, 8}) {
+        SCOPED_TRACE(::testing::Message() << kt->name << " d=" << d << " nq=" << n_q);
+        const int T = 111;
+        auto kf = kvq::testing::Gaussian(T * d, d + n_q);
+        std::vector<uint16_t> k(T * d);
+        for (int i = 0; i < T * d; ++i) {
+          _Float16 h = static_cast<_Float16>(kf[i]);
+          std::memcpy(&k[i], &h, 2);
+        }
+        auto q = kvq::testing::Gaussian(n_q * d, 3);
+        std::vector<float> s0(n_q * T), s1(n_q * T);
+        Ref().dense_scores_f16(k.data(), T, d, q.data(), n_q, s0.data(), T);
+        kt->dense_scores_f16(k.data(), T, d, q.data(), n_q, s1.data(), T);
+        for (size_t i = 0; i < s0.size(); ++i) ASSERT_NEAR(s0[i], s1[i], 1e-3f * (1 + std::fabs(s0[i])));
+        std::vector<float> o0(n_q * d, 0), o1(n_q * d, 0);
+        Ref().dense_readout_f16(k.data(), T, d, s0.data(), T, n_q, o0.data(), d);
+        kt->dense_readout_f16(k.data(), T, d, s0.data(), T, n_q, o1.data(), d);
+        for (size_t i = 0; i < o0.size(); ++i) ASSERT_NEAR(o0[i], o1[i], 1e-3f * (1 + std::fabs(o0[i])));
+        std::vector<float> e0(s0), e1(s0);
+        for (auto& x : e0) x *= 3;
+        for (auto& x : e1) x *= 3;
+        e0[5] = e1[5] = -1e30f;  // underflow must give exactly 0
+        const float mx = *std::max_element(e0.begin(), e0.end());  // softmax's shift
+        const float sum0 = Ref().exp_sum(e0.data(), e0.size(), mx);
+        const float sum1 = kt->exp_sum(e1.data(), e1.size(), mx);
+        EXPECT_NEAR(sum0, sum1, 1e-5f * sum0);
+        EXPECT_EQ(e1[5], 0.0f);
+        for (size_t i = 0; i < e0.size(); ++i) ASSERT_NEAR(e0[i], e1[i], 2e-6f * (1 + e0[i]));
+      }
+}
+
+}  // namespace
+}  // namespace kvq::kernels
