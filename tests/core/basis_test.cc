@@ -1,0 +1,138 @@
+// Basis files: round trip, and every malformed variant rejected with a clear error.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "kvq/core/basis.h"
+#include "kvq/core/calibration.h"
+#include "test_util.h"
+
+namespace kvq::core {
+namespace {
+namespace fs = std::filesystem;
+
+class BasisFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("kvq_basis_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    BasisManifest m{"tiny-llama", 2, 3, 2, 6, 16, 4};
+    basis_ = RandomBasis(m, 7);
+    basis_.manifest.kind = "query_pca_uncentred";
+    ASSERT_TRUE(WriteBasis(dir_.string(), basis_).ok());
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string Slurp(const std::string& name) {
+    std::ifstream f(dir_ / name, std::ios::binary);
+    return {std::istreambuf_iterator<char>(f), {}};
+  }
+  void Spit(const std::string& name, const std::string& s) {
+    std::ofstream f(dir_ / name, std::ios::binary | std::ios::trunc);
+    f << s;
+  }
+  fs::path dir_;
+  ModelBasis basis_;
+};
+
+TEST_F(BasisFiles, RoundTrip) {
+  auto b = ReadBasis(dir_.string());
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->manifest.model, "tiny-llama");
+  EXPECT_EQ(b->manifest.version, 2);
+  EXPECT_EQ(b->manifest.layers, 3);
+  EXPECT_EQ(b->manifest.rank, 4);
+  EXPECT_EQ(b->u, basis_.u);
+  EXPECT_EQ(b->manifest.fingerprint, BasisFingerprint(basis_));
+  EXPECT_FALSE(fs::exists(dir_ / "manifest.json.tmp"));
+  auto t = b->Truncated(2);
+  EXPECT_EQ(t.u.size(), basis_.u.size() / 2);
+  EXPECT_EQ(t.head(1, 1)[3 * 2 + 1], basis_.head(1, 1)[3 * 4 + 1]);
+}
+
+TEST_F(BasisFiles, RejectsMalformedManifest) {
+  const std::string good = Slurp("manifest.json");
+  auto expect_bad = [&](const std::string& text, const std::string& needle) {
+    Spit("manifest.json", text);
+    auto b = ReadBasis(dir_.string());
+    ASSERT_FALSE(b.ok()) << text;
+    EXPECT_NE(b.status().message().find(needle), std::string::npos) << b.status();
+  };
+  expect_bad("not json", "not a JSON object");
+  auto j = nlohmann::json::parse(good);
+  auto with = [&](const char* key, nlohmann::json v) {
+    auto c = j;
+    c[key] = v;
+    return c.dump();
+  };
+  expect_bad(with("rank", 0), "rank");
+  expect_bad(with("rank", 5), "");  // shape no longer matches the tensor data
+  expect_bad(with("q_heads", 5), "q_heads");
+  expect_bad(with("rope_layout", "sideways"), "rope_layout");
+  expect_bad(with("version", 0), "version");
+  expect_bad(with("layers", "three"), "mistyped");
+  expect_bad(with("fingerprint", "0000000000000000"), "fingerprint");
+  auto c = j;
+  c.erase("head_dim");
+  expect_bad(c.dump(), "missing");
+}
+
+TEST_F(BasisFiles, RejectsMalformedTensors) {
+  const std::string good = Slurp("basis.safetensors");
+  auto expect_bad = [&](const std::string& bytes) {
+    Spit("basis.safetensors", bytes);
+    EXPECT_FALSE(ReadBasis(dir_.string()).ok());
+  };
+  expect_bad("");
+  expect_bad(good.substr(0, 4));
+  expect_bad(good.substr(0, good.size() - 4));  // truncated data
+  std::string flipped = good;
+  flipped[flipped.size() - 3] ^= 0x40;  // data corrupted: fingerprint catches it
+  Spit("basis.safetensors", flipped);
+  EXPECT_EQ(ReadBasis(dir_.string()).status().code(), absl::StatusCode::kDataLoss);
+  std::string huge_len = good;
+  huge_len[7] = 0x7f;  // header length past the end
+  expect_bad(huge_len);
+  fs::remove(dir_ / "basis.safetensors");
+  EXPECT_EQ(ReadBasis(dir_.string()).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Calibration, GroupedQueryHeadsFeedTheirKvHead) {
+  const int d = 8;
+  QueryStats st(1, 4, 2, d);  // query heads 0,1 -> kv 0; 2,3 -> kv 1
+  std::vector<float> e0(d, 0.0f), e1(d, 0.0f);
+  e0[2] = 1;
+  e1[5] = 1;
+  for (int i = 0; i < 10; ++i) {
+    st.Add(0, 1, e0.data(), 1);
+    st.Add(0, 3, e1.data(), 1);
+  }
+  EXPECT_EQ(st.count(0, 0), 10);
+  auto b = st.Basis(1, {}, BasisManifest{"m"});
+  ASSERT_TRUE(b.ok());
+  EXPECT_NEAR(std::fabs(b->head(0, 0)[2]), 1.0f, 1e-6);
+  EXPECT_NEAR(std::fabs(b->head(0, 1)[5]), 1.0f, 1e-6);
+  EXPECT_EQ(st.Basis(0, {}, BasisManifest{"m"}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Calibration, CentredDiffersFromUncentredWhenQueriesHaveAMean) {
+  const int d = 16, n = 2000;
+  QueryStats st(1, 1, 1, d);
+  auto q = kvq::testing::Gaussian(static_cast<size_t>(n) * d, 3, 0.1f);
+  for (int i = 0; i < n; ++i) q[i * d + 0] += 5.0f;  // a large common mean along channel 0
+  st.Add(0, 0, q.data(), n);
+  auto un = st.Basis(1, {}, BasisManifest{"m"});
+  CalibrationOptions c;
+  c.centred = true;
+  auto ce = st.Basis(1, c, BasisManifest{"m"});
+  ASSERT_TRUE(un.ok() && ce.ok());
+  EXPECT_GT(std::fabs(un->u[0]), 0.99f);  // uncentred: the mean direction dominates
+  EXPECT_LT(std::fabs(ce->u[0]), 0.5f);   // centred: the mean is removed
+  EXPECT_EQ(ce->manifest.kind, "query_pca_centred");
+}
+
+}  // namespace
+}  // namespace kvq::core
