@@ -1,0 +1,91 @@
+// The KV cache as the Llama forward pass sees it: one object per sequence, holding every
+// layer. The forward pass appends the post-RoPE keys and values of a chunk of tokens to a
+// layer and immediately attends the chunk's queries over everything cached so far (causal).
+//
+// Implementations: DenseCache (fp16-rounded keys and values, exact attention), CodecCache (in-process kvq codec:
+// kvq::core::LayerCache per layer) and, later, a remote cache over the kvq gRPC client.
+//
+// Layouts (fp32, contiguous): k, v [n][kv_heads][head_dim] (the projection output rows);
+// q and out [q_heads][n][head_dim]. Query i of the chunk sits at position start + i and sees
+// cached positions [0, start + i].
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvq/core/basis.h"
+#include "kvq/core/cache.h"
+#include "kvq/core/codec.h"
+
+namespace kvq::frontend {
+
+struct CacheShape {
+  int layers = 0;
+  int q_heads = 0;
+  int kv_heads = 0;
+  int head_dim = 0;
+};
+
+class AttentionCache {
+ public:
+  virtual ~AttentionCache() = default;
+  // Appends n tokens at positions [start, start + n) to `layer` (start == tokens(layer)),
+  // then writes the attention of the n queries to out.
+  virtual absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start,
+                                       int n, const float* q, float* out) = 0;
+  virtual int64_t tokens(int layer) const = 0;
+  // Size accounting summed over layers (zero for the dense cache).
+  virtual core::SizeReport Size() const { return {}; }
+  // The token count at which the next group gets encoded (given `tokens` cached now), or -1
+  // when nothing is ever encoded (dense). Later encodes follow every EncodeGroup() tokens. The
+  // decode-faithful driver (llama.h) cuts chunks at these counts, so that each query sees
+  // exactly what it would see when decoding one token at a time.
+  virtual int64_t NextEncodeBoundary(int64_t tokens) const { return -1; }
+  virtual int64_t EncodeGroup() const { return 0; }
+};
+
+class DenseCache : public AttentionCache {
+ public:
+  explicit DenseCache(const CacheShape& s);
+  absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
+                               const float* q, float* out) override;
+  int64_t tokens(int layer) const override { return static_cast<int64_t>(k_[layer].size()) / row_; }
+
+ private:
+  CacheShape s_;
+  int64_t row_;
+  std::vector<std::vector<float>> k_, v_;  // per layer [tokens][kv_heads][d]
+};
+
+// One kvq::core::LayerCache per layer. basis: the model's basis (rank >= o.rank; the first
+// o.rank columns are used) or null for rank 0. Keys and values are sent as fp16, as a serving
+// frontend would, so the full-precision window holds fp16 and is counted at 16 bits. The A^2
+// value policy sees only what LayerCache records itself: attention of queries at positions up
+// to the newest token (earlier readouts), never later queries.
+class CodecCache : public AttentionCache {
+ public:
+  static absl::StatusOr<std::unique_ptr<CodecCache>> Create(const CacheShape& s,
+                                                             const core::CodecOptions& o,
+                                                             const core::ModelBasis* basis,
+                                                             bool keys_only = false);
+  absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
+                               const float* q, float* out) override;
+  int64_t tokens(int layer) const override { return layers_[layer]->tokens(); }
+  core::SizeReport Size() const override;
+  int64_t NextEncodeBoundary(int64_t tokens) const override;
+  int64_t EncodeGroup() const override { return o_.key_group; }
+
+ private:
+  CodecCache(const CacheShape& s, const core::CodecOptions& o) : s_(s), o_(o) {}
+  absl::Status AttendKeysOnly(int layer, int64_t start, int n, const float* q, float* out);
+  CacheShape s_;
+  core::CodecOptions o_;
+  // keys_only: scores from the codec (Score), values read dense from fp16-rounded copies.
+  bool keys_only_ = false;
+  std::vector<std::vector<float>> dense_v_;  // per layer [tokens][kv_heads][d]
+  std::vector<std::unique_ptr<core::LayerCache>> layers_;
+};
+
+}  // namespace kvq::frontend

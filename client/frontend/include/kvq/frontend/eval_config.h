@@ -1,0 +1,50 @@
+// The configuration grammar of kvq-eval (one name per cache configuration):
+//
+//   dense                                   fp32 keys and values, exact attention
+//   <family>-<target><bits>[-<option>...]
+//     family   kivi   KIVI-like base quantizer only (rank 0)
+//              headq  KIVI-like base + HeadQ side code (rank 4 unless -r is given)
+//     target   k      keys quantized, values kept dense (fp16, 16 bits/element)
+//              kv     keys and values quantized
+//     bits     2, 3, 4 or 8: key base bits (and value bits for kv)
+//     options  r<N>   HeadQ rank N (headq only)
+//              g<N>   key group G (tokens per key block): 32, 64, 128
+//              vg<N>  channels per value scale group
+//              w<N>   R: most recent tokens kept at fp16 besides the incomplete group
+//              s<N>   side-code bits (4 or 8)
+//              a2     A^2 value policy: per-token value bits {1..4} at a mean of <bits>
+//              random     control: random orthonormal basis of the same rank (fixed seed)
+//              wrongsign  control: the HeadQ correction subtracted instead of added
+//              centred    basis from centred query PCA (kvq-calibrate writes DIR/centred)
+//              resw       residual-weighted basis (kvq-calibrate writes DIR/resw)
+//
+// Defaults: G = 32, value group 32, R = 0, side bits 8, except headq-kv*-a2, which defaults
+// to G = 128 and value group 64 (the side code repairs the coarser key groups; that frees
+// the bits the A^2 policy spends) so that it stays within kivi-kv<bits>'s combined budget.
+// Examples: kivi-k2, headq-k2-r4, headq-k2-r4-random, headq-k2-r4-wrongsign, kivi-kv2,
+// headq-kv2-a2, kivi-k2-g128, headq-k3-r4-g64-w128.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvq/core/codec.h"
+
+namespace kvq::frontend {
+
+enum class BasisKind { kQuery, kRandom, kCentred, kResidualWeighted };
+
+struct EvalConfig {
+  std::string name;
+  bool dense = false;
+  bool keys_only = false;       // values stay fp16 (dense readout)
+  core::CodecOptions codec;
+  BasisKind basis = BasisKind::kQuery;
+  std::string family;           // "dense", "kivi", "headq"
+};
+
+absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name);
+absl::StatusOr<std::vector<EvalConfig>> ParseEvalConfigList(const std::string& comma_list);
+
+}  // namespace kvq::frontend

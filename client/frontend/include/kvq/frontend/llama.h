@@ -1,0 +1,67 @@
+// A Llama-family decoder on the CPU, loaded from GGUF: RMSNorm, RoPE (adjacent pairs, the
+// GGUF layout), grouped-query attention through an AttentionCache, SwiGLU FFN, tied or
+// separate output embedding. Weights are dequantized to fp32 at load; matrix products go
+// through OpenBLAS sgemm (thread count set by the caller, default 2).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvq/frontend/attention_cache.h"
+#include "kvq/frontend/gguf.h"
+
+namespace kvq::frontend {
+
+struct LlamaConfig {
+  int layers = 0, hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0, ffn = 0, vocab = 0;
+  float rms_eps = 1e-5f;
+  float rope_base = 10000.0f;
+  int rope_dims = 0;  // rotated dimensions per head (== head_dim for Llama)
+  int64_t context_length = 0;
+  CacheShape cache_shape() const { return {layers, q_heads, kv_heads, head_dim}; }
+};
+
+// Called once per layer and chunk with the post-RoPE queries [q_heads][n][d] and the
+// post-RoPE keys and values [n][kv_heads][d] of tokens at positions [start, start + n).
+using ActivationHook = std::function<void(int layer, int64_t start, int n, const float* q,
+                                          const float* k, const float* v)>;
+
+class LlamaModel {
+ public:
+  static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const GgufFile& f);
+  const LlamaConfig& config() const { return cfg_; }
+
+  // Runs tokens [start, start + n) of one sequence through the model, reading and extending
+  // `cache` (which must hold exactly `start` tokens in every layer). Writes logits [n][vocab]
+  // for the rows i with logits_from <= i (rows before are skipped to save the output matmul;
+  // the output then holds n - logits_from rows). logits may be null.
+  absl::Status Forward(const int32_t* tokens, int n, int64_t start, AttentionCache* cache,
+                       int logits_from, std::vector<float>* logits,
+                       const ActivationHook& hook = nullptr) const;
+
+  // Forward in chunks cut at the cache's encode boundaries (decode-faithful: each query sees
+  // exactly the encoded/full-precision split it would see when decoding token by token),
+  // at most max_chunk tokens per chunk. Same outputs as Forward.
+  absl::Status ForwardDecodeFaithful(const int32_t* tokens, int n, int64_t start,
+                                     AttentionCache* cache, int logits_from,
+                                     std::vector<float>* logits, int max_chunk = 512,
+                                     const ActivationHook& hook = nullptr) const;
+
+ private:
+  struct Layer {
+    std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, wgate, wup, wdown;
+  };
+  LlamaConfig cfg_;
+  std::vector<float> tok_embd_, out_norm_, output_;  // output_ empty when tied
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;
+};
+
+// Sets the BLAS thread count (OpenBLAS), for the tools' --threads flag.
+void SetBlasThreads(int n);
+
+}  // namespace kvq::frontend

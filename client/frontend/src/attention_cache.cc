@@ -1,0 +1,178 @@
+#include "kvq/frontend/attention_cache.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
+#include "kvq/core/tensor.h"
+
+namespace kvq::frontend {
+
+DenseCache::DenseCache(const CacheShape& s)
+    : s_(s), row_(static_cast<int64_t>(s.kv_heads) * s.head_dim), k_(s.layers), v_(s.layers) {}
+
+absl::Status DenseCache::AppendAndAttend(int layer, const float* k, const float* v, int64_t start,
+                                         int n, const float* q, float* out) {
+  auto& K = k_[layer];
+  auto& V = v_[layer];
+  if (start != tokens(layer)) {
+    return absl::InvalidArgumentError(absl::StrCat("dense cache: append at ", start, " but layer ",
+                                                   layer, " holds ", tokens(layer)));
+  }
+  // Rounded to fp16, the precision of a serving cache (and of llama.cpp's default KV cache).
+  const size_t old = K.size(), cnt = static_cast<size_t>(n) * row_;
+  K.resize(old + cnt);
+  V.resize(old + cnt);
+  std::vector<uint16_t> tmp(cnt);
+  core::FromFloat(core::DType::kF16, k, tmp.data(), cnt);
+  core::ToFloat(core::DType::kF16, tmp.data(), K.data() + old, cnt);
+  core::FromFloat(core::DType::kF16, v, tmp.data(), cnt);
+  core::ToFloat(core::DType::kF16, tmp.data(), V.data() + old, cnt);
+  const int64_t T = tokens(layer);
+  const int D = s_.head_dim, group = s_.q_heads / s_.kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<float> s(static_cast<size_t>(n) * T);
+  for (int h = 0; h < s_.q_heads; ++h) {
+    const int kh = h / group;
+    const float* qh = q + static_cast<size_t>(h) * n * D;
+    // s[n][T] = scale * Q_h K_kh^T (K rows strided by row_).
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, static_cast<int>(T), D, scale, qh, D,
+                K.data() + static_cast<size_t>(kh) * D, static_cast<int>(row_), 0.0f, s.data(),
+                static_cast<int>(T));
+    for (int i = 0; i < n; ++i) {
+      float* si = s.data() + static_cast<size_t>(i) * T;
+      const int64_t vis = start + i + 1;  // causal
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < vis; ++t) mx = std::max(mx, si[t]);
+      double sum = 0;
+      for (int64_t t = 0; t < vis; ++t) {
+        si[t] = std::exp(si[t] - mx);
+        sum += si[t];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int64_t t = 0; t < vis; ++t) si[t] *= inv;
+      for (int64_t t = vis; t < T; ++t) si[t] = 0.0f;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, static_cast<int>(T), 1.0f, s.data(),
+                static_cast<int>(T), V.data() + static_cast<size_t>(kh) * D, static_cast<int>(row_),
+                0.0f, out + static_cast<size_t>(h) * n * D, D);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape& s,
+                                                               const core::CodecOptions& o,
+                                                               const core::ModelBasis* basis,
+                                                               bool keys_only) {
+  RETURN_IF_ERROR(o.Validate());
+  if (o.head_dim != s.head_dim) return absl::InvalidArgumentError("codec head_dim != model head_dim");
+  std::unique_ptr<CodecCache> c(new CodecCache(s, o));
+  c->keys_only_ = keys_only;
+  if (keys_only) c->dense_v_.resize(s.layers);
+  std::vector<float> u;
+  if (o.rank > 0) {
+    if (!basis) return absl::InvalidArgumentError("codec rank > 0 needs a basis");
+    const auto& m = basis->manifest;
+    if (m.layers != s.layers || m.kv_heads != s.kv_heads || m.head_dim != s.head_dim ||
+        m.rank < o.rank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "basis shape (layers ", m.layers, ", kv_heads ", m.kv_heads, ", head_dim ", m.head_dim,
+          ", rank ", m.rank, ") does not fit the model / rank ", o.rank));
+    }
+  }
+  for (int l = 0; l < s.layers; ++l) {
+    const float* bp = nullptr;
+    if (o.rank > 0) {
+      // Keep the first o.rank columns of each head's U: [kv][d][rank].
+      const int R = basis->manifest.rank;
+      u.assign(static_cast<size_t>(s.kv_heads) * s.head_dim * o.rank, 0.0f);
+      for (int h = 0; h < s.kv_heads; ++h) {
+        const float* src = basis->head(l, h);
+        for (int i = 0; i < s.head_dim; ++i)
+          for (int r = 0; r < o.rank; ++r)
+            u[(static_cast<size_t>(h) * s.head_dim + i) * o.rank + r] = src[i * R + r];
+      }
+      bp = u.data();
+    }
+    c->layers_.push_back(std::make_unique<core::LayerCache>(o, s.kv_heads, bp));
+  }
+  return c;
+}
+
+absl::Status CodecCache::AppendAndAttend(int layer, const float* k, const float* v, int64_t start,
+                                         int n, const float* q, float* out) {
+  core::LayerCache& lc = *layers_[layer];
+  const int64_t KVH = s_.kv_heads, D = s_.head_dim;
+  // Sent as fp16, the wire dtype a serving frontend would use.
+  std::vector<uint16_t> kh(static_cast<size_t>(n) * KVH * D), vh(kh.size());
+  core::FromFloat(core::DType::kF16, k, kh.data(), kh.size());
+  core::FromFloat(core::DType::kF16, v, vh.data(), vh.size());
+  core::TensorView kv, vv;
+  for (auto* t : {&kv, &vv}) {
+    t->dtype = core::DType::kF16;
+    t->rank = 3;
+    t->shape = {KVH, n, D, 0};
+    t->stride = {D, KVH * D, 1, 0};
+  }
+  kv.data = kh.data();
+  vv.data = vh.data();
+  RETURN_IF_ERROR(lc.Append(kv, vv, start));
+  if (keys_only_) {
+    auto& dv = dense_v_[layer];
+    const size_t old = dv.size();
+    dv.resize(old + vh.size());
+    core::ToFloat(core::DType::kF16, vh.data(), dv.data() + old, vh.size());
+    return AttendKeysOnly(layer, start, n, q, out);
+  }
+  core::AttendOptions ao;
+  ao.causal_offset = start;
+  ao.observe = true;
+  return lc.Attend(q, s_.q_heads, n, ao, out);
+}
+
+absl::Status CodecCache::AttendKeysOnly(int layer, int64_t start, int n, const float* q, float* out) {
+  const core::LayerCache& lc = *layers_[layer];
+  const int64_t T = lc.tokens();
+  const int D = s_.head_dim, QH = s_.q_heads, group = s_.q_heads / s_.kv_heads;
+  const int64_t row = static_cast<int64_t>(s_.kv_heads) * D;
+  std::vector<float> logits(static_cast<size_t>(QH) * n * T);
+  RETURN_IF_ERROR(lc.Score(q, QH, n, logits.data()));
+  const std::vector<float>& V = dense_v_[layer];
+  for (int h = 0; h < QH; ++h) {
+    float* s = logits.data() + static_cast<size_t>(h) * n * T;
+    for (int i = 0; i < n; ++i) {
+      float* si = s + static_cast<size_t>(i) * T;
+      const int64_t vis = start + i + 1;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < vis; ++t) mx = std::max(mx, si[t]);
+      double sum = 0;
+      for (int64_t t = 0; t < vis; ++t) {
+        si[t] = std::exp(si[t] - mx);
+        sum += si[t];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int64_t t = 0; t < vis; ++t) si[t] *= inv;
+      for (int64_t t = vis; t < T; ++t) si[t] = 0.0f;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, static_cast<int>(T), 1.0f, s,
+                static_cast<int>(T), V.data() + static_cast<size_t>(h / group) * D,
+                static_cast<int>(row), 0.0f, out + static_cast<size_t>(h) * n * D, D);
+  }
+  return absl::OkStatus();
+}
+
+core::SizeReport CodecCache::Size() const {
+  core::SizeReport r;
+  for (const auto& l : layers_) r += l->Size();
+  return r;
+}
+
+int64_t CodecCache::NextEncodeBoundary(int64_t tokens) const {
+  const int64_t encoded = layers_.empty() ? 0 : layers_[0]->Size().encoded_tokens;
+  return encoded + o_.window + o_.key_group;
+}
+
+}  // namespace kvq::frontend

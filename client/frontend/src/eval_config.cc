@@ -1,0 +1,111 @@
+#include "kvq/frontend/eval_config.h"
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "kvq/core/status.h"
+
+namespace kvq::frontend {
+namespace {
+
+bool ParseSuffixInt(const std::string& s, const std::string& prefix, int* out) {
+  if (s.size() <= prefix.size() || s.compare(0, prefix.size(), prefix) != 0) return false;
+  return absl::SimpleAtoi(s.substr(prefix.size()), out);
+}
+
+}  // namespace
+
+absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
+  EvalConfig c;
+  c.name = name;
+  if (name == "dense") {
+    c.dense = true;
+    c.family = "dense";
+    return c;
+  }
+  std::vector<std::string> parts = absl::StrSplit(name, '-');
+  auto bad = [&](const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat("config '", name, "': ", why,
+                                                   " (see kvq-eval --help for the grammar)"));
+  };
+  if (parts.size() < 2) return bad("expected <family>-<target><bits>");
+  c.family = parts[0];
+  if (c.family != "kivi" && c.family != "headq") return bad("family must be kivi or headq");
+  const std::string& tb = parts[1];
+  int bits = 0;
+  if (ParseSuffixInt(tb, "kv", &bits)) {
+    c.keys_only = false;
+  } else if (ParseSuffixInt(tb, "k", &bits)) {
+    c.keys_only = true;
+  } else {
+    return bad("target must be k<bits> or kv<bits>");
+  }
+  core::CodecOptions& o = c.codec;
+  o.head_dim = 64;
+  o.key_bits = bits;
+  o.value_bits = bits;
+  o.rank = c.family == "headq" ? 4 : 0;
+  o.key_group = 32;
+  o.value_group = 32;
+  o.window = 0;
+  bool a2 = false, g_set = false, vg_set = false;
+  for (size_t i = 2; i < parts.size(); ++i) {
+    const std::string& p = parts[i];
+    int v = 0;
+    if (p == "a2") {
+      a2 = true;
+    } else if (p == "random") {
+      c.basis = BasisKind::kRandom;
+    } else if (p == "wrongsign") {
+      o.side_sign = -1.0f;
+    } else if (p == "centred") {
+      c.basis = BasisKind::kCentred;
+    } else if (p == "resw") {
+      c.basis = BasisKind::kResidualWeighted;
+    } else if (ParseSuffixInt(p, "vg", &v)) {
+      o.value_group = v;
+      vg_set = true;
+    } else if (ParseSuffixInt(p, "r", &v)) {
+      if (c.family != "headq") return bad("rank is for headq only");
+      o.rank = v;
+    } else if (ParseSuffixInt(p, "g", &v)) {
+      o.key_group = v;
+      g_set = true;
+    } else if (ParseSuffixInt(p, "w", &v)) {
+      o.window = v;
+    } else if (ParseSuffixInt(p, "s", &v)) {
+      o.side_bits = v;
+    } else {
+      return bad(absl::StrCat("unknown option '", p, "'"));
+    }
+  }
+  if (a2) {
+    if (c.keys_only) return bad("a2 is a value policy; use a kv target");
+    o.value_policy = core::ValuePolicy::kA2;
+    o.value_budget = static_cast<float>(bits);
+    if (bits > 4) return bad("a2 needs bits <= 4");
+    if (c.family == "headq") {
+      if (!g_set) o.key_group = 128;
+      if (!vg_set) o.value_group = 64;
+    }
+  }
+  if (c.family == "kivi" && (c.basis != BasisKind::kQuery || o.side_sign != 1.0f)) {
+    return bad("basis controls apply to headq only");
+  }
+  if (c.keys_only) o.value_bits = 8;  // unused: values are read dense
+  absl::Status s = o.Validate();
+  if (!s.ok()) return bad(std::string(s.message()));
+  return c;
+}
+
+absl::StatusOr<std::vector<EvalConfig>> ParseEvalConfigList(const std::string& comma_list) {
+  std::vector<EvalConfig> out;
+  for (absl::string_view n : absl::StrSplit(comma_list, ',', absl::SkipEmpty())) {
+    ASSIGN_OR_RETURN(EvalConfig c, ParseEvalConfig(std::string(n)));
+    out.push_back(std::move(c));
+  }
+  if (out.empty()) return absl::InvalidArgumentError("no configurations given");
+  return out;
+}
+
+}  // namespace kvq::frontend

@@ -1,0 +1,220 @@
+#include "kvq/frontend/llama.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
+
+namespace kvq::frontend {
+namespace {
+
+// Y[n][out] = X[n][in] * W^T, W stored [out][in] (GGUF ne0 = in).
+void MatMul(const float* x, const std::vector<float>& w, int n, int in, int out, float* y,
+            float beta = 0.0f) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, out, in, 1.0f, x, in, w.data(), in, beta,
+              y, out);
+}
+
+void RmsNorm(const float* x, const float* w, int n, int dim, float eps, float* y) {
+  for (int i = 0; i < n; ++i) {
+    const float* xi = x + static_cast<int64_t>(i) * dim;
+    double ss = 0;
+    for (int j = 0; j < dim; ++j) ss += static_cast<double>(xi[j]) * xi[j];
+    const float r = 1.0f / std::sqrt(static_cast<float>(ss / dim) + eps);
+    float* yi = y + static_cast<int64_t>(i) * dim;
+    for (int j = 0; j < dim; ++j) yi[j] = xi[j] * r * w[j];
+  }
+}
+
+absl::StatusOr<std::vector<float>> Load(const GgufFile& f, const std::string& name,
+                                        std::vector<int64_t> dims) {
+  const GgufTensorInfo* t = f.FindTensor(name);
+  if (!t) return absl::NotFoundError(absl::StrCat("model: missing tensor ", name));
+  if (t->dims != dims) {
+    std::string got, want;
+    for (auto d : t->dims) absl::StrAppend(&got, d, " ");
+    for (auto d : dims) absl::StrAppend(&want, d, " ");
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: tensor ", name, " has dims [", got, "], expected [", want, "]"));
+  }
+  return f.Dequantize(name);
+}
+
+}  // namespace
+
+void SetBlasThreads(int n) { openblas_set_num_threads(n); }
+
+absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) {
+  ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
+  if (arch != "llama") return absl::UnimplementedError(absl::StrCat("architecture ", arch));
+  auto m = std::unique_ptr<LlamaModel>(new LlamaModel());
+  LlamaConfig& c = m->cfg_;
+  auto geti = [&](const std::string& k) { return f.GetInt(arch + "." + k); };
+  ASSIGN_OR_RETURN(int64_t layers, geti("block_count"));
+  ASSIGN_OR_RETURN(int64_t hidden, geti("embedding_length"));
+  ASSIGN_OR_RETURN(int64_t heads, geti("attention.head_count"));
+  ASSIGN_OR_RETURN(int64_t ffn, geti("feed_forward_length"));
+  int64_t kv = heads;
+  if (auto v = geti("attention.head_count_kv"); v.ok()) kv = *v;
+  ASSIGN_OR_RETURN(double eps, f.GetFloat(arch + ".attention.layer_norm_rms_epsilon"));
+  double base = 10000.0;
+  if (auto v = f.GetFloat(arch + ".rope.freq_base"); v.ok()) base = *v;
+  if (heads <= 0 || kv <= 0 || heads % kv != 0 || hidden % heads != 0) {
+    return absl::InvalidArgumentError("model: inconsistent head counts");
+  }
+  c.layers = static_cast<int>(layers);
+  c.hidden = static_cast<int>(hidden);
+  c.q_heads = static_cast<int>(heads);
+  c.kv_heads = static_cast<int>(kv);
+  c.head_dim = static_cast<int>(hidden / heads);
+  c.ffn = static_cast<int>(ffn);
+  c.rms_eps = static_cast<float>(eps);
+  c.rope_base = static_cast<float>(base);
+  c.rope_dims = c.head_dim;
+  if (auto v = geti("rope.dimension_count"); v.ok()) c.rope_dims = static_cast<int>(*v);
+  if (auto v = geti("context_length"); v.ok()) c.context_length = *v;
+  if (auto v = f.GetStringArray("tokenizer.ggml.tokens"); v.ok()) c.vocab = static_cast<int>(v->size());
+  const GgufTensorInfo* emb = f.FindTensor("token_embd.weight");
+  if (!emb || emb->dims.size() != 2) return absl::NotFoundError("model: no token_embd.weight");
+  c.vocab = static_cast<int>(emb->dims[1]);
+  const int64_t H = c.hidden, D = c.head_dim, KV = c.kv_heads * D;
+  ASSIGN_OR_RETURN(m->tok_embd_, kvq::frontend::Load(f, "token_embd.weight", {H, c.vocab}));
+  ASSIGN_OR_RETURN(m->out_norm_, kvq::frontend::Load(f, "output_norm.weight", {H}));
+  if (f.FindTensor("output.weight")) {
+    ASSIGN_OR_RETURN(m->output_, kvq::frontend::Load(f, "output.weight", {H, c.vocab}));
+  }
+  m->layers_.resize(c.layers);
+  for (int l = 0; l < c.layers; ++l) {
+    Layer& L = m->layers_[l];
+    const std::string p = absl::StrCat("blk.", l, ".");
+    ASSIGN_OR_RETURN(L.attn_norm, kvq::frontend::Load(f, p + "attn_norm.weight", {H}));
+    ASSIGN_OR_RETURN(L.wq, kvq::frontend::Load(f, p + "attn_q.weight", {H, H}));
+    ASSIGN_OR_RETURN(L.wk, kvq::frontend::Load(f, p + "attn_k.weight", {H, KV}));
+    ASSIGN_OR_RETURN(L.wv, kvq::frontend::Load(f, p + "attn_v.weight", {H, KV}));
+    ASSIGN_OR_RETURN(L.wo, kvq::frontend::Load(f, p + "attn_output.weight", {H, H}));
+    ASSIGN_OR_RETURN(L.ffn_norm, kvq::frontend::Load(f, p + "ffn_norm.weight", {H}));
+    ASSIGN_OR_RETURN(L.wgate, kvq::frontend::Load(f, p + "ffn_gate.weight", {H, c.ffn}));
+    ASSIGN_OR_RETURN(L.wup, kvq::frontend::Load(f, p + "ffn_up.weight", {H, c.ffn}));
+    ASSIGN_OR_RETURN(L.wdown, kvq::frontend::Load(f, p + "ffn_down.weight", {c.ffn, H}));
+  }
+  // RoPE frequencies, llama.cpp "normal" mode: pair i = (x[2i], x[2i+1]), theta = pos * base^(-2i/n).
+  for (int i = 0; i < c.rope_dims / 2; ++i) {
+    m->inv_freq_.push_back(static_cast<float>(std::pow(static_cast<double>(c.rope_base),
+                                                       -2.0 * i / c.rope_dims)));
+  }
+  return m;
+}
+
+absl::Status LlamaModel::Forward(const int32_t* tokens, int n, int64_t start, AttentionCache* cache,
+                                 int logits_from, std::vector<float>* logits,
+                                 const ActivationHook& hook) const {
+  const LlamaConfig& c = cfg_;
+  const int H = c.hidden, D = c.head_dim, QH = c.q_heads, KVH = c.kv_heads, F = c.ffn;
+  if (n <= 0) return absl::OkStatus();
+  std::vector<float> x(static_cast<size_t>(n) * H), h(x.size()), q(x.size()), qt(x.size()),
+      att(x.size()), attt(x.size());
+  std::vector<float> k(static_cast<size_t>(n) * KVH * D), v(k.size());
+  std::vector<float> g(static_cast<size_t>(n) * F), u(g.size());
+  for (int i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= c.vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("token id ", tokens[i], " out of range"));
+    }
+    std::copy_n(tok_embd_.data() + static_cast<size_t>(tokens[i]) * H, H, x.data() + static_cast<size_t>(i) * H);
+  }
+  // cos/sin per (token, pair).
+  const int P = c.rope_dims / 2;
+  std::vector<float> cs(static_cast<size_t>(n) * P), sn(cs.size());
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < P; ++j) {
+      const double th = static_cast<double>(start + i) * inv_freq_[j];
+      cs[static_cast<size_t>(i) * P + j] = static_cast<float>(std::cos(th));
+      sn[static_cast<size_t>(i) * P + j] = static_cast<float>(std::sin(th));
+    }
+  }
+  auto rope = [&](float* row, int heads) {  // row: [n][heads][D]
+    for (int i = 0; i < n; ++i) {
+      for (int hh = 0; hh < heads; ++hh) {
+        float* r = row + (static_cast<size_t>(i) * heads + hh) * D;
+        const float* ci = cs.data() + static_cast<size_t>(i) * P;
+        const float* si = sn.data() + static_cast<size_t>(i) * P;
+        for (int j = 0; j < P; ++j) {
+          const float a = r[2 * j], b = r[2 * j + 1];
+          r[2 * j] = a * ci[j] - b * si[j];
+          r[2 * j + 1] = a * si[j] + b * ci[j];
+        }
+      }
+    }
+  };
+  for (int l = 0; l < c.layers; ++l) {
+    const Layer& L = layers_[l];
+    RmsNorm(x.data(), L.attn_norm.data(), n, H, c.rms_eps, h.data());
+    MatMul(h.data(), L.wq, n, H, H, q.data());
+    MatMul(h.data(), L.wk, n, H, KVH * D, k.data());
+    MatMul(h.data(), L.wv, n, H, KVH * D, v.data());
+    rope(q.data(), QH);
+    rope(k.data(), KVH);
+    // [n][QH][D] -> [QH][n][D]
+    for (int i = 0; i < n; ++i)
+      for (int hh = 0; hh < QH; ++hh)
+        std::copy_n(q.data() + (static_cast<size_t>(i) * QH + hh) * D, D,
+                    qt.data() + (static_cast<size_t>(hh) * n + i) * D);
+    if (hook) hook(l, start, n, qt.data(), k.data(), v.data());
+    RETURN_IF_ERROR(cache->AppendAndAttend(l, k.data(), v.data(), start, n, qt.data(), att.data()));
+    for (int hh = 0; hh < QH; ++hh)
+      for (int i = 0; i < n; ++i)
+        std::copy_n(att.data() + (static_cast<size_t>(hh) * n + i) * D, D,
+                    attt.data() + (static_cast<size_t>(i) * QH + hh) * D);
+    MatMul(attt.data(), L.wo, n, H, H, x.data(), 1.0f);  // x += attn Wo^T
+    RmsNorm(x.data(), L.ffn_norm.data(), n, H, c.rms_eps, h.data());
+    MatMul(h.data(), L.wgate, n, H, F, g.data());
+    MatMul(h.data(), L.wup, n, H, F, u.data());
+    for (size_t i = 0; i < g.size(); ++i) {
+      const float a = g[i];
+      g[i] = a / (1.0f + std::exp(-a)) * u[i];
+    }
+    MatMul(g.data(), L.wdown, n, F, H, x.data(), 1.0f);
+  }
+  if (logits && logits_from < n) {
+    const int m = n - std::max(0, logits_from);
+    const float* xs = x.data() + static_cast<size_t>(n - m) * H;
+    RmsNorm(xs, out_norm_.data(), m, H, c.rms_eps, h.data());
+    logits->resize(static_cast<size_t>(m) * c.vocab);
+    MatMul(h.data(), output_.empty() ? tok_embd_ : output_, m, H, c.vocab, logits->data());
+  } else if (logits) {
+    logits->clear();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::ForwardDecodeFaithful(const int32_t* tokens, int n, int64_t start,
+                                               AttentionCache* cache, int logits_from,
+                                               std::vector<float>* logits, int max_chunk,
+                                               const ActivationHook& hook) const {
+  if (logits) logits->clear();
+  std::vector<float> part;
+  int done = 0;
+  while (done < n) {
+    const int64_t pos = start + done;
+    int len = std::min(max_chunk, n - done);
+    // The query at position p sees the cache after its own token is appended (count p + 1).
+    // An append that brings the count to B encodes a group, so every query of a chunk must lie
+    // on the same side of B: the chunk stops at count B - 1, and the next one starts with the
+    // token whose append triggers the encode.
+    int64_t b = cache->NextEncodeBoundary(pos);
+    if (b >= 0) {
+      const int64_t g = cache->EncodeGroup();
+      if (b <= pos + 1) b += g;
+      if (b - 1 - pos < len) len = static_cast<int>(b - 1 - pos);
+    }
+    const int lf = std::max(0, logits_from - done);
+    RETURN_IF_ERROR(Forward(tokens + done, len, pos, cache, lf, logits ? &part : nullptr, hook));
+    if (logits) logits->insert(logits->end(), part.begin(), part.end());
+    done += len;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvq::frontend

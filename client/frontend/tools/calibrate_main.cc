@@ -1,0 +1,152 @@
+// kvq-calibrate: runs a GGUF model over calibration text, accumulates the post-RoPE queries
+// per layer and KV head, and writes a HeadQ basis registry entry (basis.safetensors +
+// manifest.json) into --out.
+#include <cstdio>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "flags.h"
+#include "kvq/core/basis.h"
+#include "kvq/core/calibration.h"
+#include "kvq/core/codec.h"
+#include "kvq/frontend/attention_cache.h"
+#include "kvq/frontend/gguf.h"
+#include "kvq/frontend/llama.h"
+#include "kvq/frontend/model_files.h"
+#include "kvq/frontend/progress.h"
+#include "kvq/frontend/tokenizer.h"
+
+namespace kvq::frontend {
+namespace {
+
+constexpr char kHelp[] = R"(kvq-calibrate: HeadQ query-PCA calibration of a GGUF Llama model.
+
+Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank R]
+                     [--window-len L] [--variants] [--model-name NAME] [--threads T]
+
+  --out DIR         registry entry to write (created; basis.safetensors + manifest.json)
+  --model GGUF      model (default $KVQ_MODEL or ~/.cache/kvq/models/SmolLM2-135M-Instruct.Q4_1.gguf)
+  --text FILE       calibration text (default <shared>/data/wikitext-2/wiki.valid.tokens, used
+                    verbatim: its <unk> markers are kept as text)
+  --tokens N        calibration tokens (default 32768), taken from the start of the text
+  --rank R          basis rank (default 8; evaluation may use the first r <= R columns)
+  --window-len L    tokens per independent calibration sequence (default 512)
+  --variants        also write DIR/centred (centred PCA) and DIR/resw (query second moment
+                    weighted by the 2-bit G=32 KIVI key residual per channel)
+  --model-name NAME manifest model name (default smollm2-135m-instruct)
+  --threads T       BLAS threads (default 2)
+
+Queries are post-RoPE (adjacent-pair layout, GGUF channel order), all query heads of a
+group pooled into their KV head, uncentred second moment E[q q^T] unless stated.
+Every flag can also be set as KVQ_CALIBRATE_<FLAG>.
+)";
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "kvq-calibrate: %s\n", std::string(s.ToString()).c_str());
+  return 1;
+}
+
+int Main(int argc, char** argv) {
+  Flags flags("calibrate",
+              {{"out", ""},
+               {"model", DefaultModelPath()},
+               {"text", SharedDir() + "/data/wikitext-2/wiki.valid.tokens"},
+               {"tokens", "32768"},
+               {"rank", "8"},
+               {"window-len", "512"},
+               {"variants", "false"},
+               {"model-name", "smollm2-135m-instruct"},
+               {"threads", "2"}},
+              kHelp);
+  int rc = 0;
+  if (!flags.Parse(argc, argv, &rc)) return rc;
+  if (flags.Get("out").empty()) return Fail(absl::InvalidArgumentError("--out is required"));
+  SetBlasThreads(static_cast<int>(flags.GetInt("threads")));
+  auto file = GgufFile::Open(flags.Get("model"));
+  if (!file.ok()) return Fail(file.status());
+  auto tok = Tokenizer::FromGguf(**file);
+  if (!tok.ok()) return Fail(tok.status());
+  auto model = LlamaModel::Load(**file);
+  if (!model.ok()) return Fail(model.status());
+  auto text = ReadFile(flags.Get("text"));
+  if (!text.ok()) return Fail(text.status());
+  std::vector<int32_t> ids = (*tok)->Encode(*text);
+  const int64_t want = flags.GetInt("tokens");
+  const int L = static_cast<int>(flags.GetInt("window-len"));
+  if (static_cast<int64_t>(ids.size()) < want) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat("text has ", ids.size(), " tokens, --tokens ", want)));
+  }
+  const LlamaConfig& c = (*model)->config();
+  const bool variants = flags.GetBool("variants");
+  core::QueryStats stats(c.layers, c.q_heads, c.kv_heads, c.head_dim);
+  // The residual statistics for the residual-weighted basis: 2-bit KIVI keys, G = 32.
+  core::CodecOptions kivi;
+  kivi.head_dim = c.head_dim;
+  kivi.key_bits = 2;
+  kivi.key_group = 32;
+  kivi.rank = 0;
+  std::vector<uint8_t> block;
+  std::vector<float> kh, kb;
+  auto hook = [&](int layer, int64_t start, int n, const float* q, const float* k, const float*) {
+    for (int h = 0; h < c.q_heads; ++h) stats.Add(layer, h, q + static_cast<size_t>(h) * n * c.head_dim, n);
+    if (!variants) return;
+    const int G = kivi.key_group, D = c.head_dim;
+    for (int h = 0; h < c.kv_heads; ++h) {
+      for (int t0 = 0; t0 + G <= n; t0 += G) {
+        kh.resize(static_cast<size_t>(G) * D);
+        for (int t = 0; t < G; ++t)
+          for (int j = 0; j < D; ++j)
+            kh[t * D + j] = k[(static_cast<size_t>(t0 + t) * c.kv_heads + h) * D + j];
+        block.clear();
+        if (!core::EncodeKeyBlock(kivi, kh.data(), D, nullptr, &block).ok()) continue;
+        auto view = core::ParseKeyBlock(block, kivi, false);
+        if (!view.ok()) continue;
+        kb.resize(kh.size());
+        core::DecodeKeyBase(*view, kb.data());
+        for (size_t i = 0; i < kh.size(); ++i) kb[i] = kh[i] - kb[i];
+        stats.AddResidual(layer, h, kb.data(), G);
+      }
+    }
+  };
+  ProgressBar bar("kvq-calibrate", want);
+  std::vector<float> none;
+  for (int64_t s = 0; s < want; s += L) {
+    const int n = static_cast<int>(std::min<int64_t>(L, want - s));
+    DenseCache cache(c.cache_shape());
+    absl::Status st = (*model)->Forward(ids.data() + s, n, 0, &cache, n, nullptr, hook);
+    if (!st.ok()) return Fail(st);
+    bar.Update(s + n);
+  }
+  bar.Finish();
+  core::BasisManifest m;
+  m.model = flags.Get("model-name");
+  m.calibration_tokens = want;
+  m.calibration_text = flags.Get("text");
+  const int rank = static_cast<int>(flags.GetInt("rank"));
+  struct Out { std::string dir; core::CalibrationOptions opts; };
+  std::vector<Out> outs = {{flags.Get("out"), {}}};
+  if (variants) {
+    core::CalibrationOptions cen, rw;
+    cen.centred = true;
+    rw.residual_weighted = true;
+    outs.push_back({flags.Get("out") + "/centred", cen});
+    outs.push_back({flags.Get("out") + "/resw", rw});
+  }
+  for (auto& o : outs) {
+    auto b = stats.Basis(rank, o.opts, m);
+    if (!b.ok()) return Fail(b.status());
+    absl::Status ws = core::WriteBasis(o.dir, *b);
+    if (!ws.ok()) return Fail(ws);
+    std::vector<double> e = stats.CapturedEnergy(*b);
+    double mean = 0;
+    for (double x : e) mean += x;
+    std::fprintf(stderr, "kvq-calibrate: wrote %s (%s, rank %d, mean captured query energy %.3f)\n",
+                 o.dir.c_str(), b->manifest.kind.c_str(), rank, e.empty() ? 0.0 : mean / e.size());
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvq::frontend
+
+int main(int argc, char** argv) { return kvq::frontend::Main(argc, argv); }
