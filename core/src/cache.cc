@@ -64,6 +64,27 @@ absl::Status CheckKV(const TensorView& t, absl::string_view name, int kv_heads, 
   return absl::OkStatus();
 }
 
+// True when every element is finite, read from the raw bits (exponent not all ones).
+bool AllFinite(DType t, const uint8_t* p, int n, int* bad) {
+  if (t == DType::kF32) {
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(p);
+    uint32_t any = 0;
+    for (int c = 0; c < n; ++c) any |= ((u[c] & 0x7f800000u) == 0x7f800000u);
+    if (!any) return true;
+    for (int c = 0; c < n; ++c)
+      if ((u[c] & 0x7f800000u) == 0x7f800000u) return *bad = c, false;
+  } else {
+    const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
+    const uint16_t m = t == DType::kF16 ? 0x7c00 : 0x7f80;
+    uint32_t any = 0;
+    for (int c = 0; c < n; ++c) any |= ((u[c] & m) == m);
+    if (!any) return true;
+    for (int c = 0; c < n; ++c)
+      if ((u[c] & m) == m) return *bad = c, false;
+  }
+  return false;
+}
+
 // Copies one head's rows [n][d] (any dtype and strides) into dst as dtype `to`; fails on
 // non-finite values.
 absl::Status CopyRows(const TensorView& t, int h, int64_t n, int d, DType to,
@@ -72,19 +93,21 @@ absl::Status CopyRows(const TensorView& t, int h, int64_t n, int d, DType to,
   const size_t es = DTypeSize(to);
   const size_t at = dst->size();
   dst->resize(at + n * d * es);
+  int bad = 0;
   for (int64_t j = 0; j < n; ++j) {
-    t.RowToFloat({h, j}, row.data());
-    for (int c = 0; c < d; ++c)
-      if (!std::isfinite(row[c]))
-        return absl::InvalidArgumentError(absl::StrCat(name, "[", h, ", ", j, ", ", c,
-                                                       "] is not finite"));
+    uint8_t* out = dst->data() + at + j * d * es;
     if (to == t.dtype && t.stride[2] == 1) {
       const uint8_t* src = static_cast<const uint8_t*>(t.data) +
                            (h * t.stride[0] + j * t.stride[1]) * DTypeSize(t.dtype);
-      std::memcpy(dst->data() + at + j * d * es, src, d * es);
+      std::memcpy(out, src, d * es);
     } else {
-      FromFloat(to, row.data(), dst->data() + at + j * d * es, d);
+      t.RowToFloat({h, j}, row.data());
+      FromFloat(to, row.data(), out, d);
     }
+    // Checked on the stored copy; a conversion that overflows (f32 -> f16) counts too.
+    if (!AllFinite(to, out, d, &bad))
+      return absl::InvalidArgumentError(absl::StrCat(name, "[", h, ", ", j, ", ", bad,
+                                                     "] is not finite (in ", DTypeName(to), ")"));
   }
   return absl::OkStatus();
 }
@@ -146,47 +169,52 @@ void LayerCache::WindowToFloat(const Head& hd, bool keys, float* out) const {
 
 absl::Status LayerCache::EncodeReadyGroups() {
   const int G = opts_.key_group, d = opts_.head_dim, r = opts_.rank;
-  std::vector<float> kf, vf, wts(G);
+  const int64_t ready = std::max<int64_t>(0, (tokens_ - encoded_ - opts_.window) / G);
+  if (ready == 0) return absl::OkStatus();
+  std::vector<float> kf(static_cast<size_t>(G) * d), vf(static_cast<size_t>(G) * d), wts(G);
   std::vector<uint8_t> widths(G);
-  while (tokens_ - encoded_ - G >= opts_.window) {
-    for (int h = 0; h < kv_heads_; ++h) {
-      Head& hd = heads_[h];
-      const size_t es = DTypeSize(hd.win_dtype);
-      const size_t bytes = static_cast<size_t>(G) * d * es;
-      kf.resize(static_cast<size_t>(G) * d);
-      vf.resize(static_cast<size_t>(G) * d);
-      ToFloat(hd.win_dtype, hd.kwin.data(), kf.data(), static_cast<size_t>(G) * d);
-      ToFloat(hd.win_dtype, hd.vwin.data(), vf.data(), static_cast<size_t>(G) * d);
-      RETURN_IF_ERROR(EncodeKeyBlock(opts_, kf.data(), d,
-                                     r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr,
-                                     &hd.kblocks));
+  for (int h = 0; h < kv_heads_; ++h) {
+    Head& hd = heads_[h];
+    const size_t es = DTypeSize(hd.win_dtype);
+    const size_t group_bytes = static_cast<size_t>(G) * d * es;
+    const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
+    hd.kblocks.reserve(hd.kblocks.size() + ready * kblock_bytes_);
+    hd.vblocks.reserve(hd.vblocks.size() + ready * MaxValueBlockBytes(opts_));
+    for (int64_t g = 0; g < ready; ++g) {
+      const int64_t first = g * G;  // window index of the group's first token
+      ToFloat(hd.win_dtype, hd.kwin.data() + g * group_bytes, kf.data(), kf.size());
+      ToFloat(hd.win_dtype, hd.vwin.data() + g * group_bytes, vf.data(), vf.size());
+      RETURN_IF_ERROR(EncodeKeyBlock(opts_, kf.data(), d, U, &hd.kblocks));
       const uint8_t* wp = nullptr;
       if (opts_.per_token_value_bits()) {
         bool any = false;
         for (int t = 0; t < G; ++t) {
-          if (hd.probe[t] >= 0) {
-            wts[t] = hd.probe[t];
+          const int64_t j = first + t;
+          if (hd.probe[j] >= 0) {
+            wts[t] = hd.probe[j];
             any = true;
-          } else if (hd.a2_reads[t] > 0) {
-            wts[t] = hd.a2_sum[t] / hd.a2_reads[t];
+          } else if (hd.a2_reads[j] > 0) {
+            wts[t] = hd.a2_sum[j] / hd.a2_reads[j];
             any = true;
           } else {
             wts[t] = 1.0f;
           }
         }
-        ChooseValueBits(opts_, vf.data(), d, any ? wts.data() : nullptr, G, encoded_, widths.data());
+        ChooseValueBits(opts_, vf.data(), d, any ? wts.data() : nullptr, G, encoded_ + first,
+                        widths.data());
         wp = widths.data();
       }
-      hd.voffsets.push_back(static_cast<uint32_t>(hd.vblocks.size()));
+      hd.voffsets.push_back(hd.vblocks.size());
       RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &hd.vblocks));
-      hd.kwin.erase(hd.kwin.begin(), hd.kwin.begin() + bytes);
-      hd.vwin.erase(hd.vwin.begin(), hd.vwin.begin() + bytes);
-      hd.a2_sum.erase(hd.a2_sum.begin(), hd.a2_sum.begin() + G);
-      hd.a2_reads.erase(hd.a2_reads.begin(), hd.a2_reads.begin() + G);
-      hd.probe.erase(hd.probe.begin(), hd.probe.begin() + G);
     }
-    encoded_ += G;
+    // Drop the encoded tokens from the window once (not per group: prefill stays linear).
+    hd.kwin.erase(hd.kwin.begin(), hd.kwin.begin() + ready * group_bytes);
+    hd.vwin.erase(hd.vwin.begin(), hd.vwin.begin() + ready * group_bytes);
+    hd.a2_sum.erase(hd.a2_sum.begin(), hd.a2_sum.begin() + ready * G);
+    hd.a2_reads.erase(hd.a2_reads.begin(), hd.a2_reads.begin() + ready * G);
+    hd.probe.erase(hd.probe.begin(), hd.probe.begin() + ready * G);
   }
+  encoded_ += ready * G;
   return absl::OkStatus();
 }
 
@@ -299,7 +327,7 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   const float scale = ao.scale != 0.0f ? ao.scale : 1.0f / std::sqrt(static_cast<float>(d));
   thread_local std::vector<float> s;
   s.resize(static_cast<size_t>(rows) * T);
-  const auto& kt = kernels::Best();
+  const auto& kt = kernels::Active();
   for (int h = 0; h < kv_heads_; ++h) {
     RETURN_IF_ERROR(ScoreHead(h, q + static_cast<size_t>(h) * rows * d, rows, scale, false, s.data()));
     Head& hd = heads_[h];

@@ -77,7 +77,7 @@ absl::StatusOr<Header> ReadHeader(std::span<const uint8_t> b, uint8_t kind, bool
   return h;
 }
 
-const kernels::KernelTable& K() { return kernels::Best(); }
+const kernels::KernelTable& K() { return kernels::Active(); }
 
 int CodeAt(const uint8_t* row, int bits, int64_t i) {
   const int64_t bit = i * bits;
@@ -152,22 +152,16 @@ absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld
   uint16_t* scale = reinterpret_cast<uint16_t*>(p + kBlockHeaderBytes);
   uint16_t* zero = scale + d;
   uint8_t* codes = reinterpret_cast<uint8_t*>(zero + d);
-  thread_local std::vector<float> deq, coef;
+  thread_local std::vector<float> deq, coef, ut;
   if (r > 0) deq.resize(static_cast<size_t>(G) * d);
   K().quantize_channels(keys, ld, G, d, o.key_bits, scale, zero, codes, r > 0 ? deq.data() : nullptr);
   if (r > 0) {
     // c_t = U^T (k_t - k_base_t): r coefficients per token.
-    coef.assign(static_cast<size_t>(G) * r, 0.0f);
-    for (int t = 0; t < G; ++t) {
-      const float* k = keys + t * ld;
-      const float* kb = deq.data() + static_cast<size_t>(t) * d;
-      float* c = coef.data() + static_cast<size_t>(t) * r;
-      for (int ch = 0; ch < d; ++ch) {
-        const float e = k[ch] - kb[ch];
-        const float* u = basis + static_cast<size_t>(ch) * r;
-        for (int j = 0; j < r; ++j) c[j] += e * u[j];
-      }
-    }
+    ut.resize(static_cast<size_t>(r) * d);
+    for (int c = 0; c < d; ++c)
+      for (int j = 0; j < r; ++j) ut[static_cast<size_t>(j) * d + c] = basis[c * r + j];
+    coef.resize(static_cast<size_t>(G) * r);
+    K().project_residual(keys, ld, deq.data(), G, d, ut.data(), r, coef.data());
     uint8_t* side = codes + d * RowBytes(G, o.key_bits);
     uint16_t* sscale = reinterpret_cast<uint16_t*>(side);
     uint16_t* szero = sscale + r;

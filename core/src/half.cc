@@ -48,7 +48,17 @@ void HalfToFloatN(const uint16_t* in, float* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = HalfToFloat(in[i]);
 }
 
+__attribute__((target("f16c,avx"))) static void FloatToHalfF16C(const float* in, uint16_t* out,
+                                                                 size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = FloatToHalf(in[i]);
+}
+
 void FloatToHalfN(const float* in, uint16_t* out, size_t n) {
+  if (HasF16C()) return FloatToHalfF16C(in, out, n);
   for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 

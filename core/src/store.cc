@@ -94,6 +94,24 @@ std::vector<float> LayerBasis(const ModelEntry& m, int layer, int rank) {
   return out;
 }
 
+// Bytes a layer grows by from `before` to `after` tokens: blocks for the groups that get
+// encoded (the value block at its largest), the window at arrival precision, the hashes.
+// Remeasure() replaces the estimate with the real size right after the append.
+int64_t GrowthEstimate(const CodecOptions& o, int kv_heads, DType dtype, int64_t before,
+                       int64_t after) {
+  auto encoded = [&](int64_t n) {
+    return std::max<int64_t>(0, (n - o.window) / o.key_group) * o.key_group;
+  };
+  const int64_t e0 = encoded(before), e1 = encoded(after);
+  const int64_t blocks = (e1 - e0) / o.key_group * kv_heads;
+  const int64_t block_bytes =
+      blocks * static_cast<int64_t>(KeyBlockBytes(o) + MaxValueBlockBytes(o));
+  const int64_t window_bytes = ((after - e1) - (before - e0)) * kv_heads * o.head_dim * 2 *
+                               static_cast<int64_t>(DTypeSize(dtype));
+  return std::max<int64_t>(0, block_bytes + window_bytes) +
+         (after - before) * static_cast<int64_t>(sizeof(uint64_t));
+}
+
 std::string Shape(const TensorView& t) {
   std::string s = "[";
   for (int i = 0; i < t.rank; ++i) absl::StrAppend(&s, i ? "," : "", t.shape[i]);
@@ -401,8 +419,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       for (int64_t t = p.from; t < n; ++t) p.new_hashes.push_back(TokenHash(*k, *v, t));
       pend.insert(pend.end(), p.new_hashes.begin(), p.new_hashes.end());
       outcome->tokens_duplicate += overlap;
-      estimate += p.n * (m.kv_heads * m.head_dim * 2 * static_cast<int64_t>(DTypeSize(k->dtype)) +
-                         static_cast<int64_t>(sizeof(uint64_t)));
+      estimate += GrowthEstimate(s->codec, m.kv_heads, k->dtype, len, len + p.n);
       if (a.probe_weights == nullptr) continue;
       for (int64_t j = 0; j < m.kv_heads * n; ++j) {
         if (!(a.probe_weights[j] >= 0.0f)) {

@@ -5,15 +5,26 @@
 #include <cstdint>
 #include <cstring>
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 namespace kvq::kernels::internal {
 
-// fp16 <-> fp32 without depending on core/: GCC's _Float16 rounds to nearest even.
+// fp16 <-> fp32 without depending on core/, round to nearest even: F16C instructions where
+// the translation unit is compiled for them, GCC's _Float16 (a library call) elsewhere.
 inline float HalfToFloat(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#endif
   _Float16 v;
   std::memcpy(&v, &h, 2);
   return static_cast<float>(v);
 }
 inline uint16_t FloatToHalf(float f) {
+#ifdef __F16C__
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#endif
   _Float16 v = static_cast<_Float16>(f);
   uint16_t h;
   std::memcpy(&h, &v, 2);

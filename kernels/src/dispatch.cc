@@ -1,4 +1,5 @@
 // Run-time choice of the kernel table.
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -17,5 +18,16 @@ const KernelTable& Best() {
   }();
   return *best;
 }
+
+namespace {
+std::atomic<const KernelTable*> g_active{nullptr};
+}  // namespace
+
+const KernelTable& Active() {
+  const KernelTable* t = g_active.load(std::memory_order_relaxed);
+  return t ? *t : Best();
+}
+
+void SetActive(const KernelTable* table) { g_active.store(table, std::memory_order_relaxed); }
 
 }  // namespace kvq::kernels

@@ -112,6 +112,17 @@ void dense_readout_f16_ref(const uint16_t* v, int tokens, int d, const float* p,
     }
 }
 
+void project_residual_ref(const float* x, int64_t ld, const float* deq, int tokens, int d,
+                          const float* ut, int r, float* out) {
+  for (int t = 0; t < tokens; ++t)
+    for (int j = 0; j < r; ++j) {
+      float acc = 0;
+      for (int c = 0; c < d; ++c)
+        acc += (x[t * ld + c] - deq[static_cast<int64_t>(t) * d + c]) * ut[j * d + c];
+      out[t * r + j] = acc;
+    }
+}
+
 float exp_sum_ref(float* x, int64_t n, float shift) {
   double sum = 0;
   for (int64_t t = 0; t < n; ++t) {
@@ -131,6 +142,7 @@ const KernelTable& Ref() {
                              readout_rows_ref,
                              dense_scores_f16_ref,
                              dense_readout_f16_ref,
+                             project_residual_ref,
                              exp_sum_ref};
   return t;
 }

@@ -225,6 +225,22 @@ void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p
   }
 }
 
+void project_residual_simd(const float* x, int64_t ld, const float* deq, int tokens, int d,
+                           const float* ut, int r, float* out) {
+  if (d % W != 0 || r > 16) return Ref().project_residual(x, ld, deq, tokens, d, ut, r, out);
+  for (int t = 0; t < tokens; ++t) {
+    const float* xt = x + t * ld;
+    const float* dt = deq + static_cast<int64_t>(t) * d;
+    typename Isa::F acc[16];
+    for (int j = 0; j < r; ++j) acc[j] = Isa::Zero();
+    for (int c = 0; c < d; c += W) {
+      typename Isa::F e = Isa::Sub(Isa::Load(xt + c), Isa::Load(dt + c));
+      for (int j = 0; j < r; ++j) acc[j] = Isa::Fmadd(e, Isa::Load(ut + j * d + c), acc[j]);
+    }
+    for (int j = 0; j < r; ++j) out[t * r + j] = Isa::ReduceAdd(acc[j]);
+  }
+}
+
 float exp_sum_simd(float* x, int64_t n, float shift) {
   typename Isa::F sum = Isa::Zero();
   const typename Isa::F sh = Isa::Set1(shift);
@@ -244,4 +260,4 @@ float exp_sum_simd(float* x, int64_t n, float shift) {
 
 const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
                          dot_channels_simd,   readout_rows_simd,      dense_scores_f16_simd,
-                         dense_readout_f16_simd, exp_sum_simd};
+                         dense_readout_f16_simd, project_residual_simd, exp_sum_simd};

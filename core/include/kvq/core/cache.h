@@ -86,7 +86,7 @@ class LayerCache {
  private:
   struct Head {
     std::vector<uint8_t> kblocks, vblocks;    // concatenated blocks
-    std::vector<uint32_t> voffsets;           // start of each value block (variable size)
+    std::vector<size_t> voffsets;             // start of each value block (variable size)
     std::vector<uint8_t> kwin, vwin;          // window tokens at arrival dtype
     DType win_dtype = DType::kF32;
     std::vector<float> a2_sum;                // per window token: sum of p^2 observed

@@ -47,6 +47,11 @@ struct KernelTable {
   void (*dense_readout_f16)(const uint16_t* v, int tokens, int d, const float* p,
                             int64_t p_stride, int n_q, float* out, int64_t out_stride);
 
+  // HeadQ side coefficients: out[t*r + j] = sum_c (x[t*ld + c] - deq[t*d + c]) * ut[j*d + c]
+  // (the residual of the base code projected on U, given transposed as ut [r][d]).
+  void (*project_residual)(const float* x, int64_t ld, const float* deq, int tokens, int d,
+                           const float* ut, int r, float* out);
+
   // x[t] = exp(x[t] - shift) for t < n; returns the sum (the softmax denominator).
   float (*exp_sum)(float* x, int64_t n, float shift);
 };
@@ -56,6 +61,10 @@ const KernelTable& Ref();
 // The best table this CPU supports (AVX-512 > AVX2 > reference), chosen once at run time.
 // KVQ_KERNELS=ref|avx2|avx512 in the environment forces one (if supported).
 const KernelTable& Best();
+// The table the codec uses: Best() unless overridden. SetActive(&Ref()) lets benchmarks and
+// tests run the codec on the reference loops; SetActive(nullptr) restores Best().
+const KernelTable& Active();
+void SetActive(const KernelTable* table);
 // A specific table, or null when this CPU (or build) lacks it.
 const KernelTable* Avx2();
 const KernelTable* Avx512();
