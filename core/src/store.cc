@@ -189,16 +189,21 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
     const int64_t share = cap > 0 ? cap / std::max<int64_t>(1, active) : 0;
     absl::flat_hash_map<std::string, int64_t> after;
     while (cap > 0 && used + bytes > cap) {
+      // The least recently used sequence of any tenant holding more than an equal share
+      // (the writer counted without this write), else the writer's own LRU sequence.
       Sequence* v = nullptr;
       for (auto it = lru_.rbegin(); it != lru_.rend() && !v; ++it) {
-        if ((*it)->tenant == tenant && !kept(*it) && !chosen(*it)) v = *it;
+        Sequence* s = *it;
+        if (kept(s) || chosen(s)) continue;
+        int64_t owner_bytes = t_bytes;
+        if (s->tenant != tenant) {
+          auto a = after.find(s->tenant);
+          owner_bytes = a != after.end() ? a->second : tenants_[s->tenant]->bytes;
+        }
+        if (owner_bytes > share) v = s;
       }
       for (auto it = lru_.rbegin(); it != lru_.rend() && !v; ++it) {
-        Sequence* s = *it;
-        if (s->tenant == tenant || chosen(s)) continue;
-        auto a = after.find(s->tenant);
-        const int64_t owner_bytes = a != after.end() ? a->second : tenants_[s->tenant]->bytes;
-        if (owner_bytes > share) v = s;
+        if ((*it)->tenant == tenant && !kept(*it) && !chosen(*it)) v = *it;
       }
       if (!v) return false;
       victims.push_back(v);

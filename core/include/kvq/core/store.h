@@ -16,10 +16,12 @@
 // * A batch of appends (one PutBlocks message) is validated whole before anything is stored.
 // * Capacity: usage is the bytes of the codes, the full-precision window and the token
 //   hashes. When a write would exceed the capacity or its tenant's quota, least-recently-used
-//   whole sequences are evicted (whole sequences, so no suffix outlives its prefix): first
-//   the writing tenant's own, then, for the global capacity only, sequences of tenants that
-//   hold more than an equal share of the capacity. A write that still cannot fit fails with
-//   RESOURCE_EXHAUSTED and stores nothing.
+//   whole sequences are evicted (whole sequences, so no suffix outlives its prefix). Over
+//   the quota, the writing tenant's own LRU sequences go. Over the capacity, the LRU
+//   sequence among tenants holding more than an equal share (capacity / active tenants)
+//   goes first, then the writer's own; a tenant within its equal share is never evicted by
+//   another. A write that still cannot fit fails with RESOURCE_EXHAUSTED and evicts and
+//   stores nothing.
 //
 // Thread safety: every method may be called concurrently. Each sequence has its own lock
 // (reads share it; appends and observing Attends take it exclusively).

@@ -1,0 +1,968 @@
+// Integration tests: a real kvq server in-process on 127.0.0.1:0, real gRPC channels.
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "kvq/core/codec.h"
+#include "kvq/core/metrics.h"
+#include "tests/server/test_util.h"
+
+namespace kvq::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kBasisSeed = 7;
+
+struct Fixture {
+  Shape shape;
+  core::ModelBasis basis;
+  core::CodecOptions codec;
+  Fixture() : basis(MakeBasis(shape, kBasisSeed)), codec(CodecOf(shape)) {}
+  std::unique_ptr<core::LayerCache> Ref(int layer) const {
+    std::vector<float> b = LayerBasis(basis, layer, codec.rank);
+    return std::make_unique<core::LayerCache>(codec, shape.kv_heads,
+                                              b.empty() ? nullptr : b.data());
+  }
+};
+
+void Register(v1::Kvq::Stub& stub, const v1::RegisterBasisRequest& req,
+              const std::string& token = "") {
+  v1::RegisterBasisResponse resp;
+  auto ctx = Ctx("", token);
+  grpc::Status st = stub.RegisterBasis(ctx.get(), req, &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+}
+
+// Appends f16 bytes to an in-process cache exactly as the server receives them.
+void RefAppend(core::LayerCache& c, const std::vector<float>& k, const std::vector<float>& v,
+               int kv, int64_t n, int d, int64_t start) {
+  std::string kb = ToF16Bytes(k), vb = ToF16Bytes(v);
+  auto kt = core::TensorView::Contiguous(kb.data(), core::DType::kF16, {kv, n, d});
+  auto vt = core::TensorView::Contiguous(vb.data(), core::DType::kF16, {kv, n, d});
+  ASSERT_TRUE(c.Append(kt, vt, start).ok());
+}
+
+v1::ScoreResponse ScoreOne(v1::Kvq::Stub& stub, const std::string& seq, int layer,
+                           const std::vector<float>& q, int qh, int nq, int d,
+                           const std::string& tenant = "", grpc::Status* status = nullptr) {
+  v1::ScoreRequest req;
+  auto* it = req.add_items();
+  it->set_sequence_id(seq);
+  it->set_layer(layer);
+  *it->mutable_queries() = TensorF32(q, {qh, nq, d});
+  v1::ScoreResponse resp;
+  auto ctx = Ctx(tenant);
+  grpc::Status st = stub.Score(ctx.get(), req, &resp);
+  if (status) *status = st;
+  return resp;
+}
+
+std::vector<std::vector<float>> GetAll(v1::Kvq::Stub& stub, const std::string& seq, int layer,
+                                       int kv, int d, int chunk = 0) {
+  v1::GetBlocksRequest req;
+  req.set_sequence_id(seq);
+  req.add_layers(layer);
+  req.set_max_tokens_per_message(chunk);
+  auto ctx = Ctx();
+  auto r = stub.GetBlocks(ctx.get(), req);
+  v1::GetBlocksResponse m;
+  std::vector<std::vector<float>> per_head_k(kv), per_head_v(kv);
+  int64_t T = 0;
+  while (r->Read(&m)) {
+    T = m.layer_tokens();
+    std::vector<float> k = FloatsOf(m.keys()), v = FloatsOf(m.values());
+    const int64_t n = m.keys().shape(1);
+    for (int h = 0; h < kv; ++h) {
+      per_head_k[h].insert(per_head_k[h].end(), k.begin() + h * n * d, k.begin() + (h + 1) * n * d);
+      per_head_v[h].insert(per_head_v[h].end(), v.begin() + h * n * d, v.begin() + (h + 1) * n * d);
+    }
+  }
+  EXPECT_TRUE(r->Finish().ok());
+  std::vector<float> k, v;
+  for (int h = 0; h < kv; ++h) {
+    k.insert(k.end(), per_head_k[h].begin(), per_head_k[h].end());
+    v.insert(v.end(), per_head_v[h].begin(), per_head_v[h].end());
+  }
+  (void)T;
+  return {k, v};
+}
+
+// ------------------------------------------------------------------------------------------
+
+TEST(ServiceTest, HealthServingAndModelsListed) {
+  TestServer ts;
+  auto ch = ts.Channel();
+  auto health = grpc::health::v1::Health::NewStub(ch);
+  grpc::health::v1::HealthCheckRequest hreq;
+  grpc::health::v1::HealthCheckResponse hresp;
+  auto ctx = Ctx();
+  ASSERT_TRUE(health->Check(ctx.get(), hreq, &hresp).ok());
+  EXPECT_EQ(hresp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  auto stub = v1::Kvq::NewStub(ch);
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  v1::ListModelsResponse list;
+  auto c2 = Ctx();
+  ASSERT_TRUE(stub->ListModels(c2.get(), {}, &list).ok());
+  ASSERT_EQ(list.models_size(), 1);
+  EXPECT_EQ(list.models(0).model(), "tiny");
+  EXPECT_TRUE(list.models(0).has_basis());
+  EXPECT_EQ(list.models(0).codec().rank(), 4);
+  EXPECT_FALSE(list.models(0).fingerprint().empty());
+}
+
+TEST(ServiceTest, PutThenScoreReadoutAttendMatchInProcessCodec) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Fixture f;
+  const Shape& s = f.shape;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int64_t T = 111;  // three full groups of 32 and a tail of 15 in fp16
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  std::map<std::pair<std::string, int>, std::unique_ptr<core::LayerCache>> ref;
+  std::vector<v1::PutBlocksRequest> msgs;
+  uint32_t seed = 100;
+  for (const std::string seq : {"a", "b"}) {
+    for (int l = 0; l < s.layers; ++l) {
+      auto k = RandomKV(kv, T, d, ++seed), v = RandomKV(kv, T, d, ++seed);
+      v1::PutBlocksRequest m;
+      *m.add_appends() = MakeAppend(seq, l, 0, k, v, kv, T, d, "tiny");
+      msgs.push_back(m);
+      auto c = f.Ref(l);
+      RefAppend(*c, k, v, kv, T, d, 0);
+      ref[{seq, l}] = std::move(c);
+    }
+  }
+  auto R = [&](const std::string& seq, int l) { return ref.at({seq, l}).get(); };
+  v1::PutBlocksResponse put;
+  grpc::Status st = Put(*stub, msgs, &put);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(put.tokens_written(), 4 * T);
+  EXPECT_EQ(put.messages(), 4);
+
+  // Score: a batch of two items, one with 3 queries, one with a 2-D [q_heads, d] query.
+  auto q1 = RandomQueries(qh, 3, d, 1), q2 = RandomQueries(qh, 1, d, 2);
+  v1::ScoreRequest sreq;
+  auto* i1 = sreq.add_items();
+  i1->set_sequence_id("a");
+  i1->set_layer(0);
+  *i1->mutable_queries() = TensorF32(q1, {qh, 3, d});
+  auto* i2 = sreq.add_items();
+  i2->set_sequence_id("b");
+  i2->set_layer(1);
+  *i2->mutable_queries() = TensorF32(q2, {qh, d});
+  auto* i3 = sreq.add_items();  // corrections only
+  i3->set_sequence_id("a");
+  i3->set_layer(1);
+  i3->set_corrections_only(true);
+  *i3->mutable_queries() = TensorF32(q1, {qh, 3, d});
+  v1::ScoreResponse sresp;
+  auto ctx = Ctx();
+  ASSERT_TRUE(stub->Score(ctx.get(), sreq, &sresp).ok());
+  ASSERT_EQ(sresp.results_size(), 3);
+  std::vector<float> want(qh * 3 * T);
+  ASSERT_TRUE(R("a", 0)->Score(q1.data(), qh, 3, want.data()).ok());
+  EXPECT_EQ(sresp.results(0).status().code(), 0) << sresp.results(0).status().message();
+  EXPECT_EQ(FloatsOf(sresp.results(0).logits()), want);
+  EXPECT_EQ(sresp.results(0).tokens(), T);
+  std::vector<float> want2(qh * T);
+  ASSERT_TRUE(R("b", 1)->Score(q2.data(), qh, 1, want2.data()).ok());
+  EXPECT_EQ(FloatsOf(sresp.results(1).logits()), want2);
+  std::vector<float> want3(qh * 3 * T);
+  ASSERT_TRUE(R("a", 1)->Score(q1.data(), qh, 3, want3.data(), 0.0f, true).ok());
+  EXPECT_EQ(FloatsOf(sresp.results(2).logits()), want3);
+
+  // Readout: with weights, and with logits softmaxed server-side.
+  std::vector<float> p(want.size());
+  for (int r = 0; r < qh * 3; ++r) core::Softmax(want.data() + r * T, T, p.data() + r * T);
+  v1::ReadoutRequest rreq;
+  auto* r1 = rreq.add_items();
+  r1->set_sequence_id("a");
+  r1->set_layer(0);
+  *r1->mutable_weights() = TensorF32(p, {qh, 3, T});
+  auto* r2 = rreq.add_items();
+  r2->set_sequence_id("a");
+  r2->set_layer(0);
+  r2->set_weights_are_logits(true);
+  *r2->mutable_weights() = TensorF32(want, {qh, 3, T});
+  v1::ReadoutResponse rresp;
+  auto ctx2 = Ctx();
+  ASSERT_TRUE(stub->Readout(ctx2.get(), rreq, &rresp).ok());
+  std::vector<float> out(qh * 3 * d);
+  ASSERT_TRUE(R("a", 0)->Readout(p.data(), qh, 3, out.data()).ok());
+  EXPECT_EQ(FloatsOf(rresp.results(0).outputs()), out);
+  EXPECT_EQ(FloatsOf(rresp.results(1).outputs()), out);
+
+  // Attend: causal offset, read-only, then observing (the default) on both sides.
+  for (bool observe : {false, true}) {
+    v1::AttendRequest areq;
+    for (const std::string seq : {"a", "b"}) {
+      auto* it = areq.add_items();
+      it->set_sequence_id(seq);
+      it->set_layer(1);
+      it->set_causal_offset(50);
+      if (!observe) it->set_observe(false);
+      *it->mutable_queries() = TensorF32(q1, {qh, 3, d});
+    }
+    v1::AttendResponse aresp;
+    auto ctx3 = Ctx();
+    ASSERT_TRUE(stub->Attend(ctx3.get(), areq, &aresp).ok());
+    for (int i = 0; i < 2; ++i) {
+      core::AttendOptions ao;
+      ao.causal_offset = 50;
+      ao.observe = observe;
+      std::vector<float> o(qh * 3 * d);
+      ASSERT_TRUE(R(i == 0 ? "a" : "b", 1)->Attend(q1.data(), qh, 3, ao, o.data()).ok());
+      EXPECT_EQ(aresp.results(i).status().code(), 0) << aresp.results(i).status().message();
+      EXPECT_EQ(FloatsOf(aresp.results(i).outputs()), o) << "observe=" << observe;
+    }
+  }
+
+  // GetBlocks: what attention sees, in chunks.
+  std::vector<float> dk, dv;
+  ASSERT_TRUE(R("b", 0)->Decode(&dk, &dv).ok());
+  auto got = GetAll(*stub, "b", 0, kv, d, /*chunk=*/40);
+  EXPECT_EQ(got[0], dk);
+  EXPECT_EQ(got[1], dv);
+  // q . k_seen equals the HeadQ score.
+  auto sc = ScoreOne(*stub, "b", 0, q2, qh, 1, d);
+  std::vector<float> logits = FloatsOf(sc.results(0).logits());
+  const int g = qh / kv;
+  double max_err = 0;
+  for (int h = 0; h < qh; ++h) {
+    for (int64_t t = 0; t < T; ++t) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += double(q2[h * d + c]) * got[0][((h / g) * T + t) * d + c];
+      max_err = std::max(max_err, std::abs(dot / std::sqrt(double(d)) - logits[h * T + t]));
+    }
+  }
+  EXPECT_LT(max_err, 1e-3);
+}
+
+TEST(ServiceTest, OneTokenAppendsEqualOneBigAppend) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Fixture f;
+  const Shape& s = f.shape;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  const int64_t T = 77;
+  std::vector<std::vector<float>> K, V;
+  for (int l = 0; l < s.layers; ++l) {
+    K.push_back(RandomKV(kv, T, d, 10 + l));
+    V.push_back(RandomKV(kv, T, d, 20 + l));
+  }
+  std::vector<v1::PutBlocksRequest> big(1), steps;
+  for (int l = 0; l < s.layers; ++l) {
+    *big[0].add_appends() = MakeAppend("big", l, 0, K[l], V[l], kv, T, d, "tiny");
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    v1::PutBlocksRequest m;  // one decode step: every layer, one token
+    for (int l = 0; l < s.layers; ++l) {
+      *m.add_appends() = MakeAppend("step", l, t, Slice(K[l], kv, T, d, t, 1),
+                                    Slice(V[l], kv, T, d, t, 1), kv, 1, d, t == 0 ? "tiny" : "");
+    }
+    steps.push_back(m);
+  }
+  v1::PutBlocksResponse r1, r2;
+  ASSERT_TRUE(Put(*stub, big, &r1).ok());
+  grpc::Status st = Put(*stub, steps, &r2);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(r2.messages(), T);
+  ASSERT_EQ(r2.lengths_size(), s.layers);
+  EXPECT_EQ(r2.lengths(0).tokens(), T);
+
+  auto q = RandomQueries(qh, 2, d, 5);
+  for (int l = 0; l < s.layers; ++l) {
+    auto a = ScoreOne(*stub, "big", l, q, qh, 2, d), b = ScoreOne(*stub, "step", l, q, qh, 2, d);
+    ASSERT_EQ(a.results(0).status().code(), 0);
+    EXPECT_EQ(FloatsOf(a.results(0).logits()), FloatsOf(b.results(0).logits())) << "layer " << l;
+    EXPECT_EQ(GetAll(*stub, "big", l, kv, d), GetAll(*stub, "step", l, kv, d));
+    v1::AttendRequest areq;
+    for (const std::string seq : {"big", "step"}) {
+      auto* it = areq.add_items();
+      it->set_sequence_id(seq);
+      it->set_layer(l);
+      it->set_observe(false);
+      *it->mutable_queries() = TensorF32(q, {qh, 2, d});
+    }
+    v1::AttendResponse aresp;
+    auto ctx = Ctx();
+    ASSERT_TRUE(stub->Attend(ctx.get(), areq, &aresp).ok());
+    EXPECT_EQ(FloatsOf(aresp.results(0).outputs()), FloatsOf(aresp.results(1).outputs()));
+  }
+}
+
+TEST(ServiceTest, IdempotentResendsConflictsAndGaps) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  const int64_t T = 96;
+  auto k = RandomKV(kv, T, d, 1), v = RandomKV(kv, T, d, 2);
+  auto put = [&](int64_t from, int64_t n, const std::vector<float>& kk, v1::PutBlocksResponse* r) {
+    v1::PutBlocksRequest m;
+    *m.add_appends() = MakeAppend("s", 0, from, Slice(kk, kv, T, d, from, n),
+                                  Slice(v, kv, T, d, from, n), kv, n, d, "tiny");
+    return Put(*stub, {m}, r);
+  };
+  v1::PutBlocksResponse r;
+  ASSERT_TRUE(put(0, 64, k, &r).ok());
+  EXPECT_EQ(r.tokens_written(), 64);
+  auto q = RandomQueries(qh, 1, d, 3);
+  auto before = FloatsOf(ScoreOne(*stub, "s", 0, q, qh, 1, d).results(0).logits());
+
+  ASSERT_TRUE(put(0, 64, k, &r).ok());  // identical re-send
+  EXPECT_EQ(r.tokens_written(), 0);
+  EXPECT_EQ(r.tokens_duplicate(), 64);
+  EXPECT_EQ(FloatsOf(ScoreOne(*stub, "s", 0, q, qh, 1, d).results(0).logits()), before);
+
+  auto k2 = k;
+  k2[(0 * T + 20) * d + 5] += 1.0f;  // token 20 differs
+  grpc::Status st = put(10, 20, k2, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_THAT(st.error_message(), HasSubstr("token 20"));
+  EXPECT_EQ(FloatsOf(ScoreOne(*stub, "s", 0, q, qh, 1, d).results(0).logits()), before);
+
+  st = put(80, 10, k, &r);  // gap: layer holds 64
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(st.error_message(), HasSubstr("appends[0].start 80 must be in 0..64"));
+
+  ASSERT_TRUE(put(32, 64, k, &r).ok());  // straddles the end: 32 duplicates, 32 new
+  EXPECT_EQ(r.tokens_duplicate(), 32);
+  EXPECT_EQ(r.tokens_written(), 32);
+  ASSERT_EQ(r.lengths_size(), 1);
+  EXPECT_EQ(r.lengths(0).tokens(), 96);
+}
+
+TEST(ServiceTest, FailedMessageIsAtomicAndEarlierMessagesStay) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  const int64_t T = 64;
+  auto k = RandomKV(kv, T, d, 1), v = RandomKV(kv, T, d, 2);
+  std::vector<v1::PutBlocksRequest> msgs(4);
+  for (int i = 0; i < 4; ++i) {
+    *msgs[i].add_appends() = MakeAppend("s", 0, 16 * i, Slice(k, kv, T, d, 16 * i, 16),
+                                        Slice(v, kv, T, d, 16 * i, 16), kv, 16, d, "tiny");
+  }
+  // Message 2 also appends to layer 1, then carries a broken append: nothing of it applies.
+  *msgs[2].add_appends() = MakeAppend("s", 1, 0, Slice(k, kv, T, d, 0, 16),
+                                      Slice(v, kv, T, d, 0, 16), kv, 16, d);
+  v1::Append bad = MakeAppend("s", 1, 16, Slice(k, kv, T, d, 0, 16), Slice(v, kv, T, d, 0, 16),
+                              kv, 16, d);
+  bad.mutable_values()->mutable_data()->resize(10);
+  *msgs[2].add_appends() = bad;
+  v1::PutBlocksResponse r;
+  grpc::Status st = Put(*stub, msgs, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("appends[2].values.data holds 10 bytes"));
+  auto info = ts.server().store().Describe("default", "s");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_tokens[0], 32);  // messages 0 and 1
+  EXPECT_EQ(info->layer_tokens[1], 0);   // message 2 applied nothing
+
+  // The client re-sends everything (fixed): duplicates accepted, the rest appended.
+  msgs[2].mutable_appends()->RemoveLast();
+  st = Put(*stub, msgs, &r);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(r.tokens_duplicate(), 32);
+  EXPECT_EQ(r.tokens_written(), 32 + 16);
+}
+
+TEST(ServiceTest, StreamCutPartWayLeavesWholeMessages) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  const int64_t n = 32, msgs = 40;
+  auto k = RandomKV(kv, n * msgs, d, 1), v = RandomKV(kv, n * msgs, d, 2);
+  {
+    grpc::ClientContext ctx;
+    v1::PutBlocksResponse resp;
+    auto w = stub->PutBlocks(&ctx, &resp);
+    for (int64_t i = 0; i < msgs; ++i) {
+      v1::PutBlocksRequest m;
+      for (int l = 0; l < s.layers; ++l) {
+        *m.add_appends() = MakeAppend("cut", l, i * n, Slice(k, kv, n * msgs, d, i * n, n),
+                                      Slice(v, kv, n * msgs, d, i * n, n), kv, n, d,
+                                      i == 0 ? "tiny" : "");
+      }
+      w->Write(m);
+      if (i == msgs / 2) ctx.TryCancel();  // the client goes away mid-stream
+    }
+    EXPECT_FALSE(w->Finish().ok());
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto info = ts.server().store().Describe("default", "cut");
+  if (info.ok()) {
+    // Whole messages only: both layers equal and on a message boundary.
+    EXPECT_EQ(info->layer_tokens[0], info->layer_tokens[1]);
+    EXPECT_EQ(info->layer_tokens[0] % n, 0);
+    EXPECT_LE(info->layer_tokens[0], n * (msgs / 2 + 1));
+  } else {
+    EXPECT_EQ(info.status().code(), absl::StatusCode::kNotFound);
+  }
+}
+
+TEST(ServiceTest, ValidationErrorsNameFieldAndLimit) {
+  server::ServerOptions o;
+  o.max_message_bytes = 4 << 20;
+  TestServer ts(o);
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  auto k = RandomKV(kv, 8, d, 1);
+  auto put1 = [&](v1::Append a) {
+    v1::PutBlocksRequest m;
+    *m.add_appends() = a;
+    v1::PutBlocksResponse r;
+    return Put(*stub, {m}, &r);
+  };
+  grpc::Status st = put1(MakeAppend("x", 0, 0, k, k, kv, 8, d, "nope"));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), HasSubstr("model 'nope' is not registered"));
+  st = put1(MakeAppend("x", 0, 0, k, k, kv, 8, d));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), HasSubstr("must name a model"));
+  st = put1(MakeAppend("x", 5, 0, k, k, kv, 8, d, "tiny"));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("appends[0].layer 5 must be in 0..1"));
+  auto k1 = RandomKV(1, 8, d, 1);
+  st = put1(MakeAppend("x", 0, 0, k1, k1, 1, 8, d, "tiny"));
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("appends[0].keys.shape [1,8,64] must be [kv_heads=2"));
+  v1::Append a = MakeAppend("x", 0, 0, k, k, kv, 8, d, "tiny");
+  a.mutable_keys()->set_dtype(v1::DTYPE_UNSPECIFIED);
+  st = put1(a);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("appends[0].keys.dtype must be"));
+  a = MakeAppend("", 0, 0, k, k, kv, 8, d, "tiny");
+  st = put1(a);
+  EXPECT_THAT(st.error_message(), HasSubstr("appends[0].sequence_id must be 1..256 bytes"));
+  a = MakeAppend("x", 0, 0, k, k, kv, 8, d, "tiny");
+  a.mutable_codec()->set_key_bits(5);
+  st = put1(a);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("appends[0].codec"));
+  // Nothing was created by any of these.
+  EXPECT_EQ(ts.server().store().TotalUsage().sequences, 0);
+
+  // A valid sequence, then read errors per item.
+  ASSERT_TRUE(put1(MakeAppend("x", 0, 0, k, k, kv, 8, d, "tiny")).ok());
+  v1::ScoreRequest sreq;
+  auto q = RandomQueries(qh, 1, d, 1);
+  auto add = [&](const std::string& seq, int layer, int version, v1::Tensor qt) {
+    auto* it = sreq.add_items();
+    it->set_sequence_id(seq);
+    it->set_layer(layer);
+    it->set_basis_version(version);
+    *it->mutable_queries() = qt;
+  };
+  add("x", 0, 0, TensorF32(q, {qh, 1, d}));        // ok
+  add("never", 0, 0, TensorF32(q, {qh, 1, d}));    // NOT_FOUND
+  add("x", 0, 2, TensorF32(q, {qh, 1, d}));        // FAILED_PRECONDITION
+  add("x", 1, 0, TensorF32(q, {qh, 1, d}));        // layer 1 empty
+  add("x", 0, 0, TensorF32(RandomQueries(3, 1, d, 1), {3, 1, d}));  // 3 q_heads, 2 kv_heads
+  auto q32 = RandomQueries(qh, 1, 32, 1);
+  add("x", 0, 0, TensorF32(q32, {qh, 1, 32}));     // wrong head_dim
+  v1::ScoreResponse sresp;
+  auto ctx = Ctx();
+  ASSERT_TRUE(stub->Score(ctx.get(), sreq, &sresp).ok());
+  ASSERT_EQ(sresp.results_size(), 6);
+  EXPECT_EQ(sresp.results(0).status().code(), 0);
+  EXPECT_EQ(sresp.results(1).status().code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(sresp.results(2).status().code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(sresp.results(2).status().message(), HasSubstr("pinned to version 1"));
+  EXPECT_EQ(sresp.results(3).status().code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(sresp.results(4).status().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(sresp.results(4).status().message(), HasSubstr("items[4]: queries.shape[0]"));
+  EXPECT_EQ(sresp.results(5).status().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(sresp.results(5).status().message(), HasSubstr("head_dim 32"));
+
+  v1::ScoreRequest empty;
+  auto ctx2 = Ctx();
+  st = stub->Score(ctx2.get(), empty, &sresp);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("expected 1..4096"));
+
+  // Readout with a stale token count.
+  v1::ReadoutRequest rreq;
+  auto* ri = rreq.add_items();
+  ri->set_sequence_id("x");
+  ri->set_layer(0);
+  *ri->mutable_weights() = TensorF32(std::vector<float>(qh * 7, 0.1f), {qh, 1, 7});
+  v1::ReadoutResponse rresp;
+  auto ctx3 = Ctx();
+  ASSERT_TRUE(stub->Readout(ctx3.get(), rreq, &rresp).ok());
+  EXPECT_EQ(rresp.results(0).status().code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(rresp.results(0).status().message(), HasSubstr("weights.shape[2] 7 must equal"));
+
+  // A message over the limit is RESOURCE_EXHAUSTED, answered by gRPC itself.
+  v1::EchoRequest big;
+  big.set_payload(std::string(5 << 20, 'x'));
+  v1::EchoResponse er;
+  auto ctx4 = Ctx();
+  st = stub->Echo(ctx4.get(), big, &er);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+
+  // Delete: NOT_FOUND for an unknown id, then frees.
+  v1::DeleteSequenceRequest dreq;
+  dreq.set_sequence_id("never");
+  v1::DeleteSequenceResponse dresp;
+  auto ctx5 = Ctx();
+  EXPECT_EQ(stub->DeleteSequence(ctx5.get(), dreq, &dresp).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  dreq.set_sequence_id("x");
+  auto ctx6 = Ctx();
+  ASSERT_TRUE(stub->DeleteSequence(ctx6.get(), dreq, &dresp).ok());
+  EXPECT_GT(dresp.bytes_freed(), 0);
+  EXPECT_EQ(ts.server().store().TotalUsage().bytes, 0);
+}
+
+TEST(ServiceTest, NewBasisVersionWhileSequencesAreLive) {
+  Fixture f;
+  std::string dir;
+  const int kv = f.shape.kv_heads, d = f.shape.head_dim, qh = f.shape.q_heads;
+  {
+    TestServer ts({}, /*keep_registry_dir=*/true);
+    dir = ts.registry_dir();
+    auto stub = ts.Stub();
+    Register(*stub, MakeRegister(f.shape, kBasisSeed));
+    const int64_t T = 70;
+    auto k = RandomKV(kv, T, d, 1), v = RandomKV(kv, T, d, 2);
+    v1::PutBlocksRequest m;
+    *m.add_appends() = MakeAppend("old", 0, 0, k, v, kv, T, d, "tiny");
+    v1::PutBlocksResponse r;
+    ASSERT_TRUE(Put(*stub, {m}, &r).ok());
+    auto q = RandomQueries(qh, 1, d, 9);
+    auto before = FloatsOf(ScoreOne(*stub, "old", 0, q, qh, 1, d).results(0).logits());
+
+    Shape s2 = f.shape;
+    s2.version = 2;
+    Register(*stub, MakeRegister(s2, /*seed=*/99));
+    // Re-registering v2 identically is fine; with another basis it is ALREADY_EXISTS.
+    v1::RegisterBasisResponse rr;
+    auto c1 = Ctx();
+    ASSERT_TRUE(stub->RegisterBasis(c1.get(), MakeRegister(s2, 99), &rr).ok());
+    EXPECT_TRUE(rr.already_registered());
+    auto c2 = Ctx();
+    EXPECT_EQ(stub->RegisterBasis(c2.get(), MakeRegister(s2, 100), &rr).error_code(),
+              grpc::StatusCode::ALREADY_EXISTS);
+
+    // The live sequence keeps v1 and its exact results; a new one gets v2.
+    EXPECT_EQ(FloatsOf(ScoreOne(*stub, "old", 0, q, qh, 1, d).results(0).logits()), before);
+    *m.mutable_appends(0) = MakeAppend("new", 0, 0, k, v, kv, T, d, "tiny");
+    ASSERT_TRUE(Put(*stub, {m}, &r).ok());
+    auto info = ts.server().store().Describe("default", "new");
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->model->manifest.version, 2);
+    EXPECT_NE(FloatsOf(ScoreOne(*stub, "new", 0, q, qh, 1, d).results(0).logits()), before);
+
+    v1::ScoreRequest sreq;
+    auto* it = sreq.add_items();
+    it->set_sequence_id("old");
+    it->set_basis_version(2);
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+    v1::ScoreResponse sresp;
+    auto c3 = Ctx();
+    ASSERT_TRUE(stub->Score(c3.get(), sreq, &sresp).ok());
+    EXPECT_EQ(sresp.results(0).status().code(), grpc::StatusCode::FAILED_PRECONDITION);
+
+    // Appending to the old sequence while naming v2 is refused too.
+    *m.mutable_appends(0) = MakeAppend("old", 0, T, Slice(k, kv, T, d, 0, 1),
+                                       Slice(v, kv, T, d, 0, 1), kv, 1, d);
+    m.mutable_appends(0)->set_basis_version(2);
+    EXPECT_EQ(Put(*stub, {m}, &r).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+
+    v1::GetModelRequest gm;
+    gm.set_model("tiny");
+    gm.set_version(1);
+    v1::ModelInfo mi;
+    auto c4 = Ctx();
+    ASSERT_TRUE(stub->GetModel(c4.get(), gm, &mi).ok());
+    EXPECT_EQ(mi.live_sequences(), 1);
+    gm.set_version(0);
+    auto c5 = Ctx();
+    ASSERT_TRUE(stub->GetModel(c5.get(), gm, &mi).ok());
+    EXPECT_EQ(mi.version(), 2);
+    gm.set_version(3);
+    auto c6 = Ctx();
+    EXPECT_EQ(stub->GetModel(c6.get(), gm, &mi).error_code(), grpc::StatusCode::NOT_FOUND);
+  }
+  // Both versions were persisted and load at the next start.
+  EXPECT_TRUE(std::filesystem::exists(dir + "/tiny/v1/manifest.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/tiny/v2/basis.safetensors"));
+  server::ServerOptions o;
+  o.registry_dir = dir;
+  TestServer again(o);
+  auto stub = again.Stub();
+  v1::ListModelsResponse list;
+  auto c = Ctx();
+  ASSERT_TRUE(stub->ListModels(c.get(), {}, &list).ok());
+  EXPECT_EQ(list.models_size(), 2);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ServiceTest, ModelWithoutBasisIsServedKiviLike) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  s.model = "plain";
+  s.basis_rank = 0;
+  v1::RegisterBasisResponse rr;
+  auto c = Ctx();
+  ASSERT_TRUE(stub->RegisterBasis(c.get(), MakeRegister(s, 1), &rr).ok());
+  EXPECT_FALSE(rr.model().has_basis());
+  EXPECT_EQ(rr.model().codec().rank(), 0);
+  EXPECT_EQ(rr.model().kind(), "none");
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  auto k = RandomKV(kv, 40, d, 1), v = RandomKV(kv, 40, d, 2);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("p", 0, 0, k, v, kv, 40, d, "plain");
+  v1::PutBlocksResponse r;
+  ASSERT_TRUE(Put(*stub, {m}, &r).ok());
+  core::CodecOptions codec = CodecOf(s);
+  core::LayerCache ref(codec, kv, nullptr);
+  RefAppend(ref, k, v, kv, 40, d, 0);
+  auto q = RandomQueries(qh, 1, d, 2);
+  std::vector<float> want(qh * 40);
+  ASSERT_TRUE(ref.Score(q.data(), qh, 1, want.data()).ok());
+  EXPECT_EQ(FloatsOf(ScoreOne(*stub, "p", 0, q, qh, 1, d).results(0).logits()), want);
+}
+
+TEST(ServiceTest, TenantsAreIsolatedWithAuthOn) {
+  const std::string dir = TempDir("kvq-auth");
+  const std::string tokens = dir + "/tokens";
+  std::ofstream(tokens) << "# token tenant\nalpha-token-0123456789 alpha\nbeta-token-0123456789 beta\n";
+  server::ServerOptions o;
+  o.auth_tokens_file = tokens;
+  TestServer ts(o);
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed), "alpha-token-0123456789");
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  auto k = RandomKV(kv, 40, d, 1), v = RandomKV(kv, 40, d, 2);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("secret", 0, 0, k, v, kv, 40, d, "tiny");
+  v1::PutBlocksResponse r;
+  ASSERT_TRUE(Put(*stub, {m}, &r, "", "alpha-token-0123456789").ok());
+
+  // No token / bad token: UNAUTHENTICATED, nothing touched.
+  EXPECT_EQ(Put(*stub, {m}, &r).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(Put(*stub, {m}, &r, "alpha", "wrong-token-0123456789").error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  // x-kvq-tenant is ignored when auth is on.
+  auto q = RandomQueries(qh, 1, d, 1);
+  auto score = [&](const std::string& seq, const std::string& token) {
+    v1::ScoreRequest req;
+    auto* it = req.add_items();
+    it->set_sequence_id(seq);
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+    v1::ScoreResponse resp;
+    auto ctx = Ctx("alpha", token);
+    grpc::Status st = stub->Score(ctx.get(), req, &resp);
+    return std::make_pair(st, resp);
+  };
+  auto [st0, r0] = score("secret", "");
+  EXPECT_EQ(st0.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  auto [st1, r1] = score("secret", "beta-token-0123456789");
+  auto [st2, r2] = score("no-such-sequence", "beta-token-0123456789");
+  ASSERT_TRUE(st1.ok());
+  // Beta cannot tell alpha's sequence from one that does not exist.
+  EXPECT_EQ(r1.results(0).status().code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(r1.results(0).status().message(), "items[0]: sequence 'secret' not found");
+  EXPECT_EQ(r2.results(0).status().message(), "items[0]: sequence 'no-such-sequence' not found");
+  auto [st3, r3] = score("secret", "alpha-token-0123456789");
+  EXPECT_EQ(r3.results(0).status().code(), 0);
+
+  // Beta may use the same id for its own sequence; Delete and Stats are per tenant too.
+  *m.mutable_appends(0) = MakeAppend("secret", 0, 0, v, k, kv, 40, d, "tiny");
+  ASSERT_TRUE(Put(*stub, {m}, &r, "", "beta-token-0123456789").ok());
+  EXPECT_EQ(r.tokens_written(), 40);  // not a conflict with alpha's
+  v1::StatsResponse stats;
+  auto ctx = Ctx("", "beta-token-0123456789");
+  ASSERT_TRUE(stub->Stats(ctx.get(), {}, &stats).ok());
+  EXPECT_EQ(stats.tenant(), "beta");
+  EXPECT_EQ(stats.sequences(), 1);
+  v1::DeleteSequenceRequest dreq;
+  dreq.set_sequence_id("secret");
+  v1::DeleteSequenceResponse dresp;
+  auto ctx2 = Ctx("", "beta-token-0123456789");
+  ASSERT_TRUE(stub->DeleteSequence(ctx2.get(), dreq, &dresp).ok());
+  auto [st4, r4] = score("secret", "alpha-token-0123456789");
+  EXPECT_EQ(r4.results(0).status().code(), 0) << "beta's delete removed alpha's sequence";
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ServiceTest, EvictionUnderCapacityAndQuotaKeepsWholeSequences) {
+  Shape s;
+  s.layers = 2;
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  const int64_t T = 64;
+  auto k = RandomKV(kv, T, d, 1), v = RandomKV(kv, T, d, 2);
+  v1::PutBlocksRequest one;
+  for (int l = 0; l < s.layers; ++l) *one.add_appends() = MakeAppend("", l, 0, k, v, kv, T, d, "tiny");
+  // Measure one sequence.
+  int64_t seq_bytes = 0;
+  {
+    TestServer probe;
+    auto stub = probe.Stub();
+    Register(*stub, MakeRegister(s, kBasisSeed));
+    for (auto& a : *one.mutable_appends()) a.set_sequence_id("m");
+    v1::PutBlocksResponse r;
+    ASSERT_TRUE(Put(*stub, {one}, &r).ok());
+    seq_bytes = probe.server().store().TotalUsage().bytes;
+    ASSERT_GT(seq_bytes, 0);
+  }
+  server::ServerOptions o;
+  o.capacity_bytes = seq_bytes * 3 + seq_bytes / 2;  // three fit
+  o.tenant_quota_bytes = seq_bytes * 2 + seq_bytes / 2;  // two per tenant
+  TestServer ts(o);
+  auto stub = ts.Stub();
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  auto put = [&](const std::string& tenant, const std::string& id) {
+    v1::PutBlocksRequest m = one;
+    for (auto& a : *m.mutable_appends()) a.set_sequence_id(id);
+    v1::PutBlocksResponse r;
+    return Put(*stub, {m}, &r, tenant);
+  };
+  auto exists = [&](const std::string& tenant, const std::string& id) {
+    return ts.server().store().Describe(tenant, id).ok();
+  };
+  auto q = RandomQueries(qh, 1, d, 1);
+  ASSERT_TRUE(put("a", "a1").ok());
+  ASSERT_TRUE(put("a", "a2").ok());
+  ASSERT_TRUE(put("b", "b1").ok());
+  // Quota: a's third sequence evicts a's least recently used one (a1), never b's.
+  ScoreOne(*stub, "a1", 0, q, qh, 1, d, "a");  // touch a1: a2 is now a's LRU
+  ASSERT_TRUE(put("a", "a3").ok());
+  EXPECT_TRUE(exists("a", "a1"));
+  EXPECT_FALSE(exists("a", "a2"));
+  EXPECT_TRUE(exists("a", "a3"));
+  EXPECT_TRUE(exists("b", "b1"));
+  // Capacity (3): b's second sequence must evict; a holds more than its equal share (1.75
+  // sequences), so a's LRU (a1... touched earlier than a3) goes, b1 stays.
+  ASSERT_TRUE(put("b", "b2").ok());
+  EXPECT_TRUE(exists("b", "b1"));
+  EXPECT_TRUE(exists("b", "b2"));
+  EXPECT_EQ(exists("a", "a1") + exists("a", "a3"), 1);
+  EXPECT_GE(ts.server().store().TotalUsage().evictions, 2);
+  EXPECT_LE(ts.server().store().TotalUsage().bytes, o.capacity_bytes);
+  // Survivors are whole: every layer holds every token.
+  for (auto [t, id] : std::vector<std::pair<std::string, std::string>>{
+           {"a", "a1"}, {"a", "a3"}, {"b", "b1"}, {"b", "b2"}}) {
+    auto info = ts.server().store().Describe(t, id);
+    if (!info.ok()) continue;
+    for (int64_t n : info->layer_tokens) EXPECT_EQ(n, T) << t << "/" << id;
+  }
+  // A write larger than the quota fails with RESOURCE_EXHAUSTED and evicts nothing.
+  const int64_t big_T = 64 * 6;
+  auto bk = RandomKV(kv, big_T, d, 3);
+  v1::PutBlocksRequest big;
+  *big.add_appends() = MakeAppend("huge", 0, 0, bk, bk, kv, big_T, d, "tiny");
+  v1::PutBlocksResponse r;
+  const int64_t before = ts.server().store().TotalUsage().sequences;
+  grpc::Status st = Put(*stub, {big}, &r, "b");
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(st.error_message(), HasSubstr("quota"));
+  EXPECT_EQ(ts.server().store().TotalUsage().sequences, before);
+}
+
+TEST(ServiceTest, SixteenConcurrentClientsMixingWritesAndReads) {
+  TestServer ts;
+  Fixture f;
+  const Shape& s = f.shape;
+  {
+    auto stub = ts.Stub();
+    Register(*stub, MakeRegister(s, kBasisSeed));
+  }
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  const int kThreads = 16, kSteps = 12;
+  const int64_t chunk = 11;
+  const int64_t T = chunk * kSteps;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  auto channel = ts.Channel();
+  for (int th = 0; th < kThreads; ++th) {
+    threads.emplace_back([&, th] {
+      auto stub = v1::Kvq::NewStub(th % 2 ? ts.Channel() : channel);
+      const std::string id = absl::StrCat("seq", th);
+      auto k = RandomKV(kv, T, d, 1000 + th), v = RandomKV(kv, T, d, 2000 + th);
+      auto q = RandomQueries(qh, 1, d, th);
+      for (int step = 0; step < kSteps; ++step) {
+        v1::PutBlocksRequest m;
+        *m.add_appends() = MakeAppend(id, 0, step * chunk, Slice(k, kv, T, d, step * chunk, chunk),
+                                      Slice(v, kv, T, d, step * chunk, chunk), kv, chunk, d,
+                                      step == 0 ? "tiny" : "");
+        v1::PutBlocksResponse r;
+        if (!Put(*stub, {m}, &r).ok()) ++failures;
+        // Read own sequence and a neighbour's (which may not exist yet).
+        v1::AttendRequest areq;
+        for (int other : {th, (th + 1) % kThreads}) {
+          auto* it = areq.add_items();
+          it->set_sequence_id(absl::StrCat("seq", other));
+          it->set_observe(false);
+          *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+        }
+        v1::AttendResponse aresp;
+        auto ctx = Ctx();
+        if (!stub->Attend(ctx.get(), areq, &aresp).ok() || aresp.results(0).status().code() != 0) {
+          ++failures;
+        }
+        auto sc = ScoreOne(*stub, id, 0, q, qh, 1, d);
+        if (sc.results_size() != 1 || sc.results(0).tokens() != (step + 1) * chunk) ++failures;
+      }
+      // Final state equals the in-process codec's.
+      auto ref = f.Ref(0);
+      for (int step = 0; step < kSteps; ++step) {
+        RefAppend(*ref, Slice(k, kv, T, d, step * chunk, chunk),
+                  Slice(v, kv, T, d, step * chunk, chunk), kv, chunk, d, step * chunk);
+      }
+      std::vector<float> want(qh * T);
+      ref->Score(q.data(), qh, 1, want.data());
+      if (FloatsOf(ScoreOne(*stub, id, 0, q, qh, 1, d).results(0).logits()) != want) ++failures;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(ts.server().store().TotalUsage().sequences, kThreads);
+}
+
+// Scrapes /metrics over a plain socket.
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return "";
+  }
+  std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[65536];
+  for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) out.append(buf, n);
+  close(fd);
+  return out;
+}
+
+TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
+  server::ServerOptions o;
+  o.metrics_port = 0;
+  o.metrics_address = "127.0.0.1";
+  o.housekeeping_period = absl::Milliseconds(50);
+  TestServer ts(o);
+  ASSERT_GT(ts.server().metrics_port(), 0);
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  auto k = RandomKV(s.kv_heads, 64, s.head_dim, 1);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("x", 0, 0, k, k, s.kv_heads, 64, s.head_dim, "tiny");
+  v1::PutBlocksResponse r;
+  ASSERT_TRUE(Put(*stub, {m}, &r, "t1").ok());
+  ScoreOne(*stub, "missing", 0, RandomQueries(s.q_heads, 1, s.head_dim, 1), s.q_heads, 1,
+           s.head_dim);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
+  for (const char* want :
+       {"kvq_requests_total{code=\"OK\",method=\"PutBlocks\"} 1",
+        "kvq_request_duration_seconds_bucket{method=\"Score\"", "kvq_received_bytes_total",
+        "kvq_sent_bytes_total", "kvq_stored_bytes{pool=\"host\"}", "kvq_stored_blocks{pool=\"host\"} 8",
+        "kvq_key_bits_per_element", "kvq_value_bits_per_element", "kvq_evictions_total",
+        "kvq_cached_tokens 64", "kvq_sequences 1", "kvq_tenant_stored_bytes{tenant=\"t1\"}",
+        "kvq_ready 1"}) {
+    EXPECT_THAT(text, HasSubstr(want));
+  }
+}
+
+// A golden block: bytes committed to the repository must keep decoding to the committed
+// values. KVQ_REGENERATE_GOLDEN=1 rewrites them (only on a deliberate format change).
+TEST(GoldenBlockTest, CommittedBlocksDecodeToCommittedValues) {
+  const std::string dir = KVQ_GOLDEN_DIR;
+  core::CodecOptions o;
+  o.head_dim = 64;
+  o.key_bits = 2;
+  o.key_group = 32;
+  o.rank = 4;
+  o.side_bits = 8;
+  o.value_bits = 2;
+  o.value_group = 32;
+  Shape s;
+  s.layers = 1;
+  s.kv_heads = 1;
+  s.q_heads = 1;
+  core::ModelBasis b = MakeBasis(s, 5);
+  std::vector<float> u = LayerBasis(b, 0, 4);
+  auto read = [](const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::vector<uint8_t>(std::istreambuf_iterator<char>(f), {});
+  };
+  auto write = [](const std::string& p, const void* data, size_t n) {
+    std::ofstream(p, std::ios::binary).write(static_cast<const char*>(data), n);
+  };
+  if (std::getenv("KVQ_REGENERATE_GOLDEN")) {
+    std::filesystem::create_directories(dir);
+    auto k = RandomKV(1, 32, 64, 42), v = RandomKV(1, 32, 64, 43);
+    std::vector<uint8_t> kb, vb;
+    ASSERT_TRUE(core::EncodeKeyBlock(o, k.data(), 64, u.data(), &kb).ok());
+    ASSERT_TRUE(core::EncodeValueBlock(o, v.data(), 64, nullptr, &vb).ok());
+    write(dir + "/key_k2g32r4s8_d64.block", kb.data(), kb.size());
+    write(dir + "/value_v2g32_d64.block", vb.data(), vb.size());
+    write(dir + "/basis_d64r4.f32", u.data(), u.size() * 4);
+    auto kview = core::ParseKeyBlock(kb, o, true);
+    auto vview = core::ParseValueBlock(vb, o, true);
+    std::vector<float> kd(32 * 64), vd(32 * 64);
+    core::DecodeKeyBlock(*kview, u.data(), 1.0f, kd.data());
+    core::DecodeValueBlock(*vview, vd.data());
+    write(dir + "/key_k2g32r4s8_d64.decoded.f32", kd.data(), kd.size() * 4);
+    write(dir + "/value_v2g32_d64.decoded.f32", vd.data(), vd.size() * 4);
+  }
+  const auto kb = read(dir + "/key_k2g32r4s8_d64.block");
+  const auto vb = read(dir + "/value_v2g32_d64.block");
+  const auto ub = read(dir + "/basis_d64r4.f32");
+  const auto kd = read(dir + "/key_k2g32r4s8_d64.decoded.f32");
+  const auto vd = read(dir + "/value_v2g32_d64.decoded.f32");
+  ASSERT_FALSE(kb.empty());
+  ASSERT_EQ(ub.size(), 64 * 4 * 4u);
+  ASSERT_EQ(kd.size(), 32 * 64 * 4u);
+  EXPECT_EQ(kb.size(), core::KeyBlockBytes(o));
+  EXPECT_EQ(vb.size(), core::ValueBlockBytes(o));
+  auto kview = core::ParseKeyBlock(kb, o, true);
+  ASSERT_TRUE(kview.ok()) << kview.status();
+  auto vview = core::ParseValueBlock(vb, o, true);
+  ASSERT_TRUE(vview.ok()) << vview.status();
+  std::vector<float> k(32 * 64), v(32 * 64);
+  core::DecodeKeyBlock(*kview, reinterpret_cast<const float*>(ub.data()), 1.0f, k.data());
+  core::DecodeValueBlock(*vview, v.data());
+  EXPECT_EQ(0, std::memcmp(k.data(), kd.data(), kd.size()));
+  EXPECT_EQ(0, std::memcmp(v.data(), vd.data(), vd.size()));
+  // A flipped payload bit is DATA_LOSS, never data.
+  auto bad = kb;
+  bad[40] ^= 1;
+  EXPECT_EQ(core::ParseKeyBlock(bad, o, true).status().code(), absl::StatusCode::kDataLoss);
+}
+
+}  // namespace
+}  // namespace kvq::testing

@@ -1,0 +1,84 @@
+// Helpers for the service tests and the service benchmark: models, random K/V, an in-process
+// server on port 0 and typed calls over real gRPC channels.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "grpcpp/grpcpp.h"
+#include "kvq/core/basis.h"
+#include "kvq/core/cache.h"
+#include "kvq/core/store.h"
+#include "kvq/v1/kvq.grpc.pb.h"
+#include "server/server.h"
+
+namespace kvq::testing {
+
+struct Shape {
+  std::string model = "tiny";
+  int version = 1;
+  int layers = 2;
+  int kv_heads = 2;
+  int q_heads = 4;  // grouped-query attention
+  int head_dim = 64;
+  int basis_rank = 8;  // 0: no basis
+};
+
+// A registration request with a random orthonormal basis (deterministic in seed).
+v1::RegisterBasisRequest MakeRegister(const Shape& s, uint64_t seed, int codec_rank = 4);
+// The same basis as core::ModelBasis (to build in-process caches).
+core::ModelBasis MakeBasis(const Shape& s, uint64_t seed);
+// The codec the server derives for a model registered by MakeRegister.
+core::CodecOptions CodecOf(const Shape& s, int codec_rank = 4);
+// The basis of one layer truncated to `rank` columns, [kv][d][rank].
+std::vector<float> LayerBasis(const core::ModelBasis& b, int layer, int rank);
+
+// Random values (heavy-ish outlier channels, like real keys), fp32.
+std::vector<float> RandomKV(int kv_heads, int64_t tokens, int head_dim, uint32_t seed);
+std::vector<float> RandomQueries(int q_heads, int n_q, int head_dim, uint32_t seed);
+// fp32 -> fp16 bytes.
+std::string ToF16Bytes(const std::vector<float>& x);
+std::vector<float> F16RoundTrip(const std::vector<float>& x);
+// Tokens [from, from + n) of a [kv][T][d] array as [kv][n][d].
+std::vector<float> Slice(const std::vector<float>& x, int kv, int64_t T, int d, int64_t from,
+                         int64_t n);
+
+v1::Tensor TensorF16(const std::vector<float>& x, std::initializer_list<int64_t> shape);
+v1::Tensor TensorF32(const std::vector<float>& x, std::initializer_list<int64_t> shape);
+std::vector<float> FloatsOf(const v1::Tensor& t);
+
+// One append (creating the sequence when model is set).
+v1::Append MakeAppend(const std::string& seq, int layer, int64_t start, const std::vector<float>& k,
+                      const std::vector<float>& v, int kv, int64_t n, int d,
+                      const std::string& model = "", bool f16 = true);
+
+// An in-process kvq server on 127.0.0.1:0 with a temporary registry folder.
+class TestServer {
+ public:
+  explicit TestServer(server::ServerOptions opts = {}, bool keep_registry_dir = false);
+  ~TestServer();
+  std::string address() const;
+  server::KvqServer& server() { return *server_; }
+  const std::string& registry_dir() const { return registry_dir_; }
+  std::unique_ptr<v1::Kvq::Stub> Stub(std::shared_ptr<grpc::ChannelCredentials> creds = nullptr);
+  std::shared_ptr<grpc::Channel> Channel(std::shared_ptr<grpc::ChannelCredentials> creds = nullptr);
+
+ private:
+  std::string registry_dir_;
+  bool own_dir_;
+  std::unique_ptr<server::KvqServer> server_;
+};
+
+std::string TempDir(const std::string& prefix);
+
+// A client context with a deadline and optional tenant/token metadata.
+std::unique_ptr<grpc::ClientContext> Ctx(const std::string& tenant = "",
+                                         const std::string& token = "", int deadline_s = 30);
+
+// PutBlocks with one message per entry; returns the status and fills resp.
+grpc::Status Put(v1::Kvq::Stub& stub, const std::vector<v1::PutBlocksRequest>& msgs,
+                 v1::PutBlocksResponse* resp, const std::string& tenant = "",
+                 const std::string& token = "");
+
+}  // namespace kvq::testing
