@@ -1,0 +1,235 @@
+// core::Store and core::Registry without gRPC: TTL, LRU order, scrub, registry files, races.
+#include "kvq/core/store.h"
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace kvq::core {
+namespace {
+
+namespace fs = std::filesystem;
+
+ModelEntry Entry(const std::string& name, int version, uint64_t seed, int rank = 8) {
+  BasisManifest m;
+  m.model = name;
+  m.version = version;
+  m.layers = 2;
+  m.kv_heads = 2;
+  m.q_heads = 4;
+  m.head_dim = 64;
+  m.rank = rank;
+  m.kind = "random";
+  ModelEntry e;
+  e.manifest = m;
+  e.has_basis = rank > 0;
+  if (e.has_basis) e.basis = RandomBasis(m, seed);
+  e.codec = Registry::DefaultCodec(m, e.has_basis);
+  return e;
+}
+
+std::string TempDir() {
+  std::string t = "/tmp/kvq-store-XXXXXX";
+  return mkdtemp(t.data());
+}
+
+struct Data {
+  std::vector<float> k, v;
+  TensorView kt, vt;
+  Data(int64_t n, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd;
+    k.resize(2 * n * 64);
+    v.resize(2 * n * 64);
+    for (auto& x : k) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    kt = TensorView::Contiguous(k.data(), DType::kF32, {2, n, 64});
+    vt = TensorView::Contiguous(v.data(), DType::kF32, {2, n, 64});
+  }
+};
+
+AppendSpec Spec(const std::string& id, int layer, int64_t start, const Data& d,
+                const std::string& model = "m") {
+  AppendSpec s;
+  s.sequence_id = id;
+  s.layer = layer;
+  s.start = start;
+  s.keys = d.kt;
+  s.values = d.vt;
+  s.model = model;
+  return s;
+}
+
+TEST(RegistryTest, PersistsAtomicallyAndReloadsSkippingBrokenEntries) {
+  const std::string dir = TempDir();
+  {
+    Registry r(dir);
+    ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
+    bool already = true;
+    auto e = r.Register(Entry("m", 1, 1), &already);
+    ASSERT_TRUE(e.ok()) << e.status();
+    EXPECT_FALSE(already);
+    EXPECT_FALSE((*e)->manifest.fingerprint.empty());
+    ASSERT_TRUE(r.Register(Entry("m", 1, 1), &already).ok());
+    EXPECT_TRUE(already);
+    EXPECT_EQ(r.Register(Entry("m", 1, 2), &already).status().code(),
+              absl::StatusCode::kAlreadyExists);
+    ASSERT_TRUE(r.Register(Entry("m", 2, 2), nullptr).ok());
+    ASSERT_TRUE(r.Register(Entry("plain", 1, 0, /*rank=*/0), nullptr).ok());
+    EXPECT_EQ((*r.Get("m", 0))->manifest.version, 2);
+    EXPECT_EQ(r.Get("m", 3).status().code(), absl::StatusCode::kNotFound);
+  }
+  // No temporary folders are left; a broken entry and an interrupted one are skipped.
+  for (const auto& p : fs::directory_iterator(dir)) {
+    EXPECT_NE(p.path().filename().string()[0], '.') << p.path();
+  }
+  fs::create_directories(dir + "/broken/v1");
+  std::ofstream(dir + "/broken/v1/manifest.json") << "{not json";
+  fs::create_directories(dir + "/.tmp-x-v1-1");
+  std::ofstream(dir + "/.tmp-x-v1-1/model.json") << "{}";
+  Registry again(dir);
+  std::vector<std::string> loaded, skipped;
+  ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("m v1", "m v2", "plain v1"));
+  ASSERT_EQ(skipped.size(), 1u);
+  EXPECT_THAT(skipped[0], ::testing::HasSubstr("broken"));
+  auto plain = again.Get("plain", 1);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE((*plain)->has_basis);
+  EXPECT_EQ((*plain)->codec.rank, 0);
+  EXPECT_EQ((*again.Get("m", 1))->basis.u, Entry("m", 1, 1).basis.u);
+  fs::remove_all(dir);
+}
+
+TEST(RegistryTest, RejectsBadEntriesNamingTheField) {
+  Registry r("");
+  ModelEntry e = Entry("m", 1, 1);
+  e.basis.u[3] += 0.5f;  // no longer orthonormal
+  auto st = r.Register(e, nullptr).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("orthonormal"));
+  e = Entry("bad name!", 1, 1);
+  EXPECT_THAT(std::string(r.Register(e, nullptr).status().message()),
+              ::testing::HasSubstr("[A-Za-z0-9._-]"));
+  e = Entry("m", 1, 1);
+  e.manifest.q_heads = 3;
+  EXPECT_THAT(std::string(r.Register(e, nullptr).status().message()),
+              ::testing::HasSubstr("q_heads 3 must be a multiple of kv_heads 2"));
+}
+
+class StoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(registry_.Register(Entry("m", 1, 1), nullptr).ok()); }
+  Registry registry_{""};
+};
+
+TEST_F(StoreTest, TtlDropsIdleSequences) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  StoreOptions o;
+  o.ttl = absl::Seconds(60);
+  o.now = [&] { return now; };
+  Store store(o, &registry_);
+  Data d(40, 1);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", {Spec("old", 0, 0, d)}, &out).ok());
+  now += absl::Seconds(50);
+  ASSERT_TRUE(store.Append("t", {Spec("new", 0, 0, d)}, &out).ok());
+  now += absl::Seconds(20);
+  EXPECT_EQ(store.Sweep(), 1);
+  EXPECT_FALSE(store.Describe("t", "old").ok());
+  EXPECT_TRUE(store.Describe("t", "new").ok());
+  EXPECT_EQ(store.TotalUsage().expirations, 1);
+}
+
+TEST_F(StoreTest, LruEvictsLeastRecentlyUsedWholeSequences) {
+  Data d(64, 1);
+  int64_t one = 0;
+  {
+    Store probe({}, &registry_);
+    AppendOutcome out;
+    ASSERT_TRUE(probe.Append("t", {Spec("x", 0, 0, d), Spec("x", 1, 0, d)}, &out).ok());
+    one = probe.TotalUsage().bytes;
+  }
+  StoreOptions o;
+  o.capacity_bytes = 3 * one;
+  Store store(o, &registry_);
+  AppendOutcome out;
+  for (const char* id : {"s0", "s1", "s2"}) {
+    ASSERT_TRUE(store.Append("t", {Spec(id, 0, 0, d), Spec(id, 1, 0, d)}, &out).ok());
+  }
+  std::vector<float> q(4 * 64, 0.1f), logits;
+  int64_t tokens = 0;
+  ASSERT_TRUE(store.Score("t", "s0", 0, 0, q.data(), 4, 1, 64, 0, false, &logits, &tokens).ok());
+  ASSERT_TRUE(store.Append("t", {Spec("s3", 0, 0, d), Spec("s3", 1, 0, d)}, &out).ok());
+  EXPECT_TRUE(store.Describe("t", "s0").ok());
+  EXPECT_FALSE(store.Describe("t", "s1").ok());  // the LRU one
+  EXPECT_TRUE(store.Describe("t", "s2").ok());
+  EXPECT_EQ(store.TotalUsage().evictions, 1);
+  EXPECT_LE(store.TotalUsage().bytes, o.capacity_bytes);
+  // Appending to a live sequence never evicts that sequence itself.
+  Data more(64, 2);
+  absl::Status st = store.Append("t", {Spec("s3", 0, 64, more)}, &out);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(store.Describe("t", "s3").ok());
+}
+
+TEST_F(StoreTest, ScrubFindsCorruptionAndReadsFailWithDataLoss) {
+  Store store({}, &registry_);
+  Data d(96, 1);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", {Spec("x", 0, 0, d)}, &out).ok());
+  EXPECT_EQ(store.Scrub(), 0);
+  LayerCache* c = store.LayerForTest("t", "x", 0);
+  ASSERT_NE(c, nullptr);
+  ASSERT_GT(c->key_blocks(1).size(), 100u);
+  c->key_blocks(1)[100] ^= 0x10;
+  EXPECT_EQ(store.Scrub(), 1);
+  std::vector<float> q(4 * 64, 0.1f), logits;
+  int64_t tokens = 0;
+  absl::Status st = store.Score("t", "x", 0, 0, q.data(), 4, 1, 64, 0, false, &logits, &tokens);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+  std::vector<float> k, v;
+  EXPECT_EQ(store.Decode("t", "x", 0, 0, &k, &v, &tokens).code(), absl::StatusCode::kDataLoss);
+}
+
+TEST_F(StoreTest, RacingIdenticalResendsStoreEachTokenOnce) {
+  Store store({}, &registry_);
+  const int64_t T = 200;
+  Data d(T, 7);
+  std::vector<std::thread> th;
+  std::atomic<int> errors{0};
+  for (int i = 0; i < 4; ++i) {
+    th.emplace_back([&, i] {
+      for (int64_t from = 0; from < T; from += 20) {
+        TensorView k = d.kt, v = d.vt;
+        k.data = d.k.data() + from * 64;
+        v.data = d.v.data() + from * 64;
+        k.shape[1] = v.shape[1] = 20;
+        AppendSpec s = Spec("x", 0, from, d);
+        s.keys = k;
+        s.values = v;
+        AppendOutcome out;
+        absl::Status st = store.Append("t", {s}, &out);
+        // Another thread may not have reached `from` yet: a gap, retried.
+        while (st.code() == absl::StatusCode::kFailedPrecondition ||
+               st.code() == absl::StatusCode::kAborted) {
+          std::this_thread::yield();
+          st = store.Append("t", {s}, &out);
+        }
+        if (!st.ok()) ++errors;
+      }
+    });
+  }
+  for (auto& t : th) t.join();
+  EXPECT_EQ(errors.load(), 0);
+  auto info = store.Describe("t", "x");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_tokens[0], T);
+}
+
+}  // namespace
+}  // namespace kvq::core
