@@ -1,1 +1,227 @@
-int main() { return 0; }
+// kvq-bench-service: the service over loopback gRPC, each call next to Echo carrying the same
+// bytes in the same run. PutBlocks ingest (GB/s of fp16 K+V in) and Score / Attend latency
+// percentiles at a given cached context.
+//
+//   kvq-bench-service [--server ADDR] [--context 4096] [--layers 4] [--iters 1000]
+//                     [--kv-heads 3] [--q-heads 9] [--head-dim 64] [--workers 0]
+// Without --server an in-process kvq server on 127.0.0.1:0 is started (same machine, same
+// cores: client and server compete, as on a single loopback host).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "tests/server/test_util.h"
+
+namespace kvq::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Stats {
+  std::vector<double> ms;
+  double Pct(double p) const {
+    std::vector<double> s = ms;
+    std::sort(s.begin(), s.end());
+    if (s.empty()) return 0;
+    const size_t i = std::min(s.size() - 1, static_cast<size_t>(p / 100.0 * s.size()));
+    return s[i];
+  }
+};
+
+void Row(const char* name, const Stats& s, size_t bytes) {
+  std::printf("%-22s %7zu %10zu %8.3f %8.3f %8.3f %8.3f\n", name, s.ms.size(), bytes, s.Pct(50),
+              s.Pct(90), s.Pct(99), s.Pct(100));
+}
+
+double Ms(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+int Main(int argc, char** argv) {
+  std::string server;
+  int context = 4096, layers = 4, iters = 1000, kv = 3, qh = 9, d = 64, workers = 0;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string f = argv[i], v = argv[i + 1];
+    auto num = [&](int* p) {
+      if (!absl::SimpleAtoi(v, p)) {
+        std::fprintf(stderr, "bad %s\n", f.c_str());
+        std::exit(2);
+      }
+    };
+    if (f == "--server") server = v;
+    else if (f == "--context") num(&context);
+    else if (f == "--layers") num(&layers);
+    else if (f == "--iters") num(&iters);
+    else if (f == "--kv-heads") num(&kv);
+    else if (f == "--q-heads") num(&qh);
+    else if (f == "--head-dim") num(&d);
+    else if (f == "--workers") num(&workers);
+    else {
+      std::fprintf(stderr, "unknown flag %s\n", f.c_str());
+      return 2;
+    }
+  }
+  std::unique_ptr<TestServer> local;
+  std::shared_ptr<grpc::Channel> channel;
+  if (server.empty()) {
+    server::ServerOptions o;
+    o.workers = workers;
+    o.capacity_bytes = int64_t{8} << 30;
+    local = std::make_unique<TestServer>(o);
+    channel = local->Channel();
+    server = local->address();
+  } else {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(256 << 20);
+    args.SetMaxSendMessageSize(256 << 20);
+    channel = grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), args);
+  }
+  auto stub = v1::Kvq::NewStub(channel);
+  Shape s;
+  s.model = "bench";
+  s.layers = layers;
+  s.kv_heads = kv;
+  s.q_heads = qh;
+  s.head_dim = d;
+  s.basis_rank = std::min(8, d);
+  {
+    v1::RegisterBasisResponse r;
+    auto ctx = Ctx();
+    grpc::Status st = stub->RegisterBasis(ctx.get(), MakeRegister(s, 1), &r);
+    if (!st.ok()) {
+      std::fprintf(stderr, "RegisterBasis: %s\n", st.error_message().c_str());
+      return 1;
+    }
+  }
+  auto echo = [&](size_t bytes) {
+    v1::EchoRequest req;
+    req.set_payload(std::string(bytes, 'x'));
+    v1::EchoResponse resp;
+    auto ctx = Ctx();
+    const auto t0 = Clock::now();
+    grpc::Status st = stub->Echo(ctx.get(), req, &resp);
+    const double ms = Ms(t0, Clock::now());
+    if (!st.ok()) std::fprintf(stderr, "Echo: %s\n", st.error_message().c_str());
+    return ms;
+  };
+
+  // ---- PutBlocks ingest: sequences of `context` tokens x `layers`, 512-token messages.
+  const int64_t chunk = std::min(512, context);
+  auto k = RandomKV(kv, context, d, 1), v = RandomKV(kv, context, d, 2);
+  const int reps = 3;
+  std::vector<v1::PutBlocksRequest> msgs;
+  size_t msg_bytes = 0;
+  for (int64_t from = 0; from < context; from += chunk) {
+    const int64_t n = std::min<int64_t>(chunk, context - from);
+    v1::PutBlocksRequest m;
+    for (int l = 0; l < layers; ++l) {
+      *m.add_appends() = MakeAppend("", l, from, Slice(k, kv, context, d, from, n),
+                                    Slice(v, kv, context, d, from, n), kv, n, d, "bench");
+    }
+    msg_bytes = std::max(msg_bytes, m.ByteSizeLong());
+    msgs.push_back(std::move(m));
+  }
+  const double fp16_bytes = 2.0 * kv * context * d * 2 * layers;  // K and V, fp16
+  double put_s = 0, echo_s = 0;
+  for (int r = 0; r < reps; ++r) {
+    const std::string id = absl::StrCat("ingest", r);
+    for (auto& m : msgs) {
+      for (auto& a : *m.mutable_appends()) a.set_sequence_id(id);
+    }
+    v1::PutBlocksResponse resp;
+    const auto t0 = Clock::now();
+    grpc::Status st = Put(*stub, msgs, &resp);
+    put_s += Ms(t0, Clock::now()) / 1000;
+    if (!st.ok()) {
+      std::fprintf(stderr, "PutBlocks: %s\n", st.error_message().c_str());
+      return 1;
+    }
+    for (const auto& m : msgs) echo_s += echo(m.ByteSizeLong()) / 1000;
+  }
+  std::printf("# kvq-bench-service  server=%s%s  context=%d layers=%d kv_heads=%d q_heads=%d "
+              "head_dim=%d\n",
+              server.c_str(), local ? " (in-process)" : "", context, layers, kv, qh, d);
+  std::printf("PutBlocks ingest: %.3f GB/s of fp16 K+V (%.1f MB per sequence, %zu messages of "
+              "<= %.1f MB, %d reps)\n",
+              reps * fp16_bytes / put_s / 1e9, fp16_bytes / 1e6, msgs.size(), msg_bytes / 1e6,
+              reps);
+  std::printf("Echo same bytes:  %.3f GB/s (unary Echo per message)\n\n",
+              reps * fp16_bytes / echo_s / 1e9);
+
+  // ---- Score / Attend latency at `context` cached tokens (layer 0 of "ingest0").
+  std::printf("%-22s %7s %10s %8s %8s %8s %8s\n", "call", "n", "bytes", "p50_ms", "p90_ms",
+              "p99_ms", "max_ms");
+  auto q = RandomQueries(qh, 1, d, 3);
+  v1::ScoreRequest sreq;
+  {
+    auto* it = sreq.add_items();
+    it->set_sequence_id("ingest0");
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+  }
+  v1::AttendRequest areq;
+  for (int b = 0; b < 1; ++b) {
+    auto* it = areq.add_items();
+    it->set_sequence_id("ingest0");
+    it->set_observe(false);
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+  }
+  v1::AttendRequest areq3;  // a decode batch: 3 sequences, one item each
+  for (int b = 0; b < 3; ++b) {
+    auto* it = areq3.add_items();
+    it->set_sequence_id(absl::StrCat("ingest", b));
+    it->set_observe(false);
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+  }
+  auto run = [&](const char* name, auto call) {
+    Stats st, es;
+    size_t bytes = 0;
+    for (int i = 0; i < iters / 10; ++i) call(&bytes);  // warm-up
+    for (int i = 0; i < iters; ++i) {
+      st.ms.push_back(call(&bytes));
+      es.ms.push_back(echo(bytes / 2));  // Echo moves its payload both ways: same total bytes
+    }
+    Row(name, st, bytes);
+    Row(absl::StrCat("  echo same bytes").c_str(), es, bytes);
+  };
+  run("Score 1 item", [&](size_t* bytes) {
+    v1::ScoreResponse resp;
+    auto ctx = Ctx();
+    const auto t0 = Clock::now();
+    grpc::Status st = stub->Score(ctx.get(), sreq, &resp);
+    const double ms = Ms(t0, Clock::now());
+    if (!st.ok() || resp.results(0).status().code() != 0) std::fprintf(stderr, "Score failed\n");
+    *bytes = sreq.ByteSizeLong() + resp.ByteSizeLong();
+    return ms;
+  });
+  run("Attend 1 item", [&](size_t* bytes) {
+    v1::AttendResponse resp;
+    auto ctx = Ctx();
+    const auto t0 = Clock::now();
+    grpc::Status st = stub->Attend(ctx.get(), areq, &resp);
+    const double ms = Ms(t0, Clock::now());
+    if (!st.ok() || resp.results(0).status().code() != 0) std::fprintf(stderr, "Attend failed\n");
+    *bytes = areq.ByteSizeLong() + resp.ByteSizeLong();
+    return ms;
+  });
+  run("Attend batch of 3", [&](size_t* bytes) {
+    v1::AttendResponse resp;
+    auto ctx = Ctx();
+    const auto t0 = Clock::now();
+    grpc::Status st = stub->Attend(ctx.get(), areq3, &resp);
+    const double ms = Ms(t0, Clock::now());
+    if (!st.ok()) std::fprintf(stderr, "Attend failed\n");
+    *bytes = areq3.ByteSizeLong() + resp.ByteSizeLong();
+    return ms;
+  });
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvq::testing
+
+int main(int argc, char** argv) { return kvq::testing::Main(argc, argv); }
