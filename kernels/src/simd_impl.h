@@ -63,58 +63,111 @@ void dot_channels_simd(const uint8_t* codes, int bits, int n_ch, int tokens, con
   }
 }
 
-// One token row: out_i[c] += coef_i,g * code_c for every query, W channels at a time.
-template <int B>
-inline void AxpyRow(const uint8_t* codes, int n, int group, const float* coef, int ng, int n_q,
-                    float* out, int64_t os) {
-  for (int c0 = 0; c0 < n; c0 += W) {
-    typename Isa::F v = Decode<B>(codes + c0 * B / 8);
-    const int g = c0 / group;
-    for (int i = 0; i < n_q; ++i) {
-      float* o = out + i * os + c0;
-      Isa::Store(o, Isa::Fmadd(Isa::Set1(coef[i * ng + g]), v, Isa::Load(o)));
+// Readout over a block of token records. Per-token scales and zero points are turned into
+// per-(query, group, token) coefficients first; then, channel chunk by channel chunk, the
+// tokens are accumulated in registers (NQ accumulators), so no store/load chains per token.
+constexpr int kMaxRows = 128, kMaxGroups = 8;
+
+struct RowTable {
+  uint32_t off[kMaxRows];   // byte offset of each token's codes
+  uint8_t bits[kMaxRows];
+  bool uniform;
+};
+
+template <int B, int NQ>
+inline void ReadoutChunkUniform(const uint8_t* rows, const RowTable& rt, int n_rows, int ch,
+                                const float* coef, typename Isa::F* acc) {
+  for (int t = 0; t < n_rows; ++t) {
+    typename Isa::F v = Decode<B>(rows + rt.off[t] + ch * W * B / 8);
+    for (int i = 0; i < NQ; ++i)
+      acc[i] = Isa::Fmadd(Isa::Set1(coef[i * kMaxGroups * kMaxRows + t]), v, acc[i]);
+  }
+}
+
+template <int NQ>
+inline void ReadoutChunkMixed(const uint8_t* rows, const RowTable& rt, int n_rows, int ch,
+                              const float* coef, typename Isa::F* acc) {
+  for (int t = 0; t < n_rows; ++t) {
+    const int b = rt.bits[t];
+    const uint8_t* c = rows + rt.off[t] + ch * W * b / 8;
+    typename Isa::F v;
+    switch (b) {
+      case 1: v = Decode<1>(c); break;
+      case 2: v = Decode<2>(c); break;
+      case 3: v = Decode<3>(c); break;
+      case 4: v = Decode<4>(c); break;
+      default: v = Decode<8>(c); break;
+    }
+    for (int i = 0; i < NQ; ++i)
+      acc[i] = Isa::Fmadd(Isa::Set1(coef[i * kMaxGroups * kMaxRows + t]), v, acc[i]);
+  }
+}
+
+template <int NQ>
+void ReadoutT(const uint8_t* rows, const RowTable& rt, int n_rows, int n, int group, int ng,
+              const float* p, int64_t ps, float* out, int64_t os) {
+  // coef[i][g][t] = p_i[t] * scale[t][g]; zsum[i][g] = sum_t p_i[t] * zero[t][g].
+  alignas(64) float coef[NQ * kMaxGroups * kMaxRows];
+  float zsum[NQ * kMaxGroups] = {};
+  for (int t = 0; t < n_rows; ++t) {
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rows + rt.off[t] - 4 * ng);
+    for (int g = 0; g < ng; ++g) {
+      const float sc = internal::HalfToFloat(sz[g]), ze = internal::HalfToFloat(sz[ng + g]);
+      for (int i = 0; i < NQ; ++i) {
+        const float pt = p[i * ps + t];
+        coef[(i * kMaxGroups + g) * kMaxRows + t] = pt * sc;
+        zsum[i * kMaxGroups + g] += pt * ze;
+      }
+    }
+  }
+  for (int ch = 0; ch < n / W; ++ch) {
+    const int g = ch * W / group;
+    typename Isa::F acc[NQ];
+    for (int i = 0; i < NQ; ++i) acc[i] = Isa::Zero();
+    const float* cg = coef + g * kMaxRows;
+    if (!rt.uniform) {
+      ReadoutChunkMixed<NQ>(rows, rt, n_rows, ch, cg, acc);
+    } else {
+      switch (rt.bits[0]) {
+        case 1: ReadoutChunkUniform<1, NQ>(rows, rt, n_rows, ch, cg, acc); break;
+        case 2: ReadoutChunkUniform<2, NQ>(rows, rt, n_rows, ch, cg, acc); break;
+        case 3: ReadoutChunkUniform<3, NQ>(rows, rt, n_rows, ch, cg, acc); break;
+        case 4: ReadoutChunkUniform<4, NQ>(rows, rt, n_rows, ch, cg, acc); break;
+        default: ReadoutChunkUniform<8, NQ>(rows, rt, n_rows, ch, cg, acc); break;
+      }
+    }
+    for (int i = 0; i < NQ; ++i) {
+      float* o = out + i * os + ch * W;
+      Isa::Store(o, Isa::Add(Isa::Load(o), Isa::Add(acc[i], Isa::Set1(zsum[i * kMaxGroups + g]))));
     }
   }
 }
 
 void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n, int group,
                        const float* p, int64_t ps, int n_q, float* out, int64_t os) {
-  if (n % W != 0 || group % W != 0 || n_q > 16)
-    return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
   const int ng = (n + group - 1) / group;
-  float coef[16 * 16];
-  float zacc[16 * 16] = {};
-  if (ng > 16) return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
+  if (n % W != 0 || group % W != 0 || ng > kMaxGroups || n_rows > kMaxRows)
+    return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
+  RowTable rt;
+  rt.uniform = true;
+  uint32_t off = 0;
   for (int t = 0; t < n_rows; ++t) {
-    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rows);
-    const uint8_t* codes = rows + 4 * ng;
-    float sc[16], ze[16];
-    for (int g = 0; g < ng; ++g) {
-      sc[g] = internal::HalfToFloat(sz[g]);
-      ze[g] = internal::HalfToFloat(sz[ng + g]);
-    }
-    for (int i = 0; i < n_q; ++i) {
-      const float pt = p[i * ps + t];
-      for (int g = 0; g < ng; ++g) {
-        coef[i * ng + g] = pt * sc[g];
-        zacc[i * ng + g] += pt * ze[g];
-      }
-    }
-    const int b = row_bits[t];
-    switch (b) {
-      case 1: AxpyRow<1>(codes, n, group, coef, ng, n_q, out, os); break;
-      case 2: AxpyRow<2>(codes, n, group, coef, ng, n_q, out, os); break;
-      case 3: AxpyRow<3>(codes, n, group, coef, ng, n_q, out, os); break;
-      case 4: AxpyRow<4>(codes, n, group, coef, ng, n_q, out, os); break;
-      default: AxpyRow<8>(codes, n, group, coef, ng, n_q, out, os); break;
-    }
-    rows += 4 * ng + internal::RowBytes(n, b);
+    rt.bits[t] = row_bits[t];
+    rt.uniform &= row_bits[t] == row_bits[0];
+    off += 4 * ng;
+    rt.off[t] = off;
+    off += static_cast<uint32_t>(internal::RowBytes(n, row_bits[t]));
   }
-  for (int i = 0; i < n_q; ++i)
-    for (int c0 = 0; c0 < n; c0 += W) {
-      float* o = out + i * os + c0;
-      Isa::Store(o, Isa::Add(Isa::Load(o), Isa::Set1(zacc[i * ng + c0 / group])));
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* pi = p + i0 * ps;
+    float* oi = out + i0 * os;
+    switch (std::min(4, n_q - i0)) {
+      case 1: ReadoutT<1>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os); break;
+      case 2: ReadoutT<2>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os); break;
+      case 3: ReadoutT<3>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os); break;
+      default: ReadoutT<4>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os); break;
     }
+  }
 }
 
 // Per-channel quantization over tokens, W channels per vector. Codes are accumulated into
