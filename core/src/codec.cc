@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -285,41 +286,14 @@ absl::Status VerifyBlock(std::span<const uint8_t> block) {
 void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q, float scale,
                    float side_sign, float* out, int64_t out_stride, bool include_base) {
   const int d = b.head_dim, G = b.tokens, r = b.rank;
-  thread_local std::vector<float> w;
-  float sc[512], ze[512];
-  for (int i = 0; i < n_q; ++i)
-    for (int t = 0; t < G; ++t) out[i * out_stride + t] = 0.0f;
-  if (include_base) {
-    HalfToFloatN(b.scale, sc, d);
-    HalfToFloatN(b.zero, ze, d);
-    w.resize(static_cast<size_t>(n_q) * d);
-    for (int i = 0; i < n_q; ++i) {
-      const float* qi = q + static_cast<size_t>(i) * d;
-      float bias = 0;
-      for (int c = 0; c < d; ++c) {
-        w[i * d + c] = scale * qi[c] * sc[c];
-        bias += qi[c] * ze[c];
-      }
-      for (int t = 0; t < G; ++t) out[i * out_stride + t] = scale * bias;
-    }
-    K().dot_channels(b.codes, b.bits, d, G, w.data(), n_q, d, out, out_stride);
-  }
-  if (r > 0 && uq != nullptr) {
-    HalfToFloatN(b.side_scale, sc, r);
-    HalfToFloatN(b.side_zero, ze, r);
-    w.resize(static_cast<size_t>(n_q) * r);
-    const float f = scale * side_sign;
-    for (int i = 0; i < n_q; ++i) {
-      const float* ui = uq + static_cast<size_t>(i) * r;
-      float bias = 0;
-      for (int j = 0; j < r; ++j) {
-        w[i * r + j] = f * ui[j] * sc[j];
-        bias += ui[j] * ze[j];
-      }
-      for (int t = 0; t < G; ++t) out[i * out_stride + t] += f * bias;
-    }
-    K().dot_channels(b.side_codes, b.side_bits, r, G, w.data(), n_q, r, out, out_stride);
-  }
+  if (include_base)
+    K().score_codes(b.codes, b.bits, d, G, b.scale, b.zero, q, d, n_q, scale, false, out,
+                    out_stride);
+  if (r > 0 && uq != nullptr)
+    K().score_codes(b.side_codes, b.side_bits, r, G, b.side_scale, b.side_zero, uq, r, n_q,
+                    scale * side_sign, include_base, out, out_stride);
+  else if (!include_base)
+    for (int i = 0; i < n_q; ++i) std::fill(out + i * out_stride, out + i * out_stride + G, 0.0f);
 }
 
 void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,

@@ -14,9 +14,22 @@ uint16_t FloatToHalf(float f) {
 }
 
 float HalfToFloat(uint16_t h) {
-  _Float16 v;
-  std::memcpy(&v, &h, 2);
-  return static_cast<float>(v);
+  // Bit manipulation (exact): GCC's _Float16 would call into libgcc on CPUs built without F16C.
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  uint32_t u;
+  if (em >= 0x7c00u) {
+    u = sign | 0x7f800000u | ((em & 0x3ffu) << 13);  // inf / nan
+  } else if (em >= 0x0400u) {
+    u = sign | ((em << 13) + 0x38000000u);  // normal: rebias the exponent by 127 - 15
+  } else {
+    float f = static_cast<float>(em) * 5.9604644775390625e-8f;  // subnormal: em * 2^-24
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 uint16_t FloatToBF16(float f) {

@@ -1,15 +1,19 @@
-// CUDA versions of the score hot loop (dot_channels), same contract as kernels.h: raw
-// pointers in device memory, sizes, strides and a stream; returns a cudaError_t code.
+// CUDA version of the score hot loop (score_codes in kernels.h, same contract): raw pointers
+// in device memory, sizes, strides and a stream; returns a cudaError_t code.
 // Parity against the CPU reference runs only where a GPU is present.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 namespace kvq::kernels::cuda {
 
-// One thread per (query, token): out[i*os + t] += sum_c w[i*ws + c] * code(c, t).
-__global__ void DotChannelsKernel(const uint8_t* codes, int bits, int n_ch, int tokens,
-                                  const float* w, int n_q, int64_t ws, float* out, int64_t os) {
+// One thread per (query, token): out = (accumulate ? out : 0)
+//   + mult * sum_c q[i*qs + c] * (scale_c * code(c, t) + zero_c).
+__global__ void ScoreCodesKernel(const uint8_t* codes, int bits, int n_ch, int tokens,
+                                 const __half* scale, const __half* zero, const float* q,
+                                 int64_t qs, int n_q, float mult, bool accumulate, float* out,
+                                 int64_t os) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   const int i = blockIdx.y;
   if (t >= tokens || i >= n_q) return;
@@ -19,15 +23,19 @@ __global__ void DotChannelsKernel(const uint8_t* codes, int bits, int n_ch, int 
   for (int c = 0; c < n_ch; ++c) {
     const uint8_t* row = codes + c * rb + (bit >> 3);
     uint32_t v = row[0] | (bits + (bit & 7) > 8 ? static_cast<uint32_t>(row[1]) << 8 : 0u);
-    acc += w[i * ws + c] * static_cast<float>((v >> (bit & 7)) & ((1u << bits) - 1));
+    const float code = static_cast<float>((v >> (bit & 7)) & ((1u << bits) - 1));
+    acc += q[i * qs + c] * (__half2float(scale[c]) * code + __half2float(zero[c]));
   }
-  out[i * os + t] += acc;
+  out[i * os + t] = (accumulate ? out[i * os + t] : 0.f) + mult * acc;
 }
 
-int DotChannels(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w, int n_q,
-                int64_t ws, float* out, int64_t os, cudaStream_t stream) {
+int ScoreCodes(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
+               const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
+               bool accumulate, float* out, int64_t os, cudaStream_t stream) {
   dim3 block(128), grid((tokens + 127) / 128, n_q);
-  DotChannelsKernel<<<grid, block, 0, stream>>>(codes, bits, n_ch, tokens, w, n_q, ws, out, os);
+  ScoreCodesKernel<<<grid, block, 0, stream>>>(
+      codes, bits, n_ch, tokens, reinterpret_cast<const __half*>(scale),
+      reinterpret_cast<const __half*>(zero), q, qs, n_q, mult, accumulate, out, os);
   return static_cast<int>(cudaGetLastError());
 }
 

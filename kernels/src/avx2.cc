@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 #include "kvq/kernels/kernels.h"
@@ -26,6 +27,7 @@ struct Isa {
   static void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static F Fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F Min(F a, F b) { return _mm256_min_ps(a, b); }
   static F Max(F a, F b) { return _mm256_max_ps(a, b); }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
 #include "kvq/kernels/kernels.h"
@@ -27,6 +28,7 @@ struct Isa {
   static void Store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static F Add(F a, F b) { return _mm512_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static F Fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F Min(F a, F b) { return _mm512_min_ps(a, b); }
   static F Max(F a, F b) { return _mm512_max_ps(a, b); }

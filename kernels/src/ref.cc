@@ -62,16 +62,18 @@ void quantize_row_ref(const float* x, int n, int group, int bits, uint16_t* scal
   QuantizeRowScalar(x, n, group, bits, scale, zero, codes);
 }
 
-void dot_channels_ref(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
-                      int n_q, int64_t w_stride, float* out, int64_t out_stride) {
+void score_codes_ref(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
+                     const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
+                     bool accumulate, float* out, int64_t os) {
   const int64_t rb = RowBytes(tokens, bits);
-  for (int i = 0; i < n_q; ++i) {
-    for (int c = 0; c < n_ch; ++c) {
-      const float wc = w[i * w_stride + c];
-      const uint8_t* row = codes + c * rb;
-      for (int t = 0; t < tokens; ++t) out[i * out_stride + t] += wc * GetCode(row, bits, t);
+  for (int i = 0; i < n_q; ++i)
+    for (int t = 0; t < tokens; ++t) {
+      float acc = 0;
+      for (int c = 0; c < n_ch; ++c)
+        acc += q[i * qs + c] *
+               (HalfToFloat(scale[c]) * GetCode(codes + c * rb, bits, t) + HalfToFloat(zero[c]));
+      out[i * os + t] = (accumulate ? out[i * os + t] : 0.0f) + mult * acc;
     }
-  }
 }
 
 void readout_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n, int group,
@@ -138,7 +140,7 @@ const KernelTable& Ref() {
   static const KernelTable t{"ref",
                              quantize_channels_ref,
                              quantize_row_ref,
-                             dot_channels_ref,
+                             score_codes_ref,
                              readout_rows_ref,
                              dense_scores_f16_ref,
                              dense_readout_f16_ref,

@@ -18,48 +18,84 @@ inline typename Isa::F Decode(const uint8_t* p) {
   return Isa::template DecodeCodes<B>(p);
 }
 
+// w [NQ][n_ch] (already scaled), bias [NQ]: out = (acc ? out : 0) + bias + w . codes.
 template <int B, int NQ>
-void DotChannelsT(const uint8_t* codes, int n_ch, int tokens, const float* w, int64_t ws,
-                  float* out, int64_t os) {
+void ScoreT(const uint8_t* codes, int n_ch, int tokens, const float* w, const float* bias,
+            bool accumulate, float* out, int64_t os) {
   const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
   for (int t0 = 0; t0 < tokens; t0 += W) {
     typename Isa::F acc[NQ];
-    for (int i = 0; i < NQ; ++i) acc[i] = Isa::Zero();
+    for (int i = 0; i < NQ; ++i)
+      acc[i] = accumulate ? Isa::Add(Isa::Load(out + i * os + t0), Isa::Set1(bias[i]))
+                          : Isa::Set1(bias[i]);
     const uint8_t* base = codes + t0 * B / 8;
     for (int c = 0; c < n_ch; ++c) {
       typename Isa::F v = Decode<B>(base + c * rb);
-      for (int i = 0; i < NQ; ++i) acc[i] = Isa::Fmadd(Isa::Set1(w[i * ws + c]), v, acc[i]);
+      for (int i = 0; i < NQ; ++i) acc[i] = Isa::Fmadd(Isa::Set1(w[i * n_ch + c]), v, acc[i]);
     }
-    for (int i = 0; i < NQ; ++i)
-      Isa::Store(out + i * os + t0, Isa::Add(Isa::Load(out + i * os + t0), acc[i]));
+    for (int i = 0; i < NQ; ++i) Isa::Store(out + i * os + t0, acc[i]);
   }
 }
 
 template <int B>
-void DotChannelsB(const uint8_t* codes, int n_ch, int tokens, const float* w, int n_q,
-                  int64_t ws, float* out, int64_t os) {
+void ScoreB(const uint8_t* codes, int n_ch, int tokens, const float* w, const float* bias, int n_q,
+            bool accumulate, float* out, int64_t os) {
   for (int i0 = 0; i0 < n_q; i0 += 4) {
-    const float* wi = w + i0 * ws;
+    const float* wi = w + i0 * n_ch;
     float* oi = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: DotChannelsT<B, 1>(codes, n_ch, tokens, wi, ws, oi, os); break;
-      case 2: DotChannelsT<B, 2>(codes, n_ch, tokens, wi, ws, oi, os); break;
-      case 3: DotChannelsT<B, 3>(codes, n_ch, tokens, wi, ws, oi, os); break;
-      default: DotChannelsT<B, 4>(codes, n_ch, tokens, wi, ws, oi, os); break;
+      case 1: ScoreT<B, 1>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
+      case 2: ScoreT<B, 2>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
+      case 3: ScoreT<B, 3>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
+      default: ScoreT<B, 4>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
     }
   }
 }
 
-void dot_channels_simd(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
-                       int n_q, int64_t ws, float* out, int64_t os) {
-  if (tokens % W != 0) return Ref().dot_channels(codes, bits, n_ch, tokens, w, n_q, ws, out, os);
+void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
+                      const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
+                      bool accumulate, float* out, int64_t os) {
+  if (tokens % W != 0 || n_ch > 512 || n_q > 64)
+    return Ref().score_codes(codes, bits, n_ch, tokens, scale, zero, q, qs, n_q, mult, accumulate,
+                             out, os);
+  // Per query: w_c = mult * q_c * scale_c and bias = mult * q . zero, once per block.
+  alignas(64) float sc[512], ze[512];
+  thread_local std::vector<float> w;
+  w.resize(static_cast<size_t>(n_q) * n_ch);
+  float bias[64];
+  int c = 0;
+  for (; c + W <= n_ch; c += W) {
+    Isa::Store(sc + c, Isa::LoadHalf(scale + c));
+    Isa::Store(ze + c, Isa::LoadHalf(zero + c));
+  }
+  for (; c < n_ch; ++c) {
+    sc[c] = internal::HalfToFloat(scale[c]);
+    ze[c] = internal::HalfToFloat(zero[c]);
+  }
+  const typename Isa::F m = Isa::Set1(mult);
+  for (int i = 0; i < n_q; ++i) {
+    const float* qi = q + i * qs;
+    float* wi = w.data() + static_cast<size_t>(i) * n_ch;
+    typename Isa::F b = Isa::Zero();
+    int k = 0;
+    for (; k + W <= n_ch; k += W) {
+      const typename Isa::F qv = Isa::Load(qi + k);
+      Isa::Store(wi + k, Isa::Mul(Isa::Mul(qv, Isa::Load(sc + k)), m));
+      b = Isa::Fmadd(qv, Isa::Load(ze + k), b);
+    }
+    float bs = Isa::ReduceAdd(b);
+    for (; k < n_ch; ++k) {
+      wi[k] = qi[k] * sc[k] * mult;
+      bs += qi[k] * ze[k];
+    }
+    bias[i] = bs * mult;
+  }
   switch (bits) {
-    case 1: return DotChannelsB<1>(codes, n_ch, tokens, w, n_q, ws, out, os);
-    case 2: return DotChannelsB<2>(codes, n_ch, tokens, w, n_q, ws, out, os);
-    case 3: return DotChannelsB<3>(codes, n_ch, tokens, w, n_q, ws, out, os);
-    case 4: return DotChannelsB<4>(codes, n_ch, tokens, w, n_q, ws, out, os);
-    case 8: return DotChannelsB<8>(codes, n_ch, tokens, w, n_q, ws, out, os);
-    default: return Ref().dot_channels(codes, bits, n_ch, tokens, w, n_q, ws, out, os);
+    case 1: return ScoreB<1>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
+    case 2: return ScoreB<2>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
+    case 3: return ScoreB<3>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
+    case 4: return ScoreB<4>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
+    default: return ScoreB<8>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
   }
 }
 
@@ -312,5 +348,5 @@ float exp_sum_simd(float* x, int64_t n, float shift) {
 }
 
 const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
-                         dot_channels_simd,   readout_rows_simd,      dense_scores_f16_simd,
+                         score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
                          dense_readout_f16_simd, project_residual_simd, exp_sum_simd};

@@ -68,7 +68,7 @@ TEST(KernelParity, QuantizeRow) {
         }
 }
 
-TEST(KernelParity, DotChannelsAndReadoutRows) {
+TEST(KernelParity, ScoreCodesAndReadoutRows) {
   for (const KernelTable* kt : Optimized())
     for (int bits : {1, 2, 3, 4, 8})
       for (int n_q : {1, 3, 8})
@@ -78,11 +78,21 @@ TEST(KernelParity, DotChannelsAndReadoutRows) {
           std::vector<uint8_t> codes(RowBytes(tokens, bits) * d);
           std::mt19937 rng(bits * 31 + n_q + d);
           for (auto& c : codes) c = static_cast<uint8_t>(rng());
-          auto w = kvq::testing::Gaussian(n_q * d, 5 + d);
-          std::vector<float> o0(n_q * tokens, 0.5f), o1(n_q * tokens, 0.5f);
-          Ref().dot_channels(codes.data(), bits, d, tokens, w.data(), n_q, d, o0.data(), tokens);
-          kt->dot_channels(codes.data(), bits, d, tokens, w.data(), n_q, d, o1.data(), tokens);
-          for (size_t i = 0; i < o0.size(); ++i) ASSERT_NEAR(o0[i], o1[i], 1e-3f * (1 + std::fabs(o0[i])));
+          auto w = kvq::testing::Gaussian(n_q * (d + 5), 5 + d);  // query stride d + 5
+          std::vector<uint16_t> sc(d), ze(d);
+          for (int c = 0; c < d; ++c) {
+            sc[c] = static_cast<uint16_t>(0x2c00 + rng() % 0x800);
+            ze[c] = static_cast<uint16_t>(0xb000 + rng() % 0x800);
+          }
+          for (bool acc : {false, true}) {
+            std::vector<float> o0(n_q * tokens, 0.5f), o1(n_q * tokens, 0.5f);
+            Ref().score_codes(codes.data(), bits, d, tokens, sc.data(), ze.data(), w.data(), d + 5,
+                              n_q, 0.125f, acc, o0.data(), tokens);
+            kt->score_codes(codes.data(), bits, d, tokens, sc.data(), ze.data(), w.data(), d + 5,
+                            n_q, 0.125f, acc, o1.data(), tokens);
+            for (size_t i = 0; i < o0.size(); ++i)
+              ASSERT_NEAR(o0[i], o1[i], 1e-4f * (1 + std::fabs(o0[i])));
+          }
 
           // Token rows: fp16 scale/zero per group then codes; varying widths per row.
           const int group = 16, ng = (d + group - 1) / group, rows = 19;

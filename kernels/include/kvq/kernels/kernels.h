@@ -28,10 +28,13 @@ struct KernelTable {
   void (*quantize_row)(const float* x, int n, int group, int bits, uint16_t* scale,
                        uint16_t* zero, uint8_t* codes);
 
-  // out[i*out_stride + t] += sum_c w[i*w_stride + c] * code(c, t) for t < tokens,
-  // c < n_ch, i < n_q. Channel-major codes.
-  void (*dot_channels)(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
-                       int n_q, int64_t w_stride, float* out, int64_t out_stride);
+  // Scores over channel-major codes (keys, or HeadQ side coefficients):
+  //   out[i*os + t] = (accumulate ? out[i*os + t] : 0)
+  //                   + mult * sum_c q[i*qs + c] * (scale_c * code(c, t) + zero_c)
+  // for t < tokens (a multiple of 32), c < n_ch, i < n_q; scale/zero are fp16 [n_ch].
+  void (*score_codes)(const uint8_t* codes, int bits, int n_ch, int tokens,
+                      const uint16_t* scale, const uint16_t* zero, const float* q, int64_t qs,
+                      int n_q, float mult, bool accumulate, float* out, int64_t os);
 
   // Readout over token rows: out[i*out_stride + c] += sum_t p[i*p_stride + t] * v_hat_t[c].
   // rows: n_rows consecutive records, each fp16 scale[ng] | fp16 zero[ng] | codes of
