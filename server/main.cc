@@ -192,7 +192,9 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "kvq-server: %s: shutting down (grace %s)\n",
                sig == SIGTERM ? "SIGTERM" : "SIGINT",
                absl::FormatDuration(opts.shutdown_grace).c_str());
+  const absl::Time t0 = absl::Now();
   server.Shutdown();
-  std::fprintf(stderr, "kvq-server: stopped\n");
+  std::fprintf(stderr, "kvq-server: stopped (shutdown took %s)\n",
+               absl::FormatDuration(absl::Trunc(absl::Now() - t0, absl::Milliseconds(1))).c_str());
   return 0;
 }

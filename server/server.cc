@@ -218,10 +218,12 @@ void KvqServer::Shutdown() {
   s.ready.store(false);
   if (s.server) {
     s.server->GetHealthCheckService()->SetServingStatus(false);
-    // Stops accepting; in-flight calls (their work is on the pool, still running) get the
-    // grace period, then are cancelled.
-    s.server->Shutdown(std::chrono::system_clock::now() +
-                       absl::ToChronoSeconds(s.opts.shutdown_grace));
+    // Drain: new calls are refused with UNAVAILABLE while in-flight ones (their work is on
+    // the pool, still running) finish, for at most the grace period. Then gRPC shuts down at
+    // once: it would otherwise also wait for idle client connections to go away.
+    const bool drained = s.service->Drain(s.opts.shutdown_grace);
+    if (!drained) Log("shutdown: grace period over; cancelling the calls still in flight");
+    s.server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
   }
   {
     absl::MutexLock l(&s.mu);

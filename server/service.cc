@@ -48,6 +48,9 @@ Service::Service(core::Store* store, core::Registry* registry, const Authenticat
 absl::StatusOr<std::string> Service::Admit(const grpc::CallbackServerContext& ctx,
                                            bool need_ready) {
   // Authenticate first: an unauthenticated caller learns nothing, not even readiness.
+  if (draining_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("the server is shutting down");
+  }
   absl::StatusOr<std::string> tenant = auth_->TenantOf(ctx);
   if (!tenant.ok()) return tenant.status();
   if (need_ready && !ready_->load(std::memory_order_acquire)) {
@@ -58,14 +61,27 @@ absl::StatusOr<std::string> Service::Admit(const grpc::CallbackServerContext& ct
 
 void Service::Record(const char* method, const absl::Status& st, absl::Time start, size_t in,
                      size_t out) {
-  if (metrics_ == nullptr) return;
-  metrics_->RecordCall(method, static_cast<int>(st.code()),
-                       absl::ToDoubleSeconds(absl::Now() - start), in, out);
+  if (metrics_ != nullptr) {
+    metrics_->RecordCall(method, static_cast<int>(st.code()),
+                         absl::ToDoubleSeconds(absl::Now() - start), in, out);
+  }
+  inflight_.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+bool Service::Drain(absl::Duration grace) {
+  draining_.store(true, std::memory_order_release);
+  const absl::Time deadline = absl::Now() + grace;
+  while (inflight_.load(std::memory_order_acquire) > 0) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
 }
 
 template <typename Req, typename Resp, typename Fn>
 grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServerContext* ctx,
                                          const Req* req, Resp* resp, bool on_pool, Fn fn) {
+  Enter();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time start = absl::Now();
   auto finish = [this, reactor, method, start, req, resp](const absl::Status& st) {
@@ -141,6 +157,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
  public:
   PutBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, v1::PutBlocksResponse* resp)
       : svc_(svc), resp_(resp), start_(absl::Now()) {
+    svc_->Enter();
     absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
     if (!tenant.ok()) {
       Done(tenant.status());
@@ -373,6 +390,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   GetBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx,
                    const v1::GetBlocksRequest* req)
       : svc_(svc), req_(*req), start_(absl::Now()) {
+    svc_->Enter();
     bytes_in_ = req->ByteSizeLong();
     absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
     if (!tenant.ok()) {
@@ -540,6 +558,7 @@ grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* Service::Echo(grpc::CallbackServerContext* ctx,
                                         const v1::EchoRequest* req, v1::EchoResponse* resp) {
+  Enter();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time start = absl::Now();
   absl::StatusOr<std::string> tenant = Admit(*ctx, /*need_ready=*/false);

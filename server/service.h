@@ -59,6 +59,11 @@ class Service final : public v1::Kvq::CallbackService {
   absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext& ctx, bool need_ready);
   void Record(const char* method, const absl::Status& st, absl::Time start, size_t in,
               size_t out);
+  // Every handler counts itself in on entry (Enter) and out in Record, which each call
+  // reaches exactly once. Drain() refuses new calls (UNAVAILABLE) and waits for the count
+  // to reach zero, at most `grace`; returns whether it did.
+  void Enter() { inflight_.fetch_add(1, std::memory_order_relaxed); }
+  bool Drain(absl::Duration grace);
 
  private:
   template <typename Req, typename Resp, typename Fn>
@@ -73,6 +78,8 @@ class Service final : public v1::Kvq::CallbackService {
   const std::atomic<bool>* ready_;
   std::string pool_name_, backend_name_;
   absl::Time started_;
+  std::atomic<int64_t> inflight_{0};
+  std::atomic<bool> draining_{false};
 };
 
 }  // namespace kvq::server

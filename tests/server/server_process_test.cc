@@ -1,0 +1,133 @@
+// The kvq-server binary end to end: environment variables, the default registry folder,
+// health, and a graceful exit 0 on SIGTERM with a call in flight.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <regex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "gtest/gtest.h"
+#include "tests/server/test_util.h"
+
+namespace kvq::testing {
+namespace {
+
+struct Process {
+  pid_t pid = -1;
+  FILE* err = nullptr;  // the child's stderr
+};
+
+Process Spawn(const std::vector<std::string>& args, const std::vector<std::string>& env) {
+  int fds[2];
+  EXPECT_EQ(pipe(fds), 0);
+  Process p;
+  p.pid = fork();
+  if (p.pid == 0) {
+    dup2(fds[1], 2);
+    close(fds[0]);
+    for (const auto& e : env) putenv(const_cast<char*>(e.c_str()));
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  p.err = fdopen(fds[0], "r");
+  return p;
+}
+
+// Reads the child's log until the "serving gRPC on ADDR:PORT" line; returns the port.
+int WaitForPort(Process& p, std::string* log) {
+  char line[4096];
+  std::regex re("serving gRPC on [^ ]+:([0-9]+);");
+  while (std::fgets(line, sizeof line, p.err)) {
+    *log += line;
+    std::cmatch m;
+    if (std::regex_search(line, m, re)) return std::stoi(m[1]);
+  }
+  return -1;
+}
+
+TEST(ServerProcessTest, EnvFlagsDefaultRegistryHealthAndGracefulSigterm) {
+  const std::string home = TempDir("kvq-home");
+  Process p = Spawn({KVQ_SERVER_BIN, "--grpc-port", "0"},
+                    {"HOME=" + home, "KVQ_GRPC_ADDRESS=127.0.0.1", "KVQ_METRICS_PORT=-1",
+                     "KVQ_CAPACITY=64M", "KVQ_SHUTDOWN_GRACE=5s"});
+  std::string log;
+  const int port = WaitForPort(p, &log);
+  ASSERT_GT(port, 0) << log;
+  EXPECT_NE(log.find("memory: auto -> host"), std::string::npos) << log;
+  EXPECT_NE(log.find("capacity: 67108864 bytes"), std::string::npos) << log;
+  EXPECT_TRUE(std::filesystem::is_directory(home + "/.local/share/kvq/registry")) << log;
+
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
+                                     grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::health::v1::HealthCheckResponse h;
+  auto ctx = Ctx();
+  ASSERT_TRUE(health->Check(ctx.get(), {}, &h).ok());
+  EXPECT_EQ(h.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+
+  // A PutBlocks stream is open when SIGTERM arrives; it still completes.
+  auto stub = v1::Kvq::NewStub(channel);
+  Shape s;
+  v1::RegisterBasisResponse rr;
+  auto c1 = Ctx();
+  ASSERT_TRUE(stub->RegisterBasis(c1.get(), MakeRegister(s, 1), &rr).ok());
+  auto k = RandomKV(s.kv_heads, 64, s.head_dim, 1);
+  grpc::ClientContext sctx;
+  v1::PutBlocksResponse resp;
+  auto w = stub->PutBlocks(&sctx, &resp);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("x", 0, 0, k, k, s.kv_heads, 64, s.head_dim, "tiny");
+  ASSERT_TRUE(w->Write(m));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  kill(p.pid, SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  w->WritesDone();
+  grpc::Status st = w->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(resp.tokens_written(), 64);
+
+  int status = 0;
+  ASSERT_EQ(waitpid(p.pid, &status, 0), p.pid);
+  char line[4096];
+  while (std::fgets(line, sizeof line, p.err)) log += line;
+  fclose(p.err);
+  EXPECT_TRUE(WIFEXITED(status)) << log;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << log;
+  EXPECT_NE(log.find("SIGTERM: shutting down"), std::string::npos) << log;
+  // The registration was persisted under the default folder.
+  EXPECT_TRUE(std::filesystem::exists(home + "/.local/share/kvq/registry/tiny/v1/manifest.json"));
+  std::filesystem::remove_all(home);
+}
+
+TEST(ServerProcessTest, BadFlagsExitNonZeroWithAMessage) {
+  Process p = Spawn({KVQ_SERVER_BIN, "--memory", "floppy", "--grpc-port", "0",
+                     "--metrics-port", "-1", "--registry", ""},
+                    {});
+  std::string log;
+  char line[4096];
+  while (std::fgets(line, sizeof line, p.err)) log += line;
+  fclose(p.err);
+  int status = 0;
+  waitpid(p.pid, &status, 0);
+  EXPECT_EQ(WEXITSTATUS(status), 1) << log;
+  EXPECT_NE(log.find("--memory must be auto, gpu, pinned or host"), std::string::npos) << log;
+  Process q = Spawn({KVQ_SERVER_BIN, "--no-such-flag"}, {});
+  log.clear();
+  while (std::fgets(line, sizeof line, q.err)) log += line;
+  fclose(q.err);
+  waitpid(q.pid, &status, 0);
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  EXPECT_NE(log.find("unknown flag --no-such-flag"), std::string::npos) << log;
+}
+
+}  // namespace
+}  // namespace kvq::testing
