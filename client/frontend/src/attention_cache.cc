@@ -10,6 +10,41 @@
 #include "kvq/core/tensor.h"
 
 namespace kvq::frontend {
+namespace {
+
+// Exact causal attention of q [QH][n][d] (positions start..start+n-1) over T cached tokens.
+// Head h of K/V starts at K + kh * head_off with rows `row` floats apart.
+void LocalAttend(const CacheShape& s_, const float* q, int n, int64_t start, int64_t T,
+                 const float* K, const float* V, int64_t head_off, int64_t row, float* out) {
+  const int D = s_.head_dim, group = s_.q_heads / s_.kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<float> s(static_cast<size_t>(n) * T);
+  for (int h = 0; h < s_.q_heads; ++h) {
+    const int kh = h / group;
+    const float* qh = q + static_cast<size_t>(h) * n * D;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, static_cast<int>(T), D, scale, qh, D,
+                K + kh * head_off, static_cast<int>(row), 0.0f, s.data(), static_cast<int>(T));
+    for (int i = 0; i < n; ++i) {
+      float* si = s.data() + static_cast<size_t>(i) * T;
+      const int64_t vis = std::min<int64_t>(T, start + i + 1);  // causal
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < vis; ++t) mx = std::max(mx, si[t]);
+      double sum = 0;
+      for (int64_t t = 0; t < vis; ++t) {
+        si[t] = std::exp(si[t] - mx);
+        sum += si[t];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int64_t t = 0; t < vis; ++t) si[t] *= inv;
+      for (int64_t t = vis; t < T; ++t) si[t] = 0.0f;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, static_cast<int>(T), 1.0f, s.data(),
+                static_cast<int>(T), V + kh * head_off, static_cast<int>(row), 0.0f,
+                out + static_cast<size_t>(h) * n * D, D);
+  }
+}
+
+}  // namespace
 
 DenseCache::DenseCache(const CacheShape& s)
     : s_(s), row_(static_cast<int64_t>(s.kv_heads) * s.head_dim), k_(s.layers), v_(s.layers) {}
@@ -31,46 +66,19 @@ absl::Status DenseCache::AppendAndAttend(int layer, const float* k, const float*
   core::ToFloat(core::DType::kF16, tmp.data(), K.data() + old, cnt);
   core::FromFloat(core::DType::kF16, v, tmp.data(), cnt);
   core::ToFloat(core::DType::kF16, tmp.data(), V.data() + old, cnt);
-  const int64_t T = tokens(layer);
-  const int D = s_.head_dim, group = s_.q_heads / s_.kv_heads;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  std::vector<float> s(static_cast<size_t>(n) * T);
-  for (int h = 0; h < s_.q_heads; ++h) {
-    const int kh = h / group;
-    const float* qh = q + static_cast<size_t>(h) * n * D;
-    // s[n][T] = scale * Q_h K_kh^T (K rows strided by row_).
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, static_cast<int>(T), D, scale, qh, D,
-                K.data() + static_cast<size_t>(kh) * D, static_cast<int>(row_), 0.0f, s.data(),
-                static_cast<int>(T));
-    for (int i = 0; i < n; ++i) {
-      float* si = s.data() + static_cast<size_t>(i) * T;
-      const int64_t vis = start + i + 1;  // causal
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < vis; ++t) mx = std::max(mx, si[t]);
-      double sum = 0;
-      for (int64_t t = 0; t < vis; ++t) {
-        si[t] = std::exp(si[t] - mx);
-        sum += si[t];
-      }
-      const float inv = static_cast<float>(1.0 / sum);
-      for (int64_t t = 0; t < vis; ++t) si[t] *= inv;
-      for (int64_t t = vis; t < T; ++t) si[t] = 0.0f;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, static_cast<int>(T), 1.0f, s.data(),
-                static_cast<int>(T), V.data() + static_cast<size_t>(kh) * D, static_cast<int>(row_),
-                0.0f, out + static_cast<size_t>(h) * n * D, D);
-  }
+  LocalAttend(s_, q, n, start, tokens(layer), K.data(), V.data(), s_.head_dim, row_, out);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape& s,
                                                                const core::CodecOptions& o,
                                                                const core::ModelBasis* basis,
-                                                               bool keys_only) {
+                                                               bool keys_only, CodecRead read) {
   RETURN_IF_ERROR(o.Validate());
   if (o.head_dim != s.head_dim) return absl::InvalidArgumentError("codec head_dim != model head_dim");
   std::unique_ptr<CodecCache> c(new CodecCache(s, o));
   c->keys_only_ = keys_only;
+  c->read_ = read;
   if (keys_only) c->dense_v_.resize(s.layers);
   std::vector<float> u;
   if (o.rank > 0) {
@@ -125,43 +133,38 @@ absl::Status CodecCache::AppendAndAttend(int layer, const float* k, const float*
     const size_t old = dv.size();
     dv.resize(old + vh.size());
     core::ToFloat(core::DType::kF16, vh.data(), dv.data() + old, vh.size());
-    return AttendKeysOnly(layer, start, n, q, out);
   }
-  core::AttendOptions ao;
-  ao.causal_offset = start;
-  ao.observe = true;
-  return lc.Attend(q, s_.q_heads, n, ao, out);
+  if (o_.per_token_value_bits() || read_ == CodecRead::kAttend) {
+    // Server-side attend: the A^2 policy observes these readouts (earlier queries only).
+    if (keys_only_) return absl::FailedPreconditionError("keys-only caches read via Decode");
+    core::AttendOptions ao;
+    ao.causal_offset = start;
+    ao.observe = true;
+    return lc.Attend(q, s_.q_heads, n, ao, out);
+  }
+  // Keys as attention sees them (base + U z_hat: exactly the HeadQ scores up to rounding) and
+  // decoded values, attended locally with BLAS.
+  std::vector<float> K, V;
+  RETURN_IF_ERROR(lc.Decode(&K, &V));
+  const int64_t T = lc.tokens();
+  if (keys_only_) {
+    LocalAttendSplit(q, n, start, T, K.data(), dense_v_[layer].data(), out);
+    return absl::OkStatus();
+  }
+  LocalAttend(s_, q, n, start, T, K.data(), V.data(), T * D, D, out);
+  return absl::OkStatus();
 }
 
-absl::Status CodecCache::AttendKeysOnly(int layer, int64_t start, int n, const float* q, float* out) {
-  const core::LayerCache& lc = *layers_[layer];
-  const int64_t T = lc.tokens();
-  const int D = s_.head_dim, QH = s_.q_heads, group = s_.q_heads / s_.kv_heads;
-  const int64_t row = static_cast<int64_t>(s_.kv_heads) * D;
-  std::vector<float> logits(static_cast<size_t>(QH) * n * T);
-  RETURN_IF_ERROR(lc.Score(q, QH, n, logits.data()));
-  const std::vector<float>& V = dense_v_[layer];
-  for (int h = 0; h < QH; ++h) {
-    float* s = logits.data() + static_cast<size_t>(h) * n * T;
-    for (int i = 0; i < n; ++i) {
-      float* si = s + static_cast<size_t>(i) * T;
-      const int64_t vis = start + i + 1;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < vis; ++t) mx = std::max(mx, si[t]);
-      double sum = 0;
-      for (int64_t t = 0; t < vis; ++t) {
-        si[t] = std::exp(si[t] - mx);
-        sum += si[t];
-      }
-      const float inv = static_cast<float>(1.0 / sum);
-      for (int64_t t = 0; t < vis; ++t) si[t] *= inv;
-      for (int64_t t = vis; t < T; ++t) si[t] = 0.0f;
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, static_cast<int>(T), 1.0f, s,
-                static_cast<int>(T), V.data() + static_cast<size_t>(h / group) * D,
-                static_cast<int>(row), 0.0f, out + static_cast<size_t>(h) * n * D, D);
-  }
-  return absl::OkStatus();
+void CodecCache::LocalAttendSplit(const float* q, int n, int64_t start, int64_t T, const float* K,
+                                  const float* V, float* out) const {
+  // Keys [kv][T][d] from the codec, values [T][kv][d] dense: score with one layout, read out
+  // with the other, by transposing the values once.
+  const int D = s_.head_dim;
+  std::vector<float> Vt(static_cast<size_t>(s_.kv_heads) * T * D);
+  for (int h = 0; h < s_.kv_heads; ++h)
+    for (int64_t t = 0; t < T; ++t)
+      std::copy_n(V + (static_cast<size_t>(t) * s_.kv_heads + h) * D, D, Vt.data() + (static_cast<size_t>(h) * T + t) * D);
+  LocalAttend(s_, q, n, start, T, K, Vt.data(), T * D, D, out);
 }
 
 core::SizeReport CodecCache::Size() const {

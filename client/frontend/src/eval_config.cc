@@ -54,6 +54,8 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
     int v = 0;
     if (p == "a2") {
       a2 = true;
+    } else if (p == "fused") {
+      c.fused = true;
     } else if (p == "random") {
       c.basis = BasisKind::kRandom;
     } else if (p == "wrongsign") {

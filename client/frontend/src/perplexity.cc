@@ -53,7 +53,10 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     } else {
       core::CodecOptions o = config.codec;
       o.head_dim = mc.head_dim;
-      ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only));
+      // Checksums guard storage, not arithmetic; the store's scrub covers them in serving.
+      o.verify_on_read = false;
+      ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
+                                                    config.fused ? CodecRead::kAttend : CodecRead::kDecode));
       cache = std::move(cc);
     }
     RETURN_IF_ERROR(model.ForwardDecodeFaithful(tok, window_len, 0, cache.get(), first, &logits));

@@ -64,12 +64,20 @@ class DenseCache : public AttentionCache {
 // frontend would, so the full-precision window holds fp16 and is counted at 16 bits. The A^2
 // value policy sees only what LayerCache records itself: attention of queries at positions up
 // to the newest token (earlier readouts), never later queries.
+// How CodecCache reads attention: kDecode takes keys and values as attention sees them
+// (LayerCache::Decode, what GetBlocks serves: keys as base + U z_hat, giving exactly the HeadQ
+// scores up to float rounding) and attends locally with BLAS; kAttend calls the codec's fused
+// LayerCache::Attend. The A^2 value policy always uses kAttend, because its weights come from
+// the readouts the cache observes.
+enum class CodecRead { kDecode, kAttend };
+
 class CodecCache : public AttentionCache {
  public:
   static absl::StatusOr<std::unique_ptr<CodecCache>> Create(const CacheShape& s,
                                                              const core::CodecOptions& o,
                                                              const core::ModelBasis* basis,
-                                                             bool keys_only = false);
+                                                             bool keys_only = false,
+                                                             CodecRead read = CodecRead::kDecode);
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
   int64_t tokens(int layer) const override { return layers_[layer]->tokens(); }
@@ -79,7 +87,9 @@ class CodecCache : public AttentionCache {
 
  private:
   CodecCache(const CacheShape& s, const core::CodecOptions& o) : s_(s), o_(o) {}
-  absl::Status AttendKeysOnly(int layer, int64_t start, int n, const float* q, float* out);
+  void LocalAttendSplit(const float* q, int n, int64_t start, int64_t T, const float* K,
+                        const float* V, float* out) const;
+  CodecRead read_ = CodecRead::kDecode;
   CacheShape s_;
   core::CodecOptions o_;
   // keys_only: scores from the codec (Score), values read dense from fp16-rounded copies.

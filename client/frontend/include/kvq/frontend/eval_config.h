@@ -17,6 +17,8 @@
 //              wrongsign  control: the HeadQ correction subtracted instead of added
 //              centred    basis from centred query PCA (kvq-calibrate writes DIR/centred)
 //              resw       residual-weighted basis (kvq-calibrate writes DIR/resw)
+//              fused      read through the codec's fused LayerCache::Attend instead of
+//                         local attention over LayerCache::Decode (same numbers, slower)
 //
 // Defaults: G = 32, value group 32, R = 0, side bits 8, except headq-kv*-a2, which defaults
 // to G = 128 and value group 64 (the side code repairs the coarser key groups; that frees
@@ -42,6 +44,7 @@ struct EvalConfig {
   core::CodecOptions codec;
   BasisKind basis = BasisKind::kQuery;
   std::string family;           // "dense", "kivi", "headq"
+  bool fused = false;           // CodecRead::kAttend
 };
 
 absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name);
