@@ -100,8 +100,9 @@ struct CodesSet {
 };
 
 // One encoded cache, copied until the set exceeds the working-set size.
-CodesSet BuildCodes(int T, int qh, int kv, int d) {
-  const CodecOptions o = HeadQOptions(d);
+CodesSet BuildCodes(int T, int qh, int kv, int d, bool verify = true) {
+  CodecOptions o = HeadQOptions(d);
+  o.verify_on_read = verify;
   const ModelBasis b = Basis(kv, qh, d, o.rank);
   const size_t per = static_cast<size_t>(kv) * T * d;
   auto k = RandomHalf(per, 11), v = RandomHalf(per, 12);
@@ -116,8 +117,9 @@ CodesSet BuildCodes(int T, int qh, int kv, int d) {
   return set;
 }
 
-void AttendCodesImpl(benchmark::State& st, int T, int qh, int kv, int d, bool reference) {
-  CodesSet set = BuildCodes(T, qh, kv, d);
+void AttendCodesImpl(benchmark::State& st, int T, int qh, int kv, int d, bool reference,
+                     bool verify = true) {
+  CodesSet set = BuildCodes(T, qh, kv, d, verify);
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(qh) * d), out(q.size());
@@ -140,6 +142,10 @@ void AttendCodesImpl(benchmark::State& st, int T, int qh, int kv, int d, bool re
 
 void AttendCodes(benchmark::State& st, int T, int qh, int kv, int d) {
   AttendCodesImpl(st, T, qh, kv, d, false);
+}
+// The checksum trade-off: the same attend without verifying each block's XXH3 on read.
+void AttendCodesNoVerify(benchmark::State& st, int T, int qh, int kv, int d) {
+  AttendCodesImpl(st, T, qh, kv, d, false, false);
 }
 void AttendRef(benchmark::State& st, int T, int qh, int kv, int d) {
   AttendCodesImpl(st, T, qh, kv, d, true);
@@ -206,6 +212,10 @@ void RegisterAll() {
             ->UseRealTime()->Unit(benchmark::kMicrosecond);
         benchmark::RegisterBenchmark(("AttendRef" + name).c_str(), AttendRef, T, sh.qh, sh.kv, d)
             ->UseRealTime()->Unit(benchmark::kMicrosecond);
+        if (T == 32768)
+          benchmark::RegisterBenchmark(("AttendCodesNoVerify" + name).c_str(), AttendCodesNoVerify,
+                                       T, sh.qh, sh.kv, d)
+              ->UseRealTime()->Unit(benchmark::kMicrosecond);
       }
 }
 

@@ -25,8 +25,8 @@ bool OneOf(int v, std::initializer_list<int> allowed) {
 
 uint32_t BlockChecksum(const uint8_t* block, size_t size) {
   const uint64_t head = XXH3_64bits(block, 12);
-  return static_cast<uint32_t>(XXH3_64bits_withSeed(block + kBlockHeaderBytes,
-                                                    size - kBlockHeaderBytes, head));
+  return static_cast<uint32_t>(
+      kernels::Active().xxh3(block + kBlockHeaderBytes, size - kBlockHeaderBytes, head));
 }
 
 void WriteHeader(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, int head_dim,

@@ -31,6 +31,7 @@ struct Store::Sequence {
   int64_t bytes = 0;
   int64_t tokens = 0;
   int64_t blocks = 0;
+  int64_t elements = 0;
   SizeReport size;
   absl::Time last_used;
   std::list<Sequence*>::iterator lru;
@@ -236,11 +237,12 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
 
 void Store::Remeasure(Sequence* s, int64_t reserved) {
   SizeReport size;
-  int64_t tokens = 0, blocks = 0;
+  int64_t tokens = 0, blocks = 0, elements = 0;
   for (const auto& l : s->layers) {
     if (!l) continue;
     const SizeReport r = l->Size();
     size += r;
+    elements += r.tokens * r.elements_per_token;
     tokens += l->tokens();
     blocks += 2 * (r.encoded_tokens / s->codec.key_group) * s->model->manifest.kv_heads;
   }
@@ -258,6 +260,7 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
   s->bytes = bytes;
   s->tokens = tokens;
   s->blocks = blocks;
+  s->elements = elements;
   s->size = size;
 }
 
@@ -708,6 +711,7 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
     u.tokens += s->tokens;
     u.bytes += s->bytes;
     u.blocks += s->blocks;
+    u.elements += s->elements;
     u.size += s->size;
   }
   return u;
@@ -722,6 +726,7 @@ UsageStats Store::TotalUsage() const {
     ++u.sequences;
     u.tokens += s->tokens;
     u.blocks += s->blocks;
+    u.elements += s->elements;
     u.size += s->size;
   }
   u.bytes = used_bytes_;

@@ -7,6 +7,9 @@
 #include <cstring>
 #include <vector>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "common.h"
 #include "kvq/kernels/kernels.h"
 

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <cstring>
 
+#include <xxhash.h>
+
 #include "common.h"
 #include "kvq/kernels/kernels.h"
 
@@ -125,6 +127,10 @@ void project_residual_ref(const float* x, int64_t ld, const float* deq, int toke
     }
 }
 
+uint64_t xxh3_ref(const void* data, size_t len, uint64_t seed) {
+  return XXH3_64bits_withSeed(data, len, seed);
+}
+
 float exp_sum_ref(float* x, int64_t n, float shift) {
   double sum = 0;
   for (int64_t t = 0; t < n; ++t) {
@@ -145,6 +151,7 @@ const KernelTable& Ref() {
                              dense_scores_f16_ref,
                              dense_readout_f16_ref,
                              project_residual_ref,
+                             xxh3_ref,
                              exp_sum_ref};
   return t;
 }

@@ -330,6 +330,10 @@ void project_residual_simd(const float* x, int64_t ld, const float* deq, int tok
   }
 }
 
+uint64_t xxh3_simd(const void* data, size_t len, uint64_t seed) {
+  return XXH3_64bits_withSeed(data, len, seed);  // inlined with this unit's vector width
+}
+
 float exp_sum_simd(float* x, int64_t n, float shift) {
   typename Isa::F sum = Isa::Zero();
   const typename Isa::F sh = Isa::Set1(shift);
@@ -349,4 +353,4 @@ float exp_sum_simd(float* x, int64_t n, float shift) {
 
 const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
                          score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
-                         dense_readout_f16_simd, project_residual_simd, exp_sum_simd};
+                         dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd};

@@ -149,5 +149,14 @@ TEST(KernelParity, DenseAndExp) {
       }
 }
 
+TEST(KernelParity, ChecksumsAgree) {
+  std::vector<uint8_t> buf(5000);
+  std::mt19937 rng(3);
+  for (auto& b : buf) b = static_cast<uint8_t>(rng());
+  for (const KernelTable* kt : Optimized())
+    for (size_t n : {size_t{0}, size_t{1}, size_t{17}, size_t{240}, size_t{241}, size_t{4999}})
+      EXPECT_EQ(kt->xxh3(buf.data(), n, 42), Ref().xxh3(buf.data(), n, 42)) << kt->name << n;
+}
+
 }  // namespace
 }  // namespace kvq::kernels

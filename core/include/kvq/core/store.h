@@ -155,7 +155,16 @@ struct UsageStats {
   int64_t blocks = 0;  // encoded blocks (one per G tokens, KV head and K or V)
   int64_t evictions = 0;
   int64_t expirations = 0;
+  // Byte sums over everything counted (valid across models of different shapes).
   SizeReport size;
+  int64_t elements = 0;  // cached K (or V) elements: tokens x kv_heads x head_dim
+  // Effective bits per element at this moment (blocks and window), 0 when empty.
+  double k_bits() const {
+    return elements ? 8.0 * (size.key_block_bytes + size.key_window_bytes) / elements : 0.0;
+  }
+  double v_bits() const {
+    return elements ? 8.0 * (size.value_block_bytes + size.value_window_bytes) / elements : 0.0;
+  }
 };
 
 class Store {

@@ -55,6 +55,10 @@ struct KernelTable {
   void (*project_residual)(const float* x, int64_t ld, const float* deq, int tokens, int d,
                            const float* ut, int r, float* out);
 
+  // XXH3-64 with a seed (block checksums). Every table returns the same value; the SIMD
+  // tables inline libxxhash's header with their vector width.
+  uint64_t (*xxh3)(const void* data, size_t len, uint64_t seed);
+
   // x[t] = exp(x[t] - shift) for t < n; returns the sum (the softmax denominator).
   float (*exp_sum)(float* x, int64_t n, float shift);
 };
