@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs kvq-bench-codec and prints a markdown table of the results with the ratios that matter
+# (EncodeKV / Memcpy throughput, AttendDense / AttendCodes and AttendRef / AttendCodes time,
+# AttendCodesNoVerify / AttendCodes), every ratio from baselines measured in the same run.
+# Usage: scripts/bench-codec.sh [--help] [--quick] [--out FILE.json]
+#   --quick   short runs (0.1 s per benchmark) for a smoke check
+set -euo pipefail
+MIN_TIME=1.0
+OUT=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --quick) MIN_TIME=0.1; shift ;;
+    --out) OUT="$2"; shift 2 ;;
+    *) echo "bench-codec: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+cd "$(dirname "$0")/.."
+BIN="${KVQ_BUILD_DIR:-build}/bin/kvq-bench-codec"
+[[ -x "$BIN" ]] || { echo "bench-codec: $BIN not built (run scripts/test.sh or cmake --build build)" >&2; exit 1; }
+JSON="${OUT:-$(mktemp --suffix=.json)}"
+"$BIN" --benchmark_min_time="$MIN_TIME" --benchmark_out="$JSON" --benchmark_out_format=json >&2
+python3 - "$JSON" <<'PY'
+import json, sys, re
+d = json.load(open(sys.argv[1]))
+ctx = d["context"]
+rows = {b["name"].replace("/real_time", ""): b for b in d["benchmarks"]}
+print(f"Machine: {ctx.get('num_cpus')} CPUs @ {ctx.get('mhz_per_cpu')} MHz, kernels: {ctx.get('kernels')}, "
+      f"caches: " + ", ".join(f"L{c['level']} {c['size']//1024} KiB" for c in ctx.get("caches", [])) + "\n")
+print("| shape | EncodeKV GB/s | Memcpy GB/s | Encode/Memcpy |")
+print("|---|---|---|---|")
+for name, b in rows.items():
+    if name.startswith("EncodeKV/"):
+        shape = name[len("EncodeKV/"):]
+        m = rows.get("Memcpy/" + shape)
+        e = b["bytes_per_second"] / 1e9
+        mm = m["bytes_per_second"] / 1e9 if m else float("nan")
+        print(f"| {shape} | {e:.2f} | {mm:.2f} | {e/mm:.3f}x |")
+print()
+print("| shape | AttendCodes us | AttendDense us | AttendRef us | Dense/Codes | Ref/Codes | NoVerify/Codes |")
+print("|---|---|---|---|---|---|---|")
+def t(b):
+    return b["real_time"] if b["time_unit"] == "us" else b["real_time"] / 1e3
+for name, b in rows.items():
+    if name.startswith("AttendCodes/"):
+        shape = name[len("AttendCodes/"):]
+        c = t(b)
+        dn = rows.get("AttendDense/" + shape)
+        rf = rows.get("AttendRef/" + shape)
+        nv = rows.get("AttendCodesNoVerify/" + shape)
+        dv = t(dn) if dn else float("nan")
+        rv = t(rf) if rf else float("nan")
+        nvs = f"{t(nv)/c:.2f}x" if nv else "-"
+        print(f"| {shape} | {c:.0f} | {dv:.0f} | {rv:.0f} | {dv/c:.2f}x | {rv/c:.1f}x | {nvs} |")
+PY
