@@ -9,7 +9,7 @@ MIN_TIME=1.0
 OUT=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --quick) MIN_TIME=0.1; shift ;;
     --out) OUT="$2"; shift 2 ;;
     *) echo "bench-codec: unknown argument '$1' (see --help)" >&2; exit 2 ;;
