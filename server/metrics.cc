@@ -147,8 +147,8 @@ void Metrics::Refresh(const core::Store& store, const core::Registry& registry,
   stored_bytes_.Add({{"pool", pool}}).Set(static_cast<double>(u.bytes));
   stored_blocks_.Add({{"pool", pool}}).Set(static_cast<double>(u.blocks));
   capacity_.Add({{"pool", pool}}).Set(static_cast<double>(store.options().capacity_bytes));
-  k_bits_.Set(u.size.tokens > 0 ? u.size.k_bits_effective() : 0);
-  v_bits_.Set(u.size.tokens > 0 ? u.size.v_bits_effective() : 0);
+  k_bits_.Set(u.k_bits());
+  v_bits_.Set(u.v_bits());
   tokens_.Set(static_cast<double>(u.tokens));
   sequences_.Set(static_cast<double>(u.sequences));
   models_.Set(static_cast<double>(registry.List().size()));

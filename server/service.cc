@@ -543,10 +543,8 @@ grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
     resp->set_stored_bytes(t.bytes);
     resp->set_quota_bytes(store_->options().tenant_quota_bytes);
     resp->set_evictions(t.evictions);
-    if (t.size.tokens > 0) {
-      resp->set_k_bits_per_element(t.size.k_bits_effective());
-      resp->set_v_bits_per_element(t.size.v_bits_effective());
-    }
+    resp->set_k_bits_per_element(t.k_bits());
+    resp->set_v_bits_per_element(t.v_bits());
     resp->set_server_stored_bytes(all.bytes);
     resp->set_server_capacity_bytes(store_->options().capacity_bytes);
     resp->set_memory_pool(pool_name_);

@@ -858,7 +858,7 @@ std::string HttpGet(int port, const std::string& path) {
     close(fd);
     return "";
   }
-  std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\nConnection: close\r\n\r\n";
   (void)!write(fd, req.data(), req.size());
   std::string out;
   char buf[65536];
@@ -884,6 +884,17 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
   ASSERT_TRUE(Put(*stub, {m}, &r, "t1").ok());
   ScoreOne(*stub, "missing", 0, RandomQueries(s.q_heads, 1, s.head_dim, 1), s.q_heads, 1,
            s.head_dim);
+  // Stats: bits per element are the codec's block sizes (64 tokens = two full groups).
+  v1::StatsResponse stats;
+  auto sctx = Ctx("t1");
+  ASSERT_TRUE(stub->Stats(sctx.get(), {}, &stats).ok());
+  const core::CodecOptions codec = CodecOf(s);
+  EXPECT_DOUBLE_EQ(stats.k_bits_per_element(),
+                   8.0 * core::KeyBlockBytes(codec) / (codec.key_group * s.head_dim));
+  EXPECT_DOUBLE_EQ(stats.v_bits_per_element(),
+                   8.0 * core::ValueBlockBytes(codec) / (codec.key_group * s.head_dim));
+  EXPECT_EQ(stats.tokens(), 64);
+  EXPECT_EQ(stats.memory_pool(), "host");
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
   for (const char* want :
