@@ -12,6 +12,7 @@
 #include "kvq/core/half.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/value_policy.h"
+#include "kvq/kernels/kernels.h"
 #include "test_util.h"
 
 namespace kvq::core {
@@ -136,6 +137,18 @@ TEST(Codec, AttendMatchesReferenceOnOddShapes) {
         ASSERT_TRUE(cache.Decode(&kd, &vd).ok());
         auto ref = DenseAttend(kd, vd, q, kv, qh, nq, T, d, T - 2);
         for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 2e-4f) << i;
+        // The same cache on the scalar reference kernels (scores and attend).
+        std::vector<float> s_opt(static_cast<size_t>(qh) * nq * T), s_ref(s_opt.size());
+        std::vector<float> out_ref(out.size());
+        ASSERT_TRUE(cache.Score(q.data(), qh, nq, s_opt.data()).ok());
+        kernels::SetActive(&kernels::Ref());
+        const bool ok = cache.Score(q.data(), qh, nq, s_ref.data()).ok() &&
+                        cache.Attend(q.data(), qh, nq, ao, out_ref.data()).ok();
+        kernels::SetActive(nullptr);
+        ASSERT_TRUE(ok);
+        for (size_t i = 0; i < s_opt.size(); ++i)
+          ASSERT_NEAR(s_opt[i], s_ref[i], 1e-4f * (1 + std::fabs(s_ref[i]))) << i;
+        for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], out_ref[i], 1e-5f) << i;
       }
 }
 
