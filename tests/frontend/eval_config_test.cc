@@ -1,0 +1,65 @@
+// The kvq-eval configuration grammar.
+#include "kvq/frontend/eval_config.h"
+
+#include "gtest/gtest.h"
+
+namespace kvq::frontend {
+namespace {
+
+TEST(EvalConfig, RequiredNamesParse) {
+  for (const char* n : {"dense", "kivi-k2", "headq-k2-r4", "headq-k2-r1", "headq-k2-r2", "headq-k2-r8",
+                        "headq-k2-r4-random", "headq-k2-r4-wrongsign", "kivi-kv2", "headq-kv2-a2",
+                        "kivi-k3", "headq-k3-r4", "kivi-k4", "kivi-kv4", "kivi-k2-g128",
+                        "headq-k2-r4-g64-w128-s4", "headq-k2-r4-resw", "headq-k2-r4-centred"}) {
+    auto c = ParseEvalConfig(n);
+    EXPECT_TRUE(c.ok()) << n << ": " << c.status();
+  }
+}
+
+TEST(EvalConfig, FieldsFollowTheName) {
+  auto c = *ParseEvalConfig("headq-k2-r4-wrongsign");
+  EXPECT_TRUE(c.keys_only);
+  EXPECT_EQ(c.codec.key_bits, 2);
+  EXPECT_EQ(c.codec.rank, 4);
+  EXPECT_EQ(c.codec.side_sign, -1.0f);
+  EXPECT_EQ(c.codec.key_group, 32);
+  auto k = *ParseEvalConfig("kivi-kv3-g64-vg64-w128");
+  EXPECT_FALSE(k.keys_only);
+  EXPECT_EQ(k.codec.rank, 0);
+  EXPECT_EQ(k.codec.value_bits, 3);
+  EXPECT_EQ(k.codec.key_group, 64);
+  EXPECT_EQ(k.codec.value_group, 64);
+  EXPECT_EQ(k.codec.window, 128);
+  auto a = *ParseEvalConfig("headq-kv2-a2");
+  EXPECT_EQ(a.codec.value_policy, core::ValuePolicy::kA2);
+  EXPECT_EQ(a.codec.key_group, 128);
+  EXPECT_EQ(a.codec.value_group, 64);
+  EXPECT_FLOAT_EQ(a.codec.value_budget, 2.0f);
+  EXPECT_EQ(ParseEvalConfig("headq-k2-r4-random")->basis, BasisKind::kRandom);
+  EXPECT_TRUE(ParseEvalConfig("dense")->dense);
+  // headq-kv2-a2 must fit kivi-kv2's budget: stored bytes per token and head, the A^2 values
+  // counted at their mean width (uniform block of that width plus the 2-bit width tags).
+  auto kv = *ParseEvalConfig("kivi-kv2");
+  auto per_token = [](core::CodecOptions o) {
+    double tags = 0;
+    if (o.value_policy == core::ValuePolicy::kA2) {
+      o.value_policy = core::ValuePolicy::kUniform;
+      o.value_bits = static_cast<int>(o.value_budget);
+      tags = (o.key_group + 3) / 4;
+    }
+    return (static_cast<double>(core::KeyBlockBytes(o)) + core::ValueBlockBytes(o) + tags) / o.key_group;
+  };
+  EXPECT_LT(per_token(a.codec), per_token(kv.codec));
+}
+
+TEST(EvalConfig, BadNamesAreErrors) {
+  for (const char* n : {"", "foo-k2", "kivi", "kivi-x2", "kivi-k2-r4", "kivi-k2-random", "headq-k2-zz",
+                        "headq-k5", "headq-k2-a2", "headq-k2-g33"}) {
+    EXPECT_FALSE(ParseEvalConfig(n).ok()) << n;
+  }
+  EXPECT_TRUE(ParseEvalConfigList("dense,kivi-k2").ok());
+  EXPECT_FALSE(ParseEvalConfigList(",").ok());
+}
+
+}  // namespace
+}  // namespace kvq::frontend
