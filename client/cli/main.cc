@@ -1,0 +1,458 @@
+// kvq: the command-line client of a kvq deployment (health, stats, models, sequences).
+//
+// Exit codes (stable, for scripts):
+//   0   success
+//   1   a local failure: a file could not be read, parsed or written
+//   2   usage: unknown command or flag, bad flag value, missing argument
+//   3   health: a server answered but is not SERVING
+//   10+c  the call failed with gRPC status code c: 13 INVALID_ARGUMENT, 15 NOT_FOUND,
+//         24 UNAVAILABLE, 26 UNAUTHENTICATED, ... (the list is in `kvq --help`)
+// Errors go to stderr as one line "kvq: <CODE>: <message>"; results go to stdout.
+#include <cstdio>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/cli/seq_file.h"
+#include "google/protobuf/util/json_util.h"
+#include "kvq/client/client.h"
+#include "kvq/client/flags.h"
+#include "kvq/core/basis.h"
+
+namespace {
+
+using kvq::client::Client;
+using kvq::client::ClientFlags;
+using kvq::client::ClientOptions;
+using kvq::client::FlagSet;
+namespace v1 = kvq::v1;
+
+constexpr int kExitOk = 0;
+constexpr int kExitLocal = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitNotServing = 3;
+constexpr int kExitRpcBase = 10;
+
+int Fail(int code, const std::string& what, const std::string& message) {
+  std::fprintf(stderr, "kvq: %s: %s\n", what.c_str(), message.c_str());
+  return code;
+}
+int Usage(const std::string& message) {
+  return Fail(kExitUsage, "USAGE", message + " (see --help)");
+}
+int RpcFail(const absl::Status& st) {
+  const int code = static_cast<int>(st.code());
+  return Fail(kExitRpcBase + code, kvq::client::StatusCodeName(code), std::string(st.message()));
+}
+// Local (file) failures come back from the file helpers as absl statuses too.
+int LocalFail(const absl::Status& st) {
+  return Fail(kExitLocal, kvq::client::StatusCodeName(static_cast<int>(st.code())),
+              std::string(st.message()));
+}
+
+std::string ToJson(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions o;
+  o.add_whitespace = true;
+  o.always_print_primitive_fields = true;
+  o.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, o);
+  return out;
+}
+
+const char* kTopHelp =
+    "Usage: kvq COMMAND [SUBCOMMAND] [ARGS] [FLAGS]\n"
+    "The command-line client of kvq servers.\n\n"
+    "Commands:\n"
+    "  health                      serving state of every server\n"
+    "  stats                       usage of your tenant on every server\n"
+    "  models list                 registered models\n"
+    "  models show NAME            one model (latest version unless --version)\n"
+    "  models register DIR         register what kvq-calibrate wrote (manifest.json +\n"
+    "                              basis.safetensors) on every server\n"
+    "  seq put ID FILE             append a sequence's K/V from a safetensors file\n"
+    "  seq get ID FILE             write a sequence's K/V (as attention sees them) to a file\n"
+    "  seq delete ID               drop a sequence\n"
+    "Run `kvq COMMAND --help` for a command's flags.\n\n"
+    "Exit codes: 0 ok; 1 local file error; 2 usage; 3 a server is not SERVING;\n"
+    "10+CODE a call failed with gRPC status CODE (11 CANCELLED, 13 INVALID_ARGUMENT,\n"
+    "14 DEADLINE_EXCEEDED, 15 NOT_FOUND, 16 ALREADY_EXISTS,\n"
+    "18 RESOURCE_EXHAUSTED, 19 FAILED_PRECONDITION, 23 INTERNAL, 24 UNAVAILABLE,\n"
+    "25 DATA_LOSS, 26 UNAUTHENTICATED). Errors: one line on stderr, 'kvq: CODE: message'.\n\n"
+    "Connection flags (every command):\n";
+
+struct Command {
+  std::string name;     // "seq put"
+  std::string args;     // "ID FILE"
+  std::string summary;  // one paragraph
+  int nargs;
+};
+
+const std::vector<Command>& Commands() {
+  static const std::vector<Command> kCommands = {
+      {"health", "", "Checks grpc.health.v1 on every server; prints 'ADDR SERVING' lines.\n"
+                     "Exit 0 when all serve, 3 when one answers NOT_SERVING, 10+code when one\n"
+                     "cannot be reached.", 0},
+      {"stats", "", "Prints your tenant's usage (sequences, tokens, bytes, bits per element)\n"
+                    "and the server totals, for every server.", 0},
+      {"models list", "", "Lists every registered model version (of the first server).", 0},
+      {"models show", "NAME", "Prints one model's entry as JSON.", 1},
+      {"models register", "DIR",
+       "Registers the registry entry in DIR (manifest.json + basis.safetensors, as written\n"
+       "by kvq-calibrate) on every server. Registering an identical entry again is OK.", 1},
+      {"seq put", "ID FILE",
+       "Appends the K/V in FILE (a safetensors file with layer.{l}.keys / layer.{l}.values,\n"
+       "[kv_heads, tokens, head_dim], F16/BF16/F32; see client/cli/seq_file.h) to sequence\n"
+       "ID, starting at --start. Creates the sequence with --model (default: the file's\n"
+       "'model' metadata). Safe to re-run: identical ranges are accepted as duplicates.", 2},
+      {"seq get", "ID FILE",
+       "Writes sequence ID's K/V as attention sees them (keys = base + side-code correction,\n"
+       "values decoded) to FILE in the same format.", 2},
+      {"seq delete", "ID", "Drops sequence ID; prints the bytes freed.", 1},
+  };
+  return kCommands;
+}
+
+// Flags that take a value among the connection flags: to find the command words when they
+// come after flags ("kvq --server X health").
+const std::set<std::string>& ValueFlags() {
+  static const std::set<std::string> kFlags = {
+      "server", "timeout", "retries", "tls-ca", "tls-cert", "tls-key", "tls-server-name",
+      "token", "token-file", "tenant", "version", "basis-version", "start", "chunk-tokens",
+      "dtype", "layers", "model"};
+  return kFlags;
+}
+
+struct CommandFlags {
+  bool help = false;
+  bool json = false;
+  int version = 0;
+  std::string model;
+  int64_t start = 0;
+  int chunk_tokens = 1024;
+  std::string dtype = "f16";
+  std::string layers;
+};
+
+int Health(Client& c) {
+  int exit = kExitOk;
+  for (const auto& h : c.Health()) {
+    if (h.status.ok()) {
+      std::printf("%s %s\n", h.server.c_str(), h.serving ? "SERVING" : "NOT_SERVING");
+      if (!h.serving && exit == kExitOk) exit = kExitNotServing;
+    } else {
+      const int code = static_cast<int>(h.status.code());
+      std::printf("%s %s\n", h.server.c_str(), kvq::client::StatusCodeName(code).c_str());
+      std::fprintf(stderr, "kvq: %s: %s\n", kvq::client::StatusCodeName(code).c_str(),
+                   std::string(h.status.message()).c_str());
+      if (exit == kExitOk || exit == kExitNotServing) exit = kExitRpcBase + code;
+    }
+  }
+  return exit;
+}
+
+int Stats(Client& c, const CommandFlags& f) {
+  for (int s = 0; s < c.num_shards(); ++s) {
+    auto st = c.Stats(s);
+    if (!st.ok()) return RpcFail(st.status());
+    if (f.json) {
+      std::printf("%s", ToJson(*st).c_str());
+      continue;
+    }
+    std::printf(
+        "server %s\n  tenant %s: %lld sequences, %lld tokens, %lld bytes stored (quota %lld), "
+        "%lld evictions\n  bits per element: K %.3f, V %.3f\n  server: %lld of %lld bytes "
+        "stored, pool %s, backend %s, up %.0f s\n",
+        c.server(s).c_str(), st->tenant().c_str(), static_cast<long long>(st->sequences()),
+        static_cast<long long>(st->tokens()), static_cast<long long>(st->stored_bytes()),
+        static_cast<long long>(st->quota_bytes()), static_cast<long long>(st->evictions()),
+        st->k_bits_per_element(), st->v_bits_per_element(),
+        static_cast<long long>(st->server_stored_bytes()),
+        static_cast<long long>(st->server_capacity_bytes()), st->memory_pool().c_str(),
+        st->compute_backend().c_str(), st->uptime_seconds());
+  }
+  return kExitOk;
+}
+
+int ModelsList(Client& c, const CommandFlags& f) {
+  auto r = c.ListModels();
+  if (!r.ok()) return RpcFail(r.status());
+  if (f.json) {
+    std::printf("%s", ToJson(*r).c_str());
+    return kExitOk;
+  }
+  std::printf("%-32s %7s %6s %8s %7s %8s %5s %6s %s\n", "MODEL", "VERSION", "LAYERS", "KV_HEADS",
+              "Q_HEADS", "HEAD_DIM", "RANK", "LIVE", "FINGERPRINT");
+  for (const v1::ModelInfo& m : r->models()) {
+    std::printf("%-32s %7d %6d %8d %7d %8d %5d %6lld %s\n", m.model().c_str(), m.version(),
+                m.layers(), m.kv_heads(), m.q_heads(), m.head_dim(), m.basis_rank(),
+                static_cast<long long>(m.live_sequences()),
+                m.has_basis() ? m.fingerprint().c_str() : "(no basis)");
+  }
+  return kExitOk;
+}
+
+int ModelsShow(Client& c, const std::string& name, const CommandFlags& f) {
+  auto r = c.GetModel(name, f.version);
+  if (!r.ok()) return RpcFail(r.status());
+  std::printf("%s", ToJson(*r).c_str());
+  return kExitOk;
+}
+
+int ModelsRegister(Client& c, const std::string& dir) {
+  auto basis = kvq::core::ReadBasis(dir);
+  if (!basis.ok()) return LocalFail(basis.status());
+  const kvq::core::BasisManifest& m = basis->manifest;
+  v1::RegisterBasisRequest req;
+  v1::ModelInfo* info = req.mutable_info();
+  info->set_model(m.model);
+  info->set_version(m.version);
+  info->set_layers(m.layers);
+  info->set_kv_heads(m.kv_heads);
+  info->set_q_heads(m.q_heads);
+  info->set_head_dim(m.head_dim);
+  info->set_basis_rank(m.rank);
+  info->set_rope_layout(m.rope_layout);
+  info->set_channel_order(m.channel_order);
+  info->set_kind(m.kind);
+  info->set_calibration_tokens(m.calibration_tokens);
+  const size_t per = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
+  for (int l = 0; l < m.layers; ++l) {
+    v1::Tensor* t = req.add_basis();
+    t->set_dtype(v1::DTYPE_F32);
+    for (int64_t d : {m.kv_heads, m.head_dim, m.rank}) t->add_shape(d);
+    t->set_data(reinterpret_cast<const char*>(basis->u.data() + l * per), per * sizeof(float));
+  }
+  auto r = c.RegisterBasis(req);
+  if (!r.ok()) return RpcFail(r.status());
+  std::printf("%s %s v%d (%d layers, rank %d, fingerprint %s) on %d server(s)\n",
+              r->already_registered() ? "already registered" : "registered",
+              r->model().model().c_str(), r->model().version(), r->model().layers(),
+              r->model().basis_rank(), r->model().fingerprint().c_str(), c.num_shards());
+  return kExitOk;
+}
+
+int SeqPut(Client& c, const std::string& id, const std::string& path, const CommandFlags& f) {
+  auto file = kvq::client::ReadSeqFile(path);
+  if (!file.ok()) return LocalFail(file.status());
+  std::string model = f.model;
+  if (model.empty() && file->metadata.count("model")) model = file->metadata.at("model");
+  if (f.chunk_tokens < 1) return Usage("--chunk-tokens must be >= 1");
+  // One message per (layer, chunk): each is applied atomically; a re-run re-sends all.
+  std::vector<v1::PutBlocksRequest> msgs;
+  bool first = true;
+  for (size_t l = 0; l < file->layers.size(); ++l) {
+    const kvq::client::SeqLayer& L = file->layers[l];
+    const size_t esize = L.dtype == v1::DTYPE_F32 ? 4 : 2;
+    const size_t row = static_cast<size_t>(L.head_dim) * esize;
+    for (int64_t t0 = 0; t0 < L.tokens; t0 += f.chunk_tokens) {
+      const int64_t n = std::min<int64_t>(f.chunk_tokens, L.tokens - t0);
+      v1::Append* a = msgs.emplace_back().add_appends();
+      a->set_sequence_id(id);
+      a->set_layer(static_cast<int>(l));
+      a->set_start(f.start + t0);
+      if (first && !model.empty()) {
+        a->set_model(model);
+        a->set_basis_version(f.version);
+      }
+      first = false;
+      for (auto [src, dst] : {std::pair{&L.keys, a->mutable_keys()},
+                              std::pair{&L.values, a->mutable_values()}}) {
+        dst->set_dtype(L.dtype);
+        for (int64_t d : {L.kv_heads, n, L.head_dim}) dst->add_shape(d);
+        std::string* out = dst->mutable_data();
+        out->reserve(static_cast<size_t>(L.kv_heads * n) * row);
+        for (int64_t h = 0; h < L.kv_heads; ++h) {
+          out->append(*src, (static_cast<size_t>(h * L.tokens + t0)) * row, n * row);
+        }
+      }
+    }
+  }
+  auto r = c.PutBlocks(msgs);
+  if (!r.ok()) return RpcFail(r.status());
+  std::printf("%s: %lld tokens written, %lld duplicate, %zu layers on %s\n", id.c_str(),
+              static_cast<long long>(r->tokens_written()),
+              static_cast<long long>(r->tokens_duplicate()), file->layers.size(),
+              c.server(c.ShardOf(id)).c_str());
+  return kExitOk;
+}
+
+int SeqGet(Client& c, const std::string& id, const std::string& path, const CommandFlags& f) {
+  v1::GetBlocksRequest req;
+  req.set_sequence_id(id);
+  req.set_basis_version(f.version);
+  if (f.dtype == "f16") {
+    req.set_dtype(v1::DTYPE_F16);
+  } else if (f.dtype == "bf16") {
+    req.set_dtype(v1::DTYPE_BF16);
+  } else if (f.dtype == "f32") {
+    req.set_dtype(v1::DTYPE_F32);
+  } else {
+    return Usage("--dtype must be f16, bf16 or f32");
+  }
+  for (absl::string_view s : absl::StrSplit(f.layers, ',', absl::SkipEmpty())) {
+    int l = 0;
+    if (!absl::SimpleAtoi(s, &l) || l < 0) return Usage("--layers must be a list like 0,1,2");
+    req.add_layers(l);
+  }
+  // Chunks of a layer arrive in order; each carries [kv_heads, n, head_dim].
+  std::map<int, std::vector<v1::GetBlocksResponse>> chunks;
+  int basis_version = 0;
+  absl::Status st = c.GetBlocks(req, [&](const v1::GetBlocksResponse& r) {
+    chunks[r.layer()].push_back(r);
+    basis_version = r.basis_version();
+    return true;
+  });
+  if (!st.ok()) return RpcFail(st);
+  kvq::client::SeqFile file;
+  file.metadata["sequence_id"] = id;
+  file.metadata["basis_version"] = absl::StrCat(basis_version);
+  int expect = 0;
+  for (auto& [layer, parts] : chunks) {
+    if (req.layers_size() == 0 && layer != expect) {
+      return Fail(kExitRpcBase + 13, "INTERNAL", absl::StrCat("layer ", expect, " missing"));
+    }
+    ++expect;
+    kvq::client::SeqLayer L;
+    L.dtype = req.dtype();
+    L.kv_heads = parts[0].keys().shape(0);
+    L.head_dim = parts[0].keys().shape(2);
+    for (const auto& p : parts) L.tokens += p.keys().shape(1);
+    const size_t row = static_cast<size_t>(L.head_dim) * (L.dtype == v1::DTYPE_F32 ? 4 : 2);
+    for (int64_t h = 0; h < L.kv_heads; ++h) {
+      for (const auto& p : parts) {
+        const size_t n = static_cast<size_t>(p.keys().shape(1)) * row;
+        L.keys.append(p.keys().data(), h * n, n);
+        L.values.append(p.values().data(), h * n, n);
+      }
+    }
+    file.layers.push_back(std::move(L));
+  }
+  if (file.layers.empty()) {
+    return Fail(kExitRpcBase + 5, "NOT_FOUND", absl::StrCat("sequence ", id, " has no tokens"));
+  }
+  if (absl::Status w = kvq::client::WriteSeqFile(path, file); !w.ok()) return LocalFail(w);
+  std::printf("%s: %zu layers, %lld tokens in layer 0, written to %s\n", id.c_str(),
+              file.layers.size(), static_cast<long long>(file.layers[0].tokens), path.c_str());
+  return kExitOk;
+}
+
+int SeqDelete(Client& c, const std::string& id) {
+  auto r = c.DeleteSequence(id);
+  if (!r.ok()) return RpcFail(r.status());
+  std::printf("%s: deleted, %lld bytes freed\n", id.c_str(),
+              static_cast<long long>(r->bytes_freed()));
+  return kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // The command words: the first one or two arguments that are not flags or flag values.
+  std::vector<std::string> words;
+  for (int i = 1; i < argc && words.size() < 2; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) == 0) {
+      if (a.find('=') == std::string::npos && ValueFlags().count(a.substr(2))) ++i;
+      continue;
+    }
+    words.push_back(a);
+  }
+  const Command* cmd = nullptr;
+  for (const Command& c : Commands()) {
+    if (c.name == (words.empty() ? "" : words[0]) ||
+        (words.size() == 2 && c.name == words[0] + " " + words[1])) {
+      if (cmd == nullptr || c.name.size() > cmd->name.size()) cmd = &c;
+    }
+  }
+
+  ClientOptions opts;
+  ClientFlags cflags;
+  CommandFlags f;
+  FlagSet flags;
+  flags.AddBool("help", "print help and exit", &f.help);
+  kvq::client::AddClientFlags(&flags, &opts, &cflags);
+  const std::string name = cmd ? cmd->name : "";
+  if (name == "stats" || name == "models list") {
+    flags.AddBool("json", "print JSON instead of text", &f.json);
+  }
+  if (name == "models show" || name == "seq put" || name == "seq get") {
+    flags.Add(name == "models show" ? "version" : "basis-version", "N",
+              name == "seq put" ? "basis version for a new sequence (default 0: the latest)"
+                                : "basis version (default 0: the latest / the sequence's own)",
+              [&f](const std::string& v) { return kvq::client::ParseIntFlag(v, &f.version) && f.version >= 0; });
+  }
+  if (name == "seq put") {
+    flags.Add("model", "NAME", "model of a new sequence (default: the file's metadata)",
+              [&f](const std::string& v) { return f.model = v, true; });
+    flags.Add("start", "N", "position of the file's first token (default 0)",
+              [&f](const std::string& v) { return kvq::client::ParseInt64Flag(v, &f.start) && f.start >= 0; });
+    flags.Add("chunk-tokens", "N", "tokens per layer per message (default 1024)",
+              [&f](const std::string& v) { return kvq::client::ParseIntFlag(v, &f.chunk_tokens); });
+  }
+  if (name == "seq get") {
+    flags.Add("dtype", "f16|bf16|f32", "dtype written (default f16)",
+              [&f](const std::string& v) { return f.dtype = v, true; });
+    flags.Add("layers", "LIST", "layers to fetch, e.g. 0,1 (default all)",
+              [&f](const std::string& v) { return f.layers = v, true; });
+  }
+  std::vector<std::string> pos;
+  absl::Status parsed = flags.Parse(argc, argv, 1, &pos);
+  if (f.help || words.empty() || (words.size() == 1 && words[0] == "help")) {
+    if (cmd == nullptr && !words.empty() && words[0] != "help" && words[0] != "models" &&
+        words[0] != "seq") {
+      return Usage(absl::StrCat("unknown command '", words[0], "'"));
+    }
+    if (cmd == nullptr) {
+      std::printf("%s%s", kTopHelp, flags.Help().c_str());
+      if (!words.empty() && (words[0] == "models" || words[0] == "seq")) {
+        std::printf("\nSubcommands of %s:\n", words[0].c_str());
+        for (const Command& c : Commands()) {
+          if (c.name.rfind(words[0] + " ", 0) == 0) {
+            std::printf("  kvq %s %s\n", c.name.c_str(), c.args.c_str());
+          }
+        }
+      }
+      return words.empty() && !f.help ? kExitUsage : kExitOk;
+    }
+    std::printf("Usage: kvq %s%s%s [FLAGS]\n%s\n\nFlags:\n%s", cmd->name.c_str(),
+                cmd->args.empty() ? "" : " ", cmd->args.c_str(), cmd->summary.c_str(),
+                flags.Help().c_str());
+    return kExitOk;
+  }
+  if (cmd == nullptr && (words[0] == "models" || words[0] == "seq")) {
+    return Usage(absl::StrCat("kvq ", words[0], " needs a subcommand: ",
+                              words[0] == "models" ? "list, show, register" : "put, get, delete"));
+  }
+  if (cmd == nullptr) {
+    return Usage(absl::StrCat("unknown command '", absl::StrJoin(words, " "), "'"));
+  }
+  if (!parsed.ok()) return Usage(std::string(parsed.message()));
+  const size_t nwords = std::count(cmd->name.begin(), cmd->name.end(), ' ') + 1;
+  std::vector<std::string> args(pos.begin() + nwords, pos.end());
+  if (static_cast<int>(args.size()) != cmd->nargs) {
+    return Usage(absl::StrCat("kvq ", cmd->name, " takes ", cmd->nargs == 0 ? "no" : cmd->args,
+                              cmd->nargs == 0 ? " arguments" : "", "; got ", args.size(),
+                              " argument(s)"));
+  }
+  if (absl::Status st = kvq::client::ResolveClientFlags(cflags, &opts); !st.ok()) {
+    return Usage(std::string(st.message()));
+  }
+  auto client = Client::Create(opts);
+  if (!client.ok()) return Usage(std::string(client.status().message()));
+  Client& c = **client;
+  if (name == "health") return Health(c);
+  if (name == "stats") return Stats(c, f);
+  if (name == "models list") return ModelsList(c, f);
+  if (name == "models show") return ModelsShow(c, args[0], f);
+  if (name == "models register") return ModelsRegister(c, args[0]);
+  if (name == "seq put") return SeqPut(c, args[0], args[1], f);
+  if (name == "seq get") return SeqGet(c, args[0], args[1], f);
+  if (name == "seq delete") return SeqDelete(c, args[0]);
+  return Usage("unreachable");
+}
