@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -122,6 +123,52 @@ TEST(ServiceTest, HealthServingAndModelsListed) {
   EXPECT_TRUE(list.models(0).has_basis());
   EXPECT_EQ(list.models(0).codec().rank(), 4);
   EXPECT_FALSE(list.models(0).fingerprint().empty());
+}
+
+// Server reflection, spoken with a generic stub (Debian ships no reflection.proto): a
+// hand-encoded ServerReflectionRequest{list_services: ""} (field 7).
+TEST(ServiceTest, ReflectionListsTheServices) {
+  TestServer ts;
+  grpc::GenericStub gs(ts.Channel());
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto call = gs.PrepareCall(
+      &ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  auto wait = [&](intptr_t want) {
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(reinterpret_cast<intptr_t>(tag), want);
+    return ok;
+  };
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(wait(1));
+  const std::string req("\x3a\x00", 2);
+  grpc::Slice slice(req);
+  grpc::ByteBuffer buf(&slice, 1);
+  call->Write(buf, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(wait(2));
+  call->WritesDone(reinterpret_cast<void*>(3));
+  ASSERT_TRUE(wait(3));
+  grpc::ByteBuffer resp;
+  call->Read(&resp, reinterpret_cast<void*>(4));
+  ASSERT_TRUE(wait(4));
+  grpc::Status st;
+  call->Finish(&st, reinterpret_cast<void*>(5));
+  wait(5);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(resp.Dump(&slices).ok());
+  std::string text;
+  for (const auto& sl : slices) text.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  EXPECT_THAT(text, HasSubstr("kvq.v1.Kvq"));
+  EXPECT_THAT(text, HasSubstr("grpc.health.v1.Health"));
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
 }
 
 TEST(ServiceTest, PutThenScoreReadoutAttendMatchInProcessCodec) {
