@@ -188,6 +188,26 @@ int Main(int argc, char** argv) {
     Row(name, st, bytes);
     Row(absl::StrCat("  echo same bytes").c_str(), es, bytes);
   };
+  if (local) {  // the same work without gRPC: core::Store in this process
+    Stats sc, at;
+    std::vector<float> out;
+    int64_t tokens = 0;
+    core::AttendOptions ao;
+    ao.observe = false;
+    for (int i = 0; i < iters; ++i) {
+      auto t0 = Clock::now();
+      local->server().store().Score("default", "ingest0", 0, 0, q.data(), qh, 1, d, 0, false,
+                                    &out, &tokens);
+      auto t1 = Clock::now();
+      local->server().store().Attend("default", "ingest0", 0, 0, q.data(), qh, 1, d, ao, &out,
+                                     &tokens);
+      auto t2 = Clock::now();
+      sc.ms.push_back(Ms(t0, t1));
+      at.ms.push_back(Ms(t1, t2));
+    }
+    Row("Score, store only", sc, 0);
+    Row("Attend, store only", at, 0);
+  }
   run("Score 1 item", [&](size_t* bytes) {
     v1::ScoreResponse resp;
     auto ctx = Ctx();
