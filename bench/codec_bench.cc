@@ -174,13 +174,7 @@ void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
       const uint16_t* kh = ks[l].data() + static_cast<size_t>(h) * T * d;
       const uint16_t* vh = vs[l].data() + static_cast<size_t>(h) * T * d;
       kt.dense_scores_f16(kh, T, d, q.data() + static_cast<size_t>(h) * gq * d, gq, s.data(), T);
-      for (int i = 0; i < gq; ++i) {
-        float* si = s.data() + static_cast<size_t>(i) * T;
-        float mx = si[0];
-        for (int t = 1; t < T; ++t) mx = std::max(mx, si[t]);
-        const float inv = 1.0f / kt.exp_sum(si, T, mx);
-        for (int t = 0; t < T; ++t) si[t] *= inv;
-      }
+      for (int i = 0; i < gq; ++i) kt.softmax(s.data() + static_cast<size_t>(i) * T, T);
       float* o = out.data() + static_cast<size_t>(h) * gq * d;
       std::fill(o, o + static_cast<size_t>(gq) * d, 0.0f);
       kt.dense_readout_f16(vh, T, d, s.data(), T, gq, o, d);

@@ -335,10 +335,7 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
       float* si = s.data() + static_cast<size_t>(i) * T;
       const int qi = i % n_q;
       const int64_t vis = ao.causal_offset < 0 ? T : std::min<int64_t>(T, ao.causal_offset + qi + 1);
-      float mx = si[0];
-      for (int64_t t = 1; t < vis; ++t) mx = std::max(mx, si[t]);
-      const float inv = 1.0f / kt.exp_sum(si, vis, mx);
-      for (int64_t t = 0; t < vis; ++t) si[t] *= inv;
+      kt.softmax(si, vis);
       std::fill(si + vis, si + T, 0.0f);
       if (ao.observe)
         for (int64_t t = encoded_; t < vis; ++t) {

@@ -140,6 +140,13 @@ float exp_sum_ref(float* x, int64_t n, float shift) {
   return static_cast<float>(sum);
 }
 
+void softmax_ref(float* x, int64_t n) {
+  float mx = x[0];
+  for (int64_t t = 1; t < n; ++t) mx = std::max(mx, x[t]);
+  const float inv = 1.0f / exp_sum_ref(x, n, mx);
+  for (int64_t t = 0; t < n; ++t) x[t] *= inv;
+}
+
 }  // namespace
 
 const KernelTable& Ref() {
@@ -152,7 +159,8 @@ const KernelTable& Ref() {
                              dense_readout_f16_ref,
                              project_residual_ref,
                              xxh3_ref,
-                             exp_sum_ref};
+                             exp_sum_ref,
+                             softmax_ref};
   return t;
 }
 

@@ -351,6 +351,19 @@ float exp_sum_simd(float* x, int64_t n, float shift) {
   return s;
 }
 
+void softmax_simd(float* x, int64_t n) {
+  typename Isa::F m = Isa::Set1(x[0]);
+  int64_t t = 0;
+  for (; t + W <= n; t += W) m = Isa::Max(m, Isa::Load(x + t));
+  float mx = Isa::ReduceMax(m);
+  for (; t < n; ++t) mx = std::max(mx, x[t]);
+  const float inv = 1.0f / exp_sum_simd(x, n, mx);
+  const typename Isa::F iv = Isa::Set1(inv);
+  for (t = 0; t + W <= n; t += W) Isa::Store(x + t, Isa::Mul(Isa::Load(x + t), iv));
+  for (; t < n; ++t) x[t] *= inv;
+}
+
 const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
                          score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
-                         dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd};
+                         dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd,
+                         softmax_simd};

@@ -146,6 +146,10 @@ TEST(KernelParity, DenseAndExp) {
         EXPECT_NEAR(sum0, sum1, 1e-5f * sum0);
         EXPECT_EQ(e1[5], 0.0f);
         for (size_t i = 0; i < e0.size(); ++i) ASSERT_NEAR(e0[i], e1[i], 2e-6f * (1 + e0[i]));
+        std::vector<float> m0(s0.begin(), s0.begin() + 37), m1(m0);
+        Ref().softmax(m0.data(), 37);
+        kt->softmax(m1.data(), 37);
+        for (int i = 0; i < 37; ++i) ASSERT_NEAR(m0[i], m1[i], 1e-6f);
       }
 }
 

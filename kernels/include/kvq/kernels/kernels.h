@@ -61,6 +61,9 @@ struct KernelTable {
 
   // x[t] = exp(x[t] - shift) for t < n; returns the sum (the softmax denominator).
   float (*exp_sum)(float* x, int64_t n, float shift);
+
+  // In-place softmax of x[0..n) (n >= 1): max, exp and normalization.
+  void (*softmax)(float* x, int64_t n);
 };
 
 // The scalar reference (*_ref): plain loops, the definition of correct.
