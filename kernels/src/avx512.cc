@@ -68,8 +68,13 @@ struct Isa {
                                    9 * B - kW1, 10 * B - kW1, 11 * B - kW1, 12 * B - kW1,
                                    13 * B - kW1, 14 * B - kW1, 15 * B - kW1);
       }
-      v = _mm512_and_si512(_mm512_srlv_epi32(v, shifts), _mm512_set1_epi32((1 << B) - 1));
-      return _mm512_cvtepi32_ps(v);
+      // vpermps reads the low 4 bits of each lane: a table periodic in 2^B turns the shifted
+      // word into the code's float value in one instruction (no mask, no int->float convert).
+      const __m512 lut = _mm512_setr_ps(0 % (1 << B), 1 % (1 << B), 2 % (1 << B), 3 % (1 << B),
+                                        4 % (1 << B), 5 % (1 << B), 6 % (1 << B), 7 % (1 << B),
+                                        8 % (1 << B), 9 % (1 << B), 10 % (1 << B), 11 % (1 << B),
+                                        12 % (1 << B), 13 % (1 << B), 14 % (1 << B), 15 % (1 << B));
+      return _mm512_permutexvar_ps(_mm512_srlv_epi32(v, shifts), lut);
     }
   }
 
