@@ -1,6 +1,9 @@
 #include "server/service.h"
 
+#include <functional>
 #include <map>
+
+#include "absl/container/flat_hash_set.h"
 
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
@@ -267,15 +270,64 @@ grpc::ServerReadReactor<v1::PutBlocksRequest>* Service::PutBlocks(
 
 // ---------------------------------------------------------------------------- reads
 
+namespace {
+
+// Runs fn(0..n-1) on the calling worker and on idle pool workers (work sharing through an
+// atomic index). The caller always makes progress itself, so a busy pool only means less
+// parallelism, never a wait for a queued task; helpers that start late find no item left.
+// Items must be independent: callers pass serial = true when two items name one sequence
+// (observing Attends on one sequence must keep their order).
+void ForEachItem(WorkerPool* pool, int n, bool serial, const std::function<void(int)>& fn) {
+  if (n <= 1 || serial || pool->size() <= 1) {
+    for (int i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  struct State {
+    std::function<void(int)> fn;
+    int n;
+    std::atomic<int> next{0};
+    absl::Mutex mu;
+    int done ABSL_GUARDED_BY(mu) = 0;
+  };
+  auto st = std::make_shared<State>();
+  st->fn = fn;
+  st->n = n;
+  auto work = [](State* s) {
+    for (int i; (i = s->next.fetch_add(1)) < s->n;) {
+      s->fn(i);
+      absl::MutexLock l(&s->mu);
+      ++s->done;
+    }
+  };
+  const int helpers = std::min<int>(n - 1, static_cast<int>(pool->size()) - 1);
+  for (int h = 0; h < helpers; ++h) pool->Submit([st, work] { work(st.get()); });
+  work(st.get());
+  absl::MutexLock l(&st->mu);
+  st->mu.Await(absl::Condition(
+      +[](State* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->done == s->n; }, st.get()));
+}
+
+template <typename Items>
+bool SharesASequence(const Items& items) {
+  absl::flat_hash_set<std::string> ids;
+  for (const auto& it : items) {
+    if (!ids.insert(it.sequence_id()).second) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
                                          const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
   return Unary("Score", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
-    std::vector<float> q, out;
-    for (int i = 0; i < req->items_size(); ++i) {
+    for (int i = 0; i < req->items_size(); ++i) resp->add_results();
+    ForEachItem(pool_, req->items_size(), false, [&](int i) {
       const v1::ScoreItem& item = req->items(i);
-      v1::ScoreResult* r = resp->add_results();
+      v1::ScoreResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
+      std::vector<float> q, out;
       int q_heads = 0, n_q = 0, d = 0;
       int64_t tokens = 0;
       absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
@@ -291,7 +343,7 @@ grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
         r->set_tokens(tokens);
       }
       SetItemStatus(st, r->mutable_status());
-    }
+    });
     return absl::OkStatus();
   });
 }
@@ -301,11 +353,12 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
                                            v1::ReadoutResponse* resp) {
   return Unary("Readout", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
-    std::vector<float> p, out;
-    for (int i = 0; i < req->items_size(); ++i) {
+    for (int i = 0; i < req->items_size(); ++i) resp->add_results();
+    ForEachItem(pool_, req->items_size(), false, [&](int i) {
       const v1::ReadoutItem& item = req->items(i);
-      v1::ReadoutResult* r = resp->add_results();
+      v1::ReadoutResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
+      std::vector<float> p, out;
       int64_t tokens = 0;
       int q_heads = 0, n_q = 0;
       absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
@@ -320,6 +373,9 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
       if (st.ok() && w->shape[1] > kMaxQueriesPerItem) {
         st = absl::InvalidArgumentError(absl::StrCat(at, ".weights.shape[1] ", w->shape[1],
                                                      " exceeds the limit ", kMaxQueriesPerItem));
+      }
+      if (st.ok() && item.output_dtype() != v1::DTYPE_UNSPECIFIED) {
+        st = FromProto(item.output_dtype(), at + ".output_dtype").status();
       }
       if (st.ok()) {
         q_heads = static_cast<int>(w->shape[0]);
@@ -337,7 +393,7 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
         r->set_tokens(tokens);
       }
       SetItemStatus(st, r->mutable_status());
-    }
+    });
     return absl::OkStatus();
   });
 }
@@ -347,36 +403,39 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
                                           v1::AttendResponse* resp) {
   return Unary("Attend", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
-    std::vector<float> q, out;
-    for (int i = 0; i < req->items_size(); ++i) {
+    for (int i = 0; i < req->items_size(); ++i) resp->add_results();
+    ForEachItem(pool_, req->items_size(), SharesASequence(req->items()), [&](int i) {
       const v1::AttendItem& item = req->items(i);
-      v1::AttendResult* r = resp->add_results();
+      v1::AttendResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
+      std::vector<float> q, out;
       int q_heads = 0, n_q = 0, d = 0;
       int64_t tokens = 0;
       absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
       if (st.ok()) st = QueriesToFloat(item.queries(), at + ".queries", &q, &q_heads, &n_q, &d);
+      if (st.ok() && item.output_dtype() != v1::DTYPE_UNSPECIFIED) {
+        st = FromProto(item.output_dtype(), at + ".output_dtype").status();
+      }
+      if (st.ok() && item.has_causal_offset() && item.causal_offset() < 0) {
+        st = absl::InvalidArgumentError(
+            absl::StrCat(at, ".causal_offset ", item.causal_offset(), " must be >= 0"));
+      }
       if (st.ok()) {
         core::AttendOptions ao;
         ao.causal_offset = item.has_causal_offset() ? item.causal_offset() : -1;
         ao.observe = item.has_observe() ? item.observe() : true;
         ao.scale = item.scale();
-        if (item.has_causal_offset() && item.causal_offset() < 0) {
-          st = absl::InvalidArgumentError(
-              absl::StrCat(at, ".causal_offset ", item.causal_offset(), " must be >= 0"));
-        } else {
-          st = Prefix(store_->Attend(tenant, item.sequence_id(), item.layer(),
-                                     item.basis_version(), q.data(), q_heads, n_q, d, ao, &out,
-                                     &tokens),
-                      at);
-        }
+        st = Prefix(store_->Attend(tenant, item.sequence_id(), item.layer(),
+                                   item.basis_version(), q.data(), q_heads, n_q, d, ao, &out,
+                                   &tokens),
+                    at);
       }
       if (st.ok()) {
         FillTensor(out.data(), {q_heads, n_q, d}, item.output_dtype(), r->mutable_outputs());
         r->set_tokens(tokens);
       }
       SetItemStatus(st, r->mutable_status());
-    }
+    });
     return absl::OkStatus();
   });
 }
