@@ -299,6 +299,55 @@ TEST(ServiceTest, PutThenScoreReadoutAttendMatchInProcessCodec) {
   EXPECT_LT(max_err, 1e-3);
 }
 
+TEST(ServiceTest, ObservingAttendsOnOneSequenceKeepTheirOrder) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Fixture f;
+  f.codec.value_policy = core::ValuePolicy::kA2;  // observations steer the value bits
+  f.codec.window = 32;
+  const Shape& s = f.shape;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  const int64_t T = 40;
+  auto k = RandomKV(kv, 3 * T, d, 1), v = RandomKV(kv, 3 * T, d, 2);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("s", 0, 0, Slice(k, kv, 3 * T, d, 0, T),
+                                Slice(v, kv, 3 * T, d, 0, T), kv, T, d, "tiny");
+  auto* codec = m.mutable_appends(0)->mutable_codec();
+  codec->set_value_policy(v1::CodecSettings::VALUE_POLICY_A2);
+  codec->set_window(32);
+  v1::PutBlocksResponse r;
+  ASSERT_TRUE(Put(*stub, {m}, &r).ok());
+  auto ref = f.Ref(0);
+  RefAppend(*ref, Slice(k, kv, 3 * T, d, 0, T), Slice(v, kv, 3 * T, d, 0, T), kv, T, d, 0);
+  // Four observing attends on one sequence in one batch, then more tokens get encoded.
+  v1::AttendRequest areq;
+  std::vector<std::vector<float>> qs;
+  for (int i = 0; i < 4; ++i) {
+    qs.push_back(RandomQueries(qh, 1, d, 50 + i));
+    auto* it = areq.add_items();
+    it->set_sequence_id("s");
+    *it->mutable_queries() = TensorF32(qs.back(), {qh, 1, d});
+  }
+  v1::AttendResponse aresp;
+  auto ctx = Ctx();
+  ASSERT_TRUE(stub->Attend(ctx.get(), areq, &aresp).ok());
+  for (int i = 0; i < 4; ++i) {
+    std::vector<float> o(qh * d);
+    ASSERT_TRUE(ref->Attend(qs[i].data(), qh, 1, {}, o.data()).ok());
+    EXPECT_EQ(FloatsOf(aresp.results(i).outputs()), o) << i;
+  }
+  *m.mutable_appends(0) = MakeAppend("s", 0, T, Slice(k, kv, 3 * T, d, T, 2 * T),
+                                     Slice(v, kv, 3 * T, d, T, 2 * T), kv, 2 * T, d);
+  ASSERT_TRUE(Put(*stub, {m}, &r).ok());
+  RefAppend(*ref, Slice(k, kv, 3 * T, d, T, 2 * T), Slice(v, kv, 3 * T, d, T, 2 * T), kv, 2 * T,
+            d, T);
+  std::vector<float> dk, dv;
+  ASSERT_TRUE(ref->Decode(&dk, &dv).ok());
+  auto got = GetAll(*stub, "s", 0, kv, d);
+  EXPECT_EQ(got[1], dv);
+}
+
 TEST(ServiceTest, OneTokenAppendsEqualOneBigAppend) {
   TestServer ts;
   auto stub = ts.Stub();
