@@ -1,0 +1,350 @@
+// kvq::client::Client against real kvq servers started in-process on port 0 (real gRPC over
+// loopback): typed calls give exactly what the raw stubs give; sharding puts each sequence
+// on one server and merges batched calls back in order; a lost shard fails only its own
+// items; retries happen for idempotent calls only; deadlines apply to every call.
+#include "kvq/client/client.h"
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server/test_util.h"
+
+namespace kvq::client {
+namespace {
+
+using ::testing::HasSubstr;
+using kvq::testing::Shape;
+using kvq::testing::TestServer;
+
+const Shape kShape{};  // tiny: 2 layers, 2 KV heads, 4 query heads, head_dim 64, rank 8
+
+// Prefill of `tokens` tokens of every layer of one sequence, one message per layer.
+std::vector<v1::PutBlocksRequest> Prefill(const std::string& seq, int64_t tokens, uint32_t seed) {
+  std::vector<v1::PutBlocksRequest> msgs;
+  for (int l = 0; l < kShape.layers; ++l) {
+    auto k = kvq::testing::RandomKV(kShape.kv_heads, tokens, kShape.head_dim, seed + 2 * l);
+    auto v = kvq::testing::RandomKV(kShape.kv_heads, tokens, kShape.head_dim, seed + 2 * l + 1);
+    *msgs.emplace_back().add_appends() = kvq::testing::MakeAppend(
+        seq, l, 0, k, v, kShape.kv_heads, tokens, kShape.head_dim, l == 0 ? kShape.model : "");
+  }
+  return msgs;
+}
+
+v1::AttendItem AttendOf(const std::string& seq, int layer, uint32_t seed, bool observe = false) {
+  v1::AttendItem it;
+  it.set_sequence_id(seq);
+  it.set_layer(layer);
+  it.set_observe(observe);
+  *it.mutable_queries() = kvq::testing::TensorF16(
+      kvq::testing::RandomQueries(kShape.q_heads, 1, kShape.head_dim, seed),
+      {kShape.q_heads, 1, kShape.head_dim});
+  return it;
+}
+
+struct Cluster {
+  std::vector<std::unique_ptr<TestServer>> servers;
+  std::vector<std::string> addresses;
+  explicit Cluster(int n) {
+    for (int i = 0; i < n; ++i) {
+      servers.push_back(std::make_unique<TestServer>());
+      addresses.push_back(servers.back()->address());
+    }
+  }
+};
+
+std::unique_ptr<Client> MakeClient(std::vector<std::string> servers,
+                                   ClientOptions o = ClientOptions()) {
+  o.servers = std::move(servers);
+  o.initial_backoff = absl::Milliseconds(1);
+  o.max_backoff = absl::Milliseconds(5);
+  auto c = Client::Create(o);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+TEST(Client, TypedCallsMatchTheRawStubs) {
+  Cluster cl(1);
+  auto c = MakeClient(cl.addresses);
+  ASSERT_TRUE(c->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  auto put = c->PutBlocks(Prefill("s1", 77, 11));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->tokens_written(), 77 * kShape.layers);
+
+  v1::AttendRequest req;
+  *req.add_items() = AttendOf("s1", 1, 5);
+  *req.add_items() = AttendOf("s1", 0, 6);
+  auto ours = c->Attend(req);
+  ASSERT_TRUE(ours.ok()) << ours.status();
+  auto stub = cl.servers[0]->Stub();
+  v1::AttendResponse raw;
+  ASSERT_TRUE(stub->Attend(kvq::testing::Ctx().get(), req, &raw).ok());
+  ASSERT_EQ(ours->results_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(ours->results(i).status().code(), 0);
+    EXPECT_EQ(ours->results(i).outputs().data(), raw.results(i).outputs().data());
+  }
+
+  v1::ScoreRequest sreq;
+  auto* si = sreq.add_items();
+  si->set_sequence_id("s1");
+  *si->mutable_queries() = req.items(0).queries();
+  auto score = c->Score(sreq);
+  ASSERT_TRUE(score.ok());
+  EXPECT_EQ(score->results(0).tokens(), 77);
+
+  int chunks = 0;
+  int64_t tokens = 0;
+  v1::GetBlocksRequest g;
+  g.set_sequence_id("s1");
+  g.add_layers(0);
+  g.set_max_tokens_per_message(32);
+  ASSERT_TRUE(c->GetBlocks(g, [&](const v1::GetBlocksResponse& r) {
+                 ++chunks;
+                 tokens += r.keys().shape(1);
+                 return true;
+               }).ok());
+  EXPECT_EQ(chunks, 3);
+  EXPECT_EQ(tokens, 77);
+
+  auto echo = c->Echo("hello");
+  ASSERT_TRUE(echo.ok());
+  EXPECT_EQ(*echo, "hello");
+  auto health = c->Health();
+  ASSERT_EQ(health.size(), 1u);
+  EXPECT_TRUE(health[0].serving);
+
+  // Appends carry positions: re-sending the same prefill is accepted as duplicates.
+  auto again = c->PutBlocks(Prefill("s1", 77, 11));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->tokens_written(), 0);
+  EXPECT_EQ(again->tokens_duplicate(), 77 * kShape.layers);
+
+  ASSERT_TRUE(c->DeleteSequence("s1").ok());
+  auto gone = c->DeleteSequence("s1");
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(gone.status().message()), HasSubstr(cl.addresses[0]));
+}
+
+TEST(Client, ShardsSequencesAndMergesBatchesInOrder) {
+  Cluster cl(3);
+  auto c = MakeClient(cl.addresses);
+  ASSERT_TRUE(c->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  const int n = 24;
+  std::vector<int> per_shard(3, 0);
+  for (int i = 0; i < n; ++i) {
+    const std::string id = absl::StrCat("seq-", i);
+    ASSERT_TRUE(c->PutBlocks(Prefill(id, 40 + i, 100 + i)).ok());
+    ++per_shard[c->ShardOf(id)];
+  }
+  for (int s = 0; s < 3; ++s) {
+    EXPECT_GT(per_shard[s], 0) << "24 sequences should reach every one of 3 shards";
+    auto st = c->Stats(s);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->sequences(), per_shard[s]) << "shard " << s;
+  }
+  // Each sequence exists on its own shard only.
+  for (int i = 0; i < n; ++i) {
+    const std::string id = absl::StrCat("seq-", i);
+    for (int s = 0; s < 3; ++s) {
+      v1::DeleteSequenceRequest probe;  // GetBlocks on a raw stub: NOT_FOUND elsewhere
+      v1::GetBlocksRequest g;
+      g.set_sequence_id(id);
+      g.add_layers(0);
+      auto stub = cl.servers[s]->Stub();
+      auto ctx = kvq::testing::Ctx();
+      auto reader = stub->GetBlocks(ctx.get(), g);
+      v1::GetBlocksResponse r;
+      const bool found = reader->Read(&r);
+      while (reader->Read(&r)) {
+      }
+      reader->Finish();
+      EXPECT_EQ(found, s == c->ShardOf(id)) << id << " on shard " << s;
+    }
+  }
+  // One batch over every sequence: results come back in request order, equal to one-item calls.
+  v1::AttendRequest batch;
+  for (int i = 0; i < n; ++i) *batch.add_items() = AttendOf(absl::StrCat("seq-", i), i % 2, 900 + i);
+  auto merged = c->Attend(batch);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  ASSERT_EQ(merged->results_size(), n);
+  for (int i = 0; i < n; ++i) {
+    v1::AttendRequest one;
+    *one.add_items() = batch.items(i);
+    auto single = c->Attend(one);
+    ASSERT_TRUE(single.ok());
+    EXPECT_EQ(merged->results(i).status().code(), 0);
+    EXPECT_EQ(merged->results(i).tokens(), 40 + i);
+    EXPECT_EQ(merged->results(i).outputs().data(), single->results(0).outputs().data()) << i;
+  }
+}
+
+TEST(Client, ALostShardFailsOnlyItsOwnSequences) {
+  Cluster cl(3);
+  ClientOptions o;
+  o.max_attempts = 2;
+  o.timeout = absl::Seconds(10);
+  auto c = MakeClient(cl.addresses, o);
+  ASSERT_TRUE(c->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  const int n = 24;
+  for (int i = 0; i < n; ++i) ASSERT_TRUE(c->PutBlocks(Prefill(absl::StrCat("q", i), 33, i)).ok());
+  const int lost = 1;
+  cl.servers[lost]->server().Shutdown();
+
+  v1::AttendRequest batch;
+  for (int i = 0; i < n; ++i) *batch.add_items() = AttendOf(absl::StrCat("q", i), 0, i);
+  auto r = c->Attend(batch);
+  ASSERT_TRUE(r.ok()) << r.status();
+  int ok = 0, failed = 0;
+  for (int i = 0; i < n; ++i) {
+    const auto& st = r->results(i).status();
+    if (c->ShardOf(absl::StrCat("q", i)) == lost) {
+      ++failed;
+      EXPECT_EQ(st.code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE)) << st.message();
+      EXPECT_THAT(st.message(), HasSubstr(cl.addresses[lost]));
+    } else {
+      ++ok;
+      EXPECT_EQ(st.code(), 0) << st.message();
+      EXPECT_EQ(r->results(i).tokens(), 33);
+    }
+  }
+  EXPECT_GT(ok, 0);
+  EXPECT_GT(failed, 0);
+
+  // Writes and single-sequence calls: the lost shard's sequences fail clearly, others work.
+  for (int i = 0; i < n; ++i) {
+    const std::string id = absl::StrCat("q", i);
+    v1::PutBlocksRequest step;
+    auto k = kvq::testing::RandomKV(kShape.kv_heads, 1, kShape.head_dim, 1);
+    *step.add_appends() =
+        kvq::testing::MakeAppend(id, 0, 33, k, k, kShape.kv_heads, 1, kShape.head_dim);
+    auto put = c->PutBlocks({step});
+    if (c->ShardOf(id) == lost) {
+      EXPECT_EQ(put.status().code(), absl::StatusCode::kUnavailable);
+      EXPECT_THAT(std::string(put.status().message()), HasSubstr(cl.addresses[lost]));
+    } else {
+      EXPECT_TRUE(put.ok()) << put.status();
+    }
+  }
+  auto health = c->Health();
+  EXPECT_TRUE(health[0].serving);
+  EXPECT_FALSE(health[lost].serving);
+  EXPECT_TRUE(health[2].serving);
+
+  // A batch that only needs the lost shard fails as a whole, with its status.
+  v1::AttendRequest only_lost;
+  for (int i = 0; i < n; ++i) {
+    if (c->ShardOf(absl::StrCat("q", i)) == lost) *only_lost.add_items() = batch.items(i);
+  }
+  auto r2 = c->Attend(only_lost);
+  EXPECT_EQ(r2.status().code(), absl::StatusCode::kUnavailable);
+}
+
+// Attempts per call, through the on_attempt seam.
+struct AttemptLog {
+  std::mutex mu;
+  std::map<std::string, int> attempts;
+  void Install(ClientOptions* o) {
+    o->on_attempt = [this](std::string_view method, int, int, int) {
+      std::lock_guard<std::mutex> l(mu);
+      ++attempts[std::string(method)];
+    };
+  }
+};
+
+TEST(Client, RetriesOnlyIdempotentCalls) {
+  std::string dead;
+  {
+    TestServer gone;  // a port that nobody listens on any more
+    dead = gone.address();
+  }
+  AttemptLog log;
+  ClientOptions o;
+  o.max_attempts = 3;
+  log.Install(&o);
+  auto c = MakeClient({dead}, o);
+
+  EXPECT_EQ(c->Echo("x").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(c->Stats().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(c->PutBlocks(Prefill("a", 3, 1)).status().code(), absl::StatusCode::kUnavailable);
+  v1::AttendRequest read_only, observing;
+  *read_only.add_items() = AttendOf("a", 0, 1, /*observe=*/false);
+  *observing.add_items() = AttendOf("a", 0, 1, /*observe=*/true);
+  EXPECT_EQ(c->Attend(read_only).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(log.attempts["Attend"], 3);
+  EXPECT_EQ(c->Attend(observing).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(c->DeleteSequence("a").status().code(), absl::StatusCode::kUnavailable);
+
+  EXPECT_EQ(log.attempts["Echo"], 3);
+  EXPECT_EQ(log.attempts["Stats"], 3);
+  EXPECT_EQ(log.attempts["PutBlocks"], 3);
+  EXPECT_EQ(log.attempts["Attend"], 4) << "an observing Attend must not be retried";
+  EXPECT_EQ(log.attempts["DeleteSequence"], 1);
+}
+
+TEST(Client, ErrorsOtherThanUnavailableAreNotRetried) {
+  Cluster cl(1);
+  AttemptLog log;
+  ClientOptions o;
+  o.max_attempts = 5;
+  log.Install(&o);
+  auto c = MakeClient(cl.addresses, o);
+  EXPECT_EQ(c->GetModel("absent").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(log.attempts["GetModel"], 1);
+}
+
+TEST(Client, EveryCallHasADeadline) {
+  Cluster cl(1);
+  AttemptLog log;
+  ClientOptions o;
+  o.timeout = absl::Nanoseconds(1);
+  o.max_attempts = 4;
+  log.Install(&o);
+  auto c = MakeClient(cl.addresses, o);
+  EXPECT_EQ(c->Echo(std::string(1 << 20, 'x')).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(c->PutBlocks(Prefill("d", 64, 1)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(log.attempts["Echo"], 1) << "the deadline is the caller's budget: no retry";
+}
+
+TEST(Client, TenantsAreSentAndShardKeysIncludeThem) {
+  Cluster cl(1);
+  ClientOptions a, b;
+  a.tenant = "alice";
+  b.tenant = "bob";
+  auto ca = MakeClient(cl.addresses, a), cb = MakeClient(cl.addresses, b);
+  ASSERT_TRUE(ca->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  ASSERT_TRUE(ca->PutBlocks(Prefill("shared-name", 10, 1)).ok());
+  EXPECT_EQ(ca->Stats()->tenant(), "alice");
+  EXPECT_EQ(ca->Stats()->sequences(), 1);
+  EXPECT_EQ(cb->Stats()->sequences(), 0);
+  EXPECT_EQ(cb->DeleteSequence("shared-name").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Client, RejectsBadOptions) {
+  ClientOptions o;
+  EXPECT_EQ(Client::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.servers = {"a:1", "a:1"};
+  EXPECT_EQ(Client::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.servers = {"a:1"};
+  o.token = "secret";
+  auto plain = Client::Create(o);
+  EXPECT_EQ(plain.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(plain.status().message()), HasSubstr("plaintext"));
+  o.allow_insecure_token = true;
+  EXPECT_TRUE(Client::Create(o).ok());
+  o.tls = true;
+  o.tls_ca = "/nonexistent/ca.pem";
+  EXPECT_EQ(Client::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(SplitServers(" a:1, ,b:2 "), (std::vector<std::string>{"a:1", "b:2"}));
+}
+
+}  // namespace
+}  // namespace kvq::client

@@ -1,0 +1,297 @@
+// The built kvq and kvq-load binaries against a real kvq server (in-process, port 0): the
+// commands, their output, files and exit codes, and kvq-load's JSON report.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "client/cli/seq_file.h"
+#include "client/load/load_report.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvq/core/basis.h"
+#include "nlohmann/json.hpp"
+#include "tests/server/test_util.h"
+
+namespace kvq {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+struct ToolRun {
+  int code = -1;
+  std::string out;  // stdout
+  std::string err;  // stderr
+};
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+ToolRun Exec(const std::string& bin, const std::string& args) {
+  const std::string dir = testing::TempDir("kvq-tools");
+  const std::string out = dir + "/out", err = dir + "/err";
+  const std::string cmd = absl::StrCat(bin, " ", args, " >", out, " 2>", err, " </dev/null");
+  const int st = std::system(cmd.c_str());
+  ToolRun r;
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  r.out = Slurp(out);
+  r.err = Slurp(err);
+  std::filesystem::remove_all(dir);
+  return r;
+}
+
+ToolRun Kvq(const std::string& args) { return Exec(KVQ_CLI_BIN, args); }
+ToolRun Load(const std::string& args) { return Exec(KVQ_LOAD_BIN, args); }
+
+class ToolsTest : public ::testing::Test {
+ protected:
+  testing::TestServer server_;
+  std::string flags_ = absl::StrCat("--server ", server_.address(), " --timeout 20s");
+  std::string dir_ = testing::TempDir("kvq-tools-data");
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+};
+
+TEST_F(ToolsTest, HelpOnEveryCommand) {
+  for (const char* cmd : {"", "health", "stats", "models", "models list", "models show",
+                          "models register", "seq", "seq put", "seq get", "seq delete"}) {
+    ToolRun r = Kvq(absl::StrCat(cmd, " --help"));
+    EXPECT_EQ(r.code, 0) << cmd;
+    EXPECT_THAT(r.out, HasSubstr("Usage: kvq")) << cmd;
+    EXPECT_THAT(r.out, HasSubstr("--server")) << cmd;
+  }
+  ToolRun load = Load("--help");
+  EXPECT_EQ(load.code, 0);
+  EXPECT_THAT(load.out, HasSubstr("--concurrency"));
+  EXPECT_THAT(load.out, HasSubstr("--baseline"));
+}
+
+TEST_F(ToolsTest, UsageErrorsExitTwo) {
+  EXPECT_EQ(Kvq("").code, 2);
+  ToolRun bad = Kvq("frobnicate");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("kvq: USAGE: unknown command 'frobnicate'"));
+  EXPECT_EQ(Kvq("seq").code, 2);
+  EXPECT_EQ(Kvq(absl::StrCat("health --bogus ", flags_)).code, 2);
+  EXPECT_EQ(Kvq(absl::StrCat("seq delete ", flags_)).code, 2) << "missing ID";
+  EXPECT_EQ(Kvq(absl::StrCat("seq delete a b ", flags_)).code, 2) << "extra argument";
+  EXPECT_EQ(Kvq("health --timeout forever").code, 2);
+  EXPECT_EQ(Load(absl::StrCat(flags_, " --mix attend,fly")).code, 2);
+  EXPECT_EQ(Load(absl::StrCat(flags_, " --q-heads 6 --kv-heads 4")).code, 2);
+  EXPECT_EQ(Load("stray").code, 2);
+}
+
+TEST_F(ToolsTest, HealthStatsAndUnreachableServers) {
+  ToolRun h = Kvq(absl::StrCat("health ", flags_));
+  EXPECT_EQ(h.code, 0) << h.err;
+  EXPECT_EQ(h.out, absl::StrCat(server_.address(), " SERVING\n"));
+  ToolRun s = Kvq(absl::StrCat("stats --json ", flags_));
+  EXPECT_EQ(s.code, 0) << s.err;
+  auto js = nlohmann::json::parse(s.out);
+  EXPECT_EQ(js["tenant"], "default");
+  EXPECT_EQ(js["memory_pool"], "host");
+
+  std::string dead;
+  {
+    testing::TestServer gone;
+    dead = gone.address();
+  }
+  ToolRun d = Kvq(absl::StrCat("health --retries 0 --server ", server_.address(), ",", dead));
+  EXPECT_EQ(d.code, 10 + 14) << "UNAVAILABLE is 14";
+  EXPECT_THAT(d.out, HasSubstr(absl::StrCat(server_.address(), " SERVING")));
+  EXPECT_THAT(d.out, HasSubstr(absl::StrCat(dead, " UNAVAILABLE")));
+  EXPECT_THAT(d.err, HasSubstr("kvq: UNAVAILABLE: "));
+  // The environment works as the flags do.
+  ToolRun env = Exec(absl::StrCat("KVQ_SERVER=", server_.address(), " ", KVQ_CLI_BIN), "health");
+  EXPECT_EQ(env.code, 0) << env.err;
+}
+
+TEST_F(ToolsTest, ModelsRegisterListShow) {
+  // What kvq-calibrate writes: a registry entry folder.
+  testing::Shape shape;
+  shape.model = "cli-model";
+  core::ModelBasis basis = testing::MakeBasis(shape, 3);
+  const std::string entry = dir_ + "/entry";
+  ASSERT_TRUE(core::WriteBasis(entry, basis).ok());
+
+  ToolRun reg = Kvq(absl::StrCat("models register ", entry, " ", flags_));
+  EXPECT_EQ(reg.code, 0) << reg.err;
+  EXPECT_THAT(reg.out, HasSubstr("registered cli-model v1"));
+  ToolRun again = Kvq(absl::StrCat("models register ", entry, " ", flags_));
+  EXPECT_EQ(again.code, 0);
+  EXPECT_THAT(again.out, HasSubstr("already registered"));
+
+  ToolRun list = Kvq(absl::StrCat("models list ", flags_));
+  EXPECT_EQ(list.code, 0);
+  EXPECT_THAT(list.out, HasSubstr("cli-model"));
+  EXPECT_THAT(list.out, HasSubstr(basis.manifest.fingerprint));
+  ToolRun show = Kvq(absl::StrCat("models show cli-model ", flags_));
+  EXPECT_EQ(show.code, 0);
+  auto js = nlohmann::json::parse(show.out);
+  EXPECT_EQ(js["layers"], shape.layers);
+  EXPECT_EQ(js["basis_rank"], shape.basis_rank);
+  EXPECT_EQ(js["has_basis"], true);
+
+  ToolRun missing = Kvq(absl::StrCat("models show nope ", flags_));
+  EXPECT_EQ(missing.code, 10 + 5);
+  EXPECT_THAT(missing.err, HasSubstr("kvq: NOT_FOUND: "));
+  ToolRun nodir = Kvq(absl::StrCat("models register ", dir_, "/absent ", flags_));
+  EXPECT_EQ(nodir.code, 1) << "a local file error";
+}
+
+TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
+  testing::Shape shape;
+  v1::RegisterBasisResponse registered;
+  ASSERT_TRUE(server_.Stub()
+                  ->RegisterBasis(testing::Ctx().get(), testing::MakeRegister(shape, 7),
+                                  &registered)
+                  .ok());
+  // A sequence file of 70 tokens in fp32 (the window keeps fp32, so tokens past the last
+  // full group come back exactly).
+  client::SeqFile f;
+  f.metadata["model"] = shape.model;
+  for (int l = 0; l < shape.layers; ++l) {
+    client::SeqLayer L;
+    L.dtype = v1::DTYPE_F32;
+    L.kv_heads = shape.kv_heads;
+    L.tokens = 70;
+    L.head_dim = shape.head_dim;
+    auto k = testing::RandomKV(shape.kv_heads, 70, shape.head_dim, 10 + l);
+    auto v = testing::RandomKV(shape.kv_heads, 70, shape.head_dim, 20 + l);
+    L.keys.assign(reinterpret_cast<const char*>(k.data()), k.size() * 4);
+    L.values.assign(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+    f.layers.push_back(L);
+  }
+  const std::string in = dir_ + "/in.safetensors", out = dir_ + "/out.safetensors";
+  ASSERT_TRUE(client::WriteSeqFile(in, f).ok());
+
+  ToolRun put = Kvq(absl::StrCat("seq put s7 ", in, " --chunk-tokens 32 ", flags_));
+  EXPECT_EQ(put.code, 0) << put.err;
+  EXPECT_THAT(put.out, HasSubstr("140 tokens written, 0 duplicate"));
+  ToolRun reput = Kvq(absl::StrCat("seq put s7 ", in, " ", flags_));
+  EXPECT_EQ(reput.code, 0) << reput.err;
+  EXPECT_THAT(reput.out, HasSubstr("0 tokens written, 140 duplicate"));
+
+  ToolRun get = Kvq(absl::StrCat("seq get s7 ", out, " --dtype f32 ", flags_));
+  EXPECT_EQ(get.code, 0) << get.err;
+  auto back = client::ReadSeqFile(out);
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_EQ(back->layers.size(), 2u);
+  EXPECT_EQ(back->metadata["sequence_id"], "s7");
+  for (int l = 0; l < 2; ++l) {
+    const auto& L = back->layers[l];
+    EXPECT_EQ(L.tokens, 70);
+    EXPECT_EQ(L.kv_heads, shape.kv_heads);
+    // Tokens 64..69 are the fp32 window: exact. Earlier ones are codes: close, not equal.
+    const float* a = reinterpret_cast<const float*>(f.layers[l].keys.data());
+    const float* b = reinterpret_cast<const float*>(L.keys.data());
+    for (int h = 0; h < shape.kv_heads; ++h) {
+      for (int t = 64; t < 70; ++t) {
+        for (int d = 0; d < shape.head_dim; ++d) {
+          const size_t i = (static_cast<size_t>(h) * 70 + t) * shape.head_dim + d;
+          ASSERT_EQ(a[i], b[i]) << "layer " << l << " head " << h << " token " << t;
+        }
+      }
+    }
+    EXPECT_NE(f.layers[l].keys.substr(0, 256), L.keys.substr(0, 256)) << "encoded, not raw";
+  }
+  // Conflicting re-send: other bytes at the same positions.
+  client::SeqFile other = f;
+  other.layers[0].keys[5] ^= 0x40;
+  ASSERT_TRUE(client::WriteSeqFile(in, other).ok());
+  ToolRun conflict = Kvq(absl::StrCat("seq put s7 ", in, " ", flags_));
+  EXPECT_EQ(conflict.code, 10 + 6) << conflict.err;
+  EXPECT_THAT(conflict.err, HasSubstr("kvq: ALREADY_EXISTS: "));
+
+  ToolRun del = Kvq(absl::StrCat("seq delete s7 ", flags_));
+  EXPECT_EQ(del.code, 0) << del.err;
+  EXPECT_THAT(del.out, HasSubstr("deleted"));
+  EXPECT_EQ(Kvq(absl::StrCat("seq delete s7 ", flags_)).code, 10 + 5);
+  EXPECT_EQ(Kvq(absl::StrCat("seq get s7 ", out, " ", flags_)).code, 10 + 5);
+
+  std::ofstream(dir_ + "/junk") << "not safetensors";
+  ToolRun junk = Kvq(absl::StrCat("seq put s8 ", dir_, "/junk --model tiny ", flags_));
+  EXPECT_EQ(junk.code, 1);
+  EXPECT_THAT(junk.err, HasSubstr("not a kvq sequence file"));
+}
+
+TEST_F(ToolsTest, LoadRunsAMixAndWritesTheJsonReport) {
+  const std::string json = dir_ + "/report.json";
+  ToolRun r = Load(absl::StrCat(flags_,
+                            " --concurrency 3 --requests 60 --context 80 --layers 2 --q-heads 4"
+                            " --kv-heads 2 --head-dim 64 --basis-rank 8"
+                            " --mix attend:3,put:1,score:1,readout:1 --baseline noop --json ",
+                            json));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("attend"));
+  EXPECT_THAT(r.out, HasSubstr("errors by code: none"));
+  EXPECT_THAT(r.err, HasSubstr("kvq-load: done: 60 requests, 60 noop, 0 errors"));
+  auto js = nlohmann::json::parse(Slurp(json));
+  int64_t total = 0;
+  for (const char* m : {"attend", "put", "score", "readout"}) {
+    if (!js["methods"].contains(m)) continue;
+    const auto& s = js["methods"][m];
+    for (const char* k : {"requests", "errors", "rps", "gbps", "p50_ms", "p90_ms", "p99_ms",
+                          "max_ms"}) {
+      EXPECT_TRUE(s.contains(k)) << m << "." << k;
+    }
+    EXPECT_EQ(s["errors"], 0);
+    EXPECT_GT(s["gbps"].get<double>(), 0);
+    EXPECT_LE(s["p50_ms"].get<double>(), s["p99_ms"].get<double>());
+    EXPECT_LE(s["p99_ms"].get<double>(), s["max_ms"].get<double>());
+    total += s["requests"].get<int64_t>();
+  }
+  EXPECT_EQ(total, 60);
+  EXPECT_EQ(js["methods"]["noop"]["requests"], 60);
+  EXPECT_TRUE(js["errors_by_code"].empty());
+  EXPECT_EQ(js["config"]["concurrency"], 3);
+  EXPECT_EQ(js["config"]["context"], 80);
+  EXPECT_EQ(js["config"]["baseline"], "noop");
+  // The sequences were deleted at the end.
+  v1::StatsResponse stats;
+  ASSERT_TRUE(server_.Stub()->Stats(testing::Ctx().get(), v1::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.sequences(), 0);
+}
+
+TEST_F(ToolsTest, LoadStopsByItselfAndReportsErrors) {
+  // A duration run ends on its own; the progress line goes to stderr.
+  ToolRun timed = Load(absl::StrCat(flags_, " --concurrency 2 --duration 1s --context 40 --layers 1"
+                                        " --q-heads 2 --kv-heads 1 --head-dim 32 --basis-rank 0"));
+  EXPECT_EQ(timed.code, 0) << timed.err;
+  EXPECT_THAT(timed.err, HasSubstr("kvq-load: done: "));
+  // An unknown model fails the setup (exit 3); an unreachable server too.
+  ToolRun nomodel = Load(absl::StrCat(flags_, " --model absent --requests 5"));
+  EXPECT_EQ(nomodel.code, 3);
+  EXPECT_THAT(nomodel.err, HasSubstr("NOT_FOUND"));
+  ToolRun noserver = Load("--server 127.0.0.1:1 --retries 0 --requests 5");
+  EXPECT_EQ(noserver.code, 3);
+  EXPECT_THAT(noserver.err, HasSubstr("UNAVAILABLE"));
+}
+
+TEST(LoadReport, PercentilesAndJsonShape) {
+  load::MethodStats s;
+  for (int i = 1; i <= 200; ++i) s.latency_s.push_back(i * 1e-3);
+  s.requests = 200;
+  s.bytes = 2'000'000'000;
+  s.errors = 2;
+  s.errors_by_code["UNAVAILABLE"] = 2;
+  EXPECT_DOUBLE_EQ(load::Percentile(s.latency_s, 50), 0.100);
+  EXPECT_DOUBLE_EQ(load::Percentile(s.latency_s, 99), 0.198);
+  EXPECT_DOUBLE_EQ(load::Percentile(s.latency_s, 100), 0.200);
+  EXPECT_DOUBLE_EQ(load::Percentile({}, 50), 0);
+  auto js = load::ReportJson({{"attend", s}}, 2.0, {{"concurrency", 1}});
+  EXPECT_DOUBLE_EQ(js["methods"]["attend"]["rps"].get<double>(), 100);
+  EXPECT_DOUBLE_EQ(js["methods"]["attend"]["gbps"].get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(js["methods"]["attend"]["p90_ms"].get<double>(), 180);
+  EXPECT_EQ(js["errors_by_code"]["UNAVAILABLE"], 2);
+  EXPECT_EQ(js["config"]["concurrency"], 1);
+  EXPECT_THAT(load::ReportText({{"attend", s}}, 2.0), HasSubstr("UNAVAILABLE=2"));
+}
+
+}  // namespace
+}  // namespace kvq
