@@ -15,6 +15,7 @@ PKGS=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   prometheus-cpp-dev libssl-dev openssl
   python3 gnuplot-nox prometheus docker-compose
+  python3-yaml
 )
 missing=()
 for p in "${PKGS[@]}"; do
