@@ -286,7 +286,8 @@ class Worker {
   void Noop(int64_t bytes) {
     if (payload_.size() != static_cast<size_t>(bytes)) payload_.assign(bytes, 'x');
     const absl::Time t0 = absl::Now();
-    auto r = s_->client->Echo(payload_);
+    // To the server of the stream's sequences: the baseline shares their connection and load.
+    auto r = s_->client->Echo(payload_, s_->client->ShardOf(seqs_[0]));
     const double latency = absl::ToDoubleSeconds(absl::Now() - t0);
     Record(stats_["noop"], r.status(), {}, latency,
            r.ok() ? 2 * static_cast<int64_t>(payload_.size()) : 0, /*noop=*/true);
