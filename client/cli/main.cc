@@ -18,11 +18,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/cli/registry_entry.h"
 #include "client/cli/seq_file.h"
 #include "google/protobuf/util/json_util.h"
 #include "kvq/client/client.h"
 #include "kvq/client/flags.h"
-#include "kvq/core/basis.h"
 
 namespace {
 
@@ -103,8 +103,9 @@ const std::vector<Command>& Commands() {
       {"models list", "", "Lists every registered model version (of the first server).", 0},
       {"models show", "NAME", "Prints one model's entry as JSON.", 1},
       {"models register", "DIR",
-       "Registers the registry entry in DIR (manifest.json + basis.safetensors, as written\n"
-       "by kvq-calibrate) on every server. Registering an identical entry again is OK.", 1},
+       "Registers the registry entry in DIR on every server: manifest.json +\n"
+       "basis.safetensors as written by kvq-calibrate (or model.json for a model without\n"
+       "basis), plus codec.json when present. Registering an identical entry again is OK.", 1},
       {"seq put", "ID FILE",
        "Appends the K/V in FILE (a safetensors file with layer.{l}.keys / layer.{l}.values,\n"
        "[kv_heads, tokens, head_dim], F16/BF16/F32; see client/cli/seq_file.h) to sequence\n"
@@ -205,30 +206,9 @@ int ModelsShow(Client& c, const std::string& name, const CommandFlags& f) {
 }
 
 int ModelsRegister(Client& c, const std::string& dir) {
-  auto basis = kvq::core::ReadBasis(dir);
-  if (!basis.ok()) return LocalFail(basis.status());
-  const kvq::core::BasisManifest& m = basis->manifest;
-  v1::RegisterBasisRequest req;
-  v1::ModelInfo* info = req.mutable_info();
-  info->set_model(m.model);
-  info->set_version(m.version);
-  info->set_layers(m.layers);
-  info->set_kv_heads(m.kv_heads);
-  info->set_q_heads(m.q_heads);
-  info->set_head_dim(m.head_dim);
-  info->set_basis_rank(m.rank);
-  info->set_rope_layout(m.rope_layout);
-  info->set_channel_order(m.channel_order);
-  info->set_kind(m.kind);
-  info->set_calibration_tokens(m.calibration_tokens);
-  const size_t per = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
-  for (int l = 0; l < m.layers; ++l) {
-    v1::Tensor* t = req.add_basis();
-    t->set_dtype(v1::DTYPE_F32);
-    for (int64_t d : {m.kv_heads, m.head_dim, m.rank}) t->add_shape(d);
-    t->set_data(reinterpret_cast<const char*>(basis->u.data() + l * per), per * sizeof(float));
-  }
-  auto r = c.RegisterBasis(req);
+  auto req = kvq::client::ReadRegistryEntry(dir);
+  if (!req.ok()) return LocalFail(req.status());
+  auto r = c.RegisterBasis(*req);
   if (!r.ok()) return RpcFail(r.status());
   std::printf("%s %s v%d (%d layers, rank %d, fingerprint %s) on %d server(s)\n",
               r->already_registered() ? "already registered" : "registered",

@@ -144,6 +144,43 @@ TEST_F(ToolsTest, ModelsRegisterListShow) {
   EXPECT_EQ(nodir.code, 1) << "a local file error";
 }
 
+TEST_F(ToolsTest, ModelsRegisterTakesModelJsonAndCodecJson) {
+  // A model without basis (model.json) with codec defaults (codec.json), as the registry
+  // folder holds them.
+  const std::string entry = dir_ + "/plain";
+  std::filesystem::create_directories(entry);
+  std::ofstream(entry + "/model.json")
+      << R"({"model": "plain-model", "version": 3, "layers": 4, "kv_heads": 2, "q_heads": 6,
+            "head_dim": 32})";
+  std::ofstream(entry + "/codec.json") << R"({"key_bits": 4, "key_group": 64, "rank": 0,
+                                              "value_bits": 3, "window": 16})";
+  ToolRun reg = Kvq(absl::StrCat("models register ", entry, " ", flags_));
+  ASSERT_EQ(reg.code, 0) << reg.err;
+  ToolRun show = Kvq(absl::StrCat("models show plain-model --version 3 ", flags_));
+  ASSERT_EQ(show.code, 0) << show.err;
+  auto js = nlohmann::json::parse(show.out);
+  EXPECT_EQ(js["has_basis"], false);
+  EXPECT_EQ(js["q_heads"], 6);
+  EXPECT_EQ(js["codec"]["key_bits"], 4);
+  EXPECT_EQ(js["codec"]["key_group"], 64);
+  EXPECT_EQ(js["codec"]["value_bits"], 3);
+  EXPECT_EQ(js["codec"]["window"], 16);
+  EXPECT_EQ(js["codec"]["rank"], 0);
+
+  // The entry the server persisted for it registers again as "already registered".
+  std::string persisted;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(server_.registry_dir())) {
+    if (e.path().filename() == "model.json") persisted = e.path().parent_path().string();
+  }
+  ASSERT_FALSE(persisted.empty());
+  ToolRun again = Kvq(absl::StrCat("models register ", persisted, " ", flags_));
+  EXPECT_EQ(again.code, 0) << again.err;
+  EXPECT_THAT(again.out, HasSubstr("already registered plain-model v3"));
+
+  std::ofstream(entry + "/codec.json") << "{not json";
+  EXPECT_EQ(Kvq(absl::StrCat("models register ", entry, " ", flags_)).code, 1);
+}
+
 TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
   testing::Shape shape;
   v1::RegisterBasisResponse registered;
