@@ -95,25 +95,32 @@ struct Command {
 
 const std::vector<Command>& Commands() {
   static const std::vector<Command> kCommands = {
-      {"health", "", "Checks grpc.health.v1 on every server; prints 'ADDR SERVING' lines.\n"
-                     "Exit 0 when all serve, 3 when one answers NOT_SERVING, 10+code when one\n"
-                     "cannot be reached.", 0},
-      {"stats", "", "Prints your tenant's usage (sequences, tokens, bytes, bits per element)\n"
-                    "and the server totals, for every server.", 0},
+      {"health", "",
+       "Checks grpc.health.v1 on every server; prints 'ADDR SERVING' lines.\n"
+       "Exit 0 when all serve, 3 when one answers NOT_SERVING, 10+code when one\n"
+       "cannot be reached.",
+       0},
+      {"stats", "",
+       "Prints your tenant's usage (sequences, tokens, bytes, bits per element)\n"
+       "and the server totals, for every server.",
+       0},
       {"models list", "", "Lists every registered model version (of the first server).", 0},
       {"models show", "NAME", "Prints one model's entry as JSON.", 1},
       {"models register", "DIR",
        "Registers the registry entry in DIR on every server: manifest.json +\n"
        "basis.safetensors as written by kvq-calibrate (or model.json for a model without\n"
-       "basis), plus codec.json when present. Registering an identical entry again is OK.", 1},
+       "basis), plus codec.json when present. Registering an identical entry again is OK.",
+       1},
       {"seq put", "ID FILE",
        "Appends the K/V in FILE (a safetensors file with layer.{l}.keys / layer.{l}.values,\n"
        "[kv_heads, tokens, head_dim], F16/BF16/F32; see client/cli/seq_file.h) to sequence\n"
        "ID, starting at --start. Creates the sequence with --model (default: the file's\n"
-       "'model' metadata). Safe to re-run: identical ranges are accepted as duplicates.", 2},
+       "'model' metadata). Safe to re-run: identical ranges are accepted as duplicates.",
+       2},
       {"seq get", "ID FILE",
        "Writes sequence ID's K/V as attention sees them (keys = base + side-code correction,\n"
-       "values decoded) to FILE in the same format.", 2},
+       "values decoded) to FILE in the same format.",
+       2},
       {"seq delete", "ID", "Drops sequence ID; prints the bytes freed.", 1},
   };
   return kCommands;
@@ -123,9 +130,9 @@ const std::vector<Command>& Commands() {
 // come after flags ("kvq --server X health").
 const std::set<std::string>& ValueFlags() {
   static const std::set<std::string> kFlags = {
-      "server", "timeout", "retries", "tls-ca", "tls-cert", "tls-key", "tls-server-name",
-      "token", "token-file", "tenant", "version", "basis-version", "start", "chunk-tokens",
-      "dtype", "layers", "model"};
+      "server",          "timeout",      "retries",    "tls-ca", "tls-cert", "tls-key",
+      "tls-server-name", "token",        "token-file", "tenant", "version",  "basis-version",
+      "start",           "chunk-tokens", "dtype",      "layers", "model"};
   return kFlags;
 }
 
@@ -241,8 +248,8 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
         a->set_basis_version(f.version);
       }
       first = false;
-      for (auto [src, dst] : {std::pair{&L.keys, a->mutable_keys()},
-                              std::pair{&L.values, a->mutable_values()}}) {
+      for (auto [src, dst] :
+           {std::pair{&L.keys, a->mutable_keys()}, std::pair{&L.values, a->mutable_values()}}) {
         dst->set_dtype(L.dtype);
         for (int64_t d : {L.kv_heads, n, L.head_dim}) dst->add_shape(d);
         std::string* out = dst->mutable_data();
@@ -365,13 +372,17 @@ int main(int argc, char** argv) {
     flags.Add(name == "models show" ? "version" : "basis-version", "N",
               name == "seq put" ? "basis version for a new sequence (default 0: the latest)"
                                 : "basis version (default 0: the latest / the sequence's own)",
-              [&f](const std::string& v) { return kvq::client::ParseIntFlag(v, &f.version) && f.version >= 0; });
+              [&f](const std::string& v) {
+                return kvq::client::ParseIntFlag(v, &f.version) && f.version >= 0;
+              });
   }
   if (name == "seq put") {
     flags.Add("model", "NAME", "model of a new sequence (default: the file's metadata)",
               [&f](const std::string& v) { return f.model = v, true; });
     flags.Add("start", "N", "position of the file's first token (default 0)",
-              [&f](const std::string& v) { return kvq::client::ParseInt64Flag(v, &f.start) && f.start >= 0; });
+              [&f](const std::string& v) {
+                return kvq::client::ParseInt64Flag(v, &f.start) && f.start >= 0;
+              });
     flags.Add("chunk-tokens", "N", "tokens per layer per message (default 1024)",
               [&f](const std::string& v) { return kvq::client::ParseIntFlag(v, &f.chunk_tokens); });
   }

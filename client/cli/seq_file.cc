@@ -14,10 +14,14 @@ namespace {
 
 const char* DTypeName(v1::DType t) {
   switch (t) {
-    case v1::DTYPE_F32: return "F32";
-    case v1::DTYPE_F16: return "F16";
-    case v1::DTYPE_BF16: return "BF16";
-    default: return "?";
+    case v1::DTYPE_F32:
+      return "F32";
+    case v1::DTYPE_F16:
+      return "F16";
+    case v1::DTYPE_BF16:
+      return "BF16";
+    default:
+      return "?";
   }
 }
 
@@ -63,7 +67,9 @@ absl::Status WriteSeqFile(const std::string& path, const SeqFile& file) {
   }
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
-  if (ec) return absl::PermissionDeniedError(absl::StrCat("cannot rename into '", path, "': ", ec.message()));
+  if (ec)
+    return absl::PermissionDeniedError(
+        absl::StrCat("cannot rename into '", path, "': ", ec.message()));
   return absl::OkStatus();
 }
 
@@ -74,7 +80,8 @@ absl::StatusOr<SeqFile> ReadSeqFile(const std::string& path) {
   ss << in.rdbuf();
   const std::string data = ss.str();
   auto bad = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a kvq sequence file: ", why));
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", path, "' is not a kvq sequence file: ", why));
   };
   if (data.size() < 8) return bad("shorter than 8 bytes");
   uint64_t n = 0;
@@ -122,7 +129,8 @@ absl::StatusOr<SeqFile> ReadSeqFile(const std::string& path) {
                         : dt == "BF16" ? v1::DTYPE_BF16
                         : dt == "F32"  ? v1::DTYPE_F32
                                        : v1::DTYPE_UNSPECIFIED;
-      if (dtype == v1::DTYPE_UNSPECIFIED) return bad(absl::StrCat(name, ": dtype must be F16, BF16 or F32"));
+      if (dtype == v1::DTYPE_UNSPECIFIED)
+        return bad(absl::StrCat(name, ": dtype must be F16, BF16 or F32"));
       const auto& shape = t["shape"];
       if (!shape.is_array() || shape.size() != 3) {
         return bad(absl::StrCat(name, ": shape must be [kv_heads, tokens, head_dim]"));

@@ -36,7 +36,8 @@ MethodSummary Summarize(const MethodStats& s, double wall) {
   m.p50_ms = Percentile(s.latency_s, 50) * 1e3;
   m.p90_ms = Percentile(s.latency_s, 90) * 1e3;
   m.p99_ms = Percentile(s.latency_s, 99) * 1e3;
-  m.max_ms = s.latency_s.empty() ? 0 : *std::max_element(s.latency_s.begin(), s.latency_s.end()) * 1e3;
+  m.max_ms =
+      s.latency_s.empty() ? 0 : *std::max_element(s.latency_s.begin(), s.latency_s.end()) * 1e3;
   return m;
 }
 
@@ -47,9 +48,8 @@ nlohmann::json ReportJson(const std::map<std::string, MethodStats>& methods, dou
   std::map<std::string, int64_t> codes;
   for (const auto& [name, s] : methods) {
     const MethodSummary m = Summarize(s, wall);
-    out["methods"][name] = {{"requests", m.requests}, {"errors", m.errors},
-                            {"rps", m.rps},           {"gbps", m.gbps},
-                            {"p50_ms", m.p50_ms},     {"p90_ms", m.p90_ms},
+    out["methods"][name] = {{"requests", m.requests}, {"errors", m.errors}, {"rps", m.rps},
+                            {"gbps", m.gbps},         {"p50_ms", m.p50_ms}, {"p90_ms", m.p90_ms},
                             {"p99_ms", m.p99_ms},     {"max_ms", m.max_ms}};
     for (const auto& [code, n] : s.errors_by_code) codes[code] += n;
   }
@@ -60,9 +60,9 @@ nlohmann::json ReportJson(const std::map<std::string, MethodStats>& methods, dou
 }
 
 std::string ReportText(const std::map<std::string, MethodStats>& methods, double wall) {
-  std::string out = absl::StrFormat("%-8s %10s %8s %10s %8s %9s %9s %9s %9s\n", "method",
-                                    "requests", "errors", "req/s", "GB/s", "p50 ms", "p90 ms",
-                                    "p99 ms", "max ms");
+  std::string out =
+      absl::StrFormat("%-8s %10s %8s %10s %8s %9s %9s %9s %9s\n", "method", "requests", "errors",
+                      "req/s", "GB/s", "p50 ms", "p90 ms", "p99 ms", "max ms");
   std::map<std::string, int64_t> codes;
   for (const auto& [name, s] : methods) {
     const MethodSummary m = Summarize(s, wall);

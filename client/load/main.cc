@@ -136,8 +136,8 @@ class Worker {
             a->set_model(s_->model);
             a->set_basis_version(s_->model_version);
           }
-          const size_t bytes = static_cast<size_t>(o.kv_heads) * n * o.head_dim *
-                               (dt == v1::DTYPE_F32 ? 4 : 2);
+          const size_t bytes =
+              static_cast<size_t>(o.kv_heads) * n * o.head_dim * (dt == v1::DTYPE_F32 ? 4 : 2);
           SetTensor(a->mutable_keys(), dt, {o.kv_heads, n, o.head_dim}, k.substr(0, bytes));
           SetTensor(a->mutable_values(), dt, {o.kv_heads, n, o.head_dim}, v.substr(0, bytes));
         }
@@ -337,7 +337,8 @@ class Worker {
 absl::Status ParseMix(const std::string& mix, std::vector<std::pair<std::string, double>>* out) {
   double total = 0;
   for (absl::string_view part : absl::StrSplit(mix, ',', absl::SkipEmpty())) {
-    std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(part, absl::MaxSplits(':', 1));
+    std::pair<absl::string_view, absl::string_view> kv =
+        absl::StrSplit(part, absl::MaxSplits(':', 1));
     std::string name(kv.first);
     double w = 1;
     if (!kv.second.empty() && (!absl::SimpleAtod(kv.second, &w) || !(w > 0))) {
@@ -369,17 +370,23 @@ int main(int argc, char** argv) {
   using kvq::client::ParseIntFlag;
   flags.AddBool("help", "print help and exit", &help);
   kvq::client::AddClientFlags(&flags, &copts, &cflags);
-  flags.Add("concurrency", "N", "concurrent streams (threads), each with its own sequences (default 4)",
-            [&](const std::string& v) { return ParseIntFlag(v, &o.concurrency) && o.concurrency >= 1; });
-  flags.Add("duration", "DURATION", "how long to measure, e.g. 10s (default 10s without --requests)",
-            [&](const std::string& v) { return ParseDurationFlag(v, &o.duration) && o.duration > absl::ZeroDuration(); });
-  flags.Add("requests", "N", "stop after N requests over all streams (noop pairs not counted)",
-            [&](const std::string& v) { return ParseInt64Flag(v, &o.requests) && o.requests >= 1; });
+  flags.Add(
+      "concurrency", "N", "concurrent streams (threads), each with its own sequences (default 4)",
+      [&](const std::string& v) { return ParseIntFlag(v, &o.concurrency) && o.concurrency >= 1; });
+  flags.Add("duration", "DURATION",
+            "how long to measure, e.g. 10s (default 10s without --requests)",
+            [&](const std::string& v) {
+              return ParseDurationFlag(v, &o.duration) && o.duration > absl::ZeroDuration();
+            });
+  flags.Add(
+      "requests", "N", "stop after N requests over all streams (noop pairs not counted)",
+      [&](const std::string& v) { return ParseInt64Flag(v, &o.requests) && o.requests >= 1; });
   flags.Add("rate", "REQ/S", "open loop at this total rate (default: closed loop)",
             [&](const std::string& v) { return ParseDoubleFlag(v, &o.rate) && o.rate > 0; });
   flags.Add("mix", "LIST", "methods with weights, e.g. attend:8,put:1,score:1 (default attend)",
             [&](const std::string& v) { return o.mix = v, true; });
-  flags.Add("context", "TOKENS", "cached tokens per sequence and layer before measuring (default 1024)",
+  flags.Add("context", "TOKENS",
+            "cached tokens per sequence and layer before measuring (default 1024)",
             [&](const std::string& v) { return ParseInt64Flag(v, &o.context) && o.context >= 1; });
   flags.Add("model", "NAME", "use a registered model's shape (default: register a synthetic one)",
             [&](const std::string& v) { return o.model = v, true; });
@@ -391,28 +398,32 @@ int main(int argc, char** argv) {
             [&](const std::string& v) { return ParseIntFlag(v, &o.kv_heads) && o.kv_heads >= 1; });
   flags.Add("head-dim", "N", "synthetic model: head dimension (default 128)",
             [&](const std::string& v) { return ParseIntFlag(v, &o.head_dim) && o.head_dim >= 1; });
-  flags.Add("basis-rank", "N", "synthetic model: rank of its random HeadQ basis, 0 none (default 16)",
-            [&](const std::string& v) { return ParseIntFlag(v, &o.basis_rank) && o.basis_rank >= 0; });
+  flags.Add(
+      "basis-rank", "N", "synthetic model: rank of its random HeadQ basis, 0 none (default 16)",
+      [&](const std::string& v) { return ParseIntFlag(v, &o.basis_rank) && o.basis_rank >= 0; });
   flags.Add("batch", "N", "sequences per stream, one item each per batched call (default 1)",
             [&](const std::string& v) { return ParseIntFlag(v, &o.batch) && o.batch >= 1; });
   flags.Add("queries", "N", "queries per item (default 1: a decode step)",
             [&](const std::string& v) { return ParseIntFlag(v, &o.queries) && o.queries >= 1; });
-  flags.Add("put-tokens", "N", "tokens per layer appended by a put (default 1: a decode step)",
-            [&](const std::string& v) { return ParseIntFlag(v, &o.put_tokens) && o.put_tokens >= 1; });
-  flags.Add("dtype", "f16|bf16|f32", "wire dtype of K/V, queries and outputs (default f16)",
-            [&](const std::string& v) { return o.dtype = v, v == "f16" || v == "bf16" || v == "f32"; });
+  flags.Add(
+      "put-tokens", "N", "tokens per layer appended by a put (default 1: a decode step)",
+      [&](const std::string& v) { return ParseIntFlag(v, &o.put_tokens) && o.put_tokens >= 1; });
+  flags.Add(
+      "dtype", "f16|bf16|f32", "wire dtype of K/V, queries and outputs (default f16)",
+      [&](const std::string& v) { return o.dtype = v, v == "f16" || v == "bf16" || v == "f32"; });
   flags.Add("baseline", "noop", "also run Echo with the same bytes after each request",
             [&](const std::string& v) { return o.baseline = v, v == "noop" || v.empty(); });
   flags.Add("json", "FILE", "also write the report as JSON",
             [&](const std::string& v) { return o.json = v, !v.empty(); });
   flags.Add("max-duration", "DURATION", "hard stop of the measured phase (default 10m)",
-            [&](const std::string& v) { return ParseDurationFlag(v, &o.max_duration) && o.max_duration > absl::ZeroDuration(); });
+            [&](const std::string& v) {
+              return ParseDurationFlag(v, &o.max_duration) && o.max_duration > absl::ZeroDuration();
+            });
   flags.Add("progress", "DURATION", "progress line period on stderr, 0 off (default 1s)",
             [&](const std::string& v) { return ParseDurationFlag(v, &o.progress); });
   flags.AddBool("keep", "keep the sequences at the end (default: delete them)", &o.keep);
-  flags.Add("seed", "N", "random seed of the data (default 1)", [&](const std::string& v) {
-    return absl::SimpleAtoi(v, &o.seed);
-  });
+  flags.Add("seed", "N", "random seed of the data (default 1)",
+            [&](const std::string& v) { return absl::SimpleAtoi(v, &o.seed); });
   std::vector<std::string> pos;
   absl::Status parsed = flags.Parse(argc, argv, 1, &pos);
   if (help) {
@@ -466,8 +477,8 @@ int main(int argc, char** argv) {
     s.model_version = m->version();
   } else {
     kvq::core::BasisManifest shape;
-    shape.model = absl::StrFormat("kvq-load-l%d-q%d-kv%d-d%d-r%d", o.layers, o.q_heads,
-                                  o.kv_heads, o.head_dim, o.basis_rank);
+    shape.model = absl::StrFormat("kvq-load-l%d-q%d-kv%d-d%d-r%d", o.layers, o.q_heads, o.kv_heads,
+                                  o.head_dim, o.basis_rank);
     shape.version = 1;
     shape.layers = o.layers;
     shape.kv_heads = o.kv_heads;
@@ -489,9 +500,9 @@ int main(int argc, char** argv) {
       const kvq::core::ModelBasis b = kvq::core::RandomBasis(shape, 42);
       const size_t per = static_cast<size_t>(o.kv_heads) * o.head_dim * o.basis_rank;
       for (int l = 0; l < o.layers; ++l) {
-        SetTensor(req.add_basis(), v1::DTYPE_F32, {o.kv_heads, o.head_dim, o.basis_rank},
-                  std::string(reinterpret_cast<const char*>(b.u.data() + l * per),
-                              per * sizeof(float)));
+        SetTensor(
+            req.add_basis(), v1::DTYPE_F32, {o.kv_heads, o.head_dim, o.basis_rank},
+            std::string(reinterpret_cast<const char*>(b.u.data() + l * per), per * sizeof(float)));
       }
     }
     auto r = s.client->RegisterBasis(req);
@@ -585,7 +596,8 @@ int main(int argc, char** argv) {
                           absl::ToDoubleSeconds(now - s.start),
                           o.requests > 0 ? absl::StrCat(o.requests, " req")
                                          : absl::StrFormat("%.0fs", absl::ToDoubleSeconds(limit)),
-                          done, static_cast<double>(done - last_done) / absl::ToDoubleSeconds(now - last),
+                          done,
+                          static_cast<double>(done - last_done) / absl::ToDoubleSeconds(now - last),
                           s.noop_done.load(), s.failed.load()),
           false);
       last = now;
@@ -608,23 +620,31 @@ int main(int argc, char** argv) {
     for (auto& [m, st] : w->stats()) merged[m].Merge(st);
     if (first_error.empty()) first_error = w->first_error_;
   }
-  nlohmann::json config = {
-      {"servers", copts.servers},   {"concurrency", o.concurrency},
-      {"duration_s", wall},         {"requests", o.requests},
-      {"rate", o.rate},             {"mix", o.mix},
-      {"context", o.context},       {"model", s.model},
-      {"layers", o.layers},         {"q_heads", o.q_heads},
-      {"kv_heads", o.kv_heads},     {"head_dim", o.head_dim},
-      {"batch", o.batch},           {"queries", o.queries},
-      {"dtype", o.dtype},           {"baseline", o.baseline},
-      {"closed_loop", o.rate == 0}, {"interrupted", g_interrupted.load()}};
-  std::printf("kvq-load: %d streams x %d sequences, %s, %.1f s, mix %s, context %lld, model %s "
-              "(%d layers, %d/%d heads, head_dim %d)\n%s",
-              o.concurrency, o.batch,
-              o.rate > 0 ? absl::StrFormat("open loop %.0f req/s", o.rate).c_str() : "closed loop",
-              wall, o.mix.c_str(), static_cast<long long>(o.context), s.model.c_str(), o.layers,
-              o.q_heads, o.kv_heads, o.head_dim,
-              kvq::load::ReportText(merged, wall).c_str());
+  nlohmann::json config = {{"servers", copts.servers},
+                           {"concurrency", o.concurrency},
+                           {"duration_s", wall},
+                           {"requests", o.requests},
+                           {"rate", o.rate},
+                           {"mix", o.mix},
+                           {"context", o.context},
+                           {"model", s.model},
+                           {"layers", o.layers},
+                           {"q_heads", o.q_heads},
+                           {"kv_heads", o.kv_heads},
+                           {"head_dim", o.head_dim},
+                           {"batch", o.batch},
+                           {"queries", o.queries},
+                           {"dtype", o.dtype},
+                           {"baseline", o.baseline},
+                           {"closed_loop", o.rate == 0},
+                           {"interrupted", g_interrupted.load()}};
+  std::printf(
+      "kvq-load: %d streams x %d sequences, %s, %.1f s, mix %s, context %lld, model %s "
+      "(%d layers, %d/%d heads, head_dim %d)\n%s",
+      o.concurrency, o.batch,
+      o.rate > 0 ? absl::StrFormat("open loop %.0f req/s", o.rate).c_str() : "closed loop", wall,
+      o.mix.c_str(), static_cast<long long>(o.context), s.model.c_str(), o.layers, o.q_heads,
+      o.kv_heads, o.head_dim, kvq::load::ReportText(merged, wall).c_str());
   if (!first_error.empty()) std::printf("first error: %s\n", first_error.c_str());
   if (!o.json.empty()) {
     std::ofstream out(o.json);

@@ -19,9 +19,9 @@
 namespace kvq::client {
 namespace {
 
-using ::testing::HasSubstr;
 using kvq::testing::Shape;
 using kvq::testing::TestServer;
+using ::testing::HasSubstr;
 
 const Shape kShape{};  // tiny: 2 layers, 2 KV heads, 4 query heads, head_dim 64, rank 8
 
@@ -42,9 +42,9 @@ v1::AttendItem AttendOf(const std::string& seq, int layer, uint32_t seed, bool o
   it.set_sequence_id(seq);
   it.set_layer(layer);
   it.set_observe(observe);
-  *it.mutable_queries() = kvq::testing::TensorF16(
-      kvq::testing::RandomQueries(kShape.q_heads, 1, kShape.head_dim, seed),
-      {kShape.q_heads, 1, kShape.head_dim});
+  *it.mutable_queries() =
+      kvq::testing::TensorF16(kvq::testing::RandomQueries(kShape.q_heads, 1, kShape.head_dim, seed),
+                              {kShape.q_heads, 1, kShape.head_dim});
   return it;
 }
 
@@ -170,7 +170,8 @@ TEST(Client, ShardsSequencesAndMergesBatchesInOrder) {
   }
   // One batch over every sequence: results come back in request order, equal to one-item calls.
   v1::AttendRequest batch;
-  for (int i = 0; i < n; ++i) *batch.add_items() = AttendOf(absl::StrCat("seq-", i), i % 2, 900 + i);
+  for (int i = 0; i < n; ++i)
+    *batch.add_items() = AttendOf(absl::StrCat("seq-", i), i % 2, 900 + i);
   auto merged = c->Attend(batch);
   ASSERT_TRUE(merged.ok()) << merged.status();
   ASSERT_EQ(merged->results_size(), n);
@@ -309,8 +310,7 @@ TEST(Client, EveryCallHasADeadline) {
   auto c = MakeClient(cl.addresses, o);
   EXPECT_EQ(c->Echo(std::string(1 << 20, 'x')).status().code(),
             absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(c->PutBlocks(Prefill("d", 64, 1)).status().code(),
-            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(c->PutBlocks(Prefill("d", 64, 1)).status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(log.attempts["Echo"], 1) << "the deadline is the caller's budget: no retry";
 }
 

@@ -24,20 +24,18 @@ class ClientTlsTest : public ::testing::Test {
     dir_ = new std::string(kvq::testing::TempDir("kvq-client-tls"));
     const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
     const std::string cmd = absl::StrCat(
-        "cd ", *dir_, " && (",
-        "openssl req -x509 ", key, " -keyout ca.key -out ca.pem -days 1 -subj /CN=kvq-test-ca",
-        " && openssl req ", key, " -keyout server.key -out server.csr -subj /CN=localhost",
+        "cd ", *dir_, " && (", "openssl req -x509 ", key,
+        " -keyout ca.key -out ca.pem -days 1 -subj /CN=kvq-test-ca", " && openssl req ", key,
+        " -keyout server.key -out server.csr -subj /CN=localhost",
         " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext",
         " && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
-        " -out server.pem -days 1 -extfile san.ext",
-        " && openssl req ", key, " -keyout client.key -out client.csr -subj /CN=kvq-client",
+        " -out server.pem -days 1 -extfile san.ext", " && openssl req ", key,
+        " -keyout client.key -out client.csr -subj /CN=kvq-client",
         " && openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
-        " -out client.pem -days 1",
-        " && openssl req -x509 ", key, " -keyout other.key -out other.pem -days 1",
-        " -subj /CN=untrusted",
+        " -out client.pem -days 1", " && openssl req -x509 ", key,
+        " -keyout other.key -out other.pem -days 1", " -subj /CN=untrusted",
         " && printf 'tok-alpha-0123456789 alpha\\ntok-beta-9876543210 beta\\n' > tokens",
-        " && printf 'tok-alpha-0123456789\\n' > alpha.token",
-        ") >/dev/null 2>&1");
+        " && printf 'tok-alpha-0123456789\\n' > alpha.token", ") >/dev/null 2>&1");
     ok_ = std::system(cmd.c_str()) == 0;
   }
   static void TearDownTestSuite() {
@@ -102,12 +100,10 @@ TEST_F(ClientTlsTest, HandshakeFailuresAreUnavailable) {
   ClientOptions no_cert = Secure();
   no_cert.tls_cert.clear();
   no_cert.tls_key.clear();
-  EXPECT_EQ((*Client::Create(no_cert))->Stats().status().code(),
-            absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*Client::Create(no_cert))->Stats().status().code(), absl::StatusCode::kUnavailable);
   ClientOptions untrusted = Secure();
   untrusted.tls_ca = P("other.pem");
-  EXPECT_EQ((*Client::Create(untrusted))->Stats().status().code(),
-            absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*Client::Create(untrusted))->Stats().status().code(), absl::StatusCode::kUnavailable);
   ClientOptions plain = Secure();
   plain.tls = false;
   plain.tls_ca.clear();
@@ -127,17 +123,16 @@ int Cli(const std::string& args, std::string* out) {
 }
 
 TEST_F(ClientTlsTest, CliTakesTlsFilesAndATokenFile) {
-  const std::string tls = absl::StrCat("--server ", server_->address(), " --tls-ca ", P("ca.pem"),
-                                       " --tls-cert ", P("client.pem"), " --tls-key ",
-                                       P("client.key"));
+  const std::string tls =
+      absl::StrCat("--server ", server_->address(), " --tls-ca ", P("ca.pem"), " --tls-cert ",
+                   P("client.pem"), " --tls-key ", P("client.key"));
   std::string out;
   EXPECT_EQ(Cli(absl::StrCat("stats --json ", tls, " --token-file ", P("alpha.token")), &out), 0)
       << out;
   EXPECT_THAT(out, HasSubstr("\"tenant\": \"alpha\""));
   EXPECT_EQ(Cli(absl::StrCat("stats ", tls, " --token nope"), &out), 10 + 16) << out;
   EXPECT_THAT(out, HasSubstr("kvq: UNAUTHENTICATED: "));
-  EXPECT_EQ(Cli(absl::StrCat("health ", tls, " --token-file ", P("alpha.token")), &out), 0)
-      << out;
+  EXPECT_EQ(Cli(absl::StrCat("health ", tls, " --token-file ", P("alpha.token")), &out), 0) << out;
   // A token is never sent in the clear by accident.
   EXPECT_EQ(Cli(absl::StrCat("stats --server ", server_->address(), " --token x"), &out), 2);
   EXPECT_THAT(out, HasSubstr("plaintext"));

@@ -184,10 +184,10 @@ TEST_F(ToolsTest, ModelsRegisterTakesModelJsonAndCodecJson) {
 TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
   testing::Shape shape;
   v1::RegisterBasisResponse registered;
-  ASSERT_TRUE(server_.Stub()
-                  ->RegisterBasis(testing::Ctx().get(), testing::MakeRegister(shape, 7),
-                                  &registered)
-                  .ok());
+  ASSERT_TRUE(
+      server_.Stub()
+          ->RegisterBasis(testing::Ctx().get(), testing::MakeRegister(shape, 7), &registered)
+          .ok());
   // A sequence file of 70 tokens in fp32 (the window keeps fp32, so tokens past the last
   // full group come back exactly).
   client::SeqFile f;
@@ -260,10 +260,10 @@ TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
 TEST_F(ToolsTest, LoadRunsAMixAndWritesTheJsonReport) {
   const std::string json = dir_ + "/report.json";
   ToolRun r = Load(absl::StrCat(flags_,
-                            " --concurrency 3 --requests 60 --context 80 --layers 2 --q-heads 4"
-                            " --kv-heads 2 --head-dim 64 --basis-rank 8"
-                            " --mix attend:3,put:1,score:1,readout:1 --baseline noop --json ",
-                            json));
+                                " --concurrency 3 --requests 60 --context 80 --layers 2 --q-heads 4"
+                                " --kv-heads 2 --head-dim 64 --basis-rank 8"
+                                " --mix attend:3,put:1,score:1,readout:1 --baseline noop --json ",
+                                json));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("attend"));
   EXPECT_THAT(r.out, HasSubstr("errors by code: none"));
@@ -273,8 +273,8 @@ TEST_F(ToolsTest, LoadRunsAMixAndWritesTheJsonReport) {
   for (const char* m : {"attend", "put", "score", "readout"}) {
     if (!js["methods"].contains(m)) continue;
     const auto& s = js["methods"][m];
-    for (const char* k : {"requests", "errors", "rps", "gbps", "p50_ms", "p90_ms", "p99_ms",
-                          "max_ms"}) {
+    for (const char* k :
+         {"requests", "errors", "rps", "gbps", "p50_ms", "p90_ms", "p99_ms", "max_ms"}) {
       EXPECT_TRUE(s.contains(k)) << m << "." << k;
     }
     EXPECT_EQ(s["errors"], 0);
@@ -297,8 +297,9 @@ TEST_F(ToolsTest, LoadRunsAMixAndWritesTheJsonReport) {
 
 TEST_F(ToolsTest, LoadStopsByItselfAndReportsErrors) {
   // A duration run ends on its own; the progress line goes to stderr.
-  ToolRun timed = Load(absl::StrCat(flags_, " --concurrency 2 --duration 1s --context 40 --layers 1"
-                                        " --q-heads 2 --kv-heads 1 --head-dim 32 --basis-rank 0"));
+  ToolRun timed = Load(absl::StrCat(flags_,
+                                    " --concurrency 2 --duration 1s --context 40 --layers 1"
+                                    " --q-heads 2 --kv-heads 1 --head-dim 32 --basis-rank 0"));
   EXPECT_EQ(timed.code, 0) << timed.err;
   EXPECT_THAT(timed.err, HasSubstr("kvq-load: done: "));
   // An unknown model fails the setup (exit 3); an unreachable server too.
@@ -308,6 +309,25 @@ TEST_F(ToolsTest, LoadStopsByItselfAndReportsErrors) {
   ToolRun noserver = Load("--server 127.0.0.1:1 --retries 0 --requests 5");
   EXPECT_EQ(noserver.code, 3);
   EXPECT_THAT(noserver.err, HasSubstr("UNAVAILABLE"));
+}
+
+TEST_F(ToolsTest, LoadOpenLoopAtARate) {
+  const std::string json = dir_ + "/open.json";
+  ToolRun r = Load(absl::StrCat(flags_,
+                                " --concurrency 2 --requests 30 --rate 300 --context 40"
+                                " --layers 1 --q-heads 2 --kv-heads 1 --head-dim 32"
+                                " --mix score,readout --progress 0 --json ",
+                                json));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("open loop 300 req/s"));
+  auto js = nlohmann::json::parse(Slurp(json));
+  EXPECT_EQ(js["config"]["closed_loop"], false);
+  EXPECT_EQ(js["config"]["rate"], 300.0);
+  int64_t total = 0;
+  for (auto& [name, m] : js["methods"].items()) total += m["requests"].get<int64_t>();
+  EXPECT_EQ(total, 30);
+  EXPECT_FALSE(js["methods"].contains("noop")) << "no baseline asked";
+  EXPECT_EQ(r.err, "") << "--progress 0 silences stderr";
 }
 
 TEST(LoadReport, PercentilesAndJsonShape) {

@@ -113,10 +113,10 @@ struct Client::Impl {
 
   // Splits a batched request by shard, runs the parts concurrently, merges the results.
   template <class Req, class Resp>
-  absl::StatusOr<Resp> Batched(
-      std::string_view method, const Req& req, bool idempotent, const HashRing& ring,
-      const std::string& tenant,
-      grpc::Status (v1::Kvq::Stub::*call)(grpc::ClientContext*, const Req&, Resp*)) {
+  absl::StatusOr<Resp> Batched(std::string_view method, const Req& req, bool idempotent,
+                               const HashRing& ring, const std::string& tenant,
+                               grpc::Status (v1::Kvq::Stub::*call)(grpc::ClientContext*, const Req&,
+                                                                   Resp*)) {
     const int n = req.items_size();
     std::vector<int> shard_of(n);
     std::vector<std::vector<int>> by_shard(ring.size());
@@ -139,8 +139,8 @@ struct Client::Impl {
       if (!st.ok()) return ToAbsl(st, ring.servers()[s]);
       if (resp.results_size() != n) {
         return absl::InternalError(absl::StrCat(std::string(method), ": server ", ring.servers()[s],
-                                                " returned ", resp.results_size(),
-                                                " results for ", n, " items"));
+                                                " returned ", resp.results_size(), " results for ",
+                                                n, " items"));
       }
       return resp;
     }
@@ -168,7 +168,8 @@ struct Client::Impl {
 
     int failed = 0;
     for (int s : used) failed += statuses[s].ok() ? 0 : 1;
-    if (failed == static_cast<int>(used.size())) return ToAbsl(statuses[used[0]], ring.servers()[used[0]]);
+    if (failed == static_cast<int>(used.size()))
+      return ToAbsl(statuses[used[0]], ring.servers()[used[0]]);
     Resp out;
     std::vector<int> next(ring.size(), 0);
     for (int i = 0; i < n; ++i) {
@@ -178,8 +179,8 @@ struct Client::Impl {
         r->Swap(answers[s].mutable_results(next[s]++));
       } else {
         r->mutable_status()->set_code(statuses[s].error_code());
-        r->mutable_status()->set_message(absl::StrCat("server ", ring.servers()[s], ": ",
-                                                      statuses[s].error_message()));
+        r->mutable_status()->set_message(
+            absl::StrCat("server ", ring.servers()[s], ": ", statuses[s].error_message()));
       }
     }
     return out;

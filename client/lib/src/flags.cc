@@ -80,8 +80,8 @@ absl::Status FlagSet::Parse(int argc, char** argv, int first,
     }
     if (!flag->set(value)) {
       return absl::InvalidArgumentError(absl::StrCat("bad value '", value, "' for --", name,
-                                                     flag->is_bool ? "" : " (",
-                                                     flag->value_name, flag->is_bool ? "" : ")"));
+                                                     flag->is_bool ? "" : " (", flag->value_name,
+                                                     flag->is_bool ? "" : ")"));
     }
   }
   return absl::OkStatus();
@@ -129,10 +129,12 @@ void AddClientFlags(FlagSet* flags, ClientOptions* o, ClientFlags* extra) {
                return true;
              });
   flags->AddBool("tls", "use TLS (default off)", &o->tls);
-  flags->Add("tls-ca", "FILE", "CA certificate (PEM) to verify the server; implies --tls",
-             [o](const std::string& v) { return o->tls_ca = v, o->tls = !v.empty() || o->tls, true; });
-  flags->Add("tls-cert", "FILE", "client certificate (PEM) for mutual TLS; implies --tls",
-             [o](const std::string& v) { return o->tls_cert = v, o->tls = !v.empty() || o->tls, true; });
+  flags->Add(
+      "tls-ca", "FILE", "CA certificate (PEM) to verify the server; implies --tls",
+      [o](const std::string& v) { return o->tls_ca = v, o->tls = !v.empty() || o->tls, true; });
+  flags->Add(
+      "tls-cert", "FILE", "client certificate (PEM) for mutual TLS; implies --tls",
+      [o](const std::string& v) { return o->tls_cert = v, o->tls = !v.empty() || o->tls, true; });
   flags->Add("tls-key", "FILE", "client private key (PEM) for mutual TLS",
              [o](const std::string& v) { return o->tls_key = v, true; });
   flags->Add("tls-server-name", "NAME", "name to verify in the server certificate",
@@ -151,14 +153,15 @@ absl::Status ResolveClientFlags(const ClientFlags& extra, ClientOptions* o) {
   o->servers = SplitServers(extra.servers);
   if (!extra.token_file.empty()) {
     std::ifstream in(extra.token_file);
-    if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read --token-file '",
-                                                            extra.token_file, "'"));
+    if (!in)
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot read --token-file '", extra.token_file, "'"));
     std::stringstream ss;
     ss << in.rdbuf();
     o->token = std::string(absl::StripAsciiWhitespace(ss.str()));
     if (o->token.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--token-file '", extra.token_file,
-                                                     "' is empty"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--token-file '", extra.token_file, "' is empty"));
     }
   }
   return absl::OkStatus();

@@ -106,8 +106,7 @@ class Client {
   // Usage of the caller's tenant on one server.
   absl::StatusOr<v1::StatsResponse> Stats(int shard = 0);
   absl::StatusOr<v1::ListModelsResponse> ListModels(int shard = 0);
-  absl::StatusOr<v1::ModelInfo> GetModel(const std::string& model, int version = 0,
-                                         int shard = 0);
+  absl::StatusOr<v1::ModelInfo> GetModel(const std::string& model, int version = 0, int shard = 0);
   // Registers on every server (each must know the model of the sequences it holds).
   // Returns the first server's answer; fails when any server fails.
   absl::StatusOr<v1::RegisterBasisResponse> RegisterBasis(const v1::RegisterBasisRequest& req);
