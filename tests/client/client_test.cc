@@ -247,6 +247,44 @@ TEST(Client, ALostShardFailsOnlyItsOwnSequences) {
   EXPECT_EQ(r2.status().code(), absl::StatusCode::kUnavailable);
 }
 
+TEST(Client, RecoversWhenALostShardComesBack) {
+  Cluster cl(2);
+  ClientOptions o;
+  o.max_attempts = 1;
+  auto c = MakeClient(cl.addresses, o);
+  ASSERT_TRUE(c->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  const int port = cl.servers[1]->server().grpc_port();
+  cl.servers[1]->server().Shutdown();
+  std::string on_lost;
+  for (int i = 0; on_lost.empty(); ++i) {
+    if (c->ShardOf(absl::StrCat("r", i)) == 1) on_lost = absl::StrCat("r", i);
+  }
+  EXPECT_EQ(c->PutBlocks(Prefill(on_lost, 8, 1)).status().code(), absl::StatusCode::kUnavailable);
+
+  // The shard restarts on the same address (a StatefulSet pod does); the same client,
+  // with retries, reaches it again without being recreated.
+  server::ServerOptions so;
+  so.grpc_address = "127.0.0.1";
+  so.grpc_port = port;
+  so.metrics_port = -1;
+  so.capacity_bytes = int64_t{1} << 30;
+  server::KvqServer again(so);
+  ASSERT_TRUE(again.Start().ok());
+  ClientOptions patient;
+  patient.max_attempts = 30;
+  patient.initial_backoff = absl::Milliseconds(100);
+  patient.max_backoff = absl::Milliseconds(500);
+  auto c2 = MakeClient(cl.addresses, patient);
+  ASSERT_TRUE(c2->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  auto put = c->PutBlocks(Prefill(on_lost, 8, 1));
+  for (int i = 0; i < 30 && !put.ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(200));
+    put = c->PutBlocks(Prefill(on_lost, 8, 1));
+  }
+  EXPECT_TRUE(put.ok()) << put.status();
+  again.Shutdown();
+}
+
 // Attempts per call, through the on_attempt seam.
 struct AttemptLog {
   std::mutex mu;

@@ -240,6 +240,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions o) {
     const int limit = static_cast<int>(std::min<int64_t>(o.max_message_bytes, INT32_MAX));
     args.SetMaxReceiveMessageSize(limit);
     args.SetMaxSendMessageSize(limit);
+    const int reconnect_ms = static_cast<int>(
+        std::max<int64_t>(100, absl::ToInt64Milliseconds(o.max_reconnect_backoff)));
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(reconnect_ms, 100));
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(reconnect_ms, 100));
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, reconnect_ms);
     if (o.tls && !o.tls_server_name.empty()) args.SetSslTargetNameOverride(o.tls_server_name);
     auto ch = grpc::CreateCustomChannel(addr, creds, args);
     impl->stubs.push_back(v1::Kvq::NewStub(ch));

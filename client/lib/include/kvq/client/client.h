@@ -71,6 +71,10 @@ struct ClientOptions {
 
   // Largest message either way; matches the server's default (--max-message-bytes).
   int64_t max_message_bytes = int64_t{256} << 20;
+  // Longest wait between reconnection attempts to a server that went away. gRPC's default
+  // (120 s) would keep a restarted shard's sequences failing fast for up to two minutes;
+  // shorter means quicker recovery for a few more connection attempts to a dead address.
+  absl::Duration max_reconnect_backoff = absl::Seconds(2);
   // Points per server on the hash ring.
   int virtual_nodes = 128;
   // Called after every attempt of every call (method, attempt from 1, server index, status
