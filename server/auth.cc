@@ -27,10 +27,11 @@ absl::StatusOr<Authenticator> Authenticator::Load(const std::string& tokens_file
   for (int n = 1; std::getline(f, line); ++n) {
     absl::string_view s = absl::StripAsciiWhitespace(line);
     if (s.empty() || s[0] == '#') continue;
-    std::vector<absl::string_view> parts = absl::StrSplit(s, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    std::vector<absl::string_view> parts =
+        absl::StrSplit(s, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     if (parts.size() != 2 || parts[0].size() < 16 || !ValidTenant(parts[1])) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          tokens_file, ":", n, ": expected \"<token of >= 16 chars> <tenant>\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat(tokens_file, ":", n, ": expected \"<token of >= 16 chars> <tenant>\""));
     }
     a.tenants_[std::string(parts[0])] = std::string(parts[1]);
   }

@@ -19,31 +19,36 @@ void SetItemStatus(const absl::Status& s, v1::ItemStatus* out) {
 
 absl::StatusOr<core::DType> FromProto(v1::DType t, absl::string_view field) {
   switch (t) {
-    case v1::DTYPE_F32: return core::DType::kF32;
-    case v1::DTYPE_F16: return core::DType::kF16;
-    case v1::DTYPE_BF16: return core::DType::kBF16;
+    case v1::DTYPE_F32:
+      return core::DType::kF32;
+    case v1::DTYPE_F16:
+      return core::DType::kF16;
+    case v1::DTYPE_BF16:
+      return core::DType::kBF16;
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, " must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16 (got ",
-                       static_cast<int>(t), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " must be DTYPE_F32, DTYPE_F16 or DTYPE_BF16 (got ", static_cast<int>(t), ")"));
   }
 }
 
 v1::DType ToProto(core::DType t) {
   switch (t) {
-    case core::DType::kF16: return v1::DTYPE_F16;
-    case core::DType::kBF16: return v1::DTYPE_BF16;
-    default: return v1::DTYPE_F32;
+    case core::DType::kF16:
+      return v1::DTYPE_F16;
+    case core::DType::kBF16:
+      return v1::DTYPE_BF16;
+    default:
+      return v1::DTYPE_F32;
   }
 }
 
-absl::StatusOr<core::TensorView> ViewOf(const v1::Tensor& t, absl::string_view field,
-                                        int min_rank, int max_rank) {
+absl::StatusOr<core::TensorView> ViewOf(const v1::Tensor& t, absl::string_view field, int min_rank,
+                                        int max_rank) {
   ASSIGN_OR_RETURN(core::DType dt, FromProto(t.dtype(), absl::StrCat(field, ".dtype")));
   if (t.shape_size() < min_rank || t.shape_size() > max_rank) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".shape has ", t.shape_size(),
-                                                   " dimensions; expected ", min_rank,
-                                                   min_rank == max_rank ? "" : absl::StrCat("..", max_rank)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".shape has ", t.shape_size(), " dimensions; expected ", min_rank,
+                     min_rank == max_rank ? "" : absl::StrCat("..", max_rank)));
   }
   int64_t n = 1;
   for (int i = 0; i < t.shape_size(); ++i) {
@@ -86,8 +91,8 @@ absl::Status QueriesToFloat(const v1::Tensor& t, absl::string_view field, std::v
                                                    " exceeds the limit ", kMaxQueriesPerItem));
   }
   if (*q_heads > 4096 || *d > 512) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ".shape ", *q_heads, " heads x ", *d, " dims exceeds 4096 heads or 512 dims"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape ", *q_heads, " heads x ", *d,
+                                                   " dims exceeds 4096 heads or 512 dims"));
   }
   q->resize(v.numel());
   core::ToFloat(v.dtype, v.data, q->data(), q->size());
@@ -111,8 +116,7 @@ void FillTensor(const float* data, std::initializer_list<int64_t> shape, v1::DTy
 }
 
 absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
-                                              const v1::CodecSettings& s,
-                                              absl::string_view field) {
+                                              const v1::CodecSettings& s, absl::string_view field) {
   core::CodecOptions c = base;
   if (s.key_bits()) c.key_bits = s.key_bits();
   if (s.key_group()) c.key_group = s.key_group();
@@ -199,8 +203,9 @@ absl::StatusOr<core::ModelEntry> ModelFromProto(const v1::RegisterBasisRequest& 
   }
   if (e.has_basis) {
     if (req.basis_size() != info.layers()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "basis holds ", req.basis_size(), " tensors; expected one per layer (", info.layers(), ")"));
+      return absl::InvalidArgumentError(absl::StrCat("basis holds ", req.basis_size(),
+                                                     " tensors; expected one per layer (",
+                                                     info.layers(), ")"));
     }
     e.basis.manifest = m;
     for (int l = 0; l < req.basis_size(); ++l) {
@@ -208,9 +213,9 @@ absl::StatusOr<core::ModelEntry> ModelFromProto(const v1::RegisterBasisRequest& 
       ASSIGN_OR_RETURN(core::TensorView v, ViewOf(req.basis(l), field, 3, 3));
       if (v.dtype != core::DType::kF32 || v.shape[0] != info.kv_heads() ||
           v.shape[1] != info.head_dim() || v.shape[2] != info.basis_rank()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, " must be DTYPE_F32 [kv_heads=", info.kv_heads(), ", head_dim=",
-            info.head_dim(), ", basis_rank=", info.basis_rank(), "]"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, " must be DTYPE_F32 [kv_heads=", info.kv_heads(),
+                         ", head_dim=", info.head_dim(), ", basis_rank=", info.basis_rank(), "]"));
       }
       const size_t n = static_cast<size_t>(v.numel());
       const size_t off = e.basis.u.size();

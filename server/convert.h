@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/string_view.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "grpcpp/support/status.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/store.h"
@@ -28,8 +28,8 @@ absl::StatusOr<core::DType> FromProto(v1::DType t, absl::string_view field);
 v1::DType ToProto(core::DType t);
 
 // Checks dtype, rank (min..max), dims >= 1 and data size; returns a view of the bytes.
-absl::StatusOr<core::TensorView> ViewOf(const v1::Tensor& t, absl::string_view field,
-                                        int min_rank, int max_rank);
+absl::StatusOr<core::TensorView> ViewOf(const v1::Tensor& t, absl::string_view field, int min_rank,
+                                        int max_rank);
 
 // Queries [q_heads, n_q, d] or [q_heads, d] -> fp32 contiguous; sets the three sizes.
 absl::Status QueriesToFloat(const v1::Tensor& t, absl::string_view field, std::vector<float>* q,
@@ -41,8 +41,7 @@ void FillTensor(const float* data, std::initializer_list<int64_t> shape, v1::DTy
 
 // Codec settings in a request (0 = keep `base`) over a base; validated.
 absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
-                                              const v1::CodecSettings& s,
-                                              absl::string_view field);
+                                              const v1::CodecSettings& s, absl::string_view field);
 void CodecToProto(const core::CodecOptions& c, v1::CodecSettings* out);
 
 void ModelToProto(const core::ModelEntry& e, int64_t live_sequences, v1::ModelInfo* out);

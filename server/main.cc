@@ -52,9 +52,7 @@ bool ParseBool(const std::string& s, bool* out) {
 }
 
 std::vector<Flag> MakeFlags(ServerOptions* o, bool* help) {
-  auto str = [](std::string* p) {
-    return [p](const std::string& v) { return *p = v, true; };
-  };
+  auto str = [](std::string* p) { return [p](const std::string& v) { return *p = v, true; }; };
   auto integer = [](int* p) {
     return [p](const std::string& v) { return absl::SimpleAtoi(v, p); };
   };

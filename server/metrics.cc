@@ -76,11 +76,8 @@ Metrics::Metrics()
                   .Help("Cached tokens (per head) over all layers and sequences")
                   .Register(*registry_)
                   .Add({})),
-      sequences_(BuildGauge()
-                     .Name("kvq_sequences")
-                     .Help("Live sequences")
-                     .Register(*registry_)
-                     .Add({})),
+      sequences_(
+          BuildGauge().Name("kvq_sequences").Help("Live sequences").Register(*registry_).Add({})),
       evictions_(BuildCounter()
                      .Name("kvq_evictions_total")
                      .Help("Sequences evicted to make room (LRU)")
@@ -130,8 +127,8 @@ void Metrics::RecordCall(const std::string& method, int code, double seconds, si
                          size_t bytes_out) {
   requests_.Add({{"method", method}, {"code", CodeName(code)}}).Increment();
   static const prometheus::Histogram::BucketBoundaries kBuckets = {
-      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
-      5,      10};
+      0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+      0.05,   0.1,     0.25,   0.5,   1,      2.5,   5,    10};
   latency_.Add({{"method", method}}, kBuckets).Observe(seconds);
   bytes_in_.Add({{"method", method}}).Increment(static_cast<double>(bytes_in));
   bytes_out_.Add({{"method", method}}).Increment(static_cast<double>(bytes_out));
@@ -141,8 +138,7 @@ void Metrics::RecordScrubFailures(int64_t n) { scrub_failures_.Increment(static_
 
 void Metrics::SetReady(bool ready) { ready_.Set(ready ? 1 : 0); }
 
-void Metrics::Refresh(const core::Store& store, const core::Registry& registry,
-                      const char* pool) {
+void Metrics::Refresh(const core::Store& store, const core::Registry& registry, const char* pool) {
   const core::UsageStats u = store.TotalUsage();
   stored_bytes_.Add({{"pool", pool}}).Set(static_cast<double>(u.bytes));
   stored_blocks_.Add({{"pool", pool}}).Set(static_cast<double>(u.blocks));

@@ -78,8 +78,7 @@ absl::Status KvqServer::Impl::Start() {
   } else if (opts.memory == "gpu" || opts.memory == "pinned") {
     return absl::FailedPreconditionError(absl::StrCat(
         "--memory ", opts.memory, " is not available: ",
-        kernels::CudaAvailable() ? "the store keeps codes in host memory in this version"
-                                 : why));
+        kernels::CudaAvailable() ? "the store keeps codes in host memory in this version" : why));
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("--memory must be auto, gpu, pinned or host (got '", opts.memory, "')"));
@@ -114,8 +113,8 @@ absl::Status KvqServer::Impl::Start() {
     }
   }
   const std::string backend = kernels::Best().name;
-  service = std::make_unique<Service>(store.get(), registry.get(), &auth, metrics.get(),
-                                      pool.get(), &ready, pool_name, backend);
+  service = std::make_unique<Service>(store.get(), registry.get(), &auth, metrics.get(), pool.get(),
+                                      &ready, pool_name, backend);
 
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (!opts.tls_cert.empty() || !opts.tls_key.empty()) {
@@ -145,8 +144,7 @@ absl::Status KvqServer::Impl::Start() {
   grpc::EnableDefaultHealthCheckService(true);
   if (opts.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(absl::StrCat(opts.grpc_address, ":", opts.grpc_port), creds,
-                           &grpc_port);
+  builder.AddListeningPort(absl::StrCat(opts.grpc_address, ":", opts.grpc_port), creds, &grpc_port);
   builder.RegisterService(service.get());
   const int limit = static_cast<int>(std::min<int64_t>(opts.max_message_bytes, INT32_MAX));
   builder.SetMaxReceiveMessageSize(limit);
@@ -165,21 +163,23 @@ absl::Status KvqServer::Impl::Start() {
   Log(absl::StrCat("registry: ", opts.registry_dir.empty() ? "(memory only)" : opts.registry_dir,
                    ", ", loaded.size(), " entries",
                    loaded.empty() ? "" : absl::StrCat(": ", absl::StrJoin(loaded, ", "))));
-  Log(absl::StrCat("compute backend: ", backend, "; workers: ", workers,
-                   "; capacity: ", so.capacity_bytes, " bytes",
-                   so.tenant_quota_bytes ? absl::StrCat("; tenant quota: ", so.tenant_quota_bytes)
-                                         : ""));
-  Log(absl::StrCat("auth: ", auth.enabled() ? absl::StrCat("bearer tokens (", auth.tokens(), ")")
-                                            : "off (tenant from x-kvq-tenant; development only)",
-                   "; tls: ", opts.tls_cert.empty() ? "off" : (opts.tls_client_ca.empty() ? "on" : "mutual")));
+  Log(absl::StrCat(
+      "compute backend: ", backend, "; workers: ", workers, "; capacity: ", so.capacity_bytes,
+      " bytes",
+      so.tenant_quota_bytes ? absl::StrCat("; tenant quota: ", so.tenant_quota_bytes) : ""));
+  Log(absl::StrCat(
+      "auth: ",
+      auth.enabled() ? absl::StrCat("bearer tokens (", auth.tokens(), ")")
+                     : "off (tenant from x-kvq-tenant; development only)",
+      "; tls: ", opts.tls_cert.empty() ? "off" : (opts.tls_client_ca.empty() ? "on" : "mutual")));
   ready.store(true, std::memory_order_release);
   server->GetHealthCheckService()->SetServingStatus(true);
   metrics->SetReady(true);
   metrics->Refresh(*store, *registry, pool_name.c_str());
   Log(absl::StrCat("serving gRPC on ", opts.grpc_address, ":", grpc_port, "; metrics ",
-                   metrics_port >= 0 ? absl::StrCat("on ", opts.metrics_address, ":",
-                                                    metrics_port, "/metrics")
-                                     : std::string("off")));
+                   metrics_port >= 0
+                       ? absl::StrCat("on ", opts.metrics_address, ":", metrics_port, "/metrics")
+                       : std::string("off")));
   housekeeping = std::thread([this] { Housekeeping(); });
   return absl::OkStatus();
 }

@@ -4,7 +4,6 @@
 #include <map>
 
 #include "absl/container/flat_hash_set.h"
-
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
 #include "server/convert.h"
@@ -100,9 +99,8 @@ grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServe
     finish(fn(*tenant));
     return reactor;
   }
-  pool_->Submit([finish, fn = std::move(fn), tenant = *std::move(tenant)]() mutable {
-    finish(fn(tenant));
-  });
+  pool_->Submit(
+      [finish, fn = std::move(fn), tenant = *std::move(tenant)]() mutable { finish(fn(tenant)); });
   return reactor;
 }
 
@@ -116,8 +114,7 @@ grpc::ServerUnaryReactor* Service::RegisterBasis(grpc::CallbackServerContext* ct
     bool already = false;
     ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> stored,
                      registry_->Register(std::move(e), &already));
-    ModelToProto(*stored,
-                 store_->LiveSequences(stored->manifest.model, stored->manifest.version),
+    ModelToProto(*stored, store_->LiveSequences(stored->manifest.model, stored->manifest.version),
                  resp->mutable_model());
     resp->set_already_registered(already);
     return absl::OkStatus();
@@ -137,8 +134,7 @@ grpc::ServerUnaryReactor* Service::ListModels(grpc::CallbackServerContext* ctx,
 }
 
 grpc::ServerUnaryReactor* Service::GetModel(grpc::CallbackServerContext* ctx,
-                                            const v1::GetModelRequest* req,
-                                            v1::ModelInfo* resp) {
+                                            const v1::GetModelRequest* req, v1::ModelInfo* resp) {
   return Unary("GetModel", ctx, req, resp, false, [this, req, resp](const std::string&) {
     if (req->model().empty()) return absl::InvalidArgumentError("model must be set");
     if (req->version() < 0) {
@@ -209,11 +205,12 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
       ASSIGN_OR_RETURN(s.keys, ViewOf(a.keys(), at + ".keys", 3, 3));
       ASSIGN_OR_RETURN(s.values, ViewOf(a.values(), at + ".values", 3, 3));
       if (a.has_probe_weights()) {
-        ASSIGN_OR_RETURN(core::TensorView p, ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
+        ASSIGN_OR_RETURN(core::TensorView p,
+                         ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
         if (p.shape[0] != s.keys.shape[0] || p.shape[1] != s.keys.shape[1]) {
           return absl::InvalidArgumentError(
-              absl::StrCat(at, ".probe_weights.shape must be [kv_heads, n] = [",
-                           s.keys.shape[0], ", ", s.keys.shape[1], "]"));
+              absl::StrCat(at, ".probe_weights.shape must be [kv_heads, n] = [", s.keys.shape[0],
+                           ", ", s.keys.shape[1], "]"));
         }
         probes[i].resize(p.numel());
         core::ToFloat(p.dtype, p.data, probes[i].data(), probes[i].size());
@@ -263,8 +260,8 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::PutBlocksRequest>* Service::PutBlocks(
-    grpc::CallbackServerContext* ctx, v1::PutBlocksResponse* resp) {
+grpc::ServerReadReactor<v1::PutBlocksRequest>* Service::PutBlocks(grpc::CallbackServerContext* ctx,
+                                                                  v1::PutBlocksResponse* resp) {
   return new PutBlocksReactor(this, ctx, resp);
 }
 
@@ -333,10 +330,10 @@ grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
       absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
       if (st.ok()) st = QueriesToFloat(item.queries(), at + ".queries", &q, &q_heads, &n_q, &d);
       if (st.ok()) {
-        st = Prefix(store_->Score(tenant, item.sequence_id(), item.layer(), item.basis_version(),
-                                  q.data(), q_heads, n_q, d, item.scale(),
-                                  item.corrections_only(), &out, &tokens),
-                    at);
+        st = Prefix(
+            store_->Score(tenant, item.sequence_id(), item.layer(), item.basis_version(), q.data(),
+                          q_heads, n_q, d, item.scale(), item.corrections_only(), &out, &tokens),
+            at);
       }
       if (st.ok()) {
         FillTensor(out.data(), {q_heads, n_q, tokens}, v1::DTYPE_F32, r->mutable_logits());
@@ -382,9 +379,9 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
         n_q = static_cast<int>(w->shape[1]);
         p.resize(w->numel());
         core::ToFloat(core::DType::kF32, w->data, p.data(), p.size());
-        st = Prefix(store_->Readout(tenant, item.sequence_id(), item.layer(),
-                                    item.basis_version(), p.data(), q_heads, n_q, w->shape[2],
-                                    item.weights_are_logits(), &out, &tokens),
+        st = Prefix(store_->Readout(tenant, item.sequence_id(), item.layer(), item.basis_version(),
+                                    p.data(), q_heads, n_q, w->shape[2], item.weights_are_logits(),
+                                    &out, &tokens),
                     at);
       }
       if (st.ok()) {
@@ -399,8 +396,7 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
 }
 
 grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
-                                          const v1::AttendRequest* req,
-                                          v1::AttendResponse* resp) {
+                                          const v1::AttendRequest* req, v1::AttendResponse* resp) {
   return Unary("Attend", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
     for (int i = 0; i < req->items_size(); ++i) resp->add_results();
@@ -425,9 +421,8 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
         ao.causal_offset = item.has_causal_offset() ? item.causal_offset() : -1;
         ao.observe = item.has_observe() ? item.observe() : true;
         ao.scale = item.scale();
-        st = Prefix(store_->Attend(tenant, item.sequence_id(), item.layer(),
-                                   item.basis_version(), q.data(), q_heads, n_q, d, ao, &out,
-                                   &tokens),
+        st = Prefix(store_->Attend(tenant, item.sequence_id(), item.layer(), item.basis_version(),
+                                   q.data(), q_heads, n_q, d, ao, &out, &tokens),
                     at);
       }
       if (st.ok()) {
@@ -446,8 +441,7 @@ namespace {
 
 class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResponse> {
  public:
-  GetBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx,
-                   const v1::GetBlocksRequest* req)
+  GetBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, const v1::GetBlocksRequest* req)
       : svc_(svc), req_(*req), start_(absl::Now()) {
     svc_->Enter();
     bytes_in_ = req->ByteSizeLong();
@@ -500,9 +494,9 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       ASSIGN_OR_RETURN(core::SequenceInfo info,
                        svc_->store()->Describe(tenant_, req_.sequence_id()));
       if (req_.basis_version() != 0 && req_.basis_version() != info.model->manifest.version) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "basis_version ", req_.basis_version(), ": sequence '", req_.sequence_id(),
-            "' is pinned to version ", info.model->manifest.version));
+        return absl::FailedPreconditionError(
+            absl::StrCat("basis_version ", req_.basis_version(), ": sequence '", req_.sequence_id(),
+                         "' is pinned to version ", info.model->manifest.version));
       }
       kv_heads_ = info.model->manifest.kv_heads;
       d_ = info.model->manifest.head_dim;
@@ -513,8 +507,8 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       }
       for (int i = 0; i < req_.layers_size(); ++i) {
         if (req_.layers(i) < 0 || req_.layers(i) >= n_layers) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "layers[", i, "] = ", req_.layers(i), " must be in 0..", n_layers - 1));
+          return absl::InvalidArgumentError(
+              absl::StrCat("layers[", i, "] = ", req_.layers(i), " must be in 0..", n_layers - 1));
         }
         layers_.push_back(req_.layers(i));
       }
@@ -527,8 +521,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       layer_ = layers_[next_layer_++];
       offset_ = 0;
       RETURN_IF_ERROR(svc_->store()->Decode(tenant_, req_.sequence_id(), layer_,
-                                            req_.basis_version(), &keys_, &values_,
-                                            &tokens_));
+                                            req_.basis_version(), &keys_, &values_, &tokens_));
     }
     const int64_t n = std::min<int64_t>(chunk_, tokens_ - offset_);
     std::vector<float> kbuf(static_cast<size_t>(kv_heads_) * n * d_), vbuf(kbuf.size());

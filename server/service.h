@@ -18,9 +18,9 @@ class Service final : public v1::Kvq::CallbackService {
  public:
   // metrics may be null. `ready` turns true once the registry is loaded; until then every
   // call but Echo is UNAVAILABLE.
-  Service(core::Store* store, core::Registry* registry, const Authenticator* auth,
-          Metrics* metrics, WorkerPool* pool, const std::atomic<bool>* ready,
-          std::string pool_name, std::string backend_name);
+  Service(core::Store* store, core::Registry* registry, const Authenticator* auth, Metrics* metrics,
+          WorkerPool* pool, const std::atomic<bool>* ready, std::string pool_name,
+          std::string backend_name);
 
   grpc::ServerUnaryReactor* RegisterBasis(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterBasisRequest* req,
@@ -29,17 +29,14 @@ class Service final : public v1::Kvq::CallbackService {
                                        const v1::ListModelsRequest* req,
                                        v1::ListModelsResponse* resp) override;
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
-                                     const v1::GetModelRequest* req,
-                                     v1::ModelInfo* resp) override;
-  grpc::ServerReadReactor<v1::PutBlocksRequest>* PutBlocks(
-      grpc::CallbackServerContext* ctx, v1::PutBlocksResponse* resp) override;
+                                     const v1::GetModelRequest* req, v1::ModelInfo* resp) override;
+  grpc::ServerReadReactor<v1::PutBlocksRequest>* PutBlocks(grpc::CallbackServerContext* ctx,
+                                                           v1::PutBlocksResponse* resp) override;
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
                                   v1::ScoreResponse* resp) override;
-  grpc::ServerUnaryReactor* Readout(grpc::CallbackServerContext* ctx,
-                                    const v1::ReadoutRequest* req,
+  grpc::ServerUnaryReactor* Readout(grpc::CallbackServerContext* ctx, const v1::ReadoutRequest* req,
                                     v1::ReadoutResponse* resp) override;
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
-                                   const v1::AttendRequest* req,
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx, const v1::AttendRequest* req,
                                    v1::AttendResponse* resp) override;
   grpc::ServerWriteReactor<v1::GetBlocksResponse>* GetBlocks(
       grpc::CallbackServerContext* ctx, const v1::GetBlocksRequest* req) override;
@@ -57,8 +54,7 @@ class Service final : public v1::Kvq::CallbackService {
   WorkerPool* pool() { return pool_; }
   // Authentication and readiness; OK and the tenant, or the status to finish with.
   absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext& ctx, bool need_ready);
-  void Record(const char* method, const absl::Status& st, absl::Time start, size_t in,
-              size_t out);
+  void Record(const char* method, const absl::Status& st, absl::Time start, size_t in, size_t out);
   // Every handler counts itself in on entry (Enter) and out in Record, which each call
   // reaches exactly once. Drain() refuses new calls (UNAVAILABLE) and waits for the count
   // to reach zero, at most `grace`; returns whether it did.

@@ -57,8 +57,8 @@ uint64_t TokenHash(const TensorView& k, const TensorView& v, int64_t t) {
   const TensorView* views[2] = {&k, &v};
   for (const TensorView* tv : views) {
     for (int64_t head = 0; head < tv->shape[0]; ++head) {
-      const uint8_t* base = static_cast<const uint8_t*>(tv->data) +
-                            (head * tv->stride[0] + t * tv->stride[1]) * es;
+      const uint8_t* base =
+          static_cast<const uint8_t*>(tv->data) + (head * tv->stride[0] + t * tv->stride[1]) * es;
       const size_t row = static_cast<size_t>(tv->shape[2]) * es;
       if (tv->stride[2] == 1) {
         h = XXH3_64bits_withSeed(base, row, h);
@@ -121,8 +121,7 @@ std::string Shape(const TensorView& t) {
 
 }  // namespace
 
-Store::Store(StoreOptions opts, Registry* registry)
-    : opts_(std::move(opts)), registry_(registry) {}
+Store::Store(StoreOptions opts, Registry* registry) : opts_(std::move(opts)), registry_(registry) {}
 
 Store::~Store() {
   absl::MutexLock l(&mu_);
@@ -150,9 +149,7 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
   auto& tp = tenants_[tenant];
   if (!tp) tp = std::make_unique<Tenant>();
   Tenant& T = *tp;
-  auto kept = [&](Sequence* s) {
-    return std::find(keep.begin(), keep.end(), s) != keep.end();
-  };
+  auto kept = [&](Sequence* s) { return std::find(keep.begin(), keep.end(), s) != keep.end(); };
   auto evict = [&](Sequence* s) {
     Tenant& owner = *tenants_[s->tenant];
     ++owner.evictions;
@@ -161,8 +158,8 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
   };
   const int64_t quota = opts_.tenant_quota_bytes, cap = opts_.capacity_bytes;
   if (quota > 0 && bytes > quota) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the write needs ", bytes, " bytes; the tenant quota is ", quota, " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the write needs ", bytes, " bytes; the tenant quota is ", quota, " bytes"));
   }
   if (cap > 0 && bytes > cap) {
     return absl::ResourceExhaustedError(
@@ -178,7 +175,10 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
     while (quota > 0 && t_bytes + bytes > quota) {
       Sequence* v = nullptr;
       for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
-        if ((*it)->tenant == tenant && !kept(*it) && !chosen(*it)) { v = *it; break; }
+        if ((*it)->tenant == tenant && !kept(*it) && !chosen(*it)) {
+          v = *it;
+          break;
+        }
       }
       if (!v) return false;
       victims.push_back(v);
@@ -223,11 +223,11 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
   };
   if (!plan(false)) {
     const bool over_quota = quota > 0 && T.bytes + bytes > quota;
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the write needs ", bytes, " bytes and cannot fit even after eviction (",
-        over_quota ? absl::StrCat("tenant quota ", quota, ", tenant holds ", T.bytes)
-                   : absl::StrCat("capacity ", cap, ", in use ", used_bytes_),
-        " bytes)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the write needs ", bytes, " bytes and cannot fit even after eviction (",
+                     over_quota ? absl::StrCat("tenant quota ", quota, ", tenant holds ", T.bytes)
+                                : absl::StrCat("capacity ", cap, ", in use ", used_bytes_),
+                     " bytes)"));
   }
   plan(true);
   T.bytes += bytes;
@@ -291,9 +291,9 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       if (!seqs.count(id)) {
         const AppendSpec& a = batch[i];
         if (a.model.empty()) {
-          return absl::NotFoundError(absl::StrCat(
-              "appends[", i, "]: sequence '", id,
-              "' does not exist; the append that creates it must name a model"));
+          return absl::NotFoundError(
+              absl::StrCat("appends[", i, "]: sequence '", id,
+                           "' does not exist; the append that creates it must name a model"));
         }
         absl::StatusOr<std::shared_ptr<const ModelEntry>> m =
             registry_->Get(a.model, a.basis_version);
@@ -313,8 +313,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
               (*m)->manifest.rank, " of model '", a.model, "'"));
         }
         if (absl::Status st = s->codec.Validate(); !st.ok()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("appends[", i, "].codec: ", st.message()));
+          return absl::InvalidArgumentError(absl::StrCat("appends[", i, "].codec: ", st.message()));
         }
         s->layers.resize((*m)->manifest.layers);
         s->hashes.resize((*m)->manifest.layers);
@@ -357,8 +356,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       }
       if (a.basis_version != 0 && a.basis_version != m.version) {
         fail(absl::StatusCode::kFailedPrecondition, ".basis_version ", a.basis_version,
-             ": sequence '", a.sequence_id, "' is pinned to version ", m.version, " of '",
-             m.model, "'");
+             ": sequence '", a.sequence_id, "' is pinned to version ", m.version, " of '", m.model,
+             "'");
         break;
       }
       if (a.layer < 0 || a.layer >= m.layers) {
@@ -405,9 +404,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       const int64_t overlap = std::min(n, len - a.start);
       for (int64_t t = 0; t < overlap; ++t) {
         const int64_t pos = a.start + t;
-        const uint64_t have = pos < static_cast<int64_t>(stored.size())
-                                  ? stored[pos]
-                                  : pend[pos - stored.size()];
+        const uint64_t have =
+            pos < static_cast<int64_t>(stored.size()) ? stored[pos] : pend[pos - stored.size()];
         if (have != TokenHash(*k, *v, t)) {
           fail(absl::StatusCode::kAlreadyExists, ": token ", pos, " of layer ", a.layer,
                " of sequence '", a.sequence_id,
@@ -420,8 +418,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       p.from = overlap;
       p.n = n - overlap;
       if (len + p.n > opts_.max_tokens_per_layer) {
-        fail(absl::StatusCode::kResourceExhausted, ": layer ", a.layer, " would hold ",
-             len + p.n, " tokens; the limit is ", opts_.max_tokens_per_layer);
+        fail(absl::StatusCode::kResourceExhausted, ": layer ", a.layer, " would hold ", len + p.n,
+             " tokens; the limit is ", opts_.max_tokens_per_layer);
         break;
       }
       for (int64_t t = p.from; t < n; ++t) p.new_hashes.push_back(TokenHash(*k, *v, t));
@@ -493,16 +491,15 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       if (a.probe_weights) {
         const int64_t n = a.keys.shape[1];
         for (int64_t h = 0; h < a.keys.shape[0]; ++h) {
-          probe.insert(probe.end(), a.probe_weights + h * n + p.from,
-                       a.probe_weights + h * n + n);
+          probe.insert(probe.end(), a.probe_weights + h * n + p.from, a.probe_weights + h * n + n);
         }
       }
       const int64_t start = a.start + p.from;
       applied = cache->Append(SliceTokens(a.keys, p.from, p.n), SliceTokens(a.values, p.from, p.n),
                               start, probe.empty() ? nullptr : probe.data());
       if (!applied.ok()) {
-        applied = absl::Status(applied.code(),
-                               absl::StrCat("appends[", i, "]: ", applied.message()));
+        applied =
+            absl::Status(applied.code(), absl::StrCat("appends[", i, "]: ", applied.message()));
         break;
       }
       s->dtype = a.keys.dtype;
@@ -541,9 +538,9 @@ absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& 
   if (!s) return absl::NotFoundError(absl::StrCat("sequence '", id, "' not found"));
   const BasisManifest& m = s->model->manifest;
   if (basis_version != 0 && basis_version != m.version) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "basis_version ", basis_version, ": sequence '", id, "' is pinned to version ",
-        m.version, " of model '", m.model, "'"));
+    return absl::FailedPreconditionError(absl::StrCat("basis_version ", basis_version,
+                                                      ": sequence '", id, "' is pinned to version ",
+                                                      m.version, " of model '", m.model, "'"));
   }
   if (s->corrupt.load()) {
     return absl::DataLossError(
@@ -553,18 +550,17 @@ absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& 
   return s;
 }
 
-
-#define KVQ_READ_PROLOGUE()                                                                  \
-  const BasisManifest& m = s->model->manifest;                                               \
-  if (layer < 0 || layer >= m.layers) {                                                      \
-    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " must be in 0..",       \
-                                                   m.layers - 1));                           \
-  }                                                                                          \
-  LayerCache* cache = s->layers[layer].get();                                                \
-  if (cache == nullptr || cache->tokens() == 0) {                                            \
-    return absl::FailedPreconditionError(absl::StrCat(                                       \
-        "layer ", layer, " of sequence '", sequence_id, "' holds no tokens"));               \
-  }                                                                                          \
+#define KVQ_READ_PROLOGUE()                                                                 \
+  const BasisManifest& m = s->model->manifest;                                              \
+  if (layer < 0 || layer >= m.layers) {                                                     \
+    return absl::InvalidArgumentError(                                                      \
+        absl::StrCat("layer ", layer, " must be in 0..", m.layers - 1));                    \
+  }                                                                                         \
+  LayerCache* cache = s->layers[layer].get();                                               \
+  if (cache == nullptr || cache->tokens() == 0) {                                           \
+    return absl::FailedPreconditionError(                                                   \
+        absl::StrCat("layer ", layer, " of sequence '", sequence_id, "' holds no tokens")); \
+  }                                                                                         \
   *tokens = cache->tokens()
 
 absl::Status Store::Score(const std::string& tenant, const std::string& sequence_id, int layer,
@@ -576,20 +572,18 @@ absl::Status Store::Score(const std::string& tenant, const std::string& sequence
   KVQ_READ_PROLOGUE();
   if (q_heads < 1 || q_heads % m.kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ",
-                                                   m.kv_heads));
+                                                   " must be a multiple of kv_heads ", m.kv_heads));
   }
   if (q_dim != m.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("queries head_dim ", q_dim,
-                                                   " must equal the model's head_dim ",
-                                                   m.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries head_dim ", q_dim, " must equal the model's head_dim ", m.head_dim));
   }
   out->assign(static_cast<size_t>(q_heads) * n_q * *tokens, 0.0f);
   return cache->Score(q, q_heads, n_q, out->data(), scale, corrections_only);
 }
 
-absl::Status Store::Readout(const std::string& tenant, const std::string& sequence_id,
-                            int layer, int basis_version, const float* p, int q_heads, int n_q,
+absl::Status Store::Readout(const std::string& tenant, const std::string& sequence_id, int layer,
+                            int basis_version, const float* p, int q_heads, int n_q,
                             int64_t p_tokens, bool as_logits, std::vector<float>* out,
                             int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
@@ -597,13 +591,12 @@ absl::Status Store::Readout(const std::string& tenant, const std::string& sequen
   KVQ_READ_PROLOGUE();
   if (q_heads < 1 || q_heads % m.kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("weights.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ",
-                                                   m.kv_heads));
+                                                   " must be a multiple of kv_heads ", m.kv_heads));
   }
   if (p_tokens != *tokens) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "weights.shape[2] ", p_tokens, " must equal the tokens cached in layer ", layer,
-        " of sequence '", sequence_id, "' (", *tokens, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("weights.shape[2] ", p_tokens, " must equal the tokens cached in layer ",
+                     layer, " of sequence '", sequence_id, "' (", *tokens, ")"));
   }
   std::vector<float> soft;
   if (as_logits) {
@@ -632,26 +625,23 @@ absl::Status Store::Attend(const std::string& tenant, const std::string& sequenc
   KVQ_READ_PROLOGUE();
   if (q_heads < 1 || q_heads % m.kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ",
-                                                   m.kv_heads));
+                                                   " must be a multiple of kv_heads ", m.kv_heads));
   }
   if (q_dim != m.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("queries head_dim ", q_dim,
-                                                   " must equal the model's head_dim ",
-                                                   m.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("queries head_dim ", q_dim, " must equal the model's head_dim ", m.head_dim));
   }
   if (ao.causal_offset < -1 || ao.causal_offset >= *tokens) {
     return absl::InvalidArgumentError(absl::StrCat("causal_offset ", ao.causal_offset,
-                                                   " must be in 0..", *tokens - 1,
-                                                   " (or absent)"));
+                                                   " must be in 0..", *tokens - 1, " (or absent)"));
   }
   out->assign(static_cast<size_t>(q_heads) * n_q * m.head_dim, 0.0f);
   return cache->Attend(q, q_heads, n_q, ao, out->data());
 }
 
 absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, std::vector<float>* keys,
-                           std::vector<float>* values, int64_t* tokens) {
+                           int basis_version, std::vector<float>* keys, std::vector<float>* values,
+                           int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   absl::ReaderMutexLock l(&s->mu);
   const BasisManifest& m = s->model->manifest;

@@ -28,11 +28,15 @@ bool ValidModelName(const std::string& s) {
 }
 
 nlohmann::json CodecToJson(const CodecOptions& c) {
-  return {{"key_bits", c.key_bits},       {"key_group", c.key_group},
-          {"rank", c.rank},               {"side_bits", c.side_bits},
-          {"value_bits", c.value_bits},   {"value_group", c.value_group},
+  return {{"key_bits", c.key_bits},
+          {"key_group", c.key_group},
+          {"rank", c.rank},
+          {"side_bits", c.side_bits},
+          {"value_bits", c.value_bits},
+          {"value_group", c.value_group},
           {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
-          {"value_budget", c.value_budget}, {"sink_tokens", c.sink_tokens},
+          {"value_budget", c.value_budget},
+          {"sink_tokens", c.sink_tokens},
           {"window", c.window}};
 }
 
@@ -43,9 +47,8 @@ void CodecFromJson(const nlohmann::json& j, CodecOptions* c) {
   c->side_bits = j.value("side_bits", c->side_bits);
   c->value_bits = j.value("value_bits", c->value_bits);
   c->value_group = j.value("value_group", c->value_group);
-  c->value_policy =
-      j.value("value_policy", std::string("uniform")) == "a2" ? ValuePolicy::kA2
-                                                             : ValuePolicy::kUniform;
+  c->value_policy = j.value("value_policy", std::string("uniform")) == "a2" ? ValuePolicy::kA2
+                                                                            : ValuePolicy::kUniform;
   c->value_budget = j.value("value_budget", c->value_budget);
   c->sink_tokens = j.value("sink_tokens", c->sink_tokens);
   c->window = j.value("window", c->window);
@@ -83,8 +86,8 @@ Registry::Registry(std::string dir) : dir_(std::move(dir)) {}
 absl::Status Registry::ValidateEntry(const ModelEntry& e) {
   const BasisManifest& m = e.manifest;
   if (!ValidModelName(m.model)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model name '", m.model, "' must be 1..128 characters of [A-Za-z0-9._-]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model name '", m.model, "' must be 1..128 characters of [A-Za-z0-9._-]"));
   }
   if (m.version < 1 || m.version > 1000000) {
     return absl::InvalidArgumentError(
@@ -94,29 +97,26 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
     return absl::InvalidArgumentError(absl::StrCat("layers ", m.layers, " must be in 1..1024"));
   }
   if (m.kv_heads < 1 || m.kv_heads > 256) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("kv_heads ", m.kv_heads, " must be in 1..256"));
+    return absl::InvalidArgumentError(absl::StrCat("kv_heads ", m.kv_heads, " must be in 1..256"));
   }
   if (m.q_heads < m.kv_heads || m.q_heads % m.kv_heads != 0 || m.q_heads > 4096) {
     return absl::InvalidArgumentError(absl::StrCat(
         "q_heads ", m.q_heads, " must be a multiple of kv_heads ", m.kv_heads, " (<= 4096)"));
   }
   if (m.head_dim < 1 || m.head_dim > 512) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("head_dim ", m.head_dim, " must be in 1..512"));
+    return absl::InvalidArgumentError(absl::StrCat("head_dim ", m.head_dim, " must be in 1..512"));
   }
   if (m.rank < 0 || m.rank > m.head_dim || (e.has_basis && m.rank < 1) ||
       (!e.has_basis && m.rank != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "basis_rank ", m.rank, " must be in 1..head_dim (", m.head_dim,
-        ") with a basis and 0 without"));
+    return absl::InvalidArgumentError(absl::StrCat("basis_rank ", m.rank,
+                                                   " must be in 1..head_dim (", m.head_dim,
+                                                   ") with a basis and 0 without"));
   }
   if (e.has_basis) {
     const size_t want = static_cast<size_t>(m.layers) * m.kv_heads * m.head_dim * m.rank;
     if (e.basis.u.size() != want) {
-      return absl::InvalidArgumentError(absl::StrCat("basis holds ", e.basis.u.size(),
-                                                     " floats; layers*kv_heads*head_dim*rank = ",
-                                                     want));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "basis holds ", e.basis.u.size(), " floats; layers*kv_heads*head_dim*rank = ", want));
     }
     for (int l = 0; l < m.layers; ++l) {
       for (int h = 0; h < m.kv_heads; ++h) {
@@ -124,7 +124,8 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
         for (int a = 0; a < m.rank; ++a) {
           for (int b = a; b < m.rank; ++b) {
             double dot = 0;
-            for (int i = 0; i < m.head_dim; ++i) dot += double(u[i * m.rank + a]) * u[i * m.rank + b];
+            for (int i = 0; i < m.head_dim; ++i)
+              dot += double(u[i * m.rank + a]) * u[i * m.rank + b];
             const double want_dot = a == b ? 1.0 : 0.0;
             if (!std::isfinite(dot) || std::abs(dot - want_dot) > 1e-3) {
               return absl::InvalidArgumentError(absl::StrFormat(
@@ -139,8 +140,8 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
   }
   CodecOptions c = e.codec;
   if (c.head_dim != m.head_dim) {
-    return absl::InvalidArgumentError(absl::StrCat("codec head_dim ", c.head_dim,
-                                                   " differs from the model's ", m.head_dim));
+    return absl::InvalidArgumentError(
+        absl::StrCat("codec head_dim ", c.head_dim, " differs from the model's ", m.head_dim));
   }
   if (c.rank > m.rank) {
     return absl::InvalidArgumentError(
@@ -238,9 +239,9 @@ absl::Status Registry::Persist(const ModelEntry& e) const {
   static std::atomic<int> counter{0};
   const fs::path final_dir =
       fs::path(dir_) / e.manifest.model / absl::StrCat("v", e.manifest.version);
-  const fs::path tmp = fs::path(dir_) / absl::StrCat(".tmp-", e.manifest.model, "-v",
-                                                     e.manifest.version, "-", getpid(), "-",
-                                                     counter.fetch_add(1));
+  const fs::path tmp =
+      fs::path(dir_) / absl::StrCat(".tmp-", e.manifest.model, "-v", e.manifest.version, "-",
+                                    getpid(), "-", counter.fetch_add(1));
   std::error_code ec;
   fs::create_directories(tmp, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", tmp.string()));
@@ -252,10 +253,14 @@ absl::Status Registry::Persist(const ModelEntry& e) const {
     st = WriteBasis(tmp.string(), b);
   } else {
     const BasisManifest& m = e.manifest;
-    nlohmann::json j = {{"model", m.model},       {"version", m.version},
-                        {"layers", m.layers},     {"kv_heads", m.kv_heads},
-                        {"q_heads", m.q_heads},   {"head_dim", m.head_dim},
-                        {"rope_layout", m.rope_layout}, {"channel_order", m.channel_order}};
+    nlohmann::json j = {{"model", m.model},
+                        {"version", m.version},
+                        {"layers", m.layers},
+                        {"kv_heads", m.kv_heads},
+                        {"q_heads", m.q_heads},
+                        {"head_dim", m.head_dim},
+                        {"rope_layout", m.rope_layout},
+                        {"channel_order", m.channel_order}};
     st = WriteText(tmp / "model.json", j.dump(2));
   }
   if (st.ok()) st = WriteText(tmp / "codec.json", CodecToJson(e.codec).dump(2));
@@ -272,8 +277,8 @@ absl::Status Registry::Persist(const ModelEntry& e) const {
   fs::rename(tmp, final_dir, ec);
   if (ec) {
     cleanup();
-    return absl::InternalError(absl::StrCat("cannot rename into ", final_dir.string(), ": ",
-                                            ec.message()));
+    return absl::InternalError(
+        absl::StrCat("cannot rename into ", final_dir.string(), ": ", ec.message()));
   }
   return absl::OkStatus();
 }
@@ -301,9 +306,9 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry 
                       a.head_dim == b.head_dim && a.rank == b.rank &&
                       a.fingerprint == b.fingerprint && SameCodec(old.codec, entry.codec);
     if (!same) {
-      return absl::AlreadyExistsError(absl::StrCat(
-          "model '", b.model, "' version ", b.version,
-          " is already registered with different contents; register a new version"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("model '", b.model, "' version ", b.version,
+                       " is already registered with different contents; register a new version"));
     }
     if (already) *already = true;
     return it->second;

@@ -66,8 +66,8 @@ TEST(ServerProcessTest, EnvFlagsDefaultRegistryHealthAndGracefulSigterm) {
   EXPECT_NE(log.find("capacity: 67108864 bytes"), std::string::npos) << log;
   EXPECT_TRUE(std::filesystem::is_directory(home + "/.local/share/kvq/registry")) << log;
 
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port),
-                                     grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
   auto health = grpc::health::v1::Health::NewStub(channel);
   grpc::health::v1::HealthCheckResponse h;
   auto ctx = Ctx();
@@ -109,8 +109,8 @@ TEST(ServerProcessTest, EnvFlagsDefaultRegistryHealthAndGracefulSigterm) {
 }
 
 TEST(ServerProcessTest, BadFlagsExitNonZeroWithAMessage) {
-  Process p = Spawn({KVQ_SERVER_BIN, "--memory", "floppy", "--grpc-port", "0",
-                     "--metrics-port", "-1", "--registry", ""},
+  Process p = Spawn({KVQ_SERVER_BIN, "--memory", "floppy", "--grpc-port", "0", "--metrics-port",
+                     "-1", "--registry", ""},
                     {});
   std::string log;
   char line[4096];

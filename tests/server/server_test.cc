@@ -1,7 +1,7 @@
 // Integration tests: a real kvq server in-process on 127.0.0.1:0, real gRPC channels.
-#include <sys/socket.h>
-#include <netinet/in.h>
 #include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -11,10 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/metrics.h"
 #include "tests/server/test_util.h"
@@ -133,8 +133,8 @@ TEST(ServiceTest, ReflectionListsTheServices) {
   grpc::CompletionQueue cq;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  auto call = gs.PrepareCall(
-      &ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  auto call =
+      gs.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
   auto wait = [&](intptr_t want) {
     void* tag = nullptr;
     bool ok = false;
@@ -340,8 +340,8 @@ TEST(ServiceTest, ObservingAttendsOnOneSequenceKeepTheirOrder) {
   *m.mutable_appends(0) = MakeAppend("s", 0, T, Slice(k, kv, 3 * T, d, T, 2 * T),
                                      Slice(v, kv, 3 * T, d, T, 2 * T), kv, 2 * T, d);
   ASSERT_TRUE(Put(*stub, {m}, &r).ok());
-  RefAppend(*ref, Slice(k, kv, 3 * T, d, T, 2 * T), Slice(v, kv, 3 * T, d, T, 2 * T), kv, 2 * T,
-            d, T);
+  RefAppend(*ref, Slice(k, kv, 3 * T, d, T, 2 * T), Slice(v, kv, 3 * T, d, T, 2 * T), kv, 2 * T, d,
+            T);
   std::vector<float> dk, dv;
   ASSERT_TRUE(ref->Decode(&dk, &dv).ok());
   auto got = GetAll(*stub, "s", 0, kv, d);
@@ -459,10 +459,10 @@ TEST(ServiceTest, FailedMessageIsAtomicAndEarlierMessagesStay) {
                                         Slice(v, kv, T, d, 16 * i, 16), kv, 16, d, "tiny");
   }
   // Message 2 also appends to layer 1, then carries a broken append: nothing of it applies.
-  *msgs[2].add_appends() = MakeAppend("s", 1, 0, Slice(k, kv, T, d, 0, 16),
-                                      Slice(v, kv, T, d, 0, 16), kv, 16, d);
-  v1::Append bad = MakeAppend("s", 1, 16, Slice(k, kv, T, d, 0, 16), Slice(v, kv, T, d, 0, 16),
-                              kv, 16, d);
+  *msgs[2].add_appends() =
+      MakeAppend("s", 1, 0, Slice(k, kv, T, d, 0, 16), Slice(v, kv, T, d, 0, 16), kv, 16, d);
+  v1::Append bad =
+      MakeAppend("s", 1, 16, Slice(k, kv, T, d, 0, 16), Slice(v, kv, T, d, 0, 16), kv, 16, d);
   bad.mutable_values()->mutable_data()->resize(10);
   *msgs[2].add_appends() = bad;
   v1::PutBlocksResponse r;
@@ -497,9 +497,9 @@ TEST(ServiceTest, StreamCutPartWayLeavesWholeMessages) {
     for (int64_t i = 0; i < msgs; ++i) {
       v1::PutBlocksRequest m;
       for (int l = 0; l < s.layers; ++l) {
-        *m.add_appends() = MakeAppend("cut", l, i * n, Slice(k, kv, n * msgs, d, i * n, n),
-                                      Slice(v, kv, n * msgs, d, i * n, n), kv, n, d,
-                                      i == 0 ? "tiny" : "");
+        *m.add_appends() =
+            MakeAppend("cut", l, i * n, Slice(k, kv, n * msgs, d, i * n, n),
+                       Slice(v, kv, n * msgs, d, i * n, n), kv, n, d, i == 0 ? "tiny" : "");
       }
       w->Write(m);
       if (i == msgs / 2) ctx.TryCancel();  // the client goes away mid-stream
@@ -573,13 +573,13 @@ TEST(ServiceTest, ValidationErrorsNameFieldAndLimit) {
     it->set_basis_version(version);
     *it->mutable_queries() = qt;
   };
-  add("x", 0, 0, TensorF32(q, {qh, 1, d}));        // ok
-  add("never", 0, 0, TensorF32(q, {qh, 1, d}));    // NOT_FOUND
-  add("x", 0, 2, TensorF32(q, {qh, 1, d}));        // FAILED_PRECONDITION
-  add("x", 1, 0, TensorF32(q, {qh, 1, d}));        // layer 1 empty
+  add("x", 0, 0, TensorF32(q, {qh, 1, d}));                         // ok
+  add("never", 0, 0, TensorF32(q, {qh, 1, d}));                     // NOT_FOUND
+  add("x", 0, 2, TensorF32(q, {qh, 1, d}));                         // FAILED_PRECONDITION
+  add("x", 1, 0, TensorF32(q, {qh, 1, d}));                         // layer 1 empty
   add("x", 0, 0, TensorF32(RandomQueries(3, 1, d, 1), {3, 1, d}));  // 3 q_heads, 2 kv_heads
   auto q32 = RandomQueries(qh, 1, 32, 1);
-  add("x", 0, 0, TensorF32(q32, {qh, 1, 32}));     // wrong head_dim
+  add("x", 0, 0, TensorF32(q32, {qh, 1, 32}));  // wrong head_dim
   v1::ScoreResponse sresp;
   auto ctx = Ctx();
   ASSERT_TRUE(stub->Score(ctx.get(), sreq, &sresp).ok());
@@ -684,8 +684,8 @@ TEST(ServiceTest, NewBasisVersionWhileSequencesAreLive) {
     EXPECT_EQ(sresp.results(0).status().code(), grpc::StatusCode::FAILED_PRECONDITION);
 
     // Appending to the old sequence while naming v2 is refused too.
-    *m.mutable_appends(0) = MakeAppend("old", 0, T, Slice(k, kv, T, d, 0, 1),
-                                       Slice(v, kv, T, d, 0, 1), kv, 1, d);
+    *m.mutable_appends(0) =
+        MakeAppend("old", 0, T, Slice(k, kv, T, d, 0, 1), Slice(v, kv, T, d, 0, 1), kv, 1, d);
     m.mutable_appends(0)->set_basis_version(2);
     EXPECT_EQ(Put(*stub, {m}, &r).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
 
@@ -748,7 +748,8 @@ TEST(ServiceTest, ModelWithoutBasisIsServedKiviLike) {
 TEST(ServiceTest, TenantsAreIsolatedWithAuthOn) {
   const std::string dir = TempDir("kvq-auth");
   const std::string tokens = dir + "/tokens";
-  std::ofstream(tokens) << "# token tenant\nalpha-token-0123456789 alpha\nbeta-token-0123456789 beta\n";
+  std::ofstream(tokens)
+      << "# token tenant\nalpha-token-0123456789 alpha\nbeta-token-0123456789 beta\n";
   server::ServerOptions o;
   o.auth_tokens_file = tokens;
   TestServer ts(o);
@@ -816,7 +817,8 @@ TEST(ServiceTest, EvictionUnderCapacityAndQuotaKeepsWholeSequences) {
   const int64_t T = 64;
   auto k = RandomKV(kv, T, d, 1), v = RandomKV(kv, T, d, 2);
   v1::PutBlocksRequest one;
-  for (int l = 0; l < s.layers; ++l) *one.add_appends() = MakeAppend("", l, 0, k, v, kv, T, d, "tiny");
+  for (int l = 0; l < s.layers; ++l)
+    *one.add_appends() = MakeAppend("", l, 0, k, v, kv, T, d, "tiny");
   // Measure one sequence.
   int64_t seq_bytes = 0;
   {
@@ -830,7 +832,7 @@ TEST(ServiceTest, EvictionUnderCapacityAndQuotaKeepsWholeSequences) {
     ASSERT_GT(seq_bytes, 0);
   }
   server::ServerOptions o;
-  o.capacity_bytes = seq_bytes * 3 + seq_bytes / 2;  // three fit
+  o.capacity_bytes = seq_bytes * 3 + seq_bytes / 2;      // three fit
   o.tenant_quota_bytes = seq_bytes * 2 + seq_bytes / 2;  // two per tenant
   TestServer ts(o);
   auto stub = ts.Stub();
@@ -996,10 +998,10 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
   for (const char* want :
        {"kvq_requests_total{code=\"OK\",method=\"PutBlocks\"} 1",
         "kvq_request_duration_seconds_bucket{method=\"Score\"", "kvq_received_bytes_total",
-        "kvq_sent_bytes_total", "kvq_stored_bytes{pool=\"host\"}", "kvq_stored_blocks{pool=\"host\"} 8",
-        "kvq_key_bits_per_element", "kvq_value_bits_per_element", "kvq_evictions_total",
-        "kvq_cached_tokens 64", "kvq_sequences 1", "kvq_tenant_stored_bytes{tenant=\"t1\"}",
-        "kvq_ready 1"}) {
+        "kvq_sent_bytes_total", "kvq_stored_bytes{pool=\"host\"}",
+        "kvq_stored_blocks{pool=\"host\"} 8", "kvq_key_bits_per_element",
+        "kvq_value_bits_per_element", "kvq_evictions_total", "kvq_cached_tokens 64",
+        "kvq_sequences 1", "kvq_tenant_stored_bytes{tenant=\"t1\"}", "kvq_ready 1"}) {
     EXPECT_THAT(text, HasSubstr(want));
   }
 }

@@ -27,19 +27,17 @@ class TlsTest : public ::testing::Test {
     const std::string d = *dir_;
     const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
     const std::string cmd = absl::StrCat(
-        "cd ", d, " && (",
-        "openssl req -x509 ", key, " -keyout ca.key -out ca.pem -days 1 -subj /CN=kvq-test-ca",
-        " && openssl req ", key, " -keyout server.key -out server.csr -subj /CN=localhost",
+        "cd ", d, " && (", "openssl req -x509 ", key,
+        " -keyout ca.key -out ca.pem -days 1 -subj /CN=kvq-test-ca", " && openssl req ", key,
+        " -keyout server.key -out server.csr -subj /CN=localhost",
         " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext",
         " && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
-        " -out server.pem -days 1 -extfile san.ext",
-        " && openssl req ", key, " -keyout client.key -out client.csr -subj /CN=kvq-client",
+        " -out server.pem -days 1 -extfile san.ext", " && openssl req ", key,
+        " -keyout client.key -out client.csr -subj /CN=kvq-client",
         " && openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
-        " -out client.pem -days 1",
-        " && openssl req -x509 ", key, " -keyout other.key -out other.pem -days 1",
-        " -subj /CN=untrusted",
-        " && printf 'tok-alpha-0123456789abcdef alpha\\n' > tokens",
-        ") >/dev/null 2>&1");
+        " -out client.pem -days 1", " && openssl req -x509 ", key,
+        " -keyout other.key -out other.pem -days 1", " -subj /CN=untrusted",
+        " && printf 'tok-alpha-0123456789abcdef alpha\\n' > tokens", ") >/dev/null 2>&1");
     ok_ = std::system(cmd.c_str()) == 0;
   }
   static void TearDownTestSuite() {
@@ -50,7 +48,7 @@ class TlsTest : public ::testing::Test {
 
   static std::string P(const std::string& f) { return *dir_ + "/" + f; }
   static std::shared_ptr<grpc::ChannelCredentials> Tls(bool client_cert,
-                                                      const std::string& cert = "client") {
+                                                       const std::string& cert = "client") {
     grpc::SslCredentialsOptions o;
     o.pem_root_certs = Slurp(P("ca.pem"));
     if (client_cert) {
@@ -65,7 +63,8 @@ class TlsTest : public ::testing::Test {
     v1::EchoResponse resp;
     auto ctx = Ctx("", token, 5);
     grpc::Status st = stub.Echo(ctx.get(), req, &resp);
-    if (st.ok() && resp.payload() != "ping") return grpc::Status(grpc::StatusCode::INTERNAL, "echo");
+    if (st.ok() && resp.payload() != "ping")
+      return grpc::Status(grpc::StatusCode::INTERNAL, "echo");
     return st;
   }
 

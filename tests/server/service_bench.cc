@@ -53,14 +53,22 @@ int Main(int argc, char** argv) {
         std::exit(2);
       }
     };
-    if (f == "--server") server = v;
-    else if (f == "--context") num(&context);
-    else if (f == "--layers") num(&layers);
-    else if (f == "--iters") num(&iters);
-    else if (f == "--kv-heads") num(&kv);
-    else if (f == "--q-heads") num(&qh);
-    else if (f == "--head-dim") num(&d);
-    else if (f == "--workers") num(&workers);
+    if (f == "--server")
+      server = v;
+    else if (f == "--context")
+      num(&context);
+    else if (f == "--layers")
+      num(&layers);
+    else if (f == "--iters")
+      num(&iters);
+    else if (f == "--kv-heads")
+      num(&kv);
+    else if (f == "--q-heads")
+      num(&qh);
+    else if (f == "--head-dim")
+      num(&d);
+    else if (f == "--workers")
+      num(&workers);
     else {
       std::fprintf(stderr, "unknown flag %s\n", f.c_str());
       return 2;
@@ -143,13 +151,14 @@ int Main(int argc, char** argv) {
     }
     for (const auto& m : msgs) echo_s += echo(m.ByteSizeLong()) / 1000;
   }
-  std::printf("# kvq-bench-service  server=%s%s  context=%d layers=%d kv_heads=%d q_heads=%d "
-              "head_dim=%d\n",
-              server.c_str(), local ? " (in-process)" : "", context, layers, kv, qh, d);
-  std::printf("PutBlocks ingest: %.3f GB/s of fp16 K+V (%.1f MB per sequence, %zu messages of "
-              "<= %.1f MB, %d reps)\n",
-              reps * fp16_bytes / put_s / 1e9, fp16_bytes / 1e6, msgs.size(), msg_bytes / 1e6,
-              reps);
+  std::printf(
+      "# kvq-bench-service  server=%s%s  context=%d layers=%d kv_heads=%d q_heads=%d "
+      "head_dim=%d\n",
+      server.c_str(), local ? " (in-process)" : "", context, layers, kv, qh, d);
+  std::printf(
+      "PutBlocks ingest: %.3f GB/s of fp16 K+V (%.1f MB per sequence, %zu messages of "
+      "<= %.1f MB, %d reps)\n",
+      reps * fp16_bytes / put_s / 1e9, fp16_bytes / 1e6, msgs.size(), msg_bytes / 1e6, reps);
   std::printf("Echo same bytes:  %.3f GB/s (unary Echo per message)\n\n",
               reps * fp16_bytes / echo_s / 1e9);
 
@@ -196,8 +205,8 @@ int Main(int argc, char** argv) {
     ao.observe = false;
     for (int i = 0; i < iters; ++i) {
       auto t0 = Clock::now();
-      local->server().store().Score("default", "ingest0", 0, 0, q.data(), qh, 1, d, 0, false,
-                                    &out, &tokens);
+      local->server().store().Score("default", "ingest0", 0, 0, q.data(), qh, 1, d, 0, false, &out,
+                                    &tokens);
       auto t1 = Clock::now();
       local->server().store().Attend("default", "ingest0", 0, 0, q.data(), qh, 1, d, ao, &out,
                                      &tokens);

@@ -77,7 +77,8 @@ std::vector<float> RandomKV(int kv_heads, int64_t tokens, int head_dim, uint32_t
     for (int64_t t = 0; t < tokens; ++t) {
       for (int c = 0; c < head_dim; ++c) {
         const float scale = (c % 13 == 0) ? 6.0f : 1.0f;  // outlier channels
-        x[(static_cast<size_t>(h) * tokens + t) * head_dim + c] = nd(rng) * scale + 0.1f * c / head_dim;
+        x[(static_cast<size_t>(h) * tokens + t) * head_dim + c] =
+            nd(rng) * scale + 0.1f * c / head_dim;
       }
     }
   }
@@ -193,9 +194,7 @@ TestServer::~TestServer() {
   }
 }
 
-std::string TestServer::address() const {
-  return absl::StrCat("127.0.0.1:", server_->grpc_port());
-}
+std::string TestServer::address() const { return absl::StrCat("127.0.0.1:", server_->grpc_port()); }
 
 std::shared_ptr<grpc::Channel> TestServer::Channel(
     std::shared_ptr<grpc::ChannelCredentials> creds) {

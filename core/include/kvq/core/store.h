@@ -79,11 +79,11 @@ class Registry {
   // (*already_registered = true); the same (model, version) with other contents is
   // ALREADY_EXISTS. `entry.manifest.fingerprint` is recomputed.
   absl::StatusOr<std::shared_ptr<const ModelEntry>> Register(ModelEntry entry,
-                                                              bool* already_registered);
+                                                             bool* already_registered);
 
   // version 0: the latest. NOT_FOUND names what is missing.
   absl::StatusOr<std::shared_ptr<const ModelEntry>> Get(const std::string& model,
-                                                         int version) const;
+                                                        int version) const;
   std::vector<std::shared_ptr<const ModelEntry>> List() const;
   const std::string& dir() const { return dir_; }
 
@@ -124,8 +124,8 @@ struct AppendSpec {
   std::string sequence_id;
   int layer = 0;
   int64_t start = 0;
-  TensorView keys;    // [kv_heads][n][head_dim]
-  TensorView values;  // [kv_heads][n][head_dim], same dtype as keys
+  TensorView keys;                       // [kv_heads][n][head_dim]
+  TensorView values;                     // [kv_heads][n][head_dim], same dtype as keys
   const float* probe_weights = nullptr;  // [kv_heads][n] or null
   // Creation (ignored for an existing sequence unless set, then checked):
   std::string model;
@@ -185,14 +185,12 @@ class Store {
   // basis_version 0 accepts the sequence's version. q: [q_heads][n_q][head_dim] fp32.
   absl::Status Score(const std::string& tenant, const std::string& sequence_id, int layer,
                      int basis_version, const float* q, int q_heads, int n_q, int q_dim,
-                     float scale, bool corrections_only, std::vector<float>* out,
-                     int64_t* tokens);
+                     float scale, bool corrections_only, std::vector<float>* out, int64_t* tokens);
   // p: [q_heads][n_q][p_tokens], p_tokens must equal the layer's tokens; as_logits: softmax
   // each row first. out [q_heads][n_q][head_dim].
   absl::Status Readout(const std::string& tenant, const std::string& sequence_id, int layer,
-                       int basis_version, const float* p, int q_heads, int n_q,
-                       int64_t p_tokens, bool as_logits, std::vector<float>* out,
-                       int64_t* tokens);
+                       int basis_version, const float* p, int q_heads, int n_q, int64_t p_tokens,
+                       bool as_logits, std::vector<float>* out, int64_t* tokens);
   absl::Status Attend(const std::string& tenant, const std::string& sequence_id, int layer,
                       int basis_version, const float* q, int q_heads, int n_q, int q_dim,
                       const AttendOptions& ao, std::vector<float>* out, int64_t* tokens);
@@ -202,8 +200,7 @@ class Store {
                       int basis_version, std::vector<float>* keys, std::vector<float>* values,
                       int64_t* tokens);
 
-  absl::StatusOr<SequenceInfo> Describe(const std::string& tenant,
-                                        const std::string& sequence_id);
+  absl::StatusOr<SequenceInfo> Describe(const std::string& tenant, const std::string& sequence_id);
   // Returns the bytes freed; NOT_FOUND when the tenant has no such sequence.
   absl::StatusOr<int64_t> Delete(const std::string& tenant, const std::string& sequence_id);
 
@@ -221,19 +218,17 @@ class Store {
   int64_t Scrub();
 
   // Test seam: the layer cache of a sequence (null when absent). Not for production use.
-  LayerCache* LayerForTest(const std::string& tenant, const std::string& sequence_id,
-                           int layer);
+  LayerCache* LayerForTest(const std::string& tenant, const std::string& sequence_id, int layer);
 
   struct Sequence;
   struct Tenant;
 
  private:
-  absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant,
-                                                 const std::string& id, int basis_version);
+  absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant, const std::string& id,
+                                                 int basis_version);
   // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`.
   absl::Status ReserveLocked(const std::string& tenant, int64_t bytes,
-                             const std::vector<Sequence*>& keep)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                             const std::vector<Sequence*>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UnlinkLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Re-measures a sequence after a change and fixes the accounting.
