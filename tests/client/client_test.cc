@@ -4,6 +4,11 @@
 // items; retries happen for idempotent calls only; deadlines apply to every call.
 #include "kvq/client/client.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <map>
 #include <memory>
@@ -338,18 +343,51 @@ TEST(Client, ErrorsOtherThanUnavailableAreNotRetried) {
   EXPECT_EQ(log.attempts["GetModel"], 1);
 }
 
+// A peer that accepts TCP connections and never answers: only the deadline ends a call.
+class SilentPeer {
+ public:
+  SilentPeer() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    socklen_t len = sizeof(a);
+    if (bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(fd_, 16) != 0 ||
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+      std::abort();
+    }
+    port_ = ntohs(a.sin_port);
+  }
+  ~SilentPeer() { close(fd_); }
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
 TEST(Client, EveryCallHasADeadline) {
-  Cluster cl(1);
+  SilentPeer peer;
   AttemptLog log;
   ClientOptions o;
-  o.timeout = absl::Nanoseconds(1);
+  o.timeout = absl::Milliseconds(200);
   o.max_attempts = 4;
   log.Install(&o);
-  auto c = MakeClient(cl.addresses, o);
-  EXPECT_EQ(c->Echo(std::string(1 << 20, 'x')).status().code(),
-            absl::StatusCode::kDeadlineExceeded);
+  auto c = MakeClient({peer.address()}, o);
+  EXPECT_EQ(c->Echo("x").status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(c->PutBlocks(Prefill("d", 64, 1)).status().code(), absl::StatusCode::kDeadlineExceeded);
+  v1::AttendRequest read_only;
+  *read_only.add_items() = AttendOf("d", 0, 1, /*observe=*/false);
+  EXPECT_EQ(c->Attend(read_only).status().code(), absl::StatusCode::kDeadlineExceeded);
+  v1::GetBlocksRequest g;
+  g.set_sequence_id("d");
+  EXPECT_EQ(c->GetBlocks(g, [](const v1::GetBlocksResponse&) { return true; }).code(),
+            absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(c->Health()[0].status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(log.attempts["Echo"], 1) << "the deadline is the caller's budget: no retry";
+  EXPECT_EQ(log.attempts["PutBlocks"], 1);
+  EXPECT_EQ(log.attempts["Attend"], 1);
 }
 
 TEST(Client, TenantsAreSentAndShardKeysIncludeThem) {

@@ -243,7 +243,6 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions o) {
     const int reconnect_ms = static_cast<int>(
         std::max<int64_t>(100, absl::ToInt64Milliseconds(o.max_reconnect_backoff)));
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, std::min(reconnect_ms, 100));
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, std::min(reconnect_ms, 100));
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, reconnect_ms);
     if (o.tls && !o.tls_server_name.empty()) args.SetSslTargetNameOverride(o.tls_server_name);
     auto ch = grpc::CreateCustomChannel(addr, creds, args);
