@@ -337,9 +337,21 @@ absl::StatusOr<v1::RegisterBasisResponse> Client::RegisterBasis(
 absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocks(
     const std::vector<v1::PutBlocksRequest>& msgs) {
   const int n = num_shards();
+  // Where every append goes; when they all go to one shard the messages are sent as they
+  // are (no copy: a prefill can be hundreds of MiB).
+  int only = -1;
+  bool single = true;
+  for (const v1::PutBlocksRequest& m : msgs) {
+    for (const v1::Append& a : m.appends()) {
+      const int s = n == 1 ? 0 : ShardOf(a.sequence_id());
+      if (only == -1) only = s;
+      single = single && s == only;
+    }
+  }
   std::vector<std::vector<v1::PutBlocksRequest>> parts(n);
-  if (n == 1) {
-    parts[0] = msgs;
+  std::vector<const std::vector<v1::PutBlocksRequest>*> src(n, nullptr);
+  if (single) {
+    src[only < 0 ? 0 : only] = &msgs;
   } else {
     for (const v1::PutBlocksRequest& m : msgs) {
       std::vector<v1::PutBlocksRequest*> cur(n, nullptr);
@@ -349,6 +361,9 @@ absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocks(
         *cur[s]->add_appends() = a;
       }
     }
+    for (int s = 0; s < n; ++s) {
+      if (!parts[s].empty()) src[s] = &parts[s];
+    }
   }
   std::vector<v1::PutBlocksResponse> resps(n);
   std::vector<grpc::Status> sts(n);
@@ -356,7 +371,7 @@ absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocks(
     sts[s] = impl_->Run("PutBlocks", s, true, [&](grpc::ClientContext* ctx) {
       resps[s].Clear();
       auto writer = impl_->stubs[s]->PutBlocks(ctx, &resps[s]);
-      for (const v1::PutBlocksRequest& m : parts[s]) {
+      for (const v1::PutBlocksRequest& m : *src[s]) {
         if (!writer->Write(m)) break;  // the stream ended; Finish() says why
       }
       writer->WritesDone();
@@ -365,9 +380,8 @@ absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocks(
   };
   std::vector<int> used;
   for (int s = 0; s < n; ++s) {
-    if (!parts[s].empty()) used.push_back(s);
+    if (src[s] != nullptr) used.push_back(s);
   }
-  if (used.empty()) used.push_back(0);
   std::vector<std::thread> threads;
   for (size_t k = 1; k < used.size(); ++k) threads.emplace_back(run_shard, used[k]);
   run_shard(used[0]);
