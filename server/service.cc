@@ -1,7 +1,9 @@
 #include "server/service.h"
 
+#include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -152,6 +154,9 @@ grpc::ServerUnaryReactor* Service::GetModel(grpc::CallbackServerContext* ctx,
 
 namespace {
 
+// Reading overlaps applying: while a worker encodes message i, message i+1 is already being
+// received (at most one parsed message waits). Messages are applied strictly in order,
+// by one worker at a time.
 class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksRequest> {
  public:
   PutBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, v1::PutBlocksResponse* resp)
@@ -163,39 +168,100 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
       return;
     }
     tenant_ = *std::move(tenant);
-    StartRead(&req_);
+    {
+      absl::MutexLock l(&mu_);
+      buf_ = std::make_unique<v1::PutBlocksRequest>();
+      reading_ = true;
+    }
+    StartRead(buf_.get());
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client closed its side (or the call was cancelled)
-      for (const auto& [key, tokens] : lengths_) {
-        auto* l = resp_->add_lengths();
-        l->set_sequence_id(key.first);
-        l->set_layer(key.second);
-        l->set_tokens(tokens);
+    bool finish = false, submit = false;
+    v1::PutBlocksRequest* next = nullptr;
+    {
+      absl::MutexLock l(&mu_);
+      reading_ = false;
+      if (!ok) {  // the client closed its side (or the call was cancelled)
+        eof_ = true;
+        finish = !applying_ && !done_;
+        if (finish) done_ = true;
+      } else {
+        bytes_in_ += buf_->ByteSizeLong();
+        queue_.push_back(std::move(buf_));
+        if (!applying_) applying_ = submit = true;
+        next = NextReadLocked();
       }
-      Done(absl::OkStatus());
-      return;
     }
-    bytes_in_ += req_.ByteSizeLong();
-    svc_->pool()->Submit([this] {
-      absl::Status st = Apply();
-      if (!st.ok()) {
-        Done(st);
-        return;
-      }
-      StartRead(&req_);
-    });
+    if (finish) Succeed();
+    if (submit) svc_->pool()->Submit([this] { Drain(); });
+    if (next) StartRead(next);
   }
 
   void OnDone() override { delete this; }
 
  private:
-  absl::Status Apply() {
-    std::vector<core::AppendSpec> specs(req_.appends_size());
-    std::vector<std::vector<float>> probes(req_.appends_size());
-    for (int i = 0; i < req_.appends_size(); ++i) {
-      const v1::Append& a = req_.appends(i);
+  static constexpr size_t kMaxQueued = 1;  // at most two messages in memory per stream
+
+  // A buffer to read the next message into, when one should be read now.
+  v1::PutBlocksRequest* NextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (reading_ || eof_ || done_ || queue_.size() >= kMaxQueued) return nullptr;
+    reading_ = true;
+    buf_ = std::make_unique<v1::PutBlocksRequest>();
+    return buf_.get();
+  }
+
+  // Runs on the pool: applies queued messages in order until the queue is empty.
+  void Drain() {
+    for (;;) {
+      std::unique_ptr<v1::PutBlocksRequest> msg;
+      v1::PutBlocksRequest* next = nullptr;
+      bool finish = false;
+      {
+        absl::MutexLock l(&mu_);
+        if (queue_.empty()) {
+          applying_ = false;
+          finish = eof_ && !done_;
+          if (finish) done_ = true;
+        } else {
+          msg = std::move(queue_.front());
+          queue_.pop_front();
+          next = NextReadLocked();
+        }
+      }
+      if (!msg) {
+        if (finish) Succeed();  // may delete this
+        return;
+      }
+      if (next) StartRead(next);
+      absl::Status st = Apply(*msg);
+      if (!st.ok()) {
+        {
+          absl::MutexLock l(&mu_);
+          done_ = true;
+          queue_.clear();
+        }
+        Done(st);  // may delete this
+        return;
+      }
+    }
+  }
+
+  void Succeed() {
+    for (const auto& [key, tokens] : lengths_) {
+      auto* l = resp_->add_lengths();
+      l->set_sequence_id(key.first);
+      l->set_layer(key.second);
+      l->set_tokens(tokens);
+    }
+    Done(absl::OkStatus());
+  }
+
+  absl::Status Apply(const v1::PutBlocksRequest& req) {
+    std::vector<core::AppendSpec> specs(req.appends_size());
+    std::vector<std::vector<float>> probes(req.appends_size());
+    for (int i = 0; i < req.appends_size(); ++i) {
+      const v1::Append& a = req.appends(i);
       const std::string at = absl::StrCat("appends[", i, "]");
       core::AppendSpec& s = specs[i];
       RETURN_IF_ERROR(CheckId(a.sequence_id(), at + ".sequence_id"));
@@ -237,7 +303,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
     core::AppendOutcome out;
     RETURN_IF_ERROR(svc_->store()->Append(tenant_, specs, &out));
     resp_->set_messages(resp_->messages() + 1);
-    resp_->set_appends(resp_->appends() + req_.appends_size());
+    resp_->set_appends(resp_->appends() + req.appends_size());
     resp_->set_tokens_written(resp_->tokens_written() + out.tokens_written);
     resp_->set_tokens_duplicate(resp_->tokens_duplicate() + out.tokens_duplicate);
     for (const auto& [id, layer, tokens] : out.lengths) lengths_[{id, layer}] = tokens;
@@ -253,8 +319,16 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
   v1::PutBlocksResponse* resp_;
   absl::Time start_;
   std::string tenant_;
-  v1::PutBlocksRequest req_;
+  absl::Mutex mu_;
+  std::unique_ptr<v1::PutBlocksRequest> buf_;  // the outstanding read's target
+  std::deque<std::unique_ptr<v1::PutBlocksRequest>> queue_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;   // a read is outstanding
+  bool applying_ ABSL_GUARDED_BY(mu_) = false;  // a worker is draining the queue
+  bool eof_ ABSL_GUARDED_BY(mu_) = false;       // no more messages will come
+  bool done_ ABSL_GUARDED_BY(mu_) = false;      // Finish was (or is being) called
   size_t bytes_in_ = 0;
+  // Touched only by the worker draining the queue (one at a time) and by Succeed, which
+  // runs after the last drain.
   std::map<std::pair<std::string, int>, int64_t> lengths_;
 };
 
