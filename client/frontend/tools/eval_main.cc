@@ -1,4 +1,5 @@
 // kvq-eval: perplexity of a real GGUF model with its KV cache held by each configuration.
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -9,6 +10,8 @@
 #include "absl/strings/str_format.h"
 #include "flags.h"
 #include "kvq/core/basis.h"
+#include "kvq/core/metrics.h"
+#include "kvq/frontend/diagnostics.h"
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
@@ -35,6 +38,15 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
   --json FILE       also write the results as JSON
   --threads T       BLAS threads (default 2)
   --dump-tokens F   write the token ids of --text to F (one per line) and exit
+  --diagnostics     instead of perplexity: run one dense window of --diag-tokens tokens from
+                    the start of --text, and for every (layer, KV head) and each key
+                    quantizer in --diag-configs measure raw key MSE, Fisher score error and
+                    exact attention KL (mean over causal queries from position 32); print
+                    per-quantizer means, Spearman rho(Fisher, KL) and rho(MSE, KL) over all
+                    cases, same-budget counterexamples (lower MSE, higher KL at key bits
+                    within 0.15), and per-layer Fisher removal of headq-k2-r4 vs kivi-k2
+  --diag-tokens N   tokens for --diagnostics (default 512)
+  --diag-configs L  key quantizers for --diagnostics (default: a set of kivi/headq k2-k4)
 
 Protocol (llama.cpp perplexity): the tokenized text is cut into consecutive windows of L
 tokens from token 0; each window is a fresh sequence; logits at positions L/2 .. L-2 score the
@@ -68,6 +80,134 @@ std::string BaselineOf(const EvalConfig& c) {
   return absl::StrCat("kivi-", c.keys_only ? "k" : "kv", c.codec.key_bits);
 }
 
+// U [d][r] of (layer, kv head) from a basis with rank >= r.
+std::vector<float> HeadBasis(const core::ModelBasis& b, int layer, int h, int r) {
+  const int d = b.manifest.head_dim, R = b.manifest.rank;
+  std::vector<float> u(static_cast<size_t>(d) * r);
+  for (int i = 0; i < d; ++i)
+    for (int j = 0; j < r; ++j) u[static_cast<size_t>(i) * r + j] = b.head(layer, h)[i * R + j];
+  return u;
+}
+
+int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisSet& bases,
+                const Flags& flags) {
+  auto configs = ParseEvalConfigList(flags.Get("diag-configs"));
+  if (!configs.ok()) return Fail(configs.status());
+  const LlamaConfig& c = model.config();
+  const int n = static_cast<int>(flags.GetInt("diag-tokens"));
+  if (static_cast<int>(ids.size()) < n) return Fail(absl::InvalidArgumentError("text too short"));
+  const int D = c.head_dim, gq = c.q_heads / c.kv_heads;
+  std::vector<std::vector<float>> Q(c.layers), K(c.layers);
+  auto hook = [&](int layer, int64_t, int m, const float* q, const float* k, const float*) {
+    Q[layer].assign(q, q + static_cast<size_t>(c.q_heads) * m * D);
+    K[layer].resize(static_cast<size_t>(c.kv_heads) * m * D);
+    for (int h = 0; h < c.kv_heads; ++h)
+      for (int t = 0; t < m; ++t)
+        std::copy_n(k + (static_cast<size_t>(t) * c.kv_heads + h) * D, D,
+                    K[layer].data() + (static_cast<size_t>(h) * m + t) * D);
+  };
+  DenseCache dense(c.cache_shape());
+  absl::Status st = model.Forward(ids.data(), n, 0, &dense, n, nullptr, hook);
+  if (!st.ok()) return Fail(st);
+  if (bases.query && bases.random.u.empty()) bases.random = core::RandomBasis(bases.query->manifest, 1234);
+  struct Case { std::string q; int layer, head; KeyDistortion r; };
+  std::vector<Case> cases;
+  ProgressBar bar("kvq-eval diagnostics", static_cast<int64_t>(c.layers) * c.kv_heads);
+  for (int l = 0; l < c.layers; ++l) {
+    for (int h = 0; h < c.kv_heads; ++h) {
+      const float* qh = Q[l].data() + static_cast<size_t>(h) * gq * n * D;
+      const float* kh = K[l].data() + static_cast<size_t>(h) * n * D;
+      for (const auto& cfg : *configs) {
+        if (cfg.dense) continue;
+        KeyQuantizer qz{cfg.name, cfg.codec, nullptr};
+        std::vector<float> u;
+        if (cfg.codec.rank > 0) {
+          const core::ModelBasis* b = cfg.basis == BasisKind::kQuery ? bases.query
+                                      : cfg.basis == BasisKind::kRandom ? &bases.random
+                                      : cfg.basis == BasisKind::kCentred ? bases.centred
+                                                                         : bases.residual_weighted;
+          if (!b || b->u.empty()) return Fail(absl::FailedPreconditionError(cfg.name + ": no such basis (--basis)"));
+          u = HeadBasis(*b, l, h, cfg.codec.rank);
+          qz.basis = u.data();
+        }
+        auto r = MeasureKeyDistortion(qz, qh, gq, kh, n, D, 32);
+        if (!r.ok()) return Fail(r.status());
+        cases.push_back({cfg.name, l, h, *r});
+      }
+      bar.Update(static_cast<int64_t>(l) * c.kv_heads + h + 1);
+    }
+  }
+  bar.Finish();
+  std::vector<double> mse, fisher, kl;
+  std::map<std::string, std::array<double, 5>> mean;  // mse, fisher, kl, bits, count
+  for (const auto& cs : cases) {
+    mse.push_back(cs.r.key_mse);
+    fisher.push_back(cs.r.fisher);
+    kl.push_back(cs.r.kl);
+    auto& m = mean[cs.q];
+    m[0] += cs.r.key_mse;
+    m[1] += cs.r.fisher;
+    m[2] += cs.r.kl;
+    m[3] += cs.r.k_bits;
+    m[4] += 1;
+  }
+  nlohmann::json js;
+  js["text"] = flags.Get("text");
+  js["tokens"] = n;
+  js["cases"] = cases.size();
+  std::printf("key distortion over %d layers x %d KV heads, %d tokens (means over heads)\n", c.layers,
+              c.kv_heads, n);
+  std::printf("%-24s %7s %12s %12s %12s\n", "quantizer", "k_bits", "key_mse", "fisher", "kl");
+  for (const auto& cfg : *configs) {
+    auto& m = mean[cfg.name];
+    if (m[4] == 0) continue;
+    std::printf("%-24s %7.3f %12.5g %12.5g %12.5g\n", cfg.name.c_str(), m[3] / m[4], m[0] / m[4],
+                m[1] / m[4], m[2] / m[4]);
+    js["quantizers"].push_back({{"name", cfg.name}, {"k_bits", m[3] / m[4]}, {"key_mse", m[0] / m[4]},
+                                {"fisher", m[1] / m[4]}, {"kl", m[2] / m[4]}});
+  }
+  const double rf = core::SpearmanRho(fisher, kl), rm = core::SpearmanRho(mse, kl);
+  std::printf("Spearman over %zu cases: rho(Fisher, KL) = %.3f, rho(MSE, KL) = %.3f\n", cases.size(), rf, rm);
+  js["rho_fisher_kl"] = rf;
+  js["rho_mse_kl"] = rm;
+  // Same-budget counterexamples: same (layer, head), key bits within 0.15, lower MSE, higher KL.
+  int shown = 0, total = 0;
+  for (size_t i = 0; i < cases.size(); ++i)
+    for (size_t j = 0; j < cases.size(); ++j) {
+      const auto &a = cases[i], &b = cases[j];
+      if (a.layer != b.layer || a.head != b.head || a.q == b.q) continue;
+      if (std::abs(a.r.k_bits - b.r.k_bits) > 0.15) continue;
+      if (a.r.key_mse < b.r.key_mse && a.r.kl > b.r.kl * 1.1) {
+        ++total;
+        if (shown++ < 5)
+          std::printf("counterexample: layer %d head %d: %s (%.3f bits, MSE %.4g, KL %.4g) vs %s (%.3f bits, MSE %.4g, KL %.4g)\n",
+                      a.layer, a.head, a.q.c_str(), a.r.k_bits, a.r.key_mse, a.r.kl, b.q.c_str(), b.r.k_bits,
+                      b.r.key_mse, b.r.kl);
+      }
+    }
+  std::printf("same-budget counterexamples (lower MSE, >10%% higher KL): %d\n", total);
+  js["counterexamples"] = total;
+  // Per-layer Fisher removal of headq-k2-r4 against kivi-k2.
+  std::map<int, std::array<double, 2>> per_layer;
+  for (const auto& cs : cases) {
+    if (cs.q == "kivi-k2") per_layer[cs.layer][0] += cs.r.fisher;
+    if (cs.q == "headq-k2-r4") per_layer[cs.layer][1] += cs.r.fisher;
+  }
+  std::string line;
+  for (auto& [l, v] : per_layer) {
+    if (v[0] <= 0) continue;
+    const double removed = 1.0 - v[1] / v[0];
+    absl::StrAppend(&line, absl::StrFormat(" L%d:%.0f%%", l, 100 * removed));
+    js["layer_fisher_removed_headq_k2_r4"].push_back(removed);
+  }
+  if (!line.empty()) std::printf("Fisher removed by headq-k2-r4 vs kivi-k2 per layer:%s\n", line.c_str());
+  if (!flags.Get("json").empty()) {
+    std::ofstream out(flags.Get("json"));
+    out << js.dump(2) << "\n";
+  }
+  return 0;
+}
+
 int Main(int argc, char** argv) {
   Flags flags("eval",
               {{"model", DefaultModelPath()},
@@ -78,7 +218,13 @@ int Main(int argc, char** argv) {
                {"configs", "dense,kivi-k2,headq-k2-r4"},
                {"json", ""},
                {"threads", "2"},
-               {"dump-tokens", ""}},
+               {"dump-tokens", ""},
+               {"diagnostics", "false"},
+               {"diag-tokens", "512"},
+               {"diag-configs",
+                "kivi-k2,kivi-k2-g128,kivi-k3,kivi-k3-g128,kivi-k4,headq-k2-r1,headq-k2-r2,"
+                "headq-k2-r4,headq-k2-r8,headq-k2-r4-random,headq-k2-r4-wrongsign,headq-k2-r4-resw,"
+                "headq-k2-r4-g128,headq-k2-r8-g128"}},
               kHelp);
   int rc = 0;
   if (!flags.Parse(argc, argv, &rc)) return rc;
@@ -118,6 +264,9 @@ int Main(int argc, char** argv) {
       resw = std::move(*c);
       bases.residual_weighted = &resw;
     }
+  }
+  if (flags.GetBool("diagnostics")) {
+    return Diagnostics(**model, ids, bases, flags);
   }
   const int windows = static_cast<int>(flags.GetInt("windows"));
   const int wlen = static_cast<int>(flags.GetInt("window-len"));

@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""Plots perplexity against combined effective K+V bits per element (at the evaluated
+context) from one or more kvq-eval --json files, with gnuplot (Debian's gnuplot-nox).
+
+Usage: plot_results.py OUT.png RESULTS.json [MORE.json ...]
+Rows with the same config name in several files: the first file wins.
+"""
+import json, os, subprocess, sys, tempfile
+
+
+def main():
+    out, files = sys.argv[1], sys.argv[2:]
+    rows, seen = [], set()
+    for f in files:
+        j = json.load(open(f))
+        for r in j["rows"]:
+            if r["config"] in seen:
+                continue
+            seen.add(r["config"])
+            r["label"] = "%s (%dx%d)" % (r["config"], j["windows"], j["window_len"])
+            rows.append(r)
+    fams = {"dense": [], "kivi-k": [], "headq-k": [], "kivi-kv": [], "headq-kv": [], "control": []}
+    for r in rows:
+        c = r["config"]
+        bits = r["k_bits_ctx"] + r["v_bits_ctx"]
+        if c == "dense":
+            fam = "dense"
+        elif "random" in c or "wrongsign" in c:
+            fam = "control"
+        else:
+            fam = c.split("-")[0] + "-" + ("kv" if c.split("-")[1].startswith("kv") else "k")
+        fams[fam].append((bits, r["ppl"], c))
+    tmp = tempfile.mkdtemp()
+    plots = []
+    styles = {"dense": "pt 7 ps 1.6 lc rgb '#000000'", "kivi-k": "pt 5 ps 1.2 lc rgb '#d62728'",
+              "headq-k": "pt 7 ps 1.2 lc rgb '#1f77b4'", "kivi-kv": "pt 4 ps 1.4 lc rgb '#ff7f0e'",
+              "headq-kv": "pt 6 ps 1.4 lc rgb '#2ca02c'", "control": "pt 2 ps 1.2 lc rgb '#7f7f7f'"}
+    for fam, pts in fams.items():
+        if not pts:
+            continue
+        p = os.path.join(tmp, fam + ".dat")
+        with open(p, "w") as f:
+            for b, ppl, c in sorted(pts):
+                f.write("%f %f %s\n" % (b, ppl, c))
+        plots.append("'%s' using 1:2 with points %s title '%s', '' using 1:2:3 with labels "
+                     "offset 0.6,0.4 left font ',7' notitle" % (p, styles[fam], fam))
+    script = """set terminal pngcairo size 1100,700
+set output '%s'
+set title 'SmolLM2-135M-Instruct Q4_1, WikiText-2 test: perplexity vs combined K+V bits/element'
+set xlabel 'K + V effective bits per element at the evaluated context (dense: fp16 = 32)'
+set ylabel 'perplexity (llama.cpp protocol)'
+set logscale y
+set grid
+set key top right
+plot %s
+""" % (out, ", ".join(plots))
+    sp = os.path.join(tmp, "plot.gp")
+    open(sp, "w").write(script)
+    subprocess.run(["gnuplot", sp], check=True)
+
+
+if __name__ == "__main__":
+    main()
