@@ -7,6 +7,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -943,6 +944,77 @@ TEST(ServiceTest, SixteenConcurrentClientsMixingWritesAndReads) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(ts.server().store().TotalUsage().sequences, kThreads);
+}
+
+// Randomly damaged requests (fixed seed): the server answers every one with a status, never
+// crashes, and never changes what is stored unless the request was valid.
+TEST(ServiceTest, RandomlyDamagedRequestsAreRejectedCleanly) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  auto k = RandomKV(kv, 48, d, 1), v = RandomKV(kv, 48, d, 2);
+  v1::PutBlocksRequest good;
+  *good.add_appends() = MakeAppend("z", 0, 0, k, v, kv, 48, d, "tiny");
+  v1::PutBlocksResponse r;
+  ASSERT_TRUE(Put(*stub, {good}, &r).ok());
+  auto q = RandomQueries(qh, 1, d, 1);
+  const auto before = FloatsOf(ScoreOne(*stub, "z", 0, q, qh, 1, d).results(0).logits());
+  std::mt19937 rng(1234);
+  auto pick = [&](int n) { return static_cast<int>(rng() % n); };
+  int ok_count = 0;
+  for (int iter = 0; iter < 300; ++iter) {
+    v1::PutBlocksRequest m = good;
+    v1::Append* a = m.mutable_appends(0);
+    a->set_sequence_id(pick(4) ? "z" : std::string(pick(2) ? 300 : 0, 'x'));
+    v1::Tensor* t = pick(2) ? a->mutable_keys() : a->mutable_values();
+    switch (pick(8)) {
+      case 0:
+        t->set_dtype(static_cast<v1::DType>(pick(6)));
+        break;
+      case 1:
+        t->set_shape(pick(3), static_cast<int64_t>(rng()) - (1ll << 31));
+        break;
+      case 2:
+        t->add_shape(pick(3));
+        break;
+      case 3:
+        t->mutable_data()->resize(pick(40000));
+        break;
+      case 4:
+        a->set_layer(pick(5) - 2);
+        break;
+      case 5:
+        a->set_start(std::vector<int64_t>{-5, 49, 100, int64_t{1} << 40}[pick(4)]);
+        break;
+      case 6:
+        (*t->mutable_data())[pick(static_cast<int>(t->data().size()))] ^= 0x55;
+        break;
+      case 7:
+        a->mutable_codec()->set_key_bits(pick(10));
+        break;
+    }
+    grpc::Status st = Put(*stub, {m}, &r);
+    ok_count += st.ok();
+    v1::ScoreRequest sreq;
+    auto* it = sreq.add_items();
+    it->set_sequence_id("z");
+    it->set_layer(pick(3) - 1);
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+    if (pick(2)) it->mutable_queries()->set_shape(pick(2), pick(100) - 10);
+    if (pick(4) == 0) it->mutable_queries()->set_dtype(static_cast<v1::DType>(pick(6)));
+    v1::ScoreResponse sresp;
+    auto ctx = Ctx();
+    ASSERT_TRUE(stub->Score(ctx.get(), sreq, &sresp).ok());
+    ASSERT_EQ(sresp.results_size(), 1);
+  }
+  // Only identical re-sends (duplicates) can have succeeded; layer 0 is unchanged.
+  auto info = ts.server().store().Describe("default", "z");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_tokens[0], 48);
+  EXPECT_EQ(FloatsOf(ScoreOne(*stub, "z", 0, q, qh, 1, d).results(0).logits()), before);
+  EXPECT_GT(ok_count, 0);
 }
 
 // Scrapes /metrics over a plain socket.
