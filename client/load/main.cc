@@ -9,7 +9,8 @@
 // method "noop": the transport's share of the latency, measured under the same load.
 //
 // Exit codes: 0 every request succeeded; 1 some requests failed (the report says which);
-// 2 usage; 3 setup failed (model or sequences could not be created; nothing measured).
+// 2 usage; 3 setup failed (model or sequences could not be created; nothing measured);
+// 130 interrupted by SIGINT/SIGTERM (the report of what ran is still printed).
 #include <signal.h>
 #include <unistd.h>
 
@@ -41,7 +42,7 @@ using kvq::client::Client;
 using kvq::load::MethodStats;
 namespace v1 = kvq::v1;
 
-constexpr int kExitOk = 0, kExitErrors = 1, kExitUsage = 2, kExitSetup = 3;
+constexpr int kExitOk = 0, kExitErrors = 1, kExitUsage = 2, kExitSetup = 3, kExitInterrupted = 130;
 const char* const kMethods[] = {"put", "score", "readout", "attend"};
 
 std::atomic<bool> g_interrupted{false};
@@ -435,7 +436,8 @@ int main(int argc, char** argv) {
         "prints per method: requests, req/s, GB/s (request + response bytes), latency\n"
         "p50/p90/p99/max in ms, errors by status code. --baseline noop pairs every request\n"
         "with an Echo of the same bytes (method 'noop').\n"
-        "Exit codes: 0 no request failed; 1 some failed; 2 usage; 3 setup failed.\n\n"
+        "Exit codes: 0 no request failed; 1 some failed; 2 usage; 3 setup failed;\n"
+        "130 interrupted (SIGINT/SIGTERM; the report of what ran is printed).\n\n"
         "Flags:\n%s",
         flags.Help().c_str());
     return kExitOk;
@@ -566,7 +568,7 @@ int main(int argc, char** argv) {
     if (g_interrupted) {
       for (auto& w : workers) w->Teardown();
       std::fprintf(stderr, "\nkvq-load: interrupted during setup\n");
-      return kExitSetup;
+      return kExitInterrupted;
     }
   }
 
@@ -654,5 +656,6 @@ int main(int argc, char** argv) {
       return kExitErrors;
     }
   }
+  if (g_interrupted) return kExitInterrupted;
   return s.failed > 0 ? kExitErrors : kExitOk;
 }

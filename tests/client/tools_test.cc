@@ -311,6 +311,26 @@ TEST_F(ToolsTest, LoadStopsByItselfAndReportsErrors) {
   EXPECT_THAT(noserver.err, HasSubstr("UNAVAILABLE"));
 }
 
+TEST_F(ToolsTest, LoadStopsOnSigintWithAReport) {
+  // A long run, interrupted once its progress line shows it measuring: it stops, prints what
+  // ran, deletes its sequences and exits 130.
+  const std::string err = dir_ + "/err", out = dir_ + "/out";
+  const std::string script = absl::StrCat(
+      KVQ_LOAD_BIN, " ", flags_,
+      " --duration 300s --concurrency 2 --context 32 --layers 1 --q-heads 2 --kv-heads 1"
+      " --head-dim 32 --progress 100ms >",
+      out, " 2>", err, " & pid=$!; for i in $(seq 1 600); do grep -q s/300s ", err,
+      " 2>/dev/null && break; sleep 0.1; done; kill -INT $pid; wait $pid; exit $?");
+  const int st = std::system(absl::StrCat("bash -c '", script, "'").c_str());
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 130) << Slurp(err);
+  EXPECT_THAT(Slurp(err), HasSubstr("(interrupted)"));
+  EXPECT_THAT(Slurp(out), HasSubstr("attend"));
+  v1::StatsResponse stats;
+  ASSERT_TRUE(server_.Stub()->Stats(testing::Ctx().get(), v1::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.sequences(), 0);
+}
+
 TEST_F(ToolsTest, LoadOpenLoopAtARate) {
   const std::string json = dir_ + "/open.json";
   ToolRun r = Load(absl::StrCat(flags_,
