@@ -7,7 +7,10 @@
 #include <cstring>
 #include <vector>
 
+// libxxhash's AVX2 path measured ~2x faster than its AVX-512 path on ~1 KiB blocks here
+// (Zen 4 splits 512-bit operations), so this table inlines the AVX2 one.
 #define XXH_INLINE_ALL
+#define XXH_VECTOR XXH_AVX2
 #include <xxhash.h>
 
 #include "common.h"

@@ -1,5 +1,6 @@
 // Codec behaviour: error budgets, HeadQ's properties, accounting, corruption.
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
 #include <cmath>
 #include <cstring>
@@ -410,6 +411,33 @@ TEST(Codec, CorruptedAndTruncatedBlocksAreRejected) {
   other.key_bits = 4;
   EXPECT_EQ(ParseKeyBlock({kb.data(), KeyBlockBytes(o)}, other, true).status().code(),
             absl::StatusCode::kDataLoss);
+}
+
+// Blocks written by version 1 (seeded payload checksum) still parse and decode the same.
+TEST(Codec, Version1BlocksStillRead) {
+  CodecOptions o;
+  o.rank = 4;
+  auto basis = RandomBasis({"t", 1, 1, 1, 1, 64, 4}, 1);
+  auto k = Gaussian(32 * 64, 4);
+  std::vector<uint8_t> v2;
+  ASSERT_TRUE(EncodeKeyBlock(o, k.data(), 64, basis.u.data(), &v2).ok());
+  EXPECT_EQ(v2[2], 2);
+  auto v1 = v2;
+  v1[2] = 1;
+  const uint64_t head = XXH3_64bits(v1.data(), 12);
+  const uint32_t sum = static_cast<uint32_t>(XXH3_64bits_withSeed(v1.data() + 16, v1.size() - 16, head));
+  std::memcpy(v1.data() + 12, &sum, 4);
+  auto a = ParseKeyBlock(v1, o, true), b = ParseKeyBlock(v2, o, true);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok());
+  std::vector<float> da(32 * 64), db(32 * 64);
+  DecodeKeyBlock(*a, basis.u.data(), 1.0f, da.data());
+  DecodeKeyBlock(*b, basis.u.data(), 1.0f, db.data());
+  EXPECT_EQ(da, db);
+  v1[100] ^= 4;
+  EXPECT_EQ(ParseKeyBlock(v1, o, true).status().code(), absl::StatusCode::kDataLoss);
+  v2[2] = 3;  // a future version is refused, not guessed at
+  EXPECT_EQ(ParseKeyBlock(v2, o, true).status().code(), absl::StatusCode::kDataLoss);
 }
 
 TEST(ValuePolicy, SpendsBitsOnHeavyTokensWithinBudget) {

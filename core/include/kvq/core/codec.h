@@ -10,8 +10,10 @@
 // Block bytes (little-endian), every byte counted in the bits-per-element figures:
 //   header (16 bytes): u16 magic 0x514b "KQ" | u8 version | u8 kind (1 key, 2 value)
 //                      | u8 bits (0: per-token) | u8 side_bits | u16 tokens | u16 head_dim
-//                      | u16 rank or value_group | u32 checksum (low 32 bits of XXH3-64
-//                      over the header with the checksum zeroed, then the payload)
+//                      | u16 rank or value_group | u32 checksum
+//                      v2: low 32 bits of XXH3-64(payload) ^ 0x9E3779B97F4A7C15 * XXH3-64(header
+//                          bytes 0..11); v1: low 32 bits of XXH3-64(payload) seeded with
+//                          XXH3-64(header bytes 0..11). Layouts are otherwise identical.
 //   key payload:   fp16 scale[d] | fp16 zero[d] | codes[d][G*bits/8] (channel-major)
 //                  | fp16 side_scale[r] | fp16 side_zero[r] | side codes[r][G*side_bits/8]
 //   value payload: (per-token bits only) u8 bits_code[ceil(G/4)] (2 bits per token:
@@ -32,7 +34,8 @@
 namespace kvq::core {
 
 inline constexpr uint16_t kBlockMagic = 0x514b;
-inline constexpr uint8_t kBlockVersion = 1;
+// Version written by this build. Version 1 blocks (seeded checksum) are still read.
+inline constexpr uint8_t kBlockVersion = 2;
 inline constexpr size_t kBlockHeaderBytes = 16;
 
 enum class ValuePolicy : uint8_t {
