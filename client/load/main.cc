@@ -423,6 +423,10 @@ int main(int argc, char** argv) {
   flags.Add("progress", "DURATION", "progress line period on stderr, 0 off (default 1s)",
             [&](const std::string& v) { return ParseDurationFlag(v, &o.progress); });
   flags.AddBool("keep", "keep the sequences at the end (default: delete them)", &o.keep);
+  std::string run_id;
+  flags.Add("run-id", "ID",
+            "names the sequences kvq-load-ID-s<stream>-b<n> (default: time and pid, unique)",
+            [&](const std::string& v) { return run_id = v, !v.empty() && v.size() <= 64; });
   flags.Add("seed", "N", "random seed of the data (default 1)",
             [&](const std::string& v) { return absl::SimpleAtoi(v, &o.seed); });
   std::vector<std::string> pos;
@@ -513,7 +517,9 @@ int main(int argc, char** argv) {
     s.model_version = 1;
   }
   s.o = o;
-  s.run_id = absl::StrFormat("%x-%d", absl::ToUnixMicros(absl::Now()) & 0xffffffff, getpid());
+  s.run_id = !run_id.empty()
+                 ? run_id
+                 : absl::StrFormat("%x-%d", absl::ToUnixMicros(absl::Now()) & 0xffffffff, getpid());
 
   signal(SIGINT, OnSignal);
   signal(SIGTERM, OnSignal);

@@ -331,6 +331,27 @@ TEST_F(ToolsTest, LoadStopsOnSigintWithAReport) {
   EXPECT_EQ(stats.sequences(), 0);
 }
 
+TEST_F(ToolsTest, LoadShardsOverSeveralServers) {
+  testing::TestServer second;
+  const std::string both = absl::StrCat(server_.address(), ",", second.address());
+  ToolRun r = Load(absl::StrCat("--server ", both,
+                                " --concurrency 4 --batch 3 --requests 40 --context 40"
+                                " --layers 2 --q-heads 4 --kv-heads 2 --head-dim 32"
+                                " --mix attend,put --baseline noop --keep --progress 0"
+                                " --run-id shardtest"));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  // 12 sequences over two servers (fixed names, so a fixed placement): both hold some, and
+  // together all of them.
+  int64_t total = 0;
+  for (testing::TestServer* s : {&server_, &second}) {
+    v1::StatsResponse st;
+    ASSERT_TRUE(s->Stub()->Stats(testing::Ctx().get(), v1::StatsRequest(), &st).ok());
+    EXPECT_GT(st.sequences(), 0) << s->address();
+    total += st.sequences();
+  }
+  EXPECT_EQ(total, 12);
+}
+
 TEST_F(ToolsTest, LoadOpenLoopAtARate) {
   const std::string json = dir_ + "/open.json";
   ToolRun r = Load(absl::StrCat(flags_,
