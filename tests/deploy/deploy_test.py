@@ -2,7 +2,7 @@
 """Checks of deploy/ that need no Docker engine.
 
   deploy_test.py compose     docker-compose config (with and without the load profile)
-  deploy_test.py promtool    promtool check config on deploy/prometheus/prometheus.yml
+  deploy_test.py promtool    promtool check config / check rules on deploy/prometheus/
   deploy_test.py manifests   Dockerfiles, Kubernetes manifests and the dashboard agree
   deploy_test.py scrape --server-bin B --load-bin L --kvq-bin K
                              a real kvq-server and Debian's real Prometheus on loopback:
@@ -82,6 +82,9 @@ def check_promtool():
     r = run([pt, "check", "config", os.path.join(DEPLOY, "prometheus", "prometheus.yml")])
     if r.returncode != 0:
         fail(f"promtool: {r.stdout}{r.stderr}")
+    r = run([pt, "check", "rules", os.path.join(DEPLOY, "prometheus", "alerts.yml")])
+    if r.returncode != 0:
+        fail(f"promtool check rules: {r.stdout}{r.stderr}")
     print("promtool: OK")
 
 
@@ -264,8 +267,11 @@ def check_scrape(args):
         cfg = os.path.join(tmp, "prometheus.yml")
         with open(cfg, "w") as f:
             f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                    "rule_files:\n  - alerts.yml\n"
                     "scrape_configs:\n  - job_name: kvq\n    static_configs:\n"
                     f"      - targets: ['127.0.0.1:{metrics_port}']\n")
+        shutil.copy(os.path.join(DEPLOY, "prometheus", "alerts.yml"),
+                    os.path.join(tmp, "alerts.yml"))
         r = run([promtool, "check", "config", cfg])
         if r.returncode != 0:
             fail(f"promtool on the test config: {r.stdout}{r.stderr}")
@@ -318,6 +324,21 @@ def check_scrape(args):
             return (not empty, empty)
 
         wait_until("dashboard queries with no data", all_queries_answer, 60, logs)
+        # Every alert's metrics exist too, and each rule evaluates without error.
+        alerts = open(os.path.join(DEPLOY, "prometheus", "alerts.yml")).read()
+        missing = [n for n in sorted(set(re.findall(r"\bkvq_[a-z0-9_]+", alerts)))
+                   if not prom_query(base, f'count({{__name__="{n}"}})')["data"]["result"]]
+        if missing:
+            fail(f"alert rules use metrics kvq does not export: {missing}")
+
+        def rules_healthy():
+            groups = http_json(f"{base}/api/v1/rules")["data"]["groups"]
+            rules = [r for g in groups for r in g["rules"]]
+            bad = [(r["name"], r.get("health"), r.get("lastError")) for r in rules
+                   if r.get("health") != "ok"]
+            return (len(rules) >= 7 and not bad, bad or f"{len(rules)} rules loaded")
+
+        wait_until("alert rules not evaluating cleanly", rules_healthy, 60, logs)
         tenants = prom_query(base, 'kvq_tenant_stored_bytes{tenant="dash-tenant"}')
         if not tenants["data"]["result"]:
             fail("no per-tenant series for the load's tenant")
