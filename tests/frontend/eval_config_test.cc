@@ -33,7 +33,7 @@ TEST(EvalConfig, FieldsFollowTheName) {
   auto a = *ParseEvalConfig("headq-kv2-a2");
   EXPECT_EQ(a.codec.value_policy, core::ValuePolicy::kA2);
   EXPECT_EQ(a.codec.key_group, 128);
-  EXPECT_EQ(a.codec.value_group, 64);
+  EXPECT_EQ(a.codec.value_group, 32);
   EXPECT_FLOAT_EQ(a.codec.value_budget, 2.0f);
   EXPECT_EQ(ParseEvalConfig("headq-k2-r4-random")->basis, BasisKind::kRandom);
   EXPECT_TRUE(ParseEvalConfig("dense")->dense);

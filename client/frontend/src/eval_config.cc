@@ -88,7 +88,7 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
     if (bits > 4) return bad("a2 needs bits <= 4");
     if (c.family == "headq") {
       if (!g_set) o.key_group = 128;
-      if (!vg_set) o.value_group = 64;
+      (void)vg_set;  // value group stays 32 unless given
     }
   }
   if (c.family == "kivi" && (c.basis != BasisKind::kQuery || o.side_sign != 1.0f)) {

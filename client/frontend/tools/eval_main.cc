@@ -63,7 +63,7 @@ Configuration grammar:
     options r<N> rank, g<N> key group G (32/64/128), vg<N> value channel group,
             w<N> fp16 window R, s<N> side-code bits (4/8), a2 (A^2 value policy),
             random | wrongsign | centred | resw (basis controls and ablations)
-  Defaults: G=32, vg=32, R=0, s=8; headq-kv*-a2 defaults to G=128, vg=64.
+  Defaults: G=32, vg=32, R=0, s=8; headq-kv*-a2 defaults to G=128.
   Examples: kivi-k2 headq-k2-r4 headq-k2-r4-random headq-k2-r4-wrongsign kivi-kv2 headq-kv2-a2
 
 Every flag can also be set as KVQ_EVAL_<FLAG> (e.g. KVQ_EVAL_WINDOWS=32).

@@ -21,8 +21,8 @@
 //                         local attention over LayerCache::Decode (same numbers, slower)
 //
 // Defaults: G = 32, value group 32, R = 0, side bits 8, except headq-kv*-a2, which defaults
-// to G = 128 and value group 64 (the side code repairs the coarser key groups; that frees
-// the bits the A^2 policy spends) so that it stays within kivi-kv<bits>'s combined budget.
+// to G = 128 (the side code repairs the coarser key groups; that pays for the side code and
+// the A^2 width tags) so that it stays within kivi-kv<bits>'s combined budget.
 // Examples: kivi-k2, headq-k2-r4, headq-k2-r4-random, headq-k2-r4-wrongsign, kivi-kv2,
 // headq-kv2-a2, kivi-k2-g128, headq-k3-r4-g64-w128.
 #pragma once
