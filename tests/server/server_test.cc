@@ -349,6 +349,53 @@ TEST(ServiceTest, ObservingAttendsOnOneSequenceKeepTheirOrder) {
   EXPECT_EQ(got[1], dv);
 }
 
+TEST(ServiceTest, ProbeWeightsReachTheValuePolicy) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Fixture f;
+  f.codec.value_policy = core::ValuePolicy::kA2;
+  const Shape& s = f.shape;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  const int64_t T = 64;
+  auto k = RandomKV(kv, T, d, 1), v = RandomKV(kv, T, d, 2);
+  std::vector<float> w(kv * T);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = (i % 7 == 0) ? 5.0f : 0.01f;
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("p", 0, 0, k, v, kv, T, d, "tiny");
+  m.mutable_appends(0)->mutable_codec()->set_value_policy(v1::CodecSettings::VALUE_POLICY_A2);
+  *m.mutable_appends(0)->mutable_probe_weights() = TensorF32(w, {kv, T});
+  v1::PutBlocksResponse r;
+  grpc::Status st = Put(*stub, {m}, &r);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  auto ref = f.Ref(0);
+  std::string kb = ToF16Bytes(k), vb = ToF16Bytes(v);
+  ASSERT_TRUE(ref->Append(core::TensorView::Contiguous(kb.data(), core::DType::kF16, {kv, T, d}),
+                          core::TensorView::Contiguous(vb.data(), core::DType::kF16, {kv, T, d}), 0,
+                          w.data())
+                  .ok());
+  std::vector<float> dk, dv;
+  ASSERT_TRUE(ref->Decode(&dk, &dv).ok());
+  EXPECT_EQ(GetAll(*stub, "p", 0, kv, d)[1], dv);
+  // Without the weights the values decode differently: the weights were used.
+  auto plain = f.Ref(0);
+  ASSERT_TRUE(plain
+                  ->Append(core::TensorView::Contiguous(kb.data(), core::DType::kF16, {kv, T, d}),
+                           core::TensorView::Contiguous(vb.data(), core::DType::kF16, {kv, T, d}),
+                           0)
+                  .ok());
+  std::vector<float> pk, pv;
+  ASSERT_TRUE(plain->Decode(&pk, &pv).ok());
+  EXPECT_NE(pv, dv);
+  // A wrong probe shape is named.
+  m.mutable_appends(0)->set_sequence_id("p2");
+  *m.mutable_appends(0)->mutable_probe_weights() = TensorF32(w, {kv * T, 1});
+  st = Put(*stub, {m}, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(),
+              HasSubstr("appends[0].probe_weights.shape must be [kv_heads, n]"));
+}
+
 TEST(ServiceTest, OneTokenAppendsEqualOneBigAppend) {
   TestServer ts;
   auto stub = ts.Stub();
