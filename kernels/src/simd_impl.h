@@ -19,22 +19,39 @@ inline typename Isa::F Decode(const uint8_t* p) {
 }
 
 // w [NQ][n_ch] (already scaled), bias [NQ]: out = (acc ? out : 0) + bias + w . codes.
-template <int B, int NQ>
+// Two 16-token tiles per pass (when the block allows) so that 2*NQ independent FMA chains
+// hide the FMA latency; one tile otherwise.
+template <int B, int NQ, int TILES>
 void ScoreT(const uint8_t* codes, int n_ch, int tokens, const float* w, const float* bias,
             bool accumulate, float* out, int64_t os) {
   const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
-  for (int t0 = 0; t0 < tokens; t0 += W) {
-    typename Isa::F acc[NQ];
-    for (int i = 0; i < NQ; ++i)
-      acc[i] = accumulate ? Isa::Add(Isa::Load(out + i * os + t0), Isa::Set1(bias[i]))
-                          : Isa::Set1(bias[i]);
+  for (int t0 = 0; t0 < tokens; t0 += TILES * W) {
+    typename Isa::F acc[TILES][NQ];
+    for (int k = 0; k < TILES; ++k)
+      for (int i = 0; i < NQ; ++i)
+        acc[k][i] = accumulate ? Isa::Add(Isa::Load(out + i * os + t0 + k * W), Isa::Set1(bias[i]))
+                               : Isa::Set1(bias[i]);
     const uint8_t* base = codes + t0 * B / 8;
     for (int c = 0; c < n_ch; ++c) {
-      typename Isa::F v = Decode<B>(base + c * rb);
-      for (int i = 0; i < NQ; ++i) acc[i] = Isa::Fmadd(Isa::Set1(w[i * n_ch + c]), v, acc[i]);
+      typename Isa::F v[TILES];
+      for (int k = 0; k < TILES; ++k) v[k] = Decode<B>(base + c * rb + k * W * B / 8);
+      for (int i = 0; i < NQ; ++i) {
+        const typename Isa::F wc = Isa::Set1(w[i * n_ch + c]);
+        for (int k = 0; k < TILES; ++k) acc[k][i] = Isa::Fmadd(wc, v[k], acc[k][i]);
+      }
     }
-    for (int i = 0; i < NQ; ++i) Isa::Store(out + i * os + t0, acc[i]);
+    for (int k = 0; k < TILES; ++k)
+      for (int i = 0; i < NQ; ++i) Isa::Store(out + i * os + t0 + k * W, acc[k][i]);
   }
+}
+
+template <int B, int NQ>
+void ScoreQ(const uint8_t* codes, int n_ch, int tokens, const float* w, const float* bias,
+            bool accumulate, float* out, int64_t os) {
+  if (tokens % (2 * W) == 0)
+    ScoreT<B, NQ, 2>(codes, n_ch, tokens, w, bias, accumulate, out, os);
+  else
+    ScoreT<B, NQ, 1>(codes, n_ch, tokens, w, bias, accumulate, out, os);
 }
 
 template <int B>
@@ -44,10 +61,10 @@ void ScoreB(const uint8_t* codes, int n_ch, int tokens, const float* w, const fl
     const float* wi = w + i0 * n_ch;
     float* oi = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ScoreT<B, 1>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
-      case 2: ScoreT<B, 2>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
-      case 3: ScoreT<B, 3>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
-      default: ScoreT<B, 4>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
+      case 1: ScoreQ<B, 1>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
+      case 2: ScoreQ<B, 2>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
+      case 3: ScoreQ<B, 3>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
+      default: ScoreQ<B, 4>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
     }
   }
 }
@@ -110,13 +127,16 @@ struct RowTable {
   bool uniform;
 };
 
-template <int B, int NQ>
+// CH consecutive channel chunks per pass (CH = 2 gives 2*NQ independent FMA chains).
+template <int B, int NQ, int CH>
 inline void ReadoutChunkUniform(const uint8_t* rows, const RowTable& rt, int n_rows, int ch,
-                                const float* coef, typename Isa::F* acc) {
+                                const float* const* coef, typename Isa::F (*acc)[NQ]) {
   for (int t = 0; t < n_rows; ++t) {
-    typename Isa::F v = Decode<B>(rows + rt.off[t] + ch * W * B / 8);
+    typename Isa::F v[CH];
+    for (int k = 0; k < CH; ++k) v[k] = Decode<B>(rows + rt.off[t] + (ch + k) * W * B / 8);
     for (int i = 0; i < NQ; ++i)
-      acc[i] = Isa::Fmadd(Isa::Set1(coef[i * kMaxGroups * kMaxRows + t]), v, acc[i]);
+      for (int k = 0; k < CH; ++k)
+        acc[k][i] = Isa::Fmadd(Isa::Set1(coef[k][i * kMaxGroups * kMaxRows + t]), v[k], acc[k][i]);
   }
 }
 
@@ -156,26 +176,42 @@ void ReadoutT(const uint8_t* rows, const RowTable& rt, int n_rows, int n, int gr
       }
     }
   }
-  for (int ch = 0; ch < n / W; ++ch) {
-    const int g = ch * W / group;
-    typename Isa::F acc[NQ];
-    for (int i = 0; i < NQ; ++i) acc[i] = Isa::Zero();
-    const float* cg = coef + g * kMaxRows;
+  const int chunks = n / W;
+  for (int ch = 0; ch < chunks;) {
+    const bool pair = rt.uniform && ch + 1 < chunks;
+    const int nc = pair ? 2 : 1;
+    typename Isa::F acc[2][NQ];
+    for (int k = 0; k < 2; ++k)
+      for (int i = 0; i < NQ; ++i) acc[k][i] = Isa::Zero();
+    const float* cg[2] = {coef + (ch * W / group) * kMaxRows,
+                          coef + ((pair ? ch + 1 : ch) * W / group) * kMaxRows};
     if (!rt.uniform) {
-      ReadoutChunkMixed<NQ>(rows, rt, n_rows, ch, cg, acc);
+      ReadoutChunkMixed<NQ>(rows, rt, n_rows, ch, cg[0], acc[0]);
+    } else if (pair) {
+      switch (rt.bits[0]) {
+        case 1: ReadoutChunkUniform<1, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
+        case 2: ReadoutChunkUniform<2, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
+        case 3: ReadoutChunkUniform<3, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
+        case 4: ReadoutChunkUniform<4, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
+        default: ReadoutChunkUniform<8, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
+      }
     } else {
       switch (rt.bits[0]) {
-        case 1: ReadoutChunkUniform<1, NQ>(rows, rt, n_rows, ch, cg, acc); break;
-        case 2: ReadoutChunkUniform<2, NQ>(rows, rt, n_rows, ch, cg, acc); break;
-        case 3: ReadoutChunkUniform<3, NQ>(rows, rt, n_rows, ch, cg, acc); break;
-        case 4: ReadoutChunkUniform<4, NQ>(rows, rt, n_rows, ch, cg, acc); break;
-        default: ReadoutChunkUniform<8, NQ>(rows, rt, n_rows, ch, cg, acc); break;
+        case 1: ReadoutChunkUniform<1, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
+        case 2: ReadoutChunkUniform<2, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
+        case 3: ReadoutChunkUniform<3, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
+        case 4: ReadoutChunkUniform<4, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
+        default: ReadoutChunkUniform<8, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
       }
     }
-    for (int i = 0; i < NQ; ++i) {
-      float* o = out + i * os + ch * W;
-      Isa::Store(o, Isa::Add(Isa::Load(o), Isa::Add(acc[i], Isa::Set1(zsum[i * kMaxGroups + g]))));
+    for (int k = 0; k < nc; ++k) {
+      const int g = (ch + k) * W / group;
+      for (int i = 0; i < NQ; ++i) {
+        float* o = out + i * os + (ch + k) * W;
+        Isa::Store(o, Isa::Add(Isa::Load(o), Isa::Add(acc[k][i], Isa::Set1(zsum[i * kMaxGroups + g]))));
+      }
     }
+    ch += nc;
   }
 }
 
@@ -297,20 +333,36 @@ void dense_scores_f16_simd(const uint16_t* k, int tokens, int d, const float* q,
   }
 }
 
-void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p, int64_t ps,
-                            int n_q, float* out, int64_t os) {
-  if (d % W != 0) return Ref().dense_readout_f16(v, tokens, d, p, ps, n_q, out, os);
+template <int NQ>
+void DenseReadoutT(const uint16_t* v, int tokens, int d, const float* p, int64_t ps, float* out,
+                   int64_t os) {
   constexpr int kTile = 64;  // tokens per tile: d * 2 * 64 bytes stay in L1
   for (int t0 = 0; t0 < tokens; t0 += kTile) {
     const int t1 = std::min(tokens, t0 + kTile);
-    for (int c = 0; c < d; c += W)
-      for (int i = 0; i < n_q; ++i) {
-        typename Isa::F acc = Isa::Load(out + i * os + c);
-        const float* pi = p + i * ps;
-        for (int t = t0; t < t1; ++t)
-          acc = Isa::Fmadd(Isa::Set1(pi[t]), Isa::LoadHalf(v + static_cast<int64_t>(t) * d + c), acc);
-        Isa::Store(out + i * os + c, acc);
+    for (int c = 0; c < d; c += W) {
+      typename Isa::F acc[NQ];  // NQ independent chains over the tile's tokens
+      for (int i = 0; i < NQ; ++i) acc[i] = Isa::Load(out + i * os + c);
+      for (int t = t0; t < t1; ++t) {
+        const typename Isa::F x = Isa::LoadHalf(v + static_cast<int64_t>(t) * d + c);
+        for (int i = 0; i < NQ; ++i) acc[i] = Isa::Fmadd(Isa::Set1(p[i * ps + t]), x, acc[i]);
       }
+      for (int i = 0; i < NQ; ++i) Isa::Store(out + i * os + c, acc[i]);
+    }
+  }
+}
+
+void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p, int64_t ps,
+                            int n_q, float* out, int64_t os) {
+  if (d % W != 0) return Ref().dense_readout_f16(v, tokens, d, p, ps, n_q, out, os);
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* pi = p + i0 * ps;
+    float* oi = out + i0 * os;
+    switch (std::min(4, n_q - i0)) {
+      case 1: DenseReadoutT<1>(v, tokens, d, pi, ps, oi, os); break;
+      case 2: DenseReadoutT<2>(v, tokens, d, pi, ps, oi, os); break;
+      case 3: DenseReadoutT<3>(v, tokens, d, pi, ps, oi, os); break;
+      default: DenseReadoutT<4>(v, tokens, d, pi, ps, oi, os); break;
+    }
   }
 }
 
