@@ -116,12 +116,16 @@ void AddClientFlags(FlagSet* flags, ClientOptions* o, ClientFlags* extra) {
              "kvq server(s); several: sequences sharded by consistent hash (default "
              "localhost:50051)",
              [extra](const std::string& v) { return extra->servers = v, !v.empty(); });
-  flags->Add("timeout", "DURATION", "deadline of each call attempt, e.g. 5s (default 30s)",
+  flags->Add("timeout", "DURATION",
+             absl::StrCat("deadline of each call attempt, e.g. 5s (default ",
+                          absl::FormatDuration(o->timeout), ")"),
              [o](const std::string& v) {
                return ParseDurationFlag(v, &o->timeout) && o->timeout > absl::ZeroDuration();
              });
   flags->Add("retries", "N",
-             "retries of idempotent calls on UNAVAILABLE, with jittered backoff (default 3)",
+             absl::StrCat("retries of idempotent calls on UNAVAILABLE, with jittered backoff "
+                          "(default ",
+                          o->max_attempts - 1, ")"),
              [o](const std::string& v) {
                int n = 0;
                if (!ParseIntFlag(v, &n) || n < 0) return false;
