@@ -193,9 +193,11 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
         next = NextReadLocked();
       }
     }
-    if (finish) Succeed();
-    if (submit) svc_->pool()->Submit([this] { Drain(); });
+    // The read is started before the drain is scheduled: a drain that fails a message calls
+    // Finish, after which no read may be started.
     if (next) StartRead(next);
+    if (submit) svc_->pool()->Submit([this] { Drain(); });
+    if (finish) Succeed();  // may delete this
   }
 
   void OnDone() override { delete this; }
@@ -311,7 +313,12 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
   }
 
   void Done(const absl::Status& st) {
-    svc_->Record("PutBlocks", st, start_, bytes_in_, st.ok() ? resp_->ByteSizeLong() : 0);
+    size_t in;
+    {
+      absl::MutexLock l(&mu_);
+      in = bytes_in_;
+    }
+    svc_->Record("PutBlocks", st, start_, in, st.ok() ? resp_->ByteSizeLong() : 0);
     Finish(ToGrpc(st));
   }
 
@@ -326,7 +333,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
   bool applying_ ABSL_GUARDED_BY(mu_) = false;  // a worker is draining the queue
   bool eof_ ABSL_GUARDED_BY(mu_) = false;       // no more messages will come
   bool done_ ABSL_GUARDED_BY(mu_) = false;      // Finish was (or is being) called
-  size_t bytes_in_ = 0;
+  size_t bytes_in_ ABSL_GUARDED_BY(mu_) = 0;
   // Touched only by the worker draining the queue (one at a time) and by Succeed, which
   // runs after the last drain.
   std::map<std::pair<std::string, int>, int64_t> lengths_;
