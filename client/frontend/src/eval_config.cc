@@ -62,6 +62,8 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
       o.side_sign = -1.0f;
     } else if (p == "centred") {
       c.basis = BasisKind::kCentred;
+    } else if (p == "oracle") {
+      c.basis = BasisKind::kOracle;
     } else if (p == "resw") {
       c.basis = BasisKind::kResidualWeighted;
     } else if (ParseSuffixInt(p, "vg", &v)) {

@@ -34,6 +34,8 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
       case BasisKind::kQuery: basis = bases->query; break;
       case BasisKind::kCentred: basis = bases->centred; break;
       case BasisKind::kResidualWeighted: basis = bases->residual_weighted; break;
+      case BasisKind::kOracle:
+        return absl::InvalidArgumentError(config.name + ": the oracle basis exists only in --diagnostics");
       case BasisKind::kRandom:
         if (!bases->query) break;
         if (bases->random.u.empty()) bases->random = core::RandomBasis(bases->query->manifest, 1234);

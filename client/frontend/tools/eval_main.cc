@@ -10,6 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "flags.h"
 #include "kvq/core/basis.h"
+#include "kvq/core/calibration.h"
 #include "kvq/core/metrics.h"
 #include "kvq/frontend/diagnostics.h"
 #include "kvq/frontend/eval_config.h"
@@ -62,7 +63,8 @@ Configuration grammar:
     bits    2, 3, 4, 8
     options r<N> rank, g<N> key group G (32/64/128), vg<N> value channel group,
             w<N> fp16 window R, s<N> side-code bits (4/8), a2 (A^2 value policy),
-            random | wrongsign | centred | resw (basis controls and ablations)
+            random | wrongsign | centred | resw (basis controls and ablations),
+            oracle (--diagnostics only: PCA of the scored queries themselves, an upper bound)
   Defaults: G=32, vg=32, R=0, s=8; headq-kv*-a2 defaults to G=128.
   Examples: kivi-k2 headq-k2-r4 headq-k2-r4-random headq-k2-r4-wrongsign kivi-kv2 headq-kv2-a2
 
@@ -121,7 +123,14 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
         if (cfg.dense) continue;
         KeyQuantizer qz{cfg.name, cfg.codec, nullptr};
         std::vector<float> u;
-        if (cfg.codec.rank > 0) {
+        if (cfg.codec.rank > 0 && cfg.basis == BasisKind::kOracle) {
+          core::QueryStats qs(1, gq, 1, D);
+          for (int j = 0; j < gq; ++j) qs.Add(0, j, qh + static_cast<size_t>(j) * n * D, n);
+          auto ob = qs.Basis(cfg.codec.rank, {}, core::BasisManifest{});
+          if (!ob.ok()) return Fail(ob.status());
+          u = ob->u;
+          qz.basis = u.data();
+        } else if (cfg.codec.rank > 0) {
           const core::ModelBasis* b = cfg.basis == BasisKind::kQuery ? bases.query
                                       : cfg.basis == BasisKind::kRandom ? &bases.random
                                       : cfg.basis == BasisKind::kCentred ? bases.centred
@@ -187,20 +196,27 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
     }
   std::printf("same-budget counterexamples (lower MSE, >10%% higher KL): %d\n", total);
   js["counterexamples"] = total;
-  // Per-layer Fisher removal of headq-k2-r4 against kivi-k2.
-  std::map<int, std::array<double, 2>> per_layer;
-  for (const auto& cs : cases) {
-    if (cs.q == "kivi-k2") per_layer[cs.layer][0] += cs.r.fisher;
-    if (cs.q == "headq-k2-r4") per_layer[cs.layer][1] += cs.r.fisher;
+  // Per-layer Fisher removal of rank-4 HeadQ (calibrated and oracle basis) against kivi-k2.
+  for (const char* hq : {"headq-k2-r4", "headq-k2-r4-oracle"}) {
+    std::map<int, std::array<double, 2>> per_layer;
+    for (const auto& cs : cases) {
+      if (cs.q == "kivi-k2") per_layer[cs.layer][0] += cs.r.fisher;
+      if (cs.q == hq) per_layer[cs.layer][1] += cs.r.fisher;
+    }
+    std::string line;
+    double tot0 = 0, tot1 = 0;
+    for (auto& [l, v] : per_layer) {
+      if (v[0] <= 0 || v[1] <= 0) continue;
+      const double removed = 1.0 - v[1] / v[0];
+      tot0 += v[0];
+      tot1 += v[1];
+      absl::StrAppend(&line, absl::StrFormat(" L%d:%.0f%%", l, 100 * removed));
+      js[std::string("layer_fisher_removed_") + hq].push_back(removed);
+    }
+    if (!line.empty())
+      std::printf("Fisher removed by %s vs kivi-k2: total %.1f%%, per layer:%s\n", hq,
+                  100 * (1 - tot1 / tot0), line.c_str());
   }
-  std::string line;
-  for (auto& [l, v] : per_layer) {
-    if (v[0] <= 0) continue;
-    const double removed = 1.0 - v[1] / v[0];
-    absl::StrAppend(&line, absl::StrFormat(" L%d:%.0f%%", l, 100 * removed));
-    js["layer_fisher_removed_headq_k2_r4"].push_back(removed);
-  }
-  if (!line.empty()) std::printf("Fisher removed by headq-k2-r4 vs kivi-k2 per layer:%s\n", line.c_str());
   if (!flags.Get("json").empty()) {
     std::ofstream out(flags.Get("json"));
     out << js.dump(2) << "\n";
@@ -224,7 +240,7 @@ int Main(int argc, char** argv) {
                {"diag-configs",
                 "kivi-k2,kivi-k2-g128,kivi-k3,kivi-k3-g128,kivi-k4,headq-k2-r1,headq-k2-r2,"
                 "headq-k2-r4,headq-k2-r8,headq-k2-r4-random,headq-k2-r4-wrongsign,headq-k2-r4-resw,"
-                "headq-k2-r4-g128,headq-k2-r8-g128"}},
+                "headq-k2-r4-g128,headq-k2-r8-g128,headq-k2-r4-oracle,headq-k2-r8-oracle"}},
               kHelp);
   int rc = 0;
   if (!flags.Parse(argc, argv, &rc)) return rc;

@@ -17,6 +17,8 @@
 //              wrongsign  control: the HeadQ correction subtracted instead of added
 //              centred    basis from centred query PCA (kvq-calibrate writes DIR/centred)
 //              resw       residual-weighted basis (kvq-calibrate writes DIR/resw)
+//              oracle     --diagnostics only, a labelled upper bound: the PCA of the very
+//                         queries being scored (not a deployable basis)
 //              fused      read through the codec's fused LayerCache::Attend instead of
 //                         local attention over LayerCache::Decode (same numbers, slower)
 //
@@ -35,7 +37,7 @@
 
 namespace kvq::frontend {
 
-enum class BasisKind { kQuery, kRandom, kCentred, kResidualWeighted };
+enum class BasisKind { kQuery, kRandom, kCentred, kResidualWeighted, kOracle };
 
 struct EvalConfig {
   std::string name;
