@@ -43,6 +43,11 @@ struct Isa {
   static float ReduceMin(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_min_ps(a, b); })); }
   static float ReduceMax(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); })); }
   static F CvtI(I v) { return _mm256_cvtepi32_ps(v); }
+  static F GatherHalf(const uint8_t* base, const int32_t* idx) {
+    alignas(16) uint16_t h[8];
+    for (int j = 0; j < 8; ++j) std::memcpy(&h[j], base + idx[j], 2);
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+  }
   static F LoadHalf(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

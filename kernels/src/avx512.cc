@@ -42,6 +42,11 @@ struct Isa {
   static float ReduceMin(F v) { return _mm512_reduce_min_ps(v); }
   static float ReduceMax(F v) { return _mm512_reduce_max_ps(v); }
   static F CvtI(I v) { return _mm512_cvtepi32_ps(v); }
+  // fp16 values at base + idx[j] bytes (reads 4 bytes at each; the record continues past them).
+  static F GatherHalf(const uint8_t* base, const int32_t* idx) {
+    const __m512i w = _mm512_i32gather_epi32(_mm512_load_si512(idx), base, 1);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+  }
   static F LoadHalf(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }

@@ -122,6 +122,7 @@ void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, cons
 constexpr int kMaxRows = 128, kMaxGroups = 8;
 
 struct RowTable {
+  alignas(64) int32_t rec[kMaxRows];  // byte offset of each token's record (scales first)
   uint32_t off[kMaxRows];   // byte offset of each token's codes
   uint8_t bits[kMaxRows];
   bool uniform;
@@ -162,11 +163,24 @@ inline void ReadoutChunkMixed(const uint8_t* rows, const RowTable& rt, int n_row
 template <int NQ>
 void ReadoutT(const uint8_t* rows, const RowTable& rt, int n_rows, int n, int group, int ng,
               const float* p, int64_t ps, float* out, int64_t os) {
-  // coef[i][g][t] = p_i[t] * scale[t][g]; zsum[i][g] = sum_t p_i[t] * zero[t][g].
+  // coef[i][g][t] = p_i[t] * scale[t][g]; zsum[i][g] = sum_t p_i[t] * zero[t][g]. Scales and
+  // zero points of W tokens are gathered from their records at once.
   alignas(64) float coef[NQ * kMaxGroups * kMaxRows];
   float zsum[NQ * kMaxGroups] = {};
-  for (int t = 0; t < n_rows; ++t) {
-    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rows + rt.off[t] - 4 * ng);
+  int t = 0;
+  for (; t + W <= n_rows; t += W) {
+    for (int g = 0; g < ng; ++g) {
+      const typename Isa::F sc = Isa::GatherHalf(rows + 2 * g, rt.rec + t);
+      const typename Isa::F ze = Isa::GatherHalf(rows + 2 * (ng + g), rt.rec + t);
+      for (int i = 0; i < NQ; ++i) {
+        const typename Isa::F pv = Isa::Load(p + i * ps + t);
+        Isa::Store(coef + (i * kMaxGroups + g) * kMaxRows + t, Isa::Mul(pv, sc));
+        zsum[i * kMaxGroups + g] += Isa::ReduceAdd(Isa::Mul(pv, ze));
+      }
+    }
+  }
+  for (; t < n_rows; ++t) {
+    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rows + rt.rec[t]);
     for (int g = 0; g < ng; ++g) {
       const float sc = internal::HalfToFloat(sz[g]), ze = internal::HalfToFloat(sz[ng + g]);
       for (int i = 0; i < NQ; ++i) {
@@ -226,6 +240,7 @@ void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows,
   for (int t = 0; t < n_rows; ++t) {
     rt.bits[t] = row_bits[t];
     rt.uniform &= row_bits[t] == row_bits[0];
+    rt.rec[t] = static_cast<int32_t>(off);
     off += 4 * ng;
     rt.off[t] = off;
     off += static_cast<uint32_t>(internal::RowBytes(n, row_bits[t]));
