@@ -101,8 +101,9 @@ const std::vector<Command>& Commands() {
        "cannot be reached.",
        0},
       {"stats", "",
-       "Prints your tenant's usage (sequences, tokens, bytes, bits per element)\n"
-       "and the server totals, for every server.",
+       "Prints your tenant's usage (sequences, tokens, bytes, bits per element) and the\n"
+       "server totals, for every server. --json: an object, or an array of them (in\n"
+       "--server order) when several servers are given.",
        0},
       {"models list", "", "Lists every registered model version (of the first server).", 0},
       {"models show", "NAME", "Prints one model's entry as JSON.", 1},
@@ -165,11 +166,18 @@ int Health(Client& c) {
 }
 
 int Stats(Client& c, const CommandFlags& f) {
+  // --json: one object for one server; with several, an array in --server order.
+  std::string json;
   for (int s = 0; s < c.num_shards(); ++s) {
     auto st = c.Stats(s);
     if (!st.ok()) return RpcFail(st.status());
     if (f.json) {
-      std::printf("%s", ToJson(*st).c_str());
+      std::string one = ToJson(*st);
+      while (!one.empty() && one.back() == '\n') one.pop_back();
+      absl::StrAppend(&json, s == 0 ? "" : ",\n", one);
+      if (s + 1 == c.num_shards()) {
+        std::printf(c.num_shards() == 1 ? "%s\n" : "[\n%s\n]\n", json.c_str());
+      }
       continue;
     }
     std::printf(

@@ -106,6 +106,14 @@ TEST_F(ToolsTest, HealthStatsAndUnreachableServers) {
   EXPECT_THAT(d.out, HasSubstr(absl::StrCat(server_.address(), " SERVING")));
   EXPECT_THAT(d.out, HasSubstr(absl::StrCat(dead, " UNAVAILABLE")));
   EXPECT_THAT(d.err, HasSubstr("kvq: UNAVAILABLE: "));
+  // --json over several servers: an array, in --server order.
+  testing::TestServer second;
+  ToolRun two =
+      Kvq(absl::StrCat("stats --json --server ", server_.address(), ",", second.address()));
+  ASSERT_EQ(two.code, 0) << two.err;
+  auto arr = nlohmann::json::parse(two.out);
+  ASSERT_TRUE(arr.is_array());
+  EXPECT_EQ(arr.size(), 2u);
   // The environment works as the flags do.
   ToolRun env = Exec(absl::StrCat("KVQ_SERVER=", server_.address(), " ", KVQ_CLI_BIN), "health");
   EXPECT_EQ(env.code, 0) << env.err;
