@@ -112,8 +112,11 @@ def check_manifests():
         user = re.findall(r"^USER\s+(\S+)", final, re.M)
         if not user or user[-1].split(":")[0] in ("0", "root"):
             fail(f"{name}: the final stage must run as a non-root USER")
-        if "-dev" in final.split("COPY --from")[0]:
+        code = "\n".join(l for l in final.splitlines() if not l.lstrip().startswith("#"))
+        if re.search(r"-dev\b", code):
             fail(f"{name}: the final stage installs -dev packages")
+        if "runtime-packages.txt" not in code:
+            fail(f"{name}: the final stage must install the packages listed by the build stage")
         for port in ("50051", "9464"):
             if port not in final:
                 fail(f"{name}: port {port} not set in the final stage")
