@@ -37,8 +37,8 @@ for name, b in rows.items():
         mm = m["bytes_per_second"] / 1e9 if m else float("nan")
         print(f"| {shape} | {e:.2f} | {mm:.2f} | {e/mm:.3f}x |")
 print()
-print("| shape | AttendCodes us | AttendDense us | AttendRef us | Dense/Codes | Ref/Codes | NoVerify/Codes |")
-print("|---|---|---|---|---|---|---|")
+print("| shape | AttendCodes us | AttendDense us | AttendRef us | Dense/Codes | Ref/Codes | NoVerify/Codes | Dense/CodesG128 |")
+print("|---|---|---|---|---|---|---|---|")
 def t(b):
     return b["real_time"] if b["time_unit"] == "us" else b["real_time"] / 1e3
 for name, b in rows.items():
@@ -50,6 +50,8 @@ for name, b in rows.items():
         nv = rows.get("AttendCodesNoVerify/" + shape)
         dv = t(dn) if dn else float("nan")
         rv = t(rf) if rf else float("nan")
+        g1 = rows.get("AttendCodesG128/" + shape)
         nvs = f"{t(nv)/c:.2f}x" if nv else "-"
-        print(f"| {shape} | {c:.0f} | {dv:.0f} | {rv:.0f} | {dv/c:.2f}x | {rv/c:.1f}x | {nvs} |")
+        g1s = f"{dv/t(g1):.2f}x" if g1 else "-"
+        print(f"| {shape} | {c:.0f} | {dv:.0f} | {rv:.0f} | {dv/c:.2f}x | {rv/c:.1f}x | {nvs} | {g1s} |")
 PY
