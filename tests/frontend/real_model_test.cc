@@ -42,7 +42,7 @@ class RealModel : public ::testing::Test {
     auto m = LlamaModel::Load(*file_);
     ASSERT_TRUE(m.ok()) << m.status();
     model_ = std::move(*m).release();
-    SetBlasThreads(2);
+    SetBlasThreads(1);  // ctest runs tests in parallel; 2 BLAS threads would oversubscribe
     std::ifstream in(Fixture("reference.json"));
     ref_ = new json(json::parse(in));
   }
