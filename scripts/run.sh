@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 BUILD="${KVQ_BUILD_DIR:-build}"
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/kvq/ccache}"
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"  # relative paths: clones share cache hits
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD" -j "$(nproc)"
 if [[ -x "$BUILD/bin/kvq-server" ]]; then

@@ -8,6 +8,7 @@ bash scripts/install-deps.sh
 BUILD="${KVQ_BUILD_DIR:-build}"
 JOBS="${KVQ_JOBS:-$(nproc)}"
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/kvq/ccache}"
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"  # relative paths: clones share cache hits
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD" -j "$JOBS"
 if [[ -x scripts/test-extra.sh ]]; then bash scripts/test-extra.sh "$BUILD"; fi
