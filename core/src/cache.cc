@@ -85,31 +85,55 @@ bool AllFinite(DType t, const uint8_t* p, int n, int* bad) {
   return false;
 }
 
-// Copies one head's rows [n][d] (any dtype and strides) into dst as dtype `to`; fails on
-// non-finite values.
-absl::Status CopyRows(const TensorView& t, int h, int64_t n, int d, DType to,
-                      absl::string_view name, std::vector<uint8_t>* dst) {
-  std::vector<float> row(d);
-  const size_t es = DTypeSize(to);
-  const size_t at = dst->size();
-  dst->resize(at + n * d * es);
+bool FastRows(const TensorView& t, DType to) { return to == t.dtype && t.stride[2] == 1; }
+
+const uint8_t* RowPtr(const TensorView& t, int h, int64_t j) {
+  return static_cast<const uint8_t*>(t.data) +
+         (h * t.stride[0] + j * t.stride[1]) * DTypeSize(t.dtype);
+}
+
+// Checks that one head's rows [n][d] are finite once stored as dtype `to` (a conversion that
+// overflows, f32 -> f16, counts too). Reads only: the cache is not touched.
+absl::Status ValidateRows(const TensorView& t, int h, int64_t n, int d, DType to,
+                          absl::string_view name) {
+  std::vector<float> row;
+  std::vector<uint8_t> conv;
   int bad = 0;
   for (int64_t j = 0; j < n; ++j) {
-    uint8_t* out = dst->data() + at + j * d * es;
-    if (to == t.dtype && t.stride[2] == 1) {
-      const uint8_t* src = static_cast<const uint8_t*>(t.data) +
-                           (h * t.stride[0] + j * t.stride[1]) * DTypeSize(t.dtype);
-      std::memcpy(out, src, d * es);
-    } else {
+    const uint8_t* p = RowPtr(t, h, j);
+    if (!FastRows(t, to)) {
+      row.resize(d);
+      conv.resize(d * DTypeSize(to));
       t.RowToFloat({h, j}, row.data());
-      FromFloat(to, row.data(), out, d);
+      FromFloat(to, row.data(), conv.data(), d);
+      p = conv.data();
     }
-    // Checked on the stored copy; a conversion that overflows (f32 -> f16) counts too.
-    if (!AllFinite(to, out, d, &bad))
+    if (!AllFinite(to, p, d, &bad))
       return absl::InvalidArgumentError(absl::StrCat(name, "[", h, ", ", j, ", ", bad,
                                                      "] is not finite (in ", DTypeName(to), ")"));
   }
   return absl::OkStatus();
+}
+
+// Appends one head's rows [n][d] to dst as dtype `to` (already validated).
+void AppendRows(const TensorView& t, int h, int64_t n, int d, DType to, std::vector<uint8_t>* dst) {
+  const size_t es = DTypeSize(to);
+  const size_t at = dst->size();
+  dst->resize(at + n * d * es);
+  uint8_t* out = dst->data() + at;
+  if (FastRows(t, to) && t.stride[1] == d) {  // the head's rows are one contiguous run
+    std::memcpy(out, RowPtr(t, h, 0), n * d * es);
+    return;
+  }
+  std::vector<float> row(d);
+  for (int64_t j = 0; j < n; ++j, out += d * es) {
+    if (FastRows(t, to)) {
+      std::memcpy(out, RowPtr(t, h, j), d * es);
+    } else {
+      t.RowToFloat({h, j}, row.data());
+      FromFloat(to, row.data(), out, d);
+    }
+  }
 }
 
 void Widen(std::vector<uint8_t>* win, DType from) {
@@ -133,16 +157,18 @@ absl::Status LayerCache::Append(const TensorView& k, const TensorView& v, int64_
   RETURN_IF_ERROR(CheckKV(k, "keys", kv_heads_, d, n));
   RETURN_IF_ERROR(CheckKV(v, "values", kv_heads_, d, n));
   if (n == 0) return absl::OkStatus();
-  // Stage into copies first so that a bad value leaves the cache untouched.
   // The window keeps the arrival dtype; mixed dtypes widen it to f32 (lossless).
   const bool has_window = tokens_ > encoded_;
   DType to = k.dtype == v.dtype ? k.dtype : DType::kF32;
   if (has_window && heads_[0].win_dtype != to) to = DType::kF32;
-  std::vector<std::vector<uint8_t>> kst(kv_heads_), vst(kv_heads_);
+  // Validate everything before touching the cache, so that bad input harms nothing stored.
   for (int h = 0; h < kv_heads_; ++h) {
-    RETURN_IF_ERROR(CopyRows(k, h, n, d, to, "keys", &kst[h]));
-    RETURN_IF_ERROR(CopyRows(v, h, n, d, to, "values", &vst[h]));
+    RETURN_IF_ERROR(ValidateRows(k, h, n, d, to, "keys"));
+    RETURN_IF_ERROR(ValidateRows(v, h, n, d, to, "values"));
   }
+  tokens_ += n;
+  const int64_t ready = std::max<int64_t>(0, (tokens_ - encoded_ - opts_.window) / opts_.key_group);
+  // Head by head: append to the window and encode what is ready while it is warm in cache.
   for (int h = 0; h < kv_heads_; ++h) {
     Head& hd = heads_[h];
     if (has_window && hd.win_dtype != to) {
@@ -150,16 +176,17 @@ absl::Status LayerCache::Append(const TensorView& k, const TensorView& v, int64_
       Widen(&hd.vwin, hd.win_dtype);
     }
     hd.win_dtype = to;
-    hd.kwin.insert(hd.kwin.end(), kst[h].begin(), kst[h].end());
-    hd.vwin.insert(hd.vwin.end(), vst[h].begin(), vst[h].end());
+    AppendRows(k, h, n, d, to, &hd.kwin);
+    AppendRows(v, h, n, d, to, &hd.vwin);
     for (int64_t j = 0; j < n; ++j) {
       hd.a2_sum.push_back(0.0f);
       hd.a2_reads.push_back(0);
       hd.probe.push_back(probe_weights ? probe_weights[h * n + j] : -1.0f);
     }
+    RETURN_IF_ERROR(EncodeGroups(h, ready));
   }
-  tokens_ += n;
-  return EncodeReadyGroups();
+  encoded_ += ready * opts_.key_group;
+  return absl::OkStatus();
 }
 
 void LayerCache::WindowToFloat(const Head& hd, bool keys, float* out) const {
@@ -167,13 +194,16 @@ void LayerCache::WindowToFloat(const Head& hd, bool keys, float* out) const {
   ToFloat(hd.win_dtype, w.data(), out, w.size() / DTypeSize(hd.win_dtype));
 }
 
-absl::Status LayerCache::EncodeReadyGroups() {
-  const int G = opts_.key_group, d = opts_.head_dim, r = opts_.rank;
-  const int64_t ready = std::max<int64_t>(0, (tokens_ - encoded_ - opts_.window) / G);
+absl::Status LayerCache::EncodeGroups(int h, int64_t ready) {
   if (ready == 0) return absl::OkStatus();
-  std::vector<float> kf(static_cast<size_t>(G) * d), vf(static_cast<size_t>(G) * d), wts(G);
-  std::vector<uint8_t> widths(G);
-  for (int h = 0; h < kv_heads_; ++h) {
+  const int G = opts_.key_group, d = opts_.head_dim, r = opts_.rank;
+  thread_local std::vector<float> kf, vf, wts;
+  thread_local std::vector<uint8_t> widths;
+  kf.resize(static_cast<size_t>(G) * d);
+  vf.resize(static_cast<size_t>(G) * d);
+  wts.resize(G);
+  widths.resize(G);
+  {
     Head& hd = heads_[h];
     const size_t es = DTypeSize(hd.win_dtype);
     const size_t group_bytes = static_cast<size_t>(G) * d * es;
@@ -214,7 +244,6 @@ absl::Status LayerCache::EncodeReadyGroups() {
     hd.a2_reads.erase(hd.a2_reads.begin(), hd.a2_reads.begin() + ready * G);
     hd.probe.erase(hd.probe.begin(), hd.probe.begin() + ready * G);
   }
-  encoded_ += ready * G;
   return absl::OkStatus();
 }
 

@@ -93,7 +93,9 @@ class LayerCache {
     std::vector<int32_t> a2_reads;            // per window token: number of observations
     std::vector<float> probe;                 // per window token: probe weight (or -1)
   };
-  absl::Status EncodeReadyGroups();
+  // Encodes the `ready` oldest whole groups of head h's window (encoded_ is updated by the
+  // caller once every head is done).
+  absl::Status EncodeGroups(int h, int64_t ready);
   absl::Status ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
                          float* out) const;
   absl::Status ReadoutHead(int h, const float* p, int rows, float* out) const;
