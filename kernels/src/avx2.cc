@@ -92,7 +92,11 @@ struct Isa {
     }
     uint32_t w = 0;
     for (int j = 0; j < 8; ++j) w |= static_cast<uint32_t>(c[j]) << (j * bits);
-    std::memcpy(dst, &w, bits);
+    switch (bits) {  // constant sizes: no library call
+      case 1: dst[0] = static_cast<uint8_t>(w); break;
+      case 2: { const uint16_t h = static_cast<uint16_t>(w); std::memcpy(dst, &h, 2); break; }
+      default: std::memcpy(dst, &w, 4); break;
+    }
   }
 
   static F Exp(F x) {

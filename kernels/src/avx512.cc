@@ -117,10 +117,15 @@ struct Isa {
         std::memcpy(dst, w, 8);
         return;
       }
-      default: {
+      default: {  // 1 or 2 bits: 16 codes fit one 32-bit word (2 or 4 bytes written)
         __m512i s = _mm512_sllv_epi32(q, _mm512_mullo_epi32(lane, _mm512_set1_epi32(bits)));
-        uint32_t w = static_cast<uint32_t>(_mm512_reduce_or_epi32(s));
-        std::memcpy(dst, &w, 2 * bits);
+        const uint32_t w = static_cast<uint32_t>(_mm512_reduce_or_epi32(s));
+        if (bits == 1) {
+          const uint16_t h = static_cast<uint16_t>(w);
+          std::memcpy(dst, &h, 2);  // constant sizes: no library call (and no vzeroupper)
+        } else {
+          std::memcpy(dst, &w, 4);
+        }
         return;
       }
     }

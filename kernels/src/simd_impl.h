@@ -5,13 +5,6 @@
 
 constexpr int W = Isa::W;
 
-inline void LoadBytes(const uint8_t* p, int n, uint64_t* lo, uint64_t* hi) {
-  uint64_t v[2] = {0, 0};
-  std::memcpy(v, p, n);
-  *lo = v[0];
-  *hi = v[1];
-}
-
 // Decodes W codes of B bits starting at byte p (code 0 at bit 0) to floats.
 template <int B>
 inline typename Isa::F Decode(const uint8_t* p) {
