@@ -496,6 +496,40 @@ TEST(ValuePolicy, LowersA2DistortionAtEqualBits) {
   EXPECT_LE(bytes_a, bytes_u + (n / G) * ((G + 3) / 4));  // only the width tags extra
 }
 
+// Probe weights sent with an append steer the A^2 policy: the weighted tokens decode closer.
+TEST(ValuePolicy, ProbeWeightsThroughTheCache) {
+  const int kv = 2, d = 64, T = 64;
+  CodecOptions o;
+  o.value_policy = ValuePolicy::kA2;
+  o.value_budget = 2.0f;
+  o.sink_tokens = 0;
+  auto k = Gaussian(kv * T * d, 61), v = Gaussian(kv * T * d, 62);
+  std::vector<float> probe(kv * T, 0.01f);
+  for (int h = 0; h < kv; ++h)
+    for (int t = 5; t < T; t += 9) probe[h * T + t] = 1.0f;  // a few heavy tokens per head
+  LayerCache c(o, kv, nullptr);
+  ASSERT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0, probe.data()).ok());
+  std::vector<float> kd, vd;
+  ASSERT_TRUE(c.Decode(&kd, &vd).ok());
+  double heavy = 0, light = 0;
+  int nh = 0, nl = 0;
+  for (int h = 0; h < kv; ++h)
+    for (int t = 0; t < T; ++t) {
+      double e = 0;
+      for (int ch = 0; ch < d; ++ch) {
+        const size_t i = (static_cast<size_t>(h) * T + t) * d + ch;
+        e += (vd[i] - v[i]) * (vd[i] - v[i]);
+      }
+      if (probe[h * T + t] > 0.5f) heavy += e, ++nh;
+      else light += e, ++nl;
+    }
+  EXPECT_LT(heavy / nh, 0.2 * light / nl);
+  // The mean width stays within the budget (plus the 2-bit tags): same bytes as uniform 2-bit.
+  CodecOptions uni;
+  EXPECT_LE(c.Size().value_block_bytes,
+            static_cast<int64_t>(ValueBlockBytes(uni) + (o.key_group + 3) / 4) * kv * (T / 32));
+}
+
 TEST(Metrics, FisherApproximatesKLForSmallErrors) {
   auto s = Gaussian(500, 1, 2.0f);
   auto ds = Gaussian(500, 2, 0.01f);
