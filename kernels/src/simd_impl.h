@@ -225,18 +225,27 @@ void ReadoutT(const uint8_t* rows, const RowTable& rt, int n_rows, int n, int gr
 void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n, int group,
                        const float* p, int64_t ps, int n_q, float* out, int64_t os) {
   const int ng = (n + group - 1) / group;
+  if (n_rows <= 0) return;
   if (n % W != 0 || group % W != 0 || ng > kMaxGroups || n_rows > kMaxRows)
     return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
   RowTable rt;
-  rt.uniform = true;
-  uint32_t off = 0;
-  for (int t = 0; t < n_rows; ++t) {
-    rt.bits[t] = row_bits[t];
-    rt.uniform &= row_bits[t] == row_bits[0];
-    rt.rec[t] = static_cast<int32_t>(off);
-    off += 4 * ng;
-    rt.off[t] = off;
-    off += static_cast<uint32_t>(internal::RowBytes(n, row_bits[t]));
+  rt.uniform = std::memcmp(row_bits, row_bits + 1, n_rows - 1) == 0;  // all widths equal
+  if (rt.uniform) {  // fixed-size records: offsets are an arithmetic progression
+    const int32_t rec = 4 * ng + static_cast<int32_t>(internal::RowBytes(n, row_bits[0]));
+    for (int t = 0; t < n_rows; ++t) {
+      rt.rec[t] = t * rec;
+      rt.off[t] = static_cast<uint32_t>(t * rec + 4 * ng);
+      rt.bits[t] = row_bits[0];
+    }
+  } else {
+    uint32_t off = 0;
+    for (int t = 0; t < n_rows; ++t) {
+      rt.bits[t] = row_bits[t];
+      rt.rec[t] = static_cast<int32_t>(off);
+      off += 4 * ng;
+      rt.off[t] = off;
+      off += static_cast<uint32_t>(internal::RowBytes(n, row_bits[t]));
+    }
   }
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
