@@ -85,6 +85,8 @@ bool AllFinite(DType t, const uint8_t* p, int n, int* bad) {
   return false;
 }
 
+absl::Status CheckQueries(int q_heads, int kv_heads, int n_q);
+
 bool FastRows(const TensorView& t, DType to) { return to == t.dtype && t.stride[2] == 1; }
 
 const uint8_t* RowPtr(const TensorView& t, int h, int64_t j) {
@@ -147,6 +149,16 @@ void Widen(std::vector<uint8_t>* win, DType from) {
 
 absl::Status LayerCache::Append(const TensorView& k, const TensorView& v, int64_t start,
                                 const float* probe_weights) {
+  return AppendImpl(k, v, start, probe_weights, nullptr);
+}
+
+absl::Status LayerCache::Append(const TensorView& k, const TensorView& v, int64_t start,
+                                const ProbeQueries& probes) {
+  return AppendImpl(k, v, start, nullptr, &probes);
+}
+
+absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, int64_t start,
+                                    const float* probe_weights, const ProbeQueries* probes) {
   RETURN_IF_ERROR(opts_.Validate());
   if (start != tokens_)
     return absl::InvalidArgumentError(absl::StrCat("start = ", start,
@@ -166,10 +178,16 @@ absl::Status LayerCache::Append(const TensorView& k, const TensorView& v, int64_
     RETURN_IF_ERROR(ValidateRows(k, h, n, d, to, "keys"));
     RETURN_IF_ERROR(ValidateRows(v, h, n, d, to, "values"));
   }
+  if (probes != nullptr) {
+    RETURN_IF_ERROR(CheckQueries(probes->q_heads, kv_heads_, probes->n));
+    if (probes->q == nullptr) return absl::InvalidArgumentError("probe queries: no data");
+    if (probes->causal_offset < -1)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "probe causal_offset = ", probes->causal_offset, ": must be >= -1"));
+  }
   tokens_ += n;
   const int64_t ready = std::max<int64_t>(0, (tokens_ - encoded_ - opts_.window) / opts_.key_group);
-  // Head by head: append to the window and encode what is ready while it is warm in cache.
-  for (int h = 0; h < kv_heads_; ++h) {
+  auto join_window = [&](int h) {
     Head& hd = heads_[h];
     if (has_window && hd.win_dtype != to) {
       Widen(&hd.kwin, hd.win_dtype);
@@ -183,7 +201,21 @@ absl::Status LayerCache::Append(const TensorView& k, const TensorView& v, int64_
       hd.a2_reads.push_back(0);
       hd.probe.push_back(probe_weights ? probe_weights[h * n + j] : -1.0f);
     }
-    RETURN_IF_ERROR(EncodeGroups(h, ready));
+  };
+  if (probes != nullptr) {
+    // Everything joins the window, the probes read it, then the ready groups are encoded.
+    for (int h = 0; h < kv_heads_; ++h) join_window(h);
+    std::vector<float> scratch(static_cast<size_t>(probes->q_heads) * probes->n * d);
+    AttendOptions ao;
+    ao.causal_offset = probes->causal_offset;
+    RETURN_IF_ERROR(Attend(probes->q, probes->q_heads, probes->n, ao, scratch.data()));
+    for (int h = 0; h < kv_heads_; ++h) RETURN_IF_ERROR(EncodeGroups(h, ready));
+  } else {
+    // Head by head: append to the window and encode what is ready while it is warm in cache.
+    for (int h = 0; h < kv_heads_; ++h) {
+      join_window(h);
+      RETURN_IF_ERROR(EncodeGroups(h, ready));
+    }
   }
   encoded_ += ready * opts_.key_group;
   return absl::OkStatus();

@@ -530,6 +530,39 @@ TEST(ValuePolicy, ProbeWeightsThroughTheCache) {
             static_cast<int64_t>(ValueBlockBytes(uni) + (o.key_group + 3) / 4) * kv * (T / 32));
 }
 
+// Probe queries sent with an append: tokens they attend to get the wide value codes.
+TEST(ValuePolicy, ProbeQueriesThroughTheCache) {
+  const int kv = 1, qh = 3, d = 64, T = 32;
+  CodecOptions o;
+  o.value_policy = ValuePolicy::kA2;
+  o.sink_tokens = 0;
+  auto k = Gaussian(T * d, 71), v = Gaussian(T * d, 72);
+  const int targets[qh] = {3, 17, 29};
+  std::vector<float> q(qh * d);
+  for (int h = 0; h < qh; ++h)
+    for (int c = 0; c < d; ++c) q[h * d + c] = 3.0f * k[targets[h] * d + c];  // peaks on target
+  LayerCache c(o, kv, nullptr);
+  ProbeQueries pq{q.data(), qh, 1, -1};
+  ASSERT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0, pq).ok());
+  EXPECT_EQ(c.Size().encoded_tokens, 32);
+  std::vector<float> kd, vd;
+  ASSERT_TRUE(c.Decode(&kd, &vd).ok());
+  auto err = [&](int t) {
+    double e = 0;
+    for (int ch = 0; ch < d; ++ch) e += (vd[t * d + ch] - v[t * d + ch]) * (vd[t * d + ch] - v[t * d + ch]);
+    return e;
+  };
+  double others = 0;
+  for (int t = 0; t < T; ++t) others += err(t) / T;
+  for (int t : targets) EXPECT_LT(err(t), 0.2 * others) << t;
+  // Bad probes are rejected before anything is stored.
+  ProbeQueries bad{q.data(), 2, 1, -1};  // 2 query heads over 1 KV head is fine ...
+  bad.q_heads = 0;                        // ... 0 is not
+  EXPECT_EQ(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), T, bad).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.tokens(), T);
+}
+
 TEST(Metrics, FisherApproximatesKLForSmallErrors) {
   auto s = Gaussian(500, 1, 2.0f);
   auto ds = Gaussian(500, 2, 0.01f);

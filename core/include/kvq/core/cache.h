@@ -38,6 +38,16 @@ struct SizeReport {
   SizeReport& operator+=(const SizeReport& o);
 };
 
+// Queries sent with an append so that the A^2 value policy can weigh the new tokens before
+// they are encoded (e.g. the queries of the appended positions themselves). Layout
+// [q_heads][n][d] fp32; query i sees cached tokens [0, causal_offset + i] (-1: all).
+struct ProbeQueries {
+  const float* q = nullptr;
+  int q_heads = 0;
+  int n = 0;
+  int64_t causal_offset = -1;
+};
+
 struct AttendOptions {
   // Query i sees cached tokens [0, causal_offset + i]; -1: every cached token.
   int64_t causal_offset = -1;
@@ -62,6 +72,11 @@ class LayerCache {
   // optional [kv_heads][n] A^2 weights predicted by the frontend (probe queries).
   absl::Status Append(const TensorView& k, const TensorView& v, int64_t start,
                       const float* probe_weights = nullptr);
+  // The same, with probe queries: after the tokens join the window and before any group is
+  // encoded, the probes attend over the whole cache and their p^2 is recorded on the window
+  // tokens (as earlier readouts are). Only affects the A^2 value policy.
+  absl::Status Append(const TensorView& k, const TensorView& v, int64_t start,
+                      const ProbeQueries& probes);
 
   // Logits: out[h][i][t] = scale * (q . k_base + U^T q . z_hat) over every cached token.
   // corrections_only: only the HeadQ term (for frontends that score the base themselves).
@@ -96,6 +111,8 @@ class LayerCache {
   // Encodes the `ready` oldest whole groups of head h's window (encoded_ is updated by the
   // caller once every head is done).
   absl::Status EncodeGroups(int h, int64_t ready);
+  absl::Status AppendImpl(const TensorView& k, const TensorView& v, int64_t start,
+                          const float* probe_weights, const ProbeQueries* probes);
   absl::Status ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
                          float* out) const;
   absl::Status ReadoutHead(int h, const float* p, int rows, float* out) const;
