@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Plots perplexity against combined effective K+V bits per element (at the evaluated
 context) from one or more kvq-eval --json files, with gnuplot (Debian's gnuplot-nox).
+Dense (fp16, 32 bits) is drawn as a horizontal reference line. Pass files evaluated on the
+same windows only (perplexities of different window sets are not comparable).
 
-Usage: plot_results.py OUT.png RESULTS.json [MORE.json ...]
+Usage: plot_results.py OUT.png TITLE RESULTS.json [MORE.json ...]
 Rows with the same config name in several files: the first file wins.
 """
 import json, os, subprocess, sys, tempfile
 
 
 def main():
-    out, files = sys.argv[1], sys.argv[2:]
+    out, title, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+    dense = None
     rows, seen = [], set()
     for f in files:
         j = json.load(open(f))
@@ -24,7 +27,8 @@ def main():
         c = r["config"]
         bits = r["k_bits_ctx"] + r["v_bits_ctx"]
         if c == "dense":
-            fam = "dense"
+            dense = r["ppl"]
+            continue
         elif "random" in c or "wrongsign" in c:
             fam = "control"
         else:
@@ -44,16 +48,17 @@ def main():
                 f.write("%f %f %s\n" % (b, ppl, c))
         plots.append("'%s' using 1:2 with points %s title '%s', '' using 1:2:3 with labels "
                      "offset 0.6,0.4 left font ',7' notitle" % (p, styles[fam], fam))
-    script = """set terminal pngcairo size 1100,700
+    if dense is not None:
+        plots.append("%f with lines dt 2 lc rgb '#000000' title 'dense fp16 (32 bits), PPL %.3f'" % (dense, dense))
+    script = """set terminal pngcairo size 1100,700 noenhanced
 set output '%s'
-set title 'SmolLM2-135M-Instruct Q4_1, WikiText-2 test: perplexity vs combined K+V bits/element'
-set xlabel 'K + V effective bits per element at the evaluated context (dense: fp16 = 32)'
-set ylabel 'perplexity (llama.cpp protocol)'
-set logscale y
+set title '%s'
+set xlabel 'K + V effective bits per element at the evaluated context'
+set ylabel 'perplexity (llama.cpp protocol, WikiText-2 test)'
 set grid
 set key top right
 plot %s
-""" % (out, ", ".join(plots))
+""" % (out, title, ", ".join(plots))
     sp = os.path.join(tmp, "plot.gp")
     open(sp, "w").write(script)
     subprocess.run(["gnuplot", sp], check=True)
