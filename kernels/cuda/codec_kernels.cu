@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "kvq/kernels/cuda.h"
+
 namespace kvq::kernels::cuda {
 
 // One thread per (query, token): out = (accumulate ? out : 0)
@@ -31,7 +33,8 @@ __global__ void ScoreCodesKernel(const uint8_t* codes, int bits, int n_ch, int t
 
 int ScoreCodes(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
                const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
-               bool accumulate, float* out, int64_t os, cudaStream_t stream) {
+               bool accumulate, float* out, int64_t os, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   dim3 block(128), grid((tokens + 127) / 128, n_q);
   ScoreCodesKernel<<<grid, block, 0, stream>>>(
       codes, bits, n_ch, tokens, reinterpret_cast<const __half*>(scale),
