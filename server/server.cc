@@ -154,6 +154,8 @@ absl::Status KvqServer::Impl::Start() {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", opts.grpc_address, ":", opts.grpc_port));
   }
+  // Health: the whole server ("") and the kvq.v1.Kvq service by name.
+  server->GetHealthCheckService()->SetServingStatus(v1::Kvq::service_full_name(), false);
   server->GetHealthCheckService()->SetServingStatus(false);
 
   std::vector<std::string> loaded, skipped;
@@ -173,7 +175,7 @@ absl::Status KvqServer::Impl::Start() {
                      : "off (tenant from x-kvq-tenant; development only)",
       "; tls: ", opts.tls_cert.empty() ? "off" : (opts.tls_client_ca.empty() ? "on" : "mutual")));
   ready.store(true, std::memory_order_release);
-  server->GetHealthCheckService()->SetServingStatus(true);
+  server->GetHealthCheckService()->SetServingStatus(true);  // every named service too
   metrics->SetReady(true);
   metrics->Refresh(*store, *registry, pool_name.c_str());
   Log(absl::StrCat("serving gRPC on ", opts.grpc_address, ":", grpc_port, "; metrics ",

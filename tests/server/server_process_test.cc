@@ -90,6 +90,13 @@ TEST(ServerProcessTest, EnvFlagsDefaultRegistryHealthAndGracefulSigterm) {
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   kill(p.pid, SIGTERM);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  // Draining: health says NOT_SERVING and new calls are refused, the open stream continues.
+  auto c2 = Ctx();
+  ASSERT_TRUE(health->Check(c2.get(), {}, &h).ok());
+  EXPECT_EQ(h.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  v1::EchoResponse er;
+  auto c3 = Ctx();
+  EXPECT_EQ(stub->Echo(c3.get(), {}, &er).error_code(), grpc::StatusCode::UNAVAILABLE);
   w->WritesDone();
   grpc::Status st = w->Finish();
   EXPECT_TRUE(st.ok()) << st.error_message();

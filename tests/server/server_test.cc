@@ -112,6 +112,10 @@ TEST(ServiceTest, HealthServingAndModelsListed) {
   auto ctx = Ctx();
   ASSERT_TRUE(health->Check(ctx.get(), hreq, &hresp).ok());
   EXPECT_EQ(hresp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  hreq.set_service("kvq.v1.Kvq");
+  auto ctx1 = Ctx();
+  ASSERT_TRUE(health->Check(ctx1.get(), hreq, &hresp).ok());
+  EXPECT_EQ(hresp.status(), grpc::health::v1::HealthCheckResponse::SERVING);
 
   auto stub = v1::Kvq::NewStub(ch);
   Shape s;
