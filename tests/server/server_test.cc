@@ -570,6 +570,49 @@ TEST(ServiceTest, StreamCutPartWayLeavesWholeMessages) {
   }
 }
 
+// Cancelled streams end their calls: afterwards nothing is in flight, so shutdown does not
+// wait for its grace period.
+TEST(ServiceTest, CancelledStreamsReleaseTheirCalls) {
+  server::ServerOptions o;
+  o.shutdown_grace = absl::Seconds(20);
+  TestServer ts(o);
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  const int64_t T = 300;
+  auto k = RandomKV(kv, T, d, 1);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("g", 0, 0, k, k, kv, T, d, "tiny");
+  v1::PutBlocksResponse r;
+  ASSERT_TRUE(Put(*stub, {m}, &r).ok());
+  for (int round = 0; round < 5; ++round) {
+    grpc::ClientContext ctx;
+    v1::GetBlocksRequest req;
+    req.set_sequence_id("g");
+    req.set_max_tokens_per_message(1);
+    auto reader = stub->GetBlocks(&ctx, req);
+    v1::GetBlocksResponse msg;
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(reader->Read(&msg));
+    EXPECT_EQ(msg.start(), 2);
+    ctx.TryCancel();
+    while (reader->Read(&msg)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    grpc::ClientContext pctx;
+    v1::PutBlocksResponse presp;
+    auto w = stub->PutBlocks(&pctx, &presp);
+    m.mutable_appends(0)->set_sequence_id(absl::StrCat("c", round));
+    w->Write(m);
+    pctx.TryCancel();
+    w->Finish();
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto t0 = std::chrono::steady_clock::now();
+  ts.server().Shutdown();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
 TEST(ServiceTest, ValidationErrorsNameFieldAndLimit) {
   server::ServerOptions o;
   o.max_message_bytes = 4 << 20;
