@@ -12,7 +12,7 @@
 //   kvq_sequences                              gauge     live sequences
 //   kvq_evictions_total, kvq_expirations_total counter   sequences evicted (LRU) / expired (TTL)
 //   kvq_scrub_failures_total                   counter   sequences that failed a checksum scrub
-//   kvq_tenant_stored_bytes{tenant}, kvq_tenant_sequences{tenant}, kvq_tenant_tokens{tenant}
+//   kvq_tenant_stored_bytes{tenant}, kvq_tenant_sequences{tenant}, kvq_tenant_cached_tokens{tenant}
 //   kvq_models                                 gauge     registry entries (model versions)
 //   kvq_ready                                  gauge     1 once the registry is loaded
 #pragma once
