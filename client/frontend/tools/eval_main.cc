@@ -19,6 +19,9 @@
 #include "kvq/frontend/model_files.h"
 #include "kvq/frontend/perplexity.h"
 #include "kvq/frontend/progress.h"
+#ifdef KVQ_FRONTEND_REMOTE
+#include "kvq/frontend/remote_eval.h"
+#endif
 #include "kvq/frontend/tokenizer.h"
 #include "nlohmann/json.hpp"
 
@@ -38,6 +41,16 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
   --configs LIST    comma-separated configuration names (default dense,kivi-k2,headq-k2-r4)
   --json FILE       also write the results as JSON
   --threads T       BLAS threads (default 2)
+  --kv MODE         where the KV cache lives: local (default, in-process caches) or
+                    remote=ADDR[,ADDR...]: a kvq server (or shards); every non-dense config
+                    is decoded token by token through it (PutBlocks + Attend per step and
+                    layer, Score for keys-only configs), --kv-batch windows batched per call;
+                    prints decode steps/s and the RPC share of the time (dense stays local)
+  --kv-batch N      windows decoded at once in remote mode (default 8)
+  --kv-decode M     remote mode: token (default; one token per forward call, as a serving
+                    frontend decodes) or chunks (the in-process run's decode-faithful chunks:
+                    the same K/V bits reach the codec, so PPL matches the in-process run of
+                    the same read path; steps/s then counts tokens)
   --dump-tokens F   write the token ids of --text to F (one per line) and exit
   --diagnostics     instead of perplexity: run one dense window of --diag-tokens tokens from
                     the start of --text, and for every (layer, KV head) and each key
@@ -234,6 +247,9 @@ int Main(int argc, char** argv) {
                {"configs", "dense,kivi-k2,headq-k2-r4"},
                {"json", ""},
                {"threads", "2"},
+               {"kv", "local"},
+               {"kv-batch", "8"},
+               {"kv-decode", "token"},
                {"dump-tokens", ""},
                {"diagnostics", "false"},
                {"diag-tokens", "512"},
@@ -289,10 +305,66 @@ int Main(int argc, char** argv) {
   std::map<std::string, PerplexityResult> results;
   ProgressBar bar("kvq-eval", static_cast<int64_t>(windows) * configs->size());
   int64_t done = 0;
+  const std::string kv = flags.Get("kv");
+  if (flags.Get("kv-decode") != "token" && flags.Get("kv-decode") != "chunks") {
+    return Fail(absl::InvalidArgumentError("--kv-decode must be token or chunks"));
+  }
+  if (kv != "local" && kv.rfind("remote=", 0) != 0) {
+    return Fail(absl::InvalidArgumentError("--kv must be local or remote=ADDR[,ADDR...]"));
+  }
+  std::map<std::string, nlohmann::json> remote_rows;
+#ifdef KVQ_FRONTEND_REMOTE
+  std::unique_ptr<client::Client> remote;
+  if (kv != "local") {
+    client::ClientOptions co;
+    co.servers = client::SplitServers(kv.substr(7));
+    auto cl = client::Client::Create(co);
+    if (!cl.ok()) return Fail(cl.status());
+    remote = std::move(*cl);
+  }
+#else
+  if (kv != "local") return Fail(absl::UnimplementedError("--kv remote: built without gRPC"));
+#endif
   for (const auto& c : *configs) {
-    auto r = EvaluatePerplexity(**model, ids, windows, wlen, c, &bases, [&](int) {
-      bar.Update(++done, c.name);
-    });
+    auto on_window = [&](int) { bar.Update(++done, c.name); };
+    absl::StatusOr<PerplexityResult> r;
+#ifdef KVQ_FRONTEND_REMOTE
+    if (remote && !c.dense) {
+      RemoteEvalOptions ro;
+      ro.client = remote.get();
+      ro.batch = static_cast<int>(flags.GetInt("kv-batch"));
+      ro.chunks = flags.Get("kv-decode") == "chunks";
+      RemoteEvalStats rs;
+      r = EvaluatePerplexityRemote(**model, ids, windows, wlen, c, &bases, ro, &rs, on_window);
+      if (r.ok()) {
+        remote_rows[c.name] = {{"server", kv.substr(7)},
+                               {"model", rs.model.model},
+                               {"decode_steps", rs.decode_steps},
+                               {"decode_seconds", rs.decode_seconds},
+                               {"steps_per_second", rs.steps_per_second()},
+                               {"rpc_share", rs.rpc_share()},
+                               {"put_seconds", rs.rpc.put_seconds},
+                               {"read_seconds", rs.rpc.read_seconds},
+                               {"batches", rs.rpc.batches},
+                               {"items", rs.rpc.items},
+                               {"bytes_sent", rs.rpc.bytes_sent}};
+        std::fprintf(stderr,
+                     "kvq-eval: %s through %s: %lld decode steps in %.2fs = %.1f steps/s "
+                     "(%d windows batched), RPC %.1f%% of the time (PutBlocks %.1f%%, %s %.1f%%), "
+                     "%lld batched calls of each\n",
+                     c.name.c_str(), kv.substr(7).c_str(), static_cast<long long>(rs.decode_steps),
+                     rs.decode_seconds, rs.steps_per_second(),
+                     std::min(windows, std::max(1, ro.batch)), 100 * rs.rpc_share(),
+                     100 * rs.rpc.put_seconds / std::max(1e-12, rs.decode_seconds),
+                     c.keys_only ? "Score" : "Attend",
+                     100 * rs.rpc.read_seconds / std::max(1e-12, rs.decode_seconds),
+                     static_cast<long long>(rs.rpc.batches));
+      }
+    } else
+#endif
+    {
+      r = EvaluatePerplexity(**model, ids, windows, wlen, c, &bases, on_window);
+    }
     if (!r.ok()) return Fail(r.status());
     results[c.name] = *r;
   }
@@ -334,6 +406,7 @@ int Main(int argc, char** argv) {
                           {"tokens", r.scored_tokens},
                           {"seconds", r.seconds},
                           {"codec", c.dense ? "dense" : c.codec.ToString()}});
+    if (remote_rows.count(c.name)) js["rows"].back()["remote"] = remote_rows[c.name];
   }
   if (!flags.Get("json").empty()) {
     std::ofstream out(flags.Get("json"));

@@ -1,0 +1,152 @@
+// RemoteCache: the AttentionCache of one sequence held by kvq servers, through the C++ client
+// library (kvq_client), as a serving frontend uses the service.
+//
+// Per forward call and layer, AppendAndAttend sends the chunk's post-RoPE keys and values
+// (PutBlocks, explicit start position, fp16 on the wire as CodecCache rounds them) and then
+// asks for the chunk's attention:
+//   * kv configurations: Attend (score, softmax and readout fused server-side, causal offset
+//     = the chunk's start; observe=true only for the A^2 value policy, whose widths come from
+//     the readouts the server observes, exactly as CodecCache's fused path does);
+//   * keys-only configurations (values kept fp16): Score on the server, then the causal
+//     softmax and the readout over fp16 values kept here, as CodecCache's keys-only path does.
+// Queries travel as fp32, outputs come back as fp32, so the only difference from the
+// in-process CodecCache is float summation order.
+//
+// Batching across sequences: caches that share one RemoteBatcher are decoded in lockstep by
+// one thread each (the LlamaModel driver runs one sequence per call). Each AppendAndAttend
+// parks its request in the batcher; when every joined cache has one parked, the last one to
+// arrive sends ONE PutBlocks message holding all their appends and ONE Attend (or Score)
+// call holding all their items, then wakes the others. Within one token, layer l+1's query
+// depends on layer l's output, so batches run across sequences, never across layers.
+//
+// The sequence is created by its first append (model, basis version and every codec field
+// explicit, so the server's model defaults do not matter). Not thread-safe per cache; a
+// RemoteBatcher is shared by the threads of its caches.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kvq/client/client.h"
+#include "kvq/core/basis.h"
+#include "kvq/core/codec.h"
+#include "kvq/frontend/attention_cache.h"
+#include "kvq/v1/kvq.pb.h"
+
+namespace kvq::frontend {
+
+// A model entry on the servers that sequences name at creation.
+struct RemoteModel {
+  std::string model;
+  int version = 1;
+};
+
+// Registers the model (with `basis`, or without one when basis is null: rank-0 codecs only)
+// on every server of the client. `name` overrides the entry name (default: the basis
+// manifest's model, or "kvq-frontend-<layers>x<kv_heads>x<head_dim>" without a basis).
+// Idempotent: an identical entry already registered is used as is; a different entry under
+// the same (name, version) is ALREADY_EXISTS (register under another name).
+absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const CacheShape& shape,
+                                                const core::ModelBasis* basis,
+                                                const std::string& name = "");
+
+// Every codec field explicit (rank 0 and window 0 as -1, the wire's "force 0"). Fails for
+// options the wire cannot express (side_sign != 1: the wrong-sign control is in-process
+// only; sink_tokens == 0 with the A^2 policy).
+absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o);
+
+// Counters of a batcher (all its caches together).
+struct RemoteStats {
+  int64_t batches = 0;       // flushes: one PutBlocks message + one read call each
+  int64_t items = 0;         // (sequence, layer) items sent
+  int64_t put_rpcs = 0, attend_rpcs = 0, score_rpcs = 0;
+  double put_seconds = 0;    // wall time inside PutBlocks calls
+  double read_seconds = 0;   // wall time inside Attend / Score calls
+  int64_t bytes_sent = 0;    // serialized request bytes
+  double rpc_seconds() const { return put_seconds + read_seconds; }
+};
+
+class RemoteCache;
+
+// Lockstep batching of several caches' per-layer requests into one PutBlocks message and
+// one Attend / Score call. Thread-safe.
+class RemoteBatcher {
+ public:
+  explicit RemoteBatcher(client::Client* client) : client_(client) {}
+  RemoteStats stats() const;
+
+  // Internal, used by RemoteCache.
+  struct Request {
+    v1::Append append;
+    bool score = false;  // keys-only: Score instead of Attend
+    v1::AttendItem attend;
+    v1::ScoreItem score_item;
+    v1::Tensor result;   // Attend outputs or Score logits
+    absl::Status status;
+  };
+  void Join();
+  void Leave();
+  absl::Status Run(Request* r);
+
+ private:
+  void FlushLocked();
+  client::Client* client_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int active_ = 0;
+  uint64_t generation_ = 0;
+  std::vector<Request*> pending_;
+  RemoteStats stats_;
+};
+
+class RemoteCache : public AttentionCache {
+ public:
+  struct Options {
+    std::string sequence_id;
+    RemoteModel model;
+    core::CodecOptions codec;  // as CodecCache gets it (head_dim set)
+    bool keys_only = false;    // values fp16, read out here (CodecCache keys_only)
+  };
+  // batcher: shared with the other caches decoded in lockstep, or null (a private one).
+  // The cache joins the batcher now and leaves it in Finish() or its destructor.
+  static absl::StatusOr<std::unique_ptr<RemoteCache>> Create(client::Client* client,
+                                                              RemoteBatcher* batcher,
+                                                              const CacheShape& shape,
+                                                              Options options);
+  ~RemoteCache() override;
+
+  absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
+                               const float* q, float* out) override;
+  int64_t tokens(int layer) const override { return tokens_[layer]; }
+  // Same encode schedule as the server's LayerCache (and CodecCache): a group of G tokens is
+  // encoded once more than R + G - 1 wait at arrival precision.
+  int64_t NextEncodeBoundary(int64_t tokens) const override;
+  int64_t EncodeGroup() const override { return o_.codec.key_group; }
+
+  // Leaves the batcher (so that the other caches stop waiting for this one) and, when
+  // delete_sequence, drops the sequence on the server. Idempotent.
+  absl::Status Finish(bool delete_sequence = true);
+  const std::string& sequence_id() const { return o_.sequence_id; }
+  RemoteBatcher& batcher() { return *batcher_; }
+
+ private:
+  RemoteCache(client::Client* client, RemoteBatcher* batcher, const CacheShape& s, Options o)
+      : client_(client), batcher_(batcher), s_(s), o_(std::move(o)) {}
+  client::Client* client_;
+  std::unique_ptr<RemoteBatcher> own_batcher_;
+  RemoteBatcher* batcher_;
+  CacheShape s_;
+  Options o_;
+  v1::CodecSettings wire_codec_;
+  bool joined_ = false, finished_ = false;
+  std::vector<int64_t> tokens_;
+  std::vector<std::vector<float>> dense_v_;  // keys_only: per layer [tokens][kv_heads][d]
+};
+
+}  // namespace kvq::frontend

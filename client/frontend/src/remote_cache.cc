@@ -1,0 +1,355 @@
+#include "kvq/frontend/remote_cache.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
+#include "kvq/core/tensor.h"
+
+namespace kvq::frontend {
+namespace {
+
+double Since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void SetShape(v1::Tensor* t, v1::DType dt, std::initializer_list<int64_t> shape) {
+  t->set_dtype(dt);
+  t->clear_shape();
+  for (int64_t s : shape) t->add_shape(s);
+}
+
+absl::Status ItemError(const v1::ItemStatus& s, const std::string& what) {
+  if (s.code() == 0) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.code()), absl::StrCat(what, ": ", s.message()));
+}
+
+}  // namespace
+
+absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const CacheShape& s,
+                                                const core::ModelBasis* basis,
+                                                const std::string& name) {
+  v1::RegisterBasisRequest req;
+  v1::ModelInfo* info = req.mutable_info();
+  info->set_layers(s.layers);
+  info->set_kv_heads(s.kv_heads);
+  info->set_q_heads(s.q_heads);
+  info->set_head_dim(s.head_dim);
+  if (basis) {
+    const core::BasisManifest& m = basis->manifest;
+    if (m.layers != s.layers || m.kv_heads != s.kv_heads || m.head_dim != s.head_dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "basis shape (layers ", m.layers, ", kv_heads ", m.kv_heads, ", head_dim ", m.head_dim,
+          ") does not fit the model"));
+    }
+    info->set_model(name.empty() ? m.model : name);
+    info->set_version(std::max(1, m.version));
+    info->set_basis_rank(m.rank);
+    info->set_rope_layout(m.rope_layout);
+    info->set_channel_order(m.channel_order);
+    info->set_kind(m.kind);
+    info->set_calibration_tokens(m.calibration_tokens);
+    const size_t per = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
+    for (int l = 0; l < m.layers; ++l) {
+      v1::Tensor* t = req.add_basis();
+      SetShape(t, v1::DTYPE_F32, {m.kv_heads, m.head_dim, m.rank});
+      t->set_data(reinterpret_cast<const char*>(basis->u.data() + l * per), per * sizeof(float));
+    }
+  } else {
+    info->set_model(name.empty() ? absl::StrCat("kvq-frontend-", s.layers, "x", s.kv_heads, "x",
+                                                s.head_dim)
+                                 : name);
+    info->set_version(1);
+    info->set_basis_rank(0);
+  }
+  ASSIGN_OR_RETURN(v1::RegisterBasisResponse resp, client.RegisterBasis(req));
+  return RemoteModel{resp.model().model(), resp.model().version()};
+}
+
+absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o) {
+  RETURN_IF_ERROR(o.Validate());
+  if (o.side_sign != 1.0f) {
+    return absl::InvalidArgumentError(
+        "the wrong-sign control (side_sign != 1) has no wire form; run it in-process");
+  }
+  v1::CodecSettings c;
+  c.set_key_bits(o.key_bits);
+  c.set_key_group(o.key_group);
+  c.set_rank(o.rank == 0 ? -1 : o.rank);
+  c.set_side_bits(o.side_bits);
+  c.set_value_bits(o.value_bits);
+  c.set_value_group(o.value_group);
+  c.set_value_policy(o.per_token_value_bits() ? v1::CodecSettings::VALUE_POLICY_A2
+                                              : v1::CodecSettings::VALUE_POLICY_UNIFORM);
+  c.set_value_budget(o.value_budget);
+  if (o.sink_tokens == 0 && o.per_token_value_bits()) {
+    return absl::InvalidArgumentError("sink_tokens 0 has no wire form (0 means the default)");
+  }
+  c.set_sink_tokens(o.sink_tokens);
+  c.set_window(o.window == 0 ? -1 : o.window);
+  return c;
+}
+
+// ------------------------------------------------------------------------------ batcher
+
+RemoteStats RemoteBatcher::stats() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return stats_;
+}
+
+void RemoteBatcher::Join() {
+  std::lock_guard<std::mutex> l(mu_);
+  ++active_;
+}
+
+void RemoteBatcher::Leave() {
+  std::lock_guard<std::mutex> l(mu_);
+  --active_;
+  // The others may all be parked, waiting for this one.
+  if (!pending_.empty() && static_cast<int>(pending_.size()) >= active_) FlushLocked();
+}
+
+absl::Status RemoteBatcher::Run(Request* r) {
+  std::unique_lock<std::mutex> l(mu_);
+  pending_.push_back(r);
+  if (static_cast<int>(pending_.size()) >= active_) {
+    FlushLocked();
+    return r->status;
+  }
+  const uint64_t gen = generation_;
+  cv_.wait(l, [&] { return generation_ != gen; });
+  return r->status;
+}
+
+// Runs with mu_ held: every other participant is parked in Run (or about to Leave), so no
+// one can add to this batch meanwhile.
+void RemoteBatcher::FlushLocked() {
+  std::vector<Request*> batch;
+  batch.swap(pending_);
+  v1::PutBlocksRequest put;
+  for (Request* r : batch) *put.add_appends() = std::move(r->append);
+  stats_.bytes_sent += static_cast<int64_t>(put.ByteSizeLong());
+  auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<v1::PutBlocksResponse> pr = client_->PutBlocks({put});
+  stats_.put_seconds += Since(t0);
+  ++stats_.put_rpcs;
+  ++stats_.batches;
+  stats_.items += static_cast<int64_t>(batch.size());
+  if (!pr.ok()) {
+    for (Request* r : batch)
+      r->status = absl::Status(pr.status().code(), absl::StrCat("PutBlocks: ", pr.status().message()));
+  } else {
+    v1::AttendRequest areq;
+    v1::ScoreRequest sreq;
+    std::vector<Request*> att, sco;
+    for (Request* r : batch) {
+      if (r->score) {
+        *sreq.add_items() = std::move(r->score_item);
+        sco.push_back(r);
+      } else {
+        *areq.add_items() = std::move(r->attend);
+        att.push_back(r);
+      }
+    }
+    if (!att.empty()) {
+      stats_.bytes_sent += static_cast<int64_t>(areq.ByteSizeLong());
+      t0 = std::chrono::steady_clock::now();
+      absl::StatusOr<v1::AttendResponse> ar = client_->Attend(areq);
+      stats_.read_seconds += Since(t0);
+      ++stats_.attend_rpcs;
+      for (size_t i = 0; i < att.size(); ++i) {
+        if (!ar.ok()) {
+          att[i]->status = absl::Status(ar.status().code(), absl::StrCat("Attend: ", ar.status().message()));
+        } else if (i >= static_cast<size_t>(ar->results_size())) {
+          att[i]->status = absl::InternalError("Attend: missing result");
+        } else {
+          v1::AttendResult* res = ar->mutable_results(static_cast<int>(i));
+          att[i]->status = ItemError(res->status(), "Attend");
+          att[i]->result = std::move(*res->mutable_outputs());
+        }
+      }
+    }
+    if (!sco.empty()) {
+      stats_.bytes_sent += static_cast<int64_t>(sreq.ByteSizeLong());
+      t0 = std::chrono::steady_clock::now();
+      absl::StatusOr<v1::ScoreResponse> sr = client_->Score(sreq);
+      stats_.read_seconds += Since(t0);
+      ++stats_.score_rpcs;
+      for (size_t i = 0; i < sco.size(); ++i) {
+        if (!sr.ok()) {
+          sco[i]->status = absl::Status(sr.status().code(), absl::StrCat("Score: ", sr.status().message()));
+        } else if (i >= static_cast<size_t>(sr->results_size())) {
+          sco[i]->status = absl::InternalError("Score: missing result");
+        } else {
+          v1::ScoreResult* res = sr->mutable_results(static_cast<int>(i));
+          sco[i]->status = ItemError(res->status(), "Score");
+          sco[i]->result = std::move(*res->mutable_logits());
+        }
+      }
+    }
+  }
+  ++generation_;
+  cv_.notify_all();
+}
+
+// -------------------------------------------------------------------------------- cache
+
+absl::StatusOr<std::unique_ptr<RemoteCache>> RemoteCache::Create(client::Client* client,
+                                                                 RemoteBatcher* batcher,
+                                                                 const CacheShape& shape,
+                                                                 Options options) {
+  if (!client) return absl::InvalidArgumentError("remote cache: no client");
+  if (options.sequence_id.empty()) return absl::InvalidArgumentError("remote cache: no sequence id");
+  if (options.codec.head_dim != shape.head_dim) {
+    return absl::InvalidArgumentError("remote cache: codec head_dim != model head_dim");
+  }
+  ASSIGN_OR_RETURN(v1::CodecSettings wire, CodecToWire(options.codec));
+  std::unique_ptr<RemoteCache> c(new RemoteCache(client, batcher, shape, std::move(options)));
+  c->wire_codec_ = std::move(wire);
+  if (!c->batcher_) {
+    c->own_batcher_ = std::make_unique<RemoteBatcher>(client);
+    c->batcher_ = c->own_batcher_.get();
+  }
+  c->tokens_.assign(shape.layers, 0);
+  if (c->o_.keys_only) c->dense_v_.resize(shape.layers);
+  c->batcher_->Join();
+  c->joined_ = true;
+  return c;
+}
+
+RemoteCache::~RemoteCache() { Finish(/*delete_sequence=*/false).IgnoreError(); }
+
+absl::Status RemoteCache::Finish(bool delete_sequence) {
+  if (joined_) {
+    joined_ = false;
+    batcher_->Leave();
+  }
+  if (!delete_sequence || finished_) return absl::OkStatus();
+  finished_ = true;
+  bool any = false;
+  for (int64_t t : tokens_) any |= t > 0;
+  if (!any) return absl::OkStatus();
+  return client_->DeleteSequence(o_.sequence_id).status();
+}
+
+int64_t RemoteCache::NextEncodeBoundary(int64_t tokens) const {
+  const int64_t G = o_.codec.key_group, R = o_.codec.window;
+  const int64_t encoded = tokens >= R + G ? (tokens - R) / G * G : 0;
+  return encoded + R + G;
+}
+
+absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float* v,
+                                          int64_t start, int n, const float* q, float* out) {
+  if (!joined_) return absl::FailedPreconditionError("remote cache: finished");
+  if (layer < 0 || layer >= s_.layers) return absl::InvalidArgumentError("remote cache: bad layer");
+  if (start != tokens_[layer]) {
+    return absl::InvalidArgumentError(absl::StrCat("remote cache: append at ", start,
+                                                   " but layer ", layer, " holds ", tokens_[layer]));
+  }
+  const int KVH = s_.kv_heads, D = s_.head_dim, QH = s_.q_heads;
+  RemoteBatcher::Request req;
+  v1::Append& a = req.append;
+  a.set_sequence_id(o_.sequence_id);
+  a.set_layer(layer);
+  a.set_start(start);
+  if (start == 0) {  // creates the sequence: pin model, version and codec
+    a.set_model(o_.model.model);
+    a.set_basis_version(o_.model.version);
+    *a.mutable_codec() = wire_codec_;
+  }
+  // [n][kv][d] fp32 -> [kv][n][d] fp16, the wire dtype (CodecCache rounds the same way).
+  const size_t cnt = static_cast<size_t>(n) * KVH * D;
+  std::vector<float> tr(cnt);
+  for (auto [src, t] : {std::pair{k, a.mutable_keys()}, std::pair{v, a.mutable_values()}}) {
+    for (int h = 0; h < KVH; ++h)
+      for (int i = 0; i < n; ++i)
+        std::memcpy(tr.data() + (static_cast<size_t>(h) * n + i) * D,
+                    src + (static_cast<size_t>(i) * KVH + h) * D, D * sizeof(float));
+    SetShape(t, v1::DTYPE_F16, {KVH, n, D});
+    std::string* bytes = t->mutable_data();
+    bytes->resize(cnt * 2);
+    core::FromFloat(core::DType::kF16, tr.data(), bytes->data(), cnt);
+  }
+  const size_t qbytes = static_cast<size_t>(QH) * n * D * sizeof(float);
+  if (o_.keys_only) {
+    req.score = true;
+    v1::ScoreItem& it = req.score_item;
+    it.set_sequence_id(o_.sequence_id);
+    it.set_layer(layer);
+    it.set_basis_version(o_.model.version);
+    SetShape(it.mutable_queries(), v1::DTYPE_F32, {QH, n, D});
+    it.mutable_queries()->set_data(reinterpret_cast<const char*>(q), qbytes);
+    // Values stay here at fp16, as CodecCache's keys-only path keeps them.
+    auto& dv = dense_v_[layer];
+    const size_t old = dv.size();
+    dv.resize(old + cnt);
+    std::vector<uint16_t> h16(cnt);
+    core::FromFloat(core::DType::kF16, v, h16.data(), cnt);
+    core::ToFloat(core::DType::kF16, h16.data(), dv.data() + old, cnt);
+  } else {
+    v1::AttendItem& it = req.attend;
+    it.set_sequence_id(o_.sequence_id);
+    it.set_layer(layer);
+    it.set_basis_version(o_.model.version);
+    SetShape(it.mutable_queries(), v1::DTYPE_F32, {QH, n, D});
+    it.mutable_queries()->set_data(reinterpret_cast<const char*>(q), qbytes);
+    it.set_causal_offset(start);
+    // Only the A^2 policy uses what attends observe; read-only calls are also retryable.
+    it.set_observe(o_.codec.per_token_value_bits());
+    it.set_output_dtype(v1::DTYPE_F32);
+  }
+  absl::Status st = batcher_->Run(&req);
+  if (!st.ok()) {
+    if (o_.keys_only) dense_v_[layer].resize(dense_v_[layer].size() - cnt);
+    return st;
+  }
+  tokens_[layer] = start + n;
+  const int64_t T = tokens_[layer];
+  const v1::Tensor& r = req.result;
+  if (!o_.keys_only) {
+    if (r.dtype() != v1::DTYPE_F32 || r.data().size() != qbytes) {
+      return absl::InternalError(absl::StrCat("Attend: outputs of ", r.data().size(),
+                                              " bytes, expected ", qbytes));
+    }
+    std::memcpy(out, r.data().data(), qbytes);
+    return absl::OkStatus();
+  }
+  const size_t lbytes = static_cast<size_t>(QH) * n * T * sizeof(float);
+  if (r.dtype() != v1::DTYPE_F32 || r.data().size() != lbytes) {
+    return absl::InternalError(absl::StrCat("Score: logits of ", r.data().size(),
+                                            " bytes, expected ", lbytes, " (", T, " tokens)"));
+  }
+  // Causal softmax of the server's logits, readout over the fp16 values held here.
+  std::vector<float> p(static_cast<size_t>(T));
+  const float* logits = reinterpret_cast<const float*>(r.data().data());
+  const float* V = dense_v_[layer].data();
+  const int group = QH / KVH;
+  for (int h = 0; h < QH; ++h) {
+    const int kh = h / group;
+    for (int i = 0; i < n; ++i) {
+      const float* li = logits + (static_cast<size_t>(h) * n + i) * T;
+      const int64_t vis = std::min<int64_t>(T, start + i + 1);
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < vis; ++t) mx = std::max(mx, li[t]);
+      double sum = 0;
+      for (int64_t t = 0; t < vis; ++t) {
+        p[t] = std::exp(li[t] - mx);
+        sum += p[t];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      float* o = out + (static_cast<size_t>(h) * n + i) * D;
+      std::fill(o, o + D, 0.0f);
+      for (int64_t t = 0; t < vis; ++t) {
+        const float w = p[t] * inv;
+        const float* vt = V + (static_cast<size_t>(t) * KVH + kh) * D;
+        for (int c = 0; c < D; ++c) o[c] += w * vt[c];
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvq::frontend
