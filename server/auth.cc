@@ -17,9 +17,23 @@ bool Authenticator::ValidTenant(absl::string_view t) {
   return true;
 }
 
-absl::StatusOr<Authenticator> Authenticator::Load(const std::string& tokens_file) {
+absl::StatusOr<Authenticator> Authenticator::Load(const std::string& tokens_file,
+                                                  const std::string& admin_tenants) {
   Authenticator a;
-  if (tokens_file.empty()) return a;
+  for (absl::string_view t : absl::StrSplit(admin_tenants, ',', absl::SkipWhitespace())) {
+    t = absl::StripAsciiWhitespace(t);
+    if (!ValidTenant(t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--admin-tenants: '", t, "' is not a tenant name ([A-Za-z0-9._-]{1,64})"));
+    }
+    a.admins_.insert(std::string(t));
+  }
+  if (tokens_file.empty()) {
+    if (!a.admins_.empty()) {
+      return absl::InvalidArgumentError("--admin-tenants needs --auth-tokens");
+    }
+    return a;
+  }
   std::ifstream f(tokens_file);
   if (!f) return absl::NotFoundError(absl::StrCat("cannot read tokens file ", tokens_file));
   a.enabled_ = true;

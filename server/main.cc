@@ -86,6 +86,8 @@ std::vector<Flag> MakeFlags(ServerOptions* o, bool* help) {
        str(&o->tls_client_ca)},
       {"auth-tokens", "FILE", "bearer tokens file, lines '<token> <tenant>': auth on",
        str(&o->auth_tokens_file)},
+      {"admin-tenants", "LIST", "tenants allowed to RegisterBasis with auth on (default: all)",
+       str(&o->admin_tenants)},
       {"shutdown-grace", "DURATION", "time in-flight calls get at shutdown (default 10s)",
        duration(&o->shutdown_grace)},
       {"scrub-period", "DURATION", "checksum scrub period (default 10m; 0 off)",

@@ -94,7 +94,7 @@ absl::Status KvqServer::Impl::Start() {
     return absl::InvalidArgumentError("--capacity and --tenant-quota must be >= 0");
   }
 
-  absl::StatusOr<Authenticator> a = Authenticator::Load(opts.auth_tokens_file);
+  absl::StatusOr<Authenticator> a = Authenticator::Load(opts.auth_tokens_file, opts.admin_tenants);
   if (!a.ok()) return a.status();
   auth = *std::move(a);
 

@@ -53,6 +53,9 @@ struct ServerOptions {
   // Bearer tokens file: lines "<token> <tenant>" ('#' starts a comment). Empty = auth off:
   // the tenant comes from the `x-kvq-tenant` metadata, trusted as sent (development only).
   std::string auth_tokens_file;
+  // With auth on: comma-separated tenants allowed to RegisterBasis (the registry is shared by
+  // all tenants). Empty = every authenticated tenant may register.
+  std::string admin_tenants;
   // In-flight calls get this long to finish at shutdown before they are cancelled.
   absl::Duration shutdown_grace = absl::Seconds(10);
   // Seconds between metric refreshes, TTL sweeps and the checksum scrub (0: no scrub).

@@ -111,7 +111,11 @@ grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServe
 grpc::ServerUnaryReactor* Service::RegisterBasis(grpc::CallbackServerContext* ctx,
                                                  const v1::RegisterBasisRequest* req,
                                                  v1::RegisterBasisResponse* resp) {
-  return Unary("RegisterBasis", ctx, req, resp, true, [this, req, resp](const std::string&) {
+  return Unary("RegisterBasis", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
+    if (!auth_->MayRegister(tenant)) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("tenant '", tenant, "' may not register models (see --admin-tenants)"));
+    }
     ASSIGN_OR_RETURN(core::ModelEntry e, ModelFromProto(*req));
     bool already = false;
     ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> stored,

@@ -847,10 +847,20 @@ TEST(ServiceTest, TenantsAreIsolatedWithAuthOn) {
       << "# token tenant\nalpha-token-0123456789 alpha\nbeta-token-0123456789 beta\n";
   server::ServerOptions o;
   o.auth_tokens_file = tokens;
+  o.admin_tenants = "alpha";
   TestServer ts(o);
   auto stub = ts.Stub();
   Shape s;
   Register(*stub, MakeRegister(s, kBasisSeed), "alpha-token-0123456789");
+  {  // Only admin tenants may add to the shared registry.
+    Shape other = s;
+    other.model = "beta-model";
+    v1::RegisterBasisResponse rr;
+    auto ctx = Ctx("", "beta-token-0123456789");
+    grpc::Status st = stub->RegisterBasis(ctx.get(), MakeRegister(other, 1), &rr);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_THAT(st.error_message(), HasSubstr("--admin-tenants"));
+  }
   const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
   auto k = RandomKV(kv, 40, d, 1), v = RandomKV(kv, 40, d, 2);
   v1::PutBlocksRequest m;
