@@ -57,7 +57,7 @@ class Flags {
 
  private:
   bool Fail(const std::string& msg, int* exit_code) {
-    std::fprintf(stderr, "%s: %s (see --help)\n", tool_.c_str(), msg.c_str());
+    std::fprintf(stderr, "kvq-%s: %s (see --help)\n", tool_.c_str(), msg.c_str());
     *exit_code = 2;
     return false;
   }
