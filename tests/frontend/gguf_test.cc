@@ -108,6 +108,27 @@ TEST(Gguf, DequantizesEveryTypeExactly) {
   for (int j = 0; j < 32; ++j) EXPECT_FLOAT_EQ((*q8)[j], 0.25f * (j - 16));
 }
 
+// Q6_K is not in the SmolLM2 file but is common in Llama GGUFs. Expected values from the
+// gguf Python package (gguf.quants.dequantize), on one pseudo-random super block with d = 0.01.
+TEST(Gguf, DequantizesQ6KLikeGgufPy) {
+  const std::string hex =
+      "4ecc402210fae920677a0dcc8aacd07f7c640c97decbfb99d3eb50b6b02958078df1497cdf7bde255437c866d33c"
+      "9fed358a398c371507127643f18a94dd382159d022c14ca7c5f2b1f3bcfa5cc3339f90244bde5655765e3b394f25"
+      "db74ea82d58a98716313b0a9132f9afe77a37a46ff5910db28e051237eec05597ef6bcc9d764643f51c09cabc2a7"
+      "8075bf7c2b8302b7f7f099a315d19eded3d66232908c37e375fb00281dfbdf35972268bb5a342a1af14ee745c18d"
+      "1ba3e8d200d4ce7bdb05d8fb8c38705a427fa6ed32ca72971f21";
+  std::vector<uint8_t> blk;
+  for (size_t i = 0; i < hex.size(); i += 2) blk.push_back(static_cast<uint8_t>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  ASSERT_EQ(blk.size(), 210u);
+  std::vector<float> out(256);
+  ASSERT_TRUE(DequantizeRow(static_cast<uint32_t>(GgmlType::kQ6_K), blk.data(), 256, out.data()).ok());
+  const std::vector<std::pair<int, float>> want = {
+      {0, -11.102371f}, {1, 7.401581f}, {31, -1.250267f}, {32, 1.200256f}, {63, -0.850182f},
+      {64, 13.922974f}, {100, -3.360718f}, {127, 1.800385f}, {128, 16.503525f}, {200, -2.500534f},
+      {255, 4.200898f}};
+  for (auto [i, v] : want) EXPECT_NEAR(out[i], v, 1e-4) << i;
+}
+
 TEST(Gguf, HonoursCustomAlignment) {
   GgufWriter w = Example();
   w.AddUint32("general.alignment", 64);
