@@ -34,6 +34,14 @@ def main():
         else:
             fam = c.split("-")[0] + "-" + ("kv" if c.split("-")[1].startswith("kv") else "k")
         fams[fam].append((bits, r["ppl"], c))
+    # Points far above dense (the wrong-sign control) would squash the rest: list them instead.
+    off = []
+    if dense is not None:
+        for fam in fams:
+            keep = []
+            for b, ppl, c in fams[fam]:
+                (keep if ppl <= 1.6 * dense else off).append((b, ppl, c))
+            fams[fam] = [p for p in keep if p[1] <= 1.6 * dense]
     tmp = tempfile.mkdtemp()
     plots = []
     styles = {"dense": "pt 7 ps 1.6 lc rgb '#000000'", "kivi-k": "pt 5 ps 1.2 lc rgb '#d62728'",
@@ -57,8 +65,12 @@ set xlabel 'K + V effective bits per element at the evaluated context'
 set ylabel 'perplexity (llama.cpp protocol, WikiText-2 test)'
 set grid
 set key top right
+%s
 plot %s
-""" % (out, title, ", ".join(plots))
+""" % (out, title,
+       ("set label 'off the chart: %s' at graph 0.02, graph 0.96 font ',9'" %
+        ", ".join("%s (PPL %.1f)" % (c, p) for b, p, c in off)) if off else "",
+       ", ".join(plots))
     sp = os.path.join(tmp, "plot.gp")
     open(sp, "w").write(script)
     subprocess.run(["gnuplot", sp], check=True)
