@@ -139,7 +139,13 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
     st.rpc.put_seconds += bs.put_seconds;
     st.rpc.read_seconds += bs.read_seconds;
     st.rpc.bytes_sent += bs.bytes_sent;
-    for (int b = 0; b < nb; ++b) RETURN_IF_ERROR(status[b]);
+    for (int b = 0; b < nb; ++b) {
+      if (status[b].ok()) continue;
+      // Drop this batch's sequences before failing (best effort), so nothing is left behind.
+      if (options.delete_sequences)
+        for (auto& c : caches) c->Finish(true).IgnoreError();
+      return status[b];
+    }
     // The server's own size accounting, while this batch's sequences are alive (the tenant's
     // totals: exact when nothing else of this tenant lives on the server).
     if (options.client->num_shards() == 1) {

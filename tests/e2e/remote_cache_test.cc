@@ -1,0 +1,236 @@
+// RemoteCache against the in-process CodecCache on synthetic K/V/Q (no model needed): a
+// real kvq-server in-process on port 0, real gRPC on loopback, the client library.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "kvq/client/client.h"
+#include "kvq/frontend/attention_cache.h"
+#include "kvq/frontend/remote_cache.h"
+#include "tests/server/test_util.h"
+
+namespace kvq::frontend {
+namespace {
+
+constexpr int kTokens = 80;  // two encoded groups of 32 plus an fp16 tail
+
+struct Stream {
+  std::vector<float> k, v, q;  // per token: k, v [kv][d]; q [qh][d]
+};
+
+Stream MakeStream(const CacheShape& s, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  Stream st;
+  const size_t kv = static_cast<size_t>(kTokens) * s.kv_heads * s.head_dim;
+  for (size_t i = 0; i < kv; ++i) {
+    const int c = static_cast<int>(i % s.head_dim);
+    st.k.push_back(n(rng) * (c % 16 == 3 ? 6.0f : 1.0f));  // a few outlier channels
+    st.v.push_back(n(rng));
+  }
+  for (size_t i = 0; i < static_cast<size_t>(kTokens) * s.q_heads * s.head_dim; ++i)
+    st.q.push_back(n(rng));
+  return st;
+}
+
+class RemoteCacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server::ServerOptions so;
+    so.memory = "host";
+    so.workers = 2;
+    server_ = std::make_unique<testing::TestServer>(so);
+    client::ClientOptions co;
+    co.servers = {server_->address()};
+    auto c = client::Client::Create(co);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::move(*c);
+    testing::Shape ts;
+    ts.model = "remote-cache-test";
+    ts.layers = shape_.layers;
+    ts.kv_heads = shape_.kv_heads;
+    ts.q_heads = shape_.q_heads;
+    ts.head_dim = shape_.head_dim;
+    ts.basis_rank = 8;
+    basis_ = testing::MakeBasis(ts, 7);
+    auto m = RegisterRemoteModel(*client_, shape_, &basis_);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = *m;
+    EXPECT_EQ(model_.model, "remote-cache-test");
+  }
+
+  core::CodecOptions Codec(bool a2) const {
+    core::CodecOptions o;
+    o.head_dim = shape_.head_dim;
+    o.key_bits = 2;
+    o.key_group = 32;
+    o.rank = 4;
+    o.value_bits = 2;
+    o.value_group = 32;
+    if (a2) o.value_policy = core::ValuePolicy::kA2;
+    o.verify_on_read = false;
+    return o;
+  }
+
+  // Decodes `streams` token by token, one thread per stream through one shared batcher
+  // (remote) and sequentially in-process; returns the max |difference| of the outputs.
+  double Compare(const core::CodecOptions& o, bool keys_only, int n_streams, RemoteStats* stats) {
+    std::vector<Stream> streams;
+    for (int i = 0; i < n_streams; ++i) streams.push_back(MakeStream(shape_, 100 + i));
+    const int KVH = shape_.kv_heads, QH = shape_.q_heads, D = shape_.head_dim;
+    const size_t krow = static_cast<size_t>(KVH) * D, qrow = static_cast<size_t>(QH) * D;
+    // In-process reference.
+    std::vector<std::vector<float>> ref(n_streams), got(n_streams);
+    for (int i = 0; i < n_streams; ++i) {
+      auto cc = CodecCache::Create(shape_, o, &basis_, keys_only,
+                                   keys_only ? CodecRead::kDecode : CodecRead::kAttend);
+      EXPECT_TRUE(cc.ok()) << cc.status();
+      if (!cc.ok()) return INFINITY;
+      std::vector<float> out(qrow);
+      for (int t = 0; t < kTokens; ++t)
+        for (int l = 0; l < shape_.layers; ++l) {
+          EXPECT_TRUE((*cc)->AppendAndAttend(l, &streams[i].k[t * krow], &streams[i].v[t * krow],
+                                             t, 1, &streams[i].q[t * qrow], out.data()).ok());
+          ref[i].insert(ref[i].end(), out.begin(), out.end());
+        }
+    }
+    RemoteBatcher batcher(client_.get());
+    std::vector<std::unique_ptr<RemoteCache>> caches;
+    for (int i = 0; i < n_streams; ++i) {
+      RemoteCache::Options ro;
+      ro.sequence_id = "s" + std::to_string(i) + (keys_only ? "k" : "") +
+                       (o.per_token_value_bits() ? "a" : "u");
+      ro.model = model_;
+      ro.codec = o;
+      ro.keys_only = keys_only;
+      auto rc = RemoteCache::Create(client_.get(), &batcher, shape_, ro);
+      EXPECT_TRUE(rc.ok()) << rc.status();
+      if (!rc.ok()) return INFINITY;
+      caches.push_back(std::move(*rc));
+    }
+    std::vector<absl::Status> status(n_streams);
+    auto run = [&](int i) {
+      std::vector<float> out(qrow);
+      for (int t = 0; t < kTokens && status[i].ok(); ++t)
+        for (int l = 0; l < shape_.layers && status[i].ok(); ++l) {
+          status[i] = caches[i]->AppendAndAttend(l, &streams[i].k[t * krow],
+                                                 &streams[i].v[t * krow], t, 1,
+                                                 &streams[i].q[t * qrow], out.data());
+          got[i].insert(got[i].end(), out.begin(), out.end());
+        }
+      caches[i]->Finish(/*delete_sequence=*/false).IgnoreError();
+    };
+    std::vector<std::thread> threads;
+    for (int i = 1; i < n_streams; ++i) threads.emplace_back(run, i);
+    run(0);
+    for (auto& th : threads) th.join();
+    double diff = 0;
+    for (int i = 0; i < n_streams; ++i) {
+      EXPECT_TRUE(status[i].ok()) << status[i];
+      EXPECT_EQ(got[i].size(), ref[i].size());
+      for (size_t j = 0; j < std::min(got[i].size(), ref[i].size()); ++j)
+        diff = std::max(diff, static_cast<double>(std::abs(got[i][j] - ref[i][j])));
+      EXPECT_EQ(caches[i]->tokens(0), kTokens);
+    }
+    if (stats) *stats = batcher.stats();
+    return diff;
+  }
+
+  CacheShape shape_{2, 4, 2, 64};
+  core::ModelBasis basis_;
+  RemoteModel model_;
+  std::unique_ptr<testing::TestServer> server_;
+  std::unique_ptr<client::Client> client_;
+};
+
+TEST_F(RemoteCacheTest, AttendMatchesTheInProcessFusedCodecAndBatchesAcrossSequences) {
+  RemoteStats st;
+  // The server runs the same codec and kernels as the in-process fused path: equal outputs.
+  EXPECT_LE(Compare(Codec(false), false, 3, &st), 1e-6);
+  EXPECT_EQ(st.batches, kTokens * 2);  // one PutBlocks + one Attend per (token, layer)
+  EXPECT_EQ(st.items, 3 * kTokens * 2);
+  EXPECT_EQ(st.put_rpcs, st.batches);
+  EXPECT_EQ(st.attend_rpcs, st.batches);
+  EXPECT_EQ(st.score_rpcs, 0);
+}
+
+TEST_F(RemoteCacheTest, A2ValuePolicyObservesThroughAttend) {
+  RemoteStats st;
+  EXPECT_LE(Compare(Codec(true), false, 2, &st), 1e-6);
+  EXPECT_EQ(st.items, 2 * kTokens * 2);
+}
+
+TEST_F(RemoteCacheTest, KeysOnlyScoresRemotelyAndReadsOutLocally) {
+  RemoteStats st;
+  // Server Score (fused base + side code) vs in-process scores over decoded keys: the same
+  // numbers up to float summation order.
+  EXPECT_LE(Compare(Codec(false), true, 2, &st), 1e-4);
+  EXPECT_EQ(st.score_rpcs, st.batches);
+  EXPECT_EQ(st.attend_rpcs, 0);
+}
+
+TEST_F(RemoteCacheTest, LeavingReleasesTheOthersAndFinishDeletes) {
+  RemoteBatcher batcher(client_.get());
+  std::vector<std::unique_ptr<RemoteCache>> caches;
+  for (const char* id : {"a", "b"}) {
+    RemoteCache::Options ro;
+    ro.sequence_id = id;
+    ro.model = model_;
+    ro.codec = Codec(false);
+    auto rc = RemoteCache::Create(client_.get(), &batcher, shape_, ro);
+    ASSERT_TRUE(rc.ok()) << rc.status();
+    caches.push_back(std::move(*rc));
+  }
+  Stream s = MakeStream(shape_, 1);
+  std::vector<float> out(static_cast<size_t>(shape_.q_heads) * shape_.head_dim);
+  // "b" leaves from another thread while "a" is parked waiting for it (or before): "a"'s
+  // request must still be sent, never hang.
+  std::thread t([&] { ASSERT_TRUE(caches[1]->Finish().ok()); });
+  ASSERT_TRUE(caches[0]->AppendAndAttend(0, s.k.data(), s.v.data(), 0, 1, s.q.data(), out.data()).ok());
+  t.join();
+  // Positions are checked before anything is sent.
+  auto bad = caches[0]->AppendAndAttend(0, s.k.data(), s.v.data(), 5, 1, s.q.data(), out.data());
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  auto stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sequences(), 1);
+  ASSERT_TRUE(caches[0]->Finish().ok());
+  stats = client_->Stats();
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sequences(), 0);
+  // A finished cache refuses further appends.
+  EXPECT_FALSE(caches[0]->AppendAndAttend(0, s.k.data(), s.v.data(), 1, 1, s.q.data(), out.data()).ok());
+}
+
+TEST_F(RemoteCacheTest, ServerErrorsReachTheCaller) {
+  // A sequence naming an unknown model: NOT_FOUND from PutBlocks, as the cache's status.
+  RemoteCache::Options ro;
+  ro.sequence_id = "x";
+  ro.model = {"no-such-model", 1};
+  ro.codec = Codec(false);
+  auto rc = RemoteCache::Create(client_.get(), nullptr, shape_, ro);
+  ASSERT_TRUE(rc.ok()) << rc.status();
+  Stream s = MakeStream(shape_, 2);
+  std::vector<float> out(static_cast<size_t>(shape_.q_heads) * shape_.head_dim);
+  auto st = (*rc)->AppendAndAttend(0, s.k.data(), s.v.data(), 0, 1, s.q.data(), out.data());
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+  EXPECT_EQ((*rc)->tokens(0), 0);
+  // The wrong-sign control has no wire form.
+  core::CodecOptions o = Codec(false);
+  o.side_sign = -1.0f;
+  EXPECT_EQ(CodecToWire(o).status().code(), absl::StatusCode::kInvalidArgument);
+  // Registering a different basis under the same name and version is refused.
+  // (Column 0 of one head negated: still orthonormal, different contents.)
+  core::ModelBasis other = basis_;
+  const int R = other.manifest.rank;
+  for (int i = 0; i < other.manifest.head_dim; ++i) other.u[i * R] = -other.u[i * R];
+  EXPECT_EQ(RegisterRemoteModel(*client_, shape_, &other).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  // The identical entry again is fine (idempotent).
+  EXPECT_TRUE(RegisterRemoteModel(*client_, shape_, &basis_).ok());
+}
+
+}  // namespace
+}  // namespace kvq::frontend
