@@ -315,15 +315,16 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
   }
   const int64_t W = T - encoded_;
   if (W > 0) {
-    win.resize(static_cast<size_t>(W) * d);
-    WindowToFloat(hd, true, win.data());
-    for (int i = 0; i < rows; ++i)
-      for (int64_t t = 0; t < W; ++t) {
-        float s = 0;
-        if (!corr_only)
-          for (int c = 0; c < d; ++c) s += q[static_cast<size_t>(i) * d + c] * win[t * d + c];
-        out[i * T + encoded_ + t] = scale * s;
-      }
+    if (corr_only) {
+      for (int i = 0; i < rows; ++i) std::fill(out + i * T + encoded_, out + (i + 1) * T, 0.0f);
+    } else {
+      win.resize(static_cast<size_t>(W) * d);
+      WindowToFloat(hd, true, win.data());
+      kernels::Active().dense_scores_f32(win.data(), static_cast<int>(W), d, q, rows,
+                                         out + encoded_, T);
+      for (int i = 0; i < rows; ++i)
+        for (int64_t t = 0; t < W; ++t) out[i * T + encoded_ + t] *= scale;
+    }
   }
   return absl::OkStatus();
 }

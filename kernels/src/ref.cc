@@ -147,6 +147,16 @@ void softmax_ref(float* x, int64_t n) {
   for (int64_t t = 0; t < n; ++t) x[t] *= inv;
 }
 
+void dense_scores_f32_ref(const float* k, int tokens, int d, const float* q, int n_q, float* out,
+                          int64_t out_stride) {
+  for (int i = 0; i < n_q; ++i)
+    for (int t = 0; t < tokens; ++t) {
+      float s = 0;
+      for (int c = 0; c < d; ++c) s += q[i * d + c] * k[static_cast<int64_t>(t) * d + c];
+      out[i * out_stride + t] = s;
+    }
+}
+
 }  // namespace
 
 const KernelTable& Ref() {
@@ -160,7 +170,8 @@ const KernelTable& Ref() {
                              project_residual_ref,
                              xxh3_ref,
                              exp_sum_ref,
-                             softmax_ref};
+                             softmax_ref,
+                             dense_scores_f32_ref};
   return t;
 }
 

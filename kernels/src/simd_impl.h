@@ -65,9 +65,15 @@ void ScoreB(const uint8_t* codes, int n_ch, int tokens, const float* w, const fl
 void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
                       const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
                       bool accumulate, float* out, int64_t os) {
-  if (tokens % W != 0 || n_ch > 512 || n_q > 64)
+  if (tokens % W != 0 || n_ch > 512)
     return Ref().score_codes(codes, bits, n_ch, tokens, scale, zero, q, qs, n_q, mult, accumulate,
                              out, os);
+  if (n_q > 64) {  // many queries (prefill chunks): blocks of 64
+    for (int i0 = 0; i0 < n_q; i0 += 64)
+      score_codes_simd(codes, bits, n_ch, tokens, scale, zero, q + i0 * qs, qs,
+                       std::min(64, n_q - i0), mult, accumulate, out + i0 * os, os);
+    return;
+  }
   // Per query: w_c = mult * q_c * scale_c and bias = mult * q . zero, once per block.
   alignas(64) float sc[512], ze[512];
   thread_local std::vector<float> w;
@@ -335,19 +341,40 @@ void quantize_row_simd(const float* x, int n, int group, int bits, uint16_t* sca
   }
 }
 
+template <typename T>
+inline typename Isa::F LoadRow(const T* p) {
+  if constexpr (sizeof(T) == 2) return Isa::LoadHalf(p);
+  else return Isa::Load(p);
+}
+
+template <typename T>
+void DenseScores(const T* k, int tokens, int d, const float* q, int n_q, float* out, int64_t os) {
+  for (int i0 = 0; i0 < n_q; i0 += 8) {
+    const int nq = std::min(8, n_q - i0);
+    const float* qi = q + static_cast<int64_t>(i0) * d;
+    for (int t = 0; t < tokens; ++t) {
+      const T* kr = k + static_cast<int64_t>(t) * d;
+      typename Isa::F acc[8];
+      for (int i = 0; i < nq; ++i) acc[i] = Isa::Zero();
+      for (int c = 0; c < d; c += W) {
+        typename Isa::F kv = LoadRow(kr + c);
+        for (int i = 0; i < nq; ++i) acc[i] = Isa::Fmadd(Isa::Load(qi + i * d + c), kv, acc[i]);
+      }
+      for (int i = 0; i < nq; ++i) out[(i0 + i) * os + t] = Isa::ReduceAdd(acc[i]);
+    }
+  }
+}
+
 void dense_scores_f16_simd(const uint16_t* k, int tokens, int d, const float* q, int n_q,
                            float* out, int64_t os) {
-  if (d % W != 0 || d > 256 || n_q > 8) return Ref().dense_scores_f16(k, tokens, d, q, n_q, out, os);
-  for (int t = 0; t < tokens; ++t) {
-    const uint16_t* kr = k + static_cast<int64_t>(t) * d;
-    typename Isa::F acc[8];
-    for (int i = 0; i < n_q; ++i) acc[i] = Isa::Zero();
-    for (int c = 0; c < d; c += W) {
-      typename Isa::F kv = Isa::LoadHalf(kr + c);
-      for (int i = 0; i < n_q; ++i) acc[i] = Isa::Fmadd(Isa::Load(q + i * d + c), kv, acc[i]);
-    }
-    for (int i = 0; i < n_q; ++i) out[i * os + t] = Isa::ReduceAdd(acc[i]);
-  }
+  if (d % W != 0 || d > 256) return Ref().dense_scores_f16(k, tokens, d, q, n_q, out, os);
+  DenseScores(k, tokens, d, q, n_q, out, os);
+}
+
+void dense_scores_f32_simd(const float* k, int tokens, int d, const float* q, int n_q, float* out,
+                           int64_t os) {
+  if (d % W != 0 || d > 256) return Ref().dense_scores_f32(k, tokens, d, q, n_q, out, os);
+  DenseScores(k, tokens, d, q, n_q, out, os);
 }
 
 template <int NQ>
@@ -435,4 +462,4 @@ void softmax_simd(float* x, int64_t n) {
 const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
                          score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
                          dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd,
-                         softmax_simd};
+                         softmax_simd,        dense_scores_f32_simd};

@@ -71,7 +71,7 @@ TEST(KernelParity, QuantizeRow) {
 TEST(KernelParity, ScoreCodesAndReadoutRows) {
   for (const KernelTable* kt : Optimized())
     for (int bits : {1, 2, 3, 4, 8})
-      for (int n_q : {1, 3, 8})
+      for (int n_q : {1, 3, 8, 131})
         for (int d : {64, 80, 128}) {
           SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " nq=" << n_q << " d=" << d);
           const int tokens = 64;
@@ -118,7 +118,7 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
 TEST(KernelParity, DenseAndExp) {
   for (const KernelTable* kt : Optimized())
     for (int d : {64, 80, 128})
-      for (int n_q : {1, 3, 8}) {
+      for (int n_q : {1, 3, 8, 19}) {
         SCOPED_TRACE(::testing::Message() << kt->name << " d=" << d << " nq=" << n_q);
         const int T = 111;
         auto kf = kvq::testing::Gaussian(T * d, d + n_q);
@@ -132,6 +132,10 @@ TEST(KernelParity, DenseAndExp) {
         Ref().dense_scores_f16(k.data(), T, d, q.data(), n_q, s0.data(), T);
         kt->dense_scores_f16(k.data(), T, d, q.data(), n_q, s1.data(), T);
         for (size_t i = 0; i < s0.size(); ++i) ASSERT_NEAR(s0[i], s1[i], 1e-3f * (1 + std::fabs(s0[i])));
+        std::vector<float> f0(n_q * T), f1(n_q * T);
+        Ref().dense_scores_f32(kf.data(), T, d, q.data(), n_q, f0.data(), T);
+        kt->dense_scores_f32(kf.data(), T, d, q.data(), n_q, f1.data(), T);
+        for (size_t i = 0; i < f0.size(); ++i) ASSERT_NEAR(f0[i], f1[i], 1e-3f * (1 + std::fabs(f0[i])));
         std::vector<float> o0(n_q * d, 0), o1(n_q * d, 0);
         Ref().dense_readout_f16(k.data(), T, d, s0.data(), T, n_q, o0.data(), d);
         kt->dense_readout_f16(k.data(), T, d, s0.data(), T, n_q, o1.data(), d);

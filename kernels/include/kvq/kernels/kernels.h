@@ -64,6 +64,10 @@ struct KernelTable {
 
   // In-place softmax of x[0..n) (n >= 1): max, exp and normalization.
   void (*softmax)(float* x, int64_t n);
+
+  // dense_scores_f16 over fp32 rows (the full-precision window, converted).
+  void (*dense_scores_f32)(const float* k, int tokens, int d, const float* q, int n_q,
+                           float* out, int64_t out_stride);
 };
 
 // The scalar reference (*_ref): plain loops, the definition of correct.
