@@ -2,6 +2,7 @@
 #include "kvq/frontend/eval_config.h"
 
 #include "gtest/gtest.h"
+#include "kvq/frontend/perplexity.h"
 
 namespace kvq::frontend {
 namespace {
@@ -50,6 +51,24 @@ TEST(EvalConfig, FieldsFollowTheName) {
     return (static_cast<double>(core::KeyBlockBytes(o)) + core::ValueBlockBytes(o) + tags) / o.key_group;
   };
   EXPECT_LT(per_token(a.codec), per_token(kv.codec));
+}
+
+TEST(EvalConfig, AdaptiveRanksKeepTheMeanAndFollowEnergy) {
+  auto c = ParseEvalConfig("headq-k2-r4-adapt");
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->adaptive_rank);
+  EXPECT_FALSE(ParseEvalConfig("kivi-k2-adapt").ok());
+  // Layer 0's columns carry much more energy than layer 1's, layer 2 is in between.
+  std::vector<std::vector<double>> e = {{.5, .2, .1, .05, .04, .03, .02, .01},
+                                        {.9, .01, .005, .004, .003, .002, .001, .0005},
+                                        {.6, .1, .05, .02, .01, .01, .005, .001}};
+  std::vector<int> r = AllocateRanks(e, 4, 8);
+  ASSERT_EQ(r.size(), 3u);
+  EXPECT_EQ(r[0] + r[1] + r[2], 12);
+  EXPECT_GT(r[0], r[2]);
+  EXPECT_GT(r[2], r[1]);
+  EXPECT_GE(r[1], 1);
+  for (int x : r) EXPECT_LE(x, 8);
 }
 
 TEST(EvalConfig, BadNamesAreErrors) {

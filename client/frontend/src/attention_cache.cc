@@ -73,7 +73,8 @@ absl::Status DenseCache::AppendAndAttend(int layer, const float* k, const float*
 absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape& s,
                                                                const core::CodecOptions& o,
                                                                const core::ModelBasis* basis,
-                                                               bool keys_only, CodecRead read) {
+                                                               bool keys_only, CodecRead read,
+                                                               const std::vector<int>* layer_ranks) {
   RETURN_IF_ERROR(o.Validate());
   if (o.head_dim != s.head_dim) return absl::InvalidArgumentError("codec head_dim != model head_dim");
   std::unique_ptr<CodecCache> c(new CodecCache(s, o));
@@ -81,31 +82,39 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape&
   c->read_ = read;
   if (keys_only) c->dense_v_.resize(s.layers);
   std::vector<float> u;
-  if (o.rank > 0) {
+  if (layer_ranks && static_cast<int>(layer_ranks->size()) != s.layers)
+    return absl::InvalidArgumentError("layer_ranks needs one rank per layer");
+  int max_rank = o.rank;
+  if (layer_ranks)
+    for (int r : *layer_ranks) max_rank = std::max(max_rank, r);
+  if (max_rank > 0) {
     if (!basis) return absl::InvalidArgumentError("codec rank > 0 needs a basis");
     const auto& m = basis->manifest;
     if (m.layers != s.layers || m.kv_heads != s.kv_heads || m.head_dim != s.head_dim ||
-        m.rank < o.rank) {
+        m.rank < max_rank) {
       return absl::InvalidArgumentError(absl::StrCat(
           "basis shape (layers ", m.layers, ", kv_heads ", m.kv_heads, ", head_dim ", m.head_dim,
-          ", rank ", m.rank, ") does not fit the model / rank ", o.rank));
+          ", rank ", m.rank, ") does not fit the model / rank ", max_rank));
     }
   }
   for (int l = 0; l < s.layers; ++l) {
     const float* bp = nullptr;
-    if (o.rank > 0) {
-      // Keep the first o.rank columns of each head's U: [kv][d][rank].
+    core::CodecOptions ol = o;
+    if (layer_ranks) ol.rank = (*layer_ranks)[l];
+    RETURN_IF_ERROR(ol.Validate());
+    if (ol.rank > 0) {
+      // Keep the first ol.rank columns of each head's U: [kv][d][rank].
       const int R = basis->manifest.rank;
-      u.assign(static_cast<size_t>(s.kv_heads) * s.head_dim * o.rank, 0.0f);
+      u.assign(static_cast<size_t>(s.kv_heads) * s.head_dim * ol.rank, 0.0f);
       for (int h = 0; h < s.kv_heads; ++h) {
         const float* src = basis->head(l, h);
         for (int i = 0; i < s.head_dim; ++i)
-          for (int r = 0; r < o.rank; ++r)
-            u[(static_cast<size_t>(h) * s.head_dim + i) * o.rank + r] = src[i * R + r];
+          for (int r = 0; r < ol.rank; ++r)
+            u[(static_cast<size_t>(h) * s.head_dim + i) * ol.rank + r] = src[i * R + r];
       }
       bp = u.data();
     }
-    c->layers_.push_back(std::make_unique<core::LayerCache>(o, s.kv_heads, bp));
+    c->layers_.push_back(std::make_unique<core::LayerCache>(ol, s.kv_heads, bp));
   }
   return c;
 }

@@ -52,6 +52,9 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
                     the same K/V bits reach the codec, so PPL matches the in-process run of
                     the same read path; steps/s then counts tokens)
   --dump-tokens F   write the token ids of --text to F (one per line) and exit
+  --calib-text F    validation text for the "-adapt" rank allocation (default
+                    <shared>/data/wikitext-2/wiki.valid.tokens; its first --adapt-tokens tokens)
+  --adapt-tokens N  tokens for that measurement (default 4096)
   --diagnostics     instead of perplexity: run one dense window of --diag-tokens tokens from
                     the start of --text, and for every (layer, KV head) and each key
                     quantizer in --diag-configs measure raw key MSE, Fisher score error and
@@ -251,6 +254,8 @@ int Main(int argc, char** argv) {
                {"kv-batch", "8"},
                {"kv-decode", "token"},
                {"dump-tokens", ""},
+               {"calib-text", SharedDir() + "/data/wikitext-2/wiki.valid.tokens"},
+               {"adapt-tokens", "4096"},
                {"diagnostics", "false"},
                {"diag-tokens", "512"},
                {"diag-configs",
@@ -299,6 +304,18 @@ int Main(int argc, char** argv) {
   }
   if (flags.GetBool("diagnostics")) {
     return Diagnostics(**model, ids, bases, flags);
+  }
+  bool any_adapt = false;
+  for (const auto& c : *configs) any_adapt |= c.adaptive_rank;
+  if (any_adapt && bases.query) {
+    auto calib = ReadFile(flags.Get("calib-text"));
+    if (!calib.ok()) return Fail(calib.status());
+    std::vector<int32_t> cids = (*tok)->Encode(*calib);
+    const size_t want = static_cast<size_t>(flags.GetInt("adapt-tokens"));
+    if (cids.size() > want) cids.resize(want);
+    auto e = MeasureColumnEnergy(**model, cids, 512, query);
+    if (!e.ok()) return Fail(e.status());
+    bases.column_energy = std::move(*e);
   }
   const int windows = static_cast<int>(flags.GetInt("windows"));
   const int wlen = static_cast<int>(flags.GetInt("window-len"));

@@ -59,7 +59,8 @@ class DenseCache : public AttentionCache {
   std::vector<std::vector<float>> k_, v_;  // per layer [tokens][kv_heads][d]
 };
 
-// One kvq::core::LayerCache per layer. basis: the model's basis (rank >= o.rank; the first
+// One kvq::core::LayerCache per layer. layer_ranks (optional): a HeadQ rank per layer (each
+// <= the basis rank) instead of o.rank everywhere. basis: the model's basis (rank >= o.rank; the first
 // o.rank columns are used) or null for rank 0. Keys and values are sent as fp16, as a serving
 // frontend would, so the full-precision window holds fp16 and is counted at 16 bits. The A^2
 // value policy sees only what LayerCache records itself: attention of queries at positions up
@@ -77,7 +78,8 @@ class CodecCache : public AttentionCache {
                                                              const core::CodecOptions& o,
                                                              const core::ModelBasis* basis,
                                                              bool keys_only = false,
-                                                             CodecRead read = CodecRead::kDecode);
+                                                             CodecRead read = CodecRead::kDecode,
+                                                             const std::vector<int>* layer_ranks = nullptr);
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
   int64_t tokens(int layer) const override { return layers_[layer]->tokens(); }

@@ -19,6 +19,9 @@
 //              resw       residual-weighted basis (kvq-calibrate writes DIR/resw)
 //              oracle     --diagnostics only, a labelled upper bound: the PCA of the very
 //                         queries being scored (not a deployable basis)
+//              adapt      per-layer HeadQ ranks with mean <rank> (1..basis rank), allocated
+//                         greedily by the query energy each added column captures, measured
+//                         on validation text (BasisSet::layer_ranks), never the test text
 //              fused      read through the codec's fused LayerCache::Attend instead of
 //                         local attention over LayerCache::Decode (same numbers, slower)
 //
@@ -47,6 +50,7 @@ struct EvalConfig {
   BasisKind basis = BasisKind::kQuery;
   std::string family;           // "dense", "kivi", "headq"
   bool fused = false;           // CodecRead::kAttend
+  bool adaptive_rank = false;   // per-layer ranks from BasisSet::layer_ranks
 };
 
 absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name);

@@ -37,7 +37,21 @@ struct BasisSet {
   const core::ModelBasis* centred = nullptr;
   const core::ModelBasis* residual_weighted = nullptr;
   core::ModelBasis random;  // filled lazily from query's shape
+  // For "-adapt" configs: captured query energy per layer, [layer][j] = mean over KV heads of
+  // E[(u_j . q)^2] / E[|q|^2] for column j of the query basis (see MeasureColumnEnergy).
+  std::vector<std::vector<double>> column_energy;
 };
+
+// Runs `tokens` (validation text) through the dense model in windows of window_len and
+// measures, per layer, the share of query energy each column of `basis` captures.
+absl::StatusOr<std::vector<std::vector<double>>> MeasureColumnEnergy(
+    const LlamaModel& model, const std::vector<int32_t>& tokens, int window_len,
+    const core::ModelBasis& basis);
+
+// Per-layer ranks with sum = mean_rank * layers, each in [1, max_rank], chosen greedily by
+// the largest next-column energy (optimal for decreasing marginals).
+std::vector<int> AllocateRanks(const std::vector<std::vector<double>>& column_energy,
+                               int mean_rank, int max_rank);
 
 absl::StatusOr<PerplexityResult> EvaluatePerplexity(
     const LlamaModel& model, const std::vector<int32_t>& tokens, int windows, int window_len,
