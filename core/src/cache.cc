@@ -12,17 +12,16 @@
 namespace kvq::core {
 
 double SizeReport::k_bits_steady() const {
-  return encoded_tokens ? 8.0 * key_block_bytes / (encoded_tokens * elements_per_token) : 0.0;
+  return encoded_elements ? 8.0 * key_block_bytes / encoded_elements : 0.0;
 }
 double SizeReport::v_bits_steady() const {
-  return encoded_tokens ? 8.0 * value_block_bytes / (encoded_tokens * elements_per_token) : 0.0;
+  return encoded_elements ? 8.0 * value_block_bytes / encoded_elements : 0.0;
 }
 double SizeReport::k_bits_effective() const {
-  return tokens ? 8.0 * (key_block_bytes + key_window_bytes) / (tokens * elements_per_token) : 0.0;
+  return elements ? 8.0 * (key_block_bytes + key_window_bytes) / elements : 0.0;
 }
 double SizeReport::v_bits_effective() const {
-  return tokens ? 8.0 * (value_block_bytes + value_window_bytes) / (tokens * elements_per_token)
-                : 0.0;
+  return elements ? 8.0 * (value_block_bytes + value_window_bytes) / elements : 0.0;
 }
 SizeReport& SizeReport::operator+=(const SizeReport& o) {
   // Summing layers (or sequences) of the same shape: token rows and bytes add up.
@@ -30,6 +29,8 @@ SizeReport& SizeReport::operator+=(const SizeReport& o) {
   encoded_tokens += o.encoded_tokens;
   window_tokens += o.window_tokens;
   if (elements_per_token == 0) elements_per_token = o.elements_per_token;
+  elements += o.elements;
+  encoded_elements += o.encoded_elements;
   key_block_bytes += o.key_block_bytes;
   value_block_bytes += o.value_block_bytes;
   key_window_bytes += o.key_window_bytes;
@@ -455,6 +456,8 @@ SizeReport LayerCache::Size() const {
   s.encoded_tokens = encoded_;
   s.window_tokens = tokens_ - encoded_;
   s.elements_per_token = static_cast<int64_t>(kv_heads_) * opts_.head_dim;
+  s.elements = s.tokens * s.elements_per_token;
+  s.encoded_elements = s.encoded_tokens * s.elements_per_token;
   for (const Head& hd : heads_) {
     s.key_block_bytes += hd.kblocks.size();
     s.value_block_bytes += hd.vblocks.size();

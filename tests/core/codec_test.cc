@@ -372,6 +372,22 @@ TEST(Codec, BitFiguresEqualBytesStored) {
     }
 }
 
+// Reports of caches of different shapes add up by elements, not by the first shape.
+TEST(Codec, SizeReportsOfDifferentShapesAddUp) {
+  CodecOptions a, b;
+  b.head_dim = 128;
+  LayerCache ca(a, 3, nullptr), cb(b, 8, nullptr);
+  auto ka = Gaussian(3 * 64 * 64, 1), kb = Gaussian(8 * 64 * 128, 2);
+  ASSERT_TRUE(ca.Append(View3(ka, 3, 64, 64), View3(ka, 3, 64, 64), 0).ok());
+  ASSERT_TRUE(cb.Append(View3(kb, 8, 64, 128), View3(kb, 8, 64, 128), 0).ok());
+  SizeReport sum = ca.Size();
+  sum += cb.Size();
+  const double want = 8.0 * (ca.Size().key_block_bytes + cb.Size().key_block_bytes) /
+                      (64.0 * 3 * 64 + 64.0 * 8 * 128);
+  EXPECT_DOUBLE_EQ(sum.k_bits_steady(), want);
+  EXPECT_EQ(sum.elements, 64 * 3 * 64 + 64 * 8 * 128);
+}
+
 TEST(Codec, CorruptedAndTruncatedBlocksAreRejected) {
   const int kv = 1, d = 64, T = 64;
   CodecOptions o;

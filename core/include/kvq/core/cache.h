@@ -23,7 +23,10 @@ struct SizeReport {
   int64_t tokens = 0;          // cached tokens per head
   int64_t encoded_tokens = 0;  // tokens in encoded blocks
   int64_t window_tokens = 0;   // tokens held at arrival precision
-  int64_t elements_per_token = 0;  // kv_heads * head_dim
+  int64_t elements_per_token = 0;  // kv_heads * head_dim (of the first shape summed)
+  // Element counts (tokens x kv_heads x head_dim), which stay right when reports of
+  // different shapes are summed: the bit figures divide by these.
+  int64_t elements = 0, encoded_elements = 0;
   int64_t key_block_bytes = 0, value_block_bytes = 0;
   int64_t key_window_bytes = 0, value_window_bytes = 0;
   // Steady state: 8 * block bytes / encoded elements.
