@@ -98,6 +98,26 @@ TEST(CodecCache, EightBitCodecIsCloseToDense) {
   EXPECT_GT(MaxDiff(RunChunks(c2->get(), s, d, n, 100), rd), 0.05);
 }
 
+TEST(CodecCache, ProbesNeedTheA2PolicyAndKeepDecodeSemantics) {
+  const CacheShape s{1, 6, 2, 64};
+  core::CodecOptions o;
+  o.key_bits = 2;
+  o.value_bits = 2;
+  EXPECT_FALSE(CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend, nullptr, true).ok());
+  o.value_policy = core::ValuePolicy::kA2;
+  o.value_budget = 2.0f;
+  auto with = CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend, nullptr, true);
+  auto without = CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend, nullptr, false);
+  ASSERT_TRUE(with.ok() && without.ok()) << with.status();
+  Data d = Random(s, 96, 8);
+  // Chunks as the decode-faithful driver cuts them at G = 32, R = 0: 31, then 32 from 31, ...
+  auto a = RunChunks(with->get(), s, d, 31, 31);
+  auto b = RunChunks(without->get(), s, d, 31, 31);
+  EXPECT_LT(MaxDiff(a, b), 1e-5);  // nothing encoded yet: probes cannot change outputs
+  EXPECT_EQ((*with)->tokens(0), 31);
+  EXPECT_EQ((*with)->Size().encoded_tokens, 0);
+}
+
 TEST(CodecCache, EncodeBoundaryFollowsWindowAndGroup) {
   const CacheShape s{1, 2, 1, 64};
   core::CodecOptions o;

@@ -74,12 +74,15 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape&
                                                                const core::CodecOptions& o,
                                                                const core::ModelBasis* basis,
                                                                bool keys_only, CodecRead read,
-                                                               const std::vector<int>* layer_ranks) {
+                                                               const std::vector<int>* layer_ranks,
+                                                               bool probe) {
   RETURN_IF_ERROR(o.Validate());
   if (o.head_dim != s.head_dim) return absl::InvalidArgumentError("codec head_dim != model head_dim");
   std::unique_ptr<CodecCache> c(new CodecCache(s, o));
   c->keys_only_ = keys_only;
   c->read_ = read;
+  c->probe_ = probe;
+  if (probe && !o.per_token_value_bits()) return absl::InvalidArgumentError("probe needs the A^2 policy");
   if (keys_only) c->dense_v_.resize(s.layers);
   std::vector<float> u;
   if (layer_ranks && static_cast<int>(layer_ranks->size()) != s.layers)
@@ -136,6 +139,13 @@ absl::Status CodecCache::AppendAndAttend(int layer, const float* k, const float*
   }
   kv.data = kh.data();
   vv.data = vh.data();
+  if (probe_) {
+    RETURN_IF_ERROR(AppendWithProbes(lc, kh.data(), vh.data(), start, n, q));
+    core::AttendOptions ao;
+    ao.causal_offset = start;
+    ao.observe = false;  // the probes already recorded these queries' attention
+    return lc.Attend(q, s_.q_heads, n, ao, out);
+  }
   RETURN_IF_ERROR(lc.Append(kv, vv, start));
   if (keys_only_) {
     auto& dv = dense_v_[layer];
@@ -174,6 +184,44 @@ void CodecCache::LocalAttendSplit(const float* q, int n, int64_t start, int64_t 
     for (int64_t t = 0; t < T; ++t)
       std::copy_n(V + (static_cast<size_t>(t) * s_.kv_heads + h) * D, D, Vt.data() + (static_cast<size_t>(h) * T + t) * D);
   LocalAttend(s_, q, n, start, T, K, Vt.data(), T * D, D, out);
+}
+
+absl::Status CodecCache::AppendWithProbes(core::LayerCache& lc, const uint16_t* kh,
+                                          const uint16_t* vh, int64_t start, int n,
+                                          const float* q) {
+  // The probes of tokens [a, a + m) are their own queries, [q_heads][m][d], causal.
+  const int64_t KVH = s_.kv_heads, D = s_.head_dim;
+  auto append = [&](int a, int m) -> absl::Status {
+    core::TensorView kv, vv;
+    for (auto* t : {&kv, &vv}) {
+      t->dtype = core::DType::kF16;
+      t->rank = 3;
+      t->shape = {KVH, m, D, 0};
+      t->stride = {D, KVH * D, 1, 0};
+    }
+    kv.data = kh + static_cast<size_t>(a) * KVH * D;
+    vv.data = vh + static_cast<size_t>(a) * KVH * D;
+    std::vector<float> pq(static_cast<size_t>(s_.q_heads) * m * D);
+    for (int h = 0; h < s_.q_heads; ++h)
+      std::copy_n(q + (static_cast<size_t>(h) * n + a) * D, static_cast<size_t>(m) * D,
+                  pq.data() + static_cast<size_t>(h) * m * D);
+    core::ProbeQueries pr;
+    pr.q = pq.data();
+    pr.q_heads = s_.q_heads;
+    pr.n = m;
+    pr.causal_offset = start + a;
+    return lc.Append(kv, vv, start + a, pr);
+  };
+  // If this append encodes a group, the token that triggers it goes alone with its own query:
+  // when decoding, no later query exists yet at that moment.
+  const int64_t boundary = lc.Size().encoded_tokens + o_.window + o_.key_group;
+  int first = 0;
+  if (start + 1 == boundary) {
+    RETURN_IF_ERROR(append(0, 1));
+    first = 1;
+  }
+  if (first < n) RETURN_IF_ERROR(append(first, n - first));
+  return absl::OkStatus();
 }
 
 core::SizeReport CodecCache::Size() const {

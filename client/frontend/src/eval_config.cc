@@ -54,6 +54,8 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
     int v = 0;
     if (p == "a2") {
       a2 = true;
+    } else if (p == "probe") {
+      c.probe = true;
     } else if (p == "adapt") {
       c.adaptive_rank = true;
     } else if (p == "fused") {
@@ -95,6 +97,7 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
       (void)vg_set;  // value group stays 32 unless given
     }
   }
+  if (c.probe && !a2) return bad("probe needs the a2 value policy");
   if (c.family == "kivi" && (c.basis != BasisKind::kQuery || o.side_sign != 1.0f || c.adaptive_rank)) {
     return bad("basis controls apply to headq only");
   }

@@ -117,7 +117,7 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
       }
       ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
                                                     config.fused ? CodecRead::kAttend : CodecRead::kDecode,
-                                                    config.adaptive_rank ? &ranks : nullptr));
+                                                    config.adaptive_rank ? &ranks : nullptr, config.probe));
       cache = std::move(cc);
     }
     RETURN_IF_ERROR(model.ForwardDecodeFaithful(tok, window_len, 0, cache.get(), first, &logits));

@@ -79,7 +79,8 @@ class CodecCache : public AttentionCache {
                                                              const core::ModelBasis* basis,
                                                              bool keys_only = false,
                                                              CodecRead read = CodecRead::kDecode,
-                                                             const std::vector<int>* layer_ranks = nullptr);
+                                                             const std::vector<int>* layer_ranks = nullptr,
+                                                             bool probe = false);
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
   int64_t tokens(int layer) const override { return layers_[layer]->tokens(); }
@@ -91,7 +92,10 @@ class CodecCache : public AttentionCache {
   CodecCache(const CacheShape& s, const core::CodecOptions& o) : s_(s), o_(o) {}
   void LocalAttendSplit(const float* q, int n, int64_t start, int64_t T, const float* K,
                         const float* V, float* out) const;
+  absl::Status AppendWithProbes(core::LayerCache& lc, const uint16_t* kh, const uint16_t* vh,
+                                int64_t start, int n, const float* q);
   CodecRead read_ = CodecRead::kDecode;
+  bool probe_ = false;
   CacheShape s_;
   core::CodecOptions o_;
   // keys_only: scores from the codec (Score), values read dense from fp16-rounded copies.

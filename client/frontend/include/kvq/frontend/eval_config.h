@@ -19,6 +19,10 @@
 //              resw       residual-weighted basis (kvq-calibrate writes DIR/resw)
 //              oracle     --diagnostics only, a labelled upper bound: the PCA of the very
 //                         queries being scored (not a deployable basis)
+//              probe      with a2: each append carries the appended positions' own queries as
+//                         probe queries (LayerCache::Append with ProbeQueries), so tokens are
+//                         weighed before their group is encoded; an encode-triggering token
+//                         is appended alone with only its own query (no later query leaks)
 //              adapt      per-layer HeadQ ranks with mean <rank> (1..basis rank), allocated
 //                         greedily by the query energy each added column captures, measured
 //                         on validation text (BasisSet::layer_ranks), never the test text
@@ -51,6 +55,7 @@ struct EvalConfig {
   std::string family;           // "dense", "kivi", "headq"
   bool fused = false;           // CodecRead::kAttend
   bool adaptive_rank = false;   // per-layer ranks from BasisSet::layer_ranks
+  bool probe = false;           // A^2 probe queries with each append
 };
 
 absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name);
