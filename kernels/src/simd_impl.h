@@ -347,20 +347,32 @@ inline typename Isa::F LoadRow(const T* p) {
   else return Isa::Load(p);
 }
 
+// NQ accumulators in registers (compile-time count; `nq` <= NQ used for the 5..8 case).
+template <typename T, int NQ>
+void DenseScoresT(const T* k, int tokens, int d, const float* q, float* out, int64_t os,
+                  int nq = NQ) {
+  for (int t = 0; t < tokens; ++t) {
+    const T* kr = k + static_cast<int64_t>(t) * d;
+    typename Isa::F acc[NQ];
+    for (int i = 0; i < NQ; ++i) acc[i] = Isa::Zero();
+    for (int c = 0; c < d; c += W) {
+      const typename Isa::F kv = LoadRow(kr + c);
+      for (int i = 0; i < NQ; ++i)
+        if (i < nq) acc[i] = Isa::Fmadd(Isa::Load(q + i * d + c), kv, acc[i]);
+    }
+    for (int i = 0; i < nq; ++i) out[i * os + t] = Isa::ReduceAdd(acc[i]);
+  }
+}
+
 template <typename T>
 void DenseScores(const T* k, int tokens, int d, const float* q, int n_q, float* out, int64_t os) {
   for (int i0 = 0; i0 < n_q; i0 += 8) {
-    const int nq = std::min(8, n_q - i0);
-    const float* qi = q + static_cast<int64_t>(i0) * d;
-    for (int t = 0; t < tokens; ++t) {
-      const T* kr = k + static_cast<int64_t>(t) * d;
-      typename Isa::F acc[8];
-      for (int i = 0; i < nq; ++i) acc[i] = Isa::Zero();
-      for (int c = 0; c < d; c += W) {
-        typename Isa::F kv = LoadRow(kr + c);
-        for (int i = 0; i < nq; ++i) acc[i] = Isa::Fmadd(Isa::Load(qi + i * d + c), kv, acc[i]);
-      }
-      for (int i = 0; i < nq; ++i) out[(i0 + i) * os + t] = Isa::ReduceAdd(acc[i]);
+    switch (std::min(8, n_q - i0)) {
+      case 1: DenseScoresT<T, 1>(k, tokens, d, q + i0 * d, out + i0 * os, os); break;
+      case 2: DenseScoresT<T, 2>(k, tokens, d, q + i0 * d, out + i0 * os, os); break;
+      case 3: DenseScoresT<T, 3>(k, tokens, d, q + i0 * d, out + i0 * os, os); break;
+      case 4: DenseScoresT<T, 4>(k, tokens, d, q + i0 * d, out + i0 * os, os); break;
+      default: DenseScoresT<T, 8>(k, tokens, d, q + i0 * d, out + i0 * os, os, std::min(8, n_q - i0)); break;
     }
   }
 }
