@@ -98,7 +98,9 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
       for (int a = 0; a < d_; ++a)
         for (int j = 0; j < rank; ++j) u[a * rank + j] = static_cast<float>(top(a, j));
     }
-  manifest.calibration_tokens = total / (static_cast<int64_t>(layers_) * kv_heads_);
+  // Each KV head sees q_heads / kv_heads query rows per token.
+  manifest.calibration_tokens =
+      total / (static_cast<int64_t>(layers_) * kv_heads_) / (q_heads_ / kv_heads_);
   b.manifest = std::move(manifest);
   return b;
 }

@@ -110,7 +110,10 @@ TEST(Calibration, GroupedQueryHeadsFeedTheirKvHead) {
     st.Add(0, 1, e0.data(), 1);
     st.Add(0, 3, e1.data(), 1);
   }
-  EXPECT_EQ(st.count(0, 0), 10);
+  EXPECT_EQ(st.count(0, 0), 10);  // query rows
+  auto b2 = st.Basis(1, {}, BasisManifest{"m"});
+  ASSERT_TRUE(b2.ok());
+  EXPECT_EQ(b2->manifest.calibration_tokens, 5);  // 10 rows over 2 query heads per KV head
   auto b = st.Basis(1, {}, BasisManifest{"m"});
   ASSERT_TRUE(b.ok());
   EXPECT_NEAR(std::fabs(b->head(0, 0)[2]), 1.0f, 1e-6);
