@@ -411,6 +411,37 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   return absl::OkStatus();
 }
 
+absl::Status LayerCache::Observe(const float* p, int q_heads, int n_q) {
+  RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
+  const int rows = q_heads / kv_heads_ * n_q;
+  const int64_t T = tokens_;
+  for (int h = 0; h < kv_heads_; ++h) {
+    for (int i = 0; i < rows; ++i) {
+      const float* pi = p + (static_cast<size_t>(h) * rows + i) * T;
+      for (int64_t t = encoded_; t < T; ++t) {
+        if (!(pi[t] >= 0.0f && pi[t] <= 1.0f))
+          return absl::InvalidArgumentError(absl::StrCat("p[", h, ", ", i, ", ", t, "] = ", pi[t],
+                                                         ": must be in [0, 1]"));
+      }
+    }
+  }
+  // Validated: record (a row reads the window tokens up to its last non-zero weight, as a
+  // causal Attend would have seen them).
+  for (int h = 0; h < kv_heads_; ++h) {
+    Head& hd = heads_[h];
+    for (int i = 0; i < rows; ++i) {
+      const float* pi = p + (static_cast<size_t>(h) * rows + i) * T;
+      int64_t last = T - 1;
+      while (last >= encoded_ && pi[last] == 0.0f) --last;
+      for (int64_t t = encoded_; t <= last; ++t) {
+        hd.a2_sum[t - encoded_] += pi[t] * pi[t];
+        hd.a2_reads[t - encoded_] += 1;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status LayerCache::Decode(std::vector<float>* keys, std::vector<float>* values) const {
   const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
   const size_t per_head = static_cast<size_t>(tokens_) * d;

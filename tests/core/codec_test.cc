@@ -579,6 +579,30 @@ TEST(ValuePolicy, ProbeQueriesThroughTheCache) {
   EXPECT_EQ(c.tokens(), T);
 }
 
+// Observe(p) records the same statistics as an observing Attend: the next encode matches.
+TEST(ValuePolicy, ObserveMatchesObservingAttend) {
+  const int kv = 1, qh = 3, d = 64, T = 20;
+  CodecOptions o;
+  o.value_policy = ValuePolicy::kA2;
+  o.sink_tokens = 0;
+  auto k = Gaussian(T * d, 81), v = Gaussian(T * d, 82), q = Gaussian(qh * d, 83, 2.0f);
+  LayerCache a(o, kv, nullptr), b(o, kv, nullptr);
+  ASSERT_TRUE(a.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  ASSERT_TRUE(b.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  std::vector<float> out(qh * d), p(qh * T);
+  ASSERT_TRUE(a.Attend(q.data(), qh, 1, {}, out.data()).ok());
+  ASSERT_TRUE(b.Score(q.data(), qh, 1, p.data()).ok());
+  for (int h = 0; h < qh; ++h) Softmax(p.data() + h * T, T, p.data() + h * T);
+  auto bad = p;
+  bad[5] = 2.0f;  // a weight that is not a probability is refused, and records nothing
+  EXPECT_EQ(b.Observe(bad.data(), qh, 1).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(b.Observe(p.data(), qh, 1).ok());
+  auto k2 = Gaussian(12 * d, 84), v2 = Gaussian(12 * d, 85);  // fills the group: encode
+  ASSERT_TRUE(a.Append(View3(k2, kv, 12, d), View3(v2, kv, 12, d), T).ok());
+  ASSERT_TRUE(b.Append(View3(k2, kv, 12, d), View3(v2, kv, 12, d), T).ok());
+  EXPECT_EQ(a.value_blocks(0), b.value_blocks(0));
+}
+
 TEST(Metrics, FisherApproximatesKLForSmallErrors) {
   auto s = Gaussian(500, 1, 2.0f);
   auto ds = Gaussian(500, 2, 0.01f);

@@ -90,6 +90,11 @@ class LayerCache {
   // Fused score + softmax + readout; out [q_heads][n_q][d].
   absl::Status Attend(const float* q, int q_heads, int n_q, const AttendOptions& ao, float* out);
 
+  // Records attention weights computed elsewhere (a frontend that attends locally over
+  // decoded K/V) as A^2 statistics for the window tokens, exactly as an observing Attend does.
+  // p: [q_heads][n_q][tokens()], each row a softmax over the tokens it saw.
+  absl::Status Observe(const float* p, int q_heads, int n_q);
+
   // Keys as attention sees them and decoded values, [kv_heads][tokens()][d] fp32.
   absl::Status Decode(std::vector<float>* keys, std::vector<float>* values) const;
   // Verifies every block's checksum (scrub).
