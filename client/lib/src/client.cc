@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -44,25 +45,9 @@ std::vector<std::string> SplitServers(std::string_view list) {
 }
 
 std::string StatusCodeName(int code) {
-  static const char* kNames[] = {"OK",
-                                 "CANCELLED",
-                                 "UNKNOWN",
-                                 "INVALID_ARGUMENT",
-                                 "DEADLINE_EXCEEDED",
-                                 "NOT_FOUND",
-                                 "ALREADY_EXISTS",
-                                 "PERMISSION_DENIED",
-                                 "RESOURCE_EXHAUSTED",
-                                 "FAILED_PRECONDITION",
-                                 "ABORTED",
-                                 "OUT_OF_RANGE",
-                                 "UNIMPLEMENTED",
-                                 "INTERNAL",
-                                 "UNAVAILABLE",
-                                 "DATA_LOSS",
-                                 "UNAUTHENTICATED"};
-  if (code >= 0 && code < static_cast<int>(std::size(kNames))) return kNames[code];
-  return absl::StrCat("CODE_", code);
+  // gRPC's codes are Abseil's: the canonical names come from absl.
+  std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+  return name.empty() ? absl::StrCat("CODE_", code) : name;
 }
 
 struct Client::Impl {
