@@ -12,11 +12,11 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "grpcpp/health_check_service_interface.h"
 #include "kvq/core/store.h"
 #include "kvq/kernels/device.h"
 #include "kvq/kernels/kernels.h"
 #include "server/auth.h"
+#include "server/health.h"
 #include "server/metrics.h"
 #include "server/service.h"
 #include "server/worker_pool.h"
@@ -50,6 +50,7 @@ struct KvqServer::Impl {
   std::unique_ptr<Metrics> metrics;
   std::unique_ptr<WorkerPool> pool;
   std::unique_ptr<Service> service;
+  std::unique_ptr<HealthService> health;
   std::unique_ptr<grpc::Server> server;
   std::atomic<bool> ready{false};
   int grpc_port = 0, metrics_port = -1;
@@ -141,11 +142,15 @@ absl::Status KvqServer::Impl::Start() {
     creds = grpc::InsecureServerCredentials();
   }
 
-  grpc::EnableDefaultHealthCheckService(true);
+  // Health: the whole server ("") and kvq.v1.Kvq by name, NOT_SERVING from the first call
+  // on (gRPC's default health service would say SERVING as soon as the server starts).
+  health = std::make_unique<HealthService>(std::vector<std::string>{v1::Kvq::service_full_name()});
+  grpc::EnableDefaultHealthCheckService(false);
   if (opts.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(absl::StrCat(opts.grpc_address, ":", opts.grpc_port), creds, &grpc_port);
   builder.RegisterService(service.get());
+  builder.RegisterService(health.get());
   const int limit = static_cast<int>(std::min<int64_t>(opts.max_message_bytes, INT32_MAX));
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
@@ -154,9 +159,7 @@ absl::Status KvqServer::Impl::Start() {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", opts.grpc_address, ":", opts.grpc_port));
   }
-  // Health: the whole server ("") and the kvq.v1.Kvq service by name.
-  server->GetHealthCheckService()->SetServingStatus(v1::Kvq::service_full_name(), false);
-  server->GetHealthCheckService()->SetServingStatus(false);
+  if (opts.on_listening) opts.on_listening(grpc_port);
 
   std::vector<std::string> loaded, skipped;
   absl::Status st = registry->LoadAll(&loaded, &skipped);
@@ -175,7 +178,7 @@ absl::Status KvqServer::Impl::Start() {
                      : "off (tenant from x-kvq-tenant; development only)",
       "; tls: ", opts.tls_cert.empty() ? "off" : (opts.tls_client_ca.empty() ? "on" : "mutual")));
   ready.store(true, std::memory_order_release);
-  server->GetHealthCheckService()->SetServingStatus(true);  // every named service too
+  health->SetServing(true);  // "" and kvq.v1.Kvq
   metrics->SetReady(true);
   metrics->Refresh(*store, *registry, pool_name.c_str());
   Log(absl::StrCat("serving gRPC on ", opts.grpc_address, ":", grpc_port, "; metrics ",
@@ -219,7 +222,7 @@ void KvqServer::Shutdown() {
   s.shut_down = true;
   s.ready.store(false);
   if (s.server) {
-    s.server->GetHealthCheckService()->SetServingStatus(false);
+    s.health->Shutdown();
     // Drain: new calls are refused with UNAVAILABLE while in-flight ones (their work is on
     // the pool, still running) finish, for at most the grace period. Then gRPC shuts down at
     // once: it would otherwise also wait for idle client connections to go away.

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -63,6 +64,9 @@ struct ServerOptions {
   absl::Duration scrub_period = absl::Minutes(10);
   // gRPC server reflection (grpcurl-friendly).
   bool reflection = true;
+  // Tests: called with the bound gRPC port as soon as the server listens, before the
+  // registry is loaded (health is NOT_SERVING then).
+  std::function<void(int grpc_port)> on_listening;
 };
 
 class KvqServer {
@@ -72,8 +76,9 @@ class KvqServer {
   KvqServer(const KvqServer&) = delete;
   KvqServer& operator=(const KvqServer&) = delete;
 
-  // Binds the ports, starts serving (health NOT_SERVING), loads the registry, then reports
-  // SERVING. Logs the memory pool, compute backend, registry entries and ports.
+  // Binds the ports, starts serving (health NOT_SERVING: our own grpc.health.v1 service,
+  // whose statuses start NOT_SERVING), loads the registry, then reports SERVING. Logs the memory
+  // pool, compute backend, registry entries and ports.
   absl::Status Start();
   // Stops accepting, lets in-flight calls finish within the grace period, stops the
   // workers. Idempotent.

@@ -130,6 +130,89 @@ TEST(ServiceTest, HealthServingAndModelsListed) {
   EXPECT_FALSE(list.models(0).fingerprint().empty());
 }
 
+// Health is NOT_SERVING from the moment the port is open until the registry is loaded (the
+// hook runs right after the server starts listening), SERVING after, NOT_SERVING again while
+// shutdown drains; a Watch stream sees each change.
+TEST(ServiceTest, HealthIsNotServingUntilLoadedAndWhileDraining) {
+  using grpc::health::v1::HealthCheckResponse;
+  std::shared_ptr<grpc::Channel> ch;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health;
+  grpc::ClientContext watch_ctx;
+  std::unique_ptr<grpc::ClientReader<HealthCheckResponse>> watch;
+  auto check = [&](const std::string& service, grpc::StatusCode want_code = grpc::StatusCode::OK) {
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    HealthCheckResponse resp;
+    auto ctx = Ctx();
+    grpc::Status st = health->Check(ctx.get(), req, &resp);
+    EXPECT_EQ(st.error_code(), want_code) << service << ": " << st.error_message();
+    return resp.status();
+  };
+  HealthCheckResponse w;
+  server::ServerOptions opts;
+  bool hooked = false;
+  opts.on_listening = [&](int port) {
+    hooked = true;
+    ch = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+    health = grpc::health::v1::Health::NewStub(ch);
+    EXPECT_EQ(check(""), HealthCheckResponse::NOT_SERVING);
+    EXPECT_EQ(check("kvq.v1.Kvq"), HealthCheckResponse::NOT_SERVING);
+    check("no.such.Service", grpc::StatusCode::NOT_FOUND);
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service("kvq.v1.Kvq");
+    watch_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    watch = health->Watch(&watch_ctx, req);
+    ASSERT_TRUE(watch->Read(&w));
+    EXPECT_EQ(w.status(), HealthCheckResponse::NOT_SERVING);
+    // Calls that need the registry wait for it; Echo does not.
+    auto stub = v1::Kvq::NewStub(ch);
+    v1::ListModelsResponse list;
+    auto c1 = Ctx();
+    EXPECT_EQ(stub->ListModels(c1.get(), {}, &list).error_code(), grpc::StatusCode::UNAVAILABLE);
+    v1::EchoResponse er;
+    auto c2 = Ctx();
+    EXPECT_TRUE(stub->Echo(c2.get(), {}, &er).ok());
+  };
+  TestServer ts(opts);
+  ASSERT_TRUE(hooked);
+  EXPECT_EQ(check(""), HealthCheckResponse::SERVING);
+  EXPECT_EQ(check("kvq.v1.Kvq"), HealthCheckResponse::SERVING);
+  ASSERT_TRUE(watch->Read(&w));
+  EXPECT_EQ(w.status(), HealthCheckResponse::SERVING);
+
+  // An open PutBlocks stream keeps the drain waiting while we look.
+  auto stub = v1::Kvq::NewStub(ch);
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  auto k = RandomKV(s.kv_heads, 16, s.head_dim, 3);
+  auto sctx = Ctx();
+  v1::PutBlocksResponse resp;
+  auto writer = stub->PutBlocks(sctx.get(), &resp);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("h", 0, 0, k, k, s.kv_heads, 16, s.head_dim, "tiny");
+  ASSERT_TRUE(writer->Write(m));
+  for (int i = 0;; ++i) {  // the message is applied: the stream is in flight on the server
+    v1::StatsResponse stats;
+    auto c = Ctx();
+    ASSERT_TRUE(stub->Stats(c.get(), {}, &stats).ok());
+    if (stats.sequences() == 1) break;
+    ASSERT_LT(i, 1000);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::thread stopper([&] { ts.server().Shutdown(); });
+  ASSERT_TRUE(watch->Read(&w));
+  EXPECT_EQ(w.status(), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(check(""), HealthCheckResponse::NOT_SERVING);
+  EXPECT_EQ(check("kvq.v1.Kvq"), HealthCheckResponse::NOT_SERVING);
+  writer->WritesDone();
+  grpc::Status st = writer->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  stopper.join();
+  // The server's shutdown ends the watch.
+  EXPECT_FALSE(watch->Read(&w));
+  EXPECT_FALSE(watch->Finish().ok());
+}
+
 // Server reflection, spoken with a generic stub (Debian ships no reflection.proto): a
 // hand-encoded ServerReflectionRequest{list_services: ""} (field 7).
 TEST(ServiceTest, ReflectionListsTheServices) {
