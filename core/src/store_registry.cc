@@ -1,8 +1,11 @@
 // The model registry: a folder of basis entries, loaded at start and extended atomically.
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -60,6 +63,34 @@ absl::Status WriteText(const fs::path& p, const std::string& text) {
   f.flush();
   if (!f) return absl::InternalError(absl::StrCat("cannot write ", p.string()));
   return absl::OkStatus();
+}
+
+// fsync(2) of a file or a folder (a folder's fsync makes its entries, e.g. a rename, durable).
+absl::Status SyncPath(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InternalError(
+        absl::StrCat("cannot open ", p.string(), " to fsync it: ", std::strerror(errno)));
+  }
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) {
+    return absl::InternalError(absl::StrCat("cannot fsync ", p.string(), ": ", std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+// Every file of a freshly written entry folder, then the folder itself.
+absl::Status SyncEntry(const fs::path& dir) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->is_regular_file(ec)) RETURN_IF_ERROR(SyncPath(it->path()));
+  }
+  if (ec) {
+    return absl::InternalError(absl::StrCat("cannot list ", dir.string(), ": ", ec.message()));
+  }
+  return SyncPath(dir);
 }
 
 bool SameCodec(const CodecOptions& a, const CodecOptions& b) {
@@ -264,6 +295,9 @@ absl::Status Registry::Persist(const ModelEntry& e) const {
     st = WriteText(tmp / "model.json", j.dump(2));
   }
   if (st.ok()) st = WriteText(tmp / "codec.json", CodecToJson(e.codec).dump(2));
+  // Durable before it becomes visible: the files and the folder reach the disk, then the
+  // rename, then the folders holding the old and the new name.
+  if (st.ok()) st = SyncEntry(tmp);
   if (!st.ok()) {
     cleanup();
     return st;
@@ -280,7 +314,8 @@ absl::Status Registry::Persist(const ModelEntry& e) const {
     return absl::InternalError(
         absl::StrCat("cannot rename into ", final_dir.string(), ": ", ec.message()));
   }
-  return absl::OkStatus();
+  RETURN_IF_ERROR(SyncPath(final_dir.parent_path()));
+  return SyncPath(dir_);
 }
 
 absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry entry,

@@ -885,6 +885,21 @@ TEST(ServiceTest, NewBasisVersionWhileSequencesAreLive) {
   // Both versions were persisted and load at the next start.
   EXPECT_TRUE(std::filesystem::exists(dir + "/tiny/v1/manifest.json"));
   EXPECT_TRUE(std::filesystem::exists(dir + "/tiny/v2/basis.safetensors"));
+  // Whole entries only: no temporary folder is left behind, every file is complete.
+  std::vector<std::string> top;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    top.push_back(e.path().filename().string());
+  }
+  EXPECT_THAT(top, ::testing::ElementsAre("tiny"));
+  for (const char* v : {"v1", "v2"}) {
+    std::vector<std::string> files;
+    for (const auto& e : std::filesystem::directory_iterator(absl::StrCat(dir, "/tiny/", v))) {
+      files.push_back(e.path().filename().string());
+      EXPECT_GT(e.file_size(), 0u) << e.path();
+    }
+    EXPECT_THAT(
+        files, ::testing::UnorderedElementsAre("manifest.json", "basis.safetensors", "codec.json"));
+  }
   server::ServerOptions o;
   o.registry_dir = dir;
   TestServer again(o);
