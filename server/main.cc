@@ -77,6 +77,10 @@ std::vector<Flag> MakeFlags(ServerOptions* o, bool* help) {
       {"sequence-ttl", "DURATION", "drop sequences idle this long, e.g. 30m (default 0: never)",
        duration(&o->sequence_ttl)},
       {"workers", "N", "worker threads (default 0: one per core)", integer(&o->workers)},
+      {"max-inflight", "N",
+       "calls queued or running on the workers before new ones get RESOURCE_EXHAUSTED "
+       "(default 4096; 0 no limit)",
+       integer(&o->max_inflight)},
       {"max-message-bytes", "BYTES", "largest gRPC message (default 256M)",
        bytes(&o->max_message_bytes)},
       {"tls-cert", "FILE", "server certificate chain (PEM); with --tls-key turns TLS on",

@@ -100,7 +100,12 @@ Metrics::Metrics()
                  .Name("kvq_ready")
                  .Help("1 once the registry is loaded and the service is SERVING")
                  .Register(*registry_)
-                 .Add({})) {}
+                 .Add({})),
+      rejected_overload_(BuildCounter()
+                             .Name("kvq_rejected_total")
+                             .Help("Calls refused before any work, by reason")
+                             .Register(*registry_)
+                             .Add({{"reason", "overload"}})) {}
 
 int Metrics::Expose(const std::string& address, int port) {
   exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat(address, ":", port));
@@ -121,6 +126,8 @@ void Metrics::RecordCall(const std::string& method, int code, double seconds, si
 }
 
 void Metrics::RecordScrubFailures(int64_t n) { scrub_failures_.Increment(static_cast<double>(n)); }
+
+void Metrics::RecordOverload() { rejected_overload_.Increment(); }
 
 void Metrics::SetReady(bool ready) { ready_.Set(ready ? 1 : 0); }
 

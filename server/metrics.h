@@ -15,6 +15,8 @@
 //   kvq_tenant_stored_bytes{tenant}, kvq_tenant_sequences{tenant}, kvq_tenant_cached_tokens{tenant}
 //   kvq_models                                 gauge     registry entries (model versions)
 //   kvq_ready                                  gauge     1 once the registry is loaded
+//   kvq_rejected_total{reason}                 counter   calls refused before any work;
+//                                                        reason="overload": over --max-inflight
 #pragma once
 
 #include <memory>
@@ -43,6 +45,7 @@ class Metrics {
   void RecordCall(const std::string& method, int code, double seconds, size_t bytes_in,
                   size_t bytes_out);
   void RecordScrubFailures(int64_t n);
+  void RecordOverload();  // a call refused over --max-inflight
   void SetReady(bool ready);
   // Refreshes the store gauges (called periodically).
   void Refresh(const core::Store& store, const core::Registry& registry, const char* pool);
@@ -71,6 +74,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& tenant_tokens_;
   prometheus::Gauge& models_;
   prometheus::Gauge& ready_;
+  prometheus::Counter& rejected_overload_;
   absl::Mutex mu_;
   int64_t seen_evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t seen_expirations_ ABSL_GUARDED_BY(mu_) = 0;

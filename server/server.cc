@@ -116,6 +116,8 @@ absl::Status KvqServer::Impl::Start() {
   const std::string backend = kernels::Best().name;
   service = std::make_unique<Service>(store.get(), registry.get(), &auth, metrics.get(), pool.get(),
                                       &ready, pool_name, backend);
+  if (opts.max_inflight < 0) return absl::InvalidArgumentError("--max-inflight must be >= 0");
+  service->set_max_inflight(opts.max_inflight);
 
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (!opts.tls_cert.empty() || !opts.tls_key.empty()) {
@@ -169,8 +171,9 @@ absl::Status KvqServer::Impl::Start() {
                    ", ", loaded.size(), " entries",
                    loaded.empty() ? "" : absl::StrCat(": ", absl::StrJoin(loaded, ", "))));
   Log(absl::StrCat(
-      "compute backend: ", backend, "; workers: ", workers, "; capacity: ", so.capacity_bytes,
-      " bytes",
+      "compute backend: ", backend, "; workers: ", workers,
+      "; max in flight: ", opts.max_inflight ? absl::StrCat(opts.max_inflight) : "unlimited",
+      "; capacity: ", so.capacity_bytes, " bytes",
       so.tenant_quota_bytes ? absl::StrCat("; tenant quota: ", so.tenant_quota_bytes) : ""));
   Log(absl::StrCat(
       "auth: ",

@@ -42,6 +42,13 @@ struct ServerOptions {
   absl::Duration sequence_ttl = absl::ZeroDuration();
   // Worker threads for encode/score/attend; 0 = the number of CPU cores.
   int workers = 0;
+  // Overload shedding: calls queued or running on the worker pool at once (every call but
+  // Echo, ListModels, GetModel and Stats; an open stream counts until it ends). One more is
+  // refused at once with RESOURCE_EXHAUSTED ("server overloaded: N calls in flight, limit M")
+  // and counted in kvq_rejected_total{reason="overload"}, rather than queued behind work it
+  // would wait long for. 0 = no limit. The default leaves room for thousands of concurrent
+  // streams while bounding the queue (and the requests it holds in memory).
+  int max_inflight = 4096;
   // Largest gRPC message either way. 256 MiB holds a 16k-token fp16 prefill of one layer
   // at 8 KV heads x 128 dims (2 x 32 MiB) several times over; clients should split larger
   // writes into several PutBlocks messages (each is applied atomically).

@@ -82,6 +82,17 @@ bool Service::Drain(absl::Duration grace) {
   return true;
 }
 
+absl::Status Service::EnterPool() {
+  const int64_t before = pool_calls_.fetch_add(1, std::memory_order_acq_rel);
+  if (max_inflight_ > 0 && before >= max_inflight_) {
+    LeavePool();
+    if (metrics_ != nullptr) metrics_->RecordOverload();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("server overloaded: ", before, " calls in flight, limit ", max_inflight_));
+  }
+  return absl::OkStatus();
+}
+
 template <typename Req, typename Resp, typename Fn>
 grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServerContext* ctx,
                                          const Req* req, Resp* resp, bool on_pool, Fn fn) {
@@ -101,8 +112,15 @@ grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServe
     finish(fn(*tenant));
     return reactor;
   }
-  pool_->Submit(
-      [finish, fn = std::move(fn), tenant = *std::move(tenant)]() mutable { finish(fn(tenant)); });
+  if (absl::Status st = EnterPool(); !st.ok()) {
+    finish(st);
+    return reactor;
+  }
+  pool_->Submit([this, finish, fn = std::move(fn), tenant = *std::move(tenant)]() mutable {
+    const absl::Status st = fn(tenant);
+    LeavePool();
+    finish(st);
+  });
   return reactor;
 }
 
@@ -167,8 +185,10 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
       : svc_(svc), resp_(resp), start_(absl::Now()) {
     svc_->Enter();
     absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
-    if (!tenant.ok()) {
-      Done(tenant.status());
+    absl::Status st = tenant.status();
+    if (st.ok()) pooled_ = (st = svc_->EnterPool()).ok();
+    if (!st.ok()) {
+      Done(st);
       return;
     }
     tenant_ = *std::move(tenant);
@@ -322,6 +342,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
       absl::MutexLock l(&mu_);
       in = bytes_in_;
     }
+    if (pooled_) svc_->LeavePool();
     svc_->Record("PutBlocks", st, start_, in, st.ok() ? resp_->ByteSizeLong() : 0);
     Finish(ToGrpc(st));
   }
@@ -330,6 +351,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
   v1::PutBlocksResponse* resp_;
   absl::Time start_;
   std::string tenant_;
+  bool pooled_ = false;  // counted by EnterPool
   absl::Mutex mu_;
   std::unique_ptr<v1::PutBlocksRequest> buf_;  // the outstanding read's target
   std::deque<std::unique_ptr<v1::PutBlocksRequest>> queue_ ABSL_GUARDED_BY(mu_);
@@ -531,8 +553,10 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
     svc_->Enter();
     bytes_in_ = req->ByteSizeLong();
     absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
-    if (!tenant.ok()) {
-      Done(tenant.status());
+    absl::Status st = tenant.status();
+    if (st.ok()) pooled_ = (st = svc_->EnterPool()).ok();
+    if (!st.ok()) {
+      Done(st);
       return;
     }
     tenant_ = *std::move(tenant);
@@ -628,6 +652,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   }
 
   void Done(const absl::Status& st) {
+    if (pooled_) svc_->LeavePool();
     svc_->Record("GetBlocks", st, start_, bytes_in_, bytes_out_);
     Finish(ToGrpc(st));
   }
@@ -637,6 +662,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   absl::Time start_;
   std::string tenant_;
   size_t bytes_in_ = 0, bytes_out_ = 0;
+  bool pooled_ = false;  // counted by EnterPool
   bool started_ = false, finished_ = false;
   int64_t chunk_ = 4096;
   int kv_heads_ = 0, d_ = 0, version_ = 0;

@@ -60,6 +60,13 @@ class Service final : public v1::Kvq::CallbackService {
   // to reach zero, at most `grace`; returns whether it did.
   void Enter() { inflight_.fetch_add(1, std::memory_order_relaxed); }
   bool Drain(absl::Duration grace);
+  // Overload shedding: calls whose work goes to the worker pool (all but Echo, ListModels,
+  // GetModel, Stats; a stream counts for its whole life) enter with EnterPool, which refuses
+  // one beyond `max_inflight` (0 = no limit) with RESOURCE_EXHAUSTED, and leave with
+  // LeavePool once finished. Set before serving.
+  void set_max_inflight(int64_t n) { max_inflight_ = n; }
+  absl::Status EnterPool();
+  void LeavePool() { pool_calls_.fetch_sub(1, std::memory_order_acq_rel); }
 
  private:
   template <typename Req, typename Resp, typename Fn>
@@ -76,6 +83,8 @@ class Service final : public v1::Kvq::CallbackService {
   absl::Time started_;
   std::atomic<int64_t> inflight_{0};
   std::atomic<bool> draining_{false};
+  int64_t max_inflight_ = 0;
+  std::atomic<int64_t> pool_calls_{0};
 };
 
 }  // namespace kvq::server

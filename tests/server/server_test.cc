@@ -1280,6 +1280,88 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
   }
 }
 
+// --max-inflight 1: an open PutBlocks stream holds the only slot, so calls that need the worker
+// pool fail fast with RESOURCE_EXHAUSTED naming the limit (counted), calls that do not still
+// answer, and the server serves again once the stream ends; concurrent callers get either an
+// answer or RESOURCE_EXHAUSTED, nothing else.
+TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
+  server::ServerOptions o;
+  o.max_inflight = 1;
+  o.metrics_port = 0;
+  o.metrics_address = "127.0.0.1";
+  TestServer ts(o);
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  auto k = RandomKV(s.kv_heads, 16, s.head_dim, 5);
+  auto sctx = Ctx();
+  v1::PutBlocksResponse resp;
+  auto writer = stub->PutBlocks(sctx.get(), &resp);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("o", 0, 0, k, k, s.kv_heads, 16, s.head_dim, "tiny");
+  ASSERT_TRUE(writer->Write(m));
+  for (int i = 0;; ++i) {  // Stats answers on the gRPC thread, outside the limit
+    v1::StatsResponse stats;
+    auto c = Ctx();
+    ASSERT_TRUE(stub->Stats(c.get(), {}, &stats).ok());
+    if (stats.sequences() == 1) break;
+    ASSERT_LT(i, 1000);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const auto q = RandomQueries(s.q_heads, 1, s.head_dim, 5);
+  grpc::Status st;
+  ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(st.error_message(), "server overloaded: 1 calls in flight, limit 1");
+  v1::PutBlocksResponse r2;
+  st = Put(*stub, {m}, &r2);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+  v1::EchoResponse er;
+  auto c1 = Ctx();
+  EXPECT_TRUE(stub->Echo(c1.get(), {}, &er).ok());
+  v1::ListModelsResponse list;
+  auto c2 = Ctx();
+  EXPECT_TRUE(stub->ListModels(c2.get(), {}, &list).ok());
+
+  writer->WritesDone();
+  st = writer->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  v1::ScoreResponse sr = ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &st);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(sr.results(0).status().code(), 0);
+  EXPECT_EQ(sr.results(0).tokens(), 16);
+
+  std::atomic<int> ok{0}, refused{0}, other{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 25; ++i) {
+        grpc::Status cst;
+        v1::ScoreResponse r = ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &cst);
+        if (cst.ok() && r.results(0).status().code() == 0) {
+          ++ok;
+        } else if (cst.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+                   cst.error_message() == "server overloaded: 1 calls in flight, limit 1") {
+          ++refused;
+        } else {
+          ++other;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(other.load(), 0);
+  EXPECT_EQ(ok + refused, 200);
+  EXPECT_GT(ok.load(), 0);
+  ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &st);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+
+  const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
+  EXPECT_THAT(text, HasSubstr(absl::StrCat("kvq_rejected_total{reason=\"overload\"} ",
+                                           2 + refused.load())));
+  EXPECT_THAT(text, HasSubstr("kvq_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Score\"}"));
+}
+
 // A golden block: bytes committed to the repository must keep decoding to the committed
 // values. KVQ_REGENERATE_GOLDEN=1 rewrites them (only on a deliberate format change).
 TEST(GoldenBlockTest, CommittedBlocksDecodeToCommittedValues) {
