@@ -35,6 +35,7 @@ SizeReport& SizeReport::operator+=(const SizeReport& o) {
   value_block_bytes += o.value_block_bytes;
   key_window_bytes += o.key_window_bytes;
   value_window_bytes += o.value_window_bytes;
+  sealed_block_bytes += o.sealed_block_bytes;
   return *this;
 }
 
@@ -188,6 +189,11 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
   }
   tokens_ += n;
   const int64_t ready = std::max<int64_t>(0, (tokens_ - encoded_ - opts_.window) / opts_.key_group);
+  // Sealed groups only lead the cache: once an unsealed block exists, no more sealing.
+  building_.clear();
+  if (sealing_ && heads_[0].voffsets.empty()) {
+    for (int64_t g = 0; g < ready; ++g) building_.push_back(std::make_shared<SealedBlock>());
+  }
   auto join_window = [&](int h) {
     Head& hd = heads_[h];
     if (has_window && hd.win_dtype != to) {
@@ -218,6 +224,8 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
       RETURN_IF_ERROR(EncodeGroups(h, ready));
     }
   }
+  for (auto& b : building_) sealed_.push_back(std::move(b));
+  building_.clear();
   encoded_ += ready * opts_.key_group;
   return absl::OkStatus();
 }
@@ -241,13 +249,18 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready) {
     const size_t es = DTypeSize(hd.win_dtype);
     const size_t group_bytes = static_cast<size_t>(G) * d * es;
     const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
-    hd.kblocks.reserve(hd.kblocks.size() + ready * kblock_bytes_);
-    hd.vblocks.reserve(hd.vblocks.size() + ready * MaxValueBlockBytes(opts_));
+    const bool seal = !building_.empty();
+    if (!seal) {
+      hd.kblocks.reserve(hd.kblocks.size() + ready * kblock_bytes_);
+      hd.vblocks.reserve(hd.vblocks.size() + ready * MaxValueBlockBytes(opts_));
+    }
     for (int64_t g = 0; g < ready; ++g) {
       const int64_t first = g * G;  // window index of the group's first token
       ToFloat(hd.win_dtype, hd.kwin.data() + g * group_bytes, kf.data(), kf.size());
       ToFloat(hd.win_dtype, hd.vwin.data() + g * group_bytes, vf.data(), vf.size());
-      RETURN_IF_ERROR(EncodeKeyBlock(opts_, kf.data(), d, U, &hd.kblocks));
+      SealedBlock* sb = seal ? building_[g].get() : nullptr;
+      RETURN_IF_ERROR(EncodeKeyBlock(opts_, kf.data(), d, U, seal ? &sb->bytes : &hd.kblocks));
+      if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
       const uint8_t* wp = nullptr;
       if (opts_.per_token_value_bits()) {
         bool any = false;
@@ -266,6 +279,11 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready) {
         ChooseValueBits(opts_, vf.data(), d, any ? wts.data() : nullptr, G, encoded_ + first,
                         widths.data());
         wp = widths.data();
+      }
+      if (seal) {
+        RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &sb->bytes));
+        sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
+        continue;
       }
       hd.voffsets.push_back(hd.vblocks.size());
       RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &hd.vblocks));
@@ -309,8 +327,7 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
   }
   const int64_t nb = encoded_ / G;
   for (int64_t b = 0; b < nb; ++b) {
-    std::span<const uint8_t> blk(hd.kblocks.data() + b * kblock_bytes_, kblock_bytes_);
-    ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(blk, opts_, opts_.verify_on_read));
+    ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(KeyBlock(h, b), opts_, opts_.verify_on_read));
     ScoreKeyBlock(kv, q, r > 0 ? uq.data() : nullptr, rows, scale, opts_.side_sign, out + b * G, T,
                   !corr_only);
   }
@@ -338,10 +355,8 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
   std::fill(out, out + static_cast<size_t>(rows) * d, 0.0f);
   const int64_t nb = encoded_ / G;
   for (int64_t b = 0; b < nb; ++b) {
-    const size_t start = hd.voffsets[b];
-    const size_t end = b + 1 < nb ? hd.voffsets[b + 1] : hd.vblocks.size();
-    std::span<const uint8_t> blk(hd.vblocks.data() + start, end - start);
-    ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(blk, opts_, opts_.verify_on_read));
+    ASSIGN_OR_RETURN(ValueBlockView vv,
+                     ParseValueBlock(ValueBlock(h, b), opts_, opts_.verify_on_read));
     ReadoutValueBlock(vv, p + b * G, T, rows, out, d);
   }
   const int64_t W = T - encoded_;
@@ -453,14 +468,10 @@ absl::Status LayerCache::Decode(std::vector<float>* keys, std::vector<float>* va
     float* kd = keys->data() + h * per_head;
     float* vd = values->data() + h * per_head;
     for (int64_t b = 0; b < nb; ++b) {
-      std::span<const uint8_t> kb(hd.kblocks.data() + b * kblock_bytes_, kblock_bytes_);
-      ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(kb, opts_, true));
+      ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(KeyBlock(h, b), opts_, true));
       DecodeKeyBlock(kv, r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr,
                      opts_.side_sign, kd + b * G * d);
-      const size_t start = hd.voffsets[b];
-      const size_t end = b + 1 < nb ? hd.voffsets[b + 1] : hd.vblocks.size();
-      ASSIGN_OR_RETURN(ValueBlockView vv,
-                       ParseValueBlock({hd.vblocks.data() + start, end - start}, opts_, true));
+      ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(ValueBlock(h, b), opts_, true));
       DecodeValueBlock(vv, vd + b * G * d);
     }
     WindowToFloat(hd, true, kd + encoded_ * d);
@@ -471,12 +482,10 @@ absl::Status LayerCache::Decode(std::vector<float>* keys, std::vector<float>* va
 
 absl::Status LayerCache::VerifyAll() const {
   const int64_t nb = encoded_ / opts_.key_group;
-  for (const Head& hd : heads_)
+  for (int h = 0; h < kv_heads_; ++h)
     for (int64_t b = 0; b < nb; ++b) {
-      RETURN_IF_ERROR(VerifyBlock({hd.kblocks.data() + b * kblock_bytes_, kblock_bytes_}));
-      const size_t start = hd.voffsets[b];
-      const size_t end = b + 1 < nb ? hd.voffsets[b + 1] : hd.vblocks.size();
-      RETURN_IF_ERROR(VerifyBlock({hd.vblocks.data() + start, end - start}));
+      RETURN_IF_ERROR(VerifyBlock(KeyBlock(h, b)));
+      RETURN_IF_ERROR(VerifyBlock(ValueBlock(h, b)));
     }
   return absl::OkStatus();
 }
@@ -489,6 +498,11 @@ SizeReport LayerCache::Size() const {
   s.elements_per_token = static_cast<int64_t>(kv_heads_) * opts_.head_dim;
   s.elements = s.tokens * s.elements_per_token;
   s.encoded_elements = s.encoded_tokens * s.elements_per_token;
+  for (const SealedBlockPtr& b : sealed_) {
+    s.key_block_bytes += b->key_bytes();
+    s.value_block_bytes += b->value_bytes();
+    s.sealed_block_bytes += static_cast<int64_t>(b->bytes.size());
+  }
   for (const Head& hd : heads_) {
     s.key_block_bytes += hd.kblocks.size();
     s.value_block_bytes += hd.vblocks.size();
@@ -496,6 +510,83 @@ SizeReport LayerCache::Size() const {
     s.value_window_bytes += hd.vwin.size();
   }
   return s;
+}
+
+int64_t SealedBlock::key_bytes() const {
+  int64_t n = 0;
+  for (size_t i = 0; i + 1 < offsets.size(); i += 2) n += offsets[i + 1] - offsets[i];
+  return n;
+}
+
+int64_t SealedBlock::value_bytes() const {
+  return static_cast<int64_t>(bytes.size()) - key_bytes();
+}
+
+std::span<const uint8_t> LayerCache::KeyBlock(int h, int64_t b) const {
+  const int64_t ns = static_cast<int64_t>(sealed_.size());
+  if (b < ns) return sealed_[b]->key(h);
+  return {heads_[h].kblocks.data() + (b - ns) * kblock_bytes_, kblock_bytes_};
+}
+
+std::span<const uint8_t> LayerCache::ValueBlock(int h, int64_t b) const {
+  const int64_t ns = static_cast<int64_t>(sealed_.size());
+  if (b < ns) return sealed_[b]->value(h);
+  const Head& hd = heads_[h];
+  const size_t i = b - ns;
+  const size_t start = hd.voffsets[i];
+  const size_t end = i + 1 < hd.voffsets.size() ? hd.voffsets[i + 1] : hd.vblocks.size();
+  return {hd.vblocks.data() + start, end - start};
+}
+
+bool LayerCache::AllSealed() const {
+  return tokens_ == encoded_ &&
+         encoded_ == static_cast<int64_t>(sealed_.size()) * opts_.key_group;
+}
+
+absl::Status LayerCache::CheckSealed(const SealedBlock& blk) const {
+  if (blk.offsets.size() != static_cast<size_t>(2 * kv_heads_ + 1) ||
+      blk.offsets.back() != blk.bytes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sealed block: ", blk.offsets.size(), " offsets over ", blk.bytes.size(),
+        " bytes; a layer of ", kv_heads_, " KV heads needs ", 2 * kv_heads_ + 1));
+  }
+  for (int h = 0; h < kv_heads_; ++h) {
+    if (blk.offsets[2 * h] > blk.offsets[2 * h + 1] ||
+        blk.offsets[2 * h + 1] > blk.offsets[2 * h + 2]) {
+      return absl::InvalidArgumentError("sealed block: offsets out of order");
+    }
+    RETURN_IF_ERROR(ParseKeyBlock(blk.key(h), opts_, false).status());
+    RETURN_IF_ERROR(ParseValueBlock(blk.value(h), opts_, false).status());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::AttachSealed(std::span<const SealedBlockPtr> blocks) {
+  if (!AllSealed()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sealed blocks attach only to a cache whose every token is sealed (", tokens_,
+        " tokens, ", encoded_, " encoded, ", sealed_.size(), " sealed groups)"));
+  }
+  for (const SealedBlockPtr& b : blocks) {
+    if (!b) return absl::InvalidArgumentError("sealed block: null");
+    RETURN_IF_ERROR(CheckSealed(*b));
+  }
+  sealed_.insert(sealed_.end(), blocks.begin(), blocks.end());
+  const int64_t n = static_cast<int64_t>(blocks.size()) * opts_.key_group;
+  tokens_ += n;
+  encoded_ += n;
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::ReplaceSealed(int64_t b, SealedBlockPtr block) {
+  if (b < 0 || b >= static_cast<int64_t>(sealed_.size())) {
+    return absl::OutOfRangeError(
+        absl::StrCat("sealed block ", b, ": the cache holds ", sealed_.size()));
+  }
+  if (!block) return absl::InvalidArgumentError("sealed block: null");
+  RETURN_IF_ERROR(CheckSealed(*block));
+  sealed_[b] = std::move(block);
+  return absl::OkStatus();
 }
 
 }  // namespace kvq::core

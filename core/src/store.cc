@@ -14,6 +14,10 @@
 
 namespace kvq::core {
 
+namespace {
+using PrefixKey = std::pair<uint64_t, uint64_t>;
+}  // namespace
+
 struct Store::Sequence {
   std::string tenant, id;
   std::shared_ptr<const ModelEntry> model;
@@ -23,11 +27,19 @@ struct Store::Sequence {
   std::vector<std::unique_ptr<LayerCache>> layers ABSL_GUARDED_BY(mu);
   // Per layer, per stored token: hash of the bytes it arrived as.
   std::vector<std::vector<uint64_t>> hashes ABSL_GUARDED_BY(mu);
+  // Per layer: prefix-sharing state.
+  struct LayerPrefix {
+    bool open = true;                   // every append so far carried token ids
+    std::vector<PrefixKey> block_keys;  // key of each sealed group
+    std::vector<uint32_t> pending_ids;  // ids of the tokens after the sealed groups
+  };
+  std::vector<LayerPrefix> prefix ABSL_GUARDED_BY(mu);
   bool dtype_set ABSL_GUARDED_BY(mu) = false;
   DType dtype ABSL_GUARDED_BY(mu) = DType::kF32;
   std::atomic<bool> corrupt{false};
 
   // Guarded by Store::mu_.
+  std::vector<PrefixKey> node_keys;  // prefix-index entries this sequence holds
   int64_t bytes = 0;
   int64_t tokens = 0;
   int64_t blocks = 0;
@@ -40,9 +52,22 @@ struct Store::Sequence {
 
 struct Store::Tenant {
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> seqs;
-  int64_t bytes = 0;  // stored + reserved
+  int64_t bytes = 0;  // stored + reserved, prefix index included
   int64_t evictions = 0;
   int64_t expirations = 0;
+  // The prefix index: one entry per sealed group, by chained key.
+  struct Node {
+    SealedBlockPtr block;
+    std::vector<uint64_t> hashes;  // arrival hashes of the G tokens (for attach re-sends)
+    std::optional<PrefixKey> parent;
+    std::vector<PrefixKey> children;
+    int64_t refs = 0;  // sequences holding it
+    int64_t bytes = 0;
+    absl::Time last_used;
+  };
+  absl::flat_hash_map<PrefixKey, Node> nodes;
+  int64_t node_bytes = 0;
+  int64_t shared_tokens = 0;
 };
 
 namespace {
@@ -71,6 +96,28 @@ uint64_t TokenHash(const TensorView& k, const TensorView& v, int64_t t) {
     }
   }
   return h;
+}
+
+// The root of a layer's prefix chain: everything that must match for two sequences' blocks
+// to be interchangeable.
+PrefixKey PrefixSeed(const ModelEntry& m, const CodecOptions& c, int layer) {
+  const std::string s = absl::StrCat(
+      "kvq-prefix-v1|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint,
+      "|", m.has_basis, "|", c.head_dim, ",", c.key_bits, ",", c.key_group, ",", c.rank, ",",
+      c.side_bits, ",", c.value_bits, ",", c.value_group, ",", static_cast<int>(c.value_policy),
+      ",", c.value_budget, ",", c.sink_tokens, ",", c.window, ",", c.side_sign, "|", layer);
+  const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
+  return {h.low64, h.high64};
+}
+
+// The key of a group: XXH3-128 over (the previous key, the group's token ids).
+PrefixKey ChainKey(const PrefixKey& prev, const uint32_t* ids, int g) {
+  std::vector<uint8_t> buf(16 + 4 * static_cast<size_t>(g));
+  std::memcpy(buf.data(), &prev.first, 8);
+  std::memcpy(buf.data() + 8, &prev.second, 8);
+  std::memcpy(buf.data() + 16, ids, 4 * static_cast<size_t>(g));
+  const XXH128_hash_t h = XXH3_128bits(buf.data(), buf.size());
+  return {h.low64, h.high64};
 }
 
 TensorView SliceTokens(const TensorView& t, int64_t from, int64_t n) {
@@ -134,14 +181,60 @@ void Store::TouchLocked(Sequence* s) {
   if (s->linked) lru_.splice(lru_.begin(), lru_, s->lru);
 }
 
-void Store::UnlinkLocked(Sequence* s) {
+void Store::UnlinkLocked(Sequence* s, bool drop) {
   if (!s->linked) return;
   Tenant& t = *tenants_[s->tenant];
   t.bytes -= s->bytes;
   used_bytes_ -= s->bytes;
   lru_.erase(s->lru);
   s->linked = false;
+  // Release its prefix blocks, last group first so that a dropped group's extensions (held
+  // by nobody either) are already gone.
+  for (auto it = s->node_keys.rbegin(); it != s->node_keys.rend(); ++it) {
+    auto n = t.nodes.find(*it);
+    if (n == t.nodes.end()) continue;
+    if (--n->second.refs == 0 && (drop || !opts_.retain_prefixes)) DropNodeLocked(t, *it);
+  }
+  s->node_keys.clear();
   t.seqs.erase(s->id);  // may destroy *s when nobody else holds it: do this last
+}
+
+int64_t Store::DropNodeLocked(Tenant& t, std::pair<uint64_t, uint64_t> key) {
+  // The entry and every extension of it (none is held when it is not: a holder of an
+  // extension holds its prefix too).
+  int64_t freed = 0;
+  std::vector<PrefixKey> stack{key};
+  while (!stack.empty()) {
+    const PrefixKey k = stack.back();
+    stack.pop_back();
+    auto e = t.nodes.find(k);
+    if (e == t.nodes.end()) continue;
+    for (const PrefixKey& c : e->second.children) stack.push_back(c);
+    if (e->second.parent && k == key) {
+      auto p = t.nodes.find(*e->second.parent);
+      if (p != t.nodes.end()) std::erase(p->second.children, k);
+    }
+    freed += e->second.bytes;
+    t.nodes.erase(e);
+  }
+  t.node_bytes -= freed;
+  t.bytes -= freed;
+  used_bytes_ -= freed;
+  return freed;
+}
+
+int64_t Store::DropRetainedLocked(Tenant& t, int64_t need, absl::Time older_than) {
+  std::vector<std::pair<absl::Time, PrefixKey>> retained;
+  for (const auto& [k, n] : t.nodes) {
+    if (n.refs == 0 && n.last_used < older_than) retained.emplace_back(n.last_used, k);
+  }
+  std::sort(retained.begin(), retained.end());
+  int64_t freed = 0;
+  for (const auto& [when, k] : retained) {
+    if (need > 0 && freed >= need) break;
+    freed += DropNodeLocked(t, k);  // 0 when already gone with a prefix of it
+  }
+  return freed;
 }
 
 absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
@@ -154,7 +247,7 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
     Tenant& owner = *tenants_[s->tenant];
     ++owner.evictions;
     ++evictions_;
-    UnlinkLocked(s);
+    UnlinkLocked(s, /*drop=*/true);
   };
   const int64_t quota = opts_.tenant_quota_bytes, cap = opts_.capacity_bytes;
   if (quota > 0 && bytes > quota) {
@@ -165,10 +258,39 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
     return absl::ResourceExhaustedError(
         absl::StrCat("the write needs ", bytes, " bytes; the capacity is ", cap, " bytes"));
   }
-  // Checks first, then evicts: a write that cannot fit evicts nothing.
+  // Retained prefix blocks are a cache: they go first, as far as needed (over the quota the
+  // writer's own; over the capacity those of tenants above an equal share, then the
+  // writer's).
+  if (quota > 0 && T.bytes + bytes > quota) DropRetainedLocked(T, T.bytes + bytes - quota);
+  if (cap > 0 && used_bytes_ + bytes > cap) {
+    int64_t active = 0;
+    for (const auto& [name, t] : tenants_) active += (t->bytes > 0 || name == tenant) ? 1 : 0;
+    const int64_t share = cap / std::max<int64_t>(1, active);
+    for (auto& [name, t] : tenants_) {
+      if (used_bytes_ + bytes <= cap) break;
+      if (name != tenant && t->bytes > share) {
+        DropRetainedLocked(*t, std::min(used_bytes_ + bytes - cap, t->bytes - share));
+      }
+    }
+    if (used_bytes_ + bytes > cap) DropRetainedLocked(T, used_bytes_ + bytes - cap);
+  }
+  // Checks first, then evicts: a write that cannot fit evicts no sequence.
   auto plan = [&](bool apply) -> bool {
     int64_t t_bytes = T.bytes, used = used_bytes_;
     std::vector<Sequence*> victims;
+    // What evicting v frees: its own bytes and the prefix blocks nobody else holds.
+    absl::flat_hash_map<std::pair<const Tenant*, PrefixKey>, int64_t> refs_left;
+    auto frees = [&](Sequence* v) {
+      const Tenant& o = *tenants_[v->tenant];
+      int64_t f = v->bytes;
+      for (const PrefixKey& k : v->node_keys) {
+        auto n = o.nodes.find(k);
+        if (n == o.nodes.end()) continue;
+        auto [r, fresh] = refs_left.try_emplace({&o, k}, n->second.refs);
+        if (--r->second == 0) f += n->second.bytes;
+      }
+      return f;
+    };
     auto chosen = [&](Sequence* s) {
       return std::find(victims.begin(), victims.end(), s) != victims.end();
     };
@@ -182,8 +304,9 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
       }
       if (!v) return false;
       victims.push_back(v);
-      t_bytes -= v->bytes;
-      used -= v->bytes;
+      const int64_t f = frees(v);
+      t_bytes -= f;
+      used -= f;
     }
     int64_t active = 0;
     for (const auto& [name, t] : tenants_) active += (t->bytes > 0 || name == tenant) ? 1 : 0;
@@ -208,13 +331,14 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
       }
       if (!v) return false;
       victims.push_back(v);
+      const int64_t f = frees(v);
       if (v->tenant == tenant) {
-        t_bytes -= v->bytes;
+        t_bytes -= f;
       } else {
         auto [a, fresh] = after.try_emplace(v->tenant, tenants_[v->tenant]->bytes);
-        a->second -= v->bytes;
+        a->second -= f;
       }
-      used -= v->bytes;
+      used -= f;
     }
     if (apply) {
       for (Sequence* v : victims) evict(v);
@@ -246,7 +370,8 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
     tokens += l->tokens();
     blocks += 2 * (r.encoded_tokens / s->codec.key_group) * s->model->manifest.kv_heads;
   }
-  int64_t bytes = size.total_bytes();
+  // Sealed blocks are counted once, in the prefix index.
+  int64_t bytes = size.total_bytes() - size.sealed_block_bytes;
   for (const auto& h : s->hashes) bytes += static_cast<int64_t>(h.size() * sizeof(uint64_t));
   absl::MutexLock l(&mu_);
   auto t = tenants_.find(s->tenant);
@@ -262,6 +387,56 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
   s->blocks = blocks;
   s->elements = elements;
   s->size = size;
+}
+
+absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int layer) {
+  Sequence::LayerPrefix& lp = s->prefix[layer];
+  LayerCache& cache = *s->layers[layer];
+  const int G = s->codec.key_group;
+  const PrefixKey seed = PrefixSeed(*s->model, s->codec, layer);
+  absl::MutexLock g(&mu_);
+  Tenant& T = *tenants_[tenant];
+  const absl::Time now = opts_.now();
+  while (lp.block_keys.size() < cache.sealed().size()) {
+    const size_t b = lp.block_keys.size();
+    if (lp.pending_ids.size() < static_cast<size_t>(G)) {
+      return absl::InternalError(absl::StrCat("layer ", layer, ": group ", b,
+                                              " sealed without its token ids"));
+    }
+    const PrefixKey prev = b > 0 ? lp.block_keys[b - 1] : seed;
+    const PrefixKey key = ChainKey(prev, lp.pending_ids.data(), G);
+    lp.pending_ids.erase(lp.pending_ids.begin(), lp.pending_ids.begin() + G);
+    auto n = T.nodes.find(key);
+    if (n != T.nodes.end()) {
+      // The same tokens, model, basis and codec settings: hold the indexed copy instead.
+      RETURN_IF_ERROR(cache.ReplaceSealed(static_cast<int64_t>(b), n->second.block));
+      ++n->second.refs;
+      n->second.last_used = now;
+      T.shared_tokens += G;
+    } else {
+      Tenant::Node node;
+      node.block = cache.sealed()[b];
+      const auto& hashes = s->hashes[layer];
+      node.hashes.assign(hashes.begin() + b * G, hashes.begin() + (b + 1) * G);
+      if (b > 0) {
+        node.parent = prev;
+        auto p = T.nodes.find(prev);
+        if (p != T.nodes.end()) p->second.children.push_back(key);
+      }
+      node.refs = 1;
+      node.last_used = now;
+      node.bytes = static_cast<int64_t>(node.block->bytes.size() +
+                                        node.block->offsets.size() * sizeof(uint32_t) +
+                                        node.hashes.size() * sizeof(uint64_t));
+      T.node_bytes += node.bytes;
+      T.bytes += node.bytes;
+      used_bytes_ += node.bytes;
+      T.nodes.emplace(key, std::move(node));
+    }
+    s->node_keys.push_back(key);
+    lp.block_keys.push_back(key);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
@@ -317,6 +492,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         }
         s->layers.resize((*m)->manifest.layers);
         s->hashes.resize((*m)->manifest.layers);
+        s->prefix.resize((*m)->manifest.layers);
         seqs[id] = s;
         fresh[id] = true;
       }
@@ -336,6 +512,9 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
     struct Plan {
       int64_t from = 0, n = 0;  // new tokens: [from, from + n) of the append's own range
       std::vector<uint64_t> new_hashes;
+      // The first `attach.size()` groups of the new tokens come from the prefix index.
+      std::vector<SealedBlockPtr> attach;
+      std::vector<PrefixKey> attach_keys;
     };
     std::vector<Plan> plans(batch.size());
     absl::flat_hash_map<std::pair<Sequence*, int>, std::vector<uint64_t>> pending;
@@ -366,31 +545,59 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         break;
       }
       const TensorView *k = &a.keys, *v = &a.values;
-      if (k->rank != 3 || k->shape[0] != m.kv_heads || k->shape[2] != m.head_dim ||
+      const bool attach_only = k->rank == 0 && v->rank == 0;
+      const int G = s->codec.key_group;
+      if (attach_only) {
+        if (a.token_ids.empty() || a.token_ids.size() > static_cast<size_t>(kMaxAppendTokens)) {
+          fail(absl::StatusCode::kInvalidArgument, ": keys and values are absent, so token_ids "
+               "(1..", kMaxAppendTokens, " ids) must name the tokens to attach from the prefix "
+               "index (got ", a.token_ids.size(), ")");
+          break;
+        }
+        if (a.start % G != 0) {
+          fail(absl::StatusCode::kInvalidArgument, ".start ", a.start,
+               ": an attach (token_ids without keys and values) starts at a multiple of the "
+               "group size G = ", G);
+          break;
+        }
+        if (a.probe_weights != nullptr) {
+          fail(absl::StatusCode::kInvalidArgument,
+               ".probe_weights: an attach carries no tokens to weigh");
+          break;
+        }
+      } else if (k->rank != 3 || k->shape[0] != m.kv_heads || k->shape[2] != m.head_dim ||
           k->shape[1] < 1 || k->shape[1] > kMaxAppendTokens) {
         fail(absl::StatusCode::kInvalidArgument, ".keys.shape ", Shape(*k),
              " must be [kv_heads=", m.kv_heads, ", n in 1..", kMaxAppendTokens,
              ", head_dim=", m.head_dim, "]");
         break;
       }
-      if (v->rank != 3 || v->shape[0] != k->shape[0] || v->shape[1] != k->shape[1] ||
+      if (attach_only) {
+        // checked above
+      } else if (v->rank != 3 || v->shape[0] != k->shape[0] || v->shape[1] != k->shape[1] ||
           v->shape[2] != k->shape[2]) {
         fail(absl::StatusCode::kInvalidArgument, ".values.shape ", Shape(*v),
              " must equal keys.shape ", Shape(*k));
         break;
       }
-      if (v->dtype != k->dtype) {
+      if (!attach_only && v->dtype != k->dtype) {
         fail(absl::StatusCode::kInvalidArgument, ".values.dtype ", DTypeName(v->dtype),
              " must equal keys.dtype ", DTypeName(k->dtype));
         break;
       }
-      if (s->dtype_set && k->dtype != s->dtype) {
+      if (!attach_only && !a.token_ids.empty() &&
+          a.token_ids.size() != static_cast<size_t>(k->shape[1])) {
+        fail(absl::StatusCode::kInvalidArgument, ".token_ids has ", a.token_ids.size(),
+             " ids; it must be empty or hold one id per appended token (", k->shape[1], ")");
+        break;
+      }
+      if (!attach_only && s->dtype_set && k->dtype != s->dtype) {
         fail(absl::StatusCode::kInvalidArgument, ".keys.dtype ", DTypeName(k->dtype),
              " differs from the dtype sequence '", a.sequence_id, "' arrived in (",
              DTypeName(s->dtype), ")");
         break;
       }
-      const int64_t n = k->shape[1];
+      const int64_t n = attach_only ? static_cast<int64_t>(a.token_ids.size()) : k->shape[1];
       auto& pend = pending[{s, a.layer}];
       const std::vector<uint64_t>& stored = s->hashes[a.layer];
       const int64_t len = static_cast<int64_t>(stored.size() + pend.size());
@@ -401,31 +608,83 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
              a.sequence_id, "' holds ", len, " tokens; appends leave no gaps)");
         break;
       }
-      const int64_t overlap = std::min(n, len - a.start);
-      for (int64_t t = 0; t < overlap; ++t) {
-        const int64_t pos = a.start + t;
-        const uint64_t have =
-            pos < static_cast<int64_t>(stored.size()) ? stored[pos] : pend[pos - stored.size()];
-        if (have != TokenHash(*k, *v, t)) {
-          fail(absl::StatusCode::kAlreadyExists, ": token ", pos, " of layer ", a.layer,
-               " of sequence '", a.sequence_id,
-               "' is already stored with different contents (re-sends must be identical)");
+      Plan& p = plans[i];
+      const Sequence::LayerPrefix& lp = s->prefix[a.layer];
+      const PrefixKey seed = PrefixSeed(*s->model, s->codec, a.layer);
+      int64_t overlap = std::min(n, len - a.start);
+      if (attach_only) {
+        // A re-sent attach: the overlapped groups must be sealed with the same keys.
+        PrefixKey prev = seed;
+        const int64_t g0 = a.start / G;
+        if (g0 > 0 && g0 <= static_cast<int64_t>(lp.block_keys.size())) prev = lp.block_keys[g0 - 1];
+        int64_t g = 0;
+        for (; (g + 1) * G <= overlap; ++g) {
+          prev = ChainKey(prev, a.token_ids.data() + g * G, G);
+          const size_t at_g = static_cast<size_t>(g0 + g);
+          if (at_g >= lp.block_keys.size() || lp.block_keys[at_g] != prev) break;
+        }
+        if (g * G < overlap) {
+          fail(absl::StatusCode::kAlreadyExists, ".token_ids[", g * G, "..]: tokens from ",
+               a.start + g * G, " of layer ", a.layer, " of sequence '", a.sequence_id,
+               "' are stored, but not as sealed groups of these ids");
           break;
         }
+      } else {
+        for (int64_t t = 0; t < overlap; ++t) {
+          const int64_t pos = a.start + t;
+          const uint64_t have =
+              pos < static_cast<int64_t>(stored.size()) ? stored[pos] : pend[pos - stored.size()];
+          if (have != TokenHash(*k, *v, t)) {
+            fail(absl::StatusCode::kAlreadyExists, ": token ", pos, " of layer ", a.layer,
+                 " of sequence '", a.sequence_id,
+                 "' is already stored with different contents (re-sends must be identical)");
+            break;
+          }
+        }
+        if (!bad.ok()) break;
       }
-      if (!bad.ok()) break;
-      Plan& p = plans[i];
       p.from = overlap;
       p.n = n - overlap;
+      // Groups from the prefix index: only at the end of a layer whose every token is sealed
+      // (and nothing earlier in this message touched it); for data, at most the groups the
+      // append would encode itself.
+      const LayerCache* cache = s->layers[a.layer].get();
+      if (p.n > 0 && !a.token_ids.empty() && lp.open && pend.empty() && a.start + overlap == len &&
+          (cache == nullptr || cache->AllSealed())) {
+        const int64_t most =
+            attach_only ? p.n / G : std::max<int64_t>(0, (p.n - s->codec.window) / G);
+        PrefixKey prev = lp.block_keys.empty() ? seed : lp.block_keys.back();
+        absl::MutexLock g(&mu_);
+        auto t = tenants_.find(tenant);
+        for (int64_t b = 0; t != tenants_.end() && b < most; ++b) {
+          prev = ChainKey(prev, a.token_ids.data() + p.from + b * G, G);
+          auto node = t->second->nodes.find(prev);
+          if (node == t->second->nodes.end()) break;
+          ++node->second.refs;  // pinned: no reservation may drop it before it is attached
+          p.attach.push_back(node->second.block);
+          p.attach_keys.push_back(prev);
+          if (attach_only) {
+            p.new_hashes.insert(p.new_hashes.end(), node->second.hashes.begin(),
+                                node->second.hashes.end());
+          }
+        }
+      }
+      if (attach_only) p.n = static_cast<int64_t>(p.attach.size()) * G;
       if (len + p.n > opts_.max_tokens_per_layer) {
         fail(absl::StatusCode::kResourceExhausted, ": layer ", a.layer, " would hold ", len + p.n,
              " tokens; the limit is ", opts_.max_tokens_per_layer);
         break;
       }
-      for (int64_t t = p.from; t < n; ++t) p.new_hashes.push_back(TokenHash(*k, *v, t));
+      if (!attach_only) {
+        for (int64_t t = p.from; t < n; ++t) p.new_hashes.push_back(TokenHash(*k, *v, t));
+      }
       pend.insert(pend.end(), p.new_hashes.begin(), p.new_hashes.end());
       outcome->tokens_duplicate += overlap;
-      estimate += GrowthEstimate(s->codec, m.kv_heads, k->dtype, len, len + p.n);
+      const int64_t shared = static_cast<int64_t>(p.attach.size()) * G;
+      if (!attach_only) {
+        estimate += GrowthEstimate(s->codec, m.kv_heads, k->dtype, len + shared, len + p.n);
+      }
+      estimate += shared * static_cast<int64_t>(sizeof(uint64_t));
       if (a.probe_weights == nullptr) continue;
       for (int64_t j = 0; j < m.kv_heads * n; ++j) {
         if (!(a.probe_weights[j] >= 0.0f)) {
@@ -435,7 +694,26 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         }
       }
     }
+    // Releases the prefix-index entries pinned above (a failed or retried attempt).
+    auto unpin_locked = [&](size_t from_item) {
+      auto t = tenants_.find(tenant);
+      if (t == tenants_.end()) return;
+      for (size_t i = from_item; i < plans.size(); ++i) {
+        for (const PrefixKey& k : plans[i].attach_keys) {
+          auto n = t->second->nodes.find(k);
+          if (n != t->second->nodes.end() && --n->second.refs == 0 && !opts_.retain_prefixes) {
+            DropNodeLocked(*t->second, k);
+          }
+        }
+        plans[i].attach_keys.clear();
+      }
+    };
+    auto unpin = [&](size_t from_item) {
+      absl::MutexLock g(&mu_);
+      unpin_locked(from_item);
+    };
     if (!bad.ok()) {
+      unpin(0);
       unlock_all();
       *outcome = AppendOutcome{};
       return bad;
@@ -454,12 +732,14 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         }
       }
       if (raced) {
+        unpin_locked(0);
         unlock_all();
         if (attempt < 3) continue;
         return absl::AbortedError("sequences changed concurrently; retry the append");
       }
       absl::Status st = ReserveLocked(tenant, estimate, locked);
       if (!st.ok()) {
+        unpin_locked(0);
         unlock_all();
         *outcome = AppendOutcome{};
         return st;
@@ -487,26 +767,70 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         cache = std::make_unique<LayerCache>(s->codec, s->model->manifest.kv_heads,
                                              basis.empty() ? nullptr : basis.data());
       }
-      std::vector<float> probe;
-      if (a.probe_weights) {
-        const int64_t n = a.keys.shape[1];
-        for (int64_t h = 0; h < a.keys.shape[0]; ++h) {
-          probe.insert(probe.end(), a.probe_weights + h * n + p.from, a.probe_weights + h * n + n);
+      Sequence::LayerPrefix& lp = s->prefix[a.layer];
+      if (a.token_ids.empty()) {
+        lp.open = false;
+        lp.pending_ids.clear();
+      }
+      cache->set_sealing(lp.open);
+      const int G = s->codec.key_group;
+      const int64_t shared = static_cast<int64_t>(p.attach.size()) * G;
+      if (!p.attach.empty()) {
+        applied = cache->AttachSealed(p.attach);
+        if (!applied.ok()) {
+          unpin(i);
+          applied = absl::InternalError(
+              absl::StrCat("appends[", i, "]: prefix block rejected: ", applied.message()));
+          break;
         }
+        lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
+        absl::MutexLock g(&mu_);
+        s->node_keys.insert(s->node_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
+        Tenant& T = *tenants_[tenant];
+        const absl::Time now = opts_.now();
+        for (const PrefixKey& k : p.attach_keys) {
+          auto n = T.nodes.find(k);
+          if (n != T.nodes.end()) n->second.last_used = now;
+        }
+        T.shared_tokens += shared;
       }
-      const int64_t start = a.start + p.from;
-      applied = cache->Append(SliceTokens(a.keys, p.from, p.n), SliceTokens(a.values, p.from, p.n),
-                              start, probe.empty() ? nullptr : probe.data());
-      if (!applied.ok()) {
-        applied =
-            absl::Status(applied.code(), absl::StrCat("appends[", i, "]: ", applied.message()));
-        break;
+      const int64_t data_n = p.n - shared;
+      if (data_n > 0) {
+        const int64_t from = p.from + shared;
+        std::vector<float> probe;
+        if (a.probe_weights) {
+          const int64_t n = a.keys.shape[1];
+          for (int64_t h = 0; h < a.keys.shape[0]; ++h) {
+            probe.insert(probe.end(), a.probe_weights + h * n + from, a.probe_weights + h * n + n);
+          }
+        }
+        if (lp.open) {
+          lp.pending_ids.insert(lp.pending_ids.end(), a.token_ids.begin() + from,
+                                a.token_ids.end());
+        }
+        applied = cache->Append(SliceTokens(a.keys, from, data_n),
+                                SliceTokens(a.values, from, data_n), a.start + from,
+                                probe.empty() ? nullptr : probe.data());
+        if (!applied.ok()) {
+          unpin(i + 1);
+          applied =
+              absl::Status(applied.code(), absl::StrCat("appends[", i, "]: ", applied.message()));
+          break;
+        }
+        s->dtype = a.keys.dtype;
+        s->dtype_set = true;
       }
-      s->dtype = a.keys.dtype;
-      s->dtype_set = true;
       auto& h = s->hashes[a.layer];
       h.insert(h.end(), p.new_hashes.begin(), p.new_hashes.end());
-      outcome->tokens_written += p.n;
+      if (lp.open) {
+        applied = IndexSealed(tenant, s, a.layer);
+        if (!applied.ok()) {
+          unpin(i + 1);
+          break;
+        }
+      }
+      outcome->tokens_written += data_n;
+      outcome->tokens_shared += shared;
     }
     int64_t reserved = estimate;
     for (Sequence* s : locked) {
@@ -682,7 +1006,7 @@ absl::StatusOr<int64_t> Store::Delete(const std::string& tenant, const std::stri
     if (it != t->second->seqs.end()) {
       std::shared_ptr<Sequence> s = it->second;
       const int64_t bytes = s->bytes;
-      UnlinkLocked(s.get());
+      UnlinkLocked(s.get(), /*drop=*/false);
       return bytes;
     }
   }
@@ -696,6 +1020,10 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
   if (t == tenants_.end()) return u;
   u.evictions = t->second->evictions;
   u.expirations = t->second->expirations;
+  u.shared_tokens = t->second->shared_tokens;
+  u.prefix_blocks = static_cast<int64_t>(t->second->nodes.size());
+  u.prefix_bytes = t->second->node_bytes;
+  for (const auto& [k, n] : t->second->nodes) u.retained_bytes += n.refs == 0 ? n.bytes : 0;
   for (const auto& [id, s] : t->second->seqs) {
     ++u.sequences;
     u.tokens += s->tokens;
@@ -704,6 +1032,7 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
     u.elements += s->elements;
     u.size += s->size;
   }
+  u.bytes += t->second->node_bytes;
   return u;
 }
 
@@ -712,6 +1041,12 @@ UsageStats Store::TotalUsage() const {
   absl::MutexLock l(&mu_);
   u.evictions = evictions_;
   u.expirations = expirations_;
+  for (const auto& [name, t] : tenants_) {
+    u.shared_tokens += t->shared_tokens;
+    u.prefix_blocks += static_cast<int64_t>(t->nodes.size());
+    u.prefix_bytes += t->node_bytes;
+    for (const auto& [k, n] : t->nodes) u.retained_bytes += n.refs == 0 ? n.bytes : 0;
+  }
   for (const Sequence* s : lru_) {
     ++u.sequences;
     u.tokens += s->tokens;
@@ -752,9 +1087,10 @@ int64_t Store::Sweep() {
     Sequence* s = lru_.back();
     ++tenants_[s->tenant]->expirations;
     ++expirations_;
-    UnlinkLocked(s);
+    UnlinkLocked(s, /*drop=*/false);
     ++n;
   }
+  for (auto& [name, t] : tenants_) DropRetainedLocked(*t, 0, cutoff);
   return n;
 }
 

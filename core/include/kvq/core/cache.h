@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -29,6 +30,9 @@ struct SizeReport {
   int64_t elements = 0, encoded_elements = 0;
   int64_t key_block_bytes = 0, value_block_bytes = 0;
   int64_t key_window_bytes = 0, value_window_bytes = 0;
+  // Of the block bytes above, those in sealed blocks (which a store may share between
+  // sequences and count once).
+  int64_t sealed_block_bytes = 0;
   // Steady state: 8 * block bytes / encoded elements.
   double k_bits_steady() const;
   double v_bits_steady() const;
@@ -60,6 +64,23 @@ struct AttendOptions {
   // Softmax scale; 0 means 1/sqrt(head_dim).
   float scale = 0.0f;
 };
+
+// One encoded group of G tokens for every KV head, immutable once made: the unit of prefix
+// sharing (several caches may hold the same block). For head h, the key block is
+// bytes[offsets[2h], offsets[2h+1]) and the value block bytes[offsets[2h+1], offsets[2h+2]).
+struct SealedBlock {
+  std::vector<uint8_t> bytes;
+  std::vector<uint32_t> offsets{0};
+  std::span<const uint8_t> key(int h) const {
+    return {bytes.data() + offsets[2 * h], offsets[2 * h + 1] - offsets[2 * h]};
+  }
+  std::span<const uint8_t> value(int h) const {
+    return {bytes.data() + offsets[2 * h + 1], offsets[2 * h + 2] - offsets[2 * h + 1]};
+  }
+  int64_t key_bytes() const;    // sum over heads
+  int64_t value_bytes() const;  // sum over heads
+};
+using SealedBlockPtr = std::shared_ptr<const SealedBlock>;
 
 class LayerCache {
  public:
@@ -102,7 +123,23 @@ class LayerCache {
 
   SizeReport Size() const;
 
-  // Raw access for the store, golden-file tests and fault injection.
+  // Prefix sharing. A cache stores its leading encoded groups as SealedBlocks while sealing
+  // is on and it holds no unsealed block yet; once a group is encoded unsealed (sealing
+  // off), every later group is unsealed too. Sealing is off by default.
+  void set_sealing(bool on) { sealing_ = on; }
+  const std::vector<SealedBlockPtr>& sealed() const { return sealed_; }
+  // True when every cached token is in a sealed block (no unsealed block, empty window):
+  // the only state in which AttachSealed may extend the cache.
+  bool AllSealed() const;
+  // Appends encoded groups made by a cache with the same options and basis (the caller
+  // guarantees it, e.g. by a hash over model, basis and codec settings). Requires
+  // AllSealed(). Each block's layout and headers are checked; nothing changes on error.
+  absl::Status AttachSealed(std::span<const SealedBlockPtr> blocks);
+  // Replaces sealed block b by an identical-by-construction block (same tokens, options and
+  // basis) that another cache made, so that both share one copy.
+  absl::Status ReplaceSealed(int64_t b, SealedBlockPtr block);
+
+  // Raw access to the unsealed blocks, for golden-file tests and fault injection.
   std::vector<uint8_t>& key_blocks(int h) { return heads_[h].kblocks; }
   std::vector<uint8_t>& value_blocks(int h) { return heads_[h].vblocks; }
 
@@ -125,6 +162,10 @@ class LayerCache {
                          float* out) const;
   absl::Status ReadoutHead(int h, const float* p, int rows, float* out) const;
   void WindowToFloat(const Head& hd, bool keys, float* out) const;
+  // Key / value block b of head h: the sealed blocks first, then the unsealed ones.
+  std::span<const uint8_t> KeyBlock(int h, int64_t b) const;
+  std::span<const uint8_t> ValueBlock(int h, int64_t b) const;
+  absl::Status CheckSealed(const SealedBlock& blk) const;
 
   CodecOptions opts_;
   int kv_heads_;
@@ -132,6 +173,10 @@ class LayerCache {
   std::vector<Head> heads_;
   int64_t tokens_ = 0;
   int64_t encoded_ = 0;  // tokens per head in blocks
+  std::vector<SealedBlockPtr> sealed_;  // the leading encoded groups, when sealed
+  bool sealing_ = false;
+  // Groups being sealed by the current append (filled head by head).
+  std::vector<std::shared_ptr<SealedBlock>> building_;
   size_t kblock_bytes_;
 };
 

@@ -23,6 +23,23 @@
 //   another. A write that still cannot fit fails with RESOURCE_EXHAUSTED and evicts and
 //   stores nothing.
 //
+// * Prefix sharing (inside a tenant only): an append may carry the token ids of its tokens.
+//   While every append of a layer carries them, the layer's encoded groups are sealed
+//   blocks indexed by a chained 128-bit hash: XXH3-128 over (previous key, the group's G
+//   token ids), starting from a seed over model, basis version and fingerprint, codec
+//   settings and layer. A sealed group whose key is already indexed is replaced by the
+//   indexed block (stored once, counted once, held by reference). An append at the end of a
+//   layer whose every token is sealed first takes the longest indexed run of whole groups
+//   from the index instead of encoding it (at most the groups the append would have encoded
+//   anyway, so the window R stays at arrival precision); an append with token ids and no
+//   keys or values attaches that run only, and reports how far it got.
+// * Retained prefixes: when a sequence is deleted or expires, its indexed blocks stay as a
+//   prefix cache (StoreOptions::retain_prefixes) until room is needed or they idle past the
+//   TTL. Under pressure they go first, least recently used first and each with every block
+//   that extends it (never a suffix without its prefix); they may go even when the write
+//   that needed the room then fails, being a cache. An evicted sequence's blocks that no
+//   other sequence uses go with it.
+//
 // Thread safety: every method may be called concurrently. Each sequence has its own lock
 // (reads share it; appends and observing Attends take it exclusively).
 #pragma once
@@ -32,6 +49,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -114,6 +132,8 @@ struct StoreOptions {
   absl::Duration ttl = absl::ZeroDuration();
   // Largest number of tokens one layer of one sequence may hold (a sanity limit).
   int64_t max_tokens_per_layer = int64_t{1} << 20;
+  // Keep the indexed prefix blocks of deleted and expired sequences (see above).
+  bool retain_prefixes = true;
   // Clock, replaceable in tests.
   std::function<absl::Time()> now = [] { return absl::Now(); };
 };
@@ -127,6 +147,9 @@ struct AppendSpec {
   TensorView keys;                       // [kv_heads][n][head_dim]
   TensorView values;                     // [kv_heads][n][head_dim], same dtype as keys
   const float* probe_weights = nullptr;  // [kv_heads][n] or null
+  // Token ids of the n tokens (or empty): enables prefix sharing. With keys and values
+  // absent (rank 0), an attach: the ids name the tokens to take from the prefix index.
+  std::span<const uint32_t> token_ids;
   // Creation (ignored for an existing sequence unless set, then checked):
   std::string model;
   int basis_version = 0;
@@ -137,6 +160,9 @@ struct AppendSpec {
 struct AppendOutcome {
   int64_t tokens_written = 0;
   int64_t tokens_duplicate = 0;
+  // Tokens taken from the prefix index instead of being encoded (included in neither
+  // count above).
+  int64_t tokens_shared = 0;
   // (sequence, layer) -> tokens after the batch.
   std::vector<std::tuple<std::string, int, int64_t>> lengths;
 };
@@ -155,6 +181,13 @@ struct UsageStats {
   int64_t blocks = 0;  // encoded blocks (one per G tokens, KV head and K or V)
   int64_t evictions = 0;
   int64_t expirations = 0;
+  // Prefix index: indexed blocks and their bytes (counted once however many sequences hold
+  // them; included in `bytes`), of which retained (held by no sequence); tokens taken from
+  // the index since start.
+  int64_t prefix_blocks = 0;
+  int64_t prefix_bytes = 0;
+  int64_t retained_bytes = 0;
+  int64_t shared_tokens = 0;
   // Byte sums over everything counted (valid across models of different shapes).
   SizeReport size;
   int64_t elements = 0;  // cached K (or V) elements: tokens x kv_heads x head_dim
@@ -229,8 +262,21 @@ class Store {
   // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`.
   absl::Status ReserveLocked(const std::string& tenant, int64_t bytes,
                              const std::vector<Sequence*>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void UnlinkLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // drop: also drop the prefix blocks only this sequence held (eviction); else they stay
+  // retained when StoreOptions::retain_prefixes.
+  void UnlinkLocked(Sequence* s, bool drop) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops a prefix-index entry and every entry that extends it; returns the bytes freed.
+  int64_t DropNodeLocked(Tenant& t, std::pair<uint64_t, uint64_t> key)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops retained prefix blocks of tenant t, least recently used first with their
+  // extensions, until `need` bytes are freed (or none is left; need <= 0: every one idle since before
+  // older_than); returns the bytes freed.
+  int64_t DropRetainedLocked(Tenant& t, int64_t need, absl::Time older_than = absl::InfiniteFuture())
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Indexes the groups a layer sealed since the last call (or holds the indexed copy).
+  absl::Status IndexSealed(const std::string& tenant, Sequence* s, int layer)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Re-measures a sequence after a change and fixes the accounting.
   void Remeasure(Sequence* s, int64_t reserved);
 

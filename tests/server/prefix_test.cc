@@ -1,0 +1,366 @@
+// Prefix sharing in core::Store (no gRPC): sealed groups indexed by a chained hash of token
+// ids, stored once per tenant, attached without data, retained after delete, dropped first
+// under pressure and never leaving an extension without its prefix.
+#include <random>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kvq/core/store.h"
+
+namespace kvq::core {
+namespace {
+
+constexpr int kKv = 2, kD = 64, kQ = 4;
+
+ModelEntry Entry() {
+  BasisManifest m;
+  m.model = "m";
+  m.version = 1;
+  m.layers = 2;
+  m.kv_heads = kKv;
+  m.q_heads = kQ;
+  m.head_dim = kD;
+  m.rank = 8;
+  m.kind = "random";
+  ModelEntry e;
+  e.manifest = m;
+  e.has_basis = true;
+  e.basis = RandomBasis(m, 3);
+  e.codec = Registry::DefaultCodec(m, true);
+  return e;
+}
+
+// K/V of `n` tokens where token t's rows depend only on (t, ids[t]) and the seed: two
+// sequences with the same ids carry the same bytes, as a deterministic prefill would.
+struct Tokens {
+  std::vector<uint32_t> ids;
+  std::vector<float> k, v;
+  Tokens(std::vector<uint32_t> token_ids, uint32_t seed) : ids(std::move(token_ids)) {
+    const int64_t n = static_cast<int64_t>(ids.size());
+    k.resize(kKv * n * kD);
+    v.resize(kKv * n * kD);
+    for (int h = 0; h < kKv; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        std::mt19937 rng(seed * 1000003u + ids[t] * 7919u + static_cast<uint32_t>(t) * 31u + h);
+        std::normal_distribution<float> nd;
+        for (int c = 0; c < kD; ++c) {
+          k[(h * n + t) * kD + c] = nd(rng);
+          v[(h * n + t) * kD + c] = nd(rng);
+        }
+      }
+    }
+  }
+  int64_t n() const { return static_cast<int64_t>(ids.size()); }
+  // Tokens [from, from + count) as an append at position from.
+  AppendSpec Spec(const std::string& id, int layer, int64_t from, int64_t count,
+                  bool with_ids = true) const {
+    AppendSpec s;
+    s.sequence_id = id;
+    s.layer = layer;
+    s.start = from;
+    s.model = "m";
+    TensorView kt = TensorView::Contiguous(k.data(), DType::kF32, {kKv, n(), kD});
+    TensorView vt = TensorView::Contiguous(v.data(), DType::kF32, {kKv, n(), kD});
+    kt.data = k.data() + from * kD;
+    vt.data = v.data() + from * kD;
+    kt.shape[1] = vt.shape[1] = count;
+    s.keys = kt;
+    s.values = vt;
+    if (with_ids) s.token_ids = std::span<const uint32_t>(ids.data() + from, count);
+    return s;
+  }
+  // Both layers, every token, one message.
+  std::vector<AppendSpec> All(const std::string& id, bool with_ids = true) const {
+    return {Spec(id, 0, 0, n(), with_ids), Spec(id, 1, 0, n(), with_ids)};
+  }
+};
+
+std::vector<uint32_t> Ids(int n, uint32_t base) {
+  std::vector<uint32_t> ids(n);
+  for (int i = 0; i < n; ++i) ids[i] = base + 17 * i;
+  return ids;
+}
+
+AppendSpec AttachSpec(const std::string& id, int layer, int64_t start,
+                      std::span<const uint32_t> ids) {
+  AppendSpec s;
+  s.sequence_id = id;
+  s.layer = layer;
+  s.start = start;
+  s.model = "m";
+  s.token_ids = ids;
+  return s;
+}
+
+class PrefixTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(registry_.Register(Entry(), nullptr).ok()); }
+
+  std::vector<float> Scores(Store& store, const std::string& tenant, const std::string& id,
+                            int layer) {
+    std::vector<float> q(kQ * kD);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * i);
+    std::vector<float> out;
+    int64_t tokens = 0;
+    absl::Status st = store.Score(tenant, id, layer, 0, q.data(), kQ, 1, kD, 0, false, &out, &tokens);
+    EXPECT_TRUE(st.ok()) << st;
+    return out;
+  }
+  std::vector<float> Attention(Store& store, const std::string& id, int layer) {
+    std::vector<float> q(kQ * kD);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * i);
+    std::vector<float> out;
+    int64_t tokens = 0;
+    AttendOptions ao;
+    ao.observe = false;
+    absl::Status st = store.Attend("t", id, layer, 0, q.data(), kQ, 1, kD, ao, &out, &tokens);
+    EXPECT_TRUE(st.ok()) << st;
+    return out;
+  }
+
+  Registry registry_{""};
+};
+
+TEST_F(PrefixTest, SamePrefixIsStoredOnceAndReadsAreBitExact) {
+  Store store({}, &registry_);
+  Tokens a(Ids(100, 5), 1);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  EXPECT_EQ(out.tokens_written, 200);
+  EXPECT_EQ(out.tokens_shared, 0);
+  const UsageStats one = store.TotalUsage();
+  EXPECT_EQ(one.prefix_blocks, 2 * 3);  // 3 whole groups of 32 per layer
+  EXPECT_GT(one.prefix_bytes, 0);
+
+  // The same tokens again: the 3 whole groups of each layer come from the index.
+  ASSERT_TRUE(store.Append("t", a.All("b"), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 2 * 96);
+  EXPECT_EQ(out.tokens_written, 2 * 4);
+  const UsageStats two = store.TotalUsage();
+  EXPECT_EQ(two.prefix_blocks, one.prefix_blocks);
+  EXPECT_EQ(two.prefix_bytes, one.prefix_bytes);
+  // The second sequence costs exactly what the first holds outside the index (its window
+  // and token hashes).
+  EXPECT_EQ(two.bytes - one.bytes, one.bytes - one.prefix_bytes);
+
+  // Without token ids: nothing shared, everything encoded; same results bit for bit.
+  ASSERT_TRUE(store.Append("t", a.All("c", /*with_ids=*/false), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 0);
+  for (int layer = 0; layer < 2; ++layer) {
+    EXPECT_EQ(Scores(store, "t", "a", layer), Scores(store, "t", "b", layer));
+    EXPECT_EQ(Scores(store, "t", "a", layer), Scores(store, "t", "c", layer));
+    EXPECT_EQ(Attention(store, "a", layer), Attention(store, "c", layer));
+    EXPECT_EQ(Attention(store, "b", layer), Attention(store, "c", layer));
+  }
+  // The shared blocks are the same objects.
+  EXPECT_EQ(store.LayerForTest("t", "a", 1)->sealed()[2].get(),
+            store.LayerForTest("t", "b", 1)->sealed()[2].get());
+  EXPECT_TRUE(store.LayerForTest("t", "c", 1)->sealed().empty());
+}
+
+TEST_F(PrefixTest, SharingStopsAtTheFirstDifferentGroupAndNeverCrossesTenants) {
+  Store store({}, &registry_);
+  Tokens a(Ids(128, 5), 1);
+  std::vector<uint32_t> other = a.ids;
+  other[40] += 1;  // differs in the second group
+  Tokens b(other, 1);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  ASSERT_TRUE(store.Append("t", b.All("b"), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 2 * 32);
+  // Same ids, other tenant: nothing shared, nothing learnt.
+  ASSERT_TRUE(store.Append("u", a.All("a"), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 0);
+  EXPECT_EQ(store.TenantUsage("u").shared_tokens, 0);
+  EXPECT_EQ(store.TenantUsage("t").shared_tokens, 64);
+  // Other codec settings: other blocks, nothing shared.
+  std::vector<AppendSpec> g64 = a.All("g64");
+  for (auto& s : g64) {
+    s.has_codec = true;
+    s.codec = Entry().codec;
+    s.codec.value_bits = 4;
+  }
+  ASSERT_TRUE(store.Append("t", g64, &out).ok());
+  EXPECT_EQ(out.tokens_shared, 0);
+  EXPECT_EQ(Scores(store, "t", "a", 0), Scores(store, "u", "a", 0));
+}
+
+TEST_F(PrefixTest, AttachWithoutDataThenContinue) {
+  Store store({}, &registry_);
+  Tokens a(Ids(100, 9), 2);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  // A frontend holding the same prompt asks for what is stored, by token ids only.
+  std::span<const uint32_t> ids(a.ids);
+  absl::Status st = store.Append(
+      "t", {AttachSpec("d", 0, 0, ids), AttachSpec("d", 1, 0, ids)}, &out);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(out.tokens_shared, 2 * 96);
+  EXPECT_EQ(out.tokens_written, 0);
+  ASSERT_EQ(out.lengths.size(), 2u);
+  EXPECT_EQ(std::get<2>(out.lengths[0]), 96);
+  // A retried attach is a duplicate; one naming other tokens is ALREADY_EXISTS.
+  ASSERT_TRUE(store.Append("t", {AttachSpec("d", 0, 0, ids.subspan(0, 64))}, &out).ok());
+  EXPECT_EQ(out.tokens_duplicate, 64);
+  std::vector<uint32_t> wrong(a.ids.begin(), a.ids.begin() + 64);
+  wrong[50] ^= 1;
+  st = store.Append("t", {AttachSpec("d", 0, 0, wrong)}, &out);
+  EXPECT_EQ(st.code(), absl::StatusCode::kAlreadyExists) << st;
+  // The rest arrives with data; reads equal the donor's bit for bit.
+  ASSERT_TRUE(store.Append("t", {a.Spec("d", 0, 96, 4), a.Spec("d", 1, 96, 4)}, &out).ok());
+  EXPECT_EQ(out.tokens_written, 8);
+  // Re-sending the attached tokens with their data is a duplicate (same arrival hashes).
+  ASSERT_TRUE(store.Append("t", {a.Spec("d", 0, 0, 100)}, &out).ok());
+  EXPECT_EQ(out.tokens_duplicate, 100);
+  for (int layer = 0; layer < 2; ++layer) {
+    EXPECT_EQ(Scores(store, "t", "a", layer), Scores(store, "t", "d", layer));
+    EXPECT_EQ(Attention(store, "a", layer), Attention(store, "d", layer));
+  }
+  // Attaching what the index does not hold attaches nothing (and is not an error).
+  std::vector<uint32_t> unknown = Ids(64, 777);
+  ASSERT_TRUE(store.Append("t", {AttachSpec("e", 0, 0, unknown)}, &out).ok());
+  EXPECT_EQ(out.tokens_shared, 0);
+}
+
+TEST_F(PrefixTest, BadPrefixRequestsNameTheField) {
+  Store store({}, &registry_);
+  Tokens a(Ids(40, 1), 1);
+  AppendOutcome out;
+  AppendSpec s = a.Spec("a", 0, 0, 40);
+  s.token_ids = s.token_ids.subspan(0, 39);
+  absl::Status st = store.Append("t", {s}, &out);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("token_ids has 39 ids"));
+  st = store.Append("t", {AttachSpec("a", 0, 0, {})}, &out);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("token_ids"));
+  st = store.Append("t", {AttachSpec("a", 0, 5, a.ids)}, &out);
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("multiple of the group size"));
+  EXPECT_EQ(store.TotalUsage().sequences, 0);
+}
+
+TEST_F(PrefixTest, DecodeStyleAppendsHoldTheIndexedCopy) {
+  Store store({}, &registry_);
+  Tokens a(Ids(96, 3), 4);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", {a.Spec("a", 0, 0, 96)}, &out).ok());
+  const UsageStats before = store.TotalUsage();
+  for (int64_t t = 0; t < 70; ++t) {
+    ASSERT_TRUE(store.Append("t", {a.Spec("f", 0, t, 1)}, &out).ok());
+  }
+  const UsageStats after = store.TotalUsage();
+  EXPECT_EQ(after.prefix_blocks, before.prefix_blocks);
+  EXPECT_EQ(after.shared_tokens, 64);
+  const LayerCache* fa = store.LayerForTest("t", "a", 0);
+  const LayerCache* ff = store.LayerForTest("t", "f", 0);
+  ASSERT_EQ(ff->sealed().size(), 2u);
+  EXPECT_EQ(fa->sealed()[1].get(), ff->sealed()[1].get());
+  // Reference: the same 70 tokens without ids.
+  ASSERT_TRUE(store.Append("t", {a.Spec("ref", 0, 0, 70, false)}, &out).ok());
+  EXPECT_EQ(Scores(store, "t", "f", 0), Scores(store, "t", "ref", 0));
+}
+
+TEST_F(PrefixTest, RetainedPrefixesServeLaterSequencesAndGoFirstUnderPressure) {
+  Tokens a(Ids(128, 11), 5);
+  int64_t one = 0;
+  {
+    Store probe({}, &registry_);
+    AppendOutcome out;
+    ASSERT_TRUE(probe.Append("t", a.All("x", false), &out).ok());
+    one = probe.TotalUsage().bytes;
+  }
+  StoreOptions o;
+  o.capacity_bytes = 3 * one;
+  Store store(o, &registry_);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  ASSERT_TRUE(store.Delete("t", "a").ok());
+  UsageStats u = store.TotalUsage();
+  EXPECT_EQ(u.sequences, 0);
+  EXPECT_EQ(u.prefix_blocks, 8);
+  EXPECT_EQ(u.retained_bytes, u.prefix_bytes);
+  EXPECT_EQ(u.bytes, u.prefix_bytes);
+  // A later sequence with the same prompt takes the retained groups.
+  ASSERT_TRUE(store.Append("t", {AttachSpec("b", 0, 0, a.ids)}, &out).ok());
+  EXPECT_EQ(out.tokens_shared, 128);
+  EXPECT_LT(store.TotalUsage().retained_bytes, u.retained_bytes);
+  ASSERT_TRUE(store.Delete("t", "b").ok());
+  // Fill with sequences that share nothing: the retained groups go before any sequence,
+  // and never a group while a longer one extending it stays.
+  for (int i = 0; i < 3; ++i) {
+    Tokens other(Ids(128, 1000 + i), 50 + i);
+    absl::Status st = store.Append("t", other.All(absl::StrCat("o", i), false), &out);
+    ASSERT_TRUE(st.ok()) << st;
+    u = store.TotalUsage();
+    EXPECT_EQ(u.evictions, 0);
+    EXPECT_LE(u.bytes, o.capacity_bytes);
+    // What is left of both chains are prefixes of them (no group without the groups before
+    // it): attaching the prompt reaches every indexed group.
+    AppendOutcome probe_out;
+    const std::string id = absl::StrCat("p", i);
+    ASSERT_TRUE(store.Append("t", {AttachSpec(id, 0, 0, a.ids), AttachSpec(id, 1, 0, a.ids)},
+                             &probe_out).ok());
+    EXPECT_EQ(probe_out.tokens_shared, u.prefix_blocks * 32);
+    ASSERT_TRUE(store.Delete("t", id).ok());
+  }
+  u = store.TotalUsage();
+  EXPECT_LT(u.prefix_blocks, 8);
+}
+
+TEST_F(PrefixTest, EvictingOneHolderKeepsBlocksOthersHold) {
+  Tokens a(Ids(128, 21), 6);
+  int64_t one = 0;
+  {
+    Store probe({}, &registry_);
+    AppendOutcome out;
+    ASSERT_TRUE(probe.Append("t", a.All("x", false), &out).ok());
+    one = probe.TotalUsage().bytes;
+  }
+  StoreOptions o;
+  // Room for two sequences' codes, the index's own copy of the token hashes and a little.
+  o.capacity_bytes = 2 * one + 3000;
+  o.retain_prefixes = false;
+  Store store(o, &registry_);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  ASSERT_TRUE(store.Append("t", a.All("b"), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 256);
+  const std::vector<float> before = Scores(store, "t", "b", 1);
+  Scores(store, "t", "b", 0);  // b is now more recently used than a
+  Tokens other(Ids(128, 5000), 60);
+  ASSERT_TRUE(store.Append("t", other.All("o", false), &out).ok());
+  UsageStats u = store.TotalUsage();
+  EXPECT_EQ(u.evictions, 1);
+  EXPECT_FALSE(store.Describe("t", "a").ok());
+  EXPECT_EQ(u.prefix_blocks, 8);  // b still holds them
+  EXPECT_EQ(Scores(store, "t", "b", 1), before);
+  // Without retention, deleting the last holder frees the blocks at once.
+  ASSERT_TRUE(store.Delete("t", "b").ok());
+  u = store.TotalUsage();
+  EXPECT_EQ(u.prefix_blocks, 0);
+  EXPECT_EQ(u.prefix_bytes, 0);
+  EXPECT_EQ(u.bytes, store.TenantUsage("t").bytes);
+}
+
+TEST_F(PrefixTest, TtlExpiresRetainedPrefixes) {
+  absl::Time now = absl::FromUnixSeconds(1000);
+  StoreOptions o;
+  o.ttl = absl::Seconds(60);
+  o.now = [&] { return now; };
+  Store store(o, &registry_);
+  Tokens a(Ids(64, 1), 1);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  ASSERT_TRUE(store.Delete("t", "a").ok());
+  EXPECT_EQ(store.TotalUsage().prefix_blocks, 4);
+  now += absl::Seconds(30);
+  store.Sweep();
+  EXPECT_EQ(store.TotalUsage().prefix_blocks, 4);
+  now += absl::Seconds(31);
+  store.Sweep();
+  EXPECT_EQ(store.TotalUsage().prefix_blocks, 0);
+  EXPECT_EQ(store.TotalUsage().bytes, 0);
+}
+
+}  // namespace
+}  // namespace kvq::core
