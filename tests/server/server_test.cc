@@ -101,6 +101,34 @@ std::vector<std::vector<float>> GetAll(v1::Kvq::Stub& stub, const std::string& s
   return {k, v};
 }
 
+// Open(): a PutBlocks stream left open once its first message (16 tokens of `seq`, model "tiny",
+// registered already) is applied: the call stays in flight on the server until Close().
+struct OpenStream {
+  std::unique_ptr<grpc::ClientContext> ctx = Ctx();
+  v1::PutBlocksResponse resp;
+  v1::PutBlocksRequest msg;
+  std::unique_ptr<grpc::ClientWriter<v1::PutBlocksRequest>> writer;
+
+  void Open(v1::Kvq::Stub& stub, const Shape& s, const std::string& seq, uint32_t seed) {
+    auto k = RandomKV(s.kv_heads, 16, s.head_dim, seed);
+    *msg.add_appends() = MakeAppend(seq, 0, 0, k, k, s.kv_heads, 16, s.head_dim, "tiny");
+    writer = stub.PutBlocks(ctx.get(), &resp);
+    ASSERT_TRUE(writer->Write(msg));
+    for (int i = 0;; ++i) {  // Stats answers on the gRPC thread, outside --max-inflight
+      v1::StatsResponse stats;
+      auto c = Ctx();
+      ASSERT_TRUE(stub.Stats(c.get(), {}, &stats).ok());
+      if (stats.sequences() == 1) break;
+      ASSERT_LT(i, 1000);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  grpc::Status Close() {
+    writer->WritesDone();
+    return writer->Finish();
+  }
+};
+
 // ------------------------------------------------------------------------------------------
 
 TEST(ServiceTest, HealthServingAndModelsListed) {
@@ -184,28 +212,14 @@ TEST(ServiceTest, HealthIsNotServingUntilLoadedAndWhileDraining) {
   auto stub = v1::Kvq::NewStub(ch);
   Shape s;
   Register(*stub, MakeRegister(s, kBasisSeed));
-  auto k = RandomKV(s.kv_heads, 16, s.head_dim, 3);
-  auto sctx = Ctx();
-  v1::PutBlocksResponse resp;
-  auto writer = stub->PutBlocks(sctx.get(), &resp);
-  v1::PutBlocksRequest m;
-  *m.add_appends() = MakeAppend("h", 0, 0, k, k, s.kv_heads, 16, s.head_dim, "tiny");
-  ASSERT_TRUE(writer->Write(m));
-  for (int i = 0;; ++i) {  // the message is applied: the stream is in flight on the server
-    v1::StatsResponse stats;
-    auto c = Ctx();
-    ASSERT_TRUE(stub->Stats(c.get(), {}, &stats).ok());
-    if (stats.sequences() == 1) break;
-    ASSERT_LT(i, 1000);
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  OpenStream open;
+  ASSERT_NO_FATAL_FAILURE(open.Open(*stub, s, "h", 3));
   std::thread stopper([&] { ts.server().Shutdown(); });
   ASSERT_TRUE(watch->Read(&w));
   EXPECT_EQ(w.status(), HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(check(""), HealthCheckResponse::NOT_SERVING);
   EXPECT_EQ(check("kvq.v1.Kvq"), HealthCheckResponse::NOT_SERVING);
-  writer->WritesDone();
-  grpc::Status st = writer->Finish();
+  grpc::Status st = open.Close();
   EXPECT_TRUE(st.ok()) << st.error_message();
   stopper.join();
   // The server's shutdown ends the watch.
@@ -1293,28 +1307,15 @@ TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
   auto stub = ts.Stub();
   Shape s;
   Register(*stub, MakeRegister(s, kBasisSeed));
-  auto k = RandomKV(s.kv_heads, 16, s.head_dim, 5);
-  auto sctx = Ctx();
-  v1::PutBlocksResponse resp;
-  auto writer = stub->PutBlocks(sctx.get(), &resp);
-  v1::PutBlocksRequest m;
-  *m.add_appends() = MakeAppend("o", 0, 0, k, k, s.kv_heads, 16, s.head_dim, "tiny");
-  ASSERT_TRUE(writer->Write(m));
-  for (int i = 0;; ++i) {  // Stats answers on the gRPC thread, outside the limit
-    v1::StatsResponse stats;
-    auto c = Ctx();
-    ASSERT_TRUE(stub->Stats(c.get(), {}, &stats).ok());
-    if (stats.sequences() == 1) break;
-    ASSERT_LT(i, 1000);
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  OpenStream open;
+  ASSERT_NO_FATAL_FAILURE(open.Open(*stub, s, "o", 5));
   const auto q = RandomQueries(s.q_heads, 1, s.head_dim, 5);
   grpc::Status st;
   ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &st);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(st.error_message(), "server overloaded: 1 calls in flight, limit 1");
   v1::PutBlocksResponse r2;
-  st = Put(*stub, {m}, &r2);
+  st = Put(*stub, {open.msg}, &r2);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
   v1::EchoResponse er;
   auto c1 = Ctx();
@@ -1323,8 +1324,7 @@ TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
   auto c2 = Ctx();
   EXPECT_TRUE(stub->ListModels(c2.get(), {}, &list).ok());
 
-  writer->WritesDone();
-  st = writer->Finish();
+  st = open.Close();
   ASSERT_TRUE(st.ok()) << st.error_message();
   v1::ScoreResponse sr = ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &st);
   ASSERT_TRUE(st.ok()) << st.error_message();
