@@ -294,8 +294,14 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
       s.sequence_id = a.sequence_id();
       s.layer = a.layer();
       s.start = a.start();
-      ASSIGN_OR_RETURN(s.keys, ViewOf(a.keys(), at + ".keys", 3, 3));
-      ASSIGN_OR_RETURN(s.values, ViewOf(a.values(), at + ".values", 3, 3));
+      if (a.token_ids_size() > 0) {
+        s.token_ids = std::span<const uint32_t>(a.token_ids().data(), a.token_ids_size());
+      }
+      // keys and values both absent with token ids: an attach from the prefix index.
+      if (a.token_ids_size() == 0 || a.has_keys() || a.has_values()) {
+        ASSIGN_OR_RETURN(s.keys, ViewOf(a.keys(), at + ".keys", 3, 3));
+        ASSIGN_OR_RETURN(s.values, ViewOf(a.values(), at + ".values", 3, 3));
+      }
       if (a.has_probe_weights()) {
         ASSIGN_OR_RETURN(core::TensorView p,
                          ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
@@ -332,6 +338,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
     resp_->set_appends(resp_->appends() + req.appends_size());
     resp_->set_tokens_written(resp_->tokens_written() + out.tokens_written);
     resp_->set_tokens_duplicate(resp_->tokens_duplicate() + out.tokens_duplicate);
+    resp_->set_tokens_shared(resp_->tokens_shared() + out.tokens_shared);
     for (const auto& [id, layer, tokens] : out.lengths) lengths_[{id, layer}] = tokens;
     return absl::OkStatus();
   }
@@ -706,6 +713,10 @@ grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
     resp->set_stored_bytes(t.bytes);
     resp->set_quota_bytes(store_->options().tenant_quota_bytes);
     resp->set_evictions(t.evictions);
+    resp->set_prefix_blocks(t.prefix_blocks);
+    resp->set_prefix_bytes(t.prefix_bytes);
+    resp->set_retained_prefix_bytes(t.retained_bytes);
+    resp->set_shared_tokens(t.shared_tokens);
     resp->set_k_bits_per_element(t.k_bits());
     resp->set_v_bits_per_element(t.v_bits());
     resp->set_server_stored_bytes(all.bytes);

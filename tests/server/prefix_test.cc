@@ -118,6 +118,14 @@ class PrefixTest : public ::testing::Test {
     return out;
   }
 
+  // What one sequence of these tokens holds without sharing.
+  int64_t BytesUnshared(const Tokens& a) {
+    Store probe({}, &registry_);
+    AppendOutcome out;
+    EXPECT_TRUE(probe.Append("t", a.All("x", false), &out).ok());
+    return probe.TotalUsage().bytes;
+  }
+
   Registry registry_{""};
 };
 
@@ -262,13 +270,7 @@ TEST_F(PrefixTest, DecodeStyleAppendsHoldTheIndexedCopy) {
 
 TEST_F(PrefixTest, RetainedPrefixesServeLaterSequencesAndGoFirstUnderPressure) {
   Tokens a(Ids(128, 11), 5);
-  int64_t one = 0;
-  {
-    Store probe({}, &registry_);
-    AppendOutcome out;
-    ASSERT_TRUE(probe.Append("t", a.All("x", false), &out).ok());
-    one = probe.TotalUsage().bytes;
-  }
+  const int64_t one = BytesUnshared(a);
   StoreOptions o;
   o.capacity_bytes = 3 * one;
   Store store(o, &registry_);
@@ -309,13 +311,7 @@ TEST_F(PrefixTest, RetainedPrefixesServeLaterSequencesAndGoFirstUnderPressure) {
 
 TEST_F(PrefixTest, EvictingOneHolderKeepsBlocksOthersHold) {
   Tokens a(Ids(128, 21), 6);
-  int64_t one = 0;
-  {
-    Store probe({}, &registry_);
-    AppendOutcome out;
-    ASSERT_TRUE(probe.Append("t", a.All("x", false), &out).ok());
-    one = probe.TotalUsage().bytes;
-  }
+  const int64_t one = BytesUnshared(a);
   StoreOptions o;
   // Room for two sequences' codes, the index's own copy of the token hashes and a little.
   o.capacity_bytes = 2 * one + 3000;
