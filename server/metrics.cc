@@ -91,6 +91,26 @@ Metrics::Metrics()
                          .Name("kvq_tenant_cached_tokens")
                          .Help("Cached tokens per tenant")
                          .Register(*registry_)),
+      prefix_blocks_(BuildGauge()
+                         .Name("kvq_prefix_blocks")
+                         .Help("Groups in the prefix index (stored once per tenant)")
+                         .Register(*registry_)
+                         .Add({})),
+      prefix_bytes_(BuildGauge()
+                        .Name("kvq_prefix_bytes")
+                        .Help("Bytes of the prefix index, included in kvq_stored_bytes")
+                        .Register(*registry_)
+                        .Add({})),
+      prefix_retained_bytes_(BuildGauge()
+                                 .Name("kvq_prefix_retained_bytes")
+                                 .Help("Prefix-index bytes held by no live sequence")
+                                 .Register(*registry_)
+                                 .Add({})),
+      prefix_shared_tokens_(BuildCounter()
+                                .Name("kvq_prefix_shared_tokens_total")
+                                .Help("Tokens taken from the prefix index instead of encoded")
+                                .Register(*registry_)
+                                .Add({})),
       models_(BuildGauge()
                   .Name("kvq_models")
                   .Help("Registry entries (model versions) loaded")
@@ -141,6 +161,9 @@ void Metrics::Refresh(const core::Store& store, const core::Registry& registry, 
   tokens_.Set(static_cast<double>(u.tokens));
   sequences_.Set(static_cast<double>(u.sequences));
   models_.Set(static_cast<double>(registry.List().size()));
+  prefix_blocks_.Set(static_cast<double>(u.prefix_blocks));
+  prefix_bytes_.Set(static_cast<double>(u.prefix_bytes));
+  prefix_retained_bytes_.Set(static_cast<double>(u.retained_bytes));
   {
     absl::MutexLock l(&mu_);
     if (u.evictions > seen_evictions_) evictions_.Increment(double(u.evictions - seen_evictions_));
@@ -148,6 +171,10 @@ void Metrics::Refresh(const core::Store& store, const core::Registry& registry, 
       expirations_.Increment(double(u.expirations - seen_expirations_));
     }
     seen_evictions_ = u.evictions;
+    if (u.shared_tokens > seen_shared_tokens_) {
+      prefix_shared_tokens_.Increment(double(u.shared_tokens - seen_shared_tokens_));
+    }
+    seen_shared_tokens_ = u.shared_tokens;
     seen_expirations_ = u.expirations;
   }
   for (const auto& [tenant, tu] : store.AllTenants()) {

@@ -13,6 +13,10 @@
 //   kvq_evictions_total, kvq_expirations_total counter   sequences evicted (LRU) / expired (TTL)
 //   kvq_scrub_failures_total                   counter   sequences that failed a checksum scrub
 //   kvq_tenant_stored_bytes{tenant}, kvq_tenant_sequences{tenant}, kvq_tenant_cached_tokens{tenant}
+//   kvq_prefix_blocks, kvq_prefix_bytes        gauge     prefix-index groups and their bytes
+//                                                        (in kvq_stored_bytes, counted once)
+//   kvq_prefix_retained_bytes                  gauge     of which held by no live sequence
+//   kvq_prefix_shared_tokens_total             counter   tokens taken from the index, not encoded
 //   kvq_models                                 gauge     registry entries (model versions)
 //   kvq_ready                                  gauge     1 once the registry is loaded
 //   kvq_rejected_total{reason}                 counter   calls refused before any work;
@@ -72,6 +76,11 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& tenant_bytes_;
   prometheus::Family<prometheus::Gauge>& tenant_sequences_;
   prometheus::Family<prometheus::Gauge>& tenant_tokens_;
+  prometheus::Gauge& prefix_blocks_;
+  prometheus::Gauge& prefix_bytes_;
+  prometheus::Gauge& prefix_retained_bytes_;
+  prometheus::Counter& prefix_shared_tokens_;
+  int64_t seen_shared_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   prometheus::Gauge& models_;
   prometheus::Gauge& ready_;
   prometheus::Counter& rejected_overload_;

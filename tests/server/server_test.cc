@@ -1289,7 +1289,9 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
         "kvq_sent_bytes_total", "kvq_stored_bytes{pool=\"host\"}",
         "kvq_stored_blocks{pool=\"host\"} 8", "kvq_key_bits_per_element",
         "kvq_value_bits_per_element", "kvq_evictions_total", "kvq_cached_tokens 64",
-        "kvq_sequences 1", "kvq_tenant_stored_bytes{tenant=\"t1\"}", "kvq_ready 1"}) {
+        "kvq_sequences 1", "kvq_tenant_stored_bytes{tenant=\"t1\"}", "kvq_ready 1",
+        "kvq_prefix_blocks 0", "kvq_prefix_bytes 0", "kvq_prefix_retained_bytes 0",
+        "kvq_prefix_shared_tokens_total 0"}) {
     EXPECT_THAT(text, HasSubstr(want));
   }
 }
