@@ -395,6 +395,8 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
   const int G = s->codec.key_group;
   const PrefixKey seed = PrefixSeed(*s->model, s->codec, layer);
   absl::MutexLock g(&mu_);
+  // Evicted by another writer while this append ran: it is going away, index nothing.
+  if (!s->linked) return absl::OkStatus();
   Tenant& T = *tenants_[tenant];
   const absl::Time now = opts_.now();
   while (lp.block_keys.size() < cache.sealed().size()) {
@@ -695,10 +697,10 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       }
     }
     // Releases the prefix-index entries pinned above (a failed or retried attempt).
-    auto unpin_locked = [&](size_t from_item) {
+    auto unpin_locked = [&](size_t from_item, size_t to_item = SIZE_MAX) {
       auto t = tenants_.find(tenant);
       if (t == tenants_.end()) return;
-      for (size_t i = from_item; i < plans.size(); ++i) {
+      for (size_t i = from_item; i < std::min(to_item, plans.size()); ++i) {
         for (const PrefixKey& k : plans[i].attach_keys) {
           auto n = t->second->nodes.find(k);
           if (n != t->second->nodes.end() && --n->second.refs == 0 && !opts_.retain_prefixes) {
@@ -785,6 +787,10 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         }
         lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
         absl::MutexLock g(&mu_);
+        if (!s->linked) {
+          unpin_locked(i, i + 1);  // evicted meanwhile by another writer: hold nothing
+          continue;
+        }
         s->node_keys.insert(s->node_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
         Tenant& T = *tenants_[tenant];
         const absl::Time now = opts_.now();

@@ -1,7 +1,9 @@
 // Prefix sharing in core::Store (no gRPC): sealed groups indexed by a chained hash of token
 // ids, stored once per tenant, attached without data, retained after delete, dropped first
 // under pressure and never leaving an extension without its prefix.
+#include <atomic>
 #include <random>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -356,6 +358,72 @@ TEST_F(PrefixTest, TtlExpiresRetainedPrefixes) {
   store.Sweep();
   EXPECT_EQ(store.TotalUsage().prefix_blocks, 0);
   EXPECT_EQ(store.TotalUsage().bytes, 0);
+}
+
+// Threads sharing one prompt (write, attach, read, delete) under a capacity that forces
+// evictions: afterwards every byte is accounted for (nothing leaks, nothing is freed twice).
+TEST_F(PrefixTest, ConcurrentSharersLeaveExactAccounting) {
+  for (bool retain : {false, true}) {
+    Tokens prompt(Ids(150, 31), 7);
+    StoreOptions o;
+    o.capacity_bytes = 3 * BytesUnshared(prompt);
+    o.retain_prefixes = retain;
+    Store store(o, &registry_);
+    std::vector<std::thread> threads;
+    std::atomic<int> errors{0};
+    for (int th = 0; th < 6; ++th) {
+      threads.emplace_back([&, th] {
+        for (int j = 0; j < 25; ++j) {
+          const std::string id = absl::StrCat("s", th, "-", j);
+          AppendOutcome out;
+          absl::Status st;
+          if ((th + j) % 2 == 0) {
+            st = store.Append("t", prompt.All(id), &out);
+          } else {
+            std::span<const uint32_t> ids(prompt.ids);
+            st = store.Append("t", {AttachSpec(id, 0, 0, ids), AttachSpec(id, 1, 0, ids)}, &out);
+            if (st.ok()) {
+              std::vector<AppendSpec> rest;
+              for (int layer = 0; layer < 2; ++layer) {
+                const int64_t from = std::get<2>(out.lengths[layer]);
+                if (from < prompt.n()) rest.push_back(prompt.Spec(id, layer, from, prompt.n() - from));
+              }
+              if (!rest.empty()) st = store.Append("t", rest, &out);
+            }
+          }
+          // Evicted by another thread meanwhile (the rest then finds a new, empty sequence:
+          // FAILED_PRECONDITION), aborted by a race, or no room: not errors.
+          if (!st.ok() && st.code() != absl::StatusCode::kNotFound &&
+              st.code() != absl::StatusCode::kFailedPrecondition &&
+              st.code() != absl::StatusCode::kAborted &&
+              st.code() != absl::StatusCode::kResourceExhausted) {
+            ++errors;
+            ADD_FAILURE() << st;
+          }
+          std::vector<float> q(kQ * kD, 0.01f), logits;
+          int64_t tokens = 0;
+          (void)store.Score("t", id, 1, 0, q.data(), kQ, 1, kD, 0, false, &logits, &tokens);
+          if (j % 3 == 0) (void)store.Delete("t", id);
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(errors.load(), 0);
+    UsageStats u = store.TotalUsage();
+    EXPECT_LE(u.bytes, o.capacity_bytes);
+    EXPECT_GT(u.shared_tokens, 0);
+    EXPECT_GT(u.evictions, 0);  // the capacity did bite
+    for (int th = 0; th < 6; ++th) {
+      for (int j = 0; j < 25; ++j) (void)store.Delete("t", absl::StrCat("s", th, "-", j));
+    }
+    u = store.TotalUsage();
+    EXPECT_EQ(u.sequences, 0);
+    EXPECT_EQ(u.bytes, u.prefix_bytes) << "retain=" << retain;
+    EXPECT_EQ(u.retained_bytes, u.prefix_bytes);
+    if (!retain) EXPECT_EQ(u.prefix_blocks, 0);
+    if (retain) EXPECT_GT(u.prefix_blocks, 0);
+    EXPECT_EQ(u.bytes, store.TenantUsage("t").bytes);
+  }
 }
 
 }  // namespace
