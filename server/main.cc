@@ -5,27 +5,20 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_replace.h"
 #include "absl/time/time.h"
+#include "kvq/common/flags.h"
 #include "server/server.h"
 
 namespace {
 
+using kvq::common::FlagSet;
 using kvq::server::ServerOptions;
-
-struct Flag {
-  const char* name;  // --name; env KVQ_NAME (upper case, '-' -> '_')
-  const char* value_name;
-  const char* help;
-  std::function<bool(const std::string&)> set;
-};
 
 bool ParseBytes(const std::string& s, int64_t* out) {
   // Accepts plain bytes or a K/M/G/T suffix (powers of 1024), e.g. 512M, 16G.
@@ -44,78 +37,54 @@ bool ParseBytes(const std::string& s, int64_t* out) {
   return true;
 }
 
-bool ParseBool(const std::string& s, bool* out) {
-  std::string v = absl::AsciiStrToLower(s);
-  if (v == "1" || v == "true" || v == "yes" || v == "on" || v.empty()) return *out = true, true;
-  if (v == "0" || v == "false" || v == "no" || v == "off") return *out = false, true;
-  return false;
-}
-
-std::vector<Flag> MakeFlags(ServerOptions* o, bool* help) {
+void AddFlags(FlagSet* flags, ServerOptions* o) {
   auto str = [](std::string* p) { return [p](const std::string& v) { return *p = v, true; }; };
   auto integer = [](int* p) {
-    return [p](const std::string& v) { return absl::SimpleAtoi(v, p); };
+    return [p](const std::string& v) { return kvq::common::ParseIntFlag(v, p); };
   };
   auto bytes = [](int64_t* p) { return [p](const std::string& v) { return ParseBytes(v, p); }; };
   auto duration = [](absl::Duration* p) {
     return [p](const std::string& v) { return absl::ParseDuration(v, p); };
   };
-  return {
-      {"grpc-address", "ADDR", "gRPC listen address (default 0.0.0.0)", str(&o->grpc_address)},
-      {"grpc-port", "PORT", "gRPC port (default 50051; 0 picks one)", integer(&o->grpc_port)},
-      {"metrics-address", "ADDR", "Prometheus /metrics address (default 0.0.0.0)",
-       str(&o->metrics_address)},
-      {"metrics-port", "PORT", "Prometheus /metrics port (default 9464; -1 off)",
-       integer(&o->metrics_port)},
-      {"registry", "DIR", "model registry folder (default ~/.local/share/kvq/registry)",
-       str(&o->registry_dir)},
-      {"memory", "POOL", "auto|gpu|pinned|host (default auto)", str(&o->memory)},
-      {"capacity", "BYTES", "store capacity, e.g. 16G (default 0: half the physical memory)",
-       bytes(&o->capacity_bytes)},
-      {"tenant-quota", "BYTES", "bytes one tenant may hold (default 0: no quota)",
-       bytes(&o->tenant_quota_bytes)},
-      {"sequence-ttl", "DURATION", "drop sequences idle this long, e.g. 30m (default 0: never)",
-       duration(&o->sequence_ttl)},
-      {"workers", "N", "worker threads (default 0: one per core)", integer(&o->workers)},
-      {"max-inflight", "N",
-       "calls queued or running on the workers before new ones get RESOURCE_EXHAUSTED "
-       "(default 4096; 0 no limit)",
-       integer(&o->max_inflight)},
-      {"max-message-bytes", "BYTES", "largest gRPC message (default 256M)",
-       bytes(&o->max_message_bytes)},
-      {"tls-cert", "FILE", "server certificate chain (PEM); with --tls-key turns TLS on",
-       str(&o->tls_cert)},
-      {"tls-key", "FILE", "server private key (PEM)", str(&o->tls_key)},
-      {"tls-client-ca", "FILE", "CA of client certificates (PEM): mutual TLS",
-       str(&o->tls_client_ca)},
-      {"auth-tokens", "FILE", "bearer tokens file, lines '<token> <tenant>': auth on",
-       str(&o->auth_tokens_file)},
-      {"admin-tenants", "LIST", "tenants allowed to RegisterBasis with auth on (default: all)",
-       str(&o->admin_tenants)},
-      {"shutdown-grace", "DURATION", "time in-flight calls get at shutdown (default 10s)",
-       duration(&o->shutdown_grace)},
-      {"scrub-period", "DURATION", "checksum scrub period (default 10m; 0 off)",
-       duration(&o->scrub_period)},
-      {"reflection", "BOOL", "gRPC server reflection (default true)",
-       [o](const std::string& v) { return ParseBool(v, &o->reflection); }},
-      {"help", "", "print this help", [help](const std::string&) { return *help = true, true; }},
-  };
-}
-
-std::string EnvName(const char* flag) {
-  return "KVQ_" + absl::AsciiStrToUpper(absl::StrReplaceAll(flag, {{"-", "_"}}));
-}
-
-void PrintHelp(const std::vector<Flag>& flags) {
-  std::printf(
-      "Usage: kvq-server [flags]\n"
-      "Serves the kvq.v1.Kvq gRPC API (plus grpc.health.v1.Health and reflection).\n"
-      "Every flag can also be set from the environment variable shown (flags win).\n\n");
-  for (const Flag& f : flags) {
-    if (std::string(f.name) == "help") continue;
-    std::printf("  --%s %s\n      %s  [env %s]\n", f.name, f.value_name, f.help,
-                EnvName(f.name).c_str());
-  }
+  flags->Add("grpc-address", "ADDR", "gRPC listen address (default 0.0.0.0)",
+             str(&o->grpc_address));
+  flags->Add("grpc-port", "PORT", "gRPC port (default 50051; 0 picks one)", integer(&o->grpc_port));
+  flags->Add("metrics-address", "ADDR", "Prometheus /metrics address (default 0.0.0.0)",
+             str(&o->metrics_address));
+  flags->Add("metrics-port", "PORT", "Prometheus /metrics port (default 9464; -1 off)",
+             integer(&o->metrics_port));
+  flags->Add("registry", "DIR", "model registry folder (default ~/.local/share/kvq/registry)",
+             str(&o->registry_dir));
+  flags->Add("memory", "POOL", "auto|gpu|pinned|host (default auto)", str(&o->memory));
+  flags->Add("capacity", "BYTES", "store capacity, e.g. 16G (default 0: half the physical memory)",
+             bytes(&o->capacity_bytes));
+  flags->Add("tenant-quota", "BYTES", "bytes one tenant may hold (default 0: no quota)",
+             bytes(&o->tenant_quota_bytes));
+  flags->Add("sequence-ttl", "DURATION",
+             "drop sequences idle this long, e.g. 30m (default 0: never)",
+             duration(&o->sequence_ttl));
+  flags->Add("workers", "N", "worker threads (default 0: one per core)", integer(&o->workers));
+  flags->Add("max-inflight", "N",
+             "calls queued or running on the workers before new ones get RESOURCE_EXHAUSTED "
+             "(default 4096; 0 no limit)",
+             integer(&o->max_inflight));
+  flags->Add("max-message-bytes", "BYTES", "largest gRPC message (default 256M)",
+             bytes(&o->max_message_bytes));
+  flags->Add("tls-cert", "FILE", "server certificate chain (PEM); with --tls-key turns TLS on",
+             str(&o->tls_cert));
+  flags->Add("tls-key", "FILE", "server private key (PEM)", str(&o->tls_key));
+  flags->Add("tls-client-ca", "FILE", "CA of client certificates (PEM): mutual TLS",
+             str(&o->tls_client_ca));
+  flags->Add("auth-tokens", "FILE", "bearer tokens file, lines '<token> <tenant>': auth on",
+             str(&o->auth_tokens_file));
+  flags->Add("admin-tenants", "LIST",
+             "tenants allowed to RegisterBasis with auth on (default: all)",
+             str(&o->admin_tenants));
+  flags->Add("shutdown-grace", "DURATION", "time in-flight calls get at shutdown (default 10s)",
+             duration(&o->shutdown_grace));
+  flags->Add("scrub-period", "DURATION", "checksum scrub period (default 10m; 0 off)",
+             duration(&o->scrub_period));
+  flags->AddBool("reflection", "gRPC server reflection (default true)", &o->reflection);
 }
 
 }  // namespace
@@ -128,54 +97,25 @@ int main(int argc, char** argv) {
     opts.registry_dir = "kvq-registry";
   }
   bool help = false;
-  std::vector<Flag> flags = MakeFlags(&opts, &help);
-  for (const Flag& f : flags) {
-    const char* v = std::getenv(EnvName(f.name).c_str());
-    if (v == nullptr || std::string(f.name) == "help") continue;
-    if (!f.set(v)) {
-      std::fprintf(stderr, "kvq-server: bad value '%s' for %s\n", v, EnvName(f.name).c_str());
-      return 2;
-    }
+  FlagSet flags;
+  AddFlags(&flags, &opts);
+  flags.AddBool("help", "print this help", &help);
+  std::vector<std::string> positional;
+  if (absl::Status st = flags.Parse(argc, argv, 1, &positional); !st.ok()) {
+    std::fprintf(stderr, "kvq-server: %s (see --help)\n", std::string(st.message()).c_str());
+    return 2;
   }
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) != 0) {
-      std::fprintf(stderr, "kvq-server: unexpected argument '%s' (see --help)\n", arg.c_str());
-      return 2;
-    }
-    std::string name = arg.substr(2), value;
-    bool has_value = false;
-    if (auto eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-      has_value = true;
-    }
-    absl::StrReplaceAll({{"_", "-"}}, &name);
-    const Flag* flag = nullptr;
-    for (const Flag& f : flags) {
-      if (name == f.name) flag = &f;
-    }
-    if (flag == nullptr) {
-      std::fprintf(stderr, "kvq-server: unknown flag --%s (see --help)\n", name.c_str());
-      return 2;
-    }
-    const bool takes_value = flag->value_name[0] != '\0' && std::string(flag->value_name) != "BOOL";
-    if (!has_value && takes_value) {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "kvq-server: --%s needs a value (%s)\n", name.c_str(),
-                     flag->value_name);
-        return 2;
-      }
-      value = argv[++i];
-    }
-    if (!flag->set(value)) {
-      std::fprintf(stderr, "kvq-server: bad value '%s' for --%s (%s)\n", value.c_str(),
-                   name.c_str(), flag->value_name);
-      return 2;
-    }
+  if (!positional.empty()) {
+    std::fprintf(stderr, "kvq-server: unexpected argument '%s' (see --help)\n",
+                 positional[0].c_str());
+    return 2;
   }
   if (help) {
-    PrintHelp(flags);
+    std::printf(
+        "Usage: kvq-server [flags]\n"
+        "Serves the kvq.v1.Kvq gRPC API (plus grpc.health.v1.Health and reflection).\n"
+        "Every flag can also be set from the environment variable shown (flags win).\n\n%s",
+        flags.Help().c_str());
     return 0;
   }
 
