@@ -210,6 +210,104 @@ int Main(int argc, char** argv) {
   }
   std::printf("\n");
 
+  // ---- Prefix sharing: a prompt of `context` tokens already indexed (sent once with token
+  // ids), then requests with that prompt plus `tail` new tokens, three ways.
+  {
+    const int64_t tail = 64, total = context + tail;
+    auto pk = RandomKV(kv, total, d, 11), pv = RandomKV(kv, total, d, 12);
+    std::vector<uint32_t> ids(total);
+    for (int64_t i = 0; i < total; ++i) ids[i] = static_cast<uint32_t>(7 * i + 1);
+    // Messages of <= chunk tokens over [from, to), every layer; data and/or ids. Each request
+    // has its own new tokens (salt), as different questions after one system prompt.
+    auto build = [&](const std::string& id, int64_t from, int64_t to, bool data, bool with_ids,
+                     uint32_t salt) {
+      std::vector<v1::PutBlocksRequest> out;
+      for (int64_t at = from; at < to; at += chunk) {
+        const int64_t n = std::min<int64_t>(chunk, to - at);
+        v1::PutBlocksRequest m;
+        for (int l = 0; l < layers; ++l) {
+          v1::Append a;
+          if (data) {
+            a = MakeAppend(id, l, at, Slice(pk, kv, total, d, at, n),
+                           Slice(pv, kv, total, d, at, n), kv, n, d, "bench");
+          } else {
+            a.set_sequence_id(id);
+            a.set_layer(l);
+            a.set_start(at);
+            a.set_model("bench");
+          }
+          if (with_ids) {
+            for (int64_t t = at; t < at + n; ++t) {
+              a.add_token_ids(ids[t] + (t >= context ? salt * 100003u : 0u));
+            }
+          }
+          *m.add_appends() = std::move(a);
+        }
+        out.push_back(std::move(m));
+      }
+      return out;
+    };
+    auto put = [&](const std::vector<v1::PutBlocksRequest>& m, v1::PutBlocksResponse* r) {
+      grpc::Status st = Put(*stub, m, r);
+      if (!st.ok()) std::fprintf(stderr, "PutBlocks: %s\n", st.error_message().c_str());
+    };
+    auto stored = [&]() {
+      v1::StatsResponse r;
+      auto ctx = Ctx();
+      (void)stub->Stats(ctx.get(), v1::StatsRequest(), &r);
+      return r.stored_bytes();
+    };
+    v1::PutBlocksResponse r;
+    put(build("prompt", 0, context, true, true, 0), &r);  // indexes the prompt's groups
+    std::vector<double> plain, dedupe, attach;
+    int64_t bytes_plain = 0, bytes_shared = 0, shared_tokens = 0;
+    for (int rep = 0; rep < reps; ++rep) {
+      const std::string a = absl::StrCat("plain", rep), b = absl::StrCat("dedupe", rep),
+                        c = absl::StrCat("attach", rep);
+      const auto ma = build(a, 0, total, true, false, 0);
+      const auto mb = build(b, 0, total, true, true, 3 * rep + 1);
+      const auto mc = build(c, 0, context, false, true, 0);
+      const auto mc_tail = build(c, context, total, true, true, 3 * rep + 2);
+      int64_t before = stored();
+      auto t0 = Clock::now();
+      put(ma, &r);
+      plain.push_back(Ms(t0, Clock::now()));
+      bytes_plain = stored() - before;
+      t0 = Clock::now();
+      put(mb, &r);
+      dedupe.push_back(Ms(t0, Clock::now()));
+      before = stored();
+      t0 = Clock::now();
+      put(mc, &r);  // the attach answers how far the index reached: the tail starts there
+      shared_tokens = r.tokens_shared();
+      put(mc_tail, &r);
+      attach.push_back(Ms(t0, Clock::now()));
+      bytes_shared = stored() - before;
+      for (const std::string& id : {a, b, c}) {
+        v1::DeleteSequenceRequest dr;
+        dr.set_sequence_id(id);
+        v1::DeleteSequenceResponse dresp;
+        auto ctx = Ctx();
+        (void)stub->DeleteSequence(ctx.get(), dr, &dresp);
+      }
+    }
+    const double base = median(plain);
+    std::printf(
+        "prefix sharing: a %d-token prompt already indexed + %lld new tokens, %d layers, %d reps "
+        "(ms per request: median; ratio to the plain put)\n",
+        context, static_cast<long long>(tail), layers, reps);
+    std::printf("  PutBlocks, data, no ids           %9.3f  1.00x\n", base);
+    std::printf("  PutBlocks, data + ids (dedupe)    %9.3f  %.2fx\n", median(dedupe),
+                median(dedupe) / base);
+    std::printf("  attach by ids + tail with data    %9.3f  %.3fx\n", median(attach),
+                median(attach) / base);
+    std::printf("  bytes added per request: plain %lld, attach %lld (%.3fx); tokens shared %lld\n",
+                static_cast<long long>(bytes_plain), static_cast<long long>(bytes_shared),
+                bytes_plain ? static_cast<double>(bytes_shared) / bytes_plain : 0.0,
+                static_cast<long long>(shared_tokens));
+    std::printf("\n");
+  }
+
   // ---- Score / Attend latency at `context` cached tokens (layer 0 of "ingest0").
   std::printf("%-22s %7s %10s %8s %8s %8s %8s\n", "call", "n", "bytes", "p50_ms", "p90_ms",
               "p99_ms", "max_ms");
