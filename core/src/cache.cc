@@ -100,9 +100,13 @@ const uint8_t* RowPtr(const TensorView& t, int h, int64_t j) {
 // overflows, f32 -> f16, counts too). Reads only: the cache is not touched.
 absl::Status ValidateRows(const TensorView& t, int h, int64_t n, int d, DType to,
                           absl::string_view name) {
+  int bad = 0;
+  // A contiguous run of rows stored as is: one pass over all of it (the common case).
+  if (FastRows(t, to) && t.stride[1] == d && n * d <= INT32_MAX &&
+      AllFinite(to, RowPtr(t, h, 0), static_cast<int>(n * d), &bad))
+    return absl::OkStatus();
   std::vector<float> row;
   std::vector<uint8_t> conv;
-  int bad = 0;
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* p = RowPtr(t, h, j);
     if (!FastRows(t, to)) {
@@ -119,18 +123,20 @@ absl::Status ValidateRows(const TensorView& t, int h, int64_t n, int d, DType to
   return absl::OkStatus();
 }
 
-// Appends one head's rows [n][d] to dst as dtype `to` (already validated).
-void AppendRows(const TensorView& t, int h, int64_t n, int d, DType to, std::vector<uint8_t>* dst) {
+// Appends one head's rows [j0, n) ([n][d]) to dst as dtype `to` (already validated).
+void AppendRows(const TensorView& t, int h, int64_t j0, int64_t n, int d, DType to,
+                std::vector<uint8_t>* dst) {
+  if (j0 >= n) return;
   const size_t es = DTypeSize(to);
   const size_t at = dst->size();
-  dst->resize(at + n * d * es);
+  dst->resize(at + (n - j0) * d * es);
   uint8_t* out = dst->data() + at;
   if (FastRows(t, to) && t.stride[1] == d) {  // the head's rows are one contiguous run
-    std::memcpy(out, RowPtr(t, h, 0), n * d * es);
+    std::memcpy(out, RowPtr(t, h, j0), (n - j0) * d * es);
     return;
   }
   std::vector<float> row(d);
-  for (int64_t j = 0; j < n; ++j, out += d * es) {
+  for (int64_t j = j0; j < n; ++j, out += d * es) {
     if (FastRows(t, to)) {
       std::memcpy(out, RowPtr(t, h, j), d * es);
     } else {
@@ -138,6 +144,13 @@ void AppendRows(const TensorView& t, int h, int64_t n, int d, DType to, std::vec
       FromFloat(to, row.data(), out, d);
     }
   }
+}
+
+// Converts G rows of d elements, `stride` bytes apart, to fp32 [G][d].
+void RowsToFloat(DType dt, const uint8_t* rows, int64_t stride, int G, int d, float* out) {
+  const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(dt);
+  if (stride == static_cast<int64_t>(row_bytes)) return ToFloat(dt, rows, out, static_cast<size_t>(G) * d);
+  for (int t = 0; t < G; ++t) ToFloat(dt, rows + t * stride, out + static_cast<size_t>(t) * d, d);
 }
 
 void Widen(std::vector<uint8_t>* win, DType from) {
@@ -194,16 +207,16 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
   if (sealing_ && heads_[0].voffsets.empty()) {
     for (int64_t g = 0; g < ready; ++g) building_.push_back(std::make_shared<SealedBlock>());
   }
-  auto join_window = [&](int h) {
+  auto join_window = [&](int h, int64_t j0) {
     Head& hd = heads_[h];
     if (has_window && hd.win_dtype != to) {
       Widen(&hd.kwin, hd.win_dtype);
       Widen(&hd.vwin, hd.win_dtype);
     }
     hd.win_dtype = to;
-    AppendRows(k, h, n, d, to, &hd.kwin);
-    AppendRows(v, h, n, d, to, &hd.vwin);
-    for (int64_t j = 0; j < n; ++j) {
+    AppendRows(k, h, j0, n, d, to, &hd.kwin);
+    AppendRows(v, h, j0, n, d, to, &hd.vwin);
+    for (int64_t j = j0; j < n; ++j) {
       hd.a2_sum.push_back(0.0f);
       hd.a2_reads.push_back(0);
       hd.probe.push_back(probe_weights ? probe_weights[h * n + j] : -1.0f);
@@ -211,16 +224,27 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
   };
   if (probes != nullptr) {
     // Everything joins the window, the probes read it, then the ready groups are encoded.
-    for (int h = 0; h < kv_heads_; ++h) join_window(h);
+    for (int h = 0; h < kv_heads_; ++h) join_window(h, 0);
     std::vector<float> scratch(static_cast<size_t>(probes->q_heads) * probes->n * d);
     AttendOptions ao;
     ao.causal_offset = probes->causal_offset;
     RETURN_IF_ERROR(Attend(probes->q, probes->q_heads, probes->n, ao, scratch.data()));
     for (int h = 0; h < kv_heads_; ++h) RETURN_IF_ERROR(EncodeGroups(h, ready));
+  } else if (!has_window && ready > 0 && FastRows(k, to) && FastRows(v, to)) {
+    // Nothing waits in the window and the rows are stored as they arrive: encode the whole
+    // groups from the input (the same bytes the window would hold) and keep only the rest.
+    for (int h = 0; h < kv_heads_; ++h) {
+      const InputRows in{RowPtr(k, h, 0), RowPtr(v, h, 0),
+                         k.stride[1] * static_cast<int64_t>(DTypeSize(to)),
+                         v.stride[1] * static_cast<int64_t>(DTypeSize(to)), to,
+                         probe_weights ? probe_weights + h * n : nullptr};
+      RETURN_IF_ERROR(EncodeGroups(h, ready, &in));
+      join_window(h, ready * opts_.key_group);
+    }
   } else {
     // Head by head: append to the window and encode what is ready while it is warm in cache.
     for (int h = 0; h < kv_heads_; ++h) {
-      join_window(h);
+      join_window(h, 0);
       RETURN_IF_ERROR(EncodeGroups(h, ready));
     }
   }
@@ -235,7 +259,7 @@ void LayerCache::WindowToFloat(const Head& hd, bool keys, float* out) const {
   ToFloat(hd.win_dtype, w.data(), out, w.size() / DTypeSize(hd.win_dtype));
 }
 
-absl::Status LayerCache::EncodeGroups(int h, int64_t ready) {
+absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* input) {
   if (ready == 0) return absl::OkStatus();
   const int G = opts_.key_group, d = opts_.head_dim, r = opts_.rank;
   thread_local std::vector<float> kf, vf, wts;
@@ -246,8 +270,12 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready) {
   widths.resize(G);
   {
     Head& hd = heads_[h];
-    const size_t es = DTypeSize(hd.win_dtype);
-    const size_t group_bytes = static_cast<size_t>(G) * d * es;
+    const DType dt = input ? input->dtype : hd.win_dtype;
+    const int64_t row_bytes = static_cast<int64_t>(d) * DTypeSize(dt);
+    const int64_t kstride = input ? input->kstride : row_bytes;
+    const int64_t vstride = input ? input->vstride : row_bytes;
+    const uint8_t* krows = input ? input->k : hd.kwin.data();
+    const uint8_t* vrows = input ? input->v : hd.vwin.data();
     const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
     const bool seal = !building_.empty();
     if (!seal) {
@@ -255,9 +283,9 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready) {
       hd.vblocks.reserve(hd.vblocks.size() + ready * MaxValueBlockBytes(opts_));
     }
     for (int64_t g = 0; g < ready; ++g) {
-      const int64_t first = g * G;  // window index of the group's first token
-      ToFloat(hd.win_dtype, hd.kwin.data() + g * group_bytes, kf.data(), kf.size());
-      ToFloat(hd.win_dtype, hd.vwin.data() + g * group_bytes, vf.data(), vf.size());
+      const int64_t first = g * G;  // window (or input) index of the group's first token
+      RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
+      RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
       RETURN_IF_ERROR(EncodeKeyBlock(opts_, kf.data(), d, U, seal ? &sb->bytes : &hd.kblocks));
       if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
@@ -266,10 +294,11 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready) {
         bool any = false;
         for (int t = 0; t < G; ++t) {
           const int64_t j = first + t;
-          if (hd.probe[j] >= 0) {
-            wts[t] = hd.probe[j];
+          const float probe = input ? (input->probe ? input->probe[j] : -1.0f) : hd.probe[j];
+          if (probe >= 0) {
+            wts[t] = probe;
             any = true;
-          } else if (hd.a2_reads[j] > 0) {
+          } else if (!input && hd.a2_reads[j] > 0) {
             wts[t] = hd.a2_sum[j] / hd.a2_reads[j];
             any = true;
           } else {
@@ -288,7 +317,9 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready) {
       hd.voffsets.push_back(hd.vblocks.size());
       RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &hd.vblocks));
     }
+    if (input) return absl::OkStatus();  // the window never held these rows
     // Drop the encoded tokens from the window once (not per group: prefill stays linear).
+    const size_t group_bytes = static_cast<size_t>(G) * row_bytes;
     hd.kwin.erase(hd.kwin.begin(), hd.kwin.begin() + ready * group_bytes);
     hd.vwin.erase(hd.vwin.begin(), hd.vwin.begin() + ready * group_bytes);
     hd.a2_sum.erase(hd.a2_sum.begin(), hd.a2_sum.begin() + ready * G);

@@ -66,6 +66,34 @@ struct Isa {
     }
   }
 
+  // internal::MakeParams on every lane (same operations, same order, same fp16 bits).
+  static void MakeParams(F lo, F hi, int bits, uint16_t* s16, uint16_t* z16, F* scale, F* zero,
+                         F* inv) {
+    const F levels = _mm256_set1_ps(static_cast<float>((1 << bits) - 1));
+    const __m128i zh = _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT);
+    const F z = _mm256_cvtph_ps(zh);
+    __m128i sh = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(hi, z), levels),
+                                 _MM_FROUND_TO_NEAREST_INT);
+    F s = _mm256_cvtph_ps(sh);
+    const F bump = _mm256_and_ps(
+        _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ),
+        _mm256_cmp_ps(_mm256_add_ps(z, _mm256_mul_ps(s, levels)), hi, _CMP_LT_OQ));
+    // bump lanes are all ones (-1 as int16 after packing): subtracting adds one ulp
+    const __m256i bi = _mm256_castps_si256(bump);
+    const __m128i b16 = _mm_packs_epi32(_mm256_castsi256_si128(bi), _mm256_extracti128_si256(bi, 1));
+    sh = _mm_sub_epi16(sh, b16);
+    s = _mm256_cvtph_ps(sh);
+    const F ok = _mm256_and_ps(_mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ),
+                               _mm256_cmp_ps(s, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
+    const __m256i oi = _mm256_castps_si256(ok);
+    sh = _mm_and_si128(sh, _mm_packs_epi32(_mm256_castsi256_si128(oi), _mm256_extracti128_si256(oi, 1)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(s16), sh);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(z16), zh);
+    *scale = _mm256_and_ps(ok, s);
+    *zero = z;
+    *inv = _mm256_and_ps(ok, _mm256_div_ps(_mm256_set1_ps(1.0f), s));
+  }
+
   static I QuantizeLanes(F x, F zero, F inv, int maxq) {
     I q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(x, zero), inv));
     return _mm256_min_epi32(_mm256_max_epi32(q, _mm256_setzero_si256()), _mm256_set1_epi32(maxq));

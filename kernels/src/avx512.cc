@@ -86,6 +86,32 @@ struct Isa {
     }
   }
 
+  // internal::MakeParams on every lane (the same operations in the same order, so the same
+  // fp16 bits): zero = fp16(lo), scale = fp16((hi - zero) / levels), bumped one ulp when
+  // hi no longer fits, 0 when not positive and finite; inv = 1 / scale or 0.
+  static void MakeParams(F lo, F hi, int bits, uint16_t* s16, uint16_t* z16, F* scale, F* zero,
+                         F* inv) {
+    const F levels = _mm512_set1_ps(static_cast<float>((1 << bits) - 1));
+    const __m256i zh = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT);
+    const F z = _mm512_cvtph_ps(zh);
+    __m256i sh = _mm512_cvtps_ph(_mm512_div_ps(_mm512_sub_ps(hi, z), levels),
+                                 _MM_FROUND_TO_NEAREST_INT);
+    F s = _mm512_cvtph_ps(sh);
+    const __mmask16 bump =
+        _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ) &
+        _mm512_cmp_ps_mask(_mm512_add_ps(z, _mm512_mul_ps(s, levels)), hi, _CMP_LT_OQ);
+    sh = _mm256_mask_add_epi16(sh, bump, sh, _mm256_set1_epi16(1));
+    s = _mm512_cvtph_ps(sh);
+    const __mmask16 ok = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ) &
+                         _mm512_cmp_ps_mask(s, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    sh = _mm256_maskz_mov_epi16(ok, sh);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s16), sh);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(z16), zh);
+    *scale = _mm512_maskz_mov_ps(ok, s);
+    *zero = z;
+    *inv = _mm512_maskz_div_ps(ok, _mm512_set1_ps(1.0f), s);
+  }
+
   static I QuantizeLanes(F x, F zero, F inv, int maxq) {
     I q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(x, zero), inv));  // round to even
     return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_setzero_si512()), _mm512_set1_epi32(maxq));

@@ -279,16 +279,8 @@ void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_
       lo = Isa::Min(lo, v);
       hi = Isa::Max(hi, v);
     }
-    alignas(64) float lov[W], hiv[W], zf[W], invf[W], sf[W];
-    Isa::Store(lov, lo);
-    Isa::Store(hiv, hi);
-    for (int j = 0; j < W; ++j) {
-      internal::QParams qp = internal::MakeParams(lov[j], hiv[j], B, &scale[c0 + j], &zero[c0 + j]);
-      zf[j] = qp.zero;
-      invf[j] = qp.inv;
-      sf[j] = qp.scale;
-    }
-    const typename Isa::F zv = Isa::Load(zf), iv = Isa::Load(invf), sv = Isa::Load(sf);
+    typename Isa::F zv, iv, sv;
+    Isa::MakeParams(lo, hi, B, scale + c0, zero + c0, &sv, &zv, &iv);
     typename Isa::Words words;
     Isa::ClearWords(&words);
     for (int t = 0; t < tokens; ++t) {
@@ -325,19 +317,36 @@ void quantize_row_simd(const float* x, int n, int group, int bits, uint16_t* sca
                        uint16_t* zero, uint8_t* codes) {
   if (n % W != 0 || group % W != 0 || bits == 3)
     return internal::QuantizeRowScalar(x, n, group, bits, scale, zero, codes);
-  for (int g = 0, c0 = 0; c0 < n; ++g, c0 += group) {
-    const int c1 = std::min(n, c0 + group);
-    typename Isa::F lo = Isa::Load(x + c0), hi = lo;
-    for (int c = c0 + W; c < c1; c += W) {
-      lo = Isa::Min(lo, Isa::Load(x + c));
-      hi = Isa::Max(hi, Isa::Load(x + c));
+  const int ng = (n + group - 1) / group;  // the last group may be shorter (a multiple of W)
+  // W groups at a time: ranges by lane, then the fp16 parameters of all of them at once.
+  for (int g0 = 0; g0 < ng; g0 += W) {
+    const int gn = std::min(W, ng - g0);
+    alignas(64) float lov[W] = {}, hiv[W] = {}, zf[W], invf[W];
+    for (int g = 0; g < gn; ++g) {
+      const float* xg = x + (g0 + g) * group;
+      const int len = std::min(group, n - (g0 + g) * group);
+      typename Isa::F lo = Isa::Load(xg), hi = lo;
+      for (int c = W; c < len; c += W) {
+        lo = Isa::Min(lo, Isa::Load(xg + c));
+        hi = Isa::Max(hi, Isa::Load(xg + c));
+      }
+      lov[g] = Isa::ReduceMin(lo);
+      hiv[g] = Isa::ReduceMax(hi);
     }
-    internal::QParams qp = internal::MakeParams(Isa::ReduceMin(lo), Isa::ReduceMax(hi), bits,
-                                                &scale[g], &zero[g]);
-    const typename Isa::F zv = Isa::Set1(qp.zero), iv = Isa::Set1(qp.inv);
-    for (int c = c0; c < c1; c += W)
-      Isa::PackRow(Isa::QuantizeLanes(Isa::Load(x + c), zv, iv, (1 << bits) - 1), bits,
-                   codes + c * bits / 8);
+    alignas(64) uint16_t s16[W], z16[W];
+    typename Isa::F sv, zv, iv;
+    Isa::MakeParams(Isa::Load(lov), Isa::Load(hiv), bits, s16, z16, &sv, &zv, &iv);
+    std::memcpy(scale + g0, s16, 2 * gn);
+    std::memcpy(zero + g0, z16, 2 * gn);
+    Isa::Store(zf, zv);
+    Isa::Store(invf, iv);
+    for (int g = 0; g < gn; ++g) {
+      const int c0 = (g0 + g) * group, c1 = std::min(n, c0 + group);
+      const typename Isa::F z = Isa::Set1(zf[g]), inv = Isa::Set1(invf[g]);
+      for (int c = c0; c < c1; c += W)
+        Isa::PackRow(Isa::QuantizeLanes(Isa::Load(x + c), z, inv, (1 << bits) - 1), bits,
+                     codes + c * bits / 8);
+    }
   }
 }
 

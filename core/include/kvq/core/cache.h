@@ -153,9 +153,18 @@ class LayerCache {
     std::vector<int32_t> a2_reads;            // per window token: number of observations
     std::vector<float> probe;                 // per window token: probe weight (or -1)
   };
-  // Encodes the `ready` oldest whole groups of head h's window (encoded_ is updated by the
-  // caller once every head is done).
-  absl::Status EncodeGroups(int h, int64_t ready);
+  // Rows to encode that have not joined the window: an append into an empty window whose
+  // input is stored as is encodes its whole groups straight from the caller's rows.
+  struct InputRows {
+    const uint8_t* k;
+    const uint8_t* v;
+    int64_t kstride, vstride;  // bytes between rows
+    DType dtype;
+    const float* probe;  // [n] probe weights of this head, or null
+  };
+  // Encodes the `ready` oldest whole groups of head h's window, or of `input` when given
+  // (encoded_ is updated by the caller once every head is done).
+  absl::Status EncodeGroups(int h, int64_t ready, const InputRows* input = nullptr);
   absl::Status AppendImpl(const TensorView& k, const TensorView& v, int64_t start,
                           const float* probe_weights, const ProbeQueries* probes);
   absl::Status ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
