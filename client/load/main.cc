@@ -8,12 +8,22 @@
 // followed by an Echo carrying the same number of bytes from the same stream, reported as
 // method "noop": the transport's share of the latency, measured under the same load.
 //
+// Method "session" (with --shared-prefix P): a new conversation after a shared system prompt.
+// Each stream first stores the P-token prompt once with token ids (so the server indexes its
+// groups); each session then creates a new sequence, attaches the prompt by its token ids
+// (no K/V sent), appends the prompt's unattached tail and --put-tokens new tokens with data,
+// attends once on layer 0 and deletes the sequence; its latency is the whole session. The
+// report adds how many prompt tokens were attached: with several servers, a session whose id
+// hashes to another shard than its stream's prompt attaches nothing (the client shards by
+// sequence id, not by prefix).
+//
 // Exit codes: 0 every request succeeded; 1 some requests failed (the report says which);
 // 2 usage; 3 setup failed (model or sequences could not be created; nothing measured);
 // 130 interrupted by SIGINT/SIGTERM (the report of what ran is still printed).
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -43,7 +53,7 @@ using kvq::load::MethodStats;
 namespace v1 = kvq::v1;
 
 constexpr int kExitOk = 0, kExitErrors = 1, kExitUsage = 2, kExitSetup = 3, kExitInterrupted = 130;
-const char* const kMethods[] = {"put", "score", "readout", "attend"};
+const char* const kMethods[] = {"put", "score", "readout", "attend", "session"};
 
 std::atomic<bool> g_interrupted{false};
 void OnSignal(int) { g_interrupted = true; }
@@ -65,6 +75,7 @@ struct LoadOptions {
   absl::Duration max_duration = absl::Minutes(10);
   absl::Duration progress = absl::Seconds(1);
   int put_tokens = 1;
+  int64_t shared_prefix = 0;  // method "session": prompt tokens attached by id
   bool keep = false;
   uint64_t seed = 1;
 };
@@ -106,6 +117,8 @@ struct Shared {
   std::atomic<int64_t> setup_done{0};
   // Live counters for the progress line.
   std::atomic<int64_t> done{0}, failed{0}, noop_done{0};
+  // Method "session": prompt tokens asked for and attached (over layers).
+  std::atomic<int64_t> session_prompt_tokens{0}, session_attached_tokens{0};
 };
 
 class Worker {
@@ -148,6 +161,20 @@ class Worker {
       for (int l = 0; l < o.layers; ++l) tokens_[b][l] = o.context;
       ++s_->setup_done;
     }
+    if (o.shared_prefix > 0) {
+      // The system prompt, stored once per stream with its token ids (the same ids and bytes
+      // in every stream: a deterministic prefill); sessions attach it.
+      const int64_t P = o.shared_prefix, n = P + o.put_tokens;
+      for (int64_t t = 0; t < P; ++t) prompt_ids_.push_back(static_cast<uint32_t>(1000 + 7 * t));
+      std::mt19937_64 same(o.seed * 7919 + 1);
+      const size_t per_token = static_cast<size_t>(o.kv_heads) * o.head_dim;
+      session_k_ = RandomBytes(dt, per_token * n, same);
+      session_v_ = RandomBytes(dt, per_token * n, same);
+      prompt_seq_ = absl::StrCat("kvq-load-", s_->run_id, "-s", index_, "-prompt");
+      v1::PutBlocksRequest m = SessionAppend(prompt_seq_, std::vector<int64_t>(o.layers, 0), P, 0);
+      auto r = s_->client->PutBlocks({m});
+      if (!r.ok()) return r.status();
+    }
     queries_ = RandomBytes(dt, static_cast<size_t>(o.q_heads) * o.queries * o.head_dim, rng_);
     put_k_ = RandomBytes(dt, static_cast<size_t>(o.kv_heads) * o.put_tokens * o.head_dim, rng_);
     put_v_ = RandomBytes(dt, static_cast<size_t>(o.kv_heads) * o.put_tokens * o.head_dim, rng_);
@@ -188,11 +215,48 @@ class Worker {
   // Cleans up the worker's sequences (best effort).
   void Teardown() {
     for (const std::string& id : seqs_) (void)s_->client->DeleteSequence(id);
+    if (!prompt_seq_.empty()) (void)s_->client->DeleteSequence(prompt_seq_);
   }
 
   std::map<std::string, MethodStats>& stats() { return stats_; }
 
  private:
+  // Tokens [from[l], to) of every layer l of a session-shaped sequence, with data and ids: the
+  // prompt's ids below shared_prefix, new ids (unique per session `salt`) above.
+  v1::PutBlocksRequest SessionAppend(const std::string& id, const std::vector<int64_t>& from,
+                                     int64_t to, uint64_t salt) {
+    const LoadOptions& o = s_->o;
+    const v1::DType dt = DTypeOf(o.dtype);
+    const size_t es = dt == v1::DTYPE_F32 ? 4 : 2;
+    const int64_t total = o.shared_prefix + o.put_tokens;
+    v1::PutBlocksRequest m;
+    for (int l = 0; l < o.layers; ++l) {
+      const int64_t n = to - from[l];
+      if (n <= 0) continue;
+      v1::Append* a = m.add_appends();
+      a->set_sequence_id(id);
+      a->set_layer(l);
+      a->set_start(from[l]);
+      a->set_model(s_->model);
+      a->set_basis_version(s_->model_version);
+      // [kv_heads][n][head_dim] out of the [kv_heads][total][head_dim] session data.
+      std::string k, v;
+      const size_t row = static_cast<size_t>(o.head_dim) * es;
+      for (int h = 0; h < o.kv_heads; ++h) {
+        const size_t at = (static_cast<size_t>(h) * total + from[l]) * row;
+        k.append(session_k_, at, n * row);
+        v.append(session_v_, at, n * row);
+      }
+      SetTensor(a->mutable_keys(), dt, {o.kv_heads, n, o.head_dim}, std::move(k));
+      SetTensor(a->mutable_values(), dt, {o.kv_heads, n, o.head_dim}, std::move(v));
+      for (int64_t t = from[l]; t < to; ++t) {
+        a->add_token_ids(t < o.shared_prefix ? prompt_ids_[t]
+                                             : static_cast<uint32_t>(0x80000000u + salt * 4099u + t));
+      }
+    }
+    return m;
+  }
+
   // Runs one request; returns its request message bytes (-1 when it was not sent).
   int64_t Issue(const std::string& method, absl::Time scheduled) {
     const LoadOptions& o = s_->o;
@@ -202,7 +266,55 @@ class Worker {
     int64_t req_bytes = 0, resp_bytes = 0;
     absl::Status call;
     std::vector<int> item_codes;
-    if (method == "attend") {
+    if (method == "session") {
+      const std::string id =
+          absl::StrCat("kvq-load-", s_->run_id, "-s", index_, "-n", sessions_);
+      const uint64_t salt = static_cast<uint64_t>(index_) * 1000003u + ++sessions_;
+      // 1. Attach the prompt by its ids, every layer, no data.
+      v1::PutBlocksRequest attach;
+      for (int l = 0; l < o.layers; ++l) {
+        v1::Append* a = attach.add_appends();
+        a->set_sequence_id(id);
+        a->set_layer(l);
+        a->set_model(s_->model);
+        a->set_basis_version(s_->model_version);
+        for (uint32_t t : prompt_ids_) a->add_token_ids(t);
+      }
+      req_bytes = static_cast<int64_t>(attach.ByteSizeLong());
+      auto r1 = s_->client->PutBlocks({attach});
+      call = r1.status();
+      std::vector<int64_t> from(o.layers, 0);
+      if (r1.ok()) {
+        resp_bytes += static_cast<int64_t>(r1->ByteSizeLong());
+        for (const auto& len : r1->lengths()) {
+          if (len.layer() >= 0 && len.layer() < o.layers) from[len.layer()] = len.tokens();
+        }
+        s_->session_prompt_tokens += static_cast<int64_t>(o.layers) * o.shared_prefix;
+        s_->session_attached_tokens += r1->tokens_shared();
+        // 2. The rest of the prompt and the new tokens, with data.
+        v1::PutBlocksRequest rest = SessionAppend(id, from, o.shared_prefix + o.put_tokens, salt);
+        req_bytes += static_cast<int64_t>(rest.ByteSizeLong());
+        auto r2 = s_->client->PutBlocks({rest});
+        call = r2.status();
+        if (r2.ok()) resp_bytes += static_cast<int64_t>(r2->ByteSizeLong());
+      }
+      if (call.ok()) {  // 3. One decode step's attention on layer 0.
+        v1::AttendRequest req;
+        v1::AttendItem* it = req.add_items();
+        it->set_sequence_id(id);
+        it->set_observe(false);
+        it->set_output_dtype(dt);
+        SetTensor(it->mutable_queries(), dt, {o.q_heads, o.queries, o.head_dim}, queries_);
+        req_bytes += static_cast<int64_t>(req.ByteSizeLong());
+        auto r3 = s_->client->Attend(req);
+        call = r3.status();
+        if (r3.ok()) {
+          resp_bytes += static_cast<int64_t>(r3->ByteSizeLong());
+          for (const auto& res : r3->results()) item_codes.push_back(res.status().code());
+        }
+      }
+      (void)s_->client->DeleteSequence(id);  // 4. The conversation ends.
+    } else if (method == "attend") {
       v1::AttendRequest req;
       for (int b = 0; b < o.batch; ++b) {
         v1::AttendItem* it = req.add_items();
@@ -332,6 +444,10 @@ class Worker {
   std::string queries_, put_k_, put_v_, payload_;
   std::map<int64_t, std::string> logits_;  // readout weights by sequence length
   uint64_t step_ = 0;
+  // Method "session".
+  std::vector<uint32_t> prompt_ids_;
+  std::string session_k_, session_v_, prompt_seq_;
+  uint64_t sessions_ = 0;
   std::map<std::string, MethodStats> stats_;
 };
 
@@ -347,7 +463,7 @@ absl::Status ParseMix(const std::string& mix, std::vector<std::pair<std::string,
     }
     if (std::find(std::begin(kMethods), std::end(kMethods), name) == std::end(kMethods)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--mix: unknown method '", name, "' (put, score, readout, attend)"));
+          absl::StrCat("--mix: unknown method '", name, "' (put, score, readout, attend, session)"));
     }
     total += w;
     out->emplace_back(name, total);
@@ -422,6 +538,13 @@ int main(int argc, char** argv) {
             });
   flags.Add("progress", "DURATION", "progress line period on stderr, 0 off (default 1s)",
             [&](const std::string& v) { return ParseDurationFlag(v, &o.progress); });
+  flags.Add("shared-prefix", "TOKENS",
+            "method 'session': a new sequence per request attaching this many prompt tokens by "
+            "token ids, then --put-tokens new tokens, one attend, delete (default 0: off)",
+            [&](const std::string& v) {
+              return ParseInt64Flag(v, &o.shared_prefix) && o.shared_prefix >= 0 &&
+                     o.shared_prefix <= 65536;
+            });
   flags.AddBool("keep", "keep the sequences at the end (default: delete them)", &o.keep);
   std::string run_id;
   flags.Add("run-id", "ID",
@@ -455,6 +578,11 @@ int main(int argc, char** argv) {
   Shared s;
   if (absl::Status st = ParseMix(o.mix, &s.mix); !st.ok()) return usage(std::string(st.message()));
   if (o.q_heads % o.kv_heads != 0) return usage("--q-heads must be a multiple of --kv-heads");
+  const bool sessions = std::any_of(s.mix.begin(), s.mix.end(),
+                                    [](const auto& m) { return m.first == "session"; });
+  if (sessions != (o.shared_prefix > 0)) {
+    return usage("method 'session' in --mix and --shared-prefix TOKENS go together");
+  }
   if (o.basis_rank > o.head_dim) return usage("--basis-rank must be <= --head-dim");
   if (o.duration == absl::ZeroDuration() && o.requests == 0) o.duration = absl::Seconds(10);
   if (absl::Status st = kvq::client::ResolveClientFlags(cflags, &copts); !st.ok()) {
@@ -645,6 +773,9 @@ int main(int argc, char** argv) {
                            {"dtype", o.dtype},
                            {"baseline", o.baseline},
                            {"closed_loop", o.rate == 0},
+                           {"shared_prefix", o.shared_prefix},
+                           {"session_prompt_tokens", s.session_prompt_tokens.load()},
+                           {"session_attached_tokens", s.session_attached_tokens.load()},
                            {"interrupted", g_interrupted.load()}};
   std::printf(
       "kvq-load: %d streams x %d sequences, %s, %.1f s, mix %s, context %lld, model %s "
@@ -653,6 +784,12 @@ int main(int argc, char** argv) {
       o.rate > 0 ? absl::StrFormat("open loop %.0f req/s", o.rate).c_str() : "closed loop", wall,
       o.mix.c_str(), static_cast<long long>(o.context), s.model.c_str(), o.layers, o.q_heads,
       o.kv_heads, o.head_dim, kvq::load::ReportText(merged, wall).c_str());
+  if (s.session_prompt_tokens > 0) {
+    std::printf("sessions: %lld of %lld prompt tokens attached from the prefix index (%.1f%%)\n",
+                static_cast<long long>(s.session_attached_tokens.load()),
+                static_cast<long long>(s.session_prompt_tokens.load()),
+                100.0 * s.session_attached_tokens.load() / s.session_prompt_tokens.load());
+  }
   if (!first_error.empty()) std::printf("first error: %s\n", first_error.c_str());
   if (!o.json.empty()) {
     std::ofstream out(o.json);

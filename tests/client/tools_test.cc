@@ -303,6 +303,35 @@ TEST_F(ToolsTest, LoadRunsAMixAndWritesTheJsonReport) {
   EXPECT_EQ(stats.sequences(), 0);
 }
 
+// Sessions after a shared system prompt: each attaches the prompt's whole groups by token ids
+// (100 of 110 tokens: three groups of 32), so the report says 100% of what could be attached
+// was; the prompt is stored once (prefix bytes do not grow with the sessions); the sessions'
+// sequences are gone at the end.
+TEST_F(ToolsTest, LoadSessionsAttachTheSharedPrompt) {
+  const std::string json = dir_ + "/report.json";
+  ToolRun r = Load(absl::StrCat(flags_,
+                                " --concurrency 2 --requests 40 --context 40 --layers 2 --q-heads 4"
+                                " --kv-heads 2 --head-dim 64 --basis-rank 8 --put-tokens 5"
+                                " --mix session:1,attend:1 --shared-prefix 110 --json ",
+                                json));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.out, HasSubstr("session"));
+  auto js = nlohmann::json::parse(Slurp(json));
+  const int64_t sessions = js["methods"]["session"]["requests"].get<int64_t>();
+  ASSERT_GT(sessions, 0);
+  EXPECT_EQ(js["config"]["session_prompt_tokens"].get<int64_t>(), sessions * 2 * 110);
+  EXPECT_EQ(js["config"]["session_attached_tokens"].get<int64_t>(), sessions * 2 * 96);
+  v1::StatsResponse stats;
+  ASSERT_TRUE(server_.Stub()->Stats(testing::Ctx().get(), v1::StatsRequest(), &stats).ok());
+  EXPECT_EQ(stats.sequences(), 0);
+  EXPECT_EQ(stats.prefix_blocks(), 2 * 3);  // the prompt's groups, once (retained now)
+  EXPECT_EQ(stats.shared_tokens(), sessions * 2 * 96 + 2 * 96);  // + the second stream's prompt
+  // The two go together.
+  ToolRun bad = Load(absl::StrCat(flags_, " --mix session --requests 1"));
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.err, HasSubstr("--shared-prefix"));
+}
+
 TEST_F(ToolsTest, LoadStopsByItselfAndReportsErrors) {
   // A duration run ends on its own; the progress line goes to stderr.
   ToolRun timed = Load(absl::StrCat(flags_,

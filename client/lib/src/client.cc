@@ -378,6 +378,7 @@ absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocks(
     out.set_appends(out.appends() + resps[s].appends());
     out.set_tokens_written(out.tokens_written() + resps[s].tokens_written());
     out.set_tokens_duplicate(out.tokens_duplicate() + resps[s].tokens_duplicate());
+    out.set_tokens_shared(out.tokens_shared() + resps[s].tokens_shared());
     for (auto& l : *resps[s].mutable_lengths()) out.add_lengths()->Swap(&l);
   }
   return out;
