@@ -204,11 +204,16 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
     for (int t = 0; t < G; ++t) rec[t / 4] |= static_cast<uint8_t>((bits_per_token[t] - 1) << (2 * (t % 4)));
     rec += (G + 3) / 4;
   }
-  for (int t = 0; t < G; ++t) {
-    const int b = per_token ? bits_per_token[t] : o.value_bits;
-    uint16_t* sz = reinterpret_cast<uint16_t*>(rec);
-    K().quantize_row(values + t * ld, d, o.value_group, b, sz, sz + ng, rec + 4 * ng);
-    rec += 4 * ng + RowBytes(d, b);
+  if (!per_token) {
+    K().quantize_rows(values, ld, G, d, o.value_group, o.value_bits, rec,
+                      4 * ng + RowBytes(d, o.value_bits));
+  } else {
+    for (int t = 0; t < G; ++t) {
+      const int b = bits_per_token[t];
+      uint16_t* sz = reinterpret_cast<uint16_t*>(rec);
+      K().quantize_row(values + t * ld, d, o.value_group, b, sz, sz + ng, rec + 4 * ng);
+      rec += 4 * ng + RowBytes(d, b);
+    }
   }
   WriteHeader(p, 2, per_token ? 0 : o.value_bits, 0, G, d, o.value_group, size);
   return absl::OkStatus();

@@ -42,6 +42,17 @@ struct Isa {
   static float ReduceAdd(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); })); }
   static float ReduceMin(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_min_ps(a, b); })); }
   static float ReduceMax(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); })); }
+  // Lane t of the result = the min (max) of v[t]'s lanes.
+  static F TransposeMin(const F* v) {
+    alignas(32) float r[W];
+    for (int t = 0; t < W; ++t) r[t] = ReduceMin(v[t]);
+    return _mm256_load_ps(r);
+  }
+  static F TransposeMax(const F* v) {
+    alignas(32) float r[W];
+    for (int t = 0; t < W; ++t) r[t] = ReduceMax(v[t]);
+    return _mm256_load_ps(r);
+  }
   static F CvtI(I v) { return _mm256_cvtepi32_ps(v); }
   static F GatherHalf(const uint8_t* base, const int32_t* idx) {
     alignas(16) uint16_t h[8];

@@ -41,6 +41,28 @@ struct Isa {
   static float ReduceAdd(F v) { return _mm512_reduce_add_ps(v); }
   static float ReduceMin(F v) { return _mm512_reduce_min_ps(v); }
   static float ReduceMax(F v) { return _mm512_reduce_max_ps(v); }
+  // Lane t of the result = the min (max) of v[t]'s lanes: a transposing tree, 15 operations
+  // per level pair instead of a horizontal reduction per vector.
+  template <typename Op>
+  static F TransposeReduce(const F* v, Op op) {
+    F s1[8], s2[4], s3[2];
+    for (int k = 0; k < 8; ++k)
+      s1[k] = op(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                 _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; ++k)
+      s2[k] = op(_mm512_shuffle_f32x4(s1[2 * k], s1[2 * k + 1], 0x88),
+                 _mm512_shuffle_f32x4(s1[2 * k], s1[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; ++k)
+      s3[k] = op(_mm512_shuffle_ps(s2[2 * k], s2[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                 _mm512_shuffle_ps(s2[2 * k], s2[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const F r = op(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                   _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    // lane 4L + j holds row L + 4j
+    return _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+  }
+  static F TransposeMin(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_min_ps(a, b); }); }
+  static F TransposeMax(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_max_ps(a, b); }); }
   static F CvtI(I v) { return _mm512_cvtepi32_ps(v); }
   // fp16 values at base + idx[j] bytes (reads 4 bytes at each; the record continues past them).
   static F GatherHalf(const uint8_t* base, const int32_t* idx) {

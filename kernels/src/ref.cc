@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include <xxhash.h>
 
@@ -62,6 +63,16 @@ namespace {
 void quantize_row_ref(const float* x, int n, int group, int bits, uint16_t* scale,
                       uint16_t* zero, uint8_t* codes) {
   QuantizeRowScalar(x, n, group, bits, scale, zero, codes);
+}
+
+void quantize_rows_ref(const float* x, int64_t ld, int n_rows, int n, int group, int bits,
+                       uint8_t* rec, int64_t rec_bytes) {
+  const int ng = (n + group - 1) / group;
+  std::vector<uint16_t> sz(2 * ng);
+  for (int t = 0; t < n_rows; ++t, rec += rec_bytes) {
+    QuantizeRowScalar(x + t * ld, n, group, bits, sz.data(), sz.data() + ng, rec + 4 * ng);
+    std::memcpy(rec, sz.data(), 4 * ng);
+  }
 }
 
 void score_codes_ref(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
@@ -163,6 +174,7 @@ const KernelTable& Ref() {
   static const KernelTable t{"ref",
                              quantize_channels_ref,
                              quantize_row_ref,
+                             quantize_rows_ref,
                              score_codes_ref,
                              readout_rows_ref,
                              dense_scores_f16_ref,

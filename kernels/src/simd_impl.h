@@ -350,6 +350,60 @@ void quantize_row_simd(const float* x, int n, int group, int bits, uint16_t* sca
   }
 }
 
+// W rows at a time: the group ranges of all W rows are reduced together (lane t = row t),
+// so the fp16 parameters of W rows come from one vector MakeParams per group.
+constexpr int kMaxRowGroups = 8;
+
+void QuantizeRowsW(const float* x, int64_t ld, int n, int group, int ng, int bits, uint8_t* rec,
+                   int64_t rec_bytes) {
+  alignas(64) float zf[kMaxRowGroups][W], invf[kMaxRowGroups][W];
+  for (int g = 0; g < ng; ++g) {
+    const int c0 = g * group, len = std::min(group, n - c0);
+    typename Isa::F lo[W], hi[W];
+    for (int t = 0; t < W; ++t) {
+      const float* xt = x + t * ld + c0;
+      lo[t] = hi[t] = Isa::Load(xt);
+      for (int c = W; c < len; c += W) {
+        lo[t] = Isa::Min(lo[t], Isa::Load(xt + c));
+        hi[t] = Isa::Max(hi[t], Isa::Load(xt + c));
+      }
+    }
+    alignas(64) uint16_t s16[W], z16[W];
+    typename Isa::F sv, zv, iv;
+    Isa::MakeParams(Isa::TransposeMin(lo), Isa::TransposeMax(hi), bits, s16, z16, &sv, &zv, &iv);
+    Isa::Store(zf[g], zv);
+    Isa::Store(invf[g], iv);
+    for (int t = 0; t < W; ++t) {
+      std::memcpy(rec + t * rec_bytes + 2 * g, &s16[t], 2);
+      std::memcpy(rec + t * rec_bytes + 2 * (ng + g), &z16[t], 2);
+    }
+  }
+  const int maxq = (1 << bits) - 1;
+  for (int t = 0; t < W; ++t) {
+    const float* xt = x + t * ld;
+    uint8_t* codes = rec + t * rec_bytes + 4 * ng;
+    for (int c = 0; c < n; c += W) {
+      const int g = c / group;
+      Isa::PackRow(Isa::QuantizeLanes(Isa::Load(xt + c), Isa::Set1(zf[g][t]),
+                                      Isa::Set1(invf[g][t]), maxq),
+                   bits, codes + c * bits / 8);
+    }
+  }
+}
+
+void quantize_rows_simd(const float* x, int64_t ld, int n_rows, int n, int group, int bits,
+                        uint8_t* rec, int64_t rec_bytes) {
+  const int ng = (n + group - 1) / group;
+  int t = 0;
+  if (n % W == 0 && group % W == 0 && bits != 3 && ng <= kMaxRowGroups)
+    for (; t + W <= n_rows; t += W)
+      QuantizeRowsW(x + t * ld, ld, n, group, ng, bits, rec + t * rec_bytes, rec_bytes);
+  for (; t < n_rows; ++t) {
+    uint16_t* sz = reinterpret_cast<uint16_t*>(rec + t * rec_bytes);
+    quantize_row_simd(x + t * ld, n, group, bits, sz, sz + ng, rec + t * rec_bytes + 4 * ng);
+  }
+}
+
 template <typename T>
 inline typename Isa::F LoadRow(const T* p) {
   if constexpr (sizeof(T) == 2) return Isa::LoadHalf(p);
@@ -481,6 +535,6 @@ void softmax_simd(float* x, int64_t n) {
 }
 
 const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
-                         score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
+                         quantize_rows_simd,  score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
                          dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd,
                          softmax_simd,        dense_scores_f32_simd};

@@ -68,6 +68,33 @@ TEST(KernelParity, QuantizeRow) {
         }
 }
 
+TEST(KernelParity, QuantizeRowsEqualsRowByRow) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {1, 2, 3, 4, 8})
+      for (int n : {64, 80, 128})
+        for (int group : {16, 32, n})
+          for (int rows : {19, 32, 64}) {
+            SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " n=" << n
+                                              << " g=" << group << " rows=" << rows);
+            const int ld = n + 3, ng = (n + group - 1) / group;
+            const int64_t rec = 4 * ng + RowBytes(n, bits) + 1;  // odd record size
+            auto x = kvq::testing::Gaussian(static_cast<size_t>(rows) * ld, bits + n + rows);
+            for (int t = 0; t < rows; t += 7) x[t * ld + t % n] = 0.0f;  // equal min and max
+            std::vector<uint8_t> r0(rows * rec, 0xAA), r1(rows * rec, 0xAA), r2(rows * rec, 0xAA);
+            Ref().quantize_rows(x.data(), ld, rows, n, group, bits, r0.data(), rec);
+            kt->quantize_rows(x.data(), ld, rows, n, group, bits, r1.data(), rec);
+            for (int t = 0; t < rows; ++t) {
+              std::vector<uint16_t> s(ng), z(ng);
+              kt->quantize_row(x.data() + t * ld, n, group, bits, s.data(), z.data(),
+                               r2.data() + t * rec + 4 * ng);
+              std::memcpy(r2.data() + t * rec, s.data(), 2 * ng);
+              std::memcpy(r2.data() + t * rec + 2 * ng, z.data(), 2 * ng);
+            }
+            EXPECT_EQ(r0, r1);
+            EXPECT_EQ(r0, r2);
+          }
+}
+
 TEST(KernelParity, ScoreCodesAndReadoutRows) {
   for (const KernelTable* kt : Optimized())
     for (int bits : {1, 2, 3, 4, 8})

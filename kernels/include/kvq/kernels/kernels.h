@@ -28,6 +28,11 @@ struct KernelTable {
   void (*quantize_row)(const float* x, int n, int group, int bits, uint16_t* scale,
                        uint16_t* zero, uint8_t* codes);
 
+  // quantize_row over n_rows rows of x [n_rows][ld] with one width: row t's record at
+  // rec + t * rec_bytes receives fp16 scale[ng] | fp16 zero[ng] | codes[ceil(n*bits/8)].
+  void (*quantize_rows)(const float* x, int64_t ld, int n_rows, int n, int group, int bits,
+                        uint8_t* rec, int64_t rec_bytes);
+
   // Scores over channel-major codes (keys, or HeadQ side coefficients):
   //   out[i*os + t] = (accumulate ? out[i*os + t] : 0)
   //                   + mult * sum_c q[i*qs + c] * (scale_c * code(c, t) + zero_c)
