@@ -182,12 +182,16 @@ int Stats(Client& c, const CommandFlags& f) {
     }
     std::printf(
         "server %s\n  tenant %s: %lld sequences, %lld tokens, %lld bytes stored (quota %lld), "
-        "%lld evictions\n  bits per element: K %.3f, V %.3f\n  server: %lld of %lld bytes "
+        "%lld evictions\n  bits per element: K %.3f, V %.3f\n  prefix index: %lld groups, "
+        "%lld bytes (%lld retained), %lld tokens shared\n  server: %lld of %lld bytes "
         "stored, pool %s, backend %s, up %.0f s\n",
         c.server(s).c_str(), st->tenant().c_str(), static_cast<long long>(st->sequences()),
         static_cast<long long>(st->tokens()), static_cast<long long>(st->stored_bytes()),
         static_cast<long long>(st->quota_bytes()), static_cast<long long>(st->evictions()),
         st->k_bits_per_element(), st->v_bits_per_element(),
+        static_cast<long long>(st->prefix_blocks()), static_cast<long long>(st->prefix_bytes()),
+        static_cast<long long>(st->retained_prefix_bytes()),
+        static_cast<long long>(st->shared_tokens()),
         static_cast<long long>(st->server_stored_bytes()),
         static_cast<long long>(st->server_capacity_bytes()), st->memory_pool().c_str(),
         st->compute_backend().c_str(), st->uptime_seconds());
@@ -256,6 +260,9 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
         a->set_basis_version(f.version);
       }
       first = false;
+      for (int64_t t = t0; t < t0 + n && !file->token_ids.empty(); ++t) {
+        a->add_token_ids(file->token_ids[t]);
+      }
       for (auto [src, dst] :
            {std::pair{&L.keys, a->mutable_keys()}, std::pair{&L.values, a->mutable_values()}}) {
         dst->set_dtype(L.dtype);
@@ -270,9 +277,10 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
   }
   auto r = c.PutBlocks(msgs);
   if (!r.ok()) return RpcFail(r.status());
-  std::printf("%s: %lld tokens written, %lld duplicate, %zu layers on %s\n", id.c_str(),
-              static_cast<long long>(r->tokens_written()),
-              static_cast<long long>(r->tokens_duplicate()), file->layers.size(),
+  std::printf("%s: %lld tokens written, %lld duplicate, %lld shared, %zu layers on %s\n",
+              id.c_str(), static_cast<long long>(r->tokens_written()),
+              static_cast<long long>(r->tokens_duplicate()),
+              static_cast<long long>(r->tokens_shared()), file->layers.size(),
               c.server(c.ShardOf(id)).c_str());
   return kExitOk;
 }

@@ -47,6 +47,12 @@ absl::Status WriteSeqFile(const std::string& path, const SeqFile& file) {
       offset += bytes.size();
     }
   }
+  const uint64_t ids_bytes = file.token_ids.size() * sizeof(uint32_t);
+  if (!file.token_ids.empty()) {
+    header["token_ids"] = {{"dtype", "U32"},
+                           {"shape", {file.token_ids.size()}},
+                           {"data_offsets", {offset, offset + ids_bytes}}};
+  }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   const std::string tmp = path + ".tmp";
@@ -61,6 +67,11 @@ absl::Status WriteSeqFile(const std::string& path, const SeqFile& file) {
     for (const SeqLayer& L : file.layers) {
       out.write(L.keys.data(), L.keys.size());
       out.write(L.values.data(), L.values.size());
+    }
+    for (uint32_t id : file.token_ids) {  // little-endian
+      char b[4];
+      for (int i = 0; i < 4; ++i) b[i] = static_cast<char>((id >> (8 * i)) & 0xff);
+      out.write(b, 4);
     }
     out.close();
     if (!out) return absl::DataLossError(absl::StrCat("short write to '", path, "'"));
@@ -100,7 +111,7 @@ absl::StatusOr<SeqFile> ReadSeqFile(const std::string& path) {
   while (header.contains(absl::StrCat("layer.", layers, ".keys"))) ++layers;
   if (layers == 0) return bad("no tensor 'layer.0.keys'");
   for (auto& [name, _] : header.items()) {
-    if (name == "__metadata__") continue;
+    if (name == "__metadata__" || name == "token_ids") continue;
     int l = -1;
     std::string rest;
     if (name.rfind("layer.", 0) == 0) {
@@ -169,6 +180,32 @@ absl::StatusOr<SeqFile> ReadSeqFile(const std::string& path) {
       }
     }
     file.layers.push_back(std::move(L));
+  }
+  if (header.contains("token_ids")) {
+    const nlohmann::json& t = header["token_ids"];
+    const int64_t tokens = file.layers[0].tokens;
+    if (!t.is_object() || t.value("dtype", "") != "U32" || !t.contains("shape") ||
+        !t["shape"].is_array() || t["shape"].size() != 1 || !t["shape"][0].is_number_integer() ||
+        t["shape"][0].get<int64_t>() != tokens || !t.contains("data_offsets") ||
+        !t["data_offsets"].is_array() || t["data_offsets"].size() != 2 ||
+        !t["data_offsets"][0].is_number_unsigned() || !t["data_offsets"][1].is_number_unsigned()) {
+      return bad(absl::StrCat("token_ids must be U32 [", tokens, "] with data_offsets"));
+    }
+    const uint64_t b = t["data_offsets"][0].get<uint64_t>(), e = t["data_offsets"][1].get<uint64_t>();
+    if (e < b || e - b != static_cast<uint64_t>(tokens) * 4 || base + e > data.size()) {
+      return bad("token_ids: data_offsets do not hold 4 bytes per token inside the file");
+    }
+    for (const SeqLayer& L : file.layers) {
+      if (L.tokens != tokens) return bad("token_ids needs every layer to hold the same tokens");
+    }
+    file.token_ids.resize(tokens);
+    for (int64_t i = 0; i < tokens; ++i) {
+      uint32_t v = 0;
+      for (int k = 0; k < 4; ++k) {
+        v |= static_cast<uint32_t>(static_cast<uint8_t>(data[base + b + 4 * i + k])) << (8 * k);
+      }
+      file.token_ids[i] = v;
+    }
   }
   return file;
 }

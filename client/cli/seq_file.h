@@ -3,8 +3,11 @@
 // Tensors "layer.{l}.keys" and "layer.{l}.values", shape [kv_heads, tokens, head_dim], dtype
 // F16, BF16 or F32 (little-endian), for layers 0..L-1 with no gaps; keys and values of a layer
 // share shape and dtype. "__metadata__" holds strings: "format": "kvq-sequence", and
-// optionally "model", "basis_version", "sequence_id". `kvq seq get` writes this, `kvq seq put`
-// reads it, and any safetensors library (Python's `safetensors`, numpy) can make or read it.
+// optionally "model", "basis_version", "sequence_id". An optional tensor "token_ids", U32
+// [tokens] (every layer's token count), holds the tokens' ids: `kvq seq put` then sends them,
+// so that the server shares the prefix with other sequences of the tenant (docs/API.md).
+// `kvq seq get` writes this, `kvq seq put` reads it, and any safetensors library (Python's
+// `safetensors`, numpy) can make or read it.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +28,7 @@ struct SeqLayer {
 
 struct SeqFile {
   std::vector<SeqLayer> layers;
+  std::vector<uint32_t> token_ids;  // empty, or one per token
   std::map<std::string, std::string> metadata;
 };
 

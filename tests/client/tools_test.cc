@@ -259,6 +259,36 @@ TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
   EXPECT_EQ(Kvq(absl::StrCat("seq delete s7 ", flags_)).code, 10 + 5);
   EXPECT_EQ(Kvq(absl::StrCat("seq get s7 ", out, " ", flags_)).code, 10 + 5);
 
+  // With token ids in the file, a second sequence of the same tokens shares the first's
+  // groups (two of 32 per layer: 64 tokens each), and `kvq stats` reports the index.
+  client::SeqFile with_ids = f;
+  for (int t = 0; t < 70; ++t) with_ids.token_ids.push_back(500 + t);
+  ASSERT_TRUE(client::WriteSeqFile(in, with_ids).ok());
+  auto reread = client::ReadSeqFile(in);
+  ASSERT_TRUE(reread.ok()) << reread.status();
+  EXPECT_EQ(reread->token_ids, with_ids.token_ids);
+  ToolRun first = Kvq(absl::StrCat("seq put p1 ", in, " ", flags_));
+  EXPECT_THAT(first.out, HasSubstr("140 tokens written, 0 duplicate, 0 shared")) << first.err;
+  ToolRun second = Kvq(absl::StrCat("seq put p2 ", in, " ", flags_));
+  EXPECT_THAT(second.out, HasSubstr("12 tokens written, 0 duplicate, 128 shared")) << second.err;
+  ToolRun stats = Kvq(absl::StrCat("stats ", flags_));
+  EXPECT_THAT(stats.out, HasSubstr("prefix index: 4 groups, "));
+  EXPECT_THAT(stats.out, HasSubstr("(0 retained), 128 tokens shared"));
+  // A token_ids tensor of the wrong length is refused, naming it.
+  std::string bytes;
+  {
+    std::ifstream fin(in, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(fin), std::istreambuf_iterator<char>());
+  }
+  const size_t at = bytes.find("\"token_ids\":{\"data_offsets\"");
+  ASSERT_NE(at, std::string::npos);
+  const size_t dims = bytes.find("[70]", at);
+  ASSERT_NE(dims, std::string::npos);
+  bytes.replace(dims, 4, "[69]");
+  std::ofstream(in, std::ios::binary | std::ios::trunc) << bytes;
+  EXPECT_THAT(std::string(client::ReadSeqFile(in).status().message()),
+              HasSubstr("token_ids must be U32 [70]"));
+
   std::ofstream(dir_ + "/junk") << "not safetensors";
   ToolRun junk = Kvq(absl::StrCat("seq put s8 ", dir_, "/junk --model tiny ", flags_));
   EXPECT_EQ(junk.code, 1);
