@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
 #include "server/convert.h"
@@ -174,6 +175,52 @@ grpc::ServerUnaryReactor* Service::GetModel(grpc::CallbackServerContext* ctx,
 
 // ---------------------------------------------------------------------------- PutBlocks
 
+absl::Status Service::SpecOf(const v1::Append& a, const std::string& at, core::AppendSpec* spec,
+                             std::vector<float>* probe) {
+  core::AppendSpec& s = *spec;
+  RETURN_IF_ERROR(CheckId(a.sequence_id(), at + ".sequence_id"));
+  s.sequence_id = a.sequence_id();
+  s.layer = a.layer();
+  s.start = a.start();
+  if (a.token_ids_size() > 0) {
+    s.token_ids = std::span<const uint32_t>(a.token_ids().data(), a.token_ids_size());
+  }
+  // keys and values both absent with token ids: an attach from the prefix index.
+  if (a.token_ids_size() == 0 || a.has_keys() || a.has_values()) {
+    ASSIGN_OR_RETURN(s.keys, ViewOf(a.keys(), at + ".keys", 3, 3));
+    ASSIGN_OR_RETURN(s.values, ViewOf(a.values(), at + ".values", 3, 3));
+  }
+  if (a.has_probe_weights()) {
+    ASSIGN_OR_RETURN(core::TensorView p, ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
+    if (p.shape[0] != s.keys.shape[0] || p.shape[1] != s.keys.shape[1]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".probe_weights.shape must be [kv_heads, n] = [", s.keys.shape[0],
+                       ", ", s.keys.shape[1], "]"));
+    }
+    probe->resize(p.numel());
+    core::ToFloat(p.dtype, p.data, probe->data(), probe->size());
+    s.probe_weights = probe->data();
+  }
+  s.model = a.model();
+  if (a.basis_version() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ".basis_version ", a.basis_version(), " must be >= 0"));
+  }
+  s.basis_version = a.basis_version();
+  if (a.has_codec()) {
+    if (a.model().empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(at, ".codec is only accepted with model (at creation)"));
+    }
+    absl::StatusOr<std::shared_ptr<const core::ModelEntry>> m =
+        registry_->Get(a.model(), a.basis_version());
+    if (!m.ok()) return Prefix(m.status(), at + ".model");
+    ASSIGN_OR_RETURN(s.codec, MergeCodec((*m)->codec, a.codec(), at + ".codec"));
+    s.has_codec = true;
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 // Reading overlaps applying: while a worker encodes message i, message i+1 is already being
@@ -287,50 +334,8 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
     std::vector<core::AppendSpec> specs(req.appends_size());
     std::vector<std::vector<float>> probes(req.appends_size());
     for (int i = 0; i < req.appends_size(); ++i) {
-      const v1::Append& a = req.appends(i);
-      const std::string at = absl::StrCat("appends[", i, "]");
-      core::AppendSpec& s = specs[i];
-      RETURN_IF_ERROR(CheckId(a.sequence_id(), at + ".sequence_id"));
-      s.sequence_id = a.sequence_id();
-      s.layer = a.layer();
-      s.start = a.start();
-      if (a.token_ids_size() > 0) {
-        s.token_ids = std::span<const uint32_t>(a.token_ids().data(), a.token_ids_size());
-      }
-      // keys and values both absent with token ids: an attach from the prefix index.
-      if (a.token_ids_size() == 0 || a.has_keys() || a.has_values()) {
-        ASSIGN_OR_RETURN(s.keys, ViewOf(a.keys(), at + ".keys", 3, 3));
-        ASSIGN_OR_RETURN(s.values, ViewOf(a.values(), at + ".values", 3, 3));
-      }
-      if (a.has_probe_weights()) {
-        ASSIGN_OR_RETURN(core::TensorView p,
-                         ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
-        if (p.shape[0] != s.keys.shape[0] || p.shape[1] != s.keys.shape[1]) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(at, ".probe_weights.shape must be [kv_heads, n] = [", s.keys.shape[0],
-                           ", ", s.keys.shape[1], "]"));
-        }
-        probes[i].resize(p.numel());
-        core::ToFloat(p.dtype, p.data, probes[i].data(), probes[i].size());
-        s.probe_weights = probes[i].data();
-      }
-      s.model = a.model();
-      if (a.basis_version() < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(at, ".basis_version ", a.basis_version(), " must be >= 0"));
-      }
-      s.basis_version = a.basis_version();
-      if (a.has_codec()) {
-        if (a.model().empty()) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(at, ".codec is only accepted with model (at creation)"));
-        }
-        absl::StatusOr<std::shared_ptr<const core::ModelEntry>> m =
-            svc_->registry()->Get(a.model(), a.basis_version());
-        if (!m.ok()) return Prefix(m.status(), at + ".model");
-        ASSIGN_OR_RETURN(s.codec, MergeCodec((*m)->codec, a.codec(), at + ".codec"));
-        s.has_codec = true;
-      }
+      RETURN_IF_ERROR(svc_->SpecOf(req.appends(i), absl::StrCat("appends[", i, "]"), &specs[i],
+                                   &probes[i]));
     }
     core::AppendOutcome out;
     RETURN_IF_ERROR(svc_->store()->Append(tenant_, specs, &out));
@@ -529,6 +534,24 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
       if (st.ok() && item.has_causal_offset() && item.causal_offset() < 0) {
         st = absl::InvalidArgumentError(
             absl::StrCat(at, ".causal_offset ", item.causal_offset(), " must be >= 0"));
+      }
+      if (st.ok() && item.has_append()) {
+        // The decode step's new tokens first, exactly as a PutBlocks append of them.
+        const v1::Append& ap = item.append();
+        if (ap.sequence_id() != item.sequence_id() || ap.layer() != item.layer()) {
+          st = absl::InvalidArgumentError(absl::StrCat(
+              at, ".append names sequence '", ap.sequence_id(), "' layer ", ap.layer(),
+              "; it must be the item's own (sequence '", item.sequence_id(), "' layer ",
+              item.layer(), ")"));
+        }
+        core::AppendSpec spec;
+        std::vector<float> probe;
+        if (st.ok()) st = SpecOf(ap, at + ".append", &spec, &probe);
+        core::AppendOutcome outcome;
+        if (st.ok()) st = store_->Append(tenant, {spec}, &outcome);
+        if (!st.ok() && absl::StartsWith(st.message(), "appends[0]")) {  // store's own prefix
+          st = absl::Status(st.code(), absl::StrCat(at, ".append", st.message().substr(10)));
+        }
       }
       if (st.ok()) {
         core::AttendOptions ao;

@@ -49,6 +49,10 @@ class Service final : public v1::Kvq::CallbackService {
                                  v1::EchoResponse* resp) override;
 
   // Shared by the stream reactors.
+  // Translates one wire append into a store append (views into `a`; probe weights converted
+  // into *probe), validating what the store does not; errors start with `at`.
+  absl::Status SpecOf(const v1::Append& a, const std::string& at, core::AppendSpec* spec,
+                      std::vector<float>* probe);
   core::Store* store() { return store_; }
   core::Registry* registry() { return registry_; }
   WorkerPool* pool() { return pool_; }

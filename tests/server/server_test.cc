@@ -497,6 +497,95 @@ TEST(ServiceTest, ProbeWeightsReachTheValuePolicy) {
               HasSubstr("appends[0].probe_weights.shape must be [kv_heads, n]"));
 }
 
+// A decoding frontend's step in one round trip: Attend items carrying their layer's new token
+// give exactly what a PutBlocks of the token followed by an Attend gives (observing attends,
+// so the A^2 statistics follow the same path too), with the A^2 value policy on; a failed
+// append fails only its item, names the field, and attends nothing.
+TEST(ServiceTest, AttendCarryingItsAppendEqualsPutThenAttend) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Fixture f;
+  const Shape& s = f.shape;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  const int64_t T = 70;
+  std::vector<std::vector<float>> K, V;
+  for (int l = 0; l < s.layers; ++l) {
+    K.push_back(RandomKV(kv, T, d, 30 + l));
+    V.push_back(RandomKV(kv, T, d, 40 + l));
+  }
+  auto step_append = [&](const std::string& seq, int l, int64_t t) {
+    v1::Append a = MakeAppend(seq, l, t, Slice(K[l], kv, T, d, t, 1), Slice(V[l], kv, T, d, t, 1),
+                              kv, 1, d, t == 0 ? "tiny" : "");
+    if (t == 0) a.mutable_codec()->set_value_policy(v1::CodecSettings::VALUE_POLICY_A2);
+    return a;
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    auto q = RandomQueries(qh, 1, d, 100 + t);
+    // Two round trips per step: PutBlocks (every layer), then Attend (every layer).
+    v1::PutBlocksRequest m;
+    for (int l = 0; l < s.layers; ++l) *m.add_appends() = step_append("two", l, t);
+    v1::PutBlocksResponse pr;
+    ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+    v1::AttendRequest a2, a1;
+    for (int l = 0; l < s.layers; ++l) {
+      for (auto* req : {&a2, &a1}) {
+        auto* it = req->add_items();
+        it->set_sequence_id(req == &a2 ? "two" : "one");
+        it->set_layer(l);
+        *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+        if (req == &a1) *it->mutable_append() = step_append("one", l, t);
+      }
+    }
+    v1::AttendResponse r2, r1;
+    auto c2 = Ctx(), c1 = Ctx();
+    ASSERT_TRUE(stub->Attend(c2.get(), a2, &r2).ok());
+    ASSERT_TRUE(stub->Attend(c1.get(), a1, &r1).ok());
+    for (int l = 0; l < s.layers; ++l) {
+      ASSERT_EQ(r1.results(l).status().code(), 0) << r1.results(l).status().message();
+      EXPECT_EQ(r1.results(l).tokens(), t + 1);
+      ASSERT_EQ(FloatsOf(r1.results(l).outputs()), FloatsOf(r2.results(l).outputs()))
+          << "step " << t << " layer " << l;
+    }
+  }
+  for (int l = 0; l < s.layers; ++l) {
+    EXPECT_EQ(GetAll(*stub, "one", l, kv, d), GetAll(*stub, "two", l, kv, d));
+  }
+  // Failures: another sequence named in the append; a conflicting re-send; a gap. Each fails
+  // its own item only; the good item in the same call is served.
+  v1::AttendRequest bad;
+  auto q = RandomQueries(qh, 1, d, 7);
+  auto add = [&](v1::Append ap) {
+    auto* it = bad.add_items();
+    it->set_sequence_id("one");
+    it->set_layer(0);
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+    *it->mutable_append() = std::move(ap);
+  };
+  add(step_append("two", 0, T - 1));
+  v1::Append conflict = step_append("one", 0, T - 1);
+  conflict.mutable_keys()->mutable_data()->at(3) ^= 0x11;
+  add(conflict);
+  add(step_append("one", 0, T + 5));
+  auto* good = bad.add_items();
+  good->set_sequence_id("one");
+  good->set_layer(1);
+  good->set_observe(false);
+  *good->mutable_queries() = TensorF32(q, {qh, 1, d});
+  v1::AttendResponse br;
+  auto bc = Ctx();
+  ASSERT_TRUE(stub->Attend(bc.get(), bad, &br).ok());
+  EXPECT_EQ(br.results(0).status().code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(br.results(0).status().message(), HasSubstr("items[0].append names sequence 'two'"));
+  EXPECT_EQ(br.results(1).status().code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_THAT(br.results(1).status().message(), HasSubstr("items[1].append: token 69"));
+  EXPECT_EQ(br.results(2).status().code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(br.results(2).status().message(), HasSubstr("items[2].append.start 75"));
+  EXPECT_FALSE(br.results(2).has_outputs());
+  EXPECT_EQ(br.results(3).status().code(), 0);
+  EXPECT_EQ(br.results(3).tokens(), T);
+}
+
 TEST(ServiceTest, OneTokenAppendsEqualOneBigAppend) {
   TestServer ts;
   auto stub = ts.Stub();

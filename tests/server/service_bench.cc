@@ -393,6 +393,54 @@ int Main(int argc, char** argv) {
     *bytes = areq3.ByteSizeLong() + resp.ByteSizeLong();
     return ms;
   });
+
+  // ---- A decode step, every layer: PutBlocks of the new token then Attend (two round trips)
+  // against Attend items that carry their append (one round trip), alternating, on two
+  // sequences of `context` tokens.
+  {
+    for (const char* id : {"dec_two", "dec_one"}) {
+      for (auto& m : msgs) {
+        for (auto& a : *m.mutable_appends()) a.set_sequence_id(id);
+      }
+      v1::PutBlocksResponse r;
+      (void)Put(*stub, msgs, &r);
+    }
+    auto tk = RandomKV(kv, 1, d, 21), tv = RandomKV(kv, 1, d, 22);
+    Stats two, one;
+    const int steps = std::max(10, iters / 4);
+    for (int t = 0; t < steps; ++t) {
+      const int64_t pos = context + t;
+      v1::PutBlocksRequest put;
+      v1::AttendRequest att2, att1;
+      for (int l = 0; l < layers; ++l) {
+        *put.add_appends() = MakeAppend("dec_two", l, pos, tk, tv, kv, 1, d);
+        for (auto* req : {&att2, &att1}) {
+          auto* it = req->add_items();
+          it->set_sequence_id(req == &att2 ? "dec_two" : "dec_one");
+          it->set_layer(l);
+          *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+          if (req == &att1) *it->mutable_append() = MakeAppend("dec_one", l, pos, tk, tv, kv, 1, d);
+        }
+      }
+      v1::PutBlocksResponse pr;
+      v1::AttendResponse r2, r1;
+      auto t0 = Clock::now();
+      (void)Put(*stub, {put}, &pr);
+      auto c2 = Ctx();
+      (void)stub->Attend(c2.get(), att2, &r2);
+      auto t1 = Clock::now();
+      auto c1 = Ctx();
+      grpc::Status st = stub->Attend(c1.get(), att1, &r1);
+      auto t2 = Clock::now();
+      if (!st.ok() || r1.results(0).status().code() != 0) std::fprintf(stderr, "step failed\n");
+      two.ms.push_back(Ms(t0, t1));
+      one.ms.push_back(Ms(t1, t2));
+    }
+    std::printf("\ndecode step over %d layers at %d tokens (ms; ratio of medians %.2fx)\n", layers,
+                context, one.Pct(50) / two.Pct(50));
+    Row("PutBlocks + Attend", two, 0);
+    Row("Attend with append", one, 0);
+  }
   return 0;
 }
 
