@@ -1119,6 +1119,24 @@ int64_t Store::Scrub() {
       }
     }
   }
+  // Retained prefix groups (held by no sequence, so not verified above): a corrupted one is
+  // dropped with its extensions, so that no later attach can take it.
+  absl::MutexLock l(&mu_);
+  for (auto& [name, t] : tenants_) {
+    std::vector<PrefixKey> corrupt;
+    for (const auto& [key, node] : t->nodes) {
+      if (node.refs != 0) continue;
+      const SealedBlock& b = *node.block;
+      for (size_t i = 0; i + 1 < b.offsets.size(); ++i) {
+        if (!VerifyBlock({b.bytes.data() + b.offsets[i], b.offsets[i + 1] - b.offsets[i]}).ok()) {
+          corrupt.push_back(key);
+          break;
+        }
+      }
+    }
+    for (const PrefixKey& k : corrupt) DropNodeLocked(*t, k);
+    retained_scrub_drops_ += static_cast<int64_t>(corrupt.size());
+  }
   return bad;
 }
 

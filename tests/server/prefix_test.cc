@@ -375,6 +375,29 @@ TEST_F(PrefixTest, EvictingOneHolderKeepsBlocksOthersHold) {
   EXPECT_EQ(u.bytes, store.TenantUsage("t").bytes);
 }
 
+// A retained group that rots is found by the scrub and dropped with its extensions: a later
+// attach stops before it instead of taking corrupted codes.
+TEST_F(PrefixTest, ScrubDropsCorruptedRetainedGroups) {
+  Store store({}, &registry_);
+  Tokens a(Ids(128, 4), 9);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  // Corrupt group 1 of layer 0 (held through the cache; the block is immutable by contract,
+  // which only a test may break).
+  const SealedBlock& g1 = *store.LayerForTest("t", "a", 0)->sealed()[1];
+  const_cast<SealedBlock&>(g1).bytes[40] ^= 0x20;
+  ASSERT_TRUE(store.Delete("t", "a").ok());  // retained now
+  EXPECT_EQ(store.Scrub(), 0);
+  EXPECT_EQ(store.RetainedScrubDrops(), 1);
+  EXPECT_EQ(store.TotalUsage().prefix_blocks, 4 + 1);  // layer 1 whole, layer 0 group 0
+  ASSERT_TRUE(store.Append("t", {AttachSpec("b", 0, 0, a.ids), AttachSpec("b", 1, 0, a.ids)},
+                           &out).ok());
+  EXPECT_EQ(out.tokens_shared, 32 + 128);
+  std::vector<float> k, v;
+  int64_t tokens = 0;
+  EXPECT_TRUE(store.Decode("t", "b", 0, 0, &k, &v, &tokens).ok());
+}
+
 TEST_F(PrefixTest, TtlExpiresRetainedPrefixes) {
   absl::Time now = absl::FromUnixSeconds(1000);
   StoreOptions o;

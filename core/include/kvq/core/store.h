@@ -247,8 +247,13 @@ class Store {
   // Drops sequences idle longer than the TTL; returns how many.
   int64_t Sweep();
   // Verifies every stored block's checksum; returns the number of sequences that failed
-  // (they are kept: reads of them fail with DATA_LOSS).
+  // (they are kept: reads of them fail with DATA_LOSS). Retained prefix groups that fail are
+  // dropped (with their extensions) and counted in RetainedScrubDrops().
   int64_t Scrub();
+  int64_t RetainedScrubDrops() const {
+    absl::MutexLock l(&mu_);
+    return retained_scrub_drops_;
+  }
 
   // Test seam: the layer cache of a sequence (null when absent). Not for production use.
   LayerCache* LayerForTest(const std::string& tenant, const std::string& sequence_id, int layer);
@@ -288,6 +293,7 @@ class Store {
   int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expirations_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t retained_scrub_drops_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvq::core
