@@ -63,6 +63,10 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
   flags->Add("sequence-ttl", "DURATION",
              "drop sequences idle this long, e.g. 30m (default 0: never)",
              duration(&o->sequence_ttl));
+  flags->AddBool("retain-prefixes",
+                 "keep the shared prefix groups of deleted and expired sequences until room is "
+                 "needed (default true)",
+                 &o->retain_prefixes);
   flags->Add("workers", "N", "worker threads (default 0: one per core)", integer(&o->workers));
   flags->Add("max-inflight", "N",
              "calls queued or running on the workers before new ones get RESOURCE_EXHAUSTED "

@@ -91,6 +91,7 @@ absl::Status KvqServer::Impl::Start() {
   so.capacity_bytes = opts.capacity_bytes > 0 ? opts.capacity_bytes : PhysicalMemory() / 2;
   so.tenant_quota_bytes = opts.tenant_quota_bytes;
   so.ttl = opts.sequence_ttl;
+  so.retain_prefixes = opts.retain_prefixes;
   if (opts.capacity_bytes < 0 || opts.tenant_quota_bytes < 0) {
     return absl::InvalidArgumentError("--capacity and --tenant-quota must be >= 0");
   }
@@ -174,7 +175,8 @@ absl::Status KvqServer::Impl::Start() {
       "compute backend: ", backend, "; workers: ", workers,
       "; max in flight: ", opts.max_inflight ? absl::StrCat(opts.max_inflight) : "unlimited",
       "; capacity: ", so.capacity_bytes, " bytes",
-      so.tenant_quota_bytes ? absl::StrCat("; tenant quota: ", so.tenant_quota_bytes) : ""));
+      so.tenant_quota_bytes ? absl::StrCat("; tenant quota: ", so.tenant_quota_bytes) : "",
+      "; prefixes retained: ", so.retain_prefixes ? "yes" : "no"));
   Log(absl::StrCat(
       "auth: ",
       auth.enabled() ? absl::StrCat("bearer tokens (", auth.tokens(), ")")

@@ -40,6 +40,9 @@ struct ServerOptions {
   int64_t tenant_quota_bytes = 0;
   // Sequences untouched this long are dropped; zero = never.
   absl::Duration sequence_ttl = absl::ZeroDuration();
+  // Keep the prefix-index groups of deleted and expired sequences until room is needed
+  // (docs/API.md, "Retained prefixes").
+  bool retain_prefixes = true;
   // Worker threads for encode/score/attend; 0 = the number of CPU cores.
   int workers = 0;
   // Overload shedding: calls queued or running on the worker pool at once (every call but

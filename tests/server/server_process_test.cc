@@ -58,13 +58,15 @@ TEST(ServerProcessTest, EnvFlagsDefaultRegistryHealthAndGracefulSigterm) {
   const std::string home = TempDir("kvq-home");
   Process p = Spawn({KVQ_SERVER_BIN, "--grpc-port", "0"},
                     {"HOME=" + home, "KVQ_GRPC_ADDRESS=127.0.0.1", "KVQ_METRICS_PORT=-1",
-                     "KVQ_CAPACITY=64M", "KVQ_SHUTDOWN_GRACE=5s", "KVQ_MAX_INFLIGHT=7"});
+                     "KVQ_CAPACITY=64M", "KVQ_SHUTDOWN_GRACE=5s", "KVQ_MAX_INFLIGHT=7",
+                     "KVQ_RETAIN_PREFIXES=false"});
   std::string log;
   const int port = WaitForPort(p, &log);
   ASSERT_GT(port, 0) << log;
   EXPECT_NE(log.find("memory: auto -> host"), std::string::npos) << log;
   EXPECT_NE(log.find("capacity: 67108864 bytes"), std::string::npos) << log;
   EXPECT_NE(log.find("max in flight: 7;"), std::string::npos) << log;
+  EXPECT_NE(log.find("prefixes retained: no"), std::string::npos) << log;
   EXPECT_TRUE(std::filesystem::is_directory(home + "/.local/share/kvq/registry")) << log;
 
   auto channel =
