@@ -489,24 +489,58 @@ absl::Status LayerCache::Observe(const float* p, int q_heads, int n_q) {
 }
 
 absl::Status LayerCache::Decode(std::vector<float>* keys, std::vector<float>* values) const {
+  return Decode(0, tokens_, keys, values);
+}
+
+absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* keys,
+                                std::vector<float>* values) const {
+  if (from < 0 || to < from || to > tokens_) {
+    return absl::OutOfRangeError(absl::StrCat("decode range [", from, ", ", to,
+                                              ") must lie in [0, ", tokens_, "]"));
+  }
   const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
-  const size_t per_head = static_cast<size_t>(tokens_) * d;
+  const int64_t n = to - from;
+  const size_t per_head = static_cast<size_t>(n) * d;
   keys->assign(per_head * kv_heads_, 0.0f);
   values->assign(per_head * kv_heads_, 0.0f);
-  const int64_t nb = encoded_ / G;
+  // Blocks overlapping [from, to): decoded in place when whole, through a scratch group when
+  // the range cuts them. Every block read is verified.
+  const int64_t b0 = from / G, b1 = (std::min(to, encoded_) + G - 1) / G;
+  std::vector<float> kg, vg;
   for (int h = 0; h < kv_heads_; ++h) {
     const Head& hd = heads_[h];
     float* kd = keys->data() + h * per_head;
     float* vd = values->data() + h * per_head;
-    for (int64_t b = 0; b < nb; ++b) {
+    const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t lo = std::max(from, b * G), hi = std::min(to, (b + 1) * G);
+      const bool whole = lo == b * G && hi == (b + 1) * G;
+      float* kout = kd + (lo - from) * d;
+      float* vout = vd + (lo - from) * d;
+      if (!whole) {
+        kg.resize(static_cast<size_t>(G) * d);
+        vg.resize(static_cast<size_t>(G) * d);
+      }
       ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(KeyBlock(h, b), opts_, true));
-      DecodeKeyBlock(kv, r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr,
-                     opts_.side_sign, kd + b * G * d);
+      DecodeKeyBlock(kv, U, opts_.side_sign, whole ? kout : kg.data());
       ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(ValueBlock(h, b), opts_, true));
-      DecodeValueBlock(vv, vd + b * G * d);
+      DecodeValueBlock(vv, whole ? vout : vg.data());
+      if (!whole) {
+        const size_t off = static_cast<size_t>(lo - b * G) * d, len = (hi - lo) * d;
+        std::copy_n(kg.data() + off, len, kout);
+        std::copy_n(vg.data() + off, len, vout);
+      }
     }
-    WindowToFloat(hd, true, kd + encoded_ * d);
-    WindowToFloat(hd, false, vd + encoded_ * d);
+    if (to > encoded_) {  // window tokens [max(from, encoded_), to)
+      const int64_t W = tokens_ - encoded_, lo = std::max(from, encoded_);
+      kg.resize(static_cast<size_t>(W) * d);
+      vg.resize(static_cast<size_t>(W) * d);
+      WindowToFloat(hd, true, kg.data());
+      WindowToFloat(hd, false, vg.data());
+      const size_t off = static_cast<size_t>(lo - encoded_) * d, len = (to - lo) * d;
+      std::copy_n(kg.data() + off, len, kd + (lo - from) * d);
+      std::copy_n(vg.data() + off, len, vd + (lo - from) * d);
+    }
   }
   return absl::OkStatus();
 }

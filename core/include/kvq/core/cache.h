@@ -118,6 +118,10 @@ class LayerCache {
 
   // Keys as attention sees them and decoded values, [kv_heads][tokens()][d] fp32.
   absl::Status Decode(std::vector<float>* keys, std::vector<float>* values) const;
+  // Tokens [from, to) only, [kv_heads][to - from][d]: reads (and verifies) only the blocks
+  // the range touches. OUT_OF_RANGE unless 0 <= from <= to <= tokens().
+  absl::Status Decode(int64_t from, int64_t to, std::vector<float>* keys,
+                      std::vector<float>* values) const;
   // Verifies every block's checksum (scrub).
   absl::Status VerifyAll() const;
 
