@@ -53,6 +53,11 @@ struct Isa {
     for (int t = 0; t < W; ++t) r[t] = ReduceMax(v[t]);
     return _mm256_load_ps(r);
   }
+  static F TransposeAdd(const F* v) {
+    alignas(32) float r[W];
+    for (int t = 0; t < W; ++t) r[t] = ReduceAdd(v[t]);
+    return _mm256_load_ps(r);
+  }
   static F CvtI(I v) { return _mm256_cvtepi32_ps(v); }
   static F GatherHalf(const uint8_t* base, const int32_t* idx) {
     alignas(16) uint16_t h[8];

@@ -41,8 +41,8 @@ struct Isa {
   static float ReduceAdd(F v) { return _mm512_reduce_add_ps(v); }
   static float ReduceMin(F v) { return _mm512_reduce_min_ps(v); }
   static float ReduceMax(F v) { return _mm512_reduce_max_ps(v); }
-  // Lane t of the result = the min (max) of v[t]'s lanes: a transposing tree, 15 operations
-  // per level pair instead of a horizontal reduction per vector.
+  // Lane t of the result = the min (max, sum) of v[t]'s lanes: a transposing tree of 15
+  // operations per level pair instead of a horizontal reduction per vector.
   template <typename Op>
   static F TransposeReduce(const F* v, Op op) {
     F s1[8], s2[4], s3[2];
@@ -63,6 +63,7 @@ struct Isa {
   }
   static F TransposeMin(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_min_ps(a, b); }); }
   static F TransposeMax(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_max_ps(a, b); }); }
+  static F TransposeAdd(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_add_ps(a, b); }); }
   static F CvtI(I v) { return _mm512_cvtepi32_ps(v); }
   // fp16 values at base + idx[j] bytes (reads 4 bytes at each; the record continues past them).
   static F GatherHalf(const uint8_t* base, const int32_t* idx) {

@@ -485,10 +485,40 @@ void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p
   }
 }
 
+// W tokens at a time for rank r: the r accumulators of every token are summed by r
+// transposing trees (the same pairs as ReduceAdd, so the same bits) instead of r * W
+// horizontal sums.
+template <int R>
+int ProjectResidualW(const float* x, int64_t ld, const float* deq, int tokens, int d,
+                     const float* ut, float* out) {
+  int t0 = 0;
+  for (; t0 + W <= tokens; t0 += W) {
+    typename Isa::F acc[R][W];
+    for (int i = 0; i < W; ++i) {
+      const float* xt = x + (t0 + i) * ld;
+      const float* dt = deq + static_cast<int64_t>(t0 + i) * d;
+      typename Isa::F a[R];
+      for (int j = 0; j < R; ++j) a[j] = Isa::Zero();
+      for (int c = 0; c < d; c += W) {
+        typename Isa::F e = Isa::Sub(Isa::Load(xt + c), Isa::Load(dt + c));
+        for (int j = 0; j < R; ++j) a[j] = Isa::Fmadd(e, Isa::Load(ut + j * d + c), a[j]);
+      }
+      for (int j = 0; j < R; ++j) acc[j][i] = a[j];
+    }
+    alignas(64) float sums[R][W];
+    for (int j = 0; j < R; ++j) Isa::Store(sums[j], Isa::TransposeAdd(acc[j]));
+    for (int i = 0; i < W; ++i)
+      for (int j = 0; j < R; ++j) out[(t0 + i) * R + j] = sums[j][i];
+  }
+  return t0;
+}
+
 void project_residual_simd(const float* x, int64_t ld, const float* deq, int tokens, int d,
                            const float* ut, int r, float* out) {
   if (d % W != 0 || r > 16) return Ref().project_residual(x, ld, deq, tokens, d, ut, r, out);
-  for (int t = 0; t < tokens; ++t) {
+  int t = 0;
+  if (r == 4) t = ProjectResidualW<4>(x, ld, deq, tokens, d, ut, out);
+  for (; t < tokens; ++t) {
     const float* xt = x + t * ld;
     const float* dt = deq + static_cast<int64_t>(t) * d;
     typename Isa::F acc[16];
