@@ -627,6 +627,12 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
         return absl::InvalidArgumentError("max_tokens_per_message must be >= 0 (0: 4096)");
       }
       chunk_ = req_.max_tokens_per_message() ? req_.max_tokens_per_message() : 4096;
+      if (req_.from_token() < 0 || req_.to_token() < 0 ||
+          (req_.to_token() > 0 && req_.to_token() < req_.from_token())) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "from_token ", req_.from_token(), " and to_token ", req_.to_token(),
+            " must be >= 0 with from_token <= to_token (to_token 0: to the end)"));
+      }
       if (req_.dtype() != v1::DTYPE_UNSPECIFIED) {
         RETURN_IF_ERROR(FromProto(req_.dtype(), "dtype").status());
       }
@@ -652,27 +658,33 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
         layers_.push_back(req_.layers(i));
       }
     }
-    while (offset_ >= tokens_) {
+    // Next layer once this one's range is sent (an empty range of a non-empty layer sends one
+    // message with n = 0; an empty layer sends none).
+    while (offset_ >= decoded_ && !(decoded_ == 0 && !layer_sent_ && tokens_ > 0)) {
       if (next_layer_ >= layers_.size()) {
         finished_ = true;
         return absl::OkStatus();
       }
       layer_ = layers_[next_layer_++];
       offset_ = 0;
-      RETURN_IF_ERROR(svc_->store()->Decode(tenant_, req_.sequence_id(), layer_,
-                                            req_.basis_version(), &keys_, &values_, &tokens_));
+      layer_sent_ = false;
+      RETURN_IF_ERROR(svc_->store()->Decode(
+          tenant_, req_.sequence_id(), layer_, req_.basis_version(), req_.from_token(),
+          req_.to_token() > 0 ? req_.to_token() : -1, &keys_, &values_, &tokens_, &first_));
+      decoded_ = static_cast<int64_t>(keys_.size()) / (int64_t{kv_heads_} * d_);
     }
-    const int64_t n = std::min<int64_t>(chunk_, tokens_ - offset_);
+    layer_sent_ = true;
+    const int64_t n = std::min<int64_t>(chunk_, decoded_ - offset_);
     std::vector<float> kbuf(static_cast<size_t>(kv_heads_) * n * d_), vbuf(kbuf.size());
     for (int h = 0; h < kv_heads_; ++h) {
-      const size_t src = (static_cast<size_t>(h) * tokens_ + offset_) * d_;
+      const size_t src = (static_cast<size_t>(h) * decoded_ + offset_) * d_;
       const size_t dst = static_cast<size_t>(h) * n * d_;
       std::copy_n(keys_.data() + src, n * d_, kbuf.data() + dst);
       std::copy_n(values_.data() + src, n * d_, vbuf.data() + dst);
     }
     msg_.Clear();
     msg_.set_layer(layer_);
-    msg_.set_start(offset_);
+    msg_.set_start(first_ + offset_);
     msg_.set_layer_tokens(tokens_);
     msg_.set_basis_version(version_);
     FillTensor(kbuf.data(), {kv_heads_, n, d_}, req_.dtype(), msg_.mutable_keys());
@@ -699,7 +711,10 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   std::vector<int> layers_;
   size_t next_layer_ = 0;
   int layer_ = 0;
-  int64_t offset_ = 0, tokens_ = 0;
+  // The current layer: its length, the range decoded ([first_, first_ + decoded_)), the next
+  // chunk's offset in it, and whether a message of it went out.
+  int64_t offset_ = 0, tokens_ = 0, first_ = 0, decoded_ = 0;
+  bool layer_sent_ = true;
   std::vector<float> keys_, values_;
   v1::GetBlocksResponse msg_;
 };

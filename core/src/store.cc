@@ -972,6 +972,14 @@ absl::Status Store::Attend(const std::string& tenant, const std::string& sequenc
 absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
                            int basis_version, std::vector<float>* keys, std::vector<float>* values,
                            int64_t* tokens) {
+  int64_t first = 0;
+  return Decode(tenant, sequence_id, layer, basis_version, 0, -1, keys, values, tokens, &first);
+}
+
+absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
+                           std::vector<float>* values, int64_t* tokens, int64_t* first) {
+  if (from < 0) return absl::InvalidArgumentError(absl::StrCat("from ", from, " must be >= 0"));
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   absl::ReaderMutexLock l(&s->mu);
   const BasisManifest& m = s->model->manifest;
@@ -982,13 +990,17 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
   LayerCache* cache = s->layers[layer].get();
   if (cache == nullptr) {
     *tokens = 0;
+    *first = 0;
     keys->clear();
     values->clear();
     return absl::OkStatus();
   }
-  *tokens = cache->tokens();
-  RETURN_IF_ERROR(cache->VerifyAll());
-  return cache->Decode(keys, values);
+  const int64_t T = cache->tokens();
+  *tokens = T;
+  const int64_t end = to < 0 ? T : std::min(to, T);
+  *first = std::min(from, end);
+  if (*first == 0 && end == T) RETURN_IF_ERROR(cache->VerifyAll());  // all before any
+  return cache->Decode(*first, end, keys, values);  // verifies every block it reads
 }
 
 absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,

@@ -497,6 +497,83 @@ TEST(ServiceTest, ProbeWeightsReachTheValuePolicy) {
               HasSubstr("appends[0].probe_weights.shape must be [kv_heads, n]"));
 }
 
+// GetBlocks of a token range: the chunks concatenate to the same slice of the whole layer;
+// a range past the end gives one empty message (the layer's length); a corrupted block fails
+// the ranges that read it, not the others.
+TEST(ServiceTest, GetBlocksRangeIsTheSliceAndReadsOnlyItsBlocks) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Fixture f;
+  const Shape& s = f.shape;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  const int64_t T = 100;
+  v1::PutBlocksRequest m;
+  for (int l = 0; l < s.layers; ++l) {
+    *m.add_appends() = MakeAppend("x", l, 0, RandomKV(kv, T, d, 60 + l), RandomKV(kv, T, d, 70 + l),
+                                  kv, T, d, "tiny");
+  }
+  v1::PutBlocksResponse pr;
+  ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+  auto range = [&](int layer, int64_t from, int64_t to, int chunk, grpc::Status* st) {
+    v1::GetBlocksRequest req;
+    req.set_sequence_id("x");
+    req.add_layers(layer);
+    req.set_from_token(from);
+    req.set_to_token(to);
+    req.set_max_tokens_per_message(chunk);
+    auto ctx = Ctx();
+    auto r = stub->GetBlocks(ctx.get(), req);
+    std::vector<v1::GetBlocksResponse> msgs;
+    v1::GetBlocksResponse one;
+    while (r->Read(&one)) msgs.push_back(one);
+    *st = r->Finish();
+    return msgs;
+  };
+  const auto whole = GetAll(*stub, "x", 1, kv, d);
+  grpc::Status st;
+  const auto part = range(1, 40, 90, 16, &st);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(part.size(), 4u);  // 16 + 16 + 16 + 2
+  int64_t next = 40;
+  std::vector<std::vector<float>> k(kv);
+  for (const auto& msg : part) {
+    EXPECT_EQ(msg.start(), next);
+    EXPECT_EQ(msg.layer_tokens(), T);
+    const int64_t n = msg.keys().shape(1);
+    const auto kf = FloatsOf(msg.keys());
+    for (int h = 0; h < kv; ++h) k[h].insert(k[h].end(), kf.begin() + h * n * d, kf.begin() + (h + 1) * n * d);
+    next += n;
+  }
+  EXPECT_EQ(next, 90);
+  for (int h = 0; h < kv; ++h) {
+    const std::vector<float> want(whole[0].begin() + (h * T + 40) * d, whole[0].begin() + (h * T + 90) * d);
+    EXPECT_EQ(k[h], want) << "head " << h;
+  }
+  // Past the end: one empty message saying how long the layer is.
+  const auto beyond = range(0, 120, 0, 0, &st);
+  ASSERT_TRUE(st.ok());
+  ASSERT_EQ(beyond.size(), 1u);
+  EXPECT_EQ(beyond[0].keys().shape(1), 0);
+  EXPECT_EQ(beyond[0].start(), T);
+  EXPECT_EQ(beyond[0].layer_tokens(), T);
+  range(0, 50, 10, 0, &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("from_token 50 and to_token 10"));
+  // Corrupt layer 0, head 0, block 0 (tokens 0..31).
+  core::LayerCache* c = ts.server().store().LayerForTest("default", "x", 0);
+  ASSERT_NE(c, nullptr);
+  c->key_blocks(0)[30] ^= 0x04;
+  range(0, 0, 0, 0, &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS);
+  range(0, 10, 20, 0, &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DATA_LOSS);
+  const auto tail = range(0, 64, 0, 0, &st);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  ASSERT_EQ(tail.size(), 1u);
+  EXPECT_EQ(tail[0].keys().shape(1), T - 64);
+}
+
 // A decoding frontend's step in one round trip: Attend items carrying their layer's new token
 // give exactly what a PutBlocks of the token followed by an Attend gives (observing attends,
 // so the A^2 statistics follow the same path too), with the A^2 value policy on; a failed

@@ -232,6 +232,12 @@ class Store {
   absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
                       int basis_version, std::vector<float>* keys, std::vector<float>* values,
                       int64_t* tokens);
+  // Tokens [from, to) of the layer only (to < 0: to the end; both clamped to the layer's
+  // tokens), [kv_heads][n][d]: *first is the position of the first token returned, *tokens
+  // the layer's length. Only the blocks the range touches are read and verified.
+  absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                      int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
+                      std::vector<float>* values, int64_t* tokens, int64_t* first);
 
   absl::StatusOr<SequenceInfo> Describe(const std::string& tenant, const std::string& sequence_id);
   // Returns the bytes freed; NOT_FOUND when the tenant has no such sequence.
