@@ -232,5 +232,97 @@ TEST_F(RemoteCacheTest, ServerErrorsReachTheCaller) {
   EXPECT_TRUE(RegisterRemoteModel(*client_, shape_, &basis_).ok());
 }
 
+// Prefix sharing (share): appends carry token ids, AttachPrefix takes the indexed groups of
+// every layer or, when the layers disagree, none; a held row is attended, not re-sent.
+TEST_F(RemoteCacheTest, ShareSendsIdsAndAttachesEveryLayerAlike) {
+  const int KVH = shape_.kv_heads, QH = shape_.q_heads, D = shape_.head_dim;
+  const size_t krow = static_cast<size_t>(KVH) * D, qrow = static_cast<size_t>(QH) * D;
+  Stream s = MakeStream(shape_, 3);
+  std::vector<int32_t> ids(kTokens), other(kTokens);
+  for (int t = 0; t < kTokens; ++t) {
+    ids[t] = 1000 + t;
+    other[t] = 5000 + t;
+  }
+  auto make = [&](const std::string& id, bool share, bool keys_only = false) {
+    RemoteCache::Options ro;
+    ro.sequence_id = id;
+    ro.model = model_;
+    ro.codec = Codec(false);
+    ro.share = share;
+    ro.keys_only = keys_only;
+    auto rc = RemoteCache::Create(client_.get(), nullptr, shape_, ro);
+    EXPECT_TRUE(rc.ok()) << rc.status();
+    return rc.ok() ? std::move(*rc) : nullptr;
+  };
+  auto step = [&](RemoteCache& c, int layer, int t, float* out) {
+    return c.AppendAndAttend(layer, &s.k[t * krow], &s.v[t * krow], t, 1, &s.q[t * qrow], out);
+  };
+  std::vector<float> out(qrow), at63(qrow);
+  // Ids are needed before the tokens they name are sent.
+  auto p = make("p", true);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(step(*p, 0, 0, out.data()).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(p->batcher().stats().put_rpcs, 0);
+  // "p" decodes 64 tokens with ids: two whole groups per layer indexed.
+  p->SetTokenIds(ids.data(), 64);
+  for (int t = 0; t < 64; ++t)
+    for (int l = 0; l < shape_.layers; ++l) {
+      ASSERT_TRUE(step(*p, l, t, out.data()).ok());
+      if (t == 63 && l == 0) at63 = out;
+    }
+  auto st = client_->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->prefix_blocks(), shape_.layers * 2);
+  // "q" attaches them (every layer, one call), then resumes at 63: that row is held, so the
+  // step sends no PutBlocks, and its attention is p's exactly (the same stored groups).
+  auto q = make("q", true);
+  ASSERT_NE(q, nullptr);
+  q->SetTokenIds(ids.data(), kTokens);
+  auto got = q->AttachPrefix();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, 64);
+  for (int l = 0; l < shape_.layers; ++l) EXPECT_EQ(q->tokens(l), 64);
+  EXPECT_EQ(q->batcher().stats().attach_rpcs, 1);
+  EXPECT_EQ(q->batcher().stats().tokens_attached, 64);
+  ASSERT_TRUE(step(*q, 0, 63, out.data()).ok());
+  EXPECT_EQ(q->batcher().stats().put_rpcs, 0);
+  EXPECT_EQ(out, at63);
+  ASSERT_TRUE(step(*q, 1, 63, out.data()).ok());
+  for (int l = 0; l < shape_.layers; ++l) ASSERT_TRUE(step(*q, l, 64, out.data()).ok());
+  EXPECT_EQ(q->batcher().stats().put_rpcs, shape_.layers);
+  EXPECT_EQ(q->tokens(0), 65);
+  st = client_->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->shared_tokens(), shape_.layers * 64);
+  EXPECT_EQ(st->prefix_blocks(), shape_.layers * 2);  // stored once
+  // Attach needs an empty sequence, share, and a kv configuration.
+  EXPECT_EQ(q->AttachPrefix().status().code(), absl::StatusCode::kFailedPrecondition);
+  auto plain = make("plain", false);
+  EXPECT_EQ(plain->AttachPrefix().status().code(), absl::StatusCode::kFailedPrecondition);
+  auto ko = make("ko", true, /*keys_only=*/true);
+  ko->SetTokenIds(ids.data(), kTokens);
+  EXPECT_EQ(ko->AttachPrefix().status().code(), absl::StatusCode::kFailedPrecondition);
+  // Layers that disagree: only layer 0 of "r0" indexed one group of `other`; "r1" gets 32
+  // tokens on layer 0 and none on layer 1, so it drops the sequence and attaches nothing.
+  auto r0 = make("r0", true);
+  r0->SetTokenIds(other.data(), kTokens);
+  for (int t = 0; t < 32; ++t) ASSERT_TRUE(step(*r0, 0, t, out.data()).ok());
+  auto r1 = make("r1", true);
+  r1->SetTokenIds(other.data(), kTokens);
+  got = r1->AttachPrefix();
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, 0);
+  EXPECT_EQ(r1->tokens(0), 0);
+  EXPECT_EQ(r1->batcher().stats().attach_rpcs, 1);
+  st = client_->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->sequences(), 3);  // p, q, r0: r1 was dropped
+  for (int l = 0; l < shape_.layers; ++l) ASSERT_TRUE(step(*r1, l, 0, out.data()).ok());
+  for (auto* c : {p.get(), q.get(), r0.get(), r1.get()}) ASSERT_TRUE(c->Finish().ok());
+  st = client_->Stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->sequences(), 0);
+}
+
 }  // namespace
 }  // namespace kvq::frontend

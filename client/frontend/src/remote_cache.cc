@@ -100,6 +100,14 @@ RemoteStats RemoteBatcher::stats() const {
   return stats_;
 }
 
+void RemoteBatcher::RecordAttach(double seconds, int64_t bytes, int64_t tokens_attached) {
+  std::lock_guard<std::mutex> l(mu_);
+  stats_.put_seconds += seconds;
+  stats_.bytes_sent += bytes;
+  ++stats_.attach_rpcs;
+  stats_.tokens_attached += tokens_attached;
+}
+
 void RemoteBatcher::Join() {
   std::lock_guard<std::mutex> l(mu_);
   ++active_;
@@ -130,12 +138,16 @@ void RemoteBatcher::FlushLocked() {
   std::vector<Request*> batch;
   batch.swap(pending_);
   v1::PutBlocksRequest put;
-  for (Request* r : batch) *put.add_appends() = std::move(r->append);
-  stats_.bytes_sent += static_cast<int64_t>(put.ByteSizeLong());
+  for (Request* r : batch)
+    if (r->has_append) *put.add_appends() = std::move(r->append);
+  absl::StatusOr<v1::PutBlocksResponse> pr = v1::PutBlocksResponse();
   auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<v1::PutBlocksResponse> pr = client_->PutBlocks({put});
-  stats_.put_seconds += Since(t0);
-  ++stats_.put_rpcs;
+  if (put.appends_size() > 0) {  // none when every row was attached already
+    stats_.bytes_sent += static_cast<int64_t>(put.ByteSizeLong());
+    pr = client_->PutBlocks({put});
+    stats_.put_seconds += Since(t0);
+    ++stats_.put_rpcs;
+  }
   ++stats_.batches;
   stats_.items += static_cast<int64_t>(batch.size());
   if (!pr.ok()) {
@@ -229,10 +241,70 @@ absl::Status RemoteCache::Finish(bool delete_sequence) {
   }
   if (!delete_sequence || finished_) return absl::OkStatus();
   finished_ = true;
-  bool any = false;
-  for (int64_t t : tokens_) any |= t > 0;
-  if (!any) return absl::OkStatus();
-  return client_->DeleteSequence(o_.sequence_id).status();
+  if (!created_) return absl::OkStatus();
+  absl::Status st = client_->DeleteSequence(o_.sequence_id).status();
+  // A first append that failed may have created nothing.
+  return st.code() == absl::StatusCode::kNotFound ? absl::OkStatus() : st;
+}
+
+void RemoteCache::SetTokenIds(const int32_t* ids, int64_t n) {
+  ids_.clear();
+  AddTokenIds(ids, n);
+}
+
+void RemoteCache::AddTokenIds(const int32_t* ids, int64_t n) {
+  ids_.insert(ids_.end(), ids, ids + n);  // int32 -> uint32: the wire's type, same bits
+}
+
+absl::StatusOr<int64_t> RemoteCache::AttachPrefix(int64_t max_tokens) {
+  if (!o_.share) return absl::FailedPreconditionError("remote cache: attach needs share");
+  if (o_.keys_only) {
+    return absl::FailedPreconditionError(
+        "remote cache: a keys-only configuration keeps its values in the frontend, and an "
+        "attach brings none");
+  }
+  for (int64_t t : tokens_) {
+    if (t != 0) return absl::FailedPreconditionError("remote cache: attach only to an empty sequence");
+  }
+  const int64_t G = o_.codec.key_group;
+  int64_t limit = max_tokens < 0 ? token_ids_given() : std::min(max_tokens, token_ids_given());
+  for (;;) {
+    const int64_t want = limit / G * G;
+    if (want == 0) return 0;
+    v1::PutBlocksRequest m;
+    for (int l = 0; l < s_.layers; ++l) {
+      v1::Append* a = m.add_appends();
+      a->set_sequence_id(o_.sequence_id);
+      a->set_layer(l);
+      a->set_start(0);
+      a->set_model(o_.model.model);
+      a->set_basis_version(o_.model.version);
+      *a->mutable_codec() = wire_codec_;
+      a->mutable_token_ids()->Add(ids_.begin(), ids_.begin() + want);
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    created_ = true;
+    absl::StatusOr<v1::PutBlocksResponse> r = client_->PutBlocks({m});
+    if (!r.ok()) {
+      return absl::Status(r.status().code(), absl::StrCat("PutBlocks (attach): ", r.status().message()));
+    }
+    std::vector<int64_t> got(s_.layers, 0);
+    for (const auto& len : r->lengths()) {
+      if (len.sequence_id() == o_.sequence_id && len.layer() >= 0 && len.layer() < s_.layers)
+        got[len.layer()] = len.tokens();
+    }
+    const auto [lo, hi] = std::minmax_element(got.begin(), got.end());
+    batcher_->RecordAttach(Since(t0), static_cast<int64_t>(m.ByteSizeLong()),
+                           *lo == *hi ? *lo : 0);
+    if (*lo == *hi) {
+      tokens_.assign(s_.layers, *lo);
+      return *lo;
+    }
+    // Layers disagree: start over, asking for no more than the shortest got.
+    RETURN_IF_ERROR(client_->DeleteSequence(o_.sequence_id).status());
+    created_ = false;
+    limit = *lo;
+  }
 }
 
 int64_t RemoteCache::NextEncodeBoundary(int64_t tokens) const {
@@ -245,33 +317,49 @@ absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float
                                           int64_t start, int n, const float* q, float* out) {
   if (!joined_) return absl::FailedPreconditionError("remote cache: finished");
   if (layer < 0 || layer >= s_.layers) return absl::InvalidArgumentError("remote cache: bad layer");
-  if (start != tokens_[layer]) {
+  // Rows the layer already holds (attached from the prefix index, see AttachPrefix) are not
+  // sent again; their queries still attend.
+  const int64_t held = tokens_[layer] - start;
+  if (held < 0 || (held > 0 && o_.keys_only)) {
     return absl::InvalidArgumentError(absl::StrCat("remote cache: append at ", start,
                                                    " but layer ", layer, " holds ", tokens_[layer]));
   }
+  const int skip = static_cast<int>(std::min<int64_t>(held, n));
+  const int m = n - skip;  // rows sent
+  const int64_t at = start + skip;
   const int KVH = s_.kv_heads, D = s_.head_dim, QH = s_.q_heads;
   RemoteBatcher::Request req;
+  req.has_append = m > 0;
   v1::Append& a = req.append;
-  a.set_sequence_id(o_.sequence_id);
-  a.set_layer(layer);
-  a.set_start(start);
-  if (start == 0) {  // creates the sequence: pin model, version and codec
-    a.set_model(o_.model.model);
-    a.set_basis_version(o_.model.version);
-    *a.mutable_codec() = wire_codec_;
+  if (o_.share && at + m > token_ids_given()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "remote cache: share needs the token ids of tokens [", at, ", ", at + m, "); ",
+        token_ids_given(), " given (SetTokenIds)"));
   }
-  // [n][kv][d] fp32 -> [kv][n][d] fp16, the wire dtype (CodecCache rounds the same way).
-  const size_t cnt = static_cast<size_t>(n) * KVH * D;
-  std::vector<float> tr(cnt);
-  for (auto [src, t] : {std::pair{k, a.mutable_keys()}, std::pair{v, a.mutable_values()}}) {
-    for (int h = 0; h < KVH; ++h)
-      for (int i = 0; i < n; ++i)
-        std::memcpy(tr.data() + (static_cast<size_t>(h) * n + i) * D,
-                    src + (static_cast<size_t>(i) * KVH + h) * D, D * sizeof(float));
-    SetShape(t, v1::DTYPE_F16, {KVH, n, D});
-    std::string* bytes = t->mutable_data();
-    bytes->resize(cnt * 2);
-    core::FromFloat(core::DType::kF16, tr.data(), bytes->data(), cnt);
+  const size_t cnt = static_cast<size_t>(m) * KVH * D;
+  if (m > 0) {
+    a.set_sequence_id(o_.sequence_id);
+    a.set_layer(layer);
+    a.set_start(at);
+    if (at == 0) {  // creates the sequence: pin model, version and codec
+      a.set_model(o_.model.model);
+      a.set_basis_version(o_.model.version);
+      *a.mutable_codec() = wire_codec_;
+    }
+    if (o_.share) a.mutable_token_ids()->Add(ids_.begin() + at, ids_.begin() + at + m);
+    // [n][kv][d] fp32 -> [kv][m][d] fp16 (rows skip..n-1), the wire dtype (CodecCache rounds
+    // the same way).
+    std::vector<float> tr(cnt);
+    for (auto [src, t] : {std::pair{k, a.mutable_keys()}, std::pair{v, a.mutable_values()}}) {
+      for (int h = 0; h < KVH; ++h)
+        for (int i = 0; i < m; ++i)
+          std::memcpy(tr.data() + (static_cast<size_t>(h) * m + i) * D,
+                      src + (static_cast<size_t>(skip + i) * KVH + h) * D, D * sizeof(float));
+      SetShape(t, v1::DTYPE_F16, {KVH, m, D});
+      std::string* bytes = t->mutable_data();
+      bytes->resize(cnt * 2);
+      core::FromFloat(core::DType::kF16, tr.data(), bytes->data(), cnt);
+    }
   }
   const size_t qbytes = static_cast<size_t>(QH) * n * D * sizeof(float);
   if (o_.keys_only) {
@@ -301,12 +389,13 @@ absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float
     it.set_observe(o_.codec.per_token_value_bits());
     it.set_output_dtype(v1::DTYPE_F32);
   }
+  created_ = true;
   absl::Status st = batcher_->Run(&req);
   if (!st.ok()) {
     if (o_.keys_only) dense_v_[layer].resize(dense_v_[layer].size() - cnt);
     return st;
   }
-  tokens_[layer] = start + n;
+  tokens_[layer] = std::max(tokens_[layer], start + n);
   const int64_t T = tokens_[layer];
   const v1::Tensor& r = req.result;
   if (!o_.keys_only) {

@@ -17,7 +17,47 @@ double Since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Where ForwardDecodeFaithful from token 0 starts the chunk holding position `a` (its cuts
+// depend on positions only, except the last chunk's end).
+int64_t ChunkStartAtOrBefore(const AttentionCache& cache, int64_t a, int max_chunk = 512) {
+  int64_t pos = 0, start = 0;
+  while (pos <= a) {
+    start = pos;
+    int64_t len = max_chunk;
+    int64_t b = cache.NextEncodeBoundary(pos);
+    if (b >= 0) {
+      if (b <= pos + 1) b += cache.EncodeGroup();
+      len = std::min(len, b - 1 - pos);
+    }
+    pos += len;
+  }
+  return start;
+}
+
 }  // namespace
+
+absl::StatusOr<RemotePrefill> PrefillRemote(const LlamaModel& model, RemoteCache* cache,
+                                            const int32_t* tokens, int n, int logits_from,
+                                            std::vector<float>* logits, bool attach) {
+  if (n < 1 || logits_from < 0 || logits_from > n) {
+    return absl::InvalidArgumentError(absl::StrCat("prefill: ", n, " tokens, logits from ", logits_from));
+  }
+  RemotePrefill r;
+  cache->SetTokenIds(tokens, n);
+  if (attach) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(r.attached, cache->AttachPrefix(std::min(logits_from, n - 1)));
+    r.attach_seconds = Since(t0);
+  }
+  // Resume at the start of the chunk holding the attach point: the rows before it are held
+  // (not sent again), and every new row is computed in the chunk a prefill from token 0
+  // computes it in, so the logits are the same bits.
+  const int s = static_cast<int>(ChunkStartAtOrBefore(*cache, r.attached));
+  const auto t1 = std::chrono::steady_clock::now();
+  RETURN_IF_ERROR(model.ForwardDecodeFaithful(tokens + s, n - s, s, cache, logits_from - s, logits));
+  r.forward_seconds = Since(t1);
+  return r;
+}
 
 absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
     const LlamaModel& model, const std::vector<int32_t>& tokens, int windows, int window_len,
@@ -92,16 +132,34 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
       co.model = rm;
       co.codec = o;
       co.keys_only = config.keys_only;
+      co.share = options.share;
       ASSIGN_OR_RETURN(caches[b], RemoteCache::Create(options.client, &batcher, mc.cache_shape(), co));
     }
     std::vector<absl::Status> status(nb);
+    std::vector<int64_t> attached(nb, 0);
     const auto td = std::chrono::steady_clock::now();
     auto decode = [&](int b) {
       RemoteCache& cache = *caches[b];
       const int32_t* tok = tokens.data() + static_cast<size_t>(w0 + b) * window_len;
       std::vector<float> logits;
+      int a = 0;  // share: tokens attached from the prefix index (no logits needed there)
+      if (options.share) {
+        cache.SetTokenIds(tok, window_len);
+        if (!config.keys_only) {
+          absl::StatusOr<int64_t> got = cache.AttachPrefix(first);
+          if (!got.ok()) {
+            status[b] = got.status();
+            cache.Finish(/*delete_sequence=*/false).IgnoreError();
+            return;
+          }
+          a = static_cast<int>(*got);
+          attached[b] = a;
+        }
+      }
       if (options.chunks) {
-        absl::Status s = model.ForwardDecodeFaithful(tok, window_len, 0, &cache, first, &logits);
+        const int c = static_cast<int>(ChunkStartAtOrBefore(cache, a));  // as PrefillRemote
+        absl::Status s =
+            model.ForwardDecodeFaithful(tok + c, window_len - c, c, &cache, first - c, &logits);
         if (!s.ok()) status[b] = s;
         for (int j = first; s.ok() && j < window_len - 1; ++j)
           nll[w0 + b] += TokenNll(logits.data() + static_cast<size_t>(j - first) * mc.vocab,
@@ -109,7 +167,7 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
         cache.Finish(/*delete_sequence=*/false).IgnoreError();
         return;
       }
-      for (int p = 0; p < window_len - 1; ++p) {
+      for (int p = a; p < window_len - 1; ++p) {
         const bool scored = p >= first;
         absl::Status s = model.Forward(tok + p, 1, p, &cache, scored ? 0 : 1, &logits);
         if (!s.ok()) {
@@ -128,11 +186,18 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
     for (auto& t : threads) t.join();
     st.decode_seconds += Since(td);
     const int steps = options.chunks ? window_len : window_len - 1;
-    st.decode_steps += static_cast<int64_t>(nb) * steps;
-    st.lockstep_steps += steps;
+    int64_t most = 0;
+    for (int b = 0; b < nb; ++b) {
+      st.decode_steps += steps - attached[b];
+      st.tokens_attached += attached[b];
+      most = std::max<int64_t>(most, steps - attached[b]);
+    }
+    st.lockstep_steps += most;
     const RemoteStats bs = batcher.stats();
     st.rpc.batches += bs.batches;
     st.rpc.items += bs.items;
+    st.rpc.attach_rpcs += bs.attach_rpcs;
+    st.rpc.tokens_attached += bs.tokens_attached;
     st.rpc.put_rpcs += bs.put_rpcs;
     st.rpc.attend_rpcs += bs.attend_rpcs;
     st.rpc.score_rpcs += bs.score_rpcs;

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "flags.h"
@@ -45,7 +46,13 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
                     remote=ADDR[,ADDR...]: a kvq server (or shards); every non-dense config
                     is decoded token by token through it (PutBlocks + Attend per step and
                     layer, Score for keys-only configs), --kv-batch windows batched per call;
-                    prints decode steps/s and the RPC share of the time (dense stays local)
+                    prints decode steps/s and the RPC share of the time (dense stays local);
+                    remote=ADDR,share: prefix sharing, every append carries its token ids
+                    (the server stores each whole group of G tokens once per tenant) and each
+                    window first attaches what the server's prefix index holds of its first
+                    half (no logits needed there) and computes only the rest; a second run
+                    over the same text attaches what the first left. Keys-only configs send
+                    ids but never attach (their values live in the frontend)
   --kv-batch N      windows decoded at once in remote mode (default 8)
   --kv-decode M     remote mode: token (default; one token per forward call, as a serving
                     frontend decodes) or chunks (the in-process run's decode-faithful chunks:
@@ -327,14 +334,24 @@ int Main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError("--kv-decode must be token or chunks"));
   }
   if (kv != "local" && kv.rfind("remote=", 0) != 0) {
-    return Fail(absl::InvalidArgumentError("--kv must be local or remote=ADDR[,ADDR...]"));
+    return Fail(absl::InvalidArgumentError("--kv must be local or remote=ADDR[,ADDR...][,share]"));
+  }
+  // remote=ADDR[,ADDR...][,share]: the servers, then options.
+  std::string kv_servers = kv == "local" ? "" : kv.substr(7);
+  bool kv_share = false;
+  if (kv_servers == "share" || absl::EndsWith(kv_servers, ",share")) {
+    kv_share = true;
+    kv_servers = kv_servers.substr(0, kv_servers.size() - std::min<size_t>(kv_servers.size(), 6));
+  }
+  if (kv != "local" && kv_servers.empty()) {
+    return Fail(absl::InvalidArgumentError("--kv remote=ADDR[,ADDR...][,share]: no server"));
   }
   std::map<std::string, nlohmann::json> remote_rows;
 #ifdef KVQ_FRONTEND_REMOTE
   std::unique_ptr<client::Client> remote;
   if (kv != "local") {
     client::ClientOptions co;
-    co.servers = client::SplitServers(kv.substr(7));
+    co.servers = client::SplitServers(kv_servers);
     auto cl = client::Client::Create(co);
     if (!cl.ok()) return Fail(cl.status());
     remote = std::move(*cl);
@@ -351,10 +368,13 @@ int Main(int argc, char** argv) {
       ro.client = remote.get();
       ro.batch = static_cast<int>(flags.GetInt("kv-batch"));
       ro.chunks = flags.Get("kv-decode") == "chunks";
+      ro.share = kv_share;
       RemoteEvalStats rs;
       r = EvaluatePerplexityRemote(**model, ids, windows, wlen, c, &bases, ro, &rs, on_window);
       if (r.ok()) {
-        remote_rows[c.name] = {{"server", kv.substr(7)},
+        remote_rows[c.name] = {{"server", kv_servers},
+                               {"share", kv_share},
+                               {"tokens_attached", rs.tokens_attached},
                                {"model", rs.model.model},
                                {"decode_steps", rs.decode_steps},
                                {"decode_seconds", rs.decode_seconds},
@@ -369,13 +389,19 @@ int Main(int argc, char** argv) {
                      "kvq-eval: %s through %s: %lld decode steps in %.2fs = %.1f steps/s "
                      "(%d windows batched), RPC %.1f%% of the time (PutBlocks %.1f%%, %s %.1f%%), "
                      "%lld batched calls of each\n",
-                     c.name.c_str(), kv.substr(7).c_str(), static_cast<long long>(rs.decode_steps),
+                     c.name.c_str(), kv_servers.c_str(), static_cast<long long>(rs.decode_steps),
                      rs.decode_seconds, rs.steps_per_second(),
                      std::min(windows, std::max(1, ro.batch)), 100 * rs.rpc_share(),
                      100 * rs.rpc.put_seconds / std::max(1e-12, rs.decode_seconds),
                      c.keys_only ? "Score" : "Attend",
                      100 * rs.rpc.read_seconds / std::max(1e-12, rs.decode_seconds),
                      static_cast<long long>(rs.rpc.batches));
+        if (kv_share) {
+          std::fprintf(stderr, "kvq-eval: %s: share: %lld tokens per layer attached from the "
+                       "prefix index (%lld attach calls)\n", c.name.c_str(),
+                       static_cast<long long>(rs.tokens_attached),
+                       static_cast<long long>(rs.rpc.attach_rpcs));
+        }
       }
     } else
 #endif

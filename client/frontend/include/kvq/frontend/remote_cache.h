@@ -22,6 +22,16 @@
 // The sequence is created by its first append (model, basis version and every codec field
 // explicit, so the server's model defaults do not matter). Not thread-safe per cache; a
 // RemoteBatcher is shared by the threads of its caches.
+//
+// Prefix sharing (Options::share; docs/API.md "Prefix sharing"): every append carries the
+// token ids of its tokens (given with SetTokenIds / AddTokenIds before the forward pass
+// reaches them), so the server seals the sequence's whole groups of G tokens, indexes them per
+// tenant and stores each group once; and AttachPrefix starts an empty sequence from the
+// tenant's index without data (every layer at once), after which the forward pass runs only
+// over the tokens the server lacked, their attention reading the attached groups through the
+// server. An attached group is the bytes another request stored for the same ids, so reads
+// equal a self-prefilled sequence's exactly when the K/V of those tokens are the same bytes:
+// a deterministic forward pass over the same tokens cut into the same chunks (llama.h).
 #pragma once
 
 #include <condition_variable>
@@ -64,6 +74,8 @@ absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o);
 // Counters of a batcher (all its caches together).
 struct RemoteStats {
   int64_t batches = 0;       // flushes: one PutBlocks message + one read call each
+  int64_t attach_rpcs = 0;   // AttachPrefix PutBlocks calls (retries included)
+  int64_t tokens_attached = 0;  // per layer, summed over the caches' AttachPrefix calls
   int64_t items = 0;         // (sequence, layer) items sent
   int64_t put_rpcs = 0, attend_rpcs = 0, score_rpcs = 0;
   double put_seconds = 0;    // wall time inside PutBlocks calls
@@ -83,6 +95,7 @@ class RemoteBatcher {
 
   // Internal, used by RemoteCache.
   struct Request {
+    bool has_append = true;  // false: every row is held already (attached); attend only
     v1::Append append;
     bool score = false;  // keys-only: Score instead of Attend
     v1::AttendItem attend;
@@ -93,6 +106,7 @@ class RemoteBatcher {
   void Join();
   void Leave();
   absl::Status Run(Request* r);
+  void RecordAttach(double seconds, int64_t bytes, int64_t tokens_attached);
 
  private:
   void FlushLocked();
@@ -112,6 +126,8 @@ class RemoteCache : public AttentionCache {
     RemoteModel model;
     core::CodecOptions codec;  // as CodecCache gets it (head_dim set)
     bool keys_only = false;    // values fp16, read out here (CodecCache keys_only)
+    // Prefix sharing: every append carries its tokens' ids (SetTokenIds), AttachPrefix works.
+    bool share = false;
   };
   // batcher: shared with the other caches decoded in lockstep, or null (a private one).
   // The cache joins the batcher now and leaves it in Finish() or its destructor.
@@ -121,6 +137,12 @@ class RemoteCache : public AttentionCache {
                                                               Options options);
   ~RemoteCache() override;
 
+  // Unlike the other caches, start may lie before tokens(layer) when the rows from start on
+  // are held already (attached, AttachPrefix): those rows' K/V are not sent again (the held
+  // ones are used), their queries attend as usual. This lets a frontend resume after an
+  // attach at the start of the chunk that holds the attach point, so that every new row is
+  // computed in exactly the chunk it would be computed in when prefilling from token 0
+  // (PrefillRemote): the BLAS row results depend on the chunk's shape, not only on its rows.
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
   int64_t tokens(int layer) const override { return tokens_[layer]; }
@@ -135,6 +157,24 @@ class RemoteCache : public AttentionCache {
   const std::string& sequence_id() const { return o_.sequence_id; }
   RemoteBatcher& batcher() { return *batcher_; }
 
+  // share: the token ids of the sequence from position 0 (SetTokenIds replaces, AddTokenIds
+  // extends, e.g. with each decoded token). An append of tokens whose ids were not given
+  // fails (FAILED_PRECONDITION) before anything is sent. Ignored without share.
+  void SetTokenIds(const int32_t* ids, int64_t n);
+  void AddTokenIds(const int32_t* ids, int64_t n);
+  int64_t token_ids_given() const { return static_cast<int64_t>(ids_.size()); }
+
+  // share, on a cache holding no token: attaches the longest indexed run of whole groups of
+  // the first `max_tokens` given ids (-1: all given) from the tenant's prefix index, for
+  // every layer in one PutBlocks message without data (this creates the sequence). Returns
+  // the tokens attached per layer: a multiple of G, possibly 0; every layer then holds that
+  // many and the forward pass continues there. The forward pass advances all layers
+  // together, so when the server's answers differ between layers (part of the index was
+  // evicted meanwhile) the sequence is dropped and the attach repeated up to the shortest.
+  // Keys-only configurations cannot attach (their values live in the frontend):
+  // FAILED_PRECONDITION. The call goes straight to the server, outside the batcher.
+  absl::StatusOr<int64_t> AttachPrefix(int64_t max_tokens = -1);
+
  private:
   RemoteCache(client::Client* client, RemoteBatcher* batcher, const CacheShape& s, Options o)
       : client_(client), batcher_(batcher), s_(s), o_(std::move(o)) {}
@@ -145,7 +185,9 @@ class RemoteCache : public AttentionCache {
   Options o_;
   v1::CodecSettings wire_codec_;
   bool joined_ = false, finished_ = false;
+  bool created_ = false;  // an append or attach reached the server (Finish deletes it)
   std::vector<int64_t> tokens_;
+  std::vector<uint32_t> ids_;  // share: token ids from position 0
   std::vector<std::vector<float>> dense_v_;  // keys_only: per layer [tokens][kv_heads][d]
 };
 

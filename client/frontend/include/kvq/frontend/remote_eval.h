@@ -42,10 +42,17 @@ struct RemoteEvalOptions {
   // decoding; they differ only in float rounding of the forward pass (BLAS over n rows vs
   // one), which low-bit rounding decisions amplify (see docs/RESULTS.md).
   bool chunks = false;
+  // Prefix sharing (kvq-eval --kv remote=ADDR,share): every append carries its token ids,
+  // and each window first attaches whatever the tenant's prefix index holds of its unscored
+  // first half (whole groups of G; tokens [0, L/2) need no logits), then runs the forward
+  // pass from there. Windows of one text rarely share a prefix; a second run over the same
+  // text on the same server attaches what the first one left (retained prefixes).
+  bool share = false;
 };
 
 struct RemoteEvalStats {
   int64_t decode_steps = 0;   // tokens decoded (one forward call of one token), all windows
+  int64_t tokens_attached = 0;  // share: tokens per layer taken from the prefix index
   int64_t lockstep_steps = 0; // batched steps (one token of every window in the batch)
   double decode_seconds = 0;  // wall time of the decoding loops
   RemoteStats rpc;            // summed over batches
@@ -54,6 +61,27 @@ struct RemoteEvalStats {
   double steps_per_second() const { return decode_seconds > 0 ? decode_steps / decode_seconds : 0; }
   double rpc_share() const { return decode_seconds > 0 ? rpc.rpc_seconds() / decode_seconds : 0; }
 };
+
+// One request's prefill through a RemoteCache, as a serving frontend runs it: with `attach`
+// (the cache made with share) the longest indexed run of whole groups of the tokens that
+// need no logits (positions < min(logits_from, n - 1): the last token always runs, its
+// logits are the first output) is attached from the tenant's prefix index, then the forward
+// pass runs over the rest in decode-faithful chunks (ForwardDecodeFaithful), every query
+// attending through the server over the attached groups too. It resumes at the start of the
+// chunk that holds the attach point (up to G - 1 attached rows recomputed, not re-sent), so
+// that each new row is computed in the same chunk as in a prefill from token 0: the logits
+// are then bit for bit those of prefilling everything, whenever the attached groups hold the
+// bytes this prefill would have computed (their first request ran the same chunks over the
+// same tokens). The cache must be empty; the token ids are given to it here. logits: rows
+// [logits_from, n), [n - logits_from][vocab].
+struct RemotePrefill {
+  int64_t attached = 0;        // tokens per layer taken from the index
+  double attach_seconds = 0;   // the attach call(s)
+  double forward_seconds = 0;  // the forward pass over the rest (PutBlocks + Attend inside)
+};
+absl::StatusOr<RemotePrefill> PrefillRemote(const LlamaModel& model, RemoteCache* cache,
+                                            const int32_t* tokens, int n, int logits_from,
+                                            std::vector<float>* logits, bool attach);
 
 // config must not be dense (the server always encodes). The result's bit figures: k_bits_ctx
 // and v_bits_ctx from the server's Stats at the end of each batch (effective, window
