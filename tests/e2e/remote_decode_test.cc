@@ -9,19 +9,16 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 
 #include "gtest/gtest.h"
 #include "kvq/client/client.h"
 #include "kvq/core/basis.h"
 #include "kvq/frontend/eval_config.h"
-#include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
-#include "kvq/frontend/model_files.h"
 #include "kvq/frontend/perplexity.h"
 #include "kvq/frontend/remote_cache.h"
 #include "kvq/frontend/remote_eval.h"
-#include "kvq/frontend/tokenizer.h"
+#include "tests/e2e/real_model_fixture.h"
 #include "tests/server/test_util.h"
 
 namespace kvq::frontend {
@@ -30,48 +27,12 @@ namespace {
 constexpr int kWindows = 2;
 constexpr int kWindowLen = 128;
 
-class RemoteDecode : public ::testing::Test {
+class RemoteDecode : public RealModelServerTest {
  protected:
-  static void SetUpTestSuite() {
-    const std::string path = DefaultModelPath();
-    if (!std::filesystem::exists(path)) {
-      missing_ = "model not found at " + path + " (run scripts/fetch-model.sh)";
-      return;
-    }
-    auto f = GgufFile::Open(path);
-    ASSERT_TRUE(f.ok()) << f.status();
-    file_ = std::move(*f).release();
-    auto t = Tokenizer::FromGguf(*file_);
-    ASSERT_TRUE(t.ok()) << t.status();
-    auto m = LlamaModel::Load(*file_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = std::move(*m).release();
-    SetBlasThreads(1);
-    auto text = ReadFile(SharedDir() + "/data/wikitext-2/wiki.test.raw");
-    ASSERT_TRUE(text.ok()) << text.status();
-    ids_ = new std::vector<int32_t>((*t)->Encode(text->substr(0, 8000)));
-    ASSERT_GE(ids_->size(), static_cast<size_t>(kWindows * kWindowLen));
-    auto b = core::ReadBasis(std::string(KVQ_FE_FIXTURES) + "/basis-r4");
-    ASSERT_TRUE(b.ok()) << b.status();
-    basis_ = new core::ModelBasis(std::move(*b));
-  }
   void SetUp() override {
-    if (!missing_.empty()) {
-      const char* allow = std::getenv("KVQ_ALLOW_NO_MODEL");
-      if (allow && std::string(allow) == "1") GTEST_SKIP() << missing_ << "; KVQ_ALLOW_NO_MODEL=1";
-      FAIL() << missing_ << "; set KVQ_ALLOW_NO_MODEL=1 to skip the real-model tests";
-    }
-    ASSERT_NE(model_, nullptr);
-    ASSERT_EQ(model_->config().layers, 30);  // the call counts below assume SmolLM2-135M
-    server::ServerOptions so;
-    so.memory = "host";
-    so.workers = 2;
-    server_ = std::make_unique<testing::TestServer>(so);
-    client::ClientOptions co;
-    co.servers = {server_->address()};
-    auto c = client::Client::Create(co);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
+    RealModelServerTest::SetUp();
+    if (IsSkipped() || HasFailure()) return;
+    ASSERT_GE(ids_->size(), static_cast<size_t>(kWindows * kWindowLen));
   }
 
   // The in-process decode-faithful run (kvq-eval's default path).
@@ -83,13 +44,6 @@ class RemoteDecode : public ::testing::Test {
     return r.ok() ? *r : PerplexityResult{};
   }
 
-  static inline std::string missing_;
-  static inline GgufFile* file_ = nullptr;
-  static inline LlamaModel* model_ = nullptr;
-  static inline std::vector<int32_t>* ids_ = nullptr;
-  static inline core::ModelBasis* basis_ = nullptr;
-  std::unique_ptr<testing::TestServer> server_;
-  std::unique_ptr<client::Client> client_;
 };
 
 // In-process, one token per forward call (as the remote token-by-token run decodes).
