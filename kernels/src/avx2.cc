@@ -110,6 +110,11 @@ struct Isa {
     *inv = _mm256_and_ps(ok, _mm256_div_ps(_mm256_set1_ps(1.0f), s));
   }
 
+  static bool QuantizeChannels4x8(const float*, int64_t, int, int, uint16_t*, uint16_t*,
+                                  uint8_t*) {
+    return false;
+  }
+
   static I QuantizeLanes(F x, F zero, F inv, int maxq) {
     I q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(x, zero), inv));
     return _mm256_min_epi32(_mm256_max_epi32(q, _mm256_setzero_si256()), _mm256_set1_epi32(maxq));

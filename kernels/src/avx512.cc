@@ -135,6 +135,41 @@ struct Isa {
     *inv = _mm512_maskz_div_ps(ok, _mm512_set1_ps(1.0f), s);
   }
 
+  // quantize_channels for 4 channels of 8 bits (the HeadQ side code at rank 4: x [tokens][4])
+  // with 4 tokens per vector (lane 4p + c); codes are transposed to channel-major rows.
+  // False when the shape is another one.
+  static bool QuantizeChannels4x8(const float* x, int64_t ld, int tokens, int n_ch,
+                                  uint16_t* scale, uint16_t* zero, uint8_t* codes) {
+    if (n_ch != 4 || ld != 4 || tokens % 4 != 0) return false;
+    F lo = Load(x), hi = lo;
+    for (int t = 4; t < tokens; t += 4) {
+      const F v = Load(x + t * 4);
+      lo = Min(lo, v);
+      hi = Max(hi, v);
+    }
+    // every 128-bit lane ends up with the 4 channels' ranges
+    lo = Min(lo, _mm512_shuffle_f32x4(lo, lo, 0x4E));
+    lo = Min(lo, _mm512_shuffle_f32x4(lo, lo, 0xB1));
+    hi = Max(hi, _mm512_shuffle_f32x4(hi, hi, 0x4E));
+    hi = Max(hi, _mm512_shuffle_f32x4(hi, hi, 0xB1));
+    alignas(64) uint16_t s16[16], z16[16];
+    F sv, zv, iv;
+    MakeParams(lo, hi, 8, s16, z16, &sv, &zv, &iv);
+    std::memcpy(scale, s16, 8);
+    std::memcpy(zero, z16, 8);
+    const __m128i tr = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (int t = 0; t < tokens; t += 4) {
+      const __m128i b =
+          _mm_shuffle_epi8(_mm512_cvtepi32_epi8(QuantizeLanes(Load(x + t * 4), zv, iv, 255)), tr);
+      const uint32_t w[4] = {static_cast<uint32_t>(_mm_extract_epi32(b, 0)),
+                             static_cast<uint32_t>(_mm_extract_epi32(b, 1)),
+                             static_cast<uint32_t>(_mm_extract_epi32(b, 2)),
+                             static_cast<uint32_t>(_mm_extract_epi32(b, 3))};
+      for (int c = 0; c < 4; ++c) std::memcpy(codes + c * tokens + t, &w[c], 4);
+    }
+    return true;
+  }
+
   static I QuantizeLanes(F x, F zero, F inv, int maxq) {
     I q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(x, zero), inv));  // round to even
     return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_setzero_si512()), _mm512_set1_epi32(maxq));

@@ -302,6 +302,9 @@ void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_
 
 void quantize_channels_simd(const float* x, int64_t ld, int tokens, int n_ch, int bits,
                             uint16_t* scale, uint16_t* zero, uint8_t* codes, float* deq) {
+  if (bits == 8 && deq == nullptr &&
+      Isa::QuantizeChannels4x8(x, ld, tokens, n_ch, scale, zero, codes))
+    return;
   if ((tokens * bits) % 64 != 0 || bits == 3)
     return Ref().quantize_channels(x, ld, tokens, n_ch, bits, scale, zero, codes, deq);
   std::memset(codes, 0, internal::RowBytes(tokens, bits) * n_ch);

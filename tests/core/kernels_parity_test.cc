@@ -68,6 +68,25 @@ TEST(KernelParity, QuantizeRow) {
         }
 }
 
+// The HeadQ side code: r = 4 contiguous channels of 8 bits, no dequantized copy.
+TEST(KernelParity, QuantizeSideChannels) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {4, 8})
+      for (int tokens : {32, 64, 128}) {
+        SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens);
+        auto x = kvq::testing::Gaussian(static_cast<size_t>(tokens) * 4, bits + tokens);
+        for (int t = 0; t < tokens; ++t) x[t * 4 + 2] = 0.25f;  // a constant channel
+        const size_t cb = RowBytes(tokens, bits) * 4;
+        std::vector<uint16_t> s0(4), z0(4), s1(4), z1(4);
+        std::vector<uint8_t> c0(cb, 0xAA), c1(cb, 0x55);
+        Ref().quantize_channels(x.data(), 4, tokens, 4, bits, s0.data(), z0.data(), c0.data(), nullptr);
+        kt->quantize_channels(x.data(), 4, tokens, 4, bits, s1.data(), z1.data(), c1.data(), nullptr);
+        EXPECT_EQ(s0, s1);
+        EXPECT_EQ(z0, z1);
+        EXPECT_EQ(c0, c1);
+      }
+}
+
 TEST(KernelParity, QuantizeRowsEqualsRowByRow) {
   for (const KernelTable* kt : Optimized())
     for (int bits : {1, 2, 3, 4, 8})
