@@ -148,6 +148,9 @@ struct Isa {
     }
   }
 
+  static constexpr bool kPack64x2 = false;
+  static void Pack64x2(const I*, uint8_t*) {}
+
   static F Exp(F x) {
     const F underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));

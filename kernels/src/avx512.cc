@@ -215,6 +215,19 @@ struct Isa {
     }
   }
 
+  // Packs 64 2-bit codes (16 per vector, channel order) into 16 bytes: codes as bytes, then
+  // pairs (a + 4b) and pairs of pairs (c + 16d) by multiply-adds.
+  static constexpr bool kPack64x2 = true;
+  static void Pack64x2(const I* q, uint8_t* dst) {
+    __m512i b = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(q[0]));
+    b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(q[1]), 1);
+    b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(q[2]), 2);
+    b = _mm512_inserti32x4(b, _mm512_cvtepi32_epi8(q[3]), 3);
+    const __m512i pairs = _mm512_maddubs_epi16(b, _mm512_set1_epi16(0x0401));
+    const __m512i quads = _mm512_madd_epi16(pairs, _mm512_set1_epi32(0x00100001));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(quads));
+  }
+
   static F Exp(F x) {
     const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));

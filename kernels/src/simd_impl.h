@@ -382,6 +382,21 @@ void QuantizeRowsW(const float* x, int64_t ld, int n, int group, int ng, int bit
     }
   }
   const int maxq = (1 << bits) - 1;
+  if (Isa::kPack64x2 && bits == 2 && n % 64 == 0) {
+    for (int t = 0; t < W; ++t) {
+      const float* xt = x + t * ld;
+      uint8_t* codes = rec + t * rec_bytes + 4 * ng;
+      for (int c0 = 0; c0 < n; c0 += 64) {
+        typename Isa::I q[4];
+        for (int k = 0; k < 4; ++k) {
+          const int c = c0 + k * W, g = c / group;
+          q[k] = Isa::QuantizeLanes(Isa::Load(xt + c), Isa::Set1(zf[g][t]), Isa::Set1(invf[g][t]), 3);
+        }
+        Isa::Pack64x2(q, codes + c0 / 4);
+      }
+    }
+    return;
+  }
   for (int t = 0; t < W; ++t) {
     const float* xt = x + t * ld;
     uint8_t* codes = rec + t * rec_bytes + 4 * ng;
