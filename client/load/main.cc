@@ -13,9 +13,9 @@
 // groups); each session then creates a new sequence, attaches the prompt by its token ids
 // (no K/V sent), appends the prompt's unattached tail and --put-tokens new tokens with data,
 // attends once on layer 0 and deletes the sequence; its latency is the whole session. The
-// report adds how many prompt tokens were attached: with several servers, a session whose id
-// hashes to another shard than its stream's prompt attaches nothing (the client shards by
-// sequence id, not by prefix).
+// report adds how many prompt tokens were attached. Session and prompt ids share a hash tag
+// ("{<run>-s<stream>}"), so that with several servers a stream's sessions land on the server
+// holding its prompt (kvq/client/hash_ring.h).
 //
 // Exit codes: 0 every request succeeded; 1 some requests failed (the report says which);
 // 2 usage; 3 setup failed (model or sequences could not be created; nothing measured);
@@ -170,7 +170,7 @@ class Worker {
       const size_t per_token = static_cast<size_t>(o.kv_heads) * o.head_dim;
       session_k_ = RandomBytes(dt, per_token * n, same);
       session_v_ = RandomBytes(dt, per_token * n, same);
-      prompt_seq_ = absl::StrCat("kvq-load-", s_->run_id, "-s", index_, "-prompt");
+      prompt_seq_ = absl::StrCat("kvq-load-{", s_->run_id, "-s", index_, "}-prompt");
       v1::PutBlocksRequest m = SessionAppend(prompt_seq_, std::vector<int64_t>(o.layers, 0), P, 0);
       auto r = s_->client->PutBlocks({m});
       if (!r.ok()) return r.status();
@@ -268,7 +268,7 @@ class Worker {
     std::vector<int> item_codes;
     if (method == "session") {
       const std::string id =
-          absl::StrCat("kvq-load-", s_->run_id, "-s", index_, "-n", sessions_);
+          absl::StrCat("kvq-load-{", s_->run_id, "-s", index_, "}-n", sessions_);
       const uint64_t salt = static_cast<uint64_t>(index_) * 1000003u + ++sessions_;
       // 1. Attach the prompt by its ids, every layer, no data.
       v1::PutBlocksRequest attach;

@@ -653,8 +653,10 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       const LayerCache* cache = s->layers[a.layer].get();
       if (p.n > 0 && !a.token_ids.empty() && lp.open && pend.empty() && a.start + overlap == len &&
           (cache == nullptr || cache->AllSealed())) {
-        const int64_t most =
-            attach_only ? p.n / G : std::max<int64_t>(0, (p.n - s->codec.window) / G);
+        // Attach or data alike: only groups that a sequence holding these n tokens would
+        // have encoded itself; the last R (the window) and the incomplete group stay for the
+        // frontend to send with data, at arrival precision.
+        const int64_t most = std::max<int64_t>(0, (p.n - s->codec.window) / G);
         PrefixKey prev = lp.block_keys.empty() ? seed : lp.block_keys.back();
         absl::MutexLock g(&mu_);
         auto t = tenants_.find(tenant);

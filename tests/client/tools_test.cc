@@ -362,6 +362,24 @@ TEST_F(ToolsTest, LoadSessionsAttachTheSharedPrompt) {
   EXPECT_THAT(bad.err, HasSubstr("--shared-prefix"));
 }
 
+// Three servers: sessions carry their stream's hash tag, so each lands where its prompt is and
+// still attaches every whole group.
+TEST(ToolsShards, LoadSessionsFindTheirPromptOnEveryShard) {
+  testing::TestServer a, b, c;
+  const std::string dir = testing::TempDir("kvq-tools-shards");
+  const std::string json = dir + "/report.json";
+  ToolRun r = Load(absl::StrCat("--server ", a.address(), ",", b.address(), ",", c.address(),
+                                " --timeout 20s --concurrency 4 --requests 40 --context 40"
+                                " --layers 2 --q-heads 4 --kv-heads 2 --head-dim 64"
+                                " --basis-rank 8 --mix session --shared-prefix 64 --json ",
+                                json));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  auto js = nlohmann::json::parse(Slurp(json));
+  EXPECT_EQ(js["config"]["session_attached_tokens"], js["config"]["session_prompt_tokens"]);
+  EXPECT_EQ(js["config"]["session_prompt_tokens"].get<int64_t>(), 40 * 2 * 64);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_F(ToolsTest, LoadStopsByItselfAndReportsErrors) {
   // A duration run ends on its own; the progress line goes to stderr.
   ToolRun timed = Load(absl::StrCat(flags_,

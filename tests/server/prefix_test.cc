@@ -191,6 +191,15 @@ TEST_F(PrefixTest, WindowAndA2PolicyReadTheSameShared) {
   EXPECT_EQ(out.tokens_shared, 2 * 96);  // (150 - 40) / 32 = 3 groups per layer
   ASSERT_TRUE(store.Append("t", with_codec(a.All("c", false)), &out).ok());
   EXPECT_EQ(store.LayerForTest("t", "b", 0)->Size().window_tokens, 54);
+  // An attach of all 150 ids takes the same 3 groups, not 4: the window stays for data.
+  std::vector<AppendSpec> attach = {AttachSpec("d", 0, 0, a.ids), AttachSpec("d", 1, 0, a.ids)};
+  ASSERT_TRUE(store.Append("t", with_codec(attach), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 2 * 96);
+  ASSERT_TRUE(store.Append("t", with_codec({a.Spec("d", 0, 96, 54), a.Spec("d", 1, 96, 54)}),
+                           &out).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    EXPECT_EQ(Attention(store, "d", layer), Attention(store, "c", layer));
+  }
   for (int layer = 0; layer < 2; ++layer) {
     EXPECT_EQ(Scores(store, "t", "b", layer), Scores(store, "t", "c", layer));
     EXPECT_EQ(Attention(store, "b", layer), Attention(store, "c", layer));

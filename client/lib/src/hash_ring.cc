@@ -29,7 +29,16 @@ int HashRing::Lookup(uint64_t key) const {
   return it->second;
 }
 
+std::string_view HashRing::HashTag(std::string_view sequence_id) {
+  const size_t open = sequence_id.find('{');
+  if (open == std::string_view::npos) return sequence_id;
+  const size_t close = sequence_id.find('}', open + 1);
+  if (close == std::string_view::npos || close == open + 1) return sequence_id;
+  return sequence_id.substr(open + 1, close - open - 1);
+}
+
 uint64_t HashRing::KeyOf(std::string_view tenant, std::string_view sequence_id) {
+  sequence_id = HashTag(sequence_id);
   std::string key;
   key.reserve(tenant.size() + 1 + sequence_id.size());
   key.append(tenant).push_back('\0');

@@ -4,6 +4,11 @@
 // a server's points depend only on its own address: adding or removing one of N servers moves
 // only the keys that land on (or leave) that server, about 1/N of them, and never moves a key
 // between two servers that stay. A key belongs to the first point at or after its hash.
+//
+// Hash tags (as in Redis Cluster): when a sequence id contains "{tag}" (the first '{' and the
+// next '}', with something between), only the tag is hashed, so that sequences meant to
+// share a prompt prefix ("{sysprompt-7}conv-1", "{sysprompt-7}conv-2") land on the same
+// server, where prefix sharing can find one another's groups.
 #pragma once
 
 #include <cstdint>
@@ -26,8 +31,10 @@ class HashRing {
   int ShardOf(std::string_view tenant, std::string_view sequence_id) const {
     return Lookup(KeyOf(tenant, sequence_id));
   }
-  // The hashed key of (tenant, sequence): XXH3-64 of tenant '\0' sequence.
+  // The hashed key of (tenant, sequence): XXH3-64 of tenant '\0' HashTag(sequence).
   static uint64_t KeyOf(std::string_view tenant, std::string_view sequence_id);
+  // The part of a sequence id that is hashed: the tag inside its first "{...}", else all.
+  static std::string_view HashTag(std::string_view sequence_id);
 
   const std::vector<std::string>& servers() const { return servers_; }
   size_t size() const { return servers_.size(); }
