@@ -25,8 +25,15 @@ struct Store::Sequence {
 
   absl::Mutex mu;
   std::vector<std::unique_ptr<LayerCache>> layers ABSL_GUARDED_BY(mu);
-  // Per layer, per stored token: hash of the bytes it arrived as.
+  // Per layer, per stored token: hash of the bytes it arrived as, for idempotent re-sends.
+  // The tokens of indexed (sealed) groups keep theirs in the prefix index instead (the hashes
+  // of the sequence that first stored the group): hashes[l] holds tokens from
+  // hash_base[l] = (indexed groups) x G on. Length(l) is the layer's token count.
   std::vector<std::vector<uint64_t>> hashes ABSL_GUARDED_BY(mu);
+  std::vector<int64_t> hash_base ABSL_GUARDED_BY(mu);
+  int64_t Length(int layer) const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    return hash_base[layer] + static_cast<int64_t>(hashes[layer].size());
+  }
   // Per layer: prefix-sharing state.
   struct LayerPrefix {
     bool open = true;                   // every append so far carried token ids
@@ -418,8 +425,8 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
     } else {
       Tenant::Node node;
       node.block = cache.sealed()[b];
-      const auto& hashes = s->hashes[layer];
-      node.hashes.assign(hashes.begin() + b * G, hashes.begin() + (b + 1) * G);
+      const auto& hashes = s->hashes[layer];  // starts at group b (hash_base = b * G)
+      node.hashes.assign(hashes.begin(), hashes.begin() + G);
       if (b > 0) {
         node.parent = prev;
         auto p = T.nodes.find(prev);
@@ -437,6 +444,10 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
     }
     s->node_keys.push_back(key);
     lp.block_keys.push_back(key);
+    // The group's arrival hashes now live in the index.
+    auto& h = s->hashes[layer];
+    h.erase(h.begin(), h.begin() + G);
+    s->hash_base[layer] += G;
   }
   return absl::OkStatus();
 }
@@ -494,6 +505,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         }
         s->layers.resize((*m)->manifest.layers);
         s->hashes.resize((*m)->manifest.layers);
+        s->hash_base.assign((*m)->manifest.layers, 0);
         s->prefix.resize((*m)->manifest.layers);
         seqs[id] = s;
         fresh[id] = true;
@@ -602,7 +614,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       const int64_t n = attach_only ? static_cast<int64_t>(a.token_ids.size()) : k->shape[1];
       auto& pend = pending[{s, a.layer}];
       const std::vector<uint64_t>& stored = s->hashes[a.layer];
-      const int64_t len = static_cast<int64_t>(stored.size() + pend.size());
+      const int64_t base = s->hash_base[a.layer];
+      const int64_t len = base + static_cast<int64_t>(stored.size() + pend.size());
       if (a.start < 0 || a.start > len) {
         fail(a.start < 0 ? absl::StatusCode::kInvalidArgument
                          : absl::StatusCode::kFailedPrecondition,
@@ -632,10 +645,28 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
           break;
         }
       } else {
+        // Tokens of indexed groups compare with the index's hashes (under the store lock).
+        std::optional<absl::MutexLock> index_lock;
+        const Tenant* T = nullptr;
+        if (overlap > 0 && a.start < base) {
+          index_lock.emplace(&mu_);
+          auto t = tenants_.find(tenant);
+          if (t != tenants_.end()) T = t->second.get();
+        }
         for (int64_t t = 0; t < overlap; ++t) {
           const int64_t pos = a.start + t;
-          const uint64_t have =
-              pos < static_cast<int64_t>(stored.size()) ? stored[pos] : pend[pos - stored.size()];
+          uint64_t have = 0;
+          if (pos < base) {
+            const Tenant::Node* node = nullptr;
+            if (T != nullptr) {
+              auto it = T->nodes.find(lp.block_keys[pos / G]);
+              if (it != T->nodes.end()) node = &it->second;
+            }
+            have = node != nullptr ? node->hashes[pos % G] : ~TokenHash(*k, *v, t);
+          } else {
+            const int64_t i = pos - base;
+            have = i < static_cast<int64_t>(stored.size()) ? stored[i] : pend[i - stored.size()];
+          }
           if (have != TokenHash(*k, *v, t)) {
             fail(absl::StatusCode::kAlreadyExists, ": token ", pos, " of layer ", a.layer,
                  " of sequence '", a.sequence_id,
@@ -788,6 +819,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
           break;
         }
         lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
+        s->hash_base[a.layer] += shared;  // their arrival hashes are the index's
         absl::MutexLock g(&mu_);
         if (!s->linked) {
           unpin_locked(i, i + 1);  // evicted meanwhile by another writer: hold nothing
@@ -828,8 +860,9 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         s->dtype = a.keys.dtype;
         s->dtype_set = true;
       }
+      // Attached tokens' hashes are the index's; the rest are the sequence's own.
       auto& h = s->hashes[a.layer];
-      h.insert(h.end(), p.new_hashes.begin(), p.new_hashes.end());
+      h.insert(h.end(), p.new_hashes.begin() + shared, p.new_hashes.end());
       if (lp.open) {
         applied = IndexSealed(tenant, s, a.layer);
         if (!applied.ok()) {
@@ -850,7 +883,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       if (!seen.insert({a.sequence_id, a.layer}).second) continue;
       Sequence* s = seqs[a.sequence_id].get();
       outcome->lengths.emplace_back(a.sequence_id, a.layer,
-                                    static_cast<int64_t>(s->hashes[a.layer].size()));
+                                    s->Length(a.layer));
     }
     unlock_all();
     return applied;
@@ -1012,7 +1045,9 @@ absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
   info.model = s->model;
   info.codec = s->codec;
   absl::ReaderMutexLock l(&s->mu);
-  for (const auto& h : s->hashes) info.layer_tokens.push_back(static_cast<int64_t>(h.size()));
+  for (size_t l = 0; l < s->hashes.size(); ++l) {
+    info.layer_tokens.push_back(s->Length(static_cast<int>(l)));
+  }
   absl::MutexLock g(&mu_);
   info.bytes = s->bytes;
   return info;

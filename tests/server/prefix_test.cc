@@ -356,20 +356,32 @@ TEST_F(PrefixTest, RetainedPrefixesServeLaterSequencesAndGoFirstUnderPressure) {
 }
 
 TEST_F(PrefixTest, EvictingOneHolderKeepsBlocksOthersHold) {
-  Tokens a(Ids(128, 21), 6);
-  const int64_t one = BytesUnshared(a);
+  // 150 tokens: 4 shared groups per layer and 22 window tokens each sequence holds itself.
+  Tokens a(Ids(150, 21), 6);
+  Tokens other(Ids(128, 5000), 60);
+  const int64_t one = BytesUnshared(other);
+  int64_t both = 0, own = 0;  // a and b together; what one of them holds outside the index
+  {
+    Store probe({}, &registry_);
+    AppendOutcome out;
+    ASSERT_TRUE(probe.Append("t", a.All("a"), &out).ok());
+    ASSERT_TRUE(probe.Append("t", a.All("b"), &out).ok());
+    both = probe.TotalUsage().bytes;
+    own = probe.Describe("t", "a")->bytes;
+  }
+  ASSERT_GT(own, 0);
   StoreOptions o;
-  // Room for two sequences' codes, the index's own copy of the token hashes and a little.
-  o.capacity_bytes = 2 * one + 3000;
+  // Room for a, b and the other sequence minus half of what a holds itself: evicting the LRU
+  // holder (a) frees enough; its groups stay because b holds them.
+  o.capacity_bytes = both + one - own / 2;
   o.retain_prefixes = false;
   Store store(o, &registry_);
   AppendOutcome out;
   ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
   ASSERT_TRUE(store.Append("t", a.All("b"), &out).ok());
-  EXPECT_EQ(out.tokens_shared, 256);
+  EXPECT_EQ(out.tokens_shared, 2 * 128);
   const std::vector<float> before = Scores(store, "t", "b", 1);
   Scores(store, "t", "b", 0);  // b is now more recently used than a
-  Tokens other(Ids(128, 5000), 60);
   ASSERT_TRUE(store.Append("t", other.All("o", false), &out).ok());
   UsageStats u = store.TotalUsage();
   EXPECT_EQ(u.evictions, 1);
