@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
@@ -189,10 +190,22 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
   DType to = k.dtype == v.dtype ? k.dtype : DType::kF32;
   if (has_window && heads_[0].win_dtype != to) to = DType::kF32;
   // Validate everything before touching the cache, so that bad input harms nothing stored.
-  for (int h = 0; h < kv_heads_; ++h) {
-    RETURN_IF_ERROR(ValidateRows(k, h, n, d, to, "keys"));
-    RETURN_IF_ERROR(ValidateRows(v, h, n, d, to, "values"));
-  }
+  auto validate = [&]() -> absl::Status {
+    for (int h = 0; h < kv_heads_; ++h) {
+      RETURN_IF_ERROR(ValidateRows(k, h, n, d, to, "keys"));
+      RETURN_IF_ERROR(ValidateRows(v, h, n, d, to, "values"));
+    }
+    return absl::OkStatus();
+  };
+  const int64_t ready =
+      std::max<int64_t>(0, (tokens_ + n - encoded_ - opts_.window) / opts_.key_group);
+  // Nothing waits in the window and the rows are stored as they arrive: the whole groups are
+  // encoded straight from the input (the same bytes the window would hold), a few groups at a
+  // time right after checking them, so that the rows are read from memory once; a bad value
+  // undoes every append and the check above reports it as before.
+  const bool direct =
+      probes == nullptr && !has_window && ready > 0 && FastRows(k, to) && FastRows(v, to);
+  if (!direct) RETURN_IF_ERROR(validate());
   if (probes != nullptr) {
     RETURN_IF_ERROR(CheckQueries(probes->q_heads, kv_heads_, probes->n));
     if (probes->q == nullptr) return absl::InvalidArgumentError("probe queries: no data");
@@ -201,7 +214,6 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
           "probe causal_offset = ", probes->causal_offset, ": must be >= -1"));
   }
   tokens_ += n;
-  const int64_t ready = std::max<int64_t>(0, (tokens_ - encoded_ - opts_.window) / opts_.key_group);
   // Sealed groups only lead the cache: once an unsealed block exists, no more sealing.
   building_.clear();
   if (sealing_ && heads_[0].voffsets.empty()) {
@@ -230,17 +242,10 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
     ao.causal_offset = probes->causal_offset;
     RETURN_IF_ERROR(Attend(probes->q, probes->q_heads, probes->n, ao, scratch.data()));
     for (int h = 0; h < kv_heads_; ++h) RETURN_IF_ERROR(EncodeGroups(h, ready));
-  } else if (!has_window && ready > 0 && FastRows(k, to) && FastRows(v, to)) {
-    // Nothing waits in the window and the rows are stored as they arrive: encode the whole
-    // groups from the input (the same bytes the window would hold) and keep only the rest.
-    for (int h = 0; h < kv_heads_; ++h) {
-      const InputRows in{RowPtr(k, h, 0), RowPtr(v, h, 0),
-                         k.stride[1] * static_cast<int64_t>(DTypeSize(to)),
-                         v.stride[1] * static_cast<int64_t>(DTypeSize(to)), to,
-                         probe_weights ? probe_weights + h * n : nullptr};
-      RETURN_IF_ERROR(EncodeGroups(h, ready, &in));
+  } else if (direct) {
+    RETURN_IF_ERROR(EncodeInput(k, v, n, to, ready, probe_weights, [&](int h) {
       join_window(h, ready * opts_.key_group);
-    }
+    }, validate));
   } else {
     // Head by head: append to the window and encode what is ready while it is warm in cache.
     for (int h = 0; h < kv_heads_; ++h) {
@@ -257,6 +262,68 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
 void LayerCache::WindowToFloat(const Head& hd, bool keys, float* out) const {
   const auto& w = keys ? hd.kwin : hd.vwin;
   ToFloat(hd.win_dtype, w.data(), out, w.size() / DTypeSize(hd.win_dtype));
+}
+
+absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, int64_t n,
+                                     DType to, int64_t ready, const float* probe_weights,
+                                     const std::function<void(int)>& keep_rest,
+                                     const std::function<absl::Status()>& validate) {
+  const int G = opts_.key_group, d = opts_.head_dim;
+  constexpr int64_t kChunkTokens = 256;  // checked, then encoded while still in cache
+  const int64_t chunk_groups = std::max<int64_t>(1, kChunkTokens / G);
+  std::vector<size_t> sizes(3 * kv_heads_);
+  std::vector<DType> dtypes(kv_heads_);
+  for (int h = 0; h < kv_heads_; ++h) {
+    sizes[3 * h] = heads_[h].kblocks.size();
+    sizes[3 * h + 1] = heads_[h].vblocks.size();
+    sizes[3 * h + 2] = heads_[h].voffsets.size();
+    dtypes[h] = heads_[h].win_dtype;
+  }
+  auto finite = [&](const TensorView& t, int h, int64_t j0, int64_t j1) {
+    int bad = 0;
+    if (t.stride[1] == d)
+      return AllFinite(to, RowPtr(t, h, j0), static_cast<int>((j1 - j0) * d), &bad);
+    for (int64_t j = j0; j < j1; ++j)
+      if (!AllFinite(to, RowPtr(t, h, j), d, &bad)) return false;
+    return true;
+  };
+  bool ok = true;
+  absl::Status st;
+  for (int h = 0; h < kv_heads_ && ok && st.ok(); ++h) {
+    InputRows in{RowPtr(k, h, 0), RowPtr(v, h, 0),
+                 k.stride[1] * static_cast<int64_t>(DTypeSize(to)),
+                 v.stride[1] * static_cast<int64_t>(DTypeSize(to)), to,
+                 probe_weights ? probe_weights + h * n : nullptr, 0};
+    if (building_.empty()) {
+      heads_[h].kblocks.reserve(heads_[h].kblocks.size() + ready * kblock_bytes_);
+      heads_[h].vblocks.reserve(heads_[h].vblocks.size() + ready * MaxValueBlockBytes(opts_));
+    }
+    for (int64_t g0 = 0; g0 < ready && ok && st.ok(); g0 += chunk_groups) {
+      const int64_t g1 = std::min(ready, g0 + chunk_groups);
+      ok = finite(k, h, g0 * G, g1 * G) && finite(v, h, g0 * G, g1 * G);
+      in.first_group = g0;
+      if (ok) st = EncodeGroups(h, g1 - g0, &in);
+    }
+    ok = ok && finite(k, h, ready * G, n) && finite(v, h, ready * G, n);
+    if (ok && st.ok()) keep_rest(h);
+  }
+  if (ok && st.ok()) return absl::OkStatus();
+  for (int h = 0; h < kv_heads_; ++h) {  // only appends happened: undo them
+    Head& hd = heads_[h];
+    hd.win_dtype = dtypes[h];
+    hd.kblocks.resize(sizes[3 * h]);
+    hd.vblocks.resize(sizes[3 * h + 1]);
+    hd.voffsets.resize(sizes[3 * h + 2]);
+    hd.kwin.clear();
+    hd.vwin.clear();
+    hd.a2_sum.clear();
+    hd.a2_reads.clear();
+    hd.probe.clear();
+  }
+  building_.clear();
+  tokens_ -= n;
+  RETURN_IF_ERROR(validate());
+  return st.ok() ? absl::InternalError("append: input changed while it was encoded") : st;
 }
 
 absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* input) {
@@ -278,11 +345,12 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     const uint8_t* vrows = input ? input->v : hd.vwin.data();
     const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
     const bool seal = !building_.empty();
-    if (!seal) {
+    if (!seal && !input) {  // EncodeInput reserves for all of its chunks at once
       hd.kblocks.reserve(hd.kblocks.size() + ready * kblock_bytes_);
       hd.vblocks.reserve(hd.vblocks.size() + ready * MaxValueBlockBytes(opts_));
     }
-    for (int64_t g = 0; g < ready; ++g) {
+    const int64_t g0 = input ? input->first_group : 0;
+    for (int64_t g = g0; g < g0 + ready; ++g) {
       const int64_t first = g * G;  // window (or input) index of the group's first token
       RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/calibration.h"
@@ -195,6 +196,58 @@ TEST(Codec, AppendRejectsBadInputAndKeepsState) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c.tokens(), 40);
   EXPECT_EQ(c.Size().total_bytes(), bytes);
+}
+
+// An append into an empty window encodes its groups straight from the input, a few at a
+// time, checking each before encoding it: a bad value anywhere (a later head, a later chunk,
+// the rows left for the window) must still leave nothing behind and report the first bad
+// element in the order of the up-front check.
+TEST(Codec, DirectAppendRejectsBadInputAnywhereAndKeepsState) {
+  const int kv = 3, d = 64, T = 700;
+  CodecOptions o;
+  o.rank = 4;
+  auto basis = RandomBasis({"t", 1, 1, kv, kv, d, 4}, 7);
+  auto k = Gaussian(kv * T * d, 3), v = Gaussian(kv * T * d, 4);
+  std::vector<uint16_t> kh(k.size()), vh(v.size());
+  FloatToHalfN(k.data(), kh.data(), k.size());
+  FloatToHalfN(v.data(), vh.data(), v.size());
+  auto half3 = [&](const std::vector<uint16_t>& x) {
+    return TensorView::Contiguous(x.data(), DType::kF16, {kv, T, d});
+  };
+  LayerCache good(o, kv, basis.u.data());
+  ASSERT_TRUE(good.Append(half3(kh), half3(vh), 0).ok());
+  struct Bad {
+    bool keys;
+    int h, t, c;
+  };
+  for (Bad b : {Bad{true, 0, 5, 1}, Bad{false, 1, 300, 7}, Bad{true, 2, 650, 63},
+                Bad{false, 2, 699, 0}}) {
+    for (bool seal : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << (b.keys ? "keys " : "values ") << b.h << " " << b.t
+                                        << " seal=" << seal);
+      auto bk = kh, bv = vh;
+      (b.keys ? bk : bv)[(static_cast<size_t>(b.h) * T + b.t) * d + b.c] = 0x7e00;  // NaN
+      LayerCache c(o, kv, basis.u.data());
+      c.set_sealing(seal);
+      auto s = c.Append(half3(bk), half3(bv), 0);
+      ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(s.message().find(absl::StrCat(b.keys ? "keys[" : "values[", b.h, ", ", b.t, ", ",
+                                              b.c, "]")),
+                std::string::npos)
+          << s.message();
+      EXPECT_EQ(c.tokens(), 0);
+      EXPECT_EQ(c.Size().total_bytes(), 0);
+      EXPECT_TRUE(c.sealed().empty());
+      // The same cache then takes the good rows and holds exactly what a fresh one holds.
+      ASSERT_TRUE(c.Append(half3(kh), half3(vh), 0).ok());
+      EXPECT_EQ(c.Size().total_bytes(), good.Size().total_bytes());
+      std::vector<float> k0, v0, k1, v1;
+      ASSERT_TRUE(good.Decode(&k0, &v0).ok());
+      ASSERT_TRUE(c.Decode(&k1, &v1).ok());
+      EXPECT_EQ(k0, k1);
+      EXPECT_EQ(v0, v1);
+    }
+  }
 }
 
 // A constant vector added to every key is softmax-null: attention and the Fisher metric

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -165,10 +166,16 @@ class LayerCache {
     int64_t kstride, vstride;  // bytes between rows
     DType dtype;
     const float* probe;  // [n] probe weights of this head, or null
+    int64_t first_group;  // groups [first_group, first_group + count) of the input
   };
-  // Encodes the `ready` oldest whole groups of head h's window, or of `input` when given
-  // (encoded_ is updated by the caller once every head is done).
-  absl::Status EncodeGroups(int h, int64_t ready, const InputRows* input = nullptr);
+  // Encodes the `count` oldest whole groups of head h's window, or those of `input` when
+  // given (encoded_ is updated by the caller once every head is done).
+  absl::Status EncodeGroups(int h, int64_t count, const InputRows* input = nullptr);
+  // The append path for an empty window and input stored as is (see AppendImpl).
+  absl::Status EncodeInput(const TensorView& k, const TensorView& v, int64_t n, DType to,
+                           int64_t ready, const float* probe_weights,
+                           const std::function<void(int)>& keep_rest,
+                           const std::function<absl::Status()>& validate);
   absl::Status AppendImpl(const TensorView& k, const TensorView& v, int64_t start,
                           const float* probe_weights, const ProbeQueries* probes);
   absl::Status ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
