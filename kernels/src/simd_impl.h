@@ -76,8 +76,8 @@ void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, cons
   }
   // Per query: w_c = mult * q_c * scale_c and bias = mult * q . zero, once per block.
   alignas(64) float sc[512], ze[512];
-  thread_local std::vector<float> w;
-  w.resize(static_cast<size_t>(n_q) * n_ch);
+  thread_local std::vector<float> w;  // grown only: base and side code calls alternate sizes
+  if (w.size() < static_cast<size_t>(n_q) * n_ch) w.resize(static_cast<size_t>(n_q) * n_ch);
   float bias[64];
   int c = 0;
   for (; c + W <= n_ch; c += W) {
