@@ -45,6 +45,12 @@ LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis)
   if (o.rank > 0 && basis)
     basis_.assign(basis, basis + static_cast<size_t>(kv_heads) * o.head_dim * o.rank);
   if (o.rank > 0 && !basis) opts_.rank = 0;  // no basis: KIVI-like base only
+  const int d = opts_.head_dim, r = opts_.rank;
+  basis_t_.resize(basis_.size());
+  for (int h = 0; h < kv_heads; ++h)
+    for (int c = 0; c < d; ++c)
+      for (int j = 0; j < r; ++j)
+        basis_t_[(static_cast<size_t>(h) * r + j) * d + c] = basis_[(static_cast<size_t>(h) * d + c) * r + j];
 }
 
 namespace {
@@ -343,7 +349,7 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     const int64_t vstride = input ? input->vstride : row_bytes;
     const uint8_t* krows = input ? input->k : hd.kwin.data();
     const uint8_t* vrows = input ? input->v : hd.vwin.data();
-    const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
+    const float* Ut = r > 0 ? basis_t_.data() + static_cast<size_t>(h) * d * r : nullptr;
     const bool seal = !building_.empty();
     if (!seal && !input) {  // EncodeInput reserves for all of its chunks at once
       hd.kblocks.reserve(hd.kblocks.size() + ready * kblock_bytes_);
@@ -355,7 +361,7 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
-      RETURN_IF_ERROR(EncodeKeyBlock(opts_, kf.data(), d, U, seal ? &sb->bytes : &hd.kblocks));
+      RETURN_IF_ERROR(EncodeKeyBlockT(opts_, kf.data(), d, Ut, seal ? &sb->bytes : &hd.kblocks));
       if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
       const uint8_t* wp = nullptr;
       if (opts_.per_token_value_bits()) {

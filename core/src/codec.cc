@@ -149,8 +149,21 @@ size_t MaxValueBlockBytes(const CodecOptions& o) {
 
 absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld,
                             const float* basis, std::vector<uint8_t>* out) {
-  const int d = o.head_dim, G = o.key_group, r = o.rank;
+  const int d = o.head_dim, r = o.rank;
   if (r > 0 && basis == nullptr) return absl::InvalidArgumentError("rank > 0 needs a basis");
+  thread_local std::vector<float> ut;
+  if (r > 0) {
+    ut.resize(static_cast<size_t>(r) * d);
+    for (int c = 0; c < d; ++c)
+      for (int j = 0; j < r; ++j) ut[static_cast<size_t>(j) * d + c] = basis[c * r + j];
+  }
+  return EncodeKeyBlockT(o, keys, ld, r > 0 ? ut.data() : nullptr, out);
+}
+
+absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t ld,
+                             const float* basis_t, std::vector<uint8_t>* out) {
+  const int d = o.head_dim, G = o.key_group, r = o.rank;
+  if (r > 0 && basis_t == nullptr) return absl::InvalidArgumentError("rank > 0 needs a basis");
   const size_t size = KeyBlockBytes(o);
   const size_t at = out->size();
   out->resize(at + size);
@@ -158,16 +171,13 @@ absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld
   uint16_t* scale = reinterpret_cast<uint16_t*>(p + kBlockHeaderBytes);
   uint16_t* zero = scale + d;
   uint8_t* codes = reinterpret_cast<uint8_t*>(zero + d);
-  thread_local std::vector<float> deq, coef, ut;
+  thread_local std::vector<float> deq, coef;
   if (r > 0) deq.resize(static_cast<size_t>(G) * d);
   K().quantize_channels(keys, ld, G, d, o.key_bits, scale, zero, codes, r > 0 ? deq.data() : nullptr);
   if (r > 0) {
     // c_t = U^T (k_t - k_base_t): r coefficients per token.
-    ut.resize(static_cast<size_t>(r) * d);
-    for (int c = 0; c < d; ++c)
-      for (int j = 0; j < r; ++j) ut[static_cast<size_t>(j) * d + c] = basis[c * r + j];
     coef.resize(static_cast<size_t>(G) * r);
-    K().project_residual(keys, ld, deq.data(), G, d, ut.data(), r, coef.data());
+    K().project_residual(keys, ld, deq.data(), G, d, basis_t, r, coef.data());
     uint8_t* side = codes + d * RowBytes(G, o.key_bits);
     uint16_t* sscale = reinterpret_cast<uint16_t*>(side);
     uint16_t* szero = sscale + r;

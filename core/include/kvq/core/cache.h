@@ -190,6 +190,7 @@ class LayerCache {
   CodecOptions opts_;
   int kv_heads_;
   std::vector<float> basis_;
+  std::vector<float> basis_t_;  // U^T per head, [kv_heads][r][d], for encoding
   std::vector<Head> heads_;
   int64_t tokens_ = 0;
   int64_t encoded_ = 0;  // tokens per head in blocks

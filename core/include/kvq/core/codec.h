@@ -95,6 +95,10 @@ size_t MaxValueBlockBytes(const CodecOptions& o);
 // (orthonormal columns), may be null only when o.rank == 0. Appends the block to `out`.
 absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld,
                             const float* basis, std::vector<uint8_t>* out);
+// The same with U given transposed, [r][d] (a cache keeps it per head instead of transposing
+// the basis for every block).
+absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t ld,
+                             const float* basis_t, std::vector<uint8_t>* out);
 
 // values: [G][d] fp32, row stride ld. bits_per_token: [G] widths in {1,2,3,4} (kA2) or
 // null (uniform value_bits). Appends the block to `out`.
