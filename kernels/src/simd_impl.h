@@ -273,12 +273,23 @@ void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_
   const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
   const int full = n_ch / W * W;
   for (int c0 = 0; c0 < full; c0 += W) {
-    typename Isa::F lo = Isa::Load(x + c0), hi = lo;
-    for (int t = 1; t < tokens; ++t) {
-      typename Isa::F v = Isa::Load(x + t * ld + c0);
+    // Two chains (min and max are exact in any order) to halve the latency-bound loop.
+    typename Isa::F lo = Isa::Load(x + c0), hi = lo, lo2 = lo, hi2 = lo;
+    int t = 1;
+    for (; t + 1 < tokens; t += 2) {
+      const typename Isa::F v = Isa::Load(x + t * ld + c0), v2 = Isa::Load(x + (t + 1) * ld + c0);
+      lo = Isa::Min(lo, v);
+      hi = Isa::Max(hi, v);
+      lo2 = Isa::Min(lo2, v2);
+      hi2 = Isa::Max(hi2, v2);
+    }
+    for (; t < tokens; ++t) {
+      const typename Isa::F v = Isa::Load(x + t * ld + c0);
       lo = Isa::Min(lo, v);
       hi = Isa::Max(hi, v);
     }
+    lo = Isa::Min(lo, lo2);
+    hi = Isa::Max(hi, hi2);
     typename Isa::F zv, iv, sv;
     Isa::MakeParams(lo, hi, B, scale + c0, zero + c0, &sv, &zv, &iv);
     typename Isa::Words words;
