@@ -163,9 +163,10 @@ TEST_F(RemoteCacheTest, AttendMatchesTheInProcessFusedCodecAndBatchesAcrossSeque
   RemoteStats st;
   // The server runs the same codec and kernels as the in-process fused path: equal outputs.
   EXPECT_LE(Compare(Codec(false), false, 3, &st), 1e-6);
-  EXPECT_EQ(st.batches, kTokens * 2);  // one PutBlocks + one Attend per (token, layer)
+  EXPECT_EQ(st.batches, kTokens * 2);  // one Attend carrying the appends per (token, layer)
   EXPECT_EQ(st.items, 3 * kTokens * 2);
-  EXPECT_EQ(st.put_rpcs, st.batches);
+  EXPECT_EQ(st.put_rpcs, 0);
+  EXPECT_EQ(st.appends_in_attend, st.items);
   EXPECT_EQ(st.attend_rpcs, st.batches);
   EXPECT_EQ(st.score_rpcs, 0);
 }
@@ -294,8 +295,10 @@ TEST_F(RemoteCacheTest, ShareSendsIdsAndAttachesEveryLayerAlike) {
   EXPECT_EQ(q->batcher().stats().put_rpcs, 0);
   EXPECT_EQ(out, at63);
   ASSERT_TRUE(step(*q, 1, 63, out.data()).ok());
+  EXPECT_EQ(q->batcher().stats().appends_in_attend, 0);  // held rows: nothing sent
   for (int l = 0; l < shape_.layers; ++l) ASSERT_TRUE(step(*q, l, 64, out.data()).ok());
-  EXPECT_EQ(q->batcher().stats().put_rpcs, shape_.layers);
+  EXPECT_EQ(q->batcher().stats().put_rpcs, 0);
+  EXPECT_EQ(q->batcher().stats().appends_in_attend, shape_.layers);
   EXPECT_EQ(q->tokens(0), 65);
   st = client_->Stats();
   ASSERT_TRUE(st.ok());

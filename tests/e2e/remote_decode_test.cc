@@ -96,10 +96,11 @@ TEST_F(RemoteDecode, DecodeFaithfulThroughTheServerEqualsInProcess) {
     EXPECT_LT(rel, 1e-4) << name;
     EXPECT_EQ(remote->scored_tokens, local.scored_tokens);
     // G = 32, L = 128: chunks [0,31) [31,63) [63,95) [95,127) [127,128), both windows in
-    // each call: one PutBlocks message and one Attend per (chunk, layer).
+    // each call: one Attend carrying the appends per (chunk, layer).
     EXPECT_EQ(rs.rpc.batches, 5 * 30);
     EXPECT_EQ(rs.rpc.items, 2 * 5 * 30);
-    EXPECT_EQ(rs.rpc.put_rpcs, rs.rpc.batches);
+    EXPECT_EQ(rs.rpc.put_rpcs, 0);
+    EXPECT_EQ(rs.rpc.appends_in_attend, rs.rpc.items);
     EXPECT_EQ(rs.rpc.attend_rpcs, rs.rpc.batches);
     auto st = client_->Stats();  // every sequence was deleted after use
     ASSERT_TRUE(st.ok()) << st.status();
@@ -137,7 +138,8 @@ TEST_F(RemoteDecode, TokenByTokenThroughTheServerEqualsInProcess) {
   EXPECT_EQ(rs.decode_steps, kWindows * (kWindowLen - 1));
   EXPECT_EQ(rs.rpc.batches, static_cast<int64_t>(kWindowLen - 1) * 30);
   EXPECT_EQ(rs.rpc.items, static_cast<int64_t>(kWindows) * (kWindowLen - 1) * 30);
-  EXPECT_EQ(rs.rpc.put_rpcs, rs.rpc.batches);
+  EXPECT_EQ(rs.rpc.put_rpcs, 0);
+  EXPECT_EQ(rs.rpc.appends_in_attend, rs.rpc.items);
   EXPECT_EQ(rs.rpc.attend_rpcs, rs.rpc.batches);
   EXPECT_GT(rs.rpc_share(), 0.0);
   // Sanity: decoding through the server is the same model on the same text.

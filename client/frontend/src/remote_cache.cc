@@ -137,9 +137,11 @@ absl::Status RemoteBatcher::Run(Request* r) {
 void RemoteBatcher::FlushLocked() {
   std::vector<Request*> batch;
   batch.swap(pending_);
+  // Appends go with their Attend item (one round trip per step: AttendItem.append); only
+  // the score path (keys-only) still needs a PutBlocks before it.
   v1::PutBlocksRequest put;
   for (Request* r : batch)
-    if (r->has_append) *put.add_appends() = std::move(r->append);
+    if (r->has_append && r->score) *put.add_appends() = std::move(r->append);
   absl::StatusOr<v1::PutBlocksResponse> pr = v1::PutBlocksResponse();
   auto t0 = std::chrono::steady_clock::now();
   if (put.appends_size() > 0) {  // none when every row was attached already
@@ -162,7 +164,12 @@ void RemoteBatcher::FlushLocked() {
         *sreq.add_items() = std::move(r->score_item);
         sco.push_back(r);
       } else {
-        *areq.add_items() = std::move(r->attend);
+        v1::AttendItem* item = areq.add_items();
+        *item = std::move(r->attend);
+        if (r->has_append) {
+          *item->mutable_append() = std::move(r->append);
+          ++stats_.appends_in_attend;
+        }
         att.push_back(r);
       }
     }

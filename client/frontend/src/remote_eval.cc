@@ -199,6 +199,7 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
     st.rpc.attach_rpcs += bs.attach_rpcs;
     st.rpc.tokens_attached += bs.tokens_attached;
     st.rpc.put_rpcs += bs.put_rpcs;
+    st.rpc.appends_in_attend += bs.appends_in_attend;
     st.rpc.attend_rpcs += bs.attend_rpcs;
     st.rpc.score_rpcs += bs.score_rpcs;
     st.rpc.put_seconds += bs.put_seconds;

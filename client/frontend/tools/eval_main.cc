@@ -384,18 +384,22 @@ int Main(int argc, char** argv) {
                                {"read_seconds", rs.rpc.read_seconds},
                                {"batches", rs.rpc.batches},
                                {"items", rs.rpc.items},
+                               {"put_rpcs", rs.rpc.put_rpcs},
+                               {"appends_in_attend", rs.rpc.appends_in_attend},
                                {"bytes_sent", rs.rpc.bytes_sent}};
         std::fprintf(stderr,
                      "kvq-eval: %s through %s: %lld decode steps in %.2fs = %.1f steps/s "
                      "(%d windows batched), RPC %.1f%% of the time (PutBlocks %.1f%%, %s %.1f%%), "
-                     "%lld batched calls of each\n",
+                     "%lld batched calls (%lld PutBlocks, %lld appends carried by Attend)\n",
                      c.name.c_str(), kv_servers.c_str(), static_cast<long long>(rs.decode_steps),
                      rs.decode_seconds, rs.steps_per_second(),
                      std::min(windows, std::max(1, ro.batch)), 100 * rs.rpc_share(),
                      100 * rs.rpc.put_seconds / std::max(1e-12, rs.decode_seconds),
                      c.keys_only ? "Score" : "Attend",
                      100 * rs.rpc.read_seconds / std::max(1e-12, rs.decode_seconds),
-                     static_cast<long long>(rs.rpc.batches));
+                     static_cast<long long>(rs.rpc.batches),
+                     static_cast<long long>(rs.rpc.put_rpcs),
+                     static_cast<long long>(rs.rpc.appends_in_attend));
         if (kv_share) {
           std::fprintf(stderr, "kvq-eval: %s: share: %lld tokens per layer attached from the "
                        "prefix index (%lld attach calls)\n", c.name.c_str(),
