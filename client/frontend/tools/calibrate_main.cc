@@ -9,6 +9,7 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/calibration.h"
 #include "kvq/core/codec.h"
+#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
@@ -62,21 +63,16 @@ int Main(int argc, char** argv) {
   if (!flags.Parse(argc, argv, &rc)) return rc;
   if (flags.Get("out").empty()) return Fail(absl::InvalidArgumentError("--out is required"));
   SetBlasThreads(static_cast<int>(flags.GetInt("threads")));
-  auto file = GgufFile::Open(flags.Get("model"));
-  if (!file.ok()) return Fail(file.status());
-  auto tok = Tokenizer::FromGguf(**file);
-  if (!tok.ok()) return Fail(tok.status());
-  auto model = LlamaModel::Load(**file);
-  if (!model.ok()) return Fail(model.status());
-  auto text = ReadFile(flags.Get("text"));
-  if (!text.ok()) return Fail(text.status());
-  std::vector<int32_t> ids = (*tok)->Encode(*text);
+  auto loaded = LoadModelAndText(flags.Get("model"), flags.Get("text"));
+  if (!loaded.ok()) return Fail(loaded.status());
+  const LlamaModel& model = *loaded->model;
+  std::vector<int32_t> ids = std::move(loaded->ids);
   const int64_t want = flags.GetInt("tokens");
   const int L = static_cast<int>(flags.GetInt("window-len"));
   if (static_cast<int64_t>(ids.size()) < want) {
     return Fail(absl::InvalidArgumentError(absl::StrCat("text has ", ids.size(), " tokens, --tokens ", want)));
   }
-  const LlamaConfig& c = (*model)->config();
+  const LlamaConfig& c = model.config();
   const bool variants = flags.GetBool("variants");
   core::QueryStats stats(c.layers, c.q_heads, c.kv_heads, c.head_dim);
   // The residual statistics for the residual-weighted basis: 2-bit KIVI keys, G = 32.
@@ -113,7 +109,7 @@ int Main(int argc, char** argv) {
   for (int64_t s = 0; s < want; s += L) {
     const int n = static_cast<int>(std::min<int64_t>(L, want - s));
     DenseCache cache(c.cache_shape());
-    absl::Status st = (*model)->Forward(ids.data() + s, n, 0, &cache, n, nullptr, hook);
+    absl::Status st = model.Forward(ids.data() + s, n, 0, &cache, n, nullptr, hook);
     if (!st.ok()) return Fail(st);
     bar.Update(s + n);
   }

@@ -13,6 +13,7 @@
 #include "flags.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/half.h"
+#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
@@ -53,15 +54,10 @@ int Main(int argc, char** argv) {
   if (!flags.Parse(argc, argv, &rc)) return rc;
   if (flags.Get("out").empty()) return Fail(absl::InvalidArgumentError("--out is required"));
   SetBlasThreads(2);
-  auto file = GgufFile::Open(flags.Get("model"));
-  if (!file.ok()) return Fail(file.status());
-  auto tok = Tokenizer::FromGguf(**file);
-  if (!tok.ok()) return Fail(tok.status());
-  auto model = LlamaModel::Load(**file);
-  if (!model.ok()) return Fail(model.status());
-  auto text = ReadFile(flags.Get("text"));
-  if (!text.ok()) return Fail(text.status());
-  std::vector<int32_t> ids = (*tok)->Encode(*text);
+  auto loaded = LoadModelAndText(flags.Get("model"), flags.Get("text"));
+  if (!loaded.ok()) return Fail(loaded.status());
+  const LlamaModel& model = *loaded->model;
+  std::vector<int32_t> ids = std::move(loaded->ids);
   const int64_t skip = flags.GetInt("skip-tokens");
   const int n = static_cast<int>(flags.GetInt("tokens"));
   if (static_cast<int64_t>(ids.size()) < skip + n) return Fail(absl::InvalidArgumentError("text too short"));
@@ -71,7 +67,7 @@ int Main(int argc, char** argv) {
     if (!absl::SimpleAtoi(s, &l)) return Fail(absl::InvalidArgumentError("bad --layers"));
     layers.push_back(l);
   }
-  const LlamaConfig& c = (*model)->config();
+  const LlamaConfig& c = model.config();
   const int D = c.head_dim;
   std::map<int, std::vector<float>> q, k, v;
   auto hook = [&](int layer, int64_t, int m, const float* qq, const float* kk, const float* vv) {
@@ -89,7 +85,7 @@ int Main(int argc, char** argv) {
         }
   };
   DenseCache cache(c.cache_shape());
-  absl::Status st = (*model)->Forward(ids.data() + skip, n, 0, &cache, n, nullptr, hook);
+  absl::Status st = model.Forward(ids.data() + skip, n, 0, &cache, n, nullptr, hook);
   if (!st.ok()) return Fail(st);
   core::ModelBasis basis;
   const int R = static_cast<int>(flags.GetInt("rank"));

@@ -14,6 +14,7 @@
 #include "flags.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/status.h"
+#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
@@ -120,15 +121,10 @@ int Main(int argc, char** argv) {
                                            "keys and values; keys-only cannot attach)"));
   }
   SetBlasThreads(static_cast<int>(flags.GetInt("threads")));
-  auto file = GgufFile::Open(flags.Get("model"));
-  if (!file.ok()) return Fail(file.status());
-  auto tok = Tokenizer::FromGguf(**file);
-  if (!tok.ok()) return Fail(tok.status());
-  auto model = LlamaModel::Load(**file);
-  if (!model.ok()) return Fail(model.status());
-  auto text = ReadFile(flags.Get("text"));
-  if (!text.ok()) return Fail(text.status());
-  const std::vector<int32_t> ids = (*tok)->Encode(*text);
+  auto loaded = LoadModelAndText(flags.Get("model"), flags.Get("text"));
+  if (!loaded.ok()) return Fail(loaded.status());
+  const LlamaModel& model = *loaded->model;
+  const std::vector<int32_t> ids = std::move(loaded->ids);
   core::ModelBasis basis;
   if (!flags.Get("basis").empty()) {
     auto b = core::ReadBasis(flags.Get("basis"));
@@ -155,7 +151,7 @@ int Main(int argc, char** argv) {
   auto cl = client::Client::Create(co);
   if (!cl.ok()) return Fail(cl.status());
   client::Client& client = **cl;
-  const LlamaConfig& mc = (*model)->config();
+  const LlamaConfig& mc = model.config();
   auto rm = RegisterRemoteModel(client, mc.cache_shape(), basis.u.empty() ? nullptr : &basis);
   if (!rm.ok()) return Fail(rm.status());
   RemoteCache::Options base;
@@ -182,7 +178,7 @@ int Main(int argc, char** argv) {
     const int n = static_cast<int>(t.size());
     const auto t0 = std::chrono::steady_clock::now();
     ASSIGN_OR_RETURN(RemotePrefill p,
-                     PrefillRemote(**model, cache.get(), t.data(), n, n - 1, &run.last, share));
+                     PrefillRemote(model, cache.get(), t.data(), n, n - 1, &run.last, share));
     run.ttft = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     run.attached = p.attached;
     run.attach = p.attach_seconds;

@@ -1,0 +1,19 @@
+#include "kvq/frontend/model_and_text.h"
+
+#include "kvq/core/status.h"
+#include "kvq/frontend/model_files.h"
+
+namespace kvq::frontend {
+
+absl::StatusOr<ModelAndText> LoadModelAndText(const std::string& model_path,
+                                              const std::string& text_path) {
+  ModelAndText m;
+  ASSIGN_OR_RETURN(m.file, GgufFile::Open(model_path));
+  ASSIGN_OR_RETURN(m.tokenizer, Tokenizer::FromGguf(*m.file));
+  ASSIGN_OR_RETURN(m.model, LlamaModel::Load(*m.file));
+  ASSIGN_OR_RETURN(std::string text, ReadFile(text_path));
+  m.ids = m.tokenizer->Encode(text);
+  return m;
+}
+
+}  // namespace kvq::frontend
