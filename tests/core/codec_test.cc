@@ -280,10 +280,12 @@ TEST(Codec, SoftmaxNullShift) {
   EXPECT_LT(AttentionKL(sa.data(), sb.data(), T), 0.05 * kl_quant);
   EXPECT_NEAR(FisherScoreError(ea.data(), sa.data(), T), FisherScoreError(eb.data(), sb.data(), T),
               0.02 * FisherScoreError(ea.data(), sa.data(), T));
-  // The metric itself ignores constants; the raw score MSE does not.
+  // The metric itself ignores constants; the raw score MSE does not. (x + 5 rounds in fp32,
+  // by up to half an ulp of 5 + x: the metric sees that rounding, about 1e-8 for some kernel
+  // tables, e.g. KVQ_KERNELS=ref, against Fisher errors of 1e-2 and up for real damage.)
   std::vector<float> shifted(sa);
   for (auto& x : shifted) x += 5;
-  EXPECT_NEAR(FisherScoreError(sa.data(), shifted.data(), T), 0.0, 1e-9);
+  EXPECT_NEAR(FisherScoreError(sa.data(), shifted.data(), T), 0.0, 1e-6);
   EXPECT_GT(MeanSquaredError(sa.data(), shifted.data(), T), 24.0);
   ASSERT_TRUE(a.Attend(q.data(), 1, 1, {}, oa.data()).ok());
   ASSERT_TRUE(b.Attend(q.data(), 1, 1, {}, ob.data()).ok());
