@@ -355,6 +355,32 @@ TEST_F(PrefixTest, RetainedPrefixesServeLaterSequencesAndGoFirstUnderPressure) {
   EXPECT_LT(u.prefix_blocks, 8);
 }
 
+// Under a tenant quota the writer's own retained groups go first, and another tenant's
+// retained groups are never touched by it.
+TEST_F(PrefixTest, QuotaDropsTheWritersRetainedGroupsOnly) {
+  Tokens a(Ids(128, 41), 8);
+  Tokens other(Ids(128, 9000), 61);
+  const int64_t one = BytesUnshared(other);
+  StoreOptions o;
+  o.tenant_quota_bytes = 2 * one;
+  Store store(o, &registry_);
+  AppendOutcome out;
+  for (const char* tenant : {"t", "u"}) {
+    ASSERT_TRUE(store.Append(tenant, a.All("a"), &out).ok());
+    ASSERT_TRUE(store.Delete(tenant, "a").ok());  // retained in both tenants
+  }
+  const int64_t u_before = store.TenantUsage("u").bytes;
+  EXPECT_EQ(store.TenantUsage("t").retained_bytes, store.TenantUsage("t").prefix_bytes);
+  ASSERT_TRUE(store.Append("t", other.All("x", false), &out).ok());
+  ASSERT_TRUE(store.Append("t", other.All("y", false), &out).ok());  // needs t's retained room
+  const UsageStats t = store.TenantUsage("t");
+  EXPECT_EQ(t.evictions, 0);
+  EXPECT_LE(t.bytes, o.tenant_quota_bytes);
+  EXPECT_LT(t.prefix_blocks, 8);
+  EXPECT_EQ(store.TenantUsage("u").bytes, u_before);  // the other tenant's cache untouched
+  EXPECT_EQ(store.TenantUsage("u").prefix_blocks, 8);
+}
+
 TEST_F(PrefixTest, EvictingOneHolderKeepsBlocksOthersHold) {
   // 150 tokens: 4 shared groups per layer and 22 window tokens each sequence holds itself.
   Tokens a(Ids(150, 21), 6);
