@@ -26,6 +26,7 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 }
 
 void ToFloat(DType t, const void* src, float* dst, size_t n) {
+  if (n == 0) return;  // empty tensors may come with null pointers
   switch (t) {
     case DType::kF32: std::memcpy(dst, src, n * 4); return;
     case DType::kF16: HalfToFloatN(static_cast<const uint16_t*>(src), dst, n); return;
@@ -38,6 +39,7 @@ void ToFloat(DType t, const void* src, float* dst, size_t n) {
 }
 
 void FromFloat(DType t, const float* src, void* dst, size_t n) {
+  if (n == 0) return;  // empty tensors may come with null pointers
   switch (t) {
     case DType::kF32: std::memcpy(dst, src, n * 4); return;
     case DType::kF16: FloatToHalfN(src, static_cast<uint16_t*>(dst), n); return;

@@ -643,7 +643,9 @@ TEST(ServiceTest, AttendCarryingItsAppendEqualsPutThenAttend) {
   v1::Append conflict = step_append("one", 0, T - 1);
   conflict.mutable_keys()->mutable_data()->at(3) ^= 0x11;
   add(conflict);
-  add(step_append("one", 0, T + 5));
+  v1::Append gap = step_append("one", 0, T - 1);  // token T-1's bytes, placed past the end
+  gap.set_start(T + 5);
+  add(gap);
   auto* good = bad.add_items();
   good->set_sequence_id("one");
   good->set_layer(1);
