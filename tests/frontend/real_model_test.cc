@@ -33,20 +33,25 @@ class RealModel : public ::testing::Test {
       missing_ = "model not found at " + path + " (run scripts/fetch-model.sh)";
       return;
     }
+    // Errors are kept for SetUp to report: a fatal failure here would make gtest skip the
+    // tests, which ctest counts as passed.
     auto f = GgufFile::Open(path);
-    ASSERT_TRUE(f.ok()) << f.status();
+    if (!f.ok()) return void(error_ = f.status().ToString());
     file_ = std::move(*f).release();
     auto t = Tokenizer::FromGguf(*file_);
-    ASSERT_TRUE(t.ok()) << t.status();
+    if (!t.ok()) return void(error_ = t.status().ToString());
     tok_ = std::move(*t).release();
     auto m = LlamaModel::Load(*file_);
-    ASSERT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return void(error_ = m.status().ToString());
     model_ = std::move(*m).release();
     SetBlasThreads(1);  // ctest runs tests in parallel; 2 BLAS threads would oversubscribe
     std::ifstream in(Fixture("reference.json"));
-    ref_ = new json(json::parse(in));
+    json parsed = json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (parsed.is_discarded()) return void(error_ = "cannot read " + Fixture("reference.json"));
+    ref_ = new json(std::move(parsed));
   }
   void SetUp() override {
+    ASSERT_TRUE(error_.empty()) << error_;
     if (!missing_.empty()) {
       const char* allow = std::getenv("KVQ_ALLOW_NO_MODEL");
       if (allow && std::string(allow) == "1") GTEST_SKIP() << missing_ << "; KVQ_ALLOW_NO_MODEL=1";
@@ -57,6 +62,7 @@ class RealModel : public ::testing::Test {
   static std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
 
   static inline std::string missing_;
+  static inline std::string error_;  // loading failed: every test fails with it
   static inline GgufFile* file_ = nullptr;
   static inline Tokenizer* tok_ = nullptr;
   static inline LlamaModel* model_ = nullptr;
