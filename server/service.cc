@@ -434,12 +434,34 @@ bool SharesASequence(const Items& items) {
 
 }  // namespace
 
+template <class Item>
+absl::Status Service::ItemAppend(const std::string& tenant, const Item& item,
+                                 const std::string& at) {
+  // The decode step's new tokens first, exactly as a PutBlocks append of them.
+  const v1::Append& ap = item.append();
+  if (ap.sequence_id() != item.sequence_id() || ap.layer() != item.layer()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        at, ".append names sequence '", ap.sequence_id(), "' layer ", ap.layer(),
+        "; it must be the item's own (sequence '", item.sequence_id(), "' layer ", item.layer(),
+        ")"));
+  }
+  core::AppendSpec spec;
+  std::vector<float> probe;
+  RETURN_IF_ERROR(SpecOf(ap, at + ".append", &spec, &probe));
+  core::AppendOutcome outcome;
+  absl::Status st = store_->Append(tenant, {spec}, &outcome);
+  if (!st.ok() && absl::StartsWith(st.message(), "appends[0]")) {  // the store's own prefix
+    st = absl::Status(st.code(), absl::StrCat(at, ".append", st.message().substr(10)));
+  }
+  return st;
+}
+
 grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
                                          const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
   return Unary("Score", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
     for (int i = 0; i < req->items_size(); ++i) resp->add_results();
-    ForEachItem(pool_, req->items_size(), false, [&](int i) {
+    ForEachItem(pool_, req->items_size(), SharesASequence(req->items()), [&](int i) {
       const v1::ScoreItem& item = req->items(i);
       v1::ScoreResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
@@ -448,6 +470,7 @@ grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
       int64_t tokens = 0;
       absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
       if (st.ok()) st = QueriesToFloat(item.queries(), at + ".queries", &q, &q_heads, &n_q, &d);
+      if (st.ok() && item.has_append()) st = ItemAppend(tenant, item, at);
       if (st.ok()) {
         st = Prefix(
             store_->Score(tenant, item.sequence_id(), item.layer(), item.basis_version(), q.data(),
@@ -535,24 +558,7 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
         st = absl::InvalidArgumentError(
             absl::StrCat(at, ".causal_offset ", item.causal_offset(), " must be >= 0"));
       }
-      if (st.ok() && item.has_append()) {
-        // The decode step's new tokens first, exactly as a PutBlocks append of them.
-        const v1::Append& ap = item.append();
-        if (ap.sequence_id() != item.sequence_id() || ap.layer() != item.layer()) {
-          st = absl::InvalidArgumentError(absl::StrCat(
-              at, ".append names sequence '", ap.sequence_id(), "' layer ", ap.layer(),
-              "; it must be the item's own (sequence '", item.sequence_id(), "' layer ",
-              item.layer(), ")"));
-        }
-        core::AppendSpec spec;
-        std::vector<float> probe;
-        if (st.ok()) st = SpecOf(ap, at + ".append", &spec, &probe);
-        core::AppendOutcome outcome;
-        if (st.ok()) st = store_->Append(tenant, {spec}, &outcome);
-        if (!st.ok() && absl::StartsWith(st.message(), "appends[0]")) {  // store's own prefix
-          st = absl::Status(st.code(), absl::StrCat(at, ".append", st.message().substr(10)));
-        }
-      }
+      if (st.ok() && item.has_append()) st = ItemAppend(tenant, item, at);
       if (st.ok()) {
         core::AttendOptions ao;
         ao.causal_offset = item.has_causal_offset() ? item.causal_offset() : -1;

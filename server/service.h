@@ -53,6 +53,9 @@ class Service final : public v1::Kvq::CallbackService {
   // into *probe), validating what the store does not; errors start with `at`.
   absl::Status SpecOf(const v1::Append& a, const std::string& at, core::AppendSpec* spec,
                       std::vector<float>* probe);
+  // Applies an Attend or Score item's `append` (its own sequence and layer only).
+  template <class Item>
+  absl::Status ItemAppend(const std::string& tenant, const Item& item, const std::string& at);
   core::Store* store() { return store_; }
   core::Registry* registry() { return registry_; }
   WorkerPool* pool() { return pool_; }

@@ -184,6 +184,8 @@ TEST_F(RemoteCacheTest, KeysOnlyScoresRemotelyAndReadsOutLocally) {
   EXPECT_LE(Compare(Codec(false), true, 2, &st), 1e-4);
   EXPECT_EQ(st.score_rpcs, st.batches);
   EXPECT_EQ(st.attend_rpcs, 0);
+  EXPECT_EQ(st.put_rpcs, 0);  // the appends ride in the Score items
+  EXPECT_EQ(st.appends_in_attend, st.items);
 }
 
 TEST_F(RemoteCacheTest, LeavingReleasesTheOthersAndFinishDeletes) {

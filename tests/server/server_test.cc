@@ -665,6 +665,48 @@ TEST(ServiceTest, AttendCarryingItsAppendEqualsPutThenAttend) {
   EXPECT_EQ(br.results(3).tokens(), T);
 }
 
+// Score items carry their append too (keys-only frontends): the same logits as PutBlocks then
+// Score, and two items of one sequence in one call apply in order.
+TEST(ServiceTest, ScoreCarryingItsAppendEqualsPutThenScore) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Fixture f;
+  const Shape& s = f.shape;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  const int64_t T = 40;
+  auto K = RandomKV(kv, T, d, 90), V = RandomKV(kv, T, d, 91);
+  auto one = [&](const std::string& seq, int64_t t) {
+    return MakeAppend(seq, 0, t, Slice(K, kv, T, d, t, 1), Slice(V, kv, T, d, t, 1), kv, 1, d,
+                      t == 0 ? "tiny" : "");
+  };
+  for (int64_t t = 0; t < T; t += 2) {
+    auto q = RandomQueries(qh, 1, d, 200 + t);
+    v1::PutBlocksRequest m;
+    *m.add_appends() = one("put", t);
+    *m.add_appends() = one("put", t + 1);
+    v1::PutBlocksResponse pr;
+    ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+    v1::ScoreRequest both;  // two items of "inline": token t, then token t + 1, then score
+    for (int64_t u : {t, t + 1}) {
+      auto* it = both.add_items();
+      it->set_sequence_id("inline");
+      *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+      *it->mutable_append() = one("inline", u);
+    }
+    auto* ref = both.add_items();
+    ref->set_sequence_id("put");
+    *ref->mutable_queries() = TensorF32(q, {qh, 1, d});
+    v1::ScoreResponse r;
+    auto ctx = Ctx();
+    ASSERT_TRUE(stub->Score(ctx.get(), both, &r).ok());
+    ASSERT_EQ(r.results(1).status().code(), 0) << r.results(1).status().message();
+    EXPECT_EQ(r.results(0).tokens(), t + 1);
+    EXPECT_EQ(r.results(1).tokens(), t + 2);
+    EXPECT_EQ(FloatsOf(r.results(1).logits()), FloatsOf(r.results(2).logits())) << "step " << t;
+  }
+}
+
 TEST(ServiceTest, OneTokenAppendsEqualOneBigAppend) {
   TestServer ts;
   auto stub = ts.Stub();

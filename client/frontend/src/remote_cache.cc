@@ -137,31 +137,23 @@ absl::Status RemoteBatcher::Run(Request* r) {
 void RemoteBatcher::FlushLocked() {
   std::vector<Request*> batch;
   batch.swap(pending_);
-  // Appends go with their Attend item (one round trip per step: AttendItem.append); only
-  // the score path (keys-only) still needs a PutBlocks before it.
-  v1::PutBlocksRequest put;
-  for (Request* r : batch)
-    if (r->has_append && r->score) *put.add_appends() = std::move(r->append);
-  absl::StatusOr<v1::PutBlocksResponse> pr = v1::PutBlocksResponse();
+  // Appends go with their Attend or Score item (AttendItem.append, ScoreItem.append): one
+  // round trip per step and layer.
   auto t0 = std::chrono::steady_clock::now();
-  if (put.appends_size() > 0) {  // none when every row was attached already
-    stats_.bytes_sent += static_cast<int64_t>(put.ByteSizeLong());
-    pr = client_->PutBlocks({put});
-    stats_.put_seconds += Since(t0);
-    ++stats_.put_rpcs;
-  }
   ++stats_.batches;
   stats_.items += static_cast<int64_t>(batch.size());
-  if (!pr.ok()) {
-    for (Request* r : batch)
-      r->status = absl::Status(pr.status().code(), absl::StrCat("PutBlocks: ", pr.status().message()));
-  } else {
+  {
     v1::AttendRequest areq;
     v1::ScoreRequest sreq;
     std::vector<Request*> att, sco;
     for (Request* r : batch) {
       if (r->score) {
-        *sreq.add_items() = std::move(r->score_item);
+        v1::ScoreItem* item = sreq.add_items();
+        *item = std::move(r->score_item);
+        if (r->has_append) {
+          *item->mutable_append() = std::move(r->append);
+          ++stats_.appends_in_attend;
+        }
         sco.push_back(r);
       } else {
         v1::AttendItem* item = areq.add_items();

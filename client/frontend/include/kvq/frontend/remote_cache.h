@@ -73,14 +73,14 @@ absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o);
 
 // Counters of a batcher (all its caches together).
 struct RemoteStats {
-  // flushes: one read call each (an Attend whose items carry their appends; keys-only: a
-  // PutBlocks message, then a Score)
+  // flushes: one read call each (an Attend, or for keys-only a Score, whose items carry
+  // their appends)
   int64_t batches = 0;
   int64_t attach_rpcs = 0;   // AttachPrefix PutBlocks calls (retries included)
   int64_t tokens_attached = 0;  // per layer, summed over the caches' AttachPrefix calls
   int64_t items = 0;         // (sequence, layer) items sent
   int64_t put_rpcs = 0, attend_rpcs = 0, score_rpcs = 0;
-  int64_t appends_in_attend = 0;  // appends carried by Attend items (no PutBlocks of their own)
+  int64_t appends_in_attend = 0;  // appends carried by Attend / Score items (no PutBlocks)
   double put_seconds = 0;    // wall time inside PutBlocks calls
   double read_seconds = 0;   // wall time inside Attend / Score calls
   int64_t bytes_sent = 0;    // serialized request bytes
