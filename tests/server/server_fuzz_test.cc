@@ -185,6 +185,16 @@ TEST(ServiceFuzz, DamagedRequestsGetAStatusAndHarmNothing) {
     *ai->mutable_queries() = TensorF16(q, {qh, 2, d});
     unary.emplace_back("/kvq.v1.Kvq/Attend", a.SerializeAsString());
     keep(a);
+    // An Attend and a Score carrying their append (the decode path in one round trip).
+    v1::AttendRequest aa = a;
+    *aa.mutable_items(0)->mutable_append() =
+        MakeAppend("fz", 0, 40, Slice(k, kv, T, d, 40, 1), Slice(v, kv, T, d, 40, 1), kv, 1, d);
+    unary.emplace_back("/kvq.v1.Kvq/Attend", aa.SerializeAsString());
+    keep(aa);
+    v1::ScoreRequest sa = r;
+    *sa.mutable_items(0)->mutable_append() = aa.items(0).append();
+    unary.emplace_back("/kvq.v1.Kvq/Score", sa.SerializeAsString());
+    keep(sa);
     v1::ReadoutRequest ro;
     auto* ri = ro.add_items();
     ri->set_sequence_id("fz");
