@@ -4,6 +4,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "kvq/client/basis_request.h"
 #include "kvq/core/basis.h"
 #include "nlohmann/json.hpp"
 
@@ -30,25 +31,7 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
   if (fs::exists(p / "manifest.json")) {
     auto basis = core::ReadBasis(dir);
     if (!basis.ok()) return basis.status();
-    const core::BasisManifest& m = basis->manifest;
-    info->set_model(m.model);
-    info->set_version(m.version);
-    info->set_layers(m.layers);
-    info->set_kv_heads(m.kv_heads);
-    info->set_q_heads(m.q_heads);
-    info->set_head_dim(m.head_dim);
-    info->set_basis_rank(m.rank);
-    info->set_rope_layout(m.rope_layout);
-    info->set_channel_order(m.channel_order);
-    info->set_kind(m.kind);
-    info->set_calibration_tokens(m.calibration_tokens);
-    const size_t per = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
-    for (int l = 0; l < m.layers; ++l) {
-      v1::Tensor* t = req.add_basis();
-      t->set_dtype(v1::DTYPE_F32);
-      for (int64_t d : {m.kv_heads, m.head_dim, m.rank}) t->add_shape(d);
-      t->set_data(reinterpret_cast<const char*>(basis->u.data() + l * per), per * sizeof(float));
-    }
+    client::FillBasisRequest(*basis, &req);
   } else if (fs::exists(p / "model.json")) {
     auto j = ReadJson(p / "model.json");
     if (!j.ok()) return j.status();

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvq/client/basis_request.h"
 #include "kvq/core/status.h"
 #include "kvq/core/tensor.h"
 
@@ -45,19 +46,10 @@ absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const Ca
           "basis shape (layers ", m.layers, ", kv_heads ", m.kv_heads, ", head_dim ", m.head_dim,
           ") does not fit the model"));
     }
+    client::FillBasisRequest(*basis, &req);
     info->set_model(name.empty() ? m.model : name);
     info->set_version(std::max(1, m.version));
-    info->set_basis_rank(m.rank);
-    info->set_rope_layout(m.rope_layout);
-    info->set_channel_order(m.channel_order);
-    info->set_kind(m.kind);
-    info->set_calibration_tokens(m.calibration_tokens);
-    const size_t per = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
-    for (int l = 0; l < m.layers; ++l) {
-      v1::Tensor* t = req.add_basis();
-      SetShape(t, v1::DTYPE_F32, {m.kv_heads, m.head_dim, m.rank});
-      t->set_data(reinterpret_cast<const char*>(basis->u.data() + l * per), per * sizeof(float));
-    }
+    info->set_q_heads(s.q_heads);
   } else {
     info->set_model(name.empty() ? absl::StrCat("kvq-frontend-", s.layers, "x", s.kv_heads, "x",
                                                 s.head_dim)
