@@ -2,6 +2,7 @@
 #include "kvq/core/store.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <optional>
@@ -37,6 +38,7 @@ struct Store::Sequence {
   // Per layer: prefix-sharing state.
   struct LayerPrefix {
     bool open = true;                   // every append so far carried token ids
+    PrefixKey seed;                     // the chain's root (PrefixSeed), set at creation
     std::vector<PrefixKey> block_keys;  // key of each sealed group
     std::vector<uint32_t> pending_ids;  // ids of the tokens after the sealed groups
   };
@@ -119,11 +121,11 @@ PrefixKey PrefixSeed(const ModelEntry& m, const CodecOptions& c, int layer) {
 
 // The key of a group: XXH3-128 over (the previous key, the group's token ids).
 PrefixKey ChainKey(const PrefixKey& prev, const uint32_t* ids, int g) {
-  std::vector<uint8_t> buf(16 + 4 * static_cast<size_t>(g));
+  std::array<uint8_t, 16 + 4 * 128> buf;  // G <= 128 (CodecOptions::Validate)
   std::memcpy(buf.data(), &prev.first, 8);
   std::memcpy(buf.data() + 8, &prev.second, 8);
   std::memcpy(buf.data() + 16, ids, 4 * static_cast<size_t>(g));
-  const XXH128_hash_t h = XXH3_128bits(buf.data(), buf.size());
+  const XXH128_hash_t h = XXH3_128bits(buf.data(), 16 + 4 * static_cast<size_t>(g));
   return {h.low64, h.high64};
 }
 
@@ -400,7 +402,6 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
   Sequence::LayerPrefix& lp = s->prefix[layer];
   LayerCache& cache = *s->layers[layer];
   const int G = s->codec.key_group;
-  const PrefixKey seed = PrefixSeed(*s->model, s->codec, layer);
   absl::MutexLock g(&mu_);
   // Evicted by another writer while this append ran: it is going away, index nothing.
   if (!s->linked) return absl::OkStatus();
@@ -412,7 +413,7 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
       return absl::InternalError(absl::StrCat("layer ", layer, ": group ", b,
                                               " sealed without its token ids"));
     }
-    const PrefixKey prev = b > 0 ? lp.block_keys[b - 1] : seed;
+    const PrefixKey prev = b > 0 ? lp.block_keys[b - 1] : lp.seed;
     const PrefixKey key = ChainKey(prev, lp.pending_ids.data(), G);
     lp.pending_ids.erase(lp.pending_ids.begin(), lp.pending_ids.begin() + G);
     auto n = T.nodes.find(key);
@@ -507,6 +508,9 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         s->hashes.resize((*m)->manifest.layers);
         s->hash_base.assign((*m)->manifest.layers, 0);
         s->prefix.resize((*m)->manifest.layers);
+        for (int l = 0; l < (*m)->manifest.layers; ++l) {
+          s->prefix[l].seed = PrefixSeed(**m, s->codec, l);
+        }
         seqs[id] = s;
         fresh[id] = true;
       }
@@ -625,11 +629,10 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       }
       Plan& p = plans[i];
       const Sequence::LayerPrefix& lp = s->prefix[a.layer];
-      const PrefixKey seed = PrefixSeed(*s->model, s->codec, a.layer);
       int64_t overlap = std::min(n, len - a.start);
       if (attach_only) {
         // A re-sent attach: the overlapped groups must be sealed with the same keys.
-        PrefixKey prev = seed;
+        PrefixKey prev = lp.seed;
         const int64_t g0 = a.start / G;
         if (g0 > 0 && g0 <= static_cast<int64_t>(lp.block_keys.size())) prev = lp.block_keys[g0 - 1];
         int64_t g = 0;
@@ -688,7 +691,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         // have encoded itself; the last R (the window) and the incomplete group stay for the
         // frontend to send with data, at arrival precision.
         const int64_t most = std::max<int64_t>(0, (p.n - s->codec.window) / G);
-        PrefixKey prev = lp.block_keys.empty() ? seed : lp.block_keys.back();
+        PrefixKey prev = lp.block_keys.empty() ? lp.seed : lp.block_keys.back();
         absl::MutexLock g(&mu_);
         auto t = tenants_.find(tenant);
         for (int64_t b = 0; t != tenants_.end() && b < most; ++b) {
