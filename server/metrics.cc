@@ -47,6 +47,11 @@ Metrics::Metrics()
                     .Name("kvq_capacity_bytes")
                     .Help("Capacity limit of the store (0: unlimited)")
                     .Register(*registry_)),
+      pool_bytes_(BuildGauge()
+                      .Name("kvq_memory_pool_bytes")
+                      .Help("Block memory pool: requested, held (size classes), reserved "
+                            "(slabs), fallback (host memory because the pool refused)")
+                      .Register(*registry_)),
       k_bits_(BuildGauge()
                   .Name("kvq_key_bits_per_element")
                   .Help("Effective key bits per element, window included")
@@ -156,6 +161,14 @@ void Metrics::Refresh(const core::Store& store, const core::Registry& registry, 
   stored_bytes_.Add({{"pool", pool}}).Set(static_cast<double>(u.bytes));
   stored_blocks_.Add({{"pool", pool}}).Set(static_cast<double>(u.blocks));
   capacity_.Add({{"pool", pool}}).Set(static_cast<double>(store.options().capacity_bytes));
+  const core::BytePool* bp = store.options().byte_pool ? store.options().byte_pool : core::HostBytePool();
+  const core::BytePool::Usage pu = bp->usage();
+  for (const auto& [state, v] : {std::pair{"requested", pu.requested_bytes},
+                                 {"held", pu.held_bytes},
+                                 {"reserved", pu.reserved_bytes},
+                                 {"fallback", pu.fallback_bytes}}) {
+    pool_bytes_.Add({{"pool", pool}, {"state", state}}).Set(static_cast<double>(v));
+  }
   k_bits_.Set(u.k_bits());
   v_bits_.Set(u.v_bits());
   tokens_.Set(static_cast<double>(u.tokens));

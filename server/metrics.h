@@ -7,6 +7,11 @@
 //   kvq_stored_bytes{pool}                     gauge     bytes held (codes + window + hashes)
 //   kvq_stored_blocks{pool}                    gauge     encoded blocks held
 //   kvq_capacity_bytes{pool}                   gauge     the capacity limit
+//   kvq_memory_pool_bytes{pool,state}          gauge     the block memory pool: state=requested
+//                                                        (live block vectors), held (their size
+//                                                        classes), reserved (slabs taken from
+//                                                        the driver), fallback (in host memory
+//                                                        because the pool refused)
 //   kvq_key_bits_per_element / kvq_value_bits_per_element   gauge (effective, window included)
 //   kvq_cached_tokens                          gauge     tokens per head over layers/sequences
 //   kvq_sequences                              gauge     live sequences
@@ -66,6 +71,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>& stored_bytes_;
   prometheus::Family<prometheus::Gauge>& stored_blocks_;
   prometheus::Family<prometheus::Gauge>& capacity_;
+  prometheus::Family<prometheus::Gauge>& pool_bytes_;
   prometheus::Gauge& k_bits_;
   prometheus::Gauge& v_bits_;
   prometheus::Gauge& tokens_;

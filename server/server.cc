@@ -66,28 +66,33 @@ struct KvqServer::Impl {
 absl::Status KvqServer::Impl::Start() {
   // Memory pool.
   std::string why;
-  const kernels::Pool best = kernels::BestPool(&why);
+  kernels::Pool want = kernels::Pool::kHost;
   if (opts.memory == "auto") {
-    if (best != kernels::Pool::kHost) {
-      Log(absl::StrCat("memory: auto found ", kernels::PoolName(best), " (", why,
-                       "), but this version keeps codes in host memory; using host"));
-    } else {
-      Log(absl::StrCat("memory: auto -> host (", why, ")"));
-    }
-  } else if (opts.memory == "host") {
-    Log("memory: host");
-  } else if (opts.memory == "gpu" || opts.memory == "pinned") {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "--memory ", opts.memory, " is not available: ",
-        kernels::CudaAvailable() ? "the store keeps codes in host memory in this version" : why));
-  } else {
+    want = kernels::BestPool(&why);
+  } else if (opts.memory == "pinned") {
+    want = kernels::Pool::kPinned;
+  } else if (opts.memory == "gpu") {
+    want = kernels::Pool::kGpu;
+  } else if (opts.memory != "host") {
     return absl::InvalidArgumentError(
         absl::StrCat("--memory must be auto, gpu, pinned or host (got '", opts.memory, "')"));
   }
-  pool_name = "host";
+  absl::StatusOr<core::BytePool*> bytes = core::SharedBytePool(want);
+  if (!bytes.ok() && opts.memory != "auto")
+    return absl::FailedPreconditionError(
+        absl::StrCat("--memory ", opts.memory, " is not available: ", bytes.status().message()));
+  if (!bytes.ok()) {  // auto: what the device API offered does not work; host memory
+    why = absl::StrCat(why, "; ", bytes.status().message());
+    bytes = core::HostBytePool();
+  }
+  pool_name = kernels::PoolName((*bytes)->pool());
+  Log(absl::StrCat("memory: ", opts.memory == "auto" ? "auto -> " : "", pool_name, "; ",
+                   pool_name == "host" ? "encoded blocks and windows in host memory"
+                                       : "encoded blocks in pinned memory, windows in host memory",
+                   why.empty() ? "" : absl::StrCat(" [", why, "]")));
 
   core::StoreOptions so;
-  so.pool = kernels::Pool::kHost;
+  so.byte_pool = *bytes;
   so.capacity_bytes = opts.capacity_bytes > 0 ? opts.capacity_bytes : PhysicalMemory() / 2;
   so.tenant_quota_bytes = opts.tenant_quota_bytes;
   so.ttl = opts.sequence_ttl;

@@ -40,8 +40,12 @@ SizeReport& SizeReport::operator+=(const SizeReport& o) {
   return *this;
 }
 
-LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis)
-    : opts_(o), kv_heads_(kv_heads), heads_(kv_heads), kblock_bytes_(KeyBlockBytes(o)) {
+LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool)
+    : opts_(o),
+      kv_heads_(kv_heads),
+      pool_(pool ? pool : HostBytePool()),
+      heads_(kv_heads, Head(pool_)),
+      kblock_bytes_(KeyBlockBytes(o)) {
   if (o.rank > 0 && basis)
     basis_.assign(basis, basis + static_cast<size_t>(kv_heads) * o.head_dim * o.rank);
   if (o.rank > 0 && !basis) opts_.rank = 0;  // no basis: KIVI-like base only
@@ -223,7 +227,7 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
   // Sealed groups only lead the cache: once an unsealed block exists, no more sealing.
   building_.clear();
   if (sealing_ && heads_[0].voffsets.empty()) {
-    for (int64_t g = 0; g < ready; ++g) building_.push_back(std::make_shared<SealedBlock>());
+    for (int64_t g = 0; g < ready; ++g) building_.push_back(std::make_shared<SealedBlock>(pool_));
   }
   auto join_window = [&](int h, int64_t j0) {
     Head& hd = heads_[h];

@@ -147,8 +147,9 @@ size_t MaxValueBlockBytes(const CodecOptions& o) {
          o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, 4));
 }
 
+template <class ByteVec>
 absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld,
-                            const float* basis, std::vector<uint8_t>* out) {
+                            const float* basis, ByteVec* out) {
   const int d = o.head_dim, r = o.rank;
   if (r > 0 && basis == nullptr) return absl::InvalidArgumentError("rank > 0 needs a basis");
   thread_local std::vector<float> ut;
@@ -160,8 +161,9 @@ absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld
   return EncodeKeyBlockT(o, keys, ld, r > 0 ? ut.data() : nullptr, out);
 }
 
+template <class ByteVec>
 absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t ld,
-                             const float* basis_t, std::vector<uint8_t>* out) {
+                             const float* basis_t, ByteVec* out) {
   const int d = o.head_dim, G = o.key_group, r = o.rank;
   if (r > 0 && basis_t == nullptr) return absl::InvalidArgumentError("rank > 0 needs a basis");
   const size_t size = KeyBlockBytes(o);
@@ -188,8 +190,9 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
   return absl::OkStatus();
 }
 
+template <class ByteVec>
 absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_t ld,
-                              const uint8_t* bits_per_token, std::vector<uint8_t>* out) {
+                              const uint8_t* bits_per_token, ByteVec* out) {
   const int d = o.head_dim, G = o.key_group, ng = o.value_groups();
   const bool per_token = o.per_token_value_bits();
   if (per_token && bits_per_token == nullptr)
@@ -228,6 +231,17 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
   WriteHeader(p, 2, per_token ? 0 : o.value_bits, 0, G, d, o.value_group, size);
   return absl::OkStatus();
 }
+
+#define KVQ_INSTANTIATE_ENCODERS(ByteVec)                                                    \
+  template absl::Status EncodeKeyBlock(const CodecOptions&, const float*, int64_t,          \
+                                       const float*, ByteVec*);                             \
+  template absl::Status EncodeKeyBlockT(const CodecOptions&, const float*, int64_t,         \
+                                        const float*, ByteVec*);                            \
+  template absl::Status EncodeValueBlock(const CodecOptions&, const float*, int64_t,        \
+                                         const uint8_t*, ByteVec*);
+KVQ_INSTANTIATE_ENCODERS(std::vector<uint8_t>)
+KVQ_INSTANTIATE_ENCODERS(Bytes)
+#undef KVQ_INSTANTIATE_ENCODERS
 
 absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const CodecOptions& o,
                                            bool verify) {

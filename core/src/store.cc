@@ -803,7 +803,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       if (!cache) {
         std::vector<float> basis = LayerBasis(*s->model, a.layer, s->codec.rank);
         cache = std::make_unique<LayerCache>(s->codec, s->model->manifest.kv_heads,
-                                             basis.empty() ? nullptr : basis.data());
+                                             basis.empty() ? nullptr : basis.data(),
+                                             opts_.byte_pool);
       }
       Sequence::LayerPrefix& lp = s->prefix[a.layer];
       if (a.token_ids.empty()) {

@@ -466,14 +466,18 @@ TEST_F(PrefixTest, TtlExpiresRetainedPrefixes) {
 }
 
 // Threads sharing one prompt (write, attach, read, delete) under a capacity that forces
-// evictions: afterwards every byte is accounted for (nothing leaks, nothing is freed twice).
+// evictions: afterwards every byte is accounted for (nothing leaks, nothing is freed twice),
+// in the store's usage and in its block memory pool (a slab pool, as the pinned pool is).
 TEST_F(PrefixTest, ConcurrentSharersLeaveExactAccounting) {
   for (bool retain : {false, true}) {
     Tokens prompt(Ids(150, 31), 7);
     StoreOptions o;
     o.capacity_bytes = 3 * BytesUnshared(prompt);
     o.retain_prefixes = retain;
-    Store store(o, &registry_);
+    SlabBytePool slabs(kernels::Pool::kHost, size_t{1} << 20);
+    o.byte_pool = &slabs;
+    auto owned = std::make_unique<Store>(o, &registry_);
+    Store& store = *owned;
     std::vector<std::thread> threads;
     std::atomic<int> errors{0};
     for (int th = 0; th < 6; ++th) {
@@ -531,6 +535,15 @@ TEST_F(PrefixTest, ConcurrentSharersLeaveExactAccounting) {
       EXPECT_EQ(u.prefix_blocks, 0);
     }
     EXPECT_EQ(u.bytes, store.TenantUsage("t").bytes);
+    // Only retained groups hold pool memory now: exactly their block bytes (a group's usage
+    // also counts its 2 kv_heads + 1 offsets and its G = 32 arrival hashes, kept elsewhere).
+    EXPECT_EQ(slabs.usage().requested_bytes,
+              u.prefix_bytes - u.prefix_blocks * int64_t{4 * (2 * kKv + 1) + 8 * 32});
+    EXPECT_EQ(slabs.usage().fallback_bytes, 0);
+    // The store gone, the pool has every byte back.
+    owned.reset();
+    EXPECT_EQ(slabs.usage().requested_bytes, 0);
+    EXPECT_EQ(slabs.usage().held_bytes, 0);
   }
 }
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "kvq/kernels/device.h"
 #include "tests/server/test_util.h"
 
 namespace kvq::testing {
@@ -130,6 +131,22 @@ TEST(ServerProcessTest, BadFlagsExitNonZeroWithAMessage) {
   waitpid(p.pid, &status, 0);
   EXPECT_EQ(WEXITSTATUS(status), 1) << log;
   EXPECT_NE(log.find("--memory must be auto, gpu, pinned or host"), std::string::npos) << log;
+  // Pools that cannot work here are refused at start with the reason: gpu always (no CUDA
+  // attend in this version), pinned without a CUDA driver.
+  for (const char* pool : {"gpu", "pinned"}) {
+    if (std::string(pool) == "pinned" && kernels::CudaAvailable()) continue;
+    Process r = Spawn({KVQ_SERVER_BIN, "--memory", pool, "--grpc-port", "0", "--metrics-port",
+                       "-1", "--registry", ""},
+                      {});
+    log.clear();
+    while (std::fgets(line, sizeof line, r.err)) log += line;
+    fclose(r.err);
+    waitpid(r.pid, &status, 0);
+    EXPECT_EQ(WEXITSTATUS(status), 1) << log;
+    EXPECT_NE(log.find(std::string("--memory ") + pool + " is not available: memory pool '" + pool + "'"),
+              std::string::npos)
+        << log;
+  }
   Process q = Spawn({KVQ_SERVER_BIN, "--no-such-flag"}, {});
   log.clear();
   while (std::fgets(line, sizeof line, q.err)) log += line;

@@ -1501,7 +1501,9 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
         "kvq_value_bits_per_element", "kvq_evictions_total", "kvq_cached_tokens 64",
         "kvq_sequences 1", "kvq_tenant_stored_bytes{tenant=\"t1\"}", "kvq_ready 1",
         "kvq_prefix_blocks 0", "kvq_prefix_bytes 0", "kvq_prefix_retained_bytes 0",
-        "kvq_prefix_shared_tokens_total 0"}) {
+        "kvq_prefix_shared_tokens_total 0",
+        "kvq_memory_pool_bytes{pool=\"host\",state=\"requested\"}",
+        "kvq_memory_pool_bytes{pool=\"host\",state=\"fallback\"} 0"}) {
     EXPECT_THAT(text, HasSubstr(want));
   }
 }

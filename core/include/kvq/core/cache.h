@@ -70,7 +70,8 @@ struct AttendOptions {
 // sharing (several caches may hold the same block). For head h, the key block is
 // bytes[offsets[2h], offsets[2h+1]) and the value block bytes[offsets[2h+1], offsets[2h+2]).
 struct SealedBlock {
-  std::vector<uint8_t> bytes;
+  explicit SealedBlock(BytePool* pool = nullptr) : bytes(PoolAllocator<uint8_t>(pool)) {}
+  Bytes bytes;
   std::vector<uint32_t> offsets{0};
   std::span<const uint8_t> key(int h) const {
     return {bytes.data() + offsets[2 * h], offsets[2 * h + 1] - offsets[2 * h]};
@@ -86,7 +87,9 @@ using SealedBlockPtr = std::shared_ptr<const SealedBlock>;
 class LayerCache {
  public:
   // basis: [kv_heads][d][rank] (row-major U per head) or null when o.rank == 0. Copied.
-  LayerCache(const CodecOptions& o, int kv_heads, const float* basis);
+  // pool: where the encoded blocks live (null: host memory); it must outlive the cache and
+  // every sealed block the cache made. The window stays in host memory.
+  LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool = nullptr);
 
   const CodecOptions& options() const { return opts_; }
   int kv_heads() const { return kv_heads_; }
@@ -145,12 +148,14 @@ class LayerCache {
   absl::Status ReplaceSealed(int64_t b, SealedBlockPtr block);
 
   // Raw access to the unsealed blocks, for golden-file tests and fault injection.
-  std::vector<uint8_t>& key_blocks(int h) { return heads_[h].kblocks; }
-  std::vector<uint8_t>& value_blocks(int h) { return heads_[h].vblocks; }
+  Bytes& key_blocks(int h) { return heads_[h].kblocks; }
+  Bytes& value_blocks(int h) { return heads_[h].vblocks; }
+  BytePool* byte_pool() const { return pool_; }
 
  private:
   struct Head {
-    std::vector<uint8_t> kblocks, vblocks;    // concatenated blocks
+    explicit Head(BytePool* pool) : kblocks(PoolAllocator<uint8_t>(pool)), vblocks(kblocks.get_allocator()) {}
+    Bytes kblocks, vblocks;                   // concatenated blocks
     std::vector<size_t> voffsets;             // start of each value block (variable size)
     std::vector<uint8_t> kwin, vwin;          // window tokens at arrival dtype
     DType win_dtype = DType::kF32;
@@ -189,6 +194,7 @@ class LayerCache {
 
   CodecOptions opts_;
   int kv_heads_;
+  BytePool* pool_;
   std::vector<float> basis_;
   std::vector<float> basis_t_;  // U^T per head, [kv_heads][r][d], for encoding
   std::vector<Head> heads_;

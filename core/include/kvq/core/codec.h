@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kvq/core/byte_pool.h"
 #include "absl/status/statusor.h"
 
 namespace kvq::core {
@@ -93,17 +94,21 @@ size_t MaxValueBlockBytes(const CodecOptions& o);
 
 // keys: [G][d] fp32 token-major, row stride `ld` elements. basis: U as [d][r] row-major
 // (orthonormal columns), may be null only when o.rank == 0. Appends the block to `out`.
+// ByteVec: std::vector<uint8_t> or Bytes (blocks in a BytePool), for all three encoders.
+template <class ByteVec>
 absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld,
-                            const float* basis, std::vector<uint8_t>* out);
+                            const float* basis, ByteVec* out);
 // The same with U given transposed, [r][d] (a cache keeps it per head instead of transposing
 // the basis for every block).
+template <class ByteVec>
 absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t ld,
-                             const float* basis_t, std::vector<uint8_t>* out);
+                             const float* basis_t, ByteVec* out);
 
 // values: [G][d] fp32, row stride ld. bits_per_token: [G] widths in {1,2,3,4} (kA2) or
 // null (uniform value_bits). Appends the block to `out`.
+template <class ByteVec>
 absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_t ld,
-                              const uint8_t* bits_per_token, std::vector<uint8_t>* out);
+                              const uint8_t* bits_per_token, ByteVec* out);
 
 // A parsed, validated block. Pointers point into the caller's bytes.
 struct KeyBlockView {

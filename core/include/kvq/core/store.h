@@ -60,6 +60,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvq/core/basis.h"
+#include "kvq/core/byte_pool.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/tensor.h"
@@ -121,9 +122,9 @@ class Registry {
 };
 
 struct StoreOptions {
-  // Where blocks are accounted. Codes live in LayerCache's host vectors today; `gpu` and
-  // `pinned` are accepted only when the device API says they work (see kernels/device.h).
-  kernels::Pool pool = kernels::Pool::kHost;
+  // Where every sequence's encoded blocks live (SharedBytePool(kPinned) for pinned host
+  // memory); null: host memory. Must outlive the store. Windows stay in host memory.
+  BytePool* byte_pool = nullptr;
   // Total bytes of all tenants; 0 = unlimited (not recommended outside tests).
   int64_t capacity_bytes = 0;
   // Bytes one tenant may hold; 0 = no per-tenant limit (only the capacity).

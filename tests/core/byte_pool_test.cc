@@ -1,0 +1,182 @@
+// The block memory pools: SlabBytePool hands out disjoint, aligned, reusable chunks with
+// exact accounting from many threads; a LayerCache on a pool puts every block byte there
+// (and nothing in host memory) and reads exactly as on host memory; a pool whose driver
+// refuses falls back to host memory and says so; the gpu pool is refused with a reason.
+//
+// The slab pool is tested here on host slabs (the pinned pool is the same code over
+// cudaHostAlloc slabs, which needs a CUDA driver: scripts/device-check.sh runs this test
+// there, where SharedBytePool(kPinned) works).
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "kvq/core/byte_pool.h"
+#include "kvq/core/cache.h"
+#include "kvq/kernels/device.h"
+#include "test_util.h"
+
+namespace kvq::core {
+namespace {
+
+using kernels::Pool;
+
+TEST(SlabBytePool, DisjointAlignedReusedAndCountedFromManyThreads) {
+  constexpr size_t kSlab = size_t{1} << 20;  // small slabs: many are needed, leftovers carved
+  SlabBytePool pool(Pool::kHost, kSlab);
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      std::vector<std::pair<uint8_t*, size_t>> live;
+      for (int i = 0; i < 3000; ++i) {
+        if (!live.empty() && rng() % 3 == 0) {  // free a random live chunk after checking it
+          const size_t j = rng() % live.size();
+          auto [p, n] = live[j];
+          const uint8_t tag = static_cast<uint8_t>(reinterpret_cast<uintptr_t>(p) >> 6);
+          if (std::any_of(p, p + n, [&](uint8_t b) { return b != tag; })) ++bad;
+          pool.Free(p, n);
+          live[j] = live.back();
+          live.pop_back();
+          continue;
+        }
+        // Mostly block-sized requests, some beyond a size class (dedicated allocations).
+        const size_t n = rng() % 10 == 0 ? kSlab / 8 + 1 + rng() % kSlab : 1 + rng() % 20000;
+        auto* p = static_cast<uint8_t*>(pool.Allocate(n));
+        if (n <= kSlab / 8 && reinterpret_cast<uintptr_t>(p) % SlabBytePool::kMinChunk != 0) ++bad;
+        std::memset(p, static_cast<uint8_t>(reinterpret_cast<uintptr_t>(p) >> 6), n);
+        live.emplace_back(p, n);
+      }
+      for (auto [p, n] : live) {
+        const uint8_t tag = static_cast<uint8_t>(reinterpret_cast<uintptr_t>(p) >> 6);
+        if (std::any_of(p, p + n, [&](uint8_t b) { return b != tag; })) ++bad;
+        pool.Free(p, n);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0) << "overlapping or misaligned chunks";
+  BytePool::Usage u = pool.usage();
+  EXPECT_EQ(u.requested_bytes, 0);
+  EXPECT_EQ(u.held_bytes, 0);
+  EXPECT_EQ(u.fallback_bytes, 0);
+  EXPECT_GT(u.reserved_bytes, 0);
+  EXPECT_EQ(u.reserved_bytes % kSlab, 0) << "dedicated allocations must be returned";
+
+  // Freed chunks are reused: the same requests again take no new slab (chunks are not
+  // merged, so only requests of a size class seen before are served from its list).
+  std::vector<void*> again;
+  for (int i = 0; i < 200; ++i) again.push_back(pool.Allocate(1000));
+  for (void* p : again) pool.Free(p, 1000);
+  const int64_t reserved = pool.usage().reserved_bytes;
+  again.clear();
+  for (int i = 0; i < 200; ++i) again.push_back(pool.Allocate(1000));
+  EXPECT_EQ(pool.usage().reserved_bytes, reserved);
+  EXPECT_EQ(pool.usage().requested_bytes, 200 * 1000);
+  EXPECT_EQ(pool.usage().held_bytes, 200 * 1024);
+  for (void* p : again) pool.Free(p, 1000);
+}
+
+// A pool whose memory cannot be had here (pinned without a CUDA driver) still serves every
+// request, from host memory, and reports the fallback bytes.
+TEST(SlabBytePool, FallsBackToHostMemoryWhenThePoolRefuses) {
+  if (kernels::CudaAvailable()) GTEST_SKIP() << "pinned memory works here: nothing refuses";
+  SlabBytePool pool(Pool::kPinned, size_t{1} << 20);
+  EXPECT_EQ(pool.Probe().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(pool.Probe().message().find("pinned"), std::string::npos) << pool.Probe();
+  void* a = pool.Allocate(100);
+  void* b = pool.Allocate(size_t{1} << 20);
+  std::memset(a, 1, 100);
+  std::memset(b, 2, size_t{1} << 20);
+  EXPECT_EQ(pool.usage().fallback_bytes, 100 + (int64_t{1} << 20));
+  EXPECT_EQ(pool.usage().reserved_bytes, 0);
+  pool.Free(a, 100);
+  pool.Free(b, size_t{1} << 20);
+  EXPECT_EQ(pool.usage().fallback_bytes, 0);
+  EXPECT_EQ(pool.usage().requested_bytes, 0);
+}
+
+TEST(SharedBytePool, HostAlwaysGpuRefusedPinnedOnlyWithADriver) {
+  absl::StatusOr<BytePool*> host = SharedBytePool(Pool::kHost);
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(*host, HostBytePool());
+  absl::StatusOr<BytePool*> gpu = SharedBytePool(Pool::kGpu);
+  EXPECT_EQ(gpu.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(gpu.status().message().find("'gpu'"), std::string::npos) << gpu.status();
+  absl::StatusOr<BytePool*> pinned = SharedBytePool(Pool::kPinned);
+  EXPECT_EQ(pinned.ok(), kernels::CudaAvailable()) << pinned.status();
+  if (pinned.ok()) {
+    EXPECT_EQ((*pinned)->pool(), Pool::kPinned);
+    EXPECT_EQ(*SharedBytePool(Pool::kPinned), *pinned) << "one pool per process";
+  }
+}
+
+// Every block byte of a cache on a pool lives in that pool: while the cache grows, host
+// memory holds none of its blocks, and reads equal those of a host-memory cache bit for bit.
+TEST(SlabBytePool, LayerCacheBlocksLiveInThePoolAndReadTheSame) {
+  const int kv = 2, d = 64, q_heads = 4;
+  const int64_t T = 300;
+  CodecOptions o;
+  o.head_dim = d;
+  o.rank = 4;
+  o.window = 16;
+  o.value_policy = ValuePolicy::kA2;
+  const auto basis = testing::Gaussian(kv * d * 4, 5, 0.125f);
+  const auto k = testing::Gaussian(kv * T * d, 1), v = testing::Gaussian(kv * T * d, 2);
+  const auto q = testing::Gaussian(q_heads * 3 * d, 3);
+  // The cache on a slab pool: a real pinned pool where a driver answers, host slabs here.
+  SlabBytePool slabs(kernels::CudaAvailable() ? Pool::kPinned : Pool::kHost);
+  auto fill = [&](LayerCache* c) {
+    for (int64_t at = 0; at < T;) {  // uneven appends: many vector growths
+      const int64_t n = std::min<int64_t>(T - at, 1 + (at * 7) % 45);
+      TensorView kt = TensorView::Contiguous(k.data() + at * d, DType::kF32, {kv, n, d});
+      TensorView vt = TensorView::Contiguous(v.data() + at * d, DType::kF32, {kv, n, d});
+      kt.stride[0] = vt.stride[0] = T * d;
+      ASSERT_TRUE(c->Append(kt, vt, at).ok());
+      at += n;
+    }
+  };
+  for (bool sealing : {false, true}) {
+    LayerCache on_host(o, kv, basis.data());
+    on_host.set_sealing(sealing);
+    fill(&on_host);
+    ASSERT_GT(HostBytePool()->usage().requested_bytes, 0) << "host caches draw on the host pool";
+    const int64_t host_before = HostBytePool()->usage().requested_bytes;
+    {
+      LayerCache in_pool(o, kv, basis.data(), &slabs);
+      in_pool.set_sealing(sealing);
+      fill(&in_pool);
+      EXPECT_EQ(in_pool.sealed().empty(), !sealing);
+      const SizeReport s = in_pool.Size();
+      ASSERT_GT(s.key_block_bytes, 0);
+      EXPECT_GE(slabs.usage().requested_bytes, s.key_block_bytes + s.value_block_bytes);
+      EXPECT_EQ(slabs.usage().fallback_bytes, 0);
+      EXPECT_EQ(HostBytePool()->usage().requested_bytes, host_before)
+          << "a block byte of the pooled cache went to host memory";
+      EXPECT_EQ(in_pool.byte_pool(), &slabs);
+      for (int h = 0; h < kv; ++h) {
+        EXPECT_EQ(std::vector<uint8_t>(in_pool.key_blocks(h).begin(), in_pool.key_blocks(h).end()),
+                  std::vector<uint8_t>(on_host.key_blocks(h).begin(), on_host.key_blocks(h).end()));
+        EXPECT_EQ(std::vector<uint8_t>(in_pool.value_blocks(h).begin(), in_pool.value_blocks(h).end()),
+                  std::vector<uint8_t>(on_host.value_blocks(h).begin(), on_host.value_blocks(h).end()));
+      }
+      std::vector<float> a(q_heads * 3 * d), b(q_heads * 3 * d);
+      AttendOptions ao;
+      ao.observe = false;
+      ASSERT_TRUE(in_pool.Attend(q.data(), q_heads, 3, ao, a.data()).ok());
+      ASSERT_TRUE(on_host.Attend(q.data(), q_heads, 3, ao, b.data()).ok());
+      EXPECT_EQ(a, b);
+      std::vector<float> ka, va, kb, vb;
+      ASSERT_TRUE(in_pool.Decode(&ka, &va).ok());
+      ASSERT_TRUE(on_host.Decode(&kb, &vb).ok());
+      EXPECT_EQ(ka, kb);
+      EXPECT_EQ(va, vb);
+    }
+    EXPECT_EQ(slabs.usage().requested_bytes, 0) << "a destroyed cache returns every byte";
+  }
+}
+
+}  // namespace
+}  // namespace kvq::core
