@@ -36,6 +36,13 @@ TEST(EvalConfig, FieldsFollowTheName) {
   EXPECT_EQ(a.codec.key_group, 128);
   EXPECT_EQ(a.codec.value_group, 32);
   EXPECT_FLOAT_EQ(a.codec.value_budget, 2.0f);
+  auto mixed = *ParseEvalConfig("headq-kv2-g128-v3");
+  EXPECT_EQ(mixed.codec.key_bits, 2);
+  EXPECT_EQ(mixed.codec.value_bits, 3);
+  EXPECT_EQ(mixed.codec.key_group, 128);
+  auto a3 = *ParseEvalConfig("headq-kv2-a2-v3");
+  EXPECT_EQ(a3.codec.key_bits, 2);
+  EXPECT_FLOAT_EQ(a3.codec.value_budget, 3.0f);
   EXPECT_EQ(ParseEvalConfig("headq-k2-r4-random")->basis, BasisKind::kRandom);
   EXPECT_TRUE(ParseEvalConfig("dense")->dense);
   // headq-kv2-a2 must fit kivi-kv2's budget: stored bytes per token and head, the A^2 values
@@ -73,7 +80,8 @@ TEST(EvalConfig, AdaptiveRanksKeepTheMeanAndFollowEnergy) {
 
 TEST(EvalConfig, BadNamesAreErrors) {
   for (const char* n : {"", "foo-k2", "kivi", "kivi-x2", "kivi-k2-r4", "kivi-k2-random", "headq-k2-zz",
-                        "headq-k5", "headq-k2-a2", "headq-k2-g33"}) {
+                        "headq-k5", "headq-k2-a2", "headq-k2-g33", "headq-k2-v3",
+                        "headq-kv2-a2-v8", "kivi-kv2-v5"}) {
     EXPECT_FALSE(ParseEvalConfig(n).ok()) << n;
   }
   EXPECT_TRUE(ParseEvalConfigList("dense,kivi-k2").ok());

@@ -49,6 +49,7 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   o.value_group = 32;
   o.window = 0;
   bool a2 = false, g_set = false, vg_set = false;
+  int value_bits = bits;  // v<N>: values at other bits than keys
   for (size_t i = 2; i < parts.size(); ++i) {
     const std::string& p = parts[i];
     int v = 0;
@@ -73,6 +74,9 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
     } else if (ParseSuffixInt(p, "vg", &v)) {
       o.value_group = v;
       vg_set = true;
+    } else if (ParseSuffixInt(p, "v", &v)) {
+      if (c.keys_only) return bad("v<bits> sets the value bits; use a kv target");
+      value_bits = v;
     } else if (ParseSuffixInt(p, "r", &v)) {
       if (c.family != "headq") return bad("rank is for headq only");
       o.rank = v;
@@ -90,13 +94,14 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   if (a2) {
     if (c.keys_only) return bad("a2 is a value policy; use a kv target");
     o.value_policy = core::ValuePolicy::kA2;
-    o.value_budget = static_cast<float>(bits);
-    if (bits > 4) return bad("a2 needs bits <= 4");
+    o.value_budget = static_cast<float>(value_bits);
+    if (value_bits > 4) return bad("a2 needs value bits <= 4");
     if (c.family == "headq") {
       if (!g_set) o.key_group = 128;
       (void)vg_set;  // value group stays 32 unless given
     }
   }
+  if (!a2) o.value_bits = value_bits;
   if (c.probe && !a2) return bad("probe needs the a2 value policy");
   if (c.family == "kivi" && (c.basis != BasisKind::kQuery || o.side_sign != 1.0f || c.adaptive_rank)) {
     return bad("basis controls apply to headq only");

@@ -86,6 +86,7 @@ Configuration grammar:
     bits    2, 3, 4, 8
     options r<N> rank, g<N> key group G (32/64/128), vg<N> value channel group,
             w<N> fp16 window R, s<N> side-code bits (4/8), a2 (A^2 value policy),
+            v<N> value bits other than the key bits (kv targets; the A^2 mean with a2),
             random | wrongsign | centred | resw (basis controls and ablations),
             oracle (--diagnostics only: PCA of the scored queries themselves, an upper bound)
   Defaults: G=32, vg=32, R=0, s=8; headq-kv*-a2 defaults to G=128.
