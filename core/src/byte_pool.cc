@@ -88,17 +88,33 @@ bool SlabBytePool::AddSlabLocked(std::string* err) {
   return true;
 }
 
+void SlabBytePool::SplitLocked(char* p, size_t bytes) {
+  // Largest pieces first; every offset stays a multiple of kMinChunk, so every piece is
+  // 64-byte aligned, and any multiple of kMinChunk splits without a remainder.
+  for (int c = n_classes_ - 1; c >= 0 && bytes >= kMinChunk; --c) {
+    while (bytes >= class_size_[c]) {
+      free_[c].push_back(p);
+      p += class_size_[c];
+      bytes -= class_size_[c];
+    }
+  }
+}
+
 void* SlabBytePool::CarveLocked(int cls) {
   const size_t size = class_size_[cls];
   if (cur_left_ < size) {
-    // The rest of the current slab goes to the free lists, largest chunks first (every
-    // offset stays a multiple of kMinChunk, so every chunk is 64-byte aligned).
-    for (int c = n_classes_ - 1; c >= 0 && cur_left_ >= kMinChunk; --c) {
-      while (cur_left_ >= (class_size_[c])) {
-        free_[c].push_back(cur_);
-        cur_ += class_size_[c];
-        cur_left_ -= class_size_[c];
-      }
+    // The rest of the current slab goes to the free lists. Before taking a new slab, a free
+    // chunk of a larger class is split (chunks are never merged again, but memory already
+    // reserved serves before more is asked of the driver).
+    SplitLocked(cur_, cur_left_);
+    cur_ = nullptr;
+    cur_left_ = 0;
+    for (int c = cls + 1; c < n_classes_; ++c) {
+      if (free_[c].empty()) continue;
+      char* p = static_cast<char*>(free_[c].back());
+      free_[c].pop_back();
+      SplitLocked(p + size, class_size_[c] - size);
+      return p;
     }
     if (!AddSlabLocked(nullptr)) return nullptr;
   }

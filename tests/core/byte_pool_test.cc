@@ -79,6 +79,31 @@ TEST(SlabBytePool, DisjointAlignedReusedAndCountedFromManyThreads) {
   for (void* p : again) pool.Free(p, 1000);
 }
 
+// Memory freed in one size class serves requests of a smaller class (split) before the
+// pool asks the driver for another slab.
+TEST(SlabBytePool, FreedLargeChunksServeSmallerRequestsBeforeANewSlab) {
+  SlabBytePool pool(Pool::kHost, size_t{1} << 20);
+  std::vector<void*> big;
+  for (int i = 0; i < 24; ++i) big.push_back(pool.Allocate(size_t{64} << 10));
+  for (void* p : big) pool.Free(p, size_t{64} << 10);
+  const int64_t reserved = pool.usage().reserved_bytes;
+  ASSERT_GE(reserved, int64_t{24} << 16);
+  std::vector<std::pair<void*, size_t>> small;
+  for (int i = 0; i < 300; ++i) {  // 300 x ~4 KiB: well under the 1.5 MiB freed
+    const size_t n = 3000 + 97 * (i % 11);
+    small.emplace_back(pool.Allocate(n), n);
+    std::memset(small.back().first, i & 0xff, n);
+  }
+  EXPECT_EQ(pool.usage().reserved_bytes, reserved) << "a new slab while freed memory sufficed";
+  for (int i = 0; i < 300; ++i) {
+    auto* p = static_cast<uint8_t*>(small[i].first);
+    EXPECT_TRUE(std::all_of(p, p + small[i].second, [&](uint8_t b) { return b == (i & 0xff); }))
+        << "chunk " << i << " overlaps another";
+    pool.Free(small[i].first, small[i].second);
+  }
+  EXPECT_EQ(pool.usage().held_bytes, 0);
+}
+
 // A pool whose memory cannot be had here (pinned without a CUDA driver) still serves every
 // request, from host memory, and reports the fallback bytes.
 TEST(SlabBytePool, FallsBackToHostMemoryWhenThePoolRefuses) {

@@ -46,8 +46,10 @@ BytePool* HostBytePool();
 // Sub-allocates slabs of `slab_bytes` taken from `pool` with kernels::Allocate: requests up
 // to slab_bytes / 8 are rounded up to a size class (multiples of 64 bytes, eight per power of
 // two, so every chunk is 64-byte aligned and wastes under an eighth of its size) and served
-// from per-class free lists; larger ones get a dedicated allocation. Freed chunks go back to their list; slabs go back to the pool only when the
-// SlabBytePool is destroyed (after every allocation was freed). Thread-safe.
+// from per-class free lists; larger ones get a dedicated allocation. Freed chunks go back to
+// their list and are never merged; when the current slab cannot serve a request, a free
+// chunk of a larger class is split before a new slab is taken. Slabs go back to the pool only
+// when the SlabBytePool is destroyed (after every allocation was freed). Thread-safe.
 class SlabBytePool final : public BytePool {
  public:
   static constexpr size_t kMinChunk = 64;
@@ -67,6 +69,7 @@ class SlabBytePool final : public BytePool {
  private:
   int ClassOf(size_t n) const;  // -1: dedicated
   void* CarveLocked(int cls) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SplitLocked(char* p, size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool AddSlabLocked(std::string* err) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void* FallbackLocked(size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
