@@ -70,13 +70,37 @@ struct Store::Tenant {
     std::vector<uint64_t> hashes;  // arrival hashes of the G tokens (for attach re-sends)
     std::optional<PrefixKey> parent;
     std::vector<PrefixKey> children;
-    int64_t refs = 0;  // sequences holding it
+    int64_t refs = 0;  // sequences holding it (and plans pinning it); change via Hold/Release
     int64_t bytes = 0;
-    absl::Time last_used;
+    absl::Time last_used;  // not changed while refs == 0 (it keys `retained`)
   };
   absl::flat_hash_map<PrefixKey, Node> nodes;
   int64_t node_bytes = 0;
   int64_t shared_tokens = 0;
+  // The entries no sequence holds (refs == 0), least recently used first: eviction takes
+  // the front, so pressure costs O(log n) per dropped entry, not a scan of the index.
+  std::set<std::pair<absl::Time, PrefixKey>> retained;
+  int64_t retained_bytes = 0;
+
+  void Hold(const PrefixKey& k, Node& n) {
+    if (n.refs++ == 0) {
+      retained.erase({n.last_used, k});
+      retained_bytes -= n.bytes;
+    }
+  }
+  // True when nobody holds the entry any more (it is retained now).
+  bool Release(const PrefixKey& k, Node& n) {
+    if (--n.refs != 0) return false;
+    retained.emplace(n.last_used, k);
+    retained_bytes += n.bytes;
+    return true;
+  }
+  // Before the entry is erased.
+  void Forget(const PrefixKey& k, const Node& n) {
+    if (n.refs != 0) return;
+    retained.erase({n.last_used, k});
+    retained_bytes -= n.bytes;
+  }
 };
 
 namespace {
@@ -202,7 +226,7 @@ void Store::UnlinkLocked(Sequence* s, bool drop) {
   for (auto it = s->node_keys.rbegin(); it != s->node_keys.rend(); ++it) {
     auto n = t.nodes.find(*it);
     if (n == t.nodes.end()) continue;
-    if (--n->second.refs == 0 && (drop || !opts_.retain_prefixes)) DropNodeLocked(t, *it);
+    if (t.Release(*it, n->second) && (drop || !opts_.retain_prefixes)) DropNodeLocked(t, *it);
   }
   s->node_keys.clear();
   t.seqs.erase(s->id);  // may destroy *s when nobody else holds it: do this last
@@ -224,6 +248,7 @@ int64_t Store::DropNodeLocked(Tenant& t, std::pair<uint64_t, uint64_t> key) {
       if (p != t.nodes.end()) std::erase(p->second.children, k);
     }
     freed += e->second.bytes;
+    t.Forget(k, e->second);
     t.nodes.erase(e);
   }
   t.node_bytes -= freed;
@@ -233,15 +258,11 @@ int64_t Store::DropNodeLocked(Tenant& t, std::pair<uint64_t, uint64_t> key) {
 }
 
 int64_t Store::DropRetainedLocked(Tenant& t, int64_t need, absl::Time older_than) {
-  std::vector<std::pair<absl::Time, PrefixKey>> retained;
-  for (const auto& [k, n] : t.nodes) {
-    if (n.refs == 0 && n.last_used < older_than) retained.emplace_back(n.last_used, k);
-  }
-  std::sort(retained.begin(), retained.end());
   int64_t freed = 0;
-  for (const auto& [when, k] : retained) {
-    if (need > 0 && freed >= need) break;
-    freed += DropNodeLocked(t, k);  // 0 when already gone with a prefix of it
+  // Each drop removes the front entry (with its extensions), so the loop ends.
+  while (!t.retained.empty() && t.retained.begin()->first < older_than &&
+         !(need > 0 && freed >= need)) {
+    freed += DropNodeLocked(t, t.retained.begin()->second);
   }
   return freed;
 }
@@ -420,7 +441,7 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
     if (n != T.nodes.end()) {
       // The same tokens, model, basis and codec settings: hold the indexed copy instead.
       RETURN_IF_ERROR(cache.ReplaceSealed(static_cast<int64_t>(b), n->second.block));
-      ++n->second.refs;
+      T.Hold(key, n->second);
       n->second.last_used = now;
       T.shared_tokens += G;
     } else {
@@ -698,7 +719,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
           prev = ChainKey(prev, a.token_ids.data() + p.from + b * G, G);
           auto node = t->second->nodes.find(prev);
           if (node == t->second->nodes.end()) break;
-          ++node->second.refs;  // pinned: no reservation may drop it before it is attached
+          t->second->Hold(prev, node->second);  // pinned: no reservation may drop it before it is attached
           p.attach.push_back(node->second.block);
           p.attach_keys.push_back(prev);
           if (attach_only) {
@@ -739,7 +760,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       for (size_t i = from_item; i < std::min(to_item, plans.size()); ++i) {
         for (const PrefixKey& k : plans[i].attach_keys) {
           auto n = t->second->nodes.find(k);
-          if (n != t->second->nodes.end() && --n->second.refs == 0 && !opts_.retain_prefixes) {
+          if (n != t->second->nodes.end() && t->second->Release(k, n->second) &&
+              !opts_.retain_prefixes) {
             DropNodeLocked(*t->second, k);
           }
         }
@@ -1082,7 +1104,7 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
   u.shared_tokens = t->second->shared_tokens;
   u.prefix_blocks = static_cast<int64_t>(t->second->nodes.size());
   u.prefix_bytes = t->second->node_bytes;
-  for (const auto& [k, n] : t->second->nodes) u.retained_bytes += n.refs == 0 ? n.bytes : 0;
+  u.retained_bytes = t->second->retained_bytes;
   for (const auto& [id, s] : t->second->seqs) {
     ++u.sequences;
     u.tokens += s->tokens;
@@ -1104,7 +1126,7 @@ UsageStats Store::TotalUsage() const {
     u.shared_tokens += t->shared_tokens;
     u.prefix_blocks += static_cast<int64_t>(t->nodes.size());
     u.prefix_bytes += t->node_bytes;
-    for (const auto& [k, n] : t->nodes) u.retained_bytes += n.refs == 0 ? n.bytes : 0;
+    u.retained_bytes += t->retained_bytes;
   }
   for (const Sequence* s : lru_) {
     ++u.sequences;
