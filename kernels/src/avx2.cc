@@ -20,6 +20,7 @@ struct Isa {
   static constexpr const char* kName = "avx2";
   using F = __m256;
   using I = __m256i;
+  static constexpr bool kPairDot = false;  // internal::*PairDot2 may be called
   struct Words {
     __m256i lo, hi;
   };
@@ -42,6 +43,11 @@ struct Isa {
   static float ReduceAdd(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); })); }
   static float ReduceMin(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_min_ps(a, b); })); }
   static float ReduceMax(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); })); }
+  // out[j] = the sum of v[j]'s lanes, j < 4 (horizontal adds shared by the four).
+  static void ReduceAdd4(const F* v, float* out) {
+    const F h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
   // Lane t of the result = the min (max) of v[t]'s lanes.
   static F TransposeMin(const F* v) {
     alignas(32) float r[W];
@@ -59,10 +65,13 @@ struct Isa {
     return _mm256_load_ps(r);
   }
   static F CvtI(I v) { return _mm256_cvtepi32_ps(v); }
-  static F GatherHalf(const uint8_t* base, const int32_t* idx) {
-    alignas(16) uint16_t h[8];
-    for (int j = 0; j < 8; ++j) std::memcpy(&h[j], base + idx[j], 2);
-    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+  // slot[t][k] (8 fp16 per token) for t < 8 and k < kinds: out[k * stride + t] as floats.
+  static void SlotsToFloats(const uint16_t (*slot)[8], int kinds, float* out, int64_t stride) {
+    for (int k = 0; k < kinds; ++k) {
+      alignas(16) uint16_t h[8];
+      for (int t = 0; t < 8; ++t) h[t] = slot[t][k];
+      _mm256_storeu_ps(out + k * stride, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))));
+    }
   }
   static F LoadHalf(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

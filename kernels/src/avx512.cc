@@ -13,6 +13,7 @@
 #define XXH_VECTOR XXH_AVX2
 #include <xxhash.h>
 
+#include "avx512_reduce.h"
 #include "common.h"
 #include "kvq/kernels/kernels.h"
 
@@ -24,6 +25,7 @@ struct Isa {
   static constexpr const char* kName = "avx512";
   using F = __m512;
   using I = __m512i;
+  static constexpr bool kPairDot = true;  // internal::*PairDot2 may be called
   struct Words {
     __m512i lo, hi;
   };
@@ -61,14 +63,27 @@ struct Isa {
     return _mm512_permutexvar_ps(
         _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
   }
+  static void ReduceAdd4(const F* v, float* out) { internal::ReduceAdd4(v, out); }
   static F TransposeMin(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_min_ps(a, b); }); }
   static F TransposeMax(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_max_ps(a, b); }); }
   static F TransposeAdd(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_add_ps(a, b); }); }
   static F CvtI(I v) { return _mm512_cvtepi32_ps(v); }
-  // fp16 values at base + idx[j] bytes (reads 4 bytes at each; the record continues past them).
-  static F GatherHalf(const uint8_t* base, const int32_t* idx) {
-    const __m512i w = _mm512_i32gather_epi32(_mm512_load_si512(idx), base, 1);
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w));
+  // slot[t][k] (8 fp16 per token) for t < 16 and k < kinds: out[k * stride + t] as floats.
+  // Two permutes over 8 slots each and a blend per k (tokens 0-7 from the first pair of
+  // vectors, 8-15 from the second).
+  static void SlotsToFloats(const uint16_t (*slot)[8], int kinds, float* out, int64_t stride) {
+    const __m512i a = _mm512_loadu_si512(slot[0]), b = _mm512_loadu_si512(slot[4]);
+    const __m512i c = _mm512_loadu_si512(slot[8]), d = _mm512_loadu_si512(slot[12]);
+    const __m512i step = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 56, 48,
+                                          40, 32, 24, 16, 8, 0, 56, 48, 40, 32, 24, 16, 8, 0);
+    for (int k = 0; k < kinds; ++k) {
+      const __m512i idx = _mm512_add_epi16(step, _mm512_set1_epi16(static_cast<int16_t>(k)));
+      const __m512i lo = _mm512_permutex2var_epi16(a, idx, b);
+      const __m512i hi = _mm512_permutex2var_epi16(c, idx, d);
+      const __m256i h = _mm256_mask_blend_epi16(0xff00, _mm512_castsi512_si256(lo),
+                                                _mm512_castsi512_si256(hi));
+      _mm512_storeu_ps(out + k * stride, _mm512_cvtph_ps(h));
+    }
   }
   static F LoadHalf(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -62,6 +62,26 @@ void ScoreB(const uint8_t* codes, int n_ch, int tokens, const float* w, const fl
   }
 }
 
+void ScoreBits(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
+               const float* bias, int n_q, bool accumulate, float* out, int64_t os) {
+  switch (bits) {
+    case 1: return ScoreB<1>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    case 2: return ScoreB<2>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    case 3: return ScoreB<3>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    case 4: return ScoreB<4>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    default: return ScoreB<8>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+  }
+}
+
+constexpr int kSmallWeights = 8 * 512;  // floats: 16 KiB
+
+// 2-bit codes go through int16 dot products where the ISA offers them (Isa::kPairDot) and
+// this CPU has them: half the multiply-adds and decode instructions of the fp32 loops.
+inline bool PairDot() {
+  static const bool ok = internal::CpuHasPairDot();
+  return ok;
+}
+
 void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
                       const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
                       bool accumulate, float* out, int64_t os) {
@@ -74,10 +94,38 @@ void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, cons
                        std::min(64, n_q - i0), mult, accumulate, out + i0 * os, os);
     return;
   }
-  // Per query: w_c = mult * q_c * scale_c and bias = mult * q . zero, once per block.
+  if constexpr (Isa::kPairDot) {
+    if (bits == 2 && n_ch % 2 == 0 && tokens % 16 == 0 && PairDot())
+      return internal::ScorePairDot2(codes, n_ch, tokens, scale, zero, q, qs, n_q, mult, accumulate,
+                                     out, os);
+  }
+  if (n_ch < W) {  // the HeadQ side code (r channels): plain loops, no vector reductions
+    float sc[W], ze[W], w[64 * W], bias[64];
+    for (int c = 0; c < n_ch; ++c) {
+      sc[c] = internal::HalfToFloat(scale[c]);
+      ze[c] = internal::HalfToFloat(zero[c]);
+    }
+    for (int i = 0; i < n_q; ++i) {
+      float b = 0.0f;
+      for (int c = 0; c < n_ch; ++c) {
+        const float qc = q[i * qs + c];
+        w[i * n_ch + c] = qc * sc[c] * mult;
+        b += qc * ze[c];
+      }
+      bias[i] = b * mult;
+    }
+    return ScoreBits(codes, bits, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+  }
+  // Per query: w_c = mult * q_c * scale_c and bias = mult * q . zero, once per block. The
+  // weights of small calls (every decode-time block) live on the stack.
   alignas(64) float sc[512], ze[512];
-  thread_local std::vector<float> w;  // grown only: base and side code calls alternate sizes
-  if (w.size() < static_cast<size_t>(n_q) * n_ch) w.resize(static_cast<size_t>(n_q) * n_ch);
+  alignas(64) float w_small[kSmallWeights];
+  float* w = w_small;
+  if (static_cast<int64_t>(n_q) * n_ch > kSmallWeights) {
+    thread_local std::vector<float> w_big;  // grown only
+    if (w_big.size() < static_cast<size_t>(n_q) * n_ch) w_big.resize(static_cast<size_t>(n_q) * n_ch);
+    w = w_big.data();
+  }
   float bias[64];
   int c = 0;
   for (; c + W <= n_ch; c += W) {
@@ -88,31 +136,33 @@ void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, cons
     sc[c] = internal::HalfToFloat(scale[c]);
     ze[c] = internal::HalfToFloat(zero[c]);
   }
+  const int full = n_ch / W * W;
   const typename Isa::F m = Isa::Set1(mult);
-  for (int i = 0; i < n_q; ++i) {
-    const float* qi = q + i * qs;
-    float* wi = w.data() + static_cast<size_t>(i) * n_ch;
-    typename Isa::F b = Isa::Zero();
-    int k = 0;
-    for (; k + W <= n_ch; k += W) {
-      const typename Isa::F qv = Isa::Load(qi + k);
-      Isa::Store(wi + k, Isa::Mul(Isa::Mul(qv, Isa::Load(sc + k)), m));
-      b = Isa::Fmadd(qv, Isa::Load(ze + k), b);
+  for (int i0 = 0; i0 < n_q; i0 += 4) {  // the bias sums of four queries reduced together
+    typename Isa::F b[4] = {Isa::Zero(), Isa::Zero(), Isa::Zero(), Isa::Zero()};
+    const int n4 = std::min(4, n_q - i0);
+    for (int j = 0; j < n4; ++j) {
+      const float* qi = q + (i0 + j) * qs;
+      float* wi = w + static_cast<size_t>(i0 + j) * n_ch;
+      for (int k = 0; k < full; k += W) {
+        const typename Isa::F qv = Isa::Load(qi + k);
+        Isa::Store(wi + k, Isa::Mul(Isa::Mul(qv, Isa::Load(sc + k)), m));
+        b[j] = Isa::Fmadd(qv, Isa::Load(ze + k), b[j]);
+      }
     }
-    float bs = Isa::ReduceAdd(b);
-    for (; k < n_ch; ++k) {
-      wi[k] = qi[k] * sc[k] * mult;
-      bs += qi[k] * ze[k];
+    float bs[4];
+    Isa::ReduceAdd4(b, bs);
+    for (int j = 0; j < n4; ++j) {
+      const float* qi = q + (i0 + j) * qs;
+      float* wi = w + static_cast<size_t>(i0 + j) * n_ch;
+      for (int k = full; k < n_ch; ++k) {
+        wi[k] = qi[k] * sc[k] * mult;
+        bs[j] += qi[k] * ze[k];
+      }
+      bias[i0 + j] = bs[j] * mult;
     }
-    bias[i] = bs * mult;
   }
-  switch (bits) {
-    case 1: return ScoreB<1>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
-    case 2: return ScoreB<2>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
-    case 3: return ScoreB<3>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
-    case 4: return ScoreB<4>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
-    default: return ScoreB<8>(codes, n_ch, tokens, w.data(), bias, n_q, accumulate, out, os);
-  }
+  ScoreBits(codes, bits, n_ch, tokens, w, bias, n_q, accumulate, out, os);
 }
 
 // Readout over a block of token records. Per-token scales and zero points are turned into
@@ -122,10 +172,36 @@ constexpr int kMaxRows = 128, kMaxGroups = 8;
 
 struct RowTable {
   alignas(64) int32_t rec[kMaxRows];  // byte offset of each token's record (scales first)
-  uint32_t off[kMaxRows];   // byte offset of each token's codes
+  uint32_t off[kMaxRows + 1];  // byte offset of each token's codes (+ a copy of the last)
   uint8_t bits[kMaxRows];
   bool uniform;
+  // hz[g][t] = scale of group g of token t, hz[ng + g][t] its zero point, as floats: converted
+  // once per call for every query.
+  alignas(64) float hz[2 * kMaxGroups][kMaxRows];
 };
+
+// Fills rt->hz from the records' fp16 headers. Up to 4 groups, each token's header is copied
+// into a slot of 8 halves and W slots are transposed by the ISA at once (no gathers).
+inline void LoadRowHeaders(const uint8_t* rows, int n_rows, int ng, RowTable* rt) {
+  int t = 0;
+  if (ng <= 4) {
+    alignas(64) uint16_t slot[kMaxRows][8];
+    for (int u = 0; u < n_rows; ++u) {
+      const uint8_t* h = rows + rt->rec[u];
+      switch (ng) {  // constant sizes: plain moves
+        case 1: std::memcpy(slot[u], h, 4); break;
+        case 2: std::memcpy(slot[u], h, 8); break;
+        case 3: std::memcpy(slot[u], h, 12); break;
+        default: std::memcpy(slot[u], h, 16); break;
+      }
+    }
+    for (; t + W <= n_rows; t += W) Isa::SlotsToFloats(slot + t, 2 * ng, &rt->hz[0][t], kMaxRows);
+  }
+  for (; t < n_rows; ++t) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(rows + rt->rec[t]);
+    for (int k = 0; k < 2 * ng; ++k) rt->hz[k][t] = internal::HalfToFloat(h[k]);
+  }
+}
 
 // CH consecutive channel chunks per pass (CH = 2 gives 2*NQ independent FMA chains).
 template <int B, int NQ, int CH>
@@ -165,23 +241,31 @@ void ReadoutT(const uint8_t* rows, const RowTable& rt, int n_rows, int n, int gr
   // coef[i][g][t] = p_i[t] * scale[t][g]; zsum[i][g] = sum_t p_i[t] * zero[t][g]. Scales and
   // zero points of W tokens are gathered from their records at once.
   alignas(64) float coef[NQ * kMaxGroups * kMaxRows];
-  float zsum[NQ * kMaxGroups] = {};
+  float zsum[NQ * kMaxGroups + 4] = {};
+  // Zero-point sums stay vectors over the tokens, reduced four at a time at the end.
+  typename Isa::F zacc[NQ * kMaxGroups + 4];
+  for (int k = 0; k < NQ * ng; ++k) zacc[k] = Isa::Zero();
   int t = 0;
   for (; t + W <= n_rows; t += W) {
     for (int g = 0; g < ng; ++g) {
-      const typename Isa::F sc = Isa::GatherHalf(rows + 2 * g, rt.rec + t);
-      const typename Isa::F ze = Isa::GatherHalf(rows + 2 * (ng + g), rt.rec + t);
+      const typename Isa::F sc = Isa::Load(&rt.hz[g][t]), ze = Isa::Load(&rt.hz[ng + g][t]);
       for (int i = 0; i < NQ; ++i) {
         const typename Isa::F pv = Isa::Load(p + i * ps + t);
         Isa::Store(coef + (i * kMaxGroups + g) * kMaxRows + t, Isa::Mul(pv, sc));
-        zsum[i * kMaxGroups + g] += Isa::ReduceAdd(Isa::Mul(pv, ze));
+        zacc[i * ng + g] = Isa::Fmadd(pv, ze, zacc[i * ng + g]);
       }
     }
   }
+  if (t > 0) {
+    for (int k = NQ * ng; k % 4 != 0; ++k) zacc[k] = Isa::Zero();
+    float zs[NQ * kMaxGroups + 4];
+    for (int k = 0; k < NQ * ng; k += 4) Isa::ReduceAdd4(zacc + k, zs + k);
+    for (int i = 0; i < NQ; ++i)
+      for (int g = 0; g < ng; ++g) zsum[i * kMaxGroups + g] = zs[i * ng + g];
+  }
   for (; t < n_rows; ++t) {
-    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rows + rt.rec[t]);
     for (int g = 0; g < ng; ++g) {
-      const float sc = internal::HalfToFloat(sz[g]), ze = internal::HalfToFloat(sz[ng + g]);
+      const float sc = rt.hz[g][t], ze = rt.hz[ng + g][t];
       for (int i = 0; i < NQ; ++i) {
         const float pt = p[i * ps + t];
         coef[(i * kMaxGroups + g) * kMaxRows + t] = pt * sc;
@@ -234,7 +318,7 @@ void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows,
   if (n_rows <= 0) return;
   if (n % W != 0 || group % W != 0 || ng > kMaxGroups || n_rows > kMaxRows)
     return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
-  RowTable rt;
+  thread_local RowTable rt;  // 9 KiB: kept off small worker stacks
   rt.uniform = std::memcmp(row_bits, row_bits + 1, n_rows - 1) == 0;  // all widths equal
   if (rt.uniform) {  // fixed-size records: offsets are an arithmetic progression
     const int32_t rec = 4 * ng + static_cast<int32_t>(internal::RowBytes(n, row_bits[0]));
@@ -252,6 +336,13 @@ void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows,
       rt.off[t] = off;
       off += static_cast<uint32_t>(internal::RowBytes(n, row_bits[t]));
     }
+  }
+  rt.off[n_rows] = rt.off[n_rows - 1];  // token pairs read one row past an odd count
+  LoadRowHeaders(rows, n_rows, ng, &rt);
+  if constexpr (Isa::kPairDot) {
+    if (rt.uniform && rt.bits[0] == 2 && PairDot())
+      return internal::ReadoutPairDot2(rows, rt.off, n_rows, n, group, rt.hz[0], kMaxRows, p, ps,
+                                       n_q, out, os);
   }
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
@@ -561,6 +652,10 @@ void project_residual_simd(const float* x, int64_t ld, const float* deq, int tok
 }
 
 uint64_t xxh3_simd(const void* data, size_t len, uint64_t seed) {
+  // Reads verify a block just before scoring it, block after block: ask for the bytes that
+  // follow (the next block of a sequence, usually) while this one is hashed.
+  const char* next = static_cast<const char*>(data) + len;
+  for (size_t off = 0; off < len; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
   return XXH3_64bits_withSeed(data, len, seed);  // inlined with this unit's vector width
 }
 

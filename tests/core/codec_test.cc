@@ -148,9 +148,14 @@ TEST(Codec, AttendMatchesReferenceOnOddShapes) {
                         cache.Attend(q.data(), qh, nq, ao, out_ref.data()).ok();
         kernels::SetActive(nullptr);
         ASSERT_TRUE(ok);
+        // Where the CPU has AVX512-VNNI/VBMI, 2-bit codes are scored and read out with int16
+        // weights rounded per (block, query) to the block's largest (docs/CODEC.md): up to
+        // ~3.3e-4 of a logit here (fp32 kernels: ~3e-6) and ~9e-5 of an output. The budgets
+        // below leave 1.5x of margin and stay >100x under the 2-bit codes' own error (a
+        // logit is off by ~0.1-0.4 from the unquantized keys) and >5x under bf16 rounding.
         for (size_t i = 0; i < s_opt.size(); ++i)
-          ASSERT_NEAR(s_opt[i], s_ref[i], 1e-4f * (1 + std::fabs(s_ref[i]))) << i;
-        for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], out_ref[i], 1e-5f) << i;
+          ASSERT_NEAR(s_opt[i], s_ref[i], 5e-4f * (1 + std::fabs(s_ref[i]))) << i;
+        for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], out_ref[i], 1.5e-4f) << i;
       }
 }
 

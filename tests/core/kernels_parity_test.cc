@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "kvq/kernels/kernels.h"
@@ -140,11 +141,15 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
               ASSERT_NEAR(o0[i], o1[i], 1e-4f * (1 + std::fabs(o0[i])));
           }
 
-          // Token rows: fp16 scale/zero per group then codes; varying widths per row.
-          const int group = 16, ng = (d + group - 1) / group, rows = 19;
+          // Token rows: fp16 scale/zero per group then codes; varying widths per row, or
+          // one width (the int16 path of 2-bit rows): odd and whole row counts.
+          for (auto [group, rows, uniform] : {std::tuple{16, 19, false}, std::tuple{16, 19, true},
+                                               std::tuple{32, 32, true}, std::tuple{16, 37, true}}) {
+          SCOPED_TRACE(::testing::Message() << "group=" << group << " rows=" << rows << " uniform=" << uniform);
+          const int ng = (d + group - 1) / group;
           std::vector<uint8_t> rb(rows), buf;
           for (int t = 0; t < rows; ++t) {
-            rb[t] = static_cast<uint8_t>(bits == 8 ? 8 : 1 + (t + bits) % 4);
+            rb[t] = static_cast<uint8_t>(bits == 8 || uniform ? bits : 1 + (t + bits) % 4);
             std::vector<uint8_t> rec(4 * ng + RowBytes(d, rb[t]));
             for (int g = 0; g < 2 * ng; ++g) {
               const uint16_t h = static_cast<uint16_t>(0x3000 + rng() % 0x800);  // modest fp16
@@ -158,7 +163,39 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
           Ref().readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r0.data(), d);
           kt->readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r1.data(), d);
           for (size_t i = 0; i < r0.size(); ++i) ASSERT_NEAR(r0[i], r1[i], 1e-3f * (1 + std::fabs(r0[i])));
+          }
         }
+}
+
+// A non-finite query or weight must not come out finite from any table (the int16 path of
+// 2-bit codes rounds weights on a per-block scale: an infinite or NaN scale makes NaN).
+TEST(KernelParity, NonFiniteInputsStayNonFinite) {
+  for (const KernelTable* kt : Optimized())
+    for (float bad : {NAN, INFINITY}) {
+      SCOPED_TRACE(::testing::Message() << kt->name << " bad=" << bad);
+      const int d = 64, tokens = 32, n_q = 3;
+      std::vector<uint8_t> codes(RowBytes(tokens, 2) * d, 0x6c);
+      std::vector<uint16_t> sc(d, 0x2c00), ze(d, 0xb000);
+      auto q = kvq::testing::Gaussian(n_q * d, 4);
+      q[d + 7] = bad;  // query 1
+      std::vector<float> o(n_q * tokens);
+      kt->score_codes(codes.data(), 2, d, tokens, sc.data(), ze.data(), q.data(), d, n_q, 0.125f,
+                      false, o.data(), tokens);
+      for (int t = 0; t < tokens; ++t) {
+        EXPECT_TRUE(std::isfinite(o[t])) << t;
+        EXPECT_FALSE(std::isfinite(o[tokens + t])) << t;
+      }
+      const int ng = 2, rec = 4 * ng + d / 4;
+      std::vector<uint8_t> rows(tokens * rec, 0x39);
+      std::vector<uint8_t> rb(tokens, 2);
+      std::vector<float> p(n_q * tokens, 0.03f), r(n_q * d, 0.0f);
+      p[tokens + 5] = bad;
+      kt->readout_rows(rows.data(), rb.data(), tokens, d, 32, p.data(), tokens, n_q, r.data(), d);
+      for (int c = 0; c < d; ++c) {
+        EXPECT_TRUE(std::isfinite(r[c])) << c;
+        EXPECT_FALSE(std::isfinite(r[d + c])) << c;
+      }
+    }
 }
 
 TEST(KernelParity, DenseAndExp) {

@@ -1,0 +1,255 @@
+// 2-bit score and readout on int16 dot products (AVX512-VNNI vpdpwssd, codes unpacked with
+// AVX512-VBMI vpmultishiftqb), used by the AVX-512 table when the CPU has both. The fp32
+// weights of a block are rounded to int16 on a per-(block, query) scale, so results differ
+// from the fp32 loops by about 2^-16 of the block's largest weight (see docs/CODEC.md,
+// "Kernels and dispatch"); codes and the arithmetic on them are exact.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "avx512_reduce.h"
+#include "common.h"
+
+namespace kvq::kernels::internal {
+
+bool CpuHasPairDot() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi");
+}
+
+namespace {
+
+inline uint32_t Load32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Codes j < 16 of two 2-bit rows a and b (32 bits each): dword lane j = a_j | b_j << 16, the
+// operand layout of vpdpwssd (a_j * w_lo + b_j * w_hi). The qword of lanes 2m, 2m+1 holds
+// a | b << 32; vpmultishiftqb moves each code's bits to the bottom of its word, the mask
+// drops the neighbours' bits.
+inline __m512i DecodePair2(const uint8_t* a, const uint8_t* b) {
+  const __m512i x = _mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(Load32(a))), 0xAAAA,
+                                           static_cast<int>(Load32(b)));
+  alignas(64) static constexpr uint8_t kCtrl[64] = {
+      0,  0, 32, 0, 2,  0, 34, 0, 4,  0, 36, 0, 6,  0, 38, 0, 8,  0, 40, 0, 10, 0,
+      42, 0, 12, 0, 44, 0, 14, 0, 46, 0, 16, 0, 48, 0, 18, 0, 50, 0, 20, 0, 52, 0,
+      22, 0, 54, 0, 24, 0, 56, 0, 26, 0, 58, 0, 28, 0, 60, 0, 30, 0, 62, 0};
+  return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kCtrl), x),
+                          _mm512_set1_epi32(0x00030003));
+}
+
+// x[k] * inv rounded to int16, 16 lanes at a time (|x * inv| <= 32767 by construction).
+inline void StoreI16(const float* x, int n, float inv, int16_t* q) {
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (int i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv))));
+}
+
+// 32767 / max, or 0 when the block's weights are all zero or not finite; the step back,
+// max / 32767, is then 0, or infinite or NaN and makes the results NaN as fp32 would.
+inline float Inverse(float mx) { return mx > 0.0f && mx < 3e38f ? 32767.0f / mx : 0.0f; }
+
+// Shapes: a template argument of 0 means "given at run time" (the last arguments); the
+// common shapes (d = 64 or 128, 32-token blocks) get everything as constants, which lets the
+// compiler keep the per-block preparation in registers.
+struct Shape {
+  int n_ch, tokens, ng;
+};
+
+// Scores of NQ queries over one block: w = q * scale rounded to int16 on the scale of the
+// query's largest |w|, then token tiles of 16 with two channels per dword.
+template <int NQ, int NCH_, int T_>
+void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const float* q,
+                int64_t qs, float mult, bool accumulate, float* out, int64_t os, Shape rt) {
+  const int n_ch = NCH_ ? NCH_ : rt.n_ch, tokens = T_ ? T_ : rt.tokens;
+  const int nv = (n_ch + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n_ch - (nv - 1) * 16)) - 1);
+  alignas(64) float wf[NQ][512];
+  alignas(64) int16_t w16[NQ][512];
+  __m512 b[4], mx[4];
+  for (int j = 0; j < 4; ++j) b[j] = mx[j] = _mm512_setzero_ps();
+  for (int j = 0; j < NQ; ++j)
+    for (int k = 0; k < nv; ++k) {
+      const __mmask16 m = k + 1 < nv ? 0xffff : tail;
+      const __m512 qv = _mm512_maskz_loadu_ps(m, q + j * qs + 16 * k);
+      const __m512 w = _mm512_mul_ps(qv, _mm512_load_ps(sc + 16 * k));
+      _mm512_store_ps(wf[j] + 16 * k, w);
+      b[j] = _mm512_fmadd_ps(qv, _mm512_load_ps(ze + 16 * k), b[j]);
+      mx[j] = MaxBits(mx[j], _mm512_abs_ps(w));
+    }
+  float bias[4], top[4], ws[4];
+  ReduceAdd4(b, bias);
+  ReduceMaxBits4(mx, top);
+  for (int j = 0; j < NQ; ++j) {
+    const float inv = Inverse(top[j]);
+    StoreI16(wf[j], nv * 16, inv, w16[j]);
+    ws[j] = top[j] / 32767.0f * mult;
+    bias[j] *= mult;
+  }
+  constexpr int TILES = 2;  // tokens % 32 == 0 here; 16-token blocks take the 1-tile path
+  const int64_t rb = tokens / 4;
+  const int tiles = tokens % 32 == 0 ? TILES : 1;
+  for (int t0 = 0; t0 < tokens; t0 += 16 * tiles) {
+    __m512i acc[TILES][NQ];
+    for (int k = 0; k < TILES; ++k)
+      for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
+    const uint8_t* base = codes + t0 / 4;
+    for (int c = 0; c < n_ch; c += 2) {
+      __m512i v[TILES];
+      for (int k = 0; k < tiles; ++k) v[k] = DecodePair2(base + c * rb + 4 * k, base + (c + 1) * rb + 4 * k);
+      for (int i = 0; i < NQ; ++i) {
+        const __m512i w = _mm512_set1_epi32(static_cast<int>(Load32(w16[i] + c)));
+        for (int k = 0; k < tiles; ++k) acc[k][i] = _mm512_dpwssd_epi32(acc[k][i], v[k], w);
+      }
+    }
+    for (int k = 0; k < tiles; ++k)
+      for (int i = 0; i < NQ; ++i) {
+        float* o = out + i * os + t0 + 16 * k;
+        __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k][i]), _mm512_set1_ps(ws[i]),
+                                   _mm512_set1_ps(bias[i]));
+        if (accumulate) r = _mm512_add_ps(_mm512_loadu_ps(o), r);
+        _mm512_storeu_ps(o, r);
+      }
+  }
+}
+
+template <int NCH_, int T_>
+void ScorePairS(const uint8_t* codes, const float* sc, const float* ze, const float* q, int64_t qs,
+                int n_q, float mult, bool accumulate, float* out, int64_t os, Shape rt) {
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* qi = q + i0 * qs;
+    float* o = out + i0 * os;
+    switch (std::min(4, n_q - i0)) {
+      case 1: ScorePairN<1, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+      case 2: ScorePairN<2, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+      case 3: ScorePairN<3, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+      default: ScorePairN<4, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+    }
+  }
+}
+
+// Readout of NQ queries over one block of token rows: coefficients p * scale rounded to int16
+// per (query, group), token pairs in the two words of each dword, chunk pairs of 16 channels.
+template <int NQ, int N_, int ROWS_, int NG_>
+void ReadoutPairN(const uint8_t* rows, const uint32_t* off, int group, const float* hz,
+                  int64_t hs, const float* p, int64_t ps, float* out, int64_t os, Shape rt) {
+  constexpr int kRows = 128, kGroups = 8;
+  const int n = N_ ? N_ : rt.n_ch, n_rows = ROWS_ ? ROWS_ : rt.tokens, ng = NG_ ? NG_ : rt.ng;
+  const int nv = (n_rows + 15) / 16, pairs = (n_rows + 1) & ~1;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n_rows - (nv - 1) * 16)) - 1);
+  alignas(64) float cf[NQ][kGroups][kRows];
+  alignas(64) int16_t c16[NQ][kGroups][kRows];
+  // coef = p * scale (zero past n_rows: the odd row's pad), zero-point sums and max |coef|.
+  constexpr int kAcc = NG_ ? (NQ * NG_ + 3) / 4 * 4 : 4 * kGroups;
+  const int nk = (NQ * ng + 3) & ~3;
+  __m512 zacc[kAcc], mx[kAcc];
+  for (int k = NQ * ng; k < nk; ++k) zacc[k] = mx[k] = _mm512_setzero_ps();
+  for (int j = 0; j < NQ; ++j)
+    for (int g = 0; g < ng; ++g) {
+      __m512 z = _mm512_setzero_ps(), x = _mm512_setzero_ps();
+      for (int v = 0; v < nv; ++v) {
+        const __mmask16 m = v + 1 < nv ? 0xffff : tail;
+        const __m512 pv = _mm512_maskz_loadu_ps(m, p + j * ps + 16 * v);
+        const __m512 c = _mm512_mul_ps(pv, _mm512_loadu_ps(hz + g * hs + 16 * v));
+        _mm512_store_ps(cf[j][g] + 16 * v, c);
+        z = _mm512_fmadd_ps(pv, _mm512_loadu_ps(hz + (ng + g) * hs + 16 * v), z);
+        x = MaxBits(x, _mm512_abs_ps(c));
+      }
+      zacc[j * ng + g] = z;
+      mx[j * ng + g] = x;
+    }
+  float zs[kAcc], top[kAcc], ws[kAcc];
+  for (int k = 0; k < nk; k += 4) {
+    ReduceAdd4(zacc + k, zs + k);
+    ReduceMaxBits4(mx + k, top + k);
+  }
+  for (int j = 0; j < NQ; ++j)
+    for (int g = 0; g < ng; ++g) {
+      const float inv = Inverse(top[j * ng + g]);
+      StoreI16(cf[j][g], nv * 16, inv, c16[j][g]);
+      ws[j * ng + g] = top[j * ng + g] / 32767.0f;
+    }
+  const int chunks = n / 16;
+  for (int ch = 0; ch < chunks; ch += 2) {
+    const int nc = ch + 1 < chunks ? 2 : 1;
+    const int g0 = ch * 16 / group, g1 = (ch + nc - 1) * 16 / group;
+    __m512i acc[2][NQ];
+    for (int k = 0; k < 2; ++k)
+      for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
+    for (int t = 0; t < pairs; t += 2) {
+      const uint8_t* r0 = rows + off[t] + ch * 4;
+      const uint8_t* r1 = rows + off[t + 1] + ch * 4;
+      const __m512i v0 = DecodePair2(r0, r1);
+      const __m512i v1 = nc == 2 ? DecodePair2(r0 + 4, r1 + 4) : v0;
+      for (int i = 0; i < NQ; ++i) {
+        acc[0][i] = _mm512_dpwssd_epi32(acc[0][i], v0, _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g0] + t))));
+        acc[1][i] = _mm512_dpwssd_epi32(acc[1][i], v1, _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g1] + t))));
+      }
+    }
+    for (int k = 0; k < nc; ++k) {
+      const int g = k ? g1 : g0;
+      for (int i = 0; i < NQ; ++i) {
+        float* o = out + i * os + (ch + k) * 16;
+        const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k][i]), _mm512_set1_ps(ws[i * ng + g]),
+                                         _mm512_set1_ps(zs[i * ng + g]));
+        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), r));
+      }
+    }
+  }
+}
+
+template <int N_, int ROWS_, int NG_>
+void ReadoutPairS(const uint8_t* rows, const uint32_t* off, int group, const float* hz, int64_t hs,
+                  const float* p, int64_t ps, int n_q, float* out, int64_t os, Shape rt) {
+  for (int i0 = 0; i0 < n_q; i0 += 4) {
+    const float* pi = p + i0 * ps;
+    float* o = out + i0 * os;
+    switch (std::min(4, n_q - i0)) {
+      case 1: ReadoutPairN<1, N_, ROWS_, NG_>(rows, off, group, hz, hs, pi, ps, o, os, rt); break;
+      case 2: ReadoutPairN<2, N_, ROWS_, NG_>(rows, off, group, hz, hs, pi, ps, o, os, rt); break;
+      case 3: ReadoutPairN<3, N_, ROWS_, NG_>(rows, off, group, hz, hs, pi, ps, o, os, rt); break;
+      default: ReadoutPairN<4, N_, ROWS_, NG_>(rows, off, group, hz, hs, pi, ps, o, os, rt); break;
+    }
+  }
+}
+
+}  // namespace
+
+void ScorePairDot2(const uint8_t* codes, int n_ch, int tokens, const uint16_t* scale,
+                   const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
+                   bool accumulate, float* out, int64_t os) {
+  alignas(64) float sc[512], ze[512];
+  const int nv = (n_ch + 15) / 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n_ch - (nv - 1) * 16)) - 1);
+  for (int k = 0; k < nv; ++k) {
+    const __mmask16 m = k + 1 < nv ? 0xffff : tail;
+    _mm512_store_ps(sc + 16 * k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, scale + 16 * k)));
+    _mm512_store_ps(ze + 16 * k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zero + 16 * k)));
+  }
+  const Shape rt{n_ch, tokens, 0};
+  if (tokens == 32 && n_ch == 64)
+    ScorePairS<64, 32>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+  else if (tokens == 32 && n_ch == 128)
+    ScorePairS<128, 32>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+  else
+    ScorePairS<0, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+}
+
+void ReadoutPairDot2(const uint8_t* rows, const uint32_t* off, int n_rows, int n, int group,
+                     const float* hz, int64_t hs, const float* p, int64_t ps, int n_q, float* out,
+                     int64_t os) {
+  const Shape rt{n, n_rows, (n + group - 1) / group};
+  if (n_rows == 32 && n == 64 && group == 32)
+    ReadoutPairS<64, 32, 2>(rows, off, group, hz, hs, p, ps, n_q, out, os, rt);
+  else if (n_rows == 32 && n == 128 && group == 32)
+    ReadoutPairS<128, 32, 4>(rows, off, group, hz, hs, p, ps, n_q, out, os, rt);
+  else
+    ReadoutPairS<0, 0, 0>(rows, off, group, hz, hs, p, ps, n_q, out, os, rt);
+}
+
+}  // namespace kvq::kernels::internal
