@@ -136,8 +136,8 @@ void ScorePairS(const uint8_t* codes, const float* sc, const float* ze, const fl
 // Readout of NQ queries over one block of token rows: coefficients p * scale rounded to int16
 // per (query, group), token pairs in the two words of each dword, chunk pairs of 16 channels.
 template <int NQ, int N_, int ROWS_, int NG_>
-void ReadoutPairN(const uint8_t* rows, const uint32_t* off, int group, const float* hz,
-                  int64_t hs, const float* p, int64_t ps, float* out, int64_t os, Shape rt) {
+void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, int64_t hs,
+                  const float* p, int64_t ps, float* out, int64_t os, Shape rt) {
   constexpr int kRows = 128, kGroups = 8;
   const int n = N_ ? N_ : rt.n_ch, n_rows = ROWS_ ? ROWS_ : rt.tokens, ng = NG_ ? NG_ : rt.ng;
   const int nv = (n_rows + 15) / 16, pairs = (n_rows + 1) & ~1;
@@ -181,9 +181,10 @@ void ReadoutPairN(const uint8_t* rows, const uint32_t* off, int group, const flo
     __m512i acc[2][NQ];
     for (int k = 0; k < 2; ++k)
       for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
+    const uint8_t* codes = rows + 4 * ng + ch * 4;
     for (int t = 0; t < pairs; t += 2) {
-      const uint8_t* r0 = rows + off[t] + ch * 4;
-      const uint8_t* r1 = rows + off[t + 1] + ch * 4;
+      const uint8_t* r0 = codes + t * rec;
+      const uint8_t* r1 = t + 1 < n_rows ? r0 + rec : r0;  // an odd count's pad (weight 0)
       const __m512i v0 = DecodePair2(r0, r1);
       const __m512i v1 = nc == 2 ? DecodePair2(r0 + 4, r1 + 4) : v0;
       for (int i = 0; i < NQ; ++i) {
@@ -204,16 +205,16 @@ void ReadoutPairN(const uint8_t* rows, const uint32_t* off, int group, const flo
 }
 
 template <int N_, int ROWS_, int NG_>
-void ReadoutPairS(const uint8_t* rows, const uint32_t* off, int group, const float* hz, int64_t hs,
+void ReadoutPairS(const uint8_t* rows, int64_t rec, int group, const float* hz, int64_t hs,
                   const float* p, int64_t ps, int n_q, float* out, int64_t os, Shape rt) {
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
     float* o = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ReadoutPairN<1, N_, ROWS_, NG_>(rows, off, group, hz, hs, pi, ps, o, os, rt); break;
-      case 2: ReadoutPairN<2, N_, ROWS_, NG_>(rows, off, group, hz, hs, pi, ps, o, os, rt); break;
-      case 3: ReadoutPairN<3, N_, ROWS_, NG_>(rows, off, group, hz, hs, pi, ps, o, os, rt); break;
-      default: ReadoutPairN<4, N_, ROWS_, NG_>(rows, off, group, hz, hs, pi, ps, o, os, rt); break;
+      case 1: ReadoutPairN<1, N_, ROWS_, NG_>(rows, rec, group, hz, hs, pi, ps, o, os, rt); break;
+      case 2: ReadoutPairN<2, N_, ROWS_, NG_>(rows, rec, group, hz, hs, pi, ps, o, os, rt); break;
+      case 3: ReadoutPairN<3, N_, ROWS_, NG_>(rows, rec, group, hz, hs, pi, ps, o, os, rt); break;
+      default: ReadoutPairN<4, N_, ROWS_, NG_>(rows, rec, group, hz, hs, pi, ps, o, os, rt); break;
     }
   }
 }
@@ -240,16 +241,42 @@ void ScorePairDot2(const uint8_t* codes, int n_ch, int tokens, const uint16_t* s
     ScorePairS<0, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
 }
 
-void ReadoutPairDot2(const uint8_t* rows, const uint32_t* off, int n_rows, int n, int group,
-                     const float* hz, int64_t hs, const float* p, int64_t ps, int n_q, float* out,
-                     int64_t os) {
-  const Shape rt{n, n_rows, (n + group - 1) / group};
+void ReadoutPairDot2(const uint8_t* rows, int64_t rec, int n_rows, int n, int group,
+                     const float* p, int64_t ps, int n_q, float* out, int64_t os) {
+  // The records' fp16 scales and zero points as floats, hz[k][t] (k < 2 * ng), 16 tokens at a
+  // time: four 16-byte record heads per vector, then one permute pair per kind.
+  constexpr int kRows = 128;
+  const int ng = (n + group - 1) / group;
+  alignas(64) float hz[8][kRows];
+  const __m512i step = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 56, 48, 40,
+                                        32, 24, 16, 8, 0, 56, 48, 40, 32, 24, 16, 8, 0);
+  auto head = [&](int t) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + std::min(t, n_rows - 1) * rec));
+  };
+  for (int t0 = 0; t0 < n_rows; t0 += 16) {
+    __m512i a[4];
+    for (int k = 0; k < 4; ++k) {
+      const int t = t0 + 4 * k;
+      __m512i v = _mm512_castsi128_si512(head(t));
+      v = _mm512_inserti32x4(v, head(t + 1), 1);
+      v = _mm512_inserti32x4(v, head(t + 2), 2);
+      a[k] = _mm512_inserti32x4(v, head(t + 3), 3);
+    }
+    for (int k = 0; k < 2 * ng; ++k) {
+      const __m512i idx = _mm512_add_epi16(step, _mm512_set1_epi16(static_cast<int16_t>(k)));
+      const __m256i h = _mm256_mask_blend_epi16(
+          0xff00, _mm512_castsi512_si256(_mm512_permutex2var_epi16(a[0], idx, a[1])),
+          _mm512_castsi512_si256(_mm512_permutex2var_epi16(a[2], idx, a[3])));
+      _mm512_store_ps(hz[k] + t0, _mm512_cvtph_ps(h));
+    }
+  }
+  const Shape rt{n, n_rows, ng};
   if (n_rows == 32 && n == 64 && group == 32)
-    ReadoutPairS<64, 32, 2>(rows, off, group, hz, hs, p, ps, n_q, out, os, rt);
+    ReadoutPairS<64, 32, 2>(rows, rec, group, hz[0], kRows, p, ps, n_q, out, os, rt);
   else if (n_rows == 32 && n == 128 && group == 32)
-    ReadoutPairS<128, 32, 4>(rows, off, group, hz, hs, p, ps, n_q, out, os, rt);
+    ReadoutPairS<128, 32, 4>(rows, rec, group, hz[0], kRows, p, ps, n_q, out, os, rt);
   else
-    ReadoutPairS<0, 0, 0>(rows, off, group, hz, hs, p, ps, n_q, out, os, rt);
+    ReadoutPairS<0, 0, 0>(rows, rec, group, hz[0], kRows, p, ps, n_q, out, os, rt);
 }
 
 }  // namespace kvq::kernels::internal

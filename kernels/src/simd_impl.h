@@ -172,7 +172,7 @@ constexpr int kMaxRows = 128, kMaxGroups = 8;
 
 struct RowTable {
   alignas(64) int32_t rec[kMaxRows];  // byte offset of each token's record (scales first)
-  uint32_t off[kMaxRows + 1];  // byte offset of each token's codes (+ a copy of the last)
+  uint32_t off[kMaxRows];   // byte offset of each token's codes
   uint8_t bits[kMaxRows];
   bool uniform;
   // hz[g][t] = scale of group g of token t, hz[ng + g][t] its zero point, as floats: converted
@@ -318,8 +318,14 @@ void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows,
   if (n_rows <= 0) return;
   if (n % W != 0 || group % W != 0 || ng > kMaxGroups || n_rows > kMaxRows)
     return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
+  const bool uniform = std::memcmp(row_bits, row_bits + 1, n_rows - 1) == 0;  // all widths equal
+  if constexpr (Isa::kPairDot) {
+    const int64_t rec = 4 * ng + internal::RowBytes(n, 2);
+    if (uniform && row_bits[0] == 2 && ng <= 4 && rec >= 16 && PairDot())
+      return internal::ReadoutPairDot2(rows, rec, n_rows, n, group, p, ps, n_q, out, os);
+  }
   thread_local RowTable rt;  // 9 KiB: kept off small worker stacks
-  rt.uniform = std::memcmp(row_bits, row_bits + 1, n_rows - 1) == 0;  // all widths equal
+  rt.uniform = uniform;
   if (rt.uniform) {  // fixed-size records: offsets are an arithmetic progression
     const int32_t rec = 4 * ng + static_cast<int32_t>(internal::RowBytes(n, row_bits[0]));
     for (int t = 0; t < n_rows; ++t) {
@@ -337,13 +343,7 @@ void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows,
       off += static_cast<uint32_t>(internal::RowBytes(n, row_bits[t]));
     }
   }
-  rt.off[n_rows] = rt.off[n_rows - 1];  // token pairs read one row past an odd count
   LoadRowHeaders(rows, n_rows, ng, &rt);
-  if constexpr (Isa::kPairDot) {
-    if (rt.uniform && rt.bits[0] == 2 && PairDot())
-      return internal::ReadoutPairDot2(rows, rt.off, n_rows, n, group, rt.hz[0], kMaxRows, p, ps,
-                                       n_q, out, os);
-  }
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
     float* oi = out + i0 * os;
