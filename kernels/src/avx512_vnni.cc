@@ -27,6 +27,13 @@ inline uint32_t Load32(const void* p) {
   return v;
 }
 
+// acc += pairwise int16 products of a and b. Written in asm so that the accumulator stays in
+// its register: GCC 12 copies vpdpwssd's destination around loops (a move per product).
+inline __m512i Dot(__m512i acc, __m512i a, __m512i b) {
+  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 // Codes j < 16 of two 2-bit rows a and b (32 bits each): dword lane j = a_j | b_j << 16, the
 // operand layout of vpdpwssd (a_j * w_lo + b_j * w_hi). The qword of lanes 2m, 2m+1 holds
 // a | b << 32; vpmultishiftqb moves each code's bits to the bottom of its word, the mask
@@ -104,7 +111,7 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
       for (int k = 0; k < tiles; ++k) v[k] = DecodePair2(base + c * rb + 4 * k, base + (c + 1) * rb + 4 * k);
       for (int i = 0; i < NQ; ++i) {
         const __m512i w = _mm512_set1_epi32(static_cast<int>(Load32(w16[i] + c)));
-        for (int k = 0; k < tiles; ++k) acc[k][i] = _mm512_dpwssd_epi32(acc[k][i], v[k], w);
+        for (int k = 0; k < tiles; ++k) acc[k][i] = Dot(acc[k][i], v[k], w);
       }
     }
     for (int k = 0; k < tiles; ++k)
@@ -188,8 +195,8 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
       const __m512i v0 = DecodePair2(r0, r1);
       const __m512i v1 = nc == 2 ? DecodePair2(r0 + 4, r1 + 4) : v0;
       for (int i = 0; i < NQ; ++i) {
-        acc[0][i] = _mm512_dpwssd_epi32(acc[0][i], v0, _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g0] + t))));
-        acc[1][i] = _mm512_dpwssd_epi32(acc[1][i], v1, _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g1] + t))));
+        acc[0][i] = Dot(acc[0][i], v0, _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g0] + t))));
+        acc[1][i] = Dot(acc[1][i], v1, _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g1] + t))));
       }
     }
     for (int k = 0; k < nc; ++k) {
