@@ -21,6 +21,10 @@ struct Isa {
   using F = __m256;
   using I = __m256i;
   static constexpr bool kPairDot = false;  // internal::*PairDot2 may be called
+  static bool ScoreSide4x8(const uint8_t*, int, const uint16_t*, const uint16_t*, const float*,
+                           int, float, bool, float*, int64_t) {
+    return false;  // the generic loops
+  }
   struct Words {
     __m256i lo, hi;
   };

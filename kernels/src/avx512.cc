@@ -185,6 +185,41 @@ struct Isa {
     return true;
   }
 
+  // score_codes for the HeadQ side code at rank 4, 8 bits, contiguous queries (q stride 4):
+  // the weights and biases of four queries in one vector (lane 4i + c), then 16 tokens per
+  // vector. False when the shape is another one.
+  static bool ScoreSide4x8(const uint8_t* codes, int tokens, const uint16_t* scale,
+                           const uint16_t* zero, const float* q, int n_q, float mult,
+                           bool accumulate, float* out, int64_t os) {
+    if (tokens % 16 != 0) return false;
+    const __m512 s = _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale))));
+    const __m512 z = _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zero))));
+    for (int i0 = 0; i0 < n_q; i0 += 4) {
+      const int n4 = std::min(4, n_q - i0);
+      const __m512 qv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (4 * n4)) - 1), q + 4 * i0);
+      alignas(64) float w[16], b[16];
+      _mm512_store_ps(w, _mm512_mul_ps(_mm512_mul_ps(qv, s), _mm512_set1_ps(mult)));
+      F bz = _mm512_mul_ps(qv, z);  // lane 4i: q_i . zero after two in-lane steps
+      bz = _mm512_add_ps(bz, _mm512_shuffle_ps(bz, bz, _MM_SHUFFLE(1, 0, 3, 2)));
+      bz = _mm512_add_ps(bz, _mm512_shuffle_ps(bz, bz, _MM_SHUFFLE(2, 3, 0, 1)));
+      _mm512_store_ps(b, _mm512_mul_ps(bz, _mm512_set1_ps(mult)));
+      for (int t0 = 0; t0 < tokens; t0 += 16) {
+        F v[4];
+        for (int c = 0; c < 4; ++c)
+          v[c] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + c * tokens + t0))));
+        for (int i = 0; i < n4; ++i) {
+          float* o = out + (i0 + i) * os + t0;
+          F acc = _mm512_set1_ps(b[4 * i]);
+          if (accumulate) acc = _mm512_add_ps(_mm512_loadu_ps(o), acc);
+          for (int c = 0; c < 4; ++c) acc = _mm512_fmadd_ps(_mm512_set1_ps(w[4 * i + c]), v[c], acc);
+          _mm512_storeu_ps(o, acc);
+        }
+      }
+    }
+    return true;
+  }
+
   static I QuantizeLanes(F x, F zero, F inv, int maxq) {
     I q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(x, zero), inv));  // round to even
     return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_setzero_si512()), _mm512_set1_epi32(maxq));

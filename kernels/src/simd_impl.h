@@ -99,6 +99,9 @@ void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, cons
       return internal::ScorePairDot2(codes, n_ch, tokens, scale, zero, q, qs, n_q, mult, accumulate,
                                      out, os);
   }
+  if (n_ch == 4 && bits == 8 && qs == 4 &&
+      Isa::ScoreSide4x8(codes, tokens, scale, zero, q, n_q, mult, accumulate, out, os))
+    return;
   if (n_ch < W) {  // the HeadQ side code (r channels): plain loops, no vector reductions
     float sc[W], ze[W], w[64 * W], bias[64];
     for (int c = 0; c < n_ch; ++c) {

@@ -167,6 +167,30 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
         }
 }
 
+// The HeadQ side code: rank-4 rows of 4 or 8 bits, contiguous projected queries (stride 4).
+TEST(KernelParity, ScoreSideCode) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {4, 8})
+      for (int tokens : {32, 64})
+        for (int n_q : {1, 3, 8}) {
+          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens << " nq=" << n_q);
+          std::vector<uint8_t> codes(RowBytes(tokens, bits) * 4);
+          std::mt19937 rng(bits + tokens + n_q);
+          for (auto& c : codes) c = static_cast<uint8_t>(rng());
+          const std::vector<uint16_t> sc = {0x2c00, 0x2e13, 0x3001, 0x2a7f}, ze = {0xb000, 0xb211, 0x3400, 0xae00};
+          auto u = kvq::testing::Gaussian(n_q * 4, 21 + n_q);
+          for (bool acc : {false, true}) {
+            std::vector<float> o0(n_q * tokens, 0.5f), o1(n_q * tokens, 0.5f);
+            Ref().score_codes(codes.data(), bits, 4, tokens, sc.data(), ze.data(), u.data(), 4, n_q,
+                              -0.125f, acc, o0.data(), tokens);
+            kt->score_codes(codes.data(), bits, 4, tokens, sc.data(), ze.data(), u.data(), 4, n_q,
+                            -0.125f, acc, o1.data(), tokens);
+            for (size_t i = 0; i < o0.size(); ++i)
+              ASSERT_NEAR(o0[i], o1[i], 1e-5f * (1 + std::fabs(o0[i])));
+          }
+        }
+}
+
 // A non-finite query or weight must not come out finite from any table (the int16 path of
 // 2-bit codes rounds weights on a per-block scale: an infinite or NaN scale makes NaN).
 TEST(KernelParity, NonFiniteInputsStayNonFinite) {
