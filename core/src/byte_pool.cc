@@ -8,6 +8,18 @@
 
 #include "absl/strings/str_cat.h"
 
+// Under AddressSanitizer, chunks on the free lists and the unused rest of a slab are
+// poisoned, so a read of a freed block (or past a block into its neighbour's chunk) is
+// reported as it would be for operator new memory. No-ops otherwise.
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define KVQ_POISON(p, n) ASAN_POISON_MEMORY_REGION((p), (n))
+#define KVQ_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION((p), (n))
+#else
+#define KVQ_POISON(p, n) ((void)(p), (void)(n))
+#define KVQ_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
 namespace kvq::core {
 namespace {
 
@@ -66,7 +78,10 @@ SlabBytePool::SlabBytePool(kernels::Pool pool, size_t slab_bytes)
 
 SlabBytePool::~SlabBytePool() {
   absl::MutexLock l(&mu_);
-  for (void* s : slabs_) kernels::Free(pool_, s);
+  for (void* s : slabs_) {
+    KVQ_UNPOISON(s, slab_bytes_);
+    kernels::Free(pool_, s);
+  }
 }
 
 int SlabBytePool::ClassOf(size_t n) const {
@@ -85,6 +100,7 @@ bool SlabBytePool::AddSlabLocked(std::string* err) {
   const size_t skip = (kMinChunk - a % kMinChunk) % kMinChunk;
   cur_ = static_cast<char*>(slab) + skip;
   cur_left_ = slab_bytes_ - skip;
+  KVQ_POISON(slab, slab_bytes_);
   return true;
 }
 
@@ -149,6 +165,7 @@ void* SlabBytePool::Allocate(size_t n) {
   } else if ((p = CarveLocked(cls)) != nullptr) {
     usage_.held_bytes += static_cast<int64_t>(class_size_[cls]);
   }
+  if (p && cls >= 0) KVQ_UNPOISON(p, n);
   return p ? p : FallbackLocked(n);
 }
 
@@ -169,6 +186,7 @@ void SlabBytePool::Free(void* p, size_t n) {
     usage_.held_bytes -= static_cast<int64_t>(n);
     return;
   }
+  KVQ_POISON(p, class_size_[cls]);
   free_[cls].push_back(p);
   usage_.held_bytes -= static_cast<int64_t>(class_size_[cls]);
 }

@@ -104,6 +104,19 @@ TEST(SlabBytePool, FreedLargeChunksServeSmallerRequestsBeforeANewSlab) {
   EXPECT_EQ(pool.usage().held_bytes, 0);
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+// Under AddressSanitizer a freed chunk, and bytes past a chunk's request, are poisoned: the
+// slab pool hides no use-after-free that operator new memory would show.
+TEST(SlabBytePoolDeathTest, AsanSeesUseAfterFreeAndOverflowInSlabs) {
+  SlabBytePool pool(Pool::kHost, size_t{1} << 20);
+  auto* p = static_cast<volatile uint8_t*>(pool.Allocate(100));
+  p[99] = 1;
+  EXPECT_DEATH(p[100] = 1, "use-after-poison");
+  pool.Free(const_cast<uint8_t*>(p), 100);
+  EXPECT_DEATH((void)p[0], "use-after-poison");
+}
+#endif
+
 // A pool whose memory cannot be had here (pinned without a CUDA driver) still serves every
 // request, from host memory, and reports the fallback bytes.
 TEST(SlabBytePool, FallsBackToHostMemoryWhenThePoolRefuses) {
