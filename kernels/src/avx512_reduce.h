@@ -4,7 +4,10 @@
 
 #include <immintrin.h>
 
+// Internal linkage: avx512.cc and avx512_vnni.cc are compiled with different -m flags, so
+// each keeps its own copy (no out-of-line copy built for one ISA called from the other).
 namespace kvq::kernels::internal {
+namespace {
 
 // out[j] = op over v[j]'s 16 lanes, j < 4: the first two levels of a transposing tree on the
 // four vectors, then one in-lane tree (10 operations instead of four separate reductions).
@@ -29,4 +32,5 @@ inline __m512 MaxBits(__m512 x, __m512 y) {
 }
 inline void ReduceMaxBits4(const __m512* v, float* out) { Reduce4(v, out, MaxBits); }
 
+}  // namespace
 }  // namespace kvq::kernels::internal
