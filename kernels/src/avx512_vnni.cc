@@ -57,9 +57,15 @@ inline void StoreI16(const float* x, int n, float inv, int16_t* q) {
                         _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv))));
 }
 
-// 32767 / max, or 0 when the block's weights are all zero or not finite; the step back,
-// max / 32767, is then 0, or infinite or NaN and makes the results NaN as fp32 would.
-inline float Inverse(float mx) { return mx > 0.0f && mx < 3e38f ? 32767.0f / mx : 0.0f; }
+// inv[j] = 32767 / mx[j] for j < 4, or 0 where a block's weights are all zero or not finite;
+// the step back, mx / 32767, is then 0, or infinite or NaN and makes the results NaN as fp32
+// would.
+inline void Inverse4(const float* mx, float* inv) {
+  const __m128 m = _mm_loadu_ps(mx);
+  const __mmask8 ok = _mm_cmp_ps_mask(m, _mm_setzero_ps(), _CMP_GT_OQ) &
+                      _mm_cmp_ps_mask(m, _mm_set1_ps(3e38f), _CMP_LT_OQ);
+  _mm_storeu_ps(inv, _mm_maskz_div_ps(ok, _mm_set1_ps(32767.0f), m));
+}
 
 // Shapes: a template argument of 0 means "given at run time" (the last arguments); the
 // common shapes (d = 64 or 128, 32-token blocks) get everything as constants, which lets the
@@ -92,9 +98,10 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
   float bias[4], top[4], ws[4];
   ReduceAdd4(b, bias);
   ReduceMaxBits4(mx, top);
+  float inv[4];
+  Inverse4(top, inv);
   for (int j = 0; j < NQ; ++j) {
-    const float inv = Inverse(top[j]);
-    StoreI16(wf[j], nv * 16, inv, w16[j]);
+    StoreI16(wf[j], nv * 16, inv[j], w16[j]);
     ws[j] = top[j] / 32767.0f * mult;
     bias[j] *= mult;
   }
@@ -170,15 +177,15 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
       zacc[j * ng + g] = z;
       mx[j * ng + g] = x;
     }
-  float zs[kAcc], top[kAcc], ws[kAcc];
+  float zs[kAcc], top[kAcc], ws[kAcc], inv[kAcc];
   for (int k = 0; k < nk; k += 4) {
     ReduceAdd4(zacc + k, zs + k);
     ReduceMaxBits4(mx + k, top + k);
+    Inverse4(top + k, inv + k);
   }
   for (int j = 0; j < NQ; ++j)
     for (int g = 0; g < ng; ++g) {
-      const float inv = Inverse(top[j * ng + g]);
-      StoreI16(cf[j][g], nv * 16, inv, c16[j][g]);
+      StoreI16(cf[j][g], nv * 16, inv[j * ng + g], c16[j][g]);
       ws[j * ng + g] = top[j * ng + g] / 32767.0f;
     }
   const int chunks = n / 16;
@@ -211,17 +218,50 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
   }
 }
 
+// The records' fp16 scales and zero points as floats, hz[k][t] (k < 2 * ng), 16 tokens at a
+// time: four 16-byte record heads per vector, then one permute pair per kind. With the shape
+// known, the record size (4 * ng + n / 4) and the clamping of the last rows fold away.
 template <int N_, int ROWS_, int NG_>
-void ReadoutPairS(const uint8_t* rows, int64_t rec, int group, const float* hz, int64_t hs,
-                  const float* p, int64_t ps, int n_q, float* out, int64_t os, Shape rt) {
+void LoadHeads(const uint8_t* rows, int64_t rec_rt, float (*hz)[128], Shape rt) {
+  const int n_rows = ROWS_ ? ROWS_ : rt.tokens, ng = NG_ ? NG_ : rt.ng;
+  const int64_t rec = N_ && NG_ ? 4 * NG_ + N_ / 4 : rec_rt;
+  const __m512i step = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 56, 48, 40,
+                                        32, 24, 16, 8, 0, 56, 48, 40, 32, 24, 16, 8, 0);
+  auto head = [&](int t) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + std::min(t, n_rows - 1) * rec));
+  };
+  for (int t0 = 0; t0 < n_rows; t0 += 16) {
+    __m512i a[4];
+    for (int k = 0; k < 4; ++k) {
+      const int t = t0 + 4 * k;
+      __m512i v = _mm512_castsi128_si512(head(t));
+      v = _mm512_inserti32x4(v, head(t + 1), 1);
+      v = _mm512_inserti32x4(v, head(t + 2), 2);
+      a[k] = _mm512_inserti32x4(v, head(t + 3), 3);
+    }
+    for (int k = 0; k < 2 * ng; ++k) {
+      const __m512i idx = _mm512_add_epi16(step, _mm512_set1_epi16(static_cast<int16_t>(k)));
+      const __m256i h = _mm256_mask_blend_epi16(
+          0xff00, _mm512_castsi512_si256(_mm512_permutex2var_epi16(a[0], idx, a[1])),
+          _mm512_castsi512_si256(_mm512_permutex2var_epi16(a[2], idx, a[3])));
+      _mm512_store_ps(hz[k] + t0, _mm512_cvtph_ps(h));
+    }
+  }
+}
+
+template <int N_, int ROWS_, int NG_>
+void ReadoutPairS(const uint8_t* rows, int64_t rec, int group, const float* p, int64_t ps,
+                  int n_q, float* out, int64_t os, Shape rt) {
+  alignas(64) float hz[8][128];
+  LoadHeads<N_, ROWS_, NG_>(rows, rec, hz, rt);
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
     float* o = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ReadoutPairN<1, N_, ROWS_, NG_>(rows, rec, group, hz, hs, pi, ps, o, os, rt); break;
-      case 2: ReadoutPairN<2, N_, ROWS_, NG_>(rows, rec, group, hz, hs, pi, ps, o, os, rt); break;
-      case 3: ReadoutPairN<3, N_, ROWS_, NG_>(rows, rec, group, hz, hs, pi, ps, o, os, rt); break;
-      default: ReadoutPairN<4, N_, ROWS_, NG_>(rows, rec, group, hz, hs, pi, ps, o, os, rt); break;
+      case 1: ReadoutPairN<1, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
+      case 2: ReadoutPairN<2, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
+      case 3: ReadoutPairN<3, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
+      default: ReadoutPairN<4, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
     }
   }
 }
@@ -250,40 +290,13 @@ void ScorePairDot2(const uint8_t* codes, int n_ch, int tokens, const uint16_t* s
 
 void ReadoutPairDot2(const uint8_t* rows, int64_t rec, int n_rows, int n, int group,
                      const float* p, int64_t ps, int n_q, float* out, int64_t os) {
-  // The records' fp16 scales and zero points as floats, hz[k][t] (k < 2 * ng), 16 tokens at a
-  // time: four 16-byte record heads per vector, then one permute pair per kind.
-  constexpr int kRows = 128;
-  const int ng = (n + group - 1) / group;
-  alignas(64) float hz[8][kRows];
-  const __m512i step = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 56, 48, 40,
-                                        32, 24, 16, 8, 0, 56, 48, 40, 32, 24, 16, 8, 0);
-  auto head = [&](int t) {
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + std::min(t, n_rows - 1) * rec));
-  };
-  for (int t0 = 0; t0 < n_rows; t0 += 16) {
-    __m512i a[4];
-    for (int k = 0; k < 4; ++k) {
-      const int t = t0 + 4 * k;
-      __m512i v = _mm512_castsi128_si512(head(t));
-      v = _mm512_inserti32x4(v, head(t + 1), 1);
-      v = _mm512_inserti32x4(v, head(t + 2), 2);
-      a[k] = _mm512_inserti32x4(v, head(t + 3), 3);
-    }
-    for (int k = 0; k < 2 * ng; ++k) {
-      const __m512i idx = _mm512_add_epi16(step, _mm512_set1_epi16(static_cast<int16_t>(k)));
-      const __m256i h = _mm256_mask_blend_epi16(
-          0xff00, _mm512_castsi512_si256(_mm512_permutex2var_epi16(a[0], idx, a[1])),
-          _mm512_castsi512_si256(_mm512_permutex2var_epi16(a[2], idx, a[3])));
-      _mm512_store_ps(hz[k] + t0, _mm512_cvtph_ps(h));
-    }
-  }
-  const Shape rt{n, n_rows, ng};
+  const Shape rt{n, n_rows, (n + group - 1) / group};
   if (n_rows == 32 && n == 64 && group == 32)
-    ReadoutPairS<64, 32, 2>(rows, rec, group, hz[0], kRows, p, ps, n_q, out, os, rt);
+    ReadoutPairS<64, 32, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
   else if (n_rows == 32 && n == 128 && group == 32)
-    ReadoutPairS<128, 32, 4>(rows, rec, group, hz[0], kRows, p, ps, n_q, out, os, rt);
+    ReadoutPairS<128, 32, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
   else
-    ReadoutPairS<0, 0, 0>(rows, rec, group, hz[0], kRows, p, ps, n_q, out, os, rt);
+    ReadoutPairS<0, 0, 0>(rows, rec, group, p, ps, n_q, out, os, rt);
 }
 
 }  // namespace kvq::kernels::internal
