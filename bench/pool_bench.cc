@@ -4,7 +4,8 @@
 //
 //   Prefill  a 4096-token sequence per iteration appended in 256-token chunks (3 KV heads x
 //            64 dims, fp16 in, HeadQ rank 4), then dropped: bytes_per_second of fp16 input.
-//   Decode   one-token appends to a growing sequence (vector growth by whole groups).
+//   Decode   one-token appends to a growing sequence of 1k, 4k and 32k tokens (vector growth by
+//            whole groups: the rate must not fall with the length).
 //   Churn    64 sequences of 1024 tokens written and dropped per iteration from 2 threads:
 //            the pool's lock and free lists under contention.
 // Run: build/bin/kvq-bench-pool [--benchmark_min_time=1.0]; report the slab / host ratio of
@@ -24,7 +25,7 @@
 namespace {
 using namespace kvq::core;
 
-constexpr int kKv = 3, kD = 64, kT = 4096;
+constexpr int kKv = 3, kD = 64, kT = 4096, kLong = 32768;
 
 CodecOptions Options() {
   CodecOptions o;
@@ -38,7 +39,7 @@ const std::vector<uint16_t>& Input() {
   static const std::vector<uint16_t> h = [] {
     std::mt19937 rng(1);
     std::normal_distribution<float> nd;
-    std::vector<float> f(static_cast<size_t>(kKv) * kT * kD);
+    std::vector<float> f(static_cast<size_t>(kKv) * kLong * kD);
     for (auto& x : f) x = nd(rng);
     std::vector<uint16_t> out(f.size());
     FloatToHalfN(f.data(), out.data(), f.size());
@@ -71,7 +72,7 @@ void Fill(LayerCache* c, int64_t tokens, int64_t chunk) {
   for (int64_t at = 0; at < tokens; at += chunk) {
     const int64_t n = std::min(chunk, tokens - at);
     TensorView k = TensorView::Contiguous(in.data() + at * kD, DType::kF16, {kKv, n, kD});
-    k.stride[0] = static_cast<int64_t>(kT) * kD;
+    k.stride[0] = static_cast<int64_t>(kLong) * kD;
     if (!c->Append(k, k, at).ok()) std::abort();
   }
 }
@@ -97,12 +98,13 @@ void Prefill(benchmark::State& st) {
 
 void Decode(benchmark::State& st) {
   BytePool* pool = PoolOf(static_cast<int>(st.range(0)));
+  const int64_t tokens = st.range(1);
   for (auto _ : st) {
     LayerCache c(Options(), kKv, Basis().data(), pool);
-    Fill(&c, 1024, 1);
+    Fill(&c, tokens, 1);
     benchmark::DoNotOptimize(c.tokens());
   }
-  st.SetItemsProcessed(st.iterations() * 1024);
+  st.SetItemsProcessed(st.iterations() * tokens);
   st.SetLabel(st.range(0) == 0 ? "host" : "slab");
 }
 
@@ -126,7 +128,15 @@ void Churn(benchmark::State& st) {
 }
 
 BENCHMARK(Prefill)->ArgName("slab")->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
-BENCHMARK(Decode)->ArgName("slab")->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(Decode)
+    ->ArgNames({"slab", "tokens"})
+    ->Args({0, 1024})
+    ->Args({1, 1024})
+    ->Args({0, kT})
+    ->Args({1, kT})
+    ->Args({0, kLong})
+    ->Args({1, kLong})
+    ->Unit(benchmark::kMillisecond);
 BENCHMARK(Churn)->ArgName("slab")->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace

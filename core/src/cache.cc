@@ -59,6 +59,14 @@ LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis, 
 
 namespace {
 
+// Room for `more` bytes: growth by at least a quarter of the capacity, so that appending one
+// group at a time (decode) copies each block a bounded number of times (at most 4 on average)
+// instead of once per later group, for at most a quarter of the capacity left unused.
+void Reserve(Bytes* v, size_t more) {
+  const size_t need = v->size() + more;
+  if (need > v->capacity()) v->reserve(std::max(need, v->capacity() + v->capacity() / 4));
+}
+
 absl::Status CheckKV(const TensorView& t, absl::string_view name, int kv_heads, int d, int64_t n) {
   if (t.rank != 3)
     return absl::InvalidArgumentError(absl::StrCat(name, ": rank ", t.rank,
@@ -305,8 +313,8 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
                  v.stride[1] * static_cast<int64_t>(DTypeSize(to)), to,
                  probe_weights ? probe_weights + h * n : nullptr, 0};
     if (building_.empty()) {
-      heads_[h].kblocks.reserve(heads_[h].kblocks.size() + ready * kblock_bytes_);
-      heads_[h].vblocks.reserve(heads_[h].vblocks.size() + ready * MaxValueBlockBytes(opts_));
+      Reserve(&heads_[h].kblocks, ready * kblock_bytes_);
+      Reserve(&heads_[h].vblocks, ready * MaxValueBlockBytes(opts_));
     }
     for (int64_t g0 = 0; g0 < ready && ok && st.ok(); g0 += chunk_groups) {
       const int64_t g1 = std::min(ready, g0 + chunk_groups);
@@ -356,8 +364,8 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     const float* Ut = r > 0 ? basis_t_.data() + static_cast<size_t>(h) * d * r : nullptr;
     const bool seal = !building_.empty();
     if (!seal && !input) {  // EncodeInput reserves for all of its chunks at once
-      hd.kblocks.reserve(hd.kblocks.size() + ready * kblock_bytes_);
-      hd.vblocks.reserve(hd.vblocks.size() + ready * MaxValueBlockBytes(opts_));
+      Reserve(&hd.kblocks, ready * kblock_bytes_);
+      Reserve(&hd.vblocks, ready * MaxValueBlockBytes(opts_));
     }
     const int64_t g0 = input ? input->first_group : 0;
     for (int64_t g = g0; g < g0 + ready; ++g) {

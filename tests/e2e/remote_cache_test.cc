@@ -180,8 +180,10 @@ TEST_F(RemoteCacheTest, A2ValuePolicyObservesThroughAttend) {
 TEST_F(RemoteCacheTest, KeysOnlyScoresRemotelyAndReadsOutLocally) {
   RemoteStats st;
   // Server Score (fused base + side code) vs in-process scores over decoded keys: the same
-  // numbers up to float summation order.
-  EXPECT_LE(Compare(Codec(false), true, 2, &st), 1e-4);
+  // numbers up to float summation order and, where the CPU has AVX512-VNNI, the fused path's
+  // int16 rounding of the queries (scores within 5e-4 relative, docs/CODEC.md; 6.1e-4 measured
+  // on these outputs, against 2-bit codes that move a logit by 0.1-0.4).
+  EXPECT_LE(Compare(Codec(false), true, 2, &st), 1e-3);
   EXPECT_EQ(st.score_rpcs, st.batches);
   EXPECT_EQ(st.attend_rpcs, 0);
   EXPECT_EQ(st.put_rpcs, 0);  // the appends ride in the Score items
