@@ -22,21 +22,9 @@ class ClientTlsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new std::string(kvq::testing::TempDir("kvq-client-tls"));
-    const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
-    const std::string cmd = absl::StrCat(
-        "cd ", *dir_, " && (", "openssl req -x509 ", key,
-        " -keyout ca.key -out ca.pem -days 1 -subj /CN=kvq-test-ca", " && openssl req ", key,
-        " -keyout server.key -out server.csr -subj /CN=localhost",
-        " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext",
-        " && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
-        " -out server.pem -days 1 -extfile san.ext", " && openssl req ", key,
-        " -keyout client.key -out client.csr -subj /CN=kvq-client",
-        " && openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
-        " -out client.pem -days 1", " && openssl req -x509 ", key,
-        " -keyout other.key -out other.pem -days 1", " -subj /CN=untrusted",
-        " && printf 'tok-alpha-0123456789 alpha\\ntok-beta-9876543210 beta\\n' > tokens",
-        " && printf 'tok-alpha-0123456789\\n' > alpha.token", ") >/dev/null 2>&1");
-    ok_ = std::system(cmd.c_str()) == 0;
+    ok_ = kvq::testing::MakeTestCertificates(*dir_);
+    std::ofstream(*dir_ + "/tokens") << "tok-alpha-0123456789 alpha\ntok-beta-9876543210 beta\n";
+    std::ofstream(*dir_ + "/alpha.token") << "tok-alpha-0123456789\n";
   }
   static void TearDownTestSuite() {
     std::filesystem::remove_all(*dir_);

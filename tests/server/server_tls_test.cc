@@ -25,20 +25,8 @@ class TlsTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new std::string(TempDir("kvq-tls"));
     const std::string d = *dir_;
-    const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
-    const std::string cmd = absl::StrCat(
-        "cd ", d, " && (", "openssl req -x509 ", key,
-        " -keyout ca.key -out ca.pem -days 1 -subj /CN=kvq-test-ca", " && openssl req ", key,
-        " -keyout server.key -out server.csr -subj /CN=localhost",
-        " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext",
-        " && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
-        " -out server.pem -days 1 -extfile san.ext", " && openssl req ", key,
-        " -keyout client.key -out client.csr -subj /CN=kvq-client",
-        " && openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
-        " -out client.pem -days 1", " && openssl req -x509 ", key,
-        " -keyout other.key -out other.pem -days 1", " -subj /CN=untrusted",
-        " && printf 'tok-alpha-0123456789abcdef alpha\\n' > tokens", ") >/dev/null 2>&1");
-    ok_ = std::system(cmd.c_str()) == 0;
+    ok_ = MakeTestCertificates(d);
+    std::ofstream(d + "/tokens") << "tok-alpha-0123456789abcdef alpha\n";
   }
   static void TearDownTestSuite() {
     std::filesystem::remove_all(*dir_);

@@ -166,6 +166,22 @@ std::string TempDir(const std::string& prefix) {
   return p ? std::string(p) : std::string();
 }
 
+bool MakeTestCertificates(const std::string& dir) {
+  const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::string cmd = absl::StrCat(
+      "cd ", dir, " && (", "openssl req -x509 ", key,
+      " -keyout ca.key -out ca.pem -days 1 -subj /CN=kvq-test-ca", " && openssl req ", key,
+      " -keyout server.key -out server.csr -subj /CN=localhost",
+      " && printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext",
+      " && openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
+      " -out server.pem -days 1 -extfile san.ext", " && openssl req ", key,
+      " -keyout client.key -out client.csr -subj /CN=kvq-client",
+      " && openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial",
+      " -out client.pem -days 1", " && openssl req -x509 ", key,
+      " -keyout other.key -out other.pem -days 1", " -subj /CN=untrusted", ") >/dev/null 2>&1");
+  return std::system(cmd.c_str()) == 0;
+}
+
 TestServer::TestServer(server::ServerOptions opts, bool keep) : own_dir_(!keep) {
   if (opts.registry_dir.empty()) {
     registry_dir_ = TempDir("kvq-registry");

@@ -72,6 +72,12 @@ class TestServer {
 
 std::string TempDir(const std::string& prefix);
 
+// Writes into `dir` (with openssl): a test CA (ca.pem, ca.key), a server certificate for
+// localhost and 127.0.0.1 signed by it (server.pem, server.key), a client certificate signed
+// by it (client.pem, client.key) and a self-signed certificate nobody trusts (other.pem,
+// other.key). False when openssl failed.
+bool MakeTestCertificates(const std::string& dir);
+
 // A client context with a deadline and optional tenant/token metadata.
 std::unique_ptr<grpc::ClientContext> Ctx(const std::string& tenant = "",
                                          const std::string& token = "", int deadline_s = 30);
