@@ -443,8 +443,10 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
       }
   }
   const int64_t nb = encoded_ / G;
+  const BlockReader reader(opts_, opts_.verify_on_read);
+  KeyBlockView kv;
   for (int64_t b = 0; b < nb; ++b) {
-    ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(KeyBlock(h, b), opts_, opts_.verify_on_read));
+    RETURN_IF_ERROR(reader.Key(KeyBlock(h, b), &kv));
     ScoreKeyBlock(kv, q, r > 0 ? uq.data() : nullptr, rows, scale, opts_.side_sign, out + b * G, T,
                   !corr_only);
   }
@@ -471,9 +473,10 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
   thread_local std::vector<float> win;
   std::fill(out, out + static_cast<size_t>(rows) * d, 0.0f);
   const int64_t nb = encoded_ / G;
+  const BlockReader reader(opts_, opts_.verify_on_read);
+  ValueBlockView vv;
   for (int64_t b = 0; b < nb; ++b) {
-    ASSIGN_OR_RETURN(ValueBlockView vv,
-                     ParseValueBlock(ValueBlock(h, b), opts_, opts_.verify_on_read));
+    RETURN_IF_ERROR(reader.Value(ValueBlock(h, b), &vv));
     ReadoutValueBlock(vv, p + b * G, T, rows, out, d);
   }
   const int64_t W = T - encoded_;

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvq/core/half.h"
+#include "kvq/core/status.h"
 #include "kvq/kernels/kernels.h"
 
 namespace kvq::core {
@@ -25,17 +26,23 @@ bool OneOf(int v, std::initializer_list<int> allowed) {
 
 // v2 hashes the payload unseeded (libxxhash then skips deriving a secret per call, ~2.5x
 // faster on blocks of about 1 KiB) and mixes in the header's hash; v1 seeded the payload hash.
-uint32_t BlockChecksum(const uint8_t* block, size_t size, uint8_t version) {
-  const uint64_t head = XXH3_64bits(block, 12);
-  const uint8_t* payload = block + kBlockHeaderBytes;
-  const size_t n = size - kBlockHeaderBytes;
-  if (version == 1) return static_cast<uint32_t>(kernels::Active().xxh3(payload, n, head));
-  return static_cast<uint32_t>(kernels::Active().xxh3(payload, n, 0) ^
-                               (head * 0x9E3779B97F4A7C15ull));
+uint32_t ChecksumV2(const uint8_t* block, size_t size, uint64_t head) {
+  return static_cast<uint32_t>(
+      kernels::Active().xxh3(block + kBlockHeaderBytes, size - kBlockHeaderBytes, 0) ^
+      (head * 0x9E3779B97F4A7C15ull));
 }
 
-void WriteHeader(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, int head_dim,
-                 int extra, size_t size) {
+uint32_t BlockChecksum(const uint8_t* block, size_t size, uint8_t version) {
+  const uint64_t head = XXH3_64bits(block, 12);
+  if (version == 1)
+    return static_cast<uint32_t>(kernels::Active().xxh3(
+        block + kBlockHeaderBytes, size - kBlockHeaderBytes, head));
+  return ChecksumV2(block, size, head);
+}
+
+// Header bytes 0..11 (everything but the checksum) of a current-version block.
+void WriteHeaderFields(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens,
+                       int head_dim, int extra) {
   const uint16_t magic = kBlockMagic;
   std::memcpy(p, &magic, 2);
   p[2] = kBlockVersion;
@@ -45,6 +52,11 @@ void WriteHeader(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, 
   const uint16_t f[3] = {static_cast<uint16_t>(tokens), static_cast<uint16_t>(head_dim),
                          static_cast<uint16_t>(extra)};
   std::memcpy(p + 6, f, 6);
+}
+
+void WriteHeader(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, int head_dim,
+                 int extra, size_t size) {
+  WriteHeaderFields(p, kind, bits, side_bits, tokens, head_dim, extra);
   const uint32_t sum = BlockChecksum(p, size, kBlockVersion);
   std::memcpy(p + 12, &sum, 4);
 }
@@ -309,6 +321,69 @@ absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
                                             need, " (truncated or padded)"));
   v.payload = p;
   return v;
+}
+
+BlockReader::BlockReader(const CodecOptions& o, bool verify)
+    : o_(o),
+      verify_(verify),
+      value_fast_(!o.per_token_value_bits()),
+      key_bytes_(KeyBlockBytes(o)),
+      value_bytes_(ValueBlockBytes(o)) {
+  const int r = o.rank;
+  WriteHeaderFields(key_head_, 1, o.key_bits, r > 0 ? o.side_bits : 0, o.key_group, o.head_dim, r);
+  WriteHeaderFields(value_head_, 2, o.value_bits, 0, o.key_group, o.head_dim, o.value_group);
+  key_hash_ = XXH3_64bits(key_head_, 12);
+  value_hash_ = XXH3_64bits(value_head_, 12);
+  const int d = o.head_dim, G = o.key_group;
+  KeyBlockView& k = key_view_;
+  k.bits = o.key_bits;
+  k.side_bits = r > 0 ? o.side_bits : 0;
+  k.tokens = G;
+  k.head_dim = d;
+  k.rank = r;
+  ValueBlockView& v = value_view_;
+  v.bits = o.value_bits;
+  v.tokens = G;
+  v.head_dim = d;
+  v.value_group = o.value_group;
+  for (int t = 0; t < G; ++t) v.token_bits[t] = static_cast<uint8_t>(o.value_bits);
+}
+
+bool BlockReader::Matches(std::span<const uint8_t> b, const uint8_t* head, uint64_t head_hash,
+                          size_t size) const {
+  if (b.size() != size || std::memcmp(b.data(), head, 12) != 0) return false;
+  if (!verify_) return true;
+  uint32_t stored;
+  std::memcpy(&stored, b.data() + 12, 4);
+  return stored == ChecksumV2(b.data(), b.size(), head_hash);
+}
+
+absl::Status BlockReader::Key(std::span<const uint8_t> b, KeyBlockView* v) const {
+  if (!Matches(b, key_head_, key_hash_, key_bytes_)) {
+    ASSIGN_OR_RETURN(*v, ParseKeyBlock(b, o_, verify_));
+    return absl::OkStatus();
+  }
+  const int d = o_.head_dim, r = o_.rank;
+  *v = key_view_;
+  v->scale = reinterpret_cast<const uint16_t*>(b.data() + kBlockHeaderBytes);
+  v->zero = v->scale + d;
+  v->codes = reinterpret_cast<const uint8_t*>(v->zero + d);
+  if (r > 0) {
+    v->side_scale = reinterpret_cast<const uint16_t*>(v->codes + d * RowBytes(o_.key_group, v->bits));
+    v->side_zero = v->side_scale + r;
+    v->side_codes = reinterpret_cast<const uint8_t*>(v->side_zero + r);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status BlockReader::Value(std::span<const uint8_t> b, ValueBlockView* v) const {
+  if (!value_fast_ || !Matches(b, value_head_, value_hash_, value_bytes_)) {
+    ASSIGN_OR_RETURN(*v, ParseValueBlock(b, o_, verify_));
+    return absl::OkStatus();
+  }
+  *v = value_view_;
+  v->payload = b.data() + kBlockHeaderBytes;
+  return absl::OkStatus();
 }
 
 absl::Status VerifyBlock(std::span<const uint8_t> block) {

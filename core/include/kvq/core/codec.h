@@ -135,6 +135,31 @@ absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const
                                            bool verify);
 absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
                                                const CodecOptions& o, bool verify);
+// Parses the blocks of one sequence on a read (score, readout, attend). The header that every
+// version-2 block of codec `o` carries and its hash are formed once, so a block of the
+// expected size whose header matches byte for byte needs only its checksum (when verify);
+// any other block (version 1, A^2 widths, a corruption) goes through ParseKeyBlock /
+// ParseValueBlock, so verdicts and error messages are theirs. `o` must outlive the reader.
+class BlockReader {
+ public:
+  BlockReader(const CodecOptions& o, bool verify);
+  absl::Status Key(std::span<const uint8_t> block, KeyBlockView* v) const;
+  absl::Status Value(std::span<const uint8_t> block, ValueBlockView* v) const;
+
+ private:
+  bool Matches(std::span<const uint8_t> block, const uint8_t* head, uint64_t head_hash,
+               size_t size) const;
+
+  const CodecOptions& o_;
+  bool verify_;
+  bool value_fast_;  // uniform value widths: every value block has one size and header
+  uint8_t key_head_[12], value_head_[12];
+  uint64_t key_hash_, value_hash_;
+  size_t key_bytes_, value_bytes_;
+  KeyBlockView key_view_;  // the fields; the fast path sets the pointers
+  ValueBlockView value_view_;
+};
+
 // Verifies only the checksum and the header (for scrubs and whole-block reads).
 absl::Status VerifyBlock(std::span<const uint8_t> block);
 
