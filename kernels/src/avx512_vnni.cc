@@ -49,12 +49,14 @@ inline __m512i DecodePair2(const uint8_t* a, const uint8_t* b) {
                           _mm512_set1_epi32(0x00030003));
 }
 
-// x[k] * inv rounded to int16, 16 lanes at a time (|x * inv| <= 32767 by construction).
-inline void StoreI16(const float* x, int n, float inv, int16_t* q) {
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (int i = 0; i < n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
-                        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv))));
+// x * inv rounded to int16, 16 lanes (|x * inv| <= 32767 by construction).
+inline __m256i ToI16(__m512 x, float inv) {
+  return _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(inv))));
+}
+
+// steps[j] = mx[j] / 32767 for j < 4 in one division (the same roundings as four scalar ones).
+inline void Step4(const float* mx, float* steps) {
+  _mm_storeu_ps(steps, _mm_div_ps(_mm_loadu_ps(mx), _mm_set1_ps(32767.0f)));
 }
 
 // inv[j] = 32767 / mx[j] for j < 4, or 0 where a block's weights are all zero or not finite;
@@ -82,7 +84,8 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
   const int n_ch = NCH_ ? NCH_ : rt.n_ch, tokens = T_ ? T_ : rt.tokens;
   const int nv = (n_ch + 15) / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n_ch - (nv - 1) * 16)) - 1);
-  alignas(64) float wf[NQ][512];
+  constexpr int kNv = NCH_ ? (NCH_ + 15) / 16 : 32;
+  __m512 wf[NQ][kNv];
   alignas(64) int16_t w16[NQ][512];
   __m512 b[4], mx[4];
   for (int j = 0; j < 4; ++j) b[j] = mx[j] = _mm512_setzero_ps();
@@ -91,7 +94,7 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
       const __mmask16 m = k + 1 < nv ? 0xffff : tail;
       const __m512 qv = _mm512_maskz_loadu_ps(m, q + j * qs + 16 * k);
       const __m512 w = _mm512_mul_ps(qv, _mm512_load_ps(sc + 16 * k));
-      _mm512_store_ps(wf[j] + 16 * k, w);
+      wf[j][k] = w;
       b[j] = _mm512_fmadd_ps(qv, _mm512_load_ps(ze + 16 * k), b[j]);
       mx[j] = MaxBits(mx[j], _mm512_abs_ps(w));
     }
@@ -100,9 +103,11 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
   ReduceMaxBits4(mx, top);
   float inv[4];
   Inverse4(top, inv);
+  Step4(top, ws);
   for (int j = 0; j < NQ; ++j) {
-    StoreI16(wf[j], nv * 16, inv[j], w16[j]);
-    ws[j] = top[j] / 32767.0f * mult;
+    for (int k = 0; k < nv; ++k)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w16[j] + 16 * k), ToI16(wf[j][k], inv[j]));
+    ws[j] *= mult;
     bias[j] *= mult;
   }
   constexpr int TILES = 2;  // tokens % 32 == 0 here; 16-token blocks take the 1-tile path
@@ -156,7 +161,12 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
   const int n = N_ ? N_ : rt.n_ch, n_rows = ROWS_ ? ROWS_ : rt.tokens, ng = NG_ ? NG_ : rt.ng;
   const int nv = (n_rows + 15) / 16, pairs = (n_rows + 1) & ~1;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n_rows - (nv - 1) * 16)) - 1);
-  alignas(64) float cf[NQ][kGroups][kRows];
+  constexpr int kNv = ROWS_ ? (ROWS_ + 15) / 16 : kRows / 16;
+  // Fixed shapes come with group == n / ng (see ReadoutPairDot2); a group of 32 channels or a
+  // multiple keeps both chunks of a pair in one group, so they share the coefficients.
+  constexpr int kGroup = N_ && NG_ ? N_ / NG_ : 0;
+  constexpr bool kPairInGroup = kGroup > 0 && kGroup % 32 == 0;
+  __m512 cf[NQ][kGroups][kNv];
   alignas(64) int16_t c16[NQ][kGroups][kRows];
   // coef = p * scale (zero past n_rows: the odd row's pad), zero-point sums and max |coef|.
   constexpr int kAcc = NG_ ? (NQ * NG_ + 3) / 4 * 4 : 4 * kGroups;
@@ -170,7 +180,7 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
         const __mmask16 m = v + 1 < nv ? 0xffff : tail;
         const __m512 pv = _mm512_maskz_loadu_ps(m, p + j * ps + 16 * v);
         const __m512 c = _mm512_mul_ps(pv, _mm512_loadu_ps(hz + g * hs + 16 * v));
-        _mm512_store_ps(cf[j][g] + 16 * v, c);
+        cf[j][g][v] = c;
         z = _mm512_fmadd_ps(pv, _mm512_loadu_ps(hz + (ng + g) * hs + 16 * v), z);
         x = MaxBits(x, _mm512_abs_ps(c));
       }
@@ -182,15 +192,16 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
     ReduceAdd4(zacc + k, zs + k);
     ReduceMaxBits4(mx + k, top + k);
     Inverse4(top + k, inv + k);
+    Step4(top + k, ws + k);
   }
   for (int j = 0; j < NQ; ++j)
-    for (int g = 0; g < ng; ++g) {
-      StoreI16(cf[j][g], nv * 16, inv[j * ng + g], c16[j][g]);
-      ws[j * ng + g] = top[j * ng + g] / 32767.0f;
-    }
+    for (int g = 0; g < ng; ++g)
+      for (int v = 0; v < nv; ++v)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(c16[j][g] + 16 * v),
+                           ToI16(cf[j][g][v], inv[j * ng + g]));
   const int chunks = n / 16;
   for (int ch = 0; ch < chunks; ch += 2) {
-    const int nc = ch + 1 < chunks ? 2 : 1;
+    const int nc = kPairInGroup || ch + 1 < chunks ? 2 : 1;
     const int g0 = ch * 16 / group, g1 = (ch + nc - 1) * 16 / group;
     __m512i acc[2][NQ];
     for (int k = 0; k < 2; ++k)
@@ -202,8 +213,10 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
       const __m512i v0 = DecodePair2(r0, r1);
       const __m512i v1 = nc == 2 ? DecodePair2(r0 + 4, r1 + 4) : v0;
       for (int i = 0; i < NQ; ++i) {
-        acc[0][i] = Dot(acc[0][i], v0, _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g0] + t))));
-        acc[1][i] = Dot(acc[1][i], v1, _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g1] + t))));
+        const __m512i w0 = _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g0] + t)));
+        acc[0][i] = Dot(acc[0][i], v0, w0);
+        acc[1][i] = Dot(acc[1][i], v1,
+                        kPairInGroup ? w0 : _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g1] + t))));
       }
     }
     for (int k = 0; k < nc; ++k) {
@@ -291,6 +304,7 @@ void ScorePairDot2(const uint8_t* codes, int n_ch, int tokens, const uint16_t* s
 void ReadoutPairDot2(const uint8_t* rows, int64_t rec, int n_rows, int n, int group,
                      const float* p, int64_t ps, int n_q, float* out, int64_t os) {
   const Shape rt{n, n_rows, (n + group - 1) / group};
+  // The fixed shapes must keep group == N_ / NG_ (ReadoutPairN's kGroup).
   if (n_rows == 32 && n == 64 && group == 32)
     ReadoutPairS<64, 32, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
   else if (n_rows == 32 && n == 128 && group == 32)
