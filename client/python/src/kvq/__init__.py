@@ -1,0 +1,27 @@
+"""kvq: a Python client of the kvq KV-cache server (HeadQ codes over gRPC)."""
+
+from .client import Client
+from .errors import KvqError
+from .types import (
+    Append,
+    AttendItem,
+    Block,
+    CodecSettings,
+    ItemResult,
+    ReadoutItem,
+    ScoreItem,
+)
+
+__all__ = [
+    "Client",
+    "KvqError",
+    "Append",
+    "AttendItem",
+    "Block",
+    "CodecSettings",
+    "ItemResult",
+    "ReadoutItem",
+    "ScoreItem",
+]
+
+__version__ = "0.1.0"

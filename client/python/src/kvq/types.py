@@ -1,0 +1,169 @@
+"""Plain request and result types of the kvq client (dataclasses over numpy arrays).
+
+Tensors ("array" below) are numpy arrays (float16, float32, or uint16 holding bfloat16 bits)
+or torch tensors (float16, bfloat16, float32, on any device); see kvq.tensors for the rules.
+Shapes follow proto/kvq/v1/kvq.proto: keys/values [kv_heads, n, head_dim], queries
+[q_heads, n_q, head_dim] (or [q_heads, head_dim] for one query).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import grpc
+import numpy as np
+
+from .errors import KvqError
+
+__all__ = [
+    "CodecSettings",
+    "Append",
+    "AttendItem",
+    "ScoreItem",
+    "ReadoutItem",
+    "ItemResult",
+    "Block",
+    "OutputDType",
+]
+
+# "f32" | "f16" | "bf16": the dtype of decoded outputs the server sends back.
+OutputDType = str
+
+
+@dataclass
+class CodecSettings:
+    """Codec overrides for a new sequence; 0 (or "default") keeps the model's default.
+
+    key_bits 2/3/4/8; key_group (G) 32/64/128; rank 0..basis rank (-1: force 0, KIVI-like);
+    side_bits 4/8; value_bits 1/2/3/4/8; value_group channels per value scale;
+    value_policy "default" | "uniform" | "a2"; value_budget (A2) 1.0..4.0 bits;
+    sink_tokens (A2) positions kept at 4 bits; window (R) recent tokens kept at arrival
+    precision (-1: 0).
+    """
+
+    key_bits: int = 0
+    key_group: int = 0
+    rank: int = 0
+    side_bits: int = 0
+    value_bits: int = 0
+    value_group: int = 0
+    value_policy: str = "default"
+    value_budget: float = 0.0
+    sink_tokens: int = 0
+    window: int = 0
+
+
+@dataclass
+class Append:
+    """Tokens [start, start + n) of one layer of one sequence.
+
+    keys/values: [kv_heads, n, head_dim], post-RoPE, same dtype. Both None with token_ids
+    given: an attach (take the longest indexed prefix run for those ids, no data sent).
+    model/basis_version/codec: used when the append creates the sequence.
+    probe_weights: optional f32 [kv_heads, n] A^2 weights (value policy A2).
+    token_ids: optional uint32 ids of the n tokens (prefix sharing).
+    """
+
+    sequence_id: str
+    layer: int
+    start: int
+    keys: Any = None
+    values: Any = None
+    token_ids: Optional[Sequence[int]] = None
+    model: str = ""
+    basis_version: int = 0
+    codec: Optional[CodecSettings] = None
+    probe_weights: Any = None
+
+
+@dataclass
+class AttendItem:
+    """One fused attention (score + softmax + readout) over a layer's cached tokens.
+
+    causal_offset: query i sees tokens [0, causal_offset + i]; None: every cached token.
+    scale: 0 means 1/sqrt(head_dim). observe: None (server default: True) records A^2
+    statistics; False makes the item read-only (and the call retryable when every item is
+    read-only). append: a decode step's new tokens, appended before attending.
+    """
+
+    sequence_id: str
+    layer: int
+    queries: Any
+    causal_offset: Optional[int] = None
+    scale: float = 0.0
+    observe: Optional[bool] = None
+    output_dtype: OutputDType = "f32"
+    basis_version: int = 0
+    append: Optional[Append] = None
+
+
+@dataclass
+class ScoreItem:
+    """Logits of queries against every cached token of a layer ([q_heads, n_q, tokens])."""
+
+    sequence_id: str
+    layer: int
+    queries: Any
+    scale: float = 0.0
+    corrections_only: bool = False
+    basis_version: int = 0
+    append: Optional[Append] = None
+
+
+@dataclass
+class ReadoutItem:
+    """The weighted sum of a layer's cached values; weights f32 [q_heads, n_q, tokens]."""
+
+    sequence_id: str
+    layer: int
+    weights: Any
+    weights_are_logits: bool = False
+    output_dtype: OutputDType = "f32"
+    basis_version: int = 0
+
+
+@dataclass
+class ItemResult:
+    """The outcome of one item of a batched call.
+
+    code: grpc.StatusCode (OK on success); message: the server's message for a failed item;
+    tokens: cached tokens the item read; outputs: numpy array (None when the item failed):
+    Score logits f32 [q_heads, n_q, tokens], Attend/Readout [q_heads, n_q, head_dim] in the
+    item's output dtype (float32, float16, or uint16 bfloat16 bits).
+    """
+
+    code: grpc.StatusCode
+    message: str
+    tokens: int
+    outputs: Optional[np.ndarray]
+    method: str = field(default="", repr=False, compare=False)
+    index: int = field(default=-1, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.code == grpc.StatusCode.OK
+
+    def raise_for_status(self) -> "ItemResult":
+        """Raises KvqError when the item failed; returns self otherwise."""
+        if not self.ok:
+            where = f"items[{self.index}]: " if self.index >= 0 else ""
+            raise KvqError(self.method or "item", self.code, f"{where}{self.message}")
+        return self
+
+
+@dataclass
+class Block:
+    """A chunk of a sequence's cached K/V as attention sees them (GetBlocks).
+
+    keys/values: [kv_heads, n, head_dim] numpy arrays (float32, float16, or uint16 bfloat16
+    bits, per the requested dtype); start: the position of the first token; layer_tokens:
+    tokens cached in the layer.
+    """
+
+    layer: int
+    start: int
+    keys: np.ndarray
+    values: np.ndarray
+    layer_tokens: int
+    basis_version: int
