@@ -147,8 +147,11 @@ class ItemResult:
     def raise_for_status(self) -> "ItemResult":
         """Raises KvqError when the item failed; returns self otherwise."""
         if not self.ok:
-            where = f"items[{self.index}]: " if self.index >= 0 else ""
-            raise KvqError(self.method or "item", self.code, f"{where}{self.message}")
+            # The server's item messages name the item already ("items[3]: ..."); a shard
+            # failure's ("server X: ...") does not.
+            where = f"items[{self.index}]" if self.index >= 0 else ""
+            msg = self.message if not where or self.message.startswith(where) else f"{where}: {self.message}"
+            raise KvqError(self.method or "item", self.code, msg)
         return self
 
 
