@@ -21,7 +21,7 @@ from .client import (
     AttemptHook,
     _code_of,
     _Options,
-    append_pb,
+    put_requests,
     attend_request,
     block_of,
     check_results,
@@ -227,13 +227,7 @@ class Client:
             messages = [appends]
         elif appends:
             raise KvqError.invalid(method, "appends/messages: give one of them, not both")
-        per_shard: dict = {}
-        for m, msg in enumerate(messages):
-            prefix = f"messages[{m}].appends" if len(messages) > 1 else "appends"
-            pbs = [append_pb(a, f"{prefix}[{i}]", method) for i, a in enumerate(msg)]
-            _, groups = self._o.by_shard([a.sequence_id for a in pbs])
-            for s, idx in (groups or {0: []}).items():
-                per_shard.setdefault(s, []).append(kvq_pb2.PutBlocksRequest(appends=[pbs[i] for i in idx]))
+        per_shard = put_requests(messages, self._o.by_shard, method)
         shards = sorted(per_shard)
         results = await self._gather([
             self._run(method, s, True, deadline,

@@ -105,25 +105,27 @@ def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[k
     )
 
 
-def append_pb(a: Append, field: str, method: str) -> kvq_pb2.Append:
-    """kvq_pb2.Append for an Append (checks shapes client-side; field names it in errors)."""
+def append_pb(a: Append, field: str, method: str,
+              out: Optional[kvq_pb2.Append] = None) -> kvq_pb2.Append:
+    """kvq_pb2.Append for an Append (checks shapes client-side; field names it in errors).
+    out: fill this message (a field of the request being built) instead of a new one."""
     if not isinstance(a, Append):
         raise KvqError.invalid(method, f"{field}: expected kvq.Append, got {type(a).__name__}")
     if not a.sequence_id:
         raise KvqError.invalid(method, f"{field}.sequence_id: empty")
-    out = kvq_pb2.Append(
-        sequence_id=a.sequence_id,
-        layer=int(a.layer),
-        start=int(a.start),
-        model=a.model or "",
-        basis_version=int(a.basis_version),
-    )
+    if out is None:
+        out = kvq_pb2.Append()
+    out.sequence_id = a.sequence_id
+    out.layer = int(a.layer)
+    out.start = int(a.start)
+    out.model = a.model or ""
+    out.basis_version = int(a.basis_version)
     if (a.keys is None) != (a.values is None):
         missing = "values" if a.values is None else "keys"
         raise KvqError.invalid(method, f"{field}.{missing}: missing (keys and values go together)")
     if a.keys is not None:
-        k = to_tensor(a.keys, f"{field}.keys", method, ndims=(3,))
-        v = to_tensor(a.values, f"{field}.values", method, ndims=(3,))
+        k = to_tensor(a.keys, f"{field}.keys", method, ndims=(3,), out=out.keys)
+        v = to_tensor(a.values, f"{field}.values", method, ndims=(3,), out=out.values)
         if list(k.shape) != list(v.shape):
             raise KvqError.invalid(
                 method,
@@ -132,8 +134,6 @@ def append_pb(a: Append, field: str, method: str) -> kvq_pb2.Append:
             )
         if k.dtype != v.dtype:
             raise KvqError.invalid(method, f"{field}.values: dtype differs from keys'")
-        out.keys.CopyFrom(k)
-        out.values.CopyFrom(v)
     elif a.token_ids is None:
         raise KvqError.invalid(
             method, f"{field}: neither keys/values nor token_ids (an attach needs token_ids)"
@@ -146,13 +146,27 @@ def append_pb(a: Append, field: str, method: str) -> kvq_pb2.Append:
             raise KvqError.invalid(method, f"{field}.token_ids: ids must be uint32")
         out.token_ids.extend(ids.astype(np.uint64).tolist())
     if a.probe_weights is not None:
-        out.probe_weights.CopyFrom(
-            to_tensor(a.probe_weights, f"{field}.probe_weights", method, ndims=(2,), f32_only=True)
-        )
+        to_tensor(a.probe_weights, f"{field}.probe_weights", method, ndims=(2,), f32_only=True,
+                  out=out.probe_weights)
     codec = _codec_pb(a.codec, f"{field}.codec", method)
     if codec is not None:
         out.codec.CopyFrom(codec)
     return out
+
+
+def put_requests(messages: Sequence[Sequence[Append]], by_shard: Callable[[Sequence[str]], Any],
+                 method: str = "PutBlocks") -> Dict[int, List[kvq_pb2.PutBlocksRequest]]:
+    """The PutBlocks messages per shard: each message split by shard, order kept."""
+    per_shard: Dict[int, List[kvq_pb2.PutBlocksRequest]] = {}
+    for m, msg in enumerate(messages):
+        prefix = f"messages[{m}].appends" if len(messages) > 1 else "appends"
+        _, groups = by_shard([getattr(a, "sequence_id", "") for a in msg])
+        for s, idx in (groups or {0: []}).items():
+            req = kvq_pb2.PutBlocksRequest()
+            for i in idx:
+                append_pb(msg[i], f"{prefix}[{i}]", method, out=req.appends.add())
+            per_shard.setdefault(s, []).append(req)
+    return dict(sorted(per_shard.items()))
 
 
 def attend_request(items: Sequence[AttendItem], method: str = "Attend") -> kvq_pb2.AttendRequest:
@@ -168,13 +182,13 @@ def attend_request(items: Sequence[AttendItem], method: str = "Attend") -> kvq_p
             scale=float(it.scale),
             output_dtype=dtype_enum(it.output_dtype, f"{f}.output_dtype", method),
         )
-        p.queries.CopyFrom(to_tensor(it.queries, f"{f}.queries", method, ndims=(2, 3)))
+        to_tensor(it.queries, f"{f}.queries", method, ndims=(2, 3), out=p.queries)
         if it.causal_offset is not None:
             p.causal_offset = int(it.causal_offset)
         if it.observe is not None:
             p.observe = bool(it.observe)
         if it.append is not None:
-            p.append.CopyFrom(append_pb(it.append, f"{f}.append", method))
+            append_pb(it.append, f"{f}.append", method, out=p.append)
     return req
 
 
@@ -191,9 +205,9 @@ def score_request(items: Sequence[ScoreItem], method: str = "Score") -> kvq_pb2.
             scale=float(it.scale),
             corrections_only=bool(it.corrections_only),
         )
-        p.queries.CopyFrom(to_tensor(it.queries, f"{f}.queries", method, ndims=(2, 3)))
+        to_tensor(it.queries, f"{f}.queries", method, ndims=(2, 3), out=p.queries)
         if it.append is not None:
-            p.append.CopyFrom(append_pb(it.append, f"{f}.append", method))
+            append_pb(it.append, f"{f}.append", method, out=p.append)
     return req
 
 
@@ -210,7 +224,7 @@ def readout_request(items: Sequence[ReadoutItem], method: str = "Readout") -> kv
             weights_are_logits=bool(it.weights_are_logits),
             output_dtype=dtype_enum(it.output_dtype, f"{f}.output_dtype", method),
         )
-        p.weights.CopyFrom(to_tensor(it.weights, f"{f}.weights", method, ndims=(3,), f32_only=True))
+        to_tensor(it.weights, f"{f}.weights", method, ndims=(3,), f32_only=True, out=p.weights)
     return req
 
 
@@ -236,7 +250,7 @@ def register_request(
 ) -> kvq_pb2.RegisterBasisRequest:
     req = kvq_pb2.RegisterBasisRequest(info=model_info_pb(info))
     for l, u in enumerate(basis):
-        req.basis.append(to_tensor(u, f"basis[{l}]", "RegisterBasis", ndims=(3,), f32_only=True))
+        to_tensor(u, f"basis[{l}]", "RegisterBasis", ndims=(3,), f32_only=True, out=req.basis.add())
     return req
 
 
@@ -709,17 +723,7 @@ class Client:
             messages = [appends]
         elif appends:
             raise KvqError.invalid(method, "appends/messages: give one of them, not both")
-        pbs: List[List[kvq_pb2.Append]] = []
-        for m, msg in enumerate(messages):
-            prefix = f"messages[{m}].appends" if len(messages) > 1 else "appends"
-            pbs.append([append_pb(a, f"{prefix}[{i}]", method) for i, a in enumerate(msg)])
-        per_shard: Dict[int, List[kvq_pb2.PutBlocksRequest]] = {}
-        for msg in pbs:
-            shard_of, groups = self._o.by_shard([a.sequence_id for a in msg])
-            if not groups:
-                groups = {0: []}
-            for s, idx in groups.items():
-                per_shard.setdefault(s, []).append(kvq_pb2.PutBlocksRequest(appends=[msg[i] for i in idx]))
+        per_shard = put_requests(messages, self._o.by_shard, method)
         shards = sorted(per_shard)
 
         def job(s: int) -> Callable[[], Any]:

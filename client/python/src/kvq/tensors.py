@@ -95,13 +95,15 @@ def to_tensor(
     ndims: Sequence[int] = (),
     f32_only: bool = False,
     dtype: Optional[str] = None,
+    out: Optional[kvq_pb2.Tensor] = None,
 ) -> kvq_pb2.Tensor:
     """Builds a kvq.v1.Tensor from a numpy array or torch tensor.
 
     field names the argument in errors ("items[3].queries"); ndims: allowed ranks (empty:
     any); f32_only: convert any float input to float32 (fields the proto types as F32);
     dtype="bf16" marks a uint16 array as bfloat16 explicitly (uint16 is taken as bfloat16
-    anyway: it has no other meaning here).
+    anyway: it has no other meaning here). out: fill this message (a field of a request
+    being built) instead of a new one, saving a copy of the data.
     """
     if x is None:
         raise KvqError.invalid(method, f"{field}: missing")
@@ -150,7 +152,12 @@ def to_tensor(
         raise KvqError.invalid(method, f"{field}: shape {list(arr.shape)} is empty")
     le = {kvq_pb2.DTYPE_F32: "<f4", kvq_pb2.DTYPE_F16: "<f2", kvq_pb2.DTYPE_BF16: "<u2"}[enum]
     arr = np.ascontiguousarray(arr, dtype=le)
-    return kvq_pb2.Tensor(dtype=enum, shape=arr.shape, data=arr.tobytes())
+    if out is None:
+        return kvq_pb2.Tensor(dtype=enum, shape=arr.shape, data=arr.tobytes())
+    out.dtype = enum
+    out.shape[:] = arr.shape
+    out.data = arr.tobytes()
+    return out
 
 
 _NP = {kvq_pb2.DTYPE_F32: "<f4", kvq_pb2.DTYPE_F16: "<f2", kvq_pb2.DTYPE_BF16: "<u2"}
