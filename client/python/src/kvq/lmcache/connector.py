@@ -273,11 +273,10 @@ class KvqConnector(RemoteConnector):
         return await self._offload(self._read, key)
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        # The appends copy the tensor (head-major) before the RPC, so LMCache may reuse the
-        # memory object as soon as this returns; its ref count is LMCache's (the
-        # InstrumentedRemoteConnector wrapper drops it after the put).
-        appends = self._appends(key, memory_obj)
-        await self._offload(self._put_messages, [appends])
+        # The head-major copy and the RPC both run off the event loop and finish before this
+        # returns, so LMCache may reuse the memory object then; its ref count is LMCache's
+        # (the InstrumentedRemoteConnector wrapper drops it after the put).
+        await self._offload(lambda: self._put_messages([self._appends(key, memory_obj)]))
 
     async def list(self) -> List[str]:
         # kvq has no key listing (sequences are listed by nobody but their tenant's Stats
@@ -304,14 +303,14 @@ class KvqConnector(RemoteConnector):
 
     async def batched_put(self, keys: List[CacheEngineKey], memory_objs: List[MemoryObj]) -> None:
         # One PutBlocks stream per server, one message per chunk: each chunk stays atomic.
-        messages = [self._appends(k, m) for k, m in zip(keys, memory_objs, strict=True)]
-        if not messages:
+        if not keys:
             return
         try:
-            await self._offload(self._put_messages, messages)
+            await self._offload(lambda: self._put_messages(
+                [self._appends(k, m) for k, m in zip(keys, memory_objs, strict=True)]))
         except Exception as e:
             # LMCache's batched put callback neither logs nor counts a failure: say it here.
-            logger.error("kvq connector: batched put of %d chunks failed: %s", len(messages), e)
+            logger.error("kvq connector: batched put of %d chunks failed: %s", len(keys), e)
             raise
 
     def support_batched_get(self) -> bool:
