@@ -92,7 +92,7 @@ class ModelInfo(_message.Message):
     codec: CodecSettings
     live_sequences: int
     calibration_tokens: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., q_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., basis_rank: _Optional[int] = ..., has_basis: _Optional[bool] = ..., fingerprint: _Optional[str] = ..., rope_layout: _Optional[str] = ..., channel_order: _Optional[str] = ..., kind: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., live_sequences: _Optional[int] = ..., calibration_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., q_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., basis_rank: _Optional[int] = ..., has_basis: bool = ..., fingerprint: _Optional[str] = ..., rope_layout: _Optional[str] = ..., channel_order: _Optional[str] = ..., kind: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., live_sequences: _Optional[int] = ..., calibration_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterBasisRequest(_message.Message):
     __slots__ = ("info", "basis")
@@ -108,7 +108,7 @@ class RegisterBasisResponse(_message.Message):
     ALREADY_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     model: ModelInfo
     already_registered: bool
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., already_registered: _Optional[bool] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., already_registered: bool = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -207,7 +207,7 @@ class ScoreItem(_message.Message):
     scale: float
     corrections_only: bool
     append: Append
-    def __init__(self, sequence_id: _Optional[str] = ..., layer: _Optional[int] = ..., basis_version: _Optional[int] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., corrections_only: _Optional[bool] = ..., append: _Optional[_Union[Append, _Mapping]] = ...) -> None: ...
+    def __init__(self, sequence_id: _Optional[str] = ..., layer: _Optional[int] = ..., basis_version: _Optional[int] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., scale: _Optional[float] = ..., corrections_only: bool = ..., append: _Optional[_Union[Append, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("items",)
@@ -247,7 +247,7 @@ class ReadoutItem(_message.Message):
     weights: Tensor
     weights_are_logits: bool
     output_dtype: DType
-    def __init__(self, sequence_id: _Optional[str] = ..., layer: _Optional[int] = ..., basis_version: _Optional[int] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., weights_are_logits: _Optional[bool] = ..., output_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    def __init__(self, sequence_id: _Optional[str] = ..., layer: _Optional[int] = ..., basis_version: _Optional[int] = ..., weights: _Optional[_Union[Tensor, _Mapping]] = ..., weights_are_logits: bool = ..., output_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ReadoutRequest(_message.Message):
     __slots__ = ("items",)
@@ -291,7 +291,7 @@ class AttendItem(_message.Message):
     observe: bool
     output_dtype: DType
     append: Append
-    def __init__(self, sequence_id: _Optional[str] = ..., layer: _Optional[int] = ..., basis_version: _Optional[int] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., causal_offset: _Optional[int] = ..., scale: _Optional[float] = ..., observe: _Optional[bool] = ..., output_dtype: _Optional[_Union[DType, str]] = ..., append: _Optional[_Union[Append, _Mapping]] = ...) -> None: ...
+    def __init__(self, sequence_id: _Optional[str] = ..., layer: _Optional[int] = ..., basis_version: _Optional[int] = ..., queries: _Optional[_Union[Tensor, _Mapping]] = ..., causal_offset: _Optional[int] = ..., scale: _Optional[float] = ..., observe: bool = ..., output_dtype: _Optional[_Union[DType, str]] = ..., append: _Optional[_Union[Append, _Mapping]] = ...) -> None: ...
 
 class AttendRequest(_message.Message):
     __slots__ = ("items",)

@@ -5,7 +5,7 @@ import warnings
 
 from . import kvq_pb2 as kvq_dot_v1_dot_kvq__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class KvqStub:
+class KvqStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -91,7 +91,7 @@ class KvqStub:
                 _registered_method=True)
 
 
-class KvqServicer:
+class KvqServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def RegisterBasis(self, request, context):
@@ -253,7 +253,7 @@ def add_KvqServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Kvq:
+class Kvq(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
