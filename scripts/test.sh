@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Installs dependencies, builds kvq (Release, build/) and runs the whole test suite (ctest).
-# Usage: scripts/test.sh [--help]   Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS.
+# Installs dependencies, builds kvq (Release, build/) and runs the whole test suite: C++ (ctest),
+# then Python (scripts/test-python.sh: a venv outside the clone, pytest against the built server).
+# Usage: scripts/test.sh [--help]   Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS, KVQ_VENV.
 set -euo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,3p' "$0" | sed 's/^# //'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,4p' "$0" | sed 's/^# //'; exit 0; fi
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 BUILD="${KVQ_BUILD_DIR:-build}"
@@ -12,4 +13,9 @@ export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"  # relative paths: clones share 
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD" -j "$JOBS"
 if [[ -x scripts/test-extra.sh ]]; then bash scripts/test-extra.sh "$BUILD"; fi
-ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 900
+# Both suites run even when the first fails, so one run shows every failure.
+cpp=0; python=0
+ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 900 || cpp=$?
+bash scripts/test-python.sh "$BUILD" || python=$?
+echo "test: ctest exit $cpp, pytest exit $python"
+[[ $cpp -eq 0 && $python -eq 0 ]]
