@@ -78,6 +78,7 @@ const char* kTopHelp =
     "  seq put ID FILE             append a sequence's K/V from a safetensors file\n"
     "  seq get ID FILE             write a sequence's K/V (as attention sees them) to a file\n"
     "  seq delete ID               drop a sequence\n"
+    "  seq shard [ID...]           the server each sequence id is sharded to (no call)\n"
     "Run `kvq COMMAND --help` for a command's flags.\n\n"
     "Exit codes: 0 ok; 1 local file error; 2 usage; 3 a server is not SERVING;\n"
     "10+CODE a call failed with gRPC status CODE (11 CANCELLED, 13 INVALID_ARGUMENT,\n"
@@ -90,7 +91,7 @@ struct Command {
   std::string name;     // "seq put"
   std::string args;     // "ID FILE"
   std::string summary;  // one paragraph
-  int nargs;
+  int nargs;  // -1: any number
 };
 
 const std::vector<Command>& Commands() {
@@ -123,6 +124,11 @@ const std::vector<Command>& Commands() {
        "values decoded) to FILE in the same format.",
        2},
       {"seq delete", "ID", "Drops sequence ID; prints the bytes freed.", 1},
+      {"seq shard", "[ID...]",
+       "Prints the server each sequence ID (of your tenant: --tenant, else --token, else\n"
+       "'default') is sharded to over --server, one address per line, without calling any\n"
+       "server. With no ID, reads ids from standard input, one per line.",
+       -1},
   };
   return kCommands;
 }
@@ -345,6 +351,27 @@ int SeqGet(Client& c, const std::string& id, const std::string& path, const Comm
   return kExitOk;
 }
 
+int SeqShard(Client& c, const std::vector<std::string>& ids) {
+  auto print = [&c](const std::string& id) {
+    std::printf("%s\n", c.server(c.ShardOf(id)).c_str());
+  };
+  if (!ids.empty()) {
+    for (const std::string& id : ids) print(id);
+    return kExitOk;
+  }
+  std::string line;
+  for (int ch; (ch = std::getchar()) != EOF;) {
+    if (ch != '\n') {
+      line.push_back(static_cast<char>(ch));
+      continue;
+    }
+    print(line);
+    line.clear();
+  }
+  if (!line.empty()) print(line);
+  return kExitOk;
+}
+
 int SeqDelete(Client& c, const std::string& id) {
   auto r = c.DeleteSequence(id);
   if (!r.ok()) return RpcFail(r.status());
@@ -433,8 +460,9 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (cmd == nullptr && (words[0] == "models" || words[0] == "seq")) {
-    return Usage(absl::StrCat("kvq ", words[0], " needs a subcommand: ",
-                              words[0] == "models" ? "list, show, register" : "put, get, delete"));
+    return Usage(absl::StrCat(
+        "kvq ", words[0], " needs a subcommand: ",
+        words[0] == "models" ? "list, show, register" : "put, get, delete, shard"));
   }
   if (cmd == nullptr) {
     return Usage(absl::StrCat("unknown command '", absl::StrJoin(words, " "), "'"));
@@ -442,7 +470,7 @@ int main(int argc, char** argv) {
   if (!parsed.ok()) return Usage(std::string(parsed.message()));
   const size_t nwords = std::count(cmd->name.begin(), cmd->name.end(), ' ') + 1;
   std::vector<std::string> args(pos.begin() + nwords, pos.end());
-  if (static_cast<int>(args.size()) != cmd->nargs) {
+  if (cmd->nargs >= 0 && static_cast<int>(args.size()) != cmd->nargs) {
     return Usage(absl::StrCat("kvq ", cmd->name, " takes ", cmd->nargs == 0 ? "no" : cmd->args,
                               cmd->nargs == 0 ? " arguments" : "", "; got ", args.size(),
                               " argument(s)"));
@@ -461,5 +489,6 @@ int main(int argc, char** argv) {
   if (name == "seq put") return SeqPut(c, args[0], args[1], f);
   if (name == "seq get") return SeqGet(c, args[0], args[1], f);
   if (name == "seq delete") return SeqDelete(c, args[0]);
+  if (name == "seq shard") return SeqShard(c, args);
   return Usage("unreachable");
 }
