@@ -5,13 +5,16 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
+#include <map>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kvq/core/half.h"
+#include "nlohmann/json.hpp"
 
 namespace kvq::frontend {
 namespace {
@@ -129,6 +132,39 @@ TEST(Gguf, DequantizesQ6KLikeGgufPy) {
   for (auto [i, v] : want) EXPECT_NEAR(out[i], v, 1e-4) << i;
 }
 
+// Real blocks of the Qwen2.5-Coder-0.5B file (Q5_0, Q4_K, Q6_K, Q8_0 tensors) against gguf-py's
+// dequantization of the same bytes (tests/fixtures/frontend/make_dequant_fixture.py).
+TEST(Gguf, DequantizesRealQwenBlocksLikeGgufPy) {
+  std::ifstream in(std::string(KVQ_FE_FIXTURES) + "/dequant_qwen.json");
+  ASSERT_TRUE(in) << "missing fixture dequant_qwen.json";
+  const nlohmann::json j = nlohmann::json::parse(in);
+  std::map<std::string, GgmlType> types = {{"Q5_0", GgmlType::kQ5_0}, {"Q4_K", GgmlType::kQ4_K},
+                                           {"Q6_K", GgmlType::kQ6_K}, {"Q8_0", GgmlType::kQ8_0}};
+  ASSERT_EQ(j["cases"].size(), types.size());
+  for (const auto& c : j["cases"]) {
+    const std::string name = c["type"].get<std::string>();
+    ASSERT_TRUE(types.count(name)) << name;
+    const std::string hex = c["hex"].get<std::string>();
+    std::vector<uint8_t> raw;
+    for (size_t i = 0; i < hex.size(); i += 2) raw.push_back(static_cast<uint8_t>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+    const auto want = c["values"].get<std::vector<float>>();
+    const uint32_t type = static_cast<uint32_t>(types[name]);
+    auto [bs, bb] = GgmlBlockLayout(type);
+    ASSERT_EQ(raw.size(), want.size() / bs * bb) << name;
+    std::vector<float> got(want.size());
+    ASSERT_TRUE(DequantizeRow(type, raw.data(), static_cast<int64_t>(want.size()), got.data()).ok()) << name;
+    int bad = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      // Both sides compute in fp32 from the same fp16 scales; allow one rounding step.
+      if (std::abs(got[i] - want[i]) > 1e-6f * std::max(1.0f, std::abs(want[i])) && bad++ < 5) {
+        ADD_FAILURE() << name << " (" << c["tensor"].get<std::string>() << ") value " << i << ": "
+                      << got[i] << " vs gguf-py " << want[i];
+      }
+    }
+    EXPECT_EQ(bad, 0) << name;
+  }
+}
+
 TEST(Gguf, HonoursCustomAlignment) {
   GgufWriter w = Example();
   w.AddUint32("general.alignment", 64);
@@ -167,6 +203,9 @@ TEST(Gguf, RejectsBadMagicVersionAndUnsupportedTypes) {
   ASSERT_TRUE(f.ok()) << f.status();  // the file is readable; the tensor is not
   auto d = (*f)->Dequantize("iq");
   EXPECT_EQ(d.status().code(), absl::StatusCode::kUnimplemented);
+  // The error names the tensor and the type id, so that a user knows what the file needs.
+  EXPECT_NE(d.status().message().find("tensor iq"), std::string::npos) << d.status();
+  EXPECT_NE(d.status().message().find("(16)"), std::string::npos) << d.status();
   EXPECT_EQ(GgufFile::Open("/nonexistent/model.gguf").status().code(), absl::StatusCode::kNotFound);
 }
 

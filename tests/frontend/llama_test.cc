@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <string>
 
 #include "gtest/gtest.h"
 #include "kvq/frontend/attention_cache.h"
@@ -19,45 +20,98 @@ namespace {
 
 constexpr int kH = 128, kHeads = 2, kKv = 1, kF = 96, kVocab = 40, kLayers = 2;
 
-std::unique_ptr<GgufFile> TinyModel() {
+// What a tiny model file holds beyond the Llama tensors.
+struct TinyOptions {
+  std::string arch = "llama";
+  bool biases = false;           // blk.N.attn_{q,k,v}.bias
+  float output_scale = 0;        // > 0: output.weight = output_scale * token_embd.weight
+  bool halves_to_pairs = false;  // permute Q/K rows (and biases) from halves to adjacent pairs
+  std::string extra_tensor;      // a tensor the forward pass does not know
+  std::string extra_key;         // an <arch>. metadata key it does not know (string "linear")
+};
+
+std::string WriteModel(const GgufWriter& w, const std::string& tag) {
+  const auto bytes = w.Finish();
+  static int seq = 0;
+  const std::string path = ::testing::TempDir() + "/tiny_" + tag + "_" + std::to_string(::getpid()) +
+                           "_" + std::to_string(seq++) + ".gguf";
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  return path;
+}
+
+std::unique_ptr<GgufFile> TinyModel(const TinyOptions& o = {}) {
   std::mt19937_64 rng(42);
   std::normal_distribution<float> nd;
   GgufWriter w;
-  w.AddString("general.architecture", "llama");
-  w.AddUint32("llama.block_count", kLayers);
-  w.AddUint32("llama.embedding_length", kH);
-  w.AddUint32("llama.attention.head_count", kHeads);
-  w.AddUint32("llama.attention.head_count_kv", kKv);
-  w.AddUint32("llama.feed_forward_length", kF);
-  w.AddFloat32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
-  w.AddFloat32("llama.rope.freq_base", 10000.0f);
-  auto tensor = [&](const std::string& name, std::vector<int64_t> dims, float scale, float mean = 0) {
-    int64_t n = 1;
-    for (auto d : dims) n *= d;
-    std::vector<float> v(n);
-    for (auto& x : v) x = mean + scale * nd(rng);
-    std::vector<uint8_t> b(n * 4);
+  const std::string a = o.arch;
+  w.AddString("general.architecture", a);
+  w.AddUint32(a + ".block_count", kLayers);
+  w.AddUint32(a + ".embedding_length", kH);
+  w.AddUint32(a + ".attention.head_count", kHeads);
+  w.AddUint32(a + ".attention.head_count_kv", kKv);
+  w.AddUint32(a + ".feed_forward_length", kF);
+  w.AddFloat32(a + ".attention.layer_norm_rms_epsilon", 1e-5f);
+  w.AddFloat32(a + ".rope.freq_base", 10000.0f);
+  if (!o.extra_key.empty()) w.AddString(a + "." + o.extra_key, "linear");
+  auto put = [&](const std::string& name, std::vector<int64_t> dims, const std::vector<float>& v) {
+    std::vector<uint8_t> b(v.size() * 4);
     std::memcpy(b.data(), v.data(), b.size());
     w.AddTensor(name, dims, static_cast<uint32_t>(GgmlType::kF32), b);
   };
-  tensor("token_embd.weight", {kH, kVocab}, 1.0f);
+  // Biases come from their own generator, so that files with and without them share every
+  // other weight.
+  std::mt19937_64 bias_rng(7);
+  auto random = [&](std::vector<int64_t> dims, float scale, float mean = 0, bool bias = false) {
+    int64_t n = 1;
+    for (auto d : dims) n *= d;
+    std::vector<float> v(n);
+    for (auto& x : v) x = mean + scale * nd(bias ? bias_rng : rng);
+    return v;
+  };
+  auto tensor = [&](const std::string& name, std::vector<int64_t> dims, float scale, float mean = 0) {
+    put(name, dims, random(dims, scale, mean));
+  };
+  // Rows of a Q/K projection (or bias), head by head: row i of a head in halves order goes to
+  // 2i (i < 32) or 2(i - 32) + 1 in adjacent-pairs order, so that both layouts rotate the same
+  // channel pairs.
+  auto permute = [&](std::vector<float> v, int64_t row_len) {
+    if (!o.halves_to_pairs) return v;
+    std::vector<float> out(v.size());
+    const int64_t rows = static_cast<int64_t>(v.size()) / row_len;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t head = r / 64, i = r % 64;
+      const int64_t to = head * 64 + (i < 32 ? 2 * i : 2 * (i - 32) + 1);
+      std::copy_n(v.begin() + r * row_len, row_len, out.begin() + to * row_len);
+    }
+    return out;
+  };
+  const std::vector<float> emb = random({kH, kVocab}, 1.0f);
+  put("token_embd.weight", {kH, kVocab}, emb);
+  if (o.output_scale > 0) {
+    std::vector<float> out = emb;
+    for (auto& x : out) x *= o.output_scale;
+    put("output.weight", {kH, kVocab}, out);
+  }
   tensor("output_norm.weight", {kH}, 0.1f, 1.0f);
   for (int l = 0; l < kLayers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     tensor(p + "attn_norm.weight", {kH}, 0.1f, 1.0f);
-    tensor(p + "attn_q.weight", {kH, kH}, 0.25f);
-    tensor(p + "attn_k.weight", {kH, kKv * 64}, 0.25f);
+    put(p + "attn_q.weight", {kH, kH}, permute(random({kH, kH}, 0.25f), kH));
+    put(p + "attn_k.weight", {kH, kKv * 64}, permute(random({kH, kKv * 64}, 0.25f), kH));
     tensor(p + "attn_v.weight", {kH, kKv * 64}, 0.1f);
     tensor(p + "attn_output.weight", {kH, kH}, 0.1f);
     tensor(p + "ffn_norm.weight", {kH}, 0.1f, 1.0f);
     tensor(p + "ffn_gate.weight", {kH, kF}, 0.1f);
     tensor(p + "ffn_up.weight", {kH, kF}, 0.1f);
     tensor(p + "ffn_down.weight", {kF, kH}, 0.1f);
+    if (o.biases) {
+      put(p + "attn_q.bias", {kH}, permute(random({kH}, 0.5f, 0, true), 1));
+      put(p + "attn_k.bias", {kKv * 64}, permute(random({kKv * 64}, 0.5f, 0, true), 1));
+      put(p + "attn_v.bias", {kKv * 64}, random({kKv * 64}, 0.5f, 0, true));
+    }
   }
-  const auto bytes = w.Finish();
-  const std::string path = ::testing::TempDir() + "/tiny_llama_" + std::to_string(::getpid()) + ".gguf";
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-  auto f = GgufFile::Open(path);
+  if (!o.extra_tensor.empty()) tensor(o.extra_tensor, {kH}, 1.0f);
+  auto f = GgufFile::Open(WriteModel(w, a));
   EXPECT_TRUE(f.ok()) << f.status();
   return std::move(*f);
 }
@@ -142,6 +196,94 @@ TEST(Llama, DecodeFaithfulCodecMatchesTokenByTokenDecoding) {
     EXPECT_GT(prefill_err, 1.0) << "R " << window;  // the check above is not vacuous
     EXPECT_EQ(faithful->Size().encoded_tokens, decode->Size().encoded_tokens);
   }
+}
+
+// qwen2 rotates the two halves of each head; llama adjacent pairs. A qwen2 model and the llama
+// model whose Q/K rows (and biases) are permuted from halves to pairs compute the same
+// attention scores, so the same logits; without the permutation they differ.
+TEST(Llama, Qwen2HalvesRopeEqualsLlamaPairsOnPermutedRows) {
+  TinyOptions q;
+  q.arch = "qwen2";
+  q.biases = true;
+  TinyOptions l = q;
+  l.arch = "llama";
+  l.halves_to_pairs = true;
+  TinyOptions l_unpermuted = q;
+  l_unpermuted.arch = "llama";
+  auto fq = TinyModel(q), fl = TinyModel(l), fu = TinyModel(l_unpermuted);
+  auto mq = LlamaModel::Load(*fq);
+  auto ml = LlamaModel::Load(*fl);
+  auto mu = LlamaModel::Load(*fu);
+  ASSERT_TRUE(mq.ok()) << mq.status();
+  ASSERT_TRUE(ml.ok()) << ml.status();
+  ASSERT_TRUE(mu.ok()) << mu.status();
+  EXPECT_EQ((*mq)->config().rope_layout, RopeLayout::kHalves);
+  EXPECT_EQ((*ml)->config().rope_layout, RopeLayout::kAdjacentPairs);
+  EXPECT_STREQ(RopeLayoutName((*mq)->config().rope_layout), "halves");
+  EXPECT_STREQ(RopeLayoutName((*ml)->config().rope_layout), "adjacent_pairs");
+  const auto t = Tokens(40);
+  auto run = [&](const LlamaModel& m) {
+    DenseCache c(m.config().cache_shape());
+    std::vector<float> out;
+    EXPECT_TRUE(m.Forward(t.data(), 40, 0, &c, 0, &out).ok());
+    return out;
+  };
+  const auto lq = run(**mq), ll = run(**ml), lu = run(**mu);
+  EXPECT_LT(MaxDiff(lq, ll), 1e-3);
+  EXPECT_GT(MaxDiff(lq, lu), 0.1);  // the layouts differ: the check above is not vacuous
+}
+
+TEST(Llama, BiasesAndOutputWeightAreUsed) {
+  const auto t = Tokens(20);
+  auto run = [&](const TinyOptions& o) {
+    auto f = TinyModel(o);
+    auto m = LlamaModel::Load(*f);
+    EXPECT_TRUE(m.ok()) << m.status();
+    DenseCache c((*m)->config().cache_shape());
+    std::vector<float> out;
+    EXPECT_TRUE((*m)->Forward(t.data(), 20, 0, &c, 0, &out).ok());
+    return out;
+  };
+  TinyOptions plain, bias, out1, out2;
+  bias.biases = true;  // a llama file with biases uses them
+  out1.output_scale = 1.0f;
+  out2.output_scale = 2.0f;
+  const auto lp = run(plain), lb = run(bias), l1 = run(out1), l2 = run(out2);
+  EXPECT_GT(MaxDiff(lb, lp), 0.1);
+  // output.weight = token_embd: the tied logits; = 2 x token_embd: twice those (the tied
+  // embedding is not what the head reads).
+  EXPECT_LT(MaxDiff(l1, lp), 1e-4);
+  ASSERT_EQ(l1.size(), l2.size());
+  double worst = 0;
+  for (size_t i = 0; i < l1.size(); ++i) worst = std::max(worst, static_cast<double>(std::abs(l2[i] - 2 * l1[i])));
+  EXPECT_LT(worst, 1e-3);
+}
+
+TEST(Llama, UnsupportedArchitectureTensorsAndMetadataAreNamedErrors) {
+  TinyOptions arch;
+  arch.arch = "gemma";
+  auto fa = TinyModel(arch);
+  auto ma = LlamaModel::Load(*fa);
+  EXPECT_EQ(ma.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(ma.status().message().find("architecture gemma"), std::string::npos) << ma.status();
+  TinyOptions tensor;
+  tensor.extra_tensor = "blk.0.attn_q_norm.weight";
+  auto ft = TinyModel(tensor);
+  auto mt = LlamaModel::Load(*ft);
+  EXPECT_EQ(mt.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(mt.status().message().find("blk.0.attn_q_norm.weight"), std::string::npos) << mt.status();
+  TinyOptions key;
+  key.extra_key = "rope.scaling.type";
+  auto fk = TinyModel(key);
+  auto mk = LlamaModel::Load(*fk);
+  EXPECT_EQ(mk.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(mk.status().message().find("llama.rope.scaling.type"), std::string::npos) << mk.status();
+  TinyOptions qwen_no_bias;
+  qwen_no_bias.arch = "qwen2";
+  auto fq = TinyModel(qwen_no_bias);
+  auto mq = LlamaModel::Load(*fq);
+  EXPECT_FALSE(mq.ok());
+  EXPECT_NE(mq.status().message().find("bias"), std::string::npos) << mq.status();
 }
 
 }  // namespace

@@ -52,6 +52,24 @@ TEST(Tokenizer, SmollmPreTokenizerSplitsDigitsAndWords) {
   EXPECT_EQ(Pieces(*g, "abc123"), (std::vector<std::string>{"abc", "123"}));
 }
 
+TEST(Tokenizer, Qwen2PreTokenizer) {
+  auto t = Make("qwen2");
+  using V = std::vector<std::string>;
+  EXPECT_EQ(Pieces(*t, "abc123 def"), (V{"abc", "1", "2", "3", " def"}));
+  // Contractions in either case; one leading non-letter (" ", ",") joins the letters, two
+  // (" $") do not.
+  EXPECT_EQ(Pieces(*t, "I'LL don't,x $hello"), (V{"I", "'LL", " don", "'t", ",x", " $", "hello"}));
+  // Punctuation keeps the newlines after it; a newline run keeps the spaces before it.
+  EXPECT_EQ(Pieces(*t, "x!!? y\n\nz"), (V{"x", "!!?", " y", "\n\n", "z"}));
+  EXPECT_EQ(Pieces(*t, "a.\n\nb"), (V{"a", ".\n\n", "b"}));
+  EXPECT_EQ(Pieces(*t, "a  \n  x"), (V{"a", "  \n", " ", " x"}));
+  EXPECT_EQ(Pieces(*t, "a   b"), (V{"a", "  ", " b"}));
+  EXPECT_EQ(Pieces(*t, "caf\xc3\xa9 x\xc2\xb2"), (V{"caf\xc3\xa9", " x", "\xc2\xb2"}));
+  // U+017F (long s) is not an 's' to the contraction rule: "'\u017fx" stays one piece (a
+  // caseless "(?i:'s)" would split off "'\u017f").
+  EXPECT_EQ(Pieces(*t, "a'\xc5\xbfx"), (V{"a", "'\xc5\xbfx"}));
+}
+
 TEST(Tokenizer, MergesApplyByRankAndRoundTrip) {
   auto t = Make("smollm");
   const int base = 256;

@@ -120,7 +120,9 @@ std::pair<int64_t, int64_t> GgmlBlockLayout(uint32_t type) {
     case GgmlType::kBF16: return {1, 2};
     case GgmlType::kQ4_0: return {32, 18};
     case GgmlType::kQ4_1: return {32, 20};
+    case GgmlType::kQ5_0: return {32, 22};
     case GgmlType::kQ8_0: return {32, 34};
+    case GgmlType::kQ4_K: return {256, 144};
     case GgmlType::kQ6_K: return {256, 210};
     default: return {0, 0};
   }
@@ -171,6 +173,51 @@ absl::Status DequantizeRow(uint32_t type, const uint8_t* src, int64_t n, float* 
         for (int j = 0; j < 16; ++j) {
           dst[j] = d * static_cast<float>(src[4 + j] & 0xF) + m;
           dst[j + 16] = d * static_cast<float>(src[4 + j] >> 4) + m;
+        }
+      }
+      return absl::OkStatus();
+    case GgmlType::kQ5_0:
+      // fp16 d, 32 high bits (bit j = fifth bit of weight j), 16 bytes of low nibbles laid out
+      // like Q4_0 (byte j: weight j low, weight j + 16 high); weight = d * (code - 16).
+      for (int64_t b = 0; b < nb; ++b, src += bb, dst += 32) {
+        const float d = half(src);
+        uint32_t qh;
+        std::memcpy(&qh, src + 2, 4);
+        const uint8_t* qs = src + 6;
+        for (int j = 0; j < 16; ++j) {
+          const int hi0 = static_cast<int>((qh >> j) & 1u) << 4;
+          const int hi1 = static_cast<int>((qh >> (j + 16)) & 1u) << 4;
+          dst[j] = d * static_cast<float>(((qs[j] & 0xF) | hi0) - 16);
+          dst[j + 16] = d * static_cast<float>(((qs[j] >> 4) | hi1) - 16);
+        }
+      }
+      return absl::OkStatus();
+    case GgmlType::kQ4_K:
+      // Super block of 256 = 8 sub-blocks of 32: fp16 d, fp16 dmin, 12 bytes packing eight
+      // 6-bit scales and eight 6-bit mins, 128 bytes of nibbles. Each 32-byte run of nibbles
+      // holds two sub-blocks (low nibbles the first, high nibbles the second);
+      // weight = d * scale * code - dmin * min.
+      for (int64_t b = 0; b < nb; ++b, src += bb) {
+        const float d = half(src), dmin = half(src + 2);
+        const uint8_t* sc = src + 4;
+        const uint8_t* q = src + 16;
+        auto scale_min = [sc](int j, int* s, int* m) {
+          if (j < 4) {
+            *s = sc[j] & 63;
+            *m = sc[j + 4] & 63;
+          } else {
+            *s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+            *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+          }
+        };
+        for (int sub = 0; sub < 8; sub += 2, q += 32) {
+          int s0, m0, s1, m1;
+          scale_min(sub, &s0, &m0);
+          scale_min(sub + 1, &s1, &m1);
+          const float d0 = d * s0, mm0 = dmin * m0, d1 = d * s1, mm1 = dmin * m1;
+          for (int l = 0; l < 32; ++l) dst[l] = d0 * static_cast<float>(q[l] & 0xF) - mm0;
+          for (int l = 0; l < 32; ++l) dst[l + 32] = d1 * static_cast<float>(q[l] >> 4) - mm1;
+          dst += 64;
         }
       }
       return absl::OkStatus();

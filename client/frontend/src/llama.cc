@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
@@ -43,15 +44,57 @@ absl::StatusOr<std::vector<float>> Load(const GgufFile& f, const std::string& na
   return f.Dequantize(name);
 }
 
+void AddBias(const std::vector<float>& b, int n, float* y) {
+  if (b.empty()) return;
+  const size_t w = b.size();
+  for (int i = 0; i < n; ++i)
+    for (size_t j = 0; j < w; ++j) y[i * w + j] += b[j];
+}
+
+// The metadata keys under "<arch>." that the forward pass reads or knows to be harmless; any
+// other key there may change the computation (rope scaling, sliding windows, logit caps...),
+// so it is an error rather than silently ignored.
+const std::set<std::string>& KnownArchKeys() {
+  static const std::set<std::string> k = {
+      "block_count", "context_length", "embedding_length", "feed_forward_length",
+      "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
+      "rope.freq_base", "rope.dimension_count", "vocab_size", "attention.key_length",
+      "attention.value_length"};
+  return k;
+}
+
 }  // namespace
+
+const char* RopeLayoutName(RopeLayout layout) {
+  return layout == RopeLayout::kHalves ? "halves" : "adjacent_pairs";
+}
 
 void SetBlasThreads(int n) { openblas_set_num_threads(n); }
 
 absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) {
   ASSIGN_OR_RETURN(std::string arch, f.GetString("general.architecture"));
-  if (arch != "llama") return absl::UnimplementedError(absl::StrCat("architecture ", arch));
   auto m = std::unique_ptr<LlamaModel>(new LlamaModel());
   LlamaConfig& c = m->cfg_;
+  c.arch = arch;
+  if (arch == "llama") {
+    c.rope_layout = RopeLayout::kAdjacentPairs;
+  } else if (arch == "qwen2") {
+    c.rope_layout = RopeLayout::kHalves;
+  } else {
+    return absl::UnimplementedError(
+        absl::StrCat("model: architecture ", arch, " is not supported (llama, qwen2)"));
+  }
+  for (const auto& [key, value] : f.metadata()) {
+    if (key.rfind(arch + ".", 0) != 0) continue;
+    const std::string sub = key.substr(arch.size() + 1);
+    if (KnownArchKeys().count(sub)) continue;
+    if (sub == "rope.scaling.type") {
+      auto t = f.GetString(key);
+      if (t.ok() && (*t == "none" || t->empty())) continue;
+    }
+    return absl::UnimplementedError(absl::StrCat("model: metadata ", key,
+                                                 " is not supported by the ", arch, " forward pass"));
+  }
   auto geti = [&](const std::string& k) { return f.GetInt(arch + "." + k); };
   ASSIGN_OR_RETURN(int64_t layers, geti("block_count"));
   ASSIGN_OR_RETURN(int64_t hidden, geti("embedding_length"));
@@ -70,16 +113,43 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
   c.q_heads = static_cast<int>(heads);
   c.kv_heads = static_cast<int>(kv);
   c.head_dim = static_cast<int>(hidden / heads);
+  for (const char* k : {"attention.key_length", "attention.value_length"}) {
+    if (auto v = geti(k); v.ok() && *v != c.head_dim) {
+      return absl::UnimplementedError(absl::StrCat("model: ", arch, ".", k, " = ", *v,
+                                                   " differs from hidden / heads = ", c.head_dim));
+    }
+  }
   c.ffn = static_cast<int>(ffn);
   c.rms_eps = static_cast<float>(eps);
   c.rope_base = static_cast<float>(base);
   c.rope_dims = c.head_dim;
   if (auto v = geti("rope.dimension_count"); v.ok()) c.rope_dims = static_cast<int>(*v);
+  if (c.rope_dims <= 0 || c.rope_dims > c.head_dim || c.rope_dims % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("model: ", arch, ".rope.dimension_count = ",
+                                                   c.rope_dims, " for head_dim ", c.head_dim));
+  }
   if (auto v = geti("context_length"); v.ok()) c.context_length = *v;
   if (auto v = f.GetStringArray("tokenizer.ggml.tokens"); v.ok()) c.vocab = static_cast<int>(v->size());
   const GgufTensorInfo* emb = f.FindTensor("token_embd.weight");
   if (!emb || emb->dims.size() != 2) return absl::NotFoundError("model: no token_embd.weight");
   c.vocab = static_cast<int>(emb->dims[1]);
+  // Every tensor of the file must be one the forward pass uses: an extra one (a QK norm, an
+  // attention output bias, rope_freqs...) would change the model's output.
+  std::set<std::string> used = {"token_embd.weight", "output_norm.weight", "output.weight"};
+  for (int l = 0; l < c.layers; ++l) {
+    for (const char* t : {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                          "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight",
+                          "ffn_up.weight", "ffn_down.weight", "attn_q.bias", "attn_k.bias",
+                          "attn_v.bias"}) {
+      used.insert(absl::StrCat("blk.", l, ".", t));
+    }
+  }
+  for (const auto& t : f.tensors()) {
+    if (!used.count(t.name)) {
+      return absl::UnimplementedError(absl::StrCat("model: tensor ", t.name, " (", arch,
+                                                   ") is not supported by the forward pass"));
+    }
+  }
   const int64_t H = c.hidden, D = c.head_dim, KV = c.kv_heads * D;
   ASSIGN_OR_RETURN(m->tok_embd_, kvq::frontend::Load(f, "token_embd.weight", {H, c.vocab}));
   ASSIGN_OR_RETURN(m->out_norm_, kvq::frontend::Load(f, "output_norm.weight", {H}));
@@ -99,8 +169,19 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
     ASSIGN_OR_RETURN(L.wgate, kvq::frontend::Load(f, p + "ffn_gate.weight", {H, c.ffn}));
     ASSIGN_OR_RETURN(L.wup, kvq::frontend::Load(f, p + "ffn_up.weight", {H, c.ffn}));
     ASSIGN_OR_RETURN(L.wdown, kvq::frontend::Load(f, p + "ffn_down.weight", {c.ffn, H}));
+    // Projection biases (qwen2 has them; a llama file may too).
+    struct Bias { const char* name; int64_t n; std::vector<float>* dst; };
+    for (Bias b : {Bias{"attn_q.bias", H, &L.bq}, Bias{"attn_k.bias", KV, &L.bk},
+                   Bias{"attn_v.bias", KV, &L.bv}}) {
+      if (f.FindTensor(p + b.name)) {
+        ASSIGN_OR_RETURN(*b.dst, kvq::frontend::Load(f, p + b.name, {b.n}));
+      }
+    }
+    if (arch == "qwen2" && (L.bq.empty() || L.bk.empty() || L.bv.empty())) {
+      return absl::InvalidArgumentError(absl::StrCat("model: qwen2 layer ", l, " lacks a Q/K/V bias"));
+    }
   }
-  // RoPE frequencies, llama.cpp "normal" mode: pair i = (x[2i], x[2i+1]), theta = pos * base^(-2i/n).
+  // RoPE frequencies, theta_i = pos * base^(-2i/n) for pair i (either layout).
   for (int i = 0; i < c.rope_dims / 2; ++i) {
     m->inv_freq_.push_back(static_cast<float>(std::pow(static_cast<double>(c.rope_base),
                                                        -2.0 * i / c.rope_dims)));
@@ -134,16 +215,21 @@ absl::Status LlamaModel::Forward(const int32_t* tokens, int n, int64_t start, At
       sn[static_cast<size_t>(i) * P + j] = static_cast<float>(std::sin(th));
     }
   }
+  const bool halves = c.rope_layout == RopeLayout::kHalves;
   auto rope = [&](float* row, int heads) {  // row: [n][heads][D]
     for (int i = 0; i < n; ++i) {
       for (int hh = 0; hh < heads; ++hh) {
         float* r = row + (static_cast<size_t>(i) * heads + hh) * D;
         const float* ci = cs.data() + static_cast<size_t>(i) * P;
         const float* si = sn.data() + static_cast<size_t>(i) * P;
+        // Pair j is (x[2j], x[2j+1]) for adjacent pairs, (x[j], x[j + P]) for halves.
+        const int stride = halves ? 1 : 2, off = halves ? P : 1;
         for (int j = 0; j < P; ++j) {
-          const float a = r[2 * j], b = r[2 * j + 1];
-          r[2 * j] = a * ci[j] - b * si[j];
-          r[2 * j + 1] = a * si[j] + b * ci[j];
+          float* pa = r + stride * j;
+          float* pb = pa + off;
+          const float a = *pa, b = *pb;
+          *pa = a * ci[j] - b * si[j];
+          *pb = a * si[j] + b * ci[j];
         }
       }
     }
@@ -154,6 +240,9 @@ absl::Status LlamaModel::Forward(const int32_t* tokens, int n, int64_t start, At
     MatMul(h.data(), L.wq, n, H, H, q.data());
     MatMul(h.data(), L.wk, n, H, KVH * D, k.data());
     MatMul(h.data(), L.wv, n, H, KVH * D, v.data());
+    AddBias(L.bq, n, q.data());
+    AddBias(L.bk, n, k.data());
+    AddBias(L.bv, n, v.data());
     rope(q.data(), QH);
     rope(k.data(), KVH);
     // [n][QH][D] -> [QH][n][D]

@@ -12,16 +12,15 @@
 
 namespace kvq::frontend {
 
+std::string ModelCacheDir() {
+  if (const char* c = std::getenv("KVQ_MODEL_CACHE"); c && *c) return c;
+  const char* home = std::getenv("HOME");
+  return absl::StrCat(home ? home : ".", "/.cache/kvq/models");
+}
+
 std::string DefaultModelPath() {
   if (const char* m = std::getenv("KVQ_MODEL"); m && *m) return m;
-  std::string cache;
-  if (const char* c = std::getenv("KVQ_MODEL_CACHE"); c && *c) {
-    cache = c;
-  } else {
-    const char* home = std::getenv("HOME");
-    cache = absl::StrCat(home ? home : ".", "/.cache/kvq/models");
-  }
-  return cache + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+  return ModelCacheDir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
 std::string SharedDir() {

@@ -57,9 +57,13 @@ class Pattern {
   void Split(std::string_view s, std::vector<std::string>* out) const {
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
     size_t pos = 0, last = 0;
+    // The first match checks that the whole subject is valid UTF-8; later ones skip that check
+    // (repeating it per match made splitting quadratic in the text length).
+    uint32_t options = 0;
     while (pos < s.size()) {
-      int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, 0, md, nullptr);
+      int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, options, md, nullptr);
       if (rc < 0) break;
+      options = PCRE2_NO_UTF_CHECK;
       PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
       size_t b = ov[0], e = ov[1];
       if (e == b) {  // empty match: step one character
@@ -130,13 +134,23 @@ absl::Status Tokenizer::Init(const std::string& pre) {
   }
   const std::string gpt2 =
       "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+  // Qwen2's: contractions in either case (spelled as classes, since PCRE2's caseless mode
+  // would also fold U+017F and U+212A into s and k), letters with at most one leading
+  // non-letter, each digit alone, punctuation runs with the newlines after them, newline runs
+  // with the spaces before them, then whitespace as in GPT-2.
+  const std::string qwen2 =
+      "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"
+      "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
   std::vector<std::string> stages;
   if (pre == "smollm") {
     stages = {"\\p{N}", gpt2};
   } else if (pre == "gpt2" || pre == "default") {
     stages = {gpt2};
+  } else if (pre == "qwen2") {
+    stages = {qwen2};
   } else {
-    return absl::UnimplementedError(absl::StrCat("pre-tokenizer ", pre, " is not supported"));
+    return absl::UnimplementedError(absl::StrCat("tokenizer.ggml.pre ", pre,
+                                                 " is not supported (smollm, gpt2, default, qwen2)"));
   }
   re_ = std::make_unique<Regexes>();
   for (const auto& s : stages) {

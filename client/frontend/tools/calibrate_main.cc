@@ -20,7 +20,7 @@
 namespace kvq::frontend {
 namespace {
 
-constexpr char kHelp[] = R"(kvq-calibrate: HeadQ query-PCA calibration of a GGUF Llama model.
+constexpr char kHelp[] = R"(kvq-calibrate: HeadQ query-PCA calibration of a GGUF model (llama or qwen2).
 
 Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank R]
                      [--window-len L] [--variants] [--model-name NAME] [--threads T]
@@ -37,8 +37,9 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
   --model-name NAME manifest model name (default smollm2-135m-instruct)
   --threads T       BLAS threads (default 2)
 
-Queries are post-RoPE (adjacent-pair layout, GGUF channel order), all query heads of a
-group pooled into their KV head, uncentred second moment E[q q^T] unless stated.
+Queries are post-RoPE in GGUF channel order, with the RoPE layout of the architecture
+(llama: adjacent pairs, qwen2: halves; written to the manifest as rope_layout), all query
+heads of a group pooled into their KV head, uncentred second moment E[q q^T] unless stated.
 Every flag can also be set as KVQ_CALIBRATE_<FLAG>.
 )";
 
@@ -118,6 +119,10 @@ int Main(int argc, char** argv) {
   m.model = flags.Get("model-name");
   m.calibration_tokens = want;
   m.calibration_text = flags.Get("text");
+  // The keys and queries the basis was fitted to: post-RoPE in the file's channel order, with
+  // the pairing the architecture rotates; serving must present them the same way.
+  m.rope_layout = RopeLayoutName(c.rope_layout);
+  m.channel_order = "gguf";
   const int rank = static_cast<int>(flags.GetInt("rank"));
   struct Out { std::string dir; core::CalibrationOptions opts; };
   std::vector<Out> outs = {{flags.Get("out"), {}}};

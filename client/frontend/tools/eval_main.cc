@@ -29,7 +29,7 @@
 namespace kvq::frontend {
 namespace {
 
-constexpr char kHelp[] = R"(kvq-eval: perplexity of a GGUF Llama model whose KV cache is held by kvq configurations.
+constexpr char kHelp[] = R"(kvq-eval: perplexity of a GGUF model (llama or qwen2) whose KV cache is held by kvq configurations.
 
 Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--window-len L]
                 [--configs LIST] [--json FILE] [--threads T] [--dump-tokens FILE]
@@ -301,6 +301,13 @@ int Main(int argc, char** argv) {
     if (!b.ok()) return Fail(b.status());
     query = std::move(*b);
     bases.query = &query;
+    // A basis fitted to the other RoPE pairing would run and give wrong scores.
+    const char* layout = RopeLayoutName((*model)->config().rope_layout);
+    if (query.manifest.rope_layout != layout) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--basis ", flags.Get("basis"), " has rope_layout ", query.manifest.rope_layout,
+          ", the model (", (*model)->config().arch, ") needs ", layout)));
+    }
     if (auto c = core::ReadBasis(flags.Get("basis") + "/centred"); c.ok()) {
       centred = std::move(*c);
       bases.centred = &centred;

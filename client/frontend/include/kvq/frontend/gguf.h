@@ -1,6 +1,6 @@
 // A reader for GGUF model files (versions 2 and 3): header, typed metadata, tensor infos and
 // the aligned data section, plus dequantization to fp32 of the tensor types kvq meets
-// (F32, F16, BF16, Q4_0, Q4_1, Q8_0).
+// (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K).
 //
 // The file is memory-mapped read-only; tensor data pointers stay valid while the GgufFile
 // lives. Every length and offset read from the file is bounds-checked: a truncated or

@@ -1,7 +1,12 @@
-// A Llama-family decoder on the CPU, loaded from GGUF: RMSNorm, RoPE (adjacent pairs, the
-// GGUF layout), grouped-query attention through an AttentionCache, SwiGLU FFN, tied or
-// separate output embedding. Weights are dequantized to fp32 at load; matrix products go
-// through OpenBLAS sgemm (thread count set by the caller, default 2).
+// A Llama-family decoder on the CPU, loaded from GGUF: RMSNorm, RoPE, grouped-query attention
+// through an AttentionCache, SwiGLU FFN, tied or separate output embedding. Two architectures
+// (general.architecture), which differ only where the file says so:
+//   llama  RoPE on adjacent pairs (x[2i], x[2i+1]) (the converter permuted Q/K rows for it);
+//   qwen2  RoPE on the two halves (x[i], x[i + n/2]) (llama.cpp's NEOX mode), Q/K/V biases.
+// Optional tensors (Q/K/V biases, output.weight) are used whenever the file has them; any
+// tensor or metadata the forward pass does not implement is an UNIMPLEMENTED error naming
+// it. Weights are dequantized to fp32 at load; matrix products go through OpenBLAS sgemm
+// (thread count set by the caller, default 2).
 #pragma once
 
 #include <cstdint>
@@ -16,11 +21,17 @@
 
 namespace kvq::frontend {
 
+// How RoPE pairs the channels of a head. The names are the basis registry's rope_layout.
+enum class RopeLayout { kAdjacentPairs, kHalves };
+const char* RopeLayoutName(RopeLayout layout);  // "adjacent_pairs" / "halves"
+
 struct LlamaConfig {
+  std::string arch;  // general.architecture
+  RopeLayout rope_layout = RopeLayout::kAdjacentPairs;
   int layers = 0, hidden = 0, q_heads = 0, kv_heads = 0, head_dim = 0, ffn = 0, vocab = 0;
   float rms_eps = 1e-5f;
   float rope_base = 10000.0f;
-  int rope_dims = 0;  // rotated dimensions per head (== head_dim for Llama)
+  int rope_dims = 0;  // rotated dimensions per head (== head_dim for both architectures here)
   int64_t context_length = 0;
   CacheShape cache_shape() const { return {layers, q_heads, kv_heads, head_dim}; }
 };
@@ -54,6 +65,7 @@ class LlamaModel {
  private:
   struct Layer {
     std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, wgate, wup, wdown;
+    std::vector<float> bq, bk, bv;  // empty when the file has no bias
   };
   LlamaConfig cfg_;
   std::vector<float> tok_embd_, out_norm_, output_;  // output_ empty when tied
