@@ -600,7 +600,10 @@ class Client:
     def _batched(self, method: str, req: Any, idempotent: bool, deadline: Optional[float]) -> Any:
         """Splits a batched request by shard, runs the parts concurrently, merges in order."""
         n = len(req.items)
-        shard_of, groups = self._o.by_shard([it.sequence_id for it in req.items])
+        if len(self._o.servers) == 1:
+            shard_of, groups = [], {0: []}  # nothing to split
+        else:
+            shard_of, groups = self._o.by_shard([it.sequence_id for it in req.items])
         if len(groups) <= 1:
             s = next(iter(groups), 0)
             call = getattr(self._stubs[s], method)

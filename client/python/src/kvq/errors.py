@@ -45,9 +45,9 @@ class KvqError(Exception):
         return cls(method, grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
 def code_from_int(code: int) -> grpc.StatusCode:
     """grpc.StatusCode for a numeric code (as in ItemStatus.code); UNKNOWN for others."""
-    for c in grpc.StatusCode:
-        if c.value[0] == code:
-            return c
-    return grpc.StatusCode.UNKNOWN
+    return _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)

@@ -11,6 +11,8 @@ Bytes are little-endian and dense, as the proto requires.
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any, Optional, Sequence
 
 import grpc
@@ -29,6 +31,10 @@ __all__ = [
     "is_torch",
 ]
 
+_LITTLE = sys.byteorder == "little"
+# Little-endian numpy dtypes sent without conversion.
+_FAST = {"<f4": kvq_pb2.DTYPE_F32, "<f2": kvq_pb2.DTYPE_F16, "<u2": kvq_pb2.DTYPE_BF16}
+
 # Names accepted for output / transfer dtypes.
 DTYPES = {"f32": kvq_pb2.DTYPE_F32, "f16": kvq_pb2.DTYPE_F16, "bf16": kvq_pb2.DTYPE_BF16}
 _ALIASES = {
@@ -40,6 +46,9 @@ _ALIASES = {
 
 def dtype_enum(name: str, field: str, method: str = "") -> int:
     """kvq_pb2.DType for "f32" / "f16" / "bf16" (and the usual aliases)."""
+    enum = DTYPES.get(name)  # type: ignore[call-overload]
+    if enum is not None:
+        return enum
     key = _ALIASES.get(str(name).lower())
     if key is None:
         raise KvqError.invalid(method, f"{field}: dtype '{name}' is not one of f32, f16, bf16")
@@ -105,6 +114,18 @@ def to_tensor(
     anyway: it has no other meaning here). out: fill this message (a field of a request
     being built) instead of a new one, saving a copy of the data.
     """
+    # The common case first: a dense little-endian array sent as it is (one copy, tobytes).
+    if type(x) is np.ndarray and dtype is None and x.flags.c_contiguous and x.size:
+        enum = _FAST.get(x.dtype.str)
+        if enum is not None and (not f32_only or enum == kvq_pb2.DTYPE_F32) and (
+            not ndims or x.ndim in ndims
+        ):
+            if out is None:
+                return kvq_pb2.Tensor(dtype=enum, shape=x.shape, data=x.tobytes())
+            out.dtype = enum
+            out.shape[:] = x.shape
+            out.data = x.tobytes()
+            return out
     if x is None:
         raise KvqError.invalid(method, f"{field}: missing")
     if is_torch(x):
@@ -115,11 +136,12 @@ def to_tensor(
                 method, f"{field}: expected a numpy array or torch tensor, got {type(x).__name__}"
             )
         arr = x
-        if arr.dtype == np.float32:
+        kind = (arr.dtype.kind, arr.dtype.itemsize)  # any byte order
+        if kind == ("f", 4):
             enum = kvq_pb2.DTYPE_F32
-        elif arr.dtype == np.float16:
+        elif kind == ("f", 2):
             enum = kvq_pb2.DTYPE_F16
-        elif arr.dtype == np.uint16:
+        elif kind == ("u", 2):
             enum = kvq_pb2.DTYPE_BF16
         elif f32_only and np.issubdtype(arr.dtype, np.floating):
             enum = kvq_pb2.DTYPE_F32
@@ -160,7 +182,8 @@ def to_tensor(
     return out
 
 
-_NP = {kvq_pb2.DTYPE_F32: "<f4", kvq_pb2.DTYPE_F16: "<f2", kvq_pb2.DTYPE_BF16: "<u2"}
+_NP = {kvq_pb2.DTYPE_F32: np.dtype("<f4"), kvq_pb2.DTYPE_F16: np.dtype("<f2"),
+       kvq_pb2.DTYPE_BF16: np.dtype("<u2")}
 
 
 def from_tensor(t: kvq_pb2.Tensor, *, bf16: str = "uint16", field: str = "", method: str = "") -> np.ndarray:
@@ -168,20 +191,20 @@ def from_tensor(t: kvq_pb2.Tensor, *, bf16: str = "uint16", field: str = "", met
 
     bf16="uint16" returns bfloat16 tensors as their bit patterns; bf16="f32" widens them.
     """
-    code = _NP.get(t.dtype)
-    if code is None:
+    dt = _NP.get(t.dtype)
+    if dt is None:
         raise KvqError(method, grpc.StatusCode.INTERNAL, f"{field}: server sent dtype {t.dtype}")
     shape = tuple(t.shape)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 0
-    if count * np.dtype(code).itemsize != len(t.data):
+    data = t.data  # one read: each access copies the bytes out of the message
+    if (math.prod(shape) if shape else 0) * dt.itemsize != len(data):
         raise KvqError(
             method,
             grpc.StatusCode.INTERNAL,
-            f"{field}: server sent {len(t.data)} bytes for shape {list(shape)}",
+            f"{field}: server sent {len(data)} bytes for shape {list(shape)}",
         )
-    arr = np.frombuffer(t.data, dtype=code).reshape(shape)
-    native = arr.dtype.newbyteorder("=")
-    arr = arr.astype(native, copy=True)  # writable, and owned (the message may go away)
+    arr = np.frombuffer(data, dtype=dt).reshape(shape)
+    # Writable (frombuffer over bytes is read-only) and in native byte order.
+    arr = arr.copy() if _LITTLE else arr.astype(dt.newbyteorder("="))
     if t.dtype == kvq_pb2.DTYPE_BF16 and bf16 == "f32":
         arr = bf16_to_f32(arr).reshape(shape)
     return arr
