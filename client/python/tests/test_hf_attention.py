@@ -90,6 +90,34 @@ def test_window_codec_generation_equals_sdpa(smol, kvq_server):
     assert diff < 1e-3, diff
 
 
+def test_module_scaling_is_sent(smol, kvq_server):
+    # Every module's own `scaling` travels as AttendItem.scale: with a non-default value
+    # kvq still matches sdpa (which uses it too), and both move away from the default's.
+    model, tok = smol
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+    mods = [l.self_attn for l in model.model.layers]
+    default = mods[0].scaling
+    with torch.no_grad():
+        base = sdpa(model)(input_ids=ids).logits
+    try:
+        for m in mods:
+            m.scaling = 0.3
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits
+        with kvq.Client(kvq_server.address) as client:
+            info = kvq.hf.register_model(client, model.config, "smollm2-window")
+            kvq.hf.enable(model)
+            with KvqCache(client, info, kv_dtype="f32", codec=kvq.CodecSettings(window=4096)) as cache, \
+                    torch.no_grad():
+                got = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    finally:
+        for m in mods:
+            m.scaling = default
+        sdpa(model)
+    assert float((got - ref).abs().max()) < 1e-3
+    assert float((ref - base).abs().max()) > 1.0
+
+
 def test_kvq_attention_needs_a_kvq_cache(smol):
     model, tok = smol
     kvq.hf.enable(model)
@@ -168,6 +196,7 @@ def test_prefix_attach_through_generate(smol, kvq_server):
         # The first request stores the prompt (with ids): its whole groups enter the index
         # and stay there (retained) after it is deleted.
         with KvqCache(client, info, share=True) as c1:
+            assert c1.attach_prefix(first) == 0  # an empty index: nothing to take
             greedy(model, {"input_ids": first}, 2, past_key_values=c1)
         assert client.stats().sequences == 0 and client.stats().prefix_blocks > 0
         # The reference: the second prompt prefilled in full (no ids, no sharing).

@@ -148,6 +148,7 @@ class KvqCache(Cache):
         self.stats = KvqCacheStats()
         self._ids = None  # this forward's input_ids [B, n] (from the pre-hook)
         self._closed = False
+        self._maybe_exists = False  # an attach that took nothing may have made the sequence
 
     # -- what transformers calls ---------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -322,6 +323,12 @@ class KvqCache(Cache):
             got = {ln.layer: int(ln.tokens) for ln in resp.lengths if ln.sequence_id == seq}
             per_layer = [got.get(l, 0) for l in range(len(self.layers))]
             lo, hi = min(per_layer), max(per_layer)
+            if lo == hi == 0:
+                # Nothing indexed: the sequence may exist, empty; the first append names the
+                # model and codec again (allowed: they match), and close() deletes it.
+                self.created[0] = False
+                self._maybe_exists = True
+                return 0
             if lo == hi:
                 for l in range(len(self.layers)):
                     self.lengths[l][0] = lo
@@ -342,7 +349,7 @@ class KvqCache(Cache):
             return
         self._closed = True
         for b, sid in enumerate(self.sequence_ids):
-            if not self.created[b]:
+            if not (self.created[b] or (b == 0 and self._maybe_exists)):
                 continue
             try:
                 self.client.delete_sequence(sid)
