@@ -131,9 +131,17 @@ class Engine:
             time.sleep(0.02)
 
     def drop_local(self) -> None:
-        """Empties LMCache's local CPU cache, so that lookups and retrieves go to kvq."""
-        self.engine.clear(locations=["LocalCPUBackend"])
-        assert len(self.engine.storage_manager.storage_backends["LocalCPUBackend"].hot_cache) == 0
+        """Empties LMCache's local CPU cache, so that lookups and retrieves go to kvq. clear
+        skips a chunk whose memory object a remote put still holds (the put coroutine may
+        return just after kvq applied it), so clear until nothing is left."""
+        local = self.engine.storage_manager.storage_backends["LocalCPUBackend"]
+        end = time.monotonic() + 30
+        while True:
+            self.engine.clear(locations=["LocalCPUBackend"])
+            if len(local.hot_cache) == 0:
+                return
+            assert time.monotonic() < end, f"{len(local.hot_cache)} chunks stay in LMCache's CPU cache"
+            time.sleep(0.02)
 
     def retrieve(self, n: int, like: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
         out = torch.zeros_like(like)
