@@ -553,3 +553,36 @@ def test_engine_round_trip_of_real_smollm2_kv(server, client, register_model, ma
     rel = (got.float() - kv.float()).norm() / kv.float().norm()
     print(f"\n[lmcache real K/V] SmolLM2 600 tokens: relative L2 error of retrieved K/V {rel:.4f}, "
           f"worst key/value error over bound {r['worst_k']:.2f}/{r['worst_v']:.2f}")
+
+
+def test_plugin_names_and_the_adapter_form(server, client, tiny, make_engine):
+    """class_name KvqConnector under any plugin name (the connector finds its own keys), and
+    KvqConnectorAdapter for several kvq plugins side by side (LMCache hands it the name)."""
+    eng = make_engine(plugin_extra(server.address, tiny.name))
+
+    def create(plugins, extra, name):
+        cfg = LMCacheEngineConfig.from_dict({
+            "chunk_size": CHUNK, "local_cpu": True, "max_local_cpu_size": 0.1,
+            "remote_storage_plugins": plugins, "remote_serde": "naive", "extra_config": extra})
+        return CreateConnector(f"plugin://{name}", eng.remote.loop, eng.remote.local_cpu_backend,
+                               cfg, eng.remote.metadata, plugin_name=name).getWrappedConnector()
+
+    def keys(name, cls, **more):
+        p = f"remote_storage_plugin.{name}."
+        return {p + "module_path": "kvq.lmcache", p + "class_name": cls, p + "server": server.address,
+                p + "model": tiny.name, **{p + k: v for k, v in more.items()}}
+
+    c = create(["store"], keys("store", "KvqConnector", sequence_prefix="s/"), "store")
+    assert c.settings.plugin_name == "store" and c.settings.sequence_prefix == "s/"
+    eng.run(c.close())
+
+    both = {**keys("kvq.a", "KvqConnectorAdapter", sequence_prefix="a/"),
+            **keys("kvq.b", "KvqConnectorAdapter", sequence_prefix="b/")}
+    for name in ("kvq.a", "kvq.b"):
+        c = create(["kvq.a", "kvq.b"], both, name)
+        assert c.settings.plugin_name == name and c.settings.sequence_prefix == name[-1] + "/"
+        eng.run(c.close())
+    # Two plugins of the RemoteConnector form cannot tell which keys are theirs: refused, naming the fix.
+    two = {**keys("x", "KvqConnector"), **keys("y", "KvqConnector")}
+    with pytest.raises(PluginConfigError, match="^remote_storage_plugins: several kvq plugins .*KvqConnectorAdapter"):
+        create(["x", "y"], two, "x")
