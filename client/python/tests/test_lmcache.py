@@ -25,6 +25,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+# LMCache reports usage to stats.lmcache.ai from every engine unless told not to (its
+# usage_telemetry/identity.py); tests never phone out. Set before lmcache is imported.
+os.environ["LMCACHE_TRACK_USAGE"] = "false"
+
 import grpc
 import numpy as np
 import pytest
