@@ -101,7 +101,6 @@ class KvqConnector(RemoteConnector):
             plugin_name or _find_plugin_name(cfg_src), cfg_src.extra_config)
         s = self.settings
 
-        metadata = local_cpu_backend.metadata
         if self.meta_fmt != MemoryFormat.KV_2LTD or len(self.meta_shapes) != 1:
             raise PluginConfigError(
                 s.key("model"),
