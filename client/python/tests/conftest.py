@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -214,3 +215,26 @@ def smollm2_gguf() -> Path:
             pytest.skip(msg)
         pytest.fail(msg)
     return path
+
+
+# -- Prometheus samples of a server started with metrics=True --------------------------------
+def metric(server, name: str, **labels: str) -> float:
+    """One Prometheus sample of the server (0 when the series does not exist yet)."""
+    assert server.metrics_port is not None, "start the server with metrics=True"
+    port = server.metrics_port
+    txt = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in txt.splitlines():
+        m = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})? (\S+)", line)
+        if m and m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == labels:
+            return float(m.group(3))
+    return 0.0
+
+
+def metric_at_least(server, minimum: float, name: str, **labels: str) -> float:
+    """The sample once it reaches `minimum` (or its value after 10 s): the server records a
+    call in its metrics when the call finishes on its side, which may be just after the
+    client has read the whole reply."""
+    end = time.monotonic() + 10
+    while (v := metric(server, name, **labels)) < minimum and time.monotonic() < end:
+        time.sleep(0.02)
+    return v

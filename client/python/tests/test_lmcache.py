@@ -20,7 +20,6 @@ import math
 import os
 import re
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -38,6 +37,8 @@ from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
+
+from conftest import metric, metric_at_least
 
 import kvq
 from kvq.lmcache import KvqConnector, PluginConfigError
@@ -167,28 +168,6 @@ def synthetic_kv(layers: int, tokens: int, kv_heads: int, head_dim: int, dtype: 
     keys = torch.randn(shape, generator=g) * k_scale + k_off
     values = torch.randn(shape, generator=g) * 0.7
     return torch.stack([keys, values], dim=1).to(dtype)
-
-
-def metric(server, name: str, **labels: str) -> float:
-    """One Prometheus sample of the server (0 when the series does not exist yet)."""
-    assert server.metrics_port is not None, "start the server with metrics=True"
-    port = server.metrics_port
-    txt = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for line in txt.splitlines():
-        m = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})? (\S+)", line)
-        if m and m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == labels:
-            return float(m.group(3))
-    return 0.0
-
-
-def metric_at_least(server, minimum: float, name: str, **labels: str) -> float:
-    """The sample once it reaches `minimum` (or its value after 10 s): the server records a
-    call in its metrics when the call finishes on its side, which may be just after the
-    client has read the whole reply."""
-    end = time.monotonic() + 10
-    while (v := metric(server, name, **labels)) < minimum and time.monotonic() < end:
-        time.sleep(0.02)
-    return v
 
 
 # -- the codec's error budget, computed from the stored data ----------------------------------
