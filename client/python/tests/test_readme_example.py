@@ -34,6 +34,7 @@ def test_readme_example_generates_through_kvq(kvq_server_factory, smollm2_gguf):
     code = code.replace(DEFAULT_GGUF, repr(str(smollm2_gguf)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVQ_")}
     env["KVQ_ADDRESS"] = kvq_server.address
+    env["OMP_NUM_THREADS"] = "1"  # torch on one thread: two cores are shared with the server
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
