@@ -17,57 +17,20 @@
 #include "kvq/frontend/perplexity.h"
 #include "kvq/frontend/tokenizer.h"
 #include "nlohmann/json.hpp"
+#include "real_model_suite.h"
 
 namespace kvq::frontend {
 namespace {
 
 using nlohmann::json;
 
-std::string Fixture(const std::string& name) { return std::string(KVQ_FE_FIXTURES) + "/" + name; }
-
-class RealModel : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    const std::string path = DefaultModelPath();
-    if (!std::filesystem::exists(path)) {
-      missing_ = "model not found at " + path + " (run scripts/fetch-model.sh)";
-      return;
-    }
-    // Errors are kept for SetUp to report: a fatal failure here would make gtest skip the
-    // tests, which ctest counts as passed.
-    auto f = GgufFile::Open(path);
-    if (!f.ok()) return void(error_ = f.status().ToString());
-    file_ = std::move(*f).release();
-    auto t = Tokenizer::FromGguf(*file_);
-    if (!t.ok()) return void(error_ = t.status().ToString());
-    tok_ = std::move(*t).release();
-    auto m = LlamaModel::Load(*file_);
-    if (!m.ok()) return void(error_ = m.status().ToString());
-    model_ = std::move(*m).release();
-    SetBlasThreads(1);  // ctest runs tests in parallel; 2 BLAS threads would oversubscribe
-    std::ifstream in(Fixture("reference.json"));
-    json parsed = json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_discarded()) return void(error_ = "cannot read " + Fixture("reference.json"));
-    ref_ = new json(std::move(parsed));
-  }
-  void SetUp() override {
-    ASSERT_TRUE(error_.empty()) << error_;
-    if (!missing_.empty()) {
-      const char* allow = std::getenv("KVQ_ALLOW_NO_MODEL");
-      if (allow && std::string(allow) == "1") GTEST_SKIP() << missing_ << "; KVQ_ALLOW_NO_MODEL=1";
-      FAIL() << missing_ << "; set KVQ_ALLOW_NO_MODEL=1 to skip the real-model tests";
-    }
-    ASSERT_NE(model_, nullptr);
-  }
-  static std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
-
-  static inline std::string missing_;
-  static inline std::string error_;  // loading failed: every test fails with it
-  static inline GgufFile* file_ = nullptr;
-  static inline Tokenizer* tok_ = nullptr;
-  static inline LlamaModel* model_ = nullptr;
-  static inline json* ref_ = nullptr;
+struct RealModelFile {
+  static std::string Path() { return DefaultModelPath(); }
+  static std::string FetchHint() { return "run scripts/fetch-model.sh"; }
+  static std::string Reference() { return "reference.json"; }
 };
+
+class RealModel : public RealModelSuite<RealModelFile> {};
 
 TEST_F(RealModel, MetadataMatchesTheDocumentedArchitecture) {
   const LlamaConfig& c = model_->config();

@@ -20,62 +20,25 @@
 #include "kvq/frontend/perplexity.h"
 #include "kvq/frontend/tokenizer.h"
 #include "nlohmann/json.hpp"
+#include "real_model_suite.h"
 
 namespace kvq::frontend {
 namespace {
 
 using nlohmann::json;
 
-std::string Fixture(const std::string& name) { return std::string(KVQ_FE_FIXTURES) + "/" + name; }
-
 std::string QwenModelPath() {
   if (const char* m = std::getenv("KVQ_QWEN_MODEL"); m && *m) return m;
   return ModelCacheDir() + "/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 }
 
-class RealQwen : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    const std::string path = QwenModelPath();
-    if (!std::filesystem::exists(path)) {
-      missing_ = "model not found at " + path + " (run scripts/fetch-model.sh qwen2.5-coder-0.5b)";
-      return;
-    }
-    // Errors are kept for SetUp to report: a fatal failure here would make gtest skip the
-    // tests, which ctest counts as passed.
-    auto f = GgufFile::Open(path);
-    if (!f.ok()) return void(error_ = f.status().ToString());
-    file_ = std::move(*f).release();
-    auto t = Tokenizer::FromGguf(*file_);
-    if (!t.ok()) return void(error_ = t.status().ToString());
-    tok_ = std::move(*t).release();
-    auto m = LlamaModel::Load(*file_);
-    if (!m.ok()) return void(error_ = m.status().ToString());
-    model_ = std::move(*m).release();
-    SetBlasThreads(1);  // ctest runs tests in parallel; 2 BLAS threads would oversubscribe
-    std::ifstream in(Fixture("reference_qwen.json"));
-    json parsed = json::parse(in, nullptr, /*allow_exceptions=*/false);
-    if (parsed.is_discarded()) return void(error_ = "cannot read " + Fixture("reference_qwen.json"));
-    ref_ = new json(std::move(parsed));
-  }
-  void SetUp() override {
-    ASSERT_TRUE(error_.empty()) << error_;
-    if (!missing_.empty()) {
-      const char* allow = std::getenv("KVQ_ALLOW_NO_MODEL");
-      if (allow && std::string(allow) == "1") GTEST_SKIP() << missing_ << "; KVQ_ALLOW_NO_MODEL=1";
-      FAIL() << missing_ << "; set KVQ_ALLOW_NO_MODEL=1 to skip the real-model tests";
-    }
-    ASSERT_NE(model_, nullptr);
-  }
-  static std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
-
-  static inline std::string missing_;
-  static inline std::string error_;
-  static inline GgufFile* file_ = nullptr;
-  static inline Tokenizer* tok_ = nullptr;
-  static inline LlamaModel* model_ = nullptr;
-  static inline json* ref_ = nullptr;
+struct RealQwenFile {
+  static std::string Path() { return QwenModelPath(); }
+  static std::string FetchHint() { return "run scripts/fetch-model.sh qwen2.5-coder-0.5b"; }
+  static std::string Reference() { return "reference_qwen.json"; }
 };
+
+class RealQwen : public RealModelSuite<RealQwenFile> {};
 
 TEST_F(RealQwen, MetadataMatchesTheDocumentedArchitecture) {
   const LlamaConfig& c = model_->config();
