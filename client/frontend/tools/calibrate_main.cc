@@ -9,6 +9,7 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/calibration.h"
 #include "kvq/core/codec.h"
+#include "kvq/frontend/blas_kernels.h"
 #include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/gguf.h"
@@ -150,4 +151,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace kvq::frontend
 
-int main(int argc, char** argv) { return kvq::frontend::Main(argc, argv); }
+int main(int argc, char** argv) {
+  kvq::frontend::PreferNativeBlasKernels(argv);
+  return kvq::frontend::Main(argc, argv);
+}

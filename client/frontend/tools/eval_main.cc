@@ -13,6 +13,7 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/calibration.h"
 #include "kvq/core/metrics.h"
+#include "kvq/frontend/blas_kernels.h"
 #include "kvq/frontend/diagnostics.h"
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/gguf.h"
@@ -284,8 +285,10 @@ int Main(int argc, char** argv) {
   if (!text.ok()) return Fail(text.status());
   const auto t_tok = std::chrono::steady_clock::now();
   std::vector<int32_t> ids = (*tok)->Encode(*text);
-  std::fprintf(stderr, "kvq-eval: %zu tokens from %s (%.1fs)\n", ids.size(), flags.Get("text").c_str(),
-               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_tok).count());
+  std::fprintf(stderr, "kvq-eval: %zu tokens from %s (%.1fs); BLAS kernel %s, %d threads\n",
+               ids.size(), flags.Get("text").c_str(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_tok).count(),
+               BlasKernelName(), static_cast<int>(flags.GetInt("threads")));
   if (!flags.Get("dump-tokens").empty()) {
     std::ofstream out(flags.Get("dump-tokens"));
     for (int32_t id : ids) out << id << "\n";
@@ -431,6 +434,7 @@ int Main(int argc, char** argv) {
   js["windows"] = windows;
   js["window_len"] = wlen;
   js["protocol"] = "llama.cpp perplexity (second half of each window), decode-faithful";
+  js["blas_kernel"] = BlasKernelName();
   js["rows"] = nlohmann::json::array();
   std::printf("%-28s %10s %9s %7s %7s %9s %9s %8s\n", "config", "PPL", "excess%", "k_bits",
               "v_bits", "k_bits@L", "v_bits@L", "seconds");
@@ -474,4 +478,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace kvq::frontend
 
-int main(int argc, char** argv) { return kvq::frontend::Main(argc, argv); }
+int main(int argc, char** argv) {
+  kvq::frontend::PreferNativeBlasKernels(argv);
+  return kvq::frontend::Main(argc, argv);
+}

@@ -14,6 +14,7 @@
 #include "flags.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/status.h"
+#include "kvq/frontend/blas_kernels.h"
 #include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/gguf.h"
@@ -277,4 +278,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace kvq::frontend
 
-int main(int argc, char** argv) { return kvq::frontend::Main(argc, argv); }
+int main(int argc, char** argv) {
+  kvq::frontend::PreferNativeBlasKernels(argv);
+  return kvq::frontend::Main(argc, argv);
+}
