@@ -35,7 +35,9 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
   --window-len L    tokens per independent calibration sequence (default 512)
   --variants        also write DIR/centred (centred PCA) and DIR/resw (query second moment
                     weighted by the 2-bit G=32 KIVI key residual per channel)
-  --model-name NAME manifest model name (default smollm2-135m-instruct)
+  --model-name NAME manifest model name (default: the model's file name, lower case, without
+                    .gguf and its quantization tag: SmolLM2-135M-Instruct.Q4_1.gguf ->
+                    smollm2-135m-instruct)
   --threads T       BLAS threads (default 2)
 
 Queries are post-RoPE in GGUF channel order, with the RoPE layout of the architecture
@@ -58,7 +60,7 @@ int Main(int argc, char** argv) {
                {"rank", "8"},
                {"window-len", "512"},
                {"variants", "false"},
-               {"model-name", "smollm2-135m-instruct"},
+               {"model-name", ""},
                {"threads", "2"}},
               kHelp);
   int rc = 0;
@@ -117,7 +119,8 @@ int Main(int argc, char** argv) {
   }
   bar.Finish();
   core::BasisManifest m;
-  m.model = flags.Get("model-name");
+  m.model = flags.Get("model-name").empty() ? ModelNameFromPath(flags.Get("model"))
+                                            : flags.Get("model-name");
   m.calibration_tokens = want;
   m.calibration_text = flags.Get("text");
   // The keys and queries the basis was fitted to: post-RoPE in the file's channel order, with

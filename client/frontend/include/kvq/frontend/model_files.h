@@ -16,5 +16,10 @@ std::string ModelCacheDir();
 // The shared/ folder (docs and data): $KVQ_SHARED_DIR, else the path configured at build time.
 std::string SharedDir();
 absl::StatusOr<std::string> ReadFile(const std::string& path);
+// A registry model name from a GGUF file name: the base name, lower case, without ".gguf"
+// and a trailing llama.cpp quantization tag (".Q4_1", "-q4_k_m", "-f16", ...):
+// "SmolLM2-135M-Instruct.Q4_1.gguf" -> "smollm2-135m-instruct",
+// "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf" -> "qwen2.5-coder-0.5b-instruct".
+std::string ModelNameFromPath(const std::string& gguf_path);
 
 }  // namespace kvq::frontend
