@@ -1,5 +1,8 @@
-// Model file helpers: the registry name kvq-calibrate derives from a GGUF file name.
+// Model file helpers: the registry name kvq-calibrate derives from a GGUF file name, and the
+// basis check every tool makes (its RoPE layout must be the model's).
 #include "kvq/frontend/model_files.h"
+
+#include "kvq/frontend/model_and_text.h"
 
 #include "gtest/gtest.h"
 
@@ -19,6 +22,23 @@ TEST(ModelFiles, NameKeepsWhatIsNotAQuantTag) {
   // "0.5b" and "instruct" are part of the name; a file without a tag keeps its whole stem.
   EXPECT_EQ(ModelNameFromPath("qwen2.5-0.5b.gguf"), "qwen2.5-0.5b");
   EXPECT_EQ(ModelNameFromPath("model"), "model");
+}
+
+TEST(ModelFiles, BasisOfTheOtherRopeLayoutIsRefused) {
+  // basis-r4 was calibrated on SmolLM2 (llama: adjacent pairs).
+  const std::string dir = std::string(KVQ_FE_FIXTURES) + "/basis-r4";
+  LlamaConfig llama;
+  llama.arch = "llama";
+  llama.rope_layout = RopeLayout::kAdjacentPairs;
+  ASSERT_TRUE(ReadBasisFor(llama, dir).ok());
+  LlamaConfig qwen = llama;
+  qwen.arch = "qwen2";
+  qwen.rope_layout = RopeLayout::kHalves;
+  auto b = ReadBasisFor(qwen, dir);
+  ASSERT_EQ(b.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(b.status().message().find("rope_layout adjacent_pairs"), std::string::npos);
+  EXPECT_NE(b.status().message().find("needs halves"), std::string::npos);
+  EXPECT_NE(b.status().message().find(dir), std::string::npos);
 }
 
 }  // namespace

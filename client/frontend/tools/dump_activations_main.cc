@@ -91,7 +91,7 @@ int Main(int argc, char** argv) {
   core::ModelBasis basis;
   const int R = static_cast<int>(flags.GetInt("rank"));
   if (!flags.Get("basis").empty()) {
-    auto b = core::ReadBasis(flags.Get("basis"));
+    auto b = ReadBasisFor(model.config(), flags.Get("basis"));
     if (!b.ok()) return Fail(b.status());
     basis = std::move(*b);
     if (basis.manifest.rank < R) return Fail(absl::InvalidArgumentError("basis rank < --rank"));

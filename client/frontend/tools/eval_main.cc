@@ -18,6 +18,7 @@
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
+#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/model_files.h"
 #include "kvq/frontend/perplexity.h"
 #include "kvq/frontend/progress.h"
@@ -300,17 +301,10 @@ int Main(int argc, char** argv) {
   BasisSet bases;
   core::ModelBasis query, centred, resw;
   if (!flags.Get("basis").empty()) {
-    auto b = core::ReadBasis(flags.Get("basis"));
+    auto b = ReadBasisFor((*model)->config(), flags.Get("basis"));
     if (!b.ok()) return Fail(b.status());
     query = std::move(*b);
     bases.query = &query;
-    // A basis fitted to the other RoPE pairing would run and give wrong scores.
-    const char* layout = RopeLayoutName((*model)->config().rope_layout);
-    if (query.manifest.rope_layout != layout) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat(
-          "--basis ", flags.Get("basis"), " has rope_layout ", query.manifest.rope_layout,
-          ", the model (", (*model)->config().arch, ") needs ", layout)));
-    }
     if (auto c = core::ReadBasis(flags.Get("basis") + "/centred"); c.ok()) {
       centred = std::move(*c);
       bases.centred = &centred;

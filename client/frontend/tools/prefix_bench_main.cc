@@ -128,7 +128,7 @@ int Main(int argc, char** argv) {
   const std::vector<int32_t> ids = std::move(loaded->ids);
   core::ModelBasis basis;
   if (!flags.Get("basis").empty()) {
-    auto b = core::ReadBasis(flags.Get("basis"));
+    auto b = ReadBasisFor(model.config(), flags.Get("basis"));
     if (!b.ok()) return Fail(b.status());
     basis = std::move(*b);
   }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvq/core/basis.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
 #include "kvq/frontend/tokenizer.h"
@@ -24,5 +25,10 @@ struct ModelAndText {
 // Errors name the file that failed (GGUF, tokenizer, weights or text).
 absl::StatusOr<ModelAndText> LoadModelAndText(const std::string& model_path,
                                               const std::string& text_path);
+
+// The registry entry in `dir` (kvq-calibrate's output), refused with InvalidArgument naming
+// the folder when its rope_layout is not the one `model` rotates with: a basis fitted to the
+// other RoPE pairing runs and gives wrong scores.
+absl::StatusOr<core::ModelBasis> ReadBasisFor(const LlamaConfig& model, const std::string& dir);
 
 }  // namespace kvq::frontend
