@@ -33,10 +33,10 @@ constexpr int kLayers = 30;  // SmolLM2-135M
 constexpr int kPrompt = 256;  // |P|: 8 whole groups of G = 32
 constexpr int kNew = 32;      // each request's own continuation
 
-class PrefixShare : public RealModelServerTest {
+class PrefixShare : public RealModelServerTest<SmolLM2File> {
  protected:
   void SetUp() override {
-    RealModelServerTest::SetUp();
+    RealModelServerTest<SmolLM2File>::SetUp();
     if (IsSkipped() || HasFailure()) return;
     ASSERT_GE(ids_->size(), 2048u);
   }

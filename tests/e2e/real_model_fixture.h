@@ -1,9 +1,9 @@
-// The fixture of the real-model end-to-end tests: SmolLM2-135M-Instruct (Q4_1 GGUF), its
-// tokenizer, the token ids of the start of wiki.test.raw and the rank-4 basis fixture, loaded
-// once per test binary; a real kvq-server in-process on port 0 (2 workers) and a client per
-// test.
+// The fixture of the real-model end-to-end tests: a real model (`Model`, one of
+// tests/frontend/real_models.h), its tokenizer, the token ids of the start of wiki.test.raw and
+// the model's committed basis, loaded once per test binary; a real kvq-server in-process on
+// port 0 (2 workers) and a client per test.
 //
-// Needs the model (scripts/fetch-model.sh, or $KVQ_MODEL): without it every test FAILS, unless
+// Needs the model (scripts/fetch-model.sh [name]): without it every test FAILS, unless
 // KVQ_ALLOW_NO_MODEL=1 is set by hand, which turns them into skips.
 #pragma once
 
@@ -20,12 +20,13 @@
 #include "kvq/core/status.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
-#include "kvq/frontend/model_files.h"
 #include "kvq/frontend/tokenizer.h"
+#include "tests/frontend/real_models.h"
 #include "tests/server/test_util.h"
 
 namespace kvq::frontend {
 
+template <typename Model>
 class RealModelServerTest : public ::testing::Test {
  protected:
   static constexpr size_t kTextChars = 12000;  // about 2900 tokens
@@ -33,9 +34,9 @@ class RealModelServerTest : public ::testing::Test {
   // Errors are kept for SetUp to report: a fatal failure inside SetUpTestSuite would make
   // googletest report the tests as skipped, which ctest counts as passing.
   static void SetUpTestSuite() {
-    const std::string path = DefaultModelPath();
+    const std::string path = Model::Path();
     if (!std::filesystem::exists(path)) {
-      missing_ = "model not found at " + path + " (run scripts/fetch-model.sh)";
+      missing_ = "model not found at " + path + " (" + Model::FetchHint() + ")";
       return;
     }
     absl::Status st = Load(path);
@@ -51,7 +52,8 @@ class RealModelServerTest : public ::testing::Test {
     SetBlasThreads(1);
     ASSIGN_OR_RETURN(std::string text, ReadFile(SharedDir() + "/data/wikitext-2/wiki.test.raw"));
     ids_ = new std::vector<int32_t>(t->Encode(text.substr(0, kTextChars)));
-    ASSIGN_OR_RETURN(core::ModelBasis b, core::ReadBasis(std::string(KVQ_FE_FIXTURES) + "/basis-r4"));
+    ASSIGN_OR_RETURN(core::ModelBasis b,
+                     core::ReadBasis(std::string(KVQ_FE_FIXTURES) + "/" + Model::Basis()));
     basis_ = new core::ModelBasis(std::move(b));
     return absl::OkStatus();
   }
@@ -64,7 +66,7 @@ class RealModelServerTest : public ::testing::Test {
     }
     ASSERT_TRUE(error_.empty()) << "loading the model, text or basis: " << error_;
     ASSERT_NE(model_, nullptr);
-    ASSERT_EQ(model_->config().layers, 30);  // the counts in the tests assume SmolLM2-135M
+    ASSERT_EQ(model_->config().layers, Model::kLayers);  // the tests' counts assume it
     server::ServerOptions so;
     so.memory = "host";
     so.workers = 2;

@@ -27,10 +27,10 @@ namespace {
 constexpr int kWindows = 2;
 constexpr int kWindowLen = 128;
 
-class RemoteDecode : public RealModelServerTest {
+class RemoteDecode : public RealModelServerTest<SmolLM2File> {
  protected:
   void SetUp() override {
-    RealModelServerTest::SetUp();
+    RealModelServerTest<SmolLM2File>::SetUp();
     if (IsSkipped() || HasFailure()) return;
     ASSERT_GE(ids_->size(), static_cast<size_t>(kWindows * kWindowLen));
   }

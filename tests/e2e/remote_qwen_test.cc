@@ -5,24 +5,16 @@
 // layout ("halves"), which the server reports back.
 //
 // Needs the model (scripts/fetch-model.sh qwen2.5-coder-0.5b, or $KVQ_QWEN_MODEL): without it
-// the test FAILS, unless KVQ_ALLOW_NO_MODEL=1 is set by hand, which turns it into a skip.
+// the test FAILS, unless KVQ_ALLOW_NO_MODEL=1 is set by hand, which turns it into a skip
+// (the fixture: real_model_fixture.h).
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
 
 #include "gtest/gtest.h"
-#include "kvq/client/client.h"
-#include "kvq/core/basis.h"
-#include "kvq/core/status.h"
 #include "kvq/frontend/eval_config.h"
-#include "kvq/frontend/gguf.h"
-#include "kvq/frontend/llama.h"
-#include "kvq/frontend/model_files.h"
 #include "kvq/frontend/perplexity.h"
 #include "kvq/frontend/remote_eval.h"
-#include "kvq/frontend/tokenizer.h"
-#include "tests/server/test_util.h"
+#include "tests/e2e/real_model_fixture.h"
 
 namespace kvq::frontend {
 namespace {
@@ -30,63 +22,13 @@ namespace {
 constexpr int kWindows = 2;
 constexpr int kWindowLen = 128;
 
-std::string QwenModelPath() {
-  if (const char* m = std::getenv("KVQ_QWEN_MODEL"); m && *m) return m;
-  return ModelCacheDir() + "/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
-}
-
-class RemoteQwen : public ::testing::Test {
+class RemoteQwen : public RealModelServerTest<QwenFile> {
  protected:
-  // Errors are kept for SetUp to report: a fatal failure inside SetUpTestSuite would make
-  // googletest report the tests as skipped, which ctest counts as passing.
-  static void SetUpTestSuite() {
-    const std::string path = QwenModelPath();
-    if (!std::filesystem::exists(path)) {
-      missing_ = "model not found at " + path + " (run scripts/fetch-model.sh qwen2.5-coder-0.5b)";
-      return;
-    }
-    absl::Status st = Load(path);
-    if (!st.ok()) error_ = st.ToString();
-  }
-  static absl::Status Load(const std::string& path) {
-    ASSIGN_OR_RETURN(std::unique_ptr<GgufFile> f, GgufFile::Open(path));
-    file_ = f.release();
-    ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> t, Tokenizer::FromGguf(*file_));
-    ASSIGN_OR_RETURN(std::unique_ptr<LlamaModel> m, LlamaModel::Load(*file_));
-    model_ = m.release();
-    SetBlasThreads(1);
-    ASSIGN_OR_RETURN(std::string text, ReadFile(SharedDir() + "/data/wikitext-2/wiki.test.raw"));
-    ids_ = new std::vector<int32_t>(t->Encode(text.substr(0, 4000)));
-    ASSIGN_OR_RETURN(core::ModelBasis b, core::ReadBasis(std::string(KVQ_FE_FIXTURES) + "/qwen-basis-r8"));
-    basis_ = new core::ModelBasis(std::move(b));
-    return absl::OkStatus();
-  }
   void SetUp() override {
-    if (!missing_.empty()) {
-      const char* allow = std::getenv("KVQ_ALLOW_NO_MODEL");
-      if (allow && std::string(allow) == "1") GTEST_SKIP() << missing_ << "; KVQ_ALLOW_NO_MODEL=1";
-      FAIL() << missing_ << "; set KVQ_ALLOW_NO_MODEL=1 to skip the real-model tests";
-    }
-    ASSERT_TRUE(error_.empty()) << "loading the model, text or basis: " << error_;
+    RealModelServerTest<QwenFile>::SetUp();
+    if (IsSkipped() || HasFailure()) return;
     ASSERT_GE(ids_->size(), static_cast<size_t>(kWindows * kWindowLen));
-    server::ServerOptions so;
-    so.memory = "host";
-    so.workers = 2;
-    server_ = std::make_unique<testing::TestServer>(so);
-    client::ClientOptions co;
-    co.servers = {server_->address()};
-    auto c = client::Client::Create(co);
-    ASSERT_TRUE(c.ok()) << c.status();
-    client_ = std::move(*c);
   }
-
-  static inline std::string missing_, error_;
-  static inline GgufFile* file_ = nullptr;
-  static inline LlamaModel* model_ = nullptr;
-  static inline std::vector<int32_t>* ids_ = nullptr;
-  static inline core::ModelBasis* basis_ = nullptr;
-  std::unique_ptr<testing::TestServer> server_;
-  std::unique_ptr<client::Client> client_;
 };
 
 TEST_F(RemoteQwen, DecodeFaithfulThroughTheServerEqualsInProcess) {

@@ -18,19 +18,14 @@
 #include "kvq/frontend/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "real_model_suite.h"
+#include "real_models.h"
 
 namespace kvq::frontend {
 namespace {
 
 using nlohmann::json;
 
-struct RealModelFile {
-  static std::string Path() { return DefaultModelPath(); }
-  static std::string FetchHint() { return "run scripts/fetch-model.sh"; }
-  static std::string Reference() { return "reference.json"; }
-};
-
-class RealModel : public RealModelSuite<RealModelFile> {};
+class RealModel : public RealModelSuite<SmolLM2File> {};
 
 TEST_F(RealModel, MetadataMatchesTheDocumentedArchitecture) {
   const LlamaConfig& c = model_->config();

@@ -21,24 +21,14 @@
 #include "kvq/frontend/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "real_model_suite.h"
+#include "real_models.h"
 
 namespace kvq::frontend {
 namespace {
 
 using nlohmann::json;
 
-std::string QwenModelPath() {
-  if (const char* m = std::getenv("KVQ_QWEN_MODEL"); m && *m) return m;
-  return ModelCacheDir() + "/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
-}
-
-struct RealQwenFile {
-  static std::string Path() { return QwenModelPath(); }
-  static std::string FetchHint() { return "run scripts/fetch-model.sh qwen2.5-coder-0.5b"; }
-  static std::string Reference() { return "reference_qwen.json"; }
-};
-
-class RealQwen : public RealModelSuite<RealQwenFile> {};
+class RealQwen : public RealModelSuite<QwenFile> {};
 
 TEST_F(RealQwen, MetadataMatchesTheDocumentedArchitecture) {
   const LlamaConfig& c = model_->config();
