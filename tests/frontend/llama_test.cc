@@ -198,6 +198,51 @@ TEST(Llama, DecodeFaithfulCodecMatchesTokenByTokenDecoding) {
   }
 }
 
+// A batch of windows through one forward equals each window alone: kvq-eval's perplexity runs
+// windows batched, and its figures (and the remote = in-process checks) rely on this.
+TEST(Llama, BatchedWindowsEqualEachWindowAlone) {
+  auto f = TinyModel();
+  auto m = *LlamaModel::Load(*f);
+  const auto t = Tokens(3 * 100);
+  core::CodecOptions o;
+  o.key_bits = 2;
+  o.value_bits = 2;
+  o.key_group = 32;
+  std::vector<std::unique_ptr<CodecCache>> batched;
+  std::vector<AttentionCache*> caches;
+  std::vector<const int32_t*> toks;
+  for (int s = 0; s < 3; ++s) {
+    batched.push_back(*CodecCache::Create(m->config().cache_shape(), o, nullptr));
+    caches.push_back(batched.back().get());
+    toks.push_back(t.data() + s * 100);
+  }
+  std::vector<std::vector<float>> lb;
+  ASSERT_TRUE(m->ForwardDecodeFaithfulBatch(toks, 100, 0, caches, 50, &lb).ok());
+  ASSERT_EQ(lb.size(), 3u);
+  for (int s = 0; s < 3; ++s) {
+    auto alone = *CodecCache::Create(m->config().cache_shape(), o, nullptr);
+    std::vector<float> la;
+    ASSERT_TRUE(m->ForwardDecodeFaithful(toks[s], 100, 0, alone.get(), 50, &la).ok());
+    ASSERT_EQ(la.size(), static_cast<size_t>(50) * kVocab);
+    ASSERT_EQ(lb[s].size(), la.size());
+    // This model's products are small enough for OpenBLAS's small-matrix kernels, whose sums
+    // depend on the row count (4e-5 seen); at real models' sizes rows are equal bit for bit
+    // (real_model_test checks that).
+    EXPECT_LT(MaxDiff(la, lb[s]), 1e-3) << "window " << s;
+    EXPECT_EQ(alone->Size().encoded_tokens, batched[s]->Size().encoded_tokens);
+  }
+  // Different windows give different logits (the batch does not repeat one window).
+  EXPECT_GT(MaxDiff(lb[0], lb[1]), 1e-3);
+  // Caches that encode at different positions cannot share a chunking.
+  auto first = *CodecCache::Create(m->config().cache_shape(), o, nullptr);
+  o.key_group = 64;
+  auto other = *CodecCache::Create(m->config().cache_shape(), o, nullptr);
+  EXPECT_EQ(m->ForwardDecodeFaithfulBatch({toks[0], toks[1]}, 100, 0, {first.get(), other.get()},
+                                          50, &lb)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // qwen2 rotates the two halves of each head; llama adjacent pairs. A qwen2 model and the llama
 // model whose Q/K rows (and biases) are permuted from halves to pairs compute the same
 // attention scores, so the same logits; without the permutation they differ.

@@ -10,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "kvq/core/basis.h"
+#include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
@@ -132,6 +133,45 @@ TEST_F(RealModel, DensePerplexityMatchesLlamaCppAndHeadQBeatsKivi) {
   EXPECT_LT(ppl["dense"], ppl["headq-k2-r4"]);
   EXPECT_LT(ppl["headq-k2-r4"], ppl["kivi-k2"]);
   EXPECT_GT(ppl["headq-k2-r4-wrongsign"], ppl["kivi-k2"]);
+}
+
+// kvq-eval runs windows batched (LlamaModel::ForwardBatch); at this model's sizes OpenBLAS
+// computes each row the same whatever the rows around it, so a batched window's logits equal
+// its own run bit for bit, and kvq-eval's figures do not depend on the batch.
+TEST_F(RealModel, BatchedWindowsEqualEachWindowAloneBitForBit) {
+  auto test = ReadFile(SharedDir() + "/data/wikitext-2/wiki.test.raw");
+  ASSERT_TRUE(test.ok()) << test.status();
+  const std::vector<int32_t> ids = tok_->Encode(test->substr(0, 8000));
+  constexpr int kLen = 128;
+  ASSERT_GE(ids.size(), static_cast<size_t>(3 * kLen));
+  auto cfg = ParseEvalConfig("kivi-kv2");
+  ASSERT_TRUE(cfg.ok());
+  core::CodecOptions o = cfg->codec;
+  o.head_dim = model_->config().head_dim;
+  const CacheShape shape = model_->config().cache_shape();
+  std::vector<std::unique_ptr<CodecCache>> owned;
+  std::vector<AttentionCache*> caches;
+  std::vector<const int32_t*> toks;
+  for (int s = 0; s < 3; ++s) {
+    owned.push_back(*CodecCache::Create(shape, o, nullptr));
+    caches.push_back(owned.back().get());
+    toks.push_back(ids.data() + s * kLen);
+  }
+  std::vector<std::vector<float>> batched;
+  ASSERT_TRUE(model_->ForwardDecodeFaithfulBatch(toks, kLen, 0, caches, kLen / 2, &batched).ok());
+  for (int s = 0; s < 3; ++s) {
+    auto alone = *CodecCache::Create(shape, o, nullptr);
+    std::vector<float> one;
+    ASSERT_TRUE(model_->ForwardDecodeFaithful(toks[s], kLen, 0, alone.get(), kLen / 2, &one).ok());
+    ASSERT_EQ(one.size(), batched[s].size());
+    size_t differ = 0;
+    // The rows the protocol scores (positions L/2 .. L-2). The last position is a chunk of its
+    // own (G = 32 cuts at 31, 63, ...), and a 1-row product alone goes through OpenBLAS's
+    // matrix-vector kernel, which sums in another order; nothing reads that row's outputs.
+    const size_t scored = static_cast<size_t>(kLen / 2 - 1) * model_->config().vocab;
+    for (size_t i = 0; i < scored; ++i) differ += one[i] != batched[s][i];
+    EXPECT_EQ(differ, 0u) << "window " << s << ": " << differ << " of " << scored;
+  }
 }
 
 }  // namespace

@@ -192,20 +192,42 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
 absl::Status LlamaModel::Forward(const int32_t* tokens, int n, int64_t start, AttentionCache* cache,
                                  int logits_from, std::vector<float>* logits,
                                  const ActivationHook& hook) const {
+  std::vector<std::vector<float>> out;
+  RETURN_IF_ERROR(ForwardBatch({tokens}, n, start, {cache}, logits_from, logits ? &out : nullptr, hook));
+  if (logits) *logits = std::move(out[0]);
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::ForwardBatch(const std::vector<const int32_t*>& tokens, int n,
+                                      int64_t start, const std::vector<AttentionCache*>& caches,
+                                      int logits_from, std::vector<std::vector<float>>* logits,
+                                      const ActivationHook& hook) const {
   const LlamaConfig& c = cfg_;
   const int H = c.hidden, D = c.head_dim, QH = c.q_heads, KVH = c.kv_heads, F = c.ffn;
-  if (n <= 0) return absl::OkStatus();
-  std::vector<float> x(static_cast<size_t>(n) * H), h(x.size()), q(x.size()), qt(x.size()),
-      att(x.size()), attt(x.size());
-  std::vector<float> k(static_cast<size_t>(n) * KVH * D), v(k.size());
-  std::vector<float> g(static_cast<size_t>(n) * F), u(g.size());
-  for (int i = 0; i < n; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= c.vocab) {
-      return absl::InvalidArgumentError(absl::StrCat("token id ", tokens[i], " out of range"));
-    }
-    std::copy_n(tok_embd_.data() + static_cast<size_t>(tokens[i]) * H, H, x.data() + static_cast<size_t>(i) * H);
+  const int S = static_cast<int>(tokens.size());
+  if (caches.size() != tokens.size() || S == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: ", S, " token rows for ",
+                                                   caches.size(), " caches"));
   }
-  // cos/sin per (token, pair).
+  if (logits) logits->assign(S, {});
+  if (n <= 0) return absl::OkStatus();
+  // Rows r = s * n + i: token i of sequence s. The products run on all S * n rows at once.
+  const int rows = S * n;
+  std::vector<float> x(static_cast<size_t>(rows) * H), h(x.size()), q(x.size()), qt(x.size()),
+      att(x.size()), attt(x.size());
+  std::vector<float> k(static_cast<size_t>(rows) * KVH * D), v(k.size());
+  std::vector<float> g(static_cast<size_t>(rows) * F), u(g.size());
+  for (int s = 0; s < S; ++s) {
+    for (int i = 0; i < n; ++i) {
+      const int32_t t = tokens[s][i];
+      if (t < 0 || t >= c.vocab) {
+        return absl::InvalidArgumentError(absl::StrCat("token id ", t, " out of range"));
+      }
+      std::copy_n(tok_embd_.data() + static_cast<size_t>(t) * H, H,
+                  x.data() + (static_cast<size_t>(s) * n + i) * H);
+    }
+  }
+  // cos/sin per (token, pair); every sequence has the same positions.
   const int P = c.rope_dims / 2;
   std::vector<float> cs(static_cast<size_t>(n) * P), sn(cs.size());
   for (int i = 0; i < n; ++i) {
@@ -216,16 +238,17 @@ absl::Status LlamaModel::Forward(const int32_t* tokens, int n, int64_t start, At
     }
   }
   const bool halves = c.rope_layout == RopeLayout::kHalves;
-  auto rope = [&](float* row, int heads) {  // row: [n][heads][D]
-    for (int i = 0; i < n; ++i) {
+  auto rope = [&](float* row, int heads) {  // row: [rows][heads][D]
+    for (int r = 0; r < rows; ++r) {
+      const int i = r % n;
       for (int hh = 0; hh < heads; ++hh) {
-        float* r = row + (static_cast<size_t>(i) * heads + hh) * D;
+        float* e = row + (static_cast<size_t>(r) * heads + hh) * D;
         const float* ci = cs.data() + static_cast<size_t>(i) * P;
         const float* si = sn.data() + static_cast<size_t>(i) * P;
         // Pair j is (x[2j], x[2j+1]) for adjacent pairs, (x[j], x[j + P]) for halves.
         const int stride = halves ? 1 : 2, off = halves ? P : 1;
         for (int j = 0; j < P; ++j) {
-          float* pa = r + stride * j;
+          float* pa = e + stride * j;
           float* pb = pa + off;
           const float a = *pa, b = *pb;
           *pa = a * ci[j] - b * si[j];
@@ -234,46 +257,61 @@ absl::Status LlamaModel::Forward(const int32_t* tokens, int n, int64_t start, At
       }
     }
   };
+  const size_t qs = static_cast<size_t>(n) * QH * D, ks = static_cast<size_t>(n) * KVH * D;
   for (int l = 0; l < c.layers; ++l) {
     const Layer& L = layers_[l];
-    RmsNorm(x.data(), L.attn_norm.data(), n, H, c.rms_eps, h.data());
-    MatMul(h.data(), L.wq, n, H, H, q.data());
-    MatMul(h.data(), L.wk, n, H, KVH * D, k.data());
-    MatMul(h.data(), L.wv, n, H, KVH * D, v.data());
-    AddBias(L.bq, n, q.data());
-    AddBias(L.bk, n, k.data());
-    AddBias(L.bv, n, v.data());
+    RmsNorm(x.data(), L.attn_norm.data(), rows, H, c.rms_eps, h.data());
+    MatMul(h.data(), L.wq, rows, H, H, q.data());
+    MatMul(h.data(), L.wk, rows, H, KVH * D, k.data());
+    MatMul(h.data(), L.wv, rows, H, KVH * D, v.data());
+    AddBias(L.bq, rows, q.data());
+    AddBias(L.bk, rows, k.data());
+    AddBias(L.bv, rows, v.data());
     rope(q.data(), QH);
     rope(k.data(), KVH);
-    // [n][QH][D] -> [QH][n][D]
-    for (int i = 0; i < n; ++i)
-      for (int hh = 0; hh < QH; ++hh)
-        std::copy_n(q.data() + (static_cast<size_t>(i) * QH + hh) * D, D,
-                    qt.data() + (static_cast<size_t>(hh) * n + i) * D);
-    if (hook) hook(l, start, n, qt.data(), k.data(), v.data());
-    RETURN_IF_ERROR(cache->AppendAndAttend(l, k.data(), v.data(), start, n, qt.data(), att.data()));
-    for (int hh = 0; hh < QH; ++hh)
+    for (int s = 0; s < S; ++s) {
+      // Sequence s: [n][QH][D] -> [QH][n][D], its own cache, and back.
+      const float* qs_in = q.data() + s * qs;
+      float* qts = qt.data() + s * qs;
       for (int i = 0; i < n; ++i)
-        std::copy_n(att.data() + (static_cast<size_t>(hh) * n + i) * D, D,
-                    attt.data() + (static_cast<size_t>(i) * QH + hh) * D);
-    MatMul(attt.data(), L.wo, n, H, H, x.data(), 1.0f);  // x += attn Wo^T
-    RmsNorm(x.data(), L.ffn_norm.data(), n, H, c.rms_eps, h.data());
-    MatMul(h.data(), L.wgate, n, H, F, g.data());
-    MatMul(h.data(), L.wup, n, H, F, u.data());
+        for (int hh = 0; hh < QH; ++hh)
+          std::copy_n(qs_in + (static_cast<size_t>(i) * QH + hh) * D, D,
+                      qts + (static_cast<size_t>(hh) * n + i) * D);
+      if (hook) hook(l, start, n, qts, k.data() + s * ks, v.data() + s * ks);
+      float* as = att.data() + s * qs;
+      RETURN_IF_ERROR(caches[s]->AppendAndAttend(l, k.data() + s * ks, v.data() + s * ks, start, n,
+                                                 qts, as));
+      float* atts = attt.data() + s * qs;
+      for (int hh = 0; hh < QH; ++hh)
+        for (int i = 0; i < n; ++i)
+          std::copy_n(as + (static_cast<size_t>(hh) * n + i) * D, D,
+                      atts + (static_cast<size_t>(i) * QH + hh) * D);
+    }
+    MatMul(attt.data(), L.wo, rows, H, H, x.data(), 1.0f);  // x += attn Wo^T
+    RmsNorm(x.data(), L.ffn_norm.data(), rows, H, c.rms_eps, h.data());
+    MatMul(h.data(), L.wgate, rows, H, F, g.data());
+    MatMul(h.data(), L.wup, rows, H, F, u.data());
     for (size_t i = 0; i < g.size(); ++i) {
       const float a = g[i];
       g[i] = a / (1.0f + std::exp(-a)) * u[i];
     }
-    MatMul(g.data(), L.wdown, n, F, H, x.data(), 1.0f);
+    MatMul(g.data(), L.wdown, rows, F, H, x.data(), 1.0f);
   }
   if (logits && logits_from < n) {
+    // The last m rows of every sequence, gathered so the output matrix is read once.
     const int m = n - std::max(0, logits_from);
-    const float* xs = x.data() + static_cast<size_t>(n - m) * H;
-    RmsNorm(xs, out_norm_.data(), m, H, c.rms_eps, h.data());
-    logits->resize(static_cast<size_t>(m) * c.vocab);
-    MatMul(h.data(), output_.empty() ? tok_embd_ : output_, m, H, c.vocab, logits->data());
-  } else if (logits) {
-    logits->clear();
+    for (int s = 0; s < S; ++s) {
+      RmsNorm(x.data() + (static_cast<size_t>(s) * n + (n - m)) * H, out_norm_.data(), m, H,
+              c.rms_eps, h.data() + static_cast<size_t>(s) * m * H);
+    }
+    const size_t per = static_cast<size_t>(m) * c.vocab;
+    std::vector<float> all;
+    std::vector<float>* dst = S == 1 ? &(*logits)[0] : &all;
+    dst->resize(per * S);
+    MatMul(h.data(), output_.empty() ? tok_embd_ : output_, S * m, H, c.vocab, dst->data());
+    for (int s = 0; S > 1 && s < S; ++s) {
+      (*logits)[s].assign(all.begin() + s * per, all.begin() + (s + 1) * per);
+    }
   }
   return absl::OkStatus();
 }
@@ -282,8 +320,27 @@ absl::Status LlamaModel::ForwardDecodeFaithful(const int32_t* tokens, int n, int
                                                AttentionCache* cache, int logits_from,
                                                std::vector<float>* logits, int max_chunk,
                                                const ActivationHook& hook) const {
-  if (logits) logits->clear();
-  std::vector<float> part;
+  std::vector<std::vector<float>> out;
+  RETURN_IF_ERROR(ForwardDecodeFaithfulBatch({tokens}, n, start, {cache}, logits_from,
+                                             logits ? &out : nullptr, max_chunk, hook));
+  if (logits) *logits = std::move(out[0]);
+  return absl::OkStatus();
+}
+
+absl::Status LlamaModel::ForwardDecodeFaithfulBatch(const std::vector<const int32_t*>& tokens,
+                                                    int n, int64_t start,
+                                                    const std::vector<AttentionCache*>& caches,
+                                                    int logits_from,
+                                                    std::vector<std::vector<float>>* logits,
+                                                    int max_chunk, const ActivationHook& hook) const {
+  const size_t S = tokens.size();
+  if (caches.size() != S || S == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("ForwardDecodeFaithfulBatch: ", S,
+                                                   " token rows for ", caches.size(), " caches"));
+  }
+  if (logits) logits->assign(S, {});
+  std::vector<std::vector<float>> part;
+  std::vector<const int32_t*> at(S);
   int done = 0;
   while (done < n) {
     const int64_t pos = start + done;
@@ -292,15 +349,24 @@ absl::Status LlamaModel::ForwardDecodeFaithful(const int32_t* tokens, int n, int
     // An append that brings the count to B encodes a group, so every query of a chunk must lie
     // on the same side of B: the chunk stops at count B - 1, and the next one starts with the
     // token whose append triggers the encode.
-    int64_t b = cache->NextEncodeBoundary(pos);
+    int64_t b = caches[0]->NextEncodeBoundary(pos);
+    for (size_t s = 1; s < S; ++s) {
+      if (caches[s]->NextEncodeBoundary(pos) != b) {
+        return absl::InvalidArgumentError(
+            "ForwardDecodeFaithfulBatch: the caches encode at different positions");
+      }
+    }
     if (b >= 0) {
-      const int64_t g = cache->EncodeGroup();
+      const int64_t g = caches[0]->EncodeGroup();
       if (b <= pos + 1) b += g;
       if (b - 1 - pos < len) len = static_cast<int>(b - 1 - pos);
     }
     const int lf = std::max(0, logits_from - done);
-    RETURN_IF_ERROR(Forward(tokens + done, len, pos, cache, lf, logits ? &part : nullptr, hook));
-    if (logits) logits->insert(logits->end(), part.begin(), part.end());
+    for (size_t s = 0; s < S; ++s) at[s] = tokens[s] + done;
+    RETURN_IF_ERROR(ForwardBatch(at, len, pos, caches, lf, logits ? &part : nullptr, hook));
+    for (size_t s = 0; logits && s < S; ++s) {
+      (*logits)[s].insert((*logits)[s].end(), part[s].begin(), part[s].end());
+    }
     done += len;
   }
   return absl::OkStatus();

@@ -93,51 +93,61 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
   }
   PerplexityResult r;
   const int first = window_len / 2;
-  std::vector<float> logits;
-  for (int w = 0; w < windows; ++w) {
-    const int32_t* tok = tokens.data() + static_cast<size_t>(w) * window_len;
-    std::unique_ptr<AttentionCache> cache;
-    if (config.dense) {
-      cache = std::make_unique<DenseCache>(mc.cache_shape());
-    } else {
-      core::CodecOptions o = config.codec;
-      o.head_dim = mc.head_dim;
-      // Checksums guard storage, not arithmetic; the store's scrub covers them in serving.
-      o.verify_on_read = false;
-      std::vector<int> ranks;
-      if (config.adaptive_rank) {
-        if (bases->column_energy.empty() || !basis)
-          return absl::FailedPreconditionError(config.name + ": no per-layer query energy (kvq-eval measures it from --calib-text)");
-        ranks = AllocateRanks(bases->column_energy, o.rank, basis->manifest.rank);
-        if (w == 0) {
-          std::string s;
-          for (int r : ranks) absl::StrAppend(&s, r, " ");
-          std::fprintf(stderr, "%s: per-layer ranks %s\n", config.name.c_str(), s.c_str());
+  std::vector<int> ranks;
+  if (!config.dense && config.adaptive_rank) {
+    if (bases->column_energy.empty() || !basis)
+      return absl::FailedPreconditionError(config.name + ": no per-layer query energy (kvq-eval measures it from --calib-text)");
+    ranks = AllocateRanks(bases->column_energy, config.codec.rank, basis->manifest.rank);
+    std::string s;
+    for (int rk : ranks) absl::StrAppend(&s, rk, " ");
+    std::fprintf(stderr, "%s: per-layer ranks %s\n", config.name.c_str(), s.c_str());
+  }
+  auto make_cache = [&]() -> absl::StatusOr<std::unique_ptr<AttentionCache>> {
+    if (config.dense) return std::make_unique<DenseCache>(mc.cache_shape());
+    core::CodecOptions o = config.codec;
+    o.head_dim = mc.head_dim;
+    // Checksums guard storage, not arithmetic; the store's scrub covers them in serving.
+    o.verify_on_read = false;
+    ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
+                                                  config.fused ? CodecRead::kAttend : CodecRead::kDecode,
+                                                  config.adaptive_rank ? &ranks : nullptr, config.probe));
+    return std::unique_ptr<AttentionCache>(std::move(cc));
+  };
+  // Windows run kWindowBatch at a time through one batched forward (same results as one by
+  // one, LlamaModel::ForwardBatch; the weights are read once per chunk for all of them).
+  constexpr int kWindowBatch = 8;
+  std::vector<std::vector<float>> logits;
+  for (int w0 = 0; w0 < windows; w0 += kWindowBatch) {
+    const int nb = std::min(kWindowBatch, windows - w0);
+    std::vector<std::unique_ptr<AttentionCache>> owned(nb);
+    std::vector<AttentionCache*> caches(nb);
+    std::vector<const int32_t*> toks(nb);
+    for (int b = 0; b < nb; ++b) {
+      ASSIGN_OR_RETURN(owned[b], make_cache());
+      caches[b] = owned[b].get();
+      toks[b] = tokens.data() + static_cast<size_t>(w0 + b) * window_len;
+    }
+    RETURN_IF_ERROR(model.ForwardDecodeFaithfulBatch(toks, window_len, 0, caches, first, &logits));
+    for (int b = 0; b < nb; ++b) {
+      for (int j = first; j < window_len - 1; ++j) {
+        r.nll_sum += TokenNll(logits[b].data() + static_cast<size_t>(j - first) * mc.vocab,
+                              mc.vocab, toks[b][j + 1]);
+        ++r.scored_tokens;
+      }
+      if (!config.dense) {
+        core::SizeReport sz = caches[b]->Size();
+        r.k_bits += sz.k_bits_steady();
+        r.k_bits_ctx += sz.k_bits_effective();
+        if (config.keys_only) {
+          r.v_bits += 16;
+          r.v_bits_ctx += 16;
+        } else {
+          r.v_bits += sz.v_bits_steady();
+          r.v_bits_ctx += sz.v_bits_effective();
         }
       }
-      ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
-                                                    config.fused ? CodecRead::kAttend : CodecRead::kDecode,
-                                                    config.adaptive_rank ? &ranks : nullptr, config.probe));
-      cache = std::move(cc);
     }
-    RETURN_IF_ERROR(model.ForwardDecodeFaithful(tok, window_len, 0, cache.get(), first, &logits));
-    for (int j = first; j < window_len - 1; ++j) {
-      r.nll_sum += TokenNll(logits.data() + static_cast<size_t>(j - first) * mc.vocab, mc.vocab, tok[j + 1]);
-      ++r.scored_tokens;
-    }
-    if (!config.dense) {
-      core::SizeReport s = cache->Size();
-      r.k_bits += s.k_bits_steady();
-      r.k_bits_ctx += s.k_bits_effective();
-      if (config.keys_only) {
-        r.v_bits += 16;
-        r.v_bits_ctx += 16;
-      } else {
-        r.v_bits += s.v_bits_steady();
-        r.v_bits_ctx += s.v_bits_effective();
-      }
-    }
-    if (on_window) on_window(w + 1);
+    if (on_window) on_window(w0 + nb);
   }
   if (config.dense) {
     r.k_bits = r.v_bits = r.k_bits_ctx = r.v_bits_ctx = 16;  // fp16 cache

@@ -62,6 +62,28 @@ class LlamaModel {
                                      std::vector<float>* logits, int max_chunk = 512,
                                      const ActivationHook& hook = nullptr) const;
 
+  // Several sequences at once, each at the same positions [start, start + n) with its own
+  // cache (perplexity windows): the matrix products run on all rows together, so the weights
+  // stream from memory once per chunk instead of once per sequence (Qwen2.5-0.5B's fp32
+  // weights are 2 GB; a 32-token chunk reads them for 32 rows of work). Attention runs per
+  // sequence; the hook is called per sequence, in order. (*logits)[s] is sequence s's rows.
+  // OpenBLAS computes a row of a product the same whatever the number of rows around it (checked
+  // bit for bit on this machine's SkylakeX kernel, 2..256 rows, at real models' sizes), so each
+  // sequence's outputs equal its single-sequence run (real_model_test), except where the single
+  // run's product has one row (OpenBLAS's matrix-vector kernel sums in another order) or the
+  // shapes are tiny (its small-matrix kernels): llama_test bounds those.
+  absl::Status ForwardBatch(const std::vector<const int32_t*>& tokens, int n, int64_t start,
+                            const std::vector<AttentionCache*>& caches, int logits_from,
+                            std::vector<std::vector<float>>* logits,
+                            const ActivationHook& hook = nullptr) const;
+  // ForwardDecodeFaithful over a batch: the caches must encode at the same positions (one
+  // codec configuration), which is checked.
+  absl::Status ForwardDecodeFaithfulBatch(const std::vector<const int32_t*>& tokens, int n,
+                                          int64_t start, const std::vector<AttentionCache*>& caches,
+                                          int logits_from, std::vector<std::vector<float>>* logits,
+                                          int max_chunk = 512,
+                                          const ActivationHook& hook = nullptr) const;
+
  private:
   struct Layer {
     std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, wgate, wup, wdown;
