@@ -121,6 +121,85 @@ TEST(RegistryTest, RejectsBadEntriesNamingTheField) {
               ::testing::HasSubstr("q_heads 3 must be a multiple of kv_heads 2"));
 }
 
+// The reason LoadAll gave for skipping the folder ending in `suffix` ("" when not skipped).
+std::string SkipReason(const std::vector<std::string>& skipped, const std::string& suffix) {
+  for (const std::string& s : skipped) {
+    if (s.find(suffix + ": ") != std::string::npos) return s;
+  }
+  return "";
+}
+
+TEST(RegistryTest, MistypedGarbageAndMisplacedEntriesAreSkippedNamingTheField) {
+  const std::string dir = TempDir();
+  {
+    Registry r(dir);
+    ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
+    ASSERT_TRUE(r.Register(Entry("m", 1, 1), nullptr).ok());
+    ASSERT_TRUE(r.Register(Entry("plain", 1, 0, /*rank=*/0), nullptr).ok());
+  }
+  auto write = [&](const std::string& path, const std::string& text) {
+    fs::create_directories(fs::path(dir + path).parent_path());
+    std::ofstream(dir + path) << text;
+  };
+  const std::string model_json =
+      R"({"model": "%s", "version": %s, "layers": 2, "kv_heads": 2, "q_heads": 4, )"
+      R"("head_dim": 64})";
+  auto model = [&](const std::string& name, const std::string& version) {
+    std::string s = model_json;
+    s.replace(s.find("%s"), 2, name);
+    s.replace(s.find("%s"), 2, version);
+    return s;
+  };
+  write("/typed/v1/model.json", model("typed", "1"));
+  write("/typed/v1/codec.json", R"({"key_bits": "2"})");
+  write("/layers/v1/model.json", R"({"model": "layers", "version": 1, "layers": "2"})");
+  write("/frac/v1/model.json", model("frac", "1.5"));
+  write("/huge/v1/model.json", model("huge", "99999999999"));
+  write("/cut/v1/model.json", R"({"model": "cut", "vers)");
+  write("/garbage/v1/manifest.json", "\x01\x02 not json at all");
+  write("/policy/v1/model.json", model("policy", "1"));
+  write("/policy/v1/codec.json", R"({"value_policy": "fast"})");
+  write("/rope/v1/model.json",
+        R"({"model": "rope", "version": 1, "layers": 2, "kv_heads": 2, "q_heads": 4, )"
+        R"("head_dim": 64, "rope_layout": "spiral"})");
+  // An impostor: its manifest claims to be plain v1 (it sorts first, so it used to win).
+  write("/aaa/v1/model.json", R"({"model": "plain", "version": 1, "layers": 5, "kv_heads": 2, )"
+                               R"("q_heads": 4, "head_dim": 64})");
+  write("/plain/v2/model.json", model("plain", "3"));  // its folder says v2
+  write("/m/v7/codec.json", "{}");                   // an entry without manifest
+  write("/m/latest/model.json", model("m", "8"));     // not a version folder
+  write("/m/v1/extra/model.json", model("m", "9"));   // deeper than an entry
+
+  Registry again(dir);
+  std::vector<std::string> loaded, skipped;
+  ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("m v1", "plain v1"));
+  const std::vector<std::pair<std::string, std::string>> reasons = {
+      {"typed/v1", "codec.json: field 'key_bits'"},
+      {"layers/v1", "'layers'"},
+      {"frac/v1", "'version'"},
+      {"huge/v1", "'version'"},
+      {"cut/v1", "not a JSON object"},
+      {"garbage/v1", "not a JSON object"},
+      {"policy/v1", "'value_policy'"},
+      {"rope/v1", "rope_layout"},
+      {"aaa/v1", "names model 'plain'"},
+      {"plain/v2", "version 3"},
+      {"m/v7", "neither manifest.json"},
+      {"m/latest", "not a version folder"},
+  };
+  for (const auto& [folder, why] : reasons) {
+    EXPECT_THAT(SkipReason(skipped, folder), ::testing::HasSubstr(why)) << folder;
+  }
+  EXPECT_EQ(skipped.size(), 12u) << ::testing::PrintToString(skipped);
+  // The real plain v1 is served, not the impostor.
+  auto plain = again.Get("plain", 0);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->manifest.version, 1);
+  EXPECT_EQ((*plain)->manifest.layers, 2);
+  fs::remove_all(dir);
+}
+
 class StoreTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(registry_.Register(Entry("m", 1, 1), nullptr).ok()); }

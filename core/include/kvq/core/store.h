@@ -89,8 +89,10 @@ class Registry {
   // dir "" keeps entries in memory only.
   explicit Registry(std::string dir);
 
-  // Loads every entry under dir (entries that fail to load are skipped and reported in
-  // `skipped` as "path: reason"). Creates dir when it does not exist.
+  // Loads every entry under dir: the folders <dir>/<model>/v<version>/ whose manifest names
+  // that model and version. Anything else (a broken, mistyped or misplaced entry) is skipped
+  // and reported in `skipped` as "path: reason"; folders starting with '.' are ignored.
+  // Creates dir when it does not exist; fails only when dir cannot be listed.
   absl::Status LoadAll(std::vector<std::string>* loaded, std::vector<std::string>* skipped);
 
   // Adds an entry and persists it (written into a temporary folder, then renamed into
@@ -106,7 +108,8 @@ class Registry {
   std::vector<std::shared_ptr<const ModelEntry>> List() const;
   const std::string& dir() const { return dir_; }
 
-  // Checks a model entry's shape fields and basis (used by Register and LoadAll).
+  // Checks a model entry's shape fields, rope_layout and basis (used by Register and
+  // LoadAll).
   static absl::Status ValidateEntry(const ModelEntry& e);
   // The default codec settings of a model shape (see ModelEntry::codec).
   static CodecOptions DefaultCodec(const BasisManifest& m, bool has_basis);
