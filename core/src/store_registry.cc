@@ -89,6 +89,19 @@ absl::StatusOr<nlohmann::json> ReadJsonObject(const fs::path& p) {
   return j;
 }
 
+// A string field of a manifest: at most `max` bytes of printable ASCII (these are
+// identifiers, written into JSON files and logs).
+absl::Status CheckIdentifier(absl::string_view field, const std::string& v, size_t max) {
+  bool printable = true;
+  for (char ch : v) printable &= ch >= 0x20 && ch <= 0x7e;
+  if (v.size() > max || !printable) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " must be at most ", max,
+                                                   " bytes of printable ASCII (got ", v.size(),
+                                                   " bytes)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteText(const fs::path& p, const std::string& text) {
   std::ofstream f(p, std::ios::binary | std::ios::trunc);
   f << text;
@@ -125,8 +138,22 @@ absl::Status SyncEntry(const fs::path& dir) {
   return SyncPath(dir);
 }
 
-bool SameCodec(const CodecOptions& a, const CodecOptions& b) {
-  return CodecToJson(a) == CodecToJson(b);
+// The first field in which two entries of one (model, version) differ ("" when none).
+// calibration_text is descriptive only (and not on the wire), so it is not compared.
+std::string FirstDifference(const ModelEntry& old, const ModelEntry& now) {
+  const BasisManifest &a = old.manifest, &b = now.manifest;
+  if (old.has_basis != now.has_basis) return "basis (present or not)";
+  if (a.layers != b.layers || a.kv_heads != b.kv_heads || a.q_heads != b.q_heads ||
+      a.head_dim != b.head_dim || a.rank != b.rank) {
+    return "shape (layers, kv_heads, q_heads, head_dim or basis_rank)";
+  }
+  if (a.fingerprint != b.fingerprint) return "basis (fingerprint)";
+  if (CodecToJson(old.codec) != CodecToJson(now.codec)) return "codec";
+  if (a.rope_layout != b.rope_layout) return "rope_layout";
+  if (a.channel_order != b.channel_order) return "channel_order";
+  if (a.kind != b.kind) return "kind";
+  if (a.calibration_tokens != b.calibration_tokens) return "calibration_tokens";
+  return "";
 }
 
 // The folders directly in `dir`, sorted, without those starting with '.' (the temporary
@@ -188,6 +215,22 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
     return absl::InvalidArgumentError(
         absl::StrCat("rope_layout must be 'adjacent_pairs' or 'halves' (got '",
                      m.rope_layout.substr(0, 64), "')"));
+  }
+  RETURN_IF_ERROR(CheckIdentifier("channel_order", m.channel_order, kMaxManifestString));
+  RETURN_IF_ERROR(CheckIdentifier("kind", m.kind, kMaxManifestString));
+  if (m.calibration_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration_tokens ", m.calibration_tokens, " must be >= 0"));
+  }
+  if (m.calibration_text.size() > kMaxCalibrationText) {
+    return absl::InvalidArgumentError(absl::StrCat("calibration_text holds ",
+                                                   m.calibration_text.size(),
+                                                   " bytes; at most ", kMaxCalibrationText));
+  }
+  try {  // what the manifest writer will meet: it refuses strings that are not UTF-8
+    (void)nlohmann::json(m.calibration_text).dump();
+  } catch (const nlohmann::json::exception&) {
+    return absl::InvalidArgumentError("calibration_text must be UTF-8");
   }
   if (m.rank < 0 || m.rank > m.head_dim || (e.has_basis && m.rank < 1) ||
       (!e.has_basis && m.rank != 0)) {
@@ -384,24 +427,22 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry 
     entry.basis.manifest = entry.manifest;
     entry.manifest.fingerprint = BasisFingerprint(entry.basis);
     entry.basis.manifest.fingerprint = entry.manifest.fingerprint;
-  } else {
+  } else {  // what model.json holds and LoadEntry reads back
     entry.manifest.fingerprint.clear();
+    entry.manifest.kind = "none";
+    entry.manifest.calibration_tokens = 0;
+    entry.manifest.calibration_text.clear();
     entry.basis = ModelBasis{};
   }
   absl::MutexLock l(&mu_);
   auto& versions = models_[entry.manifest.model];
   auto it = versions.find(entry.manifest.version);
   if (it != versions.end()) {
-    const ModelEntry& old = *it->second;
-    const BasisManifest &a = old.manifest, &b = entry.manifest;
-    const bool same = old.has_basis == entry.has_basis && a.layers == b.layers &&
-                      a.kv_heads == b.kv_heads && a.q_heads == b.q_heads &&
-                      a.head_dim == b.head_dim && a.rank == b.rank &&
-                      a.fingerprint == b.fingerprint && SameCodec(old.codec, entry.codec);
-    if (!same) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("model '", b.model, "' version ", b.version,
-                       " is already registered with different contents; register a new version"));
+    const std::string diff = FirstDifference(*it->second, entry);
+    if (!diff.empty()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "model '", entry.manifest.model, "' version ", entry.manifest.version,
+          " is already registered with a different ", diff, "; register a new version"));
     }
     if (already) *already = true;
     return it->second;

@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -197,6 +198,77 @@ TEST(RegistryTest, MistypedGarbageAndMisplacedEntriesAreSkippedNamingTheField) {
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ((*plain)->manifest.version, 1);
   EXPECT_EQ((*plain)->manifest.layers, 2);
+  fs::remove_all(dir);
+}
+
+TEST(RegistryTest, RegisterRefusesWhatLoadingWouldAndConflictingMetadata) {
+  const std::string dir = TempDir();
+  Registry r(dir);
+  ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
+  using Mutation = std::function<void(ModelEntry&)>;
+  // Each is refused, with and without basis, naming the field and the limit.
+  const std::vector<std::pair<Mutation, std::string>> invalid = {
+      {[](ModelEntry& e) { e.manifest.rope_layout = "spiral"; },
+       "rope_layout must be 'adjacent_pairs' or 'halves'"},
+      {[](ModelEntry& e) { e.manifest.kind = std::string(1 << 20, 'k'); },
+       "kind must be at most 256 bytes"},
+      {[](ModelEntry& e) { e.manifest.kind = std::string(257, 'k'); },
+       "kind must be at most 256 bytes"},
+      {[](ModelEntry& e) { e.manifest.kind = "two\nlines"; }, "printable ASCII"},
+      {[](ModelEntry& e) { e.manifest.channel_order = std::string(300, 'c'); },
+       "channel_order must be at most 256 bytes"},
+      {[](ModelEntry& e) { e.manifest.calibration_text = std::string(5000, 't'); },
+       "calibration_text holds 5000 bytes; at most 4096"},
+      {[](ModelEntry& e) { e.manifest.calibration_text = "\xff\xfe"; },
+       "calibration_text must be UTF-8"},
+  };
+  for (const auto& [mutate, want] : invalid) {
+    for (int rank : {8, 0}) {
+      ModelEntry e = Entry(rank ? "m" : "plain", 1, 1, rank);
+      mutate(e);
+      const absl::Status st = r.Register(std::move(e), nullptr).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << want;
+      EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr(want));
+    }
+  }
+
+  // The longest accepted fields; the same again is OK, other metadata is ALREADY_EXISTS
+  // naming what differs.
+  ModelEntry e = Entry("m", 1, 1);
+  e.manifest.kind = std::string(256, 'k');
+  ASSERT_TRUE(r.Register(e, nullptr).ok());
+  bool already = false;
+  ASSERT_TRUE(r.Register(e, &already).ok());
+  EXPECT_TRUE(already);
+  const std::vector<std::pair<Mutation, std::string>> conflicting = {
+      {[](ModelEntry& e) { e.manifest.kind = "query_pca_centred"; }, "kind"},
+      {[](ModelEntry& e) { e.manifest.rope_layout = "halves"; }, "rope_layout"},
+      {[](ModelEntry& e) { e.manifest.channel_order = "hf"; }, "channel_order"},
+      {[](ModelEntry& e) { e.manifest.calibration_tokens = 123; }, "calibration_tokens"},
+      {[](ModelEntry& e) { e.codec.window = 64; }, "codec"},
+  };
+  for (const auto& [mutate, field] : conflicting) {
+    ModelEntry other = e;
+    mutate(other);
+    const absl::Status st = r.Register(std::move(other), nullptr).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kAlreadyExists) << field;
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("different " + field));
+  }
+  // Without basis the entry is stored as it loads back, so sending it again is idempotent.
+  ModelEntry plain = Entry("plain", 1, 0, /*rank=*/0);
+  ASSERT_TRUE(r.Register(plain, nullptr).ok());
+  ASSERT_TRUE(r.Register(plain, &already).ok());
+  EXPECT_TRUE(already);
+
+  // None of the refused entries reached the folder; what was accepted loads back whole.
+  Registry again(dir);
+  std::vector<std::string> loaded, skipped;
+  ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("m v1", "plain v1"));
+  EXPECT_THAT(skipped, ::testing::IsEmpty());
+  EXPECT_EQ((*again.Get("m", 1))->manifest.kind, std::string(256, 'k'));
+  ASSERT_TRUE(again.Register(plain, &already).ok());
+  EXPECT_TRUE(already);
   fs::remove_all(dir);
 }
 
