@@ -843,6 +843,45 @@ TEST(ServiceTest, FailedMessageIsAtomicAndEarlierMessagesStay) {
   EXPECT_EQ(r.tokens_written(), 32 + 16);
 }
 
+TEST(ServiceTest, UnparsableStreamMessageFailsTheStreamNamingItsIndex) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  auto k = RandomKV(kv, 32, d, 1);
+  v1::PutBlocksRequest first, third;
+  *first.add_appends() =
+      MakeAppend("s", 0, 0, Slice(k, kv, 32, d, 0, 16), Slice(k, kv, 32, d, 0, 16), kv, 16, d,
+                 "tiny");
+  *third.add_appends() =
+      MakeAppend("s", 0, 16, Slice(k, kv, 32, d, 16, 16), Slice(k, kv, 32, d, 16, 16), kv, 16, d);
+  // [valid, not a protobuf message (a varint that never ends), valid], sent as raw bytes.
+  const std::vector<std::string> messages = {first.SerializeAsString(), std::string(11, '\xff'),
+                                             third.SerializeAsString()};
+  auto channel = ts.Channel();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::ByteBuffer resp;
+  const grpc::internal::RpcMethod method("/kvq.v1.Kvq/PutBlocks",
+                                         grpc::internal::RpcMethod::CLIENT_STREAMING);
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> w(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel.get(), method, &ctx,
+                                                                    &resp));
+  for (const std::string& m : messages) {
+    grpc::Slice slice(m);
+    if (!w->Write(grpc::ByteBuffer(&slice, 1))) break;  // the server may have failed already
+  }
+  w->WritesDone();
+  const grpc::Status st = w->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("message 1 of the stream"));
+  // The message before it stays applied (documented), the one after it was not read.
+  auto info = ts.server().store().Describe("default", "s");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_tokens[0], 16);
+}
+
 TEST(ServiceTest, StreamCutPartWayLeavesWholeMessages) {
   TestServer ts;
   auto stub = ts.Stub();
