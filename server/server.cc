@@ -192,10 +192,15 @@ absl::Status KvqServer::Impl::Start() {
   const int limit = static_cast<int>(opts.max_message_bytes);
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
+  // gRPC sets SO_REUSEPORT on Linux by default: a second server on a port in use would then
+  // start and take part of the connections. The port must be ours alone.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   server = builder.BuildAndStart();
   if (!server || grpc_port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", opts.grpc_address, ":", opts.grpc_port));
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", opts.grpc_address, ":",
+                                               opts.grpc_port,
+                                               " (the port is in use, or the address is not "
+                                               "this machine's)"));
   }
   if (opts.on_listening) opts.on_listening(grpc_port);
 

@@ -1151,6 +1151,21 @@ TEST(ConvertTest, OutOfRangeCodecOverridesAreRejectedNamingFieldAndRange) {
   EXPECT_THAT(st.error_message(), HasSubstr("rope_layout"));
 }
 
+TEST(ServiceTest, TheListeningPortIsExclusive) {
+  TestServer first;
+  server::ServerOptions o;
+  o.grpc_address = "127.0.0.1";
+  o.grpc_port = first.server().grpc_port();
+  o.metrics_port = -1;
+  o.capacity_bytes = 1 << 20;
+  server::KvqServer second(o);
+  const absl::Status st = second.Start();
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr(absl::StrCat("cannot listen on 127.0.0.1:", o.grpc_port)));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("in use"));
+}
+
 TEST(ServiceTest, NewBasisVersionWhileSequencesAreLive) {
   Fixture f;
   std::string dir;
