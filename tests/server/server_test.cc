@@ -19,6 +19,7 @@
 #include "gtest/gtest.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/metrics.h"
+#include "server/auth.h"
 #include "server/convert.h"
 #include "tests/server/test_util.h"
 
@@ -1164,6 +1165,28 @@ TEST(ServiceTest, TheListeningPortIsExclusive) {
   EXPECT_THAT(std::string(st.message()),
               HasSubstr(absl::StrCat("cannot listen on 127.0.0.1:", o.grpc_port)));
   EXPECT_THAT(std::string(st.message()), HasSubstr("in use"));
+}
+
+TEST(AuthTest, ATokenListedForTwoTenantsIsRefusedNamingItsLinesNotTheToken) {
+  const std::string dir = TempDir("kvq-auth");
+  const std::string file = dir + "/tokens";
+  const std::string token = "secret-token-0123456789";
+  std::ofstream(file) << "# tokens\n"
+                      << token << " alice\n"
+                      << "another-token-0123456789 bob\n"
+                      << token << " alice\n"  // the same pair again: harmless
+                      << token << " bob\n";
+  absl::StatusOr<server::Authenticator> a = server::Authenticator::Load(file);
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string msg(a.status().message());
+  EXPECT_THAT(msg, HasSubstr(file + ":5:"));
+  EXPECT_THAT(msg, HasSubstr("already listed on line 2 for tenant 'alice'"));
+  EXPECT_THAT(msg, ::testing::Not(HasSubstr(token)));
+  std::ofstream(file) << token << " alice\n" << token << " alice\n";
+  a = server::Authenticator::Load(file);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->tokens(), 1u);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ServiceTest, NewBasisVersionWhileSequencesAreLive) {
