@@ -4,14 +4,16 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
 
 namespace kvq::core {
 
 absl::Status JsonFields::Mistyped(absl::string_view key, absl::string_view want) const {
   const auto it = j_.find(std::string(key));
-  return absl::InvalidArgumentError(absl::StrCat(file_, ": field '", key, "' must be ", want,
-                                                 " (got ", it->type_name(), " ",
-                                                 it->dump(-1, ' ', true, nlohmann::json::error_handler_t::replace).substr(0, 64), ")"));
+  const std::string got =
+      it->dump(-1, ' ', true, nlohmann::json::error_handler_t::replace).substr(0, 64);
+  return absl::InvalidArgumentError(absl::StrCat(file_, ": field '", key, "' is mistyped: must be ",
+                                                 want, " (got ", it->type_name(), " ", got, ")"));
 }
 
 absl::Status JsonFields::Int64(absl::string_view key, int64_t* out) const {
@@ -54,6 +56,17 @@ absl::Status JsonFields::String(absl::string_view key, std::string* out) const {
   if (!it->is_string()) return Mistyped(key, "a string");
   *out = it->get<std::string>();
   return absl::OkStatus();
+}
+
+absl::Status ReadModelShape(const JsonFields& f, BasisManifest* m) {
+  RETURN_IF_ERROR(f.String("model", &m->model));
+  RETURN_IF_ERROR(f.Int("version", &m->version));
+  RETURN_IF_ERROR(f.Int("layers", &m->layers));
+  RETURN_IF_ERROR(f.Int("kv_heads", &m->kv_heads));
+  RETURN_IF_ERROR(f.Int("q_heads", &m->q_heads));
+  RETURN_IF_ERROR(f.Int("head_dim", &m->head_dim));
+  RETURN_IF_ERROR(f.String("rope_layout", &m->rope_layout));
+  return f.String("channel_order", &m->channel_order);
 }
 
 }  // namespace kvq::core

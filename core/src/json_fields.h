@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "kvq/core/basis.h"
 #include "nlohmann/json.hpp"
 
 namespace kvq::core {
@@ -30,5 +31,9 @@ class JsonFields {
   const nlohmann::json& j_;
   std::string file_;
 };
+
+// The identity and shape fields that manifest.json (a basis) and model.json (no basis)
+// share: model, version, layers, kv_heads, q_heads, head_dim, rope_layout, channel_order.
+absl::Status ReadModelShape(const JsonFields& f, BasisManifest* m);
 
 }  // namespace kvq::core

@@ -166,7 +166,9 @@ absl::StatusOr<std::vector<fs::path>> Subfolders(const fs::path& dir) {
     std::error_code type_ec;
     if (!name.empty() && name[0] != '.' && it->is_directory(type_ec)) out.push_back(it->path());
   }
-  if (ec) return absl::InternalError(absl::StrCat("cannot list ", dir.string(), ": ", ec.message()));
+  if (ec) {
+    return absl::InternalError(absl::StrCat("cannot list ", dir.string(), ": ", ec.message()));
+  }
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -291,14 +293,7 @@ absl::StatusOr<ModelEntry> Registry::LoadEntry(const std::string& path) const {
     BasisManifest& m = e.manifest;
     m.model.clear();
     m.version = 0;
-    RETURN_IF_ERROR(f.String("model", &m.model));
-    RETURN_IF_ERROR(f.Int("version", &m.version));
-    RETURN_IF_ERROR(f.Int("layers", &m.layers));
-    RETURN_IF_ERROR(f.Int("kv_heads", &m.kv_heads));
-    RETURN_IF_ERROR(f.Int("q_heads", &m.q_heads));
-    RETURN_IF_ERROR(f.Int("head_dim", &m.head_dim));
-    RETURN_IF_ERROR(f.String("rope_layout", &m.rope_layout));
-    RETURN_IF_ERROR(f.String("channel_order", &m.channel_order));
+    RETURN_IF_ERROR(ReadModelShape(f, &m));
     m.rank = 0;
     m.kind = "none";
     e.has_basis = false;

@@ -158,6 +158,9 @@ TEST(RegistryTest, MistypedGarbageAndMisplacedEntriesAreSkippedNamingTheField) {
   write("/huge/v1/model.json", model("huge", "99999999999"));
   write("/cut/v1/model.json", R"({"model": "cut", "vers)");
   write("/garbage/v1/manifest.json", "\x01\x02 not json at all");
+  write("/mani/v1/manifest.json",
+        R"({"format": "kvq-basis", "model": "mani", "version": 1, "layers": 2.5, "kv_heads": 2, )"
+        R"("q_heads": 4, "head_dim": 64, "rank": 8, "rope_layout": "halves", "fingerprint": ""})");
   write("/policy/v1/model.json", model("policy", "1"));
   write("/policy/v1/codec.json", R"({"value_policy": "fast"})");
   write("/rope/v1/model.json",
@@ -182,6 +185,7 @@ TEST(RegistryTest, MistypedGarbageAndMisplacedEntriesAreSkippedNamingTheField) {
       {"huge/v1", "'version'"},
       {"cut/v1", "not a JSON object"},
       {"garbage/v1", "not a JSON object"},
+      {"mani/v1", "manifest.json: field 'layers' is mistyped: must be a 32-bit integer"},
       {"policy/v1", "'value_policy'"},
       {"rope/v1", "rope_layout"},
       {"aaa/v1", "names model 'plain'"},
@@ -192,7 +196,7 @@ TEST(RegistryTest, MistypedGarbageAndMisplacedEntriesAreSkippedNamingTheField) {
   for (const auto& [folder, why] : reasons) {
     EXPECT_THAT(SkipReason(skipped, folder), ::testing::HasSubstr(why)) << folder;
   }
-  EXPECT_EQ(skipped.size(), 12u) << ::testing::PrintToString(skipped);
+  EXPECT_EQ(skipped.size(), 13u) << ::testing::PrintToString(skipped);
   // The real plain v1 is served, not the impostor.
   auto plain = again.Get("plain", 0);
   ASSERT_TRUE(plain.ok());
