@@ -123,7 +123,9 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".", name, " = ", v, ": must be ", allowed));
   };
-  if (s.rank() < -1) return bad("rank", s.rank(), "-1 (none), 0 (the model's default) or 1..basis rank");
+  if (s.rank() < -1) {
+    return bad("rank", s.rank(), "-1 (none), 0 (the model's default) or 1..basis rank");
+  }
   if (s.window() < -1) {
     return bad("window", s.window(), "-1 (none), 0 (the model's default) or 1..65536");
   }

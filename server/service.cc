@@ -372,7 +372,9 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> 
     if (pooled_) svc_->LeavePool();
     svc_->Record("PutBlocks", st, start_, in, st.ok() ? out_.ByteSizeLong() : 0);
     bool own_buffer = false;
-    if (st.ok()) grpc::SerializationTraits<v1::PutBlocksResponse>::Serialize(out_, resp_, &own_buffer);
+    if (st.ok()) {
+      grpc::SerializationTraits<v1::PutBlocksResponse>::Serialize(out_, resp_, &own_buffer);
+    }
     Finish(ToGrpc(st));
   }
 
