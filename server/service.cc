@@ -370,11 +370,11 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> 
       in = bytes_in_;
     }
     if (pooled_) svc_->LeavePool();
-    svc_->Record("PutBlocks", st, start_, in, st.ok() ? out_.ByteSizeLong() : 0);
     bool own_buffer = false;
     if (st.ok()) {
       grpc::SerializationTraits<v1::PutBlocksResponse>::Serialize(out_, resp_, &own_buffer);
     }
+    svc_->Record("PutBlocks", st, start_, in, st.ok() ? out_.ByteSizeLong() : 0);
     Finish(ToGrpc(st));
   }
 
