@@ -2,6 +2,7 @@
 
 #include <fstream>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -38,6 +39,7 @@ absl::StatusOr<Authenticator> Authenticator::Load(const std::string& tokens_file
   if (!f) return absl::NotFoundError(absl::StrCat("cannot read tokens file ", tokens_file));
   a.enabled_ = true;
   std::string line;
+  absl::flat_hash_map<std::string, int> first_line;  // token -> the line that listed it
   for (int n = 1; std::getline(f, line); ++n) {
     absl::string_view s = absl::StripAsciiWhitespace(line);
     if (s.empty() || s[0] == '#') continue;
@@ -47,7 +49,17 @@ absl::StatusOr<Authenticator> Authenticator::Load(const std::string& tokens_file
       return absl::InvalidArgumentError(
           absl::StrCat(tokens_file, ":", n, ": expected \"<token of >= 16 chars> <tenant>\""));
     }
-    a.tenants_[std::string(parts[0])] = std::string(parts[1]);
+    // A token names one tenant: listed for a second one, whoever holds it would get one of
+    // the two depending on the order of the lines. The token is a secret: only its position
+    // is printed.
+    const std::string token(parts[0]);
+    auto [first, inserted] = first_line.try_emplace(token, n);
+    if (!inserted && a.tenants_[token] != parts[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          tokens_file, ":", n, ": the token on this line is already listed on line ",
+          first->second, " for tenant '", a.tenants_[token], "'; a token must name one tenant"));
+    }
+    a.tenants_[token] = std::string(parts[1]);
   }
   if (a.tenants_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(tokens_file, " holds no tokens"));

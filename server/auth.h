@@ -15,6 +15,8 @@ class Authenticator {
  public:
   // tokens_file "" = auth off. Lines: "<token> <tenant>"; blank lines and '#' comments
   // ignored. Tokens are at least 16 characters; tenants 1..64 characters of [A-Za-z0-9._-].
+  // A token listed for two different tenants is INVALID_ARGUMENT naming both lines (never
+  // the token); listed twice for one tenant it is harmless and accepted.
   // admin_tenants: comma-separated tenants allowed to RegisterBasis when auth is on (the
   // registry is shared by all tenants); empty lets every authenticated tenant register.
   static absl::StatusOr<Authenticator> Load(const std::string& tokens_file,

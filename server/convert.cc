@@ -117,11 +117,35 @@ void FillTensor(const float* data, std::initializer_list<int64_t> shape, v1::DTy
 
 absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
                                               const v1::CodecSettings& s, absl::string_view field) {
+  // The request-only values (0: the default; -1: none) and the enum are checked here; the
+  // rest of every range by CodecOptions::Validate below. Nothing out of range is coerced.
+  auto bad = [field](absl::string_view name, double v, absl::string_view allowed) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".", name, " = ", v, ": must be ", allowed));
+  };
+  if (s.rank() < -1) {
+    return bad("rank", s.rank(), "-1 (none), 0 (the model's default) or 1..basis rank");
+  }
+  if (s.window() < -1) {
+    return bad("window", s.window(), "-1 (none), 0 (the model's default) or 1..65536");
+  }
+  if (!v1::CodecSettings::ValuePolicy_IsValid(s.value_policy())) {
+    return bad("value_policy", s.value_policy(),
+               "VALUE_POLICY_DEFAULT (0), VALUE_POLICY_UNIFORM (1) or VALUE_POLICY_A2 (2)");
+  }
+  // Checked even where the codec would not use them (side_bits at rank 0, value_budget
+  // under the uniform policy): a value no codec accepts is a client error either way.
+  if (s.side_bits() != 0 && s.side_bits() != 4 && s.side_bits() != 8) {
+    return bad("side_bits", s.side_bits(), "0 (the model's default), 4 or 8");
+  }
+  if (s.value_budget() != 0 && !(s.value_budget() >= 1.0f && s.value_budget() <= 4.0f)) {
+    return bad("value_budget", s.value_budget(), "0 (the model's default) or in [1, 4]");
+  }
   core::CodecOptions c = base;
   if (s.key_bits()) c.key_bits = s.key_bits();
   if (s.key_group()) c.key_group = s.key_group();
   if (s.rank() > 0) c.rank = s.rank();
-  if (s.rank() < 0) c.rank = 0;
+  if (s.rank() == -1) c.rank = 0;
   if (s.side_bits()) c.side_bits = s.side_bits();
   if (s.value_bits()) c.value_bits = s.value_bits();
   if (s.value_group()) c.value_group = s.value_group();
@@ -133,7 +157,7 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
   if (s.value_budget() != 0) c.value_budget = s.value_budget();
   if (s.sink_tokens()) c.sink_tokens = s.sink_tokens();
   if (s.window() > 0) c.window = s.window();
-  if (s.window() < 0) c.window = 0;
+  if (s.window() == -1) c.window = 0;
   absl::Status st = c.Validate();
   if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", st.message()));
   return c;

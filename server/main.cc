@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -32,7 +33,9 @@ bool ParseBytes(const std::string& s, int64_t* out) {
     v.pop_back();
   }
   int64_t n = 0;
-  if (!absl::SimpleAtoi(v, &n) || n < 0) return false;
+  if (!absl::SimpleAtoi(v, &n) || n < 0 || n > std::numeric_limits<int64_t>::max() / mult) {
+    return false;
+  }
   *out = n * mult;
   return true;
 }
@@ -121,6 +124,11 @@ int main(int argc, char** argv) {
         "Every flag can also be set from the environment variable shown (flags win).\n\n%s",
         flags.Help().c_str());
     return 0;
+  }
+
+  if (absl::Status st = kvq::server::ValidateOptions(opts); !st.ok()) {
+    std::fprintf(stderr, "kvq-server: %s (see --help)\n", std::string(st.message()).c_str());
+    return 2;
   }
 
   // Block the shutdown signals in every thread; the main thread waits for them.

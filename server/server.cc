@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -12,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "kvq/core/status.h"
 #include "kvq/core/store.h"
 #include "kvq/kernels/device.h"
 #include "kvq/kernels/kernels.h"
@@ -39,7 +41,38 @@ int64_t PhysicalMemory() {
   return pages > 0 && size > 0 ? int64_t{pages} * size : int64_t{8} << 30;
 }
 
+absl::Status CheckRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
+  if (v >= lo && v <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(flag, " ", v, " must be in ", lo, "..", hi));
+}
+
+absl::Status CheckDuration(const char* flag, absl::Duration d) {
+  if (d >= absl::ZeroDuration() && d != absl::InfiniteDuration()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(flag, " ", absl::FormatDuration(d), " must be finite and >= 0"));
+}
+
 }  // namespace
+
+absl::Status ValidateOptions(const ServerOptions& o) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  RETURN_IF_ERROR(CheckRange("--grpc-port", o.grpc_port, 0, 65535));
+  RETURN_IF_ERROR(CheckRange("--metrics-port", o.metrics_port, -1, 65535));
+  RETURN_IF_ERROR(CheckRange("--workers", o.workers, 0, 1024));
+  RETURN_IF_ERROR(CheckRange("--max-inflight", o.max_inflight, 0, 1000000));
+  // Below 64 KiB hardly a registration or a prefill fits; gRPC's limit is an int.
+  RETURN_IF_ERROR(CheckRange("--max-message-bytes", o.max_message_bytes, 64 << 10, INT32_MAX));
+  RETURN_IF_ERROR(CheckRange("--capacity", o.capacity_bytes, 0, kMax));
+  RETURN_IF_ERROR(CheckRange("--tenant-quota", o.tenant_quota_bytes, 0, kMax));
+  RETURN_IF_ERROR(CheckDuration("--sequence-ttl", o.sequence_ttl));
+  RETURN_IF_ERROR(CheckDuration("--shutdown-grace", o.shutdown_grace));
+  RETURN_IF_ERROR(CheckDuration("--scrub-period", o.scrub_period));
+  if (o.housekeeping_period <= absl::ZeroDuration() ||
+      o.housekeeping_period == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError("the housekeeping period must be finite and > 0");
+  }
+  return absl::OkStatus();
+}
 
 struct KvqServer::Impl {
   ServerOptions opts;
@@ -64,6 +97,7 @@ struct KvqServer::Impl {
 };
 
 absl::Status KvqServer::Impl::Start() {
+  RETURN_IF_ERROR(ValidateOptions(opts));
   // Memory pool.
   std::string why;
   kernels::Pool want = kernels::Pool::kHost;
@@ -97,9 +131,6 @@ absl::Status KvqServer::Impl::Start() {
   so.tenant_quota_bytes = opts.tenant_quota_bytes;
   so.ttl = opts.sequence_ttl;
   so.retain_prefixes = opts.retain_prefixes;
-  if (opts.capacity_bytes < 0 || opts.tenant_quota_bytes < 0) {
-    return absl::InvalidArgumentError("--capacity and --tenant-quota must be >= 0");
-  }
 
   absl::StatusOr<Authenticator> a = Authenticator::Load(opts.auth_tokens_file, opts.admin_tenants);
   if (!a.ok()) return a.status();
@@ -122,7 +153,6 @@ absl::Status KvqServer::Impl::Start() {
   const std::string backend = kernels::Best().name;
   service = std::make_unique<Service>(store.get(), registry.get(), &auth, metrics.get(), pool.get(),
                                       &ready, pool_name, backend);
-  if (opts.max_inflight < 0) return absl::InvalidArgumentError("--max-inflight must be >= 0");
   service->set_max_inflight(opts.max_inflight);
 
   std::shared_ptr<grpc::ServerCredentials> creds;
@@ -159,13 +189,18 @@ absl::Status KvqServer::Impl::Start() {
   builder.AddListeningPort(absl::StrCat(opts.grpc_address, ":", opts.grpc_port), creds, &grpc_port);
   builder.RegisterService(service.get());
   builder.RegisterService(health.get());
-  const int limit = static_cast<int>(std::min<int64_t>(opts.max_message_bytes, INT32_MAX));
+  const int limit = static_cast<int>(opts.max_message_bytes);
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
+  // gRPC sets SO_REUSEPORT on Linux by default: a second server on a port in use would then
+  // start and take part of the connections. The port must be ours alone.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   server = builder.BuildAndStart();
   if (!server || grpc_port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", opts.grpc_address, ":", opts.grpc_port));
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", opts.grpc_address, ":",
+                                               opts.grpc_port,
+                                               " (the port is in use, or the address is not "
+                                               "this machine's)"));
   }
   if (opts.on_listening) opts.on_listening(grpc_port);
 

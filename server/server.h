@@ -79,6 +79,14 @@ struct ServerOptions {
   std::function<void(int grpc_port)> on_listening;
 };
 
+// Range checks of every numeric option, each error naming its flag and the allowed range
+// (kvq-server exits 2 on one, as on any usage error; Start checks them too):
+//   --grpc-port 0..65535; --metrics-port -1..65535; --workers 0..1024;
+//   --max-inflight 0..1000000; --max-message-bytes 64K..2147483647 (gRPC's limit);
+//   --capacity, --tenant-quota >= 0; --sequence-ttl, --shutdown-grace, --scrub-period
+//   finite and >= 0; the housekeeping period > 0.
+absl::Status ValidateOptions(const ServerOptions& opts);
+
 class KvqServer {
  public:
   explicit KvqServer(ServerOptions opts);

@@ -223,12 +223,14 @@ absl::Status Service::SpecOf(const v1::Append& a, const std::string& at, core::A
 
 namespace {
 
-// Reading overlaps applying: while a worker encodes message i, message i+1 is already being
-// received (at most one parsed message waits). Messages are applied strictly in order,
-// by one worker at a time.
-class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksRequest> {
+// Reading overlaps applying: while a worker parses and encodes message i, message i+1 is
+// already being received (at most one received message waits). Messages are applied strictly
+// in order, by one worker at a time. The stream is read as raw bytes and parsed here: gRPC's
+// typed reader reports a message that does not parse exactly as the client's end of stream,
+// which would answer OK and silently drop that message and every later one.
+class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
  public:
-  PutBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, v1::PutBlocksResponse* resp)
+  PutBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : svc_(svc), resp_(resp), start_(absl::Now()) {
     svc_->Enter();
     absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
@@ -241,7 +243,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
     tenant_ = *std::move(tenant);
     {
       absl::MutexLock l(&mu_);
-      buf_ = std::make_unique<v1::PutBlocksRequest>();
+      buf_ = std::make_unique<grpc::ByteBuffer>();
       reading_ = true;
     }
     StartRead(buf_.get());
@@ -249,7 +251,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
 
   void OnReadDone(bool ok) override {
     bool finish = false, submit = false;
-    v1::PutBlocksRequest* next = nullptr;
+    grpc::ByteBuffer* next = nullptr;
     {
       absl::MutexLock l(&mu_);
       reading_ = false;
@@ -258,7 +260,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
         finish = !applying_ && !done_;
         if (finish) done_ = true;
       } else {
-        bytes_in_ += buf_->ByteSizeLong();
+        bytes_in_ += buf_->Length();
         queue_.push_back(std::move(buf_));
         if (!applying_) applying_ = submit = true;
         next = NextReadLocked();
@@ -277,18 +279,18 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
   static constexpr size_t kMaxQueued = 1;  // at most two messages in memory per stream
 
   // A buffer to read the next message into, when one should be read now.
-  v1::PutBlocksRequest* NextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  grpc::ByteBuffer* NextReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (reading_ || eof_ || done_ || queue_.size() >= kMaxQueued) return nullptr;
     reading_ = true;
-    buf_ = std::make_unique<v1::PutBlocksRequest>();
+    buf_ = std::make_unique<grpc::ByteBuffer>();
     return buf_.get();
   }
 
   // Runs on the pool: applies queued messages in order until the queue is empty.
   void Drain() {
     for (;;) {
-      std::unique_ptr<v1::PutBlocksRequest> msg;
-      v1::PutBlocksRequest* next = nullptr;
+      std::unique_ptr<grpc::ByteBuffer> msg;
+      grpc::ByteBuffer* next = nullptr;
       bool finish = false;
       {
         absl::MutexLock l(&mu_);
@@ -307,7 +309,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
         return;
       }
       if (next) StartRead(next);
-      absl::Status st = Apply(*msg);
+      absl::Status st = ParseAndApply(msg.get());
       if (!st.ok()) {
         {
           absl::MutexLock l(&mu_);
@@ -322,12 +324,25 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
 
   void Succeed() {
     for (const auto& [key, tokens] : lengths_) {
-      auto* l = resp_->add_lengths();
+      auto* l = out_.add_lengths();
       l->set_sequence_id(key.first);
       l->set_layer(key.second);
       l->set_tokens(tokens);
     }
     Done(absl::OkStatus());
+  }
+
+  // Message `messages_seen_` of the stream (0-based). One that does not parse fails the
+  // stream; the messages before it were whole and stay applied, as after any failed message.
+  absl::Status ParseAndApply(grpc::ByteBuffer* bytes) {
+    v1::PutBlocksRequest req;
+    const int64_t index = messages_seen_++;
+    if (!grpc::SerializationTraits<v1::PutBlocksRequest>::Deserialize(bytes, &req).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "message ", index, " of the stream (0-based) is not a valid PutBlocksRequest; the ",
+          index, " before it were applied"));
+    }
+    return Apply(req);
   }
 
   absl::Status Apply(const v1::PutBlocksRequest& req) {
@@ -339,11 +354,11 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
     }
     core::AppendOutcome out;
     RETURN_IF_ERROR(svc_->store()->Append(tenant_, specs, &out));
-    resp_->set_messages(resp_->messages() + 1);
-    resp_->set_appends(resp_->appends() + req.appends_size());
-    resp_->set_tokens_written(resp_->tokens_written() + out.tokens_written);
-    resp_->set_tokens_duplicate(resp_->tokens_duplicate() + out.tokens_duplicate);
-    resp_->set_tokens_shared(resp_->tokens_shared() + out.tokens_shared);
+    out_.set_messages(out_.messages() + 1);
+    out_.set_appends(out_.appends() + req.appends_size());
+    out_.set_tokens_written(out_.tokens_written() + out.tokens_written);
+    out_.set_tokens_duplicate(out_.tokens_duplicate() + out.tokens_duplicate);
+    out_.set_tokens_shared(out_.tokens_shared() + out.tokens_shared);
     for (const auto& [id, layer, tokens] : out.lengths) lengths_[{id, layer}] = tokens;
     return absl::OkStatus();
   }
@@ -355,18 +370,23 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
       in = bytes_in_;
     }
     if (pooled_) svc_->LeavePool();
-    svc_->Record("PutBlocks", st, start_, in, st.ok() ? resp_->ByteSizeLong() : 0);
+    bool own_buffer = false;
+    if (st.ok()) {
+      grpc::SerializationTraits<v1::PutBlocksResponse>::Serialize(out_, resp_, &own_buffer);
+    }
+    svc_->Record("PutBlocks", st, start_, in, st.ok() ? out_.ByteSizeLong() : 0);
     Finish(ToGrpc(st));
   }
 
   Service* svc_;
-  v1::PutBlocksResponse* resp_;
+  grpc::ByteBuffer* resp_;
+  v1::PutBlocksResponse out_;  // serialized into resp_ on success
   absl::Time start_;
   std::string tenant_;
   bool pooled_ = false;  // counted by EnterPool
   absl::Mutex mu_;
-  std::unique_ptr<v1::PutBlocksRequest> buf_;  // the outstanding read's target
-  std::deque<std::unique_ptr<v1::PutBlocksRequest>> queue_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<grpc::ByteBuffer> buf_;  // the outstanding read's target
+  std::deque<std::unique_ptr<grpc::ByteBuffer>> queue_ ABSL_GUARDED_BY(mu_);
   bool reading_ ABSL_GUARDED_BY(mu_) = false;   // a read is outstanding
   bool applying_ ABSL_GUARDED_BY(mu_) = false;  // a worker is draining the queue
   bool eof_ ABSL_GUARDED_BY(mu_) = false;       // no more messages will come
@@ -375,12 +395,13 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<v1::PutBlocksReque
   // Touched only by the worker draining the queue (one at a time) and by Succeed, which
   // runs after the last drain.
   std::map<std::pair<std::string, int>, int64_t> lengths_;
+  int64_t messages_seen_ = 0;
 };
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::PutBlocksRequest>* Service::PutBlocks(grpc::CallbackServerContext* ctx,
-                                                                  v1::PutBlocksResponse* resp) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* Service::PutBlocks(grpc::CallbackServerContext* ctx,
+                                                             grpc::ByteBuffer* resp) {
   return new PutBlocksReactor(this, ctx, resp);
 }
 

@@ -14,7 +14,9 @@
 
 namespace kvq::server {
 
-class Service final : public v1::Kvq::CallbackService {
+// PutBlocks is registered raw (grpc::ByteBuffer in and out) so that it parses its messages
+// itself and can tell a message that does not parse from the end of the stream.
+class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::CallbackService> {
  public:
   // metrics may be null. `ready` turns true once the registry is loaded; until then every
   // call but Echo is UNAVAILABLE.
@@ -30,8 +32,9 @@ class Service final : public v1::Kvq::CallbackService {
                                        v1::ListModelsResponse* resp) override;
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
                                      const v1::GetModelRequest* req, v1::ModelInfo* resp) override;
-  grpc::ServerReadReactor<v1::PutBlocksRequest>* PutBlocks(grpc::CallbackServerContext* ctx,
-                                                           v1::PutBlocksResponse* resp) override;
+  // Reads PutBlocksRequest messages, answers a serialized PutBlocksResponse.
+  grpc::ServerReadReactor<grpc::ByteBuffer>* PutBlocks(grpc::CallbackServerContext* ctx,
+                                                      grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
                                   v1::ScoreResponse* resp) override;
   grpc::ServerUnaryReactor* Readout(grpc::CallbackServerContext* ctx, const v1::ReadoutRequest* req,

@@ -17,6 +17,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "json_fields.h"
+#include "kvq/core/status.h"
 
 namespace kvq::core {
 namespace fs = std::filesystem;
@@ -129,24 +131,22 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir) {
   if (mj.is_discarded() || !mj.is_object()) return Bad(dir, "manifest.json is not a JSON object");
   ModelBasis b;
   BasisManifest& m = b.manifest;
-  try {
-    if (mj.value("format", "") != "kvq-basis") return Bad(dir, "manifest format must be 'kvq-basis'");
-    m.model = mj.at("model").get<std::string>();
-    m.version = mj.at("version").get<int>();
-    m.layers = mj.at("layers").get<int>();
-    m.kv_heads = mj.at("kv_heads").get<int>();
-    m.q_heads = mj.at("q_heads").get<int>();
-    m.head_dim = mj.at("head_dim").get<int>();
-    m.rank = mj.at("rank").get<int>();
-    m.rope_layout = mj.at("rope_layout").get<std::string>();
-    m.channel_order = mj.value("channel_order", "gguf");
-    m.kind = mj.value("kind", "query_pca_uncentred");
-    m.calibration_tokens = mj.value("calibration_tokens", int64_t{0});
-    m.calibration_text = mj.value("calibration_text", "");
-    m.fingerprint = mj.at("fingerprint").get<std::string>();
-  } catch (const json::exception& e) {
-    return Bad(dir, absl::StrCat("manifest field missing or mistyped: ", e.what()));
+  for (const char* key : {"model", "version", "layers", "kv_heads", "q_heads", "head_dim", "rank",
+                          "rope_layout", "fingerprint"}) {
+    if (!mj.contains(key)) return Bad(dir, absl::StrCat("manifest field '", key, "' missing"));
   }
+  // Checked reads (a mistyped field is an error naming it, never an exception or a
+  // truncated number).
+  const JsonFields f(mj, (fs::path(dir) / "manifest.json").string());
+  std::string format;
+  RETURN_IF_ERROR(f.String("format", &format));
+  if (format != "kvq-basis") return Bad(dir, "manifest format must be 'kvq-basis'");
+  RETURN_IF_ERROR(ReadModelShape(f, &m));
+  RETURN_IF_ERROR(f.Int("rank", &m.rank));
+  RETURN_IF_ERROR(f.String("kind", &m.kind));
+  RETURN_IF_ERROR(f.Int64("calibration_tokens", &m.calibration_tokens));
+  RETURN_IF_ERROR(f.String("calibration_text", &m.calibration_text));
+  RETURN_IF_ERROR(f.String("fingerprint", &m.fingerprint));
   if (m.model.empty() || m.model.size() > 128) return Bad(dir, "model name must be 1..128 chars");
   if (m.version < 1) return Bad(dir, absl::StrCat("version = ", m.version, ": must be >= 1"));
   if (m.layers < 1 || m.layers > 1024) return Bad(dir, "layers must be in [1, 1024]");

@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -10,8 +11,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "json_fields.h"
 #include "kvq/core/status.h"
 #include "kvq/core/store.h"
 #include "nlohmann/json.hpp"
@@ -43,18 +46,60 @@ nlohmann::json CodecToJson(const CodecOptions& c) {
           {"window", c.window}};
 }
 
-void CodecFromJson(const nlohmann::json& j, CodecOptions* c) {
-  c->key_bits = j.value("key_bits", c->key_bits);
-  c->key_group = j.value("key_group", c->key_group);
-  c->rank = j.value("rank", c->rank);
-  c->side_bits = j.value("side_bits", c->side_bits);
-  c->value_bits = j.value("value_bits", c->value_bits);
-  c->value_group = j.value("value_group", c->value_group);
-  c->value_policy = j.value("value_policy", std::string("uniform")) == "a2" ? ValuePolicy::kA2
-                                                                            : ValuePolicy::kUniform;
-  c->value_budget = j.value("value_budget", c->value_budget);
-  c->sink_tokens = j.value("sink_tokens", c->sink_tokens);
-  c->window = j.value("window", c->window);
+// codec.json over the defaults in *c; a field of the wrong type is an error naming it (the
+// ranges are checked with the rest of the entry, by ValidateEntry).
+absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, CodecOptions* c) {
+  const JsonFields f(j, file);
+  RETURN_IF_ERROR(f.Int("key_bits", &c->key_bits));
+  RETURN_IF_ERROR(f.Int("key_group", &c->key_group));
+  RETURN_IF_ERROR(f.Int("rank", &c->rank));
+  RETURN_IF_ERROR(f.Int("side_bits", &c->side_bits));
+  RETURN_IF_ERROR(f.Int("value_bits", &c->value_bits));
+  RETURN_IF_ERROR(f.Int("value_group", &c->value_group));
+  std::string policy = c->value_policy == ValuePolicy::kA2 ? "a2" : "uniform";
+  RETURN_IF_ERROR(f.String("value_policy", &policy));
+  if (policy != "uniform" && policy != "a2") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file, ": field 'value_policy' must be \"uniform\" or \"a2\" (got \"", policy.substr(0, 64),
+        "\")"));
+  }
+  c->value_policy = policy == "a2" ? ValuePolicy::kA2 : ValuePolicy::kUniform;
+  RETURN_IF_ERROR(f.Float("value_budget", &c->value_budget));
+  RETURN_IF_ERROR(f.Int("sink_tokens", &c->sink_tokens));
+  RETURN_IF_ERROR(f.Int("window", &c->window));
+  return absl::OkStatus();
+}
+
+// A registry file as a JSON object (never an exception: a garbage or truncated file is
+// INVALID_ARGUMENT naming it).
+absl::StatusOr<nlohmann::json> ReadJsonObject(const fs::path& p) {
+  constexpr uintmax_t kMaxBytes = 1 << 20;
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(p, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat("cannot read ", p.string(), ": ", ec.message()));
+  if (size > kMaxBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(p.string(), " holds ", size, " bytes, over the limit of ", kMaxBytes));
+  }
+  std::ifstream f(p, std::ios::binary);
+  nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(p.string(), " is not a JSON object"));
+  }
+  return j;
+}
+
+// A string field of a manifest: at most `max` bytes of printable ASCII (these are
+// identifiers, written into JSON files and logs).
+absl::Status CheckIdentifier(absl::string_view field, const std::string& v, size_t max) {
+  bool printable = true;
+  for (char ch : v) printable &= ch >= 0x20 && ch <= 0x7e;
+  if (v.size() > max || !printable) {
+    return absl::InvalidArgumentError(absl::StrCat(field, " must be at most ", max,
+                                                   " bytes of printable ASCII (got ", v.size(),
+                                                   " bytes)"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status WriteText(const fs::path& p, const std::string& text) {
@@ -93,8 +138,39 @@ absl::Status SyncEntry(const fs::path& dir) {
   return SyncPath(dir);
 }
 
-bool SameCodec(const CodecOptions& a, const CodecOptions& b) {
-  return CodecToJson(a) == CodecToJson(b);
+// The first field in which two entries of one (model, version) differ ("" when none).
+// calibration_text is descriptive only (and not on the wire), so it is not compared.
+std::string FirstDifference(const ModelEntry& old, const ModelEntry& now) {
+  const BasisManifest &a = old.manifest, &b = now.manifest;
+  if (old.has_basis != now.has_basis) return "basis (present or not)";
+  if (a.layers != b.layers || a.kv_heads != b.kv_heads || a.q_heads != b.q_heads ||
+      a.head_dim != b.head_dim || a.rank != b.rank) {
+    return "shape (layers, kv_heads, q_heads, head_dim or basis_rank)";
+  }
+  if (a.fingerprint != b.fingerprint) return "basis (fingerprint)";
+  if (CodecToJson(old.codec) != CodecToJson(now.codec)) return "codec";
+  if (a.rope_layout != b.rope_layout) return "rope_layout";
+  if (a.channel_order != b.channel_order) return "channel_order";
+  if (a.kind != b.kind) return "kind";
+  if (a.calibration_tokens != b.calibration_tokens) return "calibration_tokens";
+  return "";
+}
+
+// The folders directly in `dir`, sorted, without those starting with '.' (the temporary
+// folders of registrations in progress or interrupted).
+absl::StatusOr<std::vector<fs::path>> Subfolders(const fs::path& dir) {
+  std::vector<fs::path> out;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code type_ec;
+    if (!name.empty() && name[0] != '.' && it->is_directory(type_ec)) out.push_back(it->path());
+  }
+  if (ec) {
+    return absl::InternalError(absl::StrCat("cannot list ", dir.string(), ": ", ec.message()));
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace
@@ -136,6 +212,27 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
   }
   if (m.head_dim < 1 || m.head_dim > 512) {
     return absl::InvalidArgumentError(absl::StrCat("head_dim ", m.head_dim, " must be in 1..512"));
+  }
+  if (m.rope_layout != "adjacent_pairs" && m.rope_layout != "halves") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rope_layout must be 'adjacent_pairs' or 'halves' (got '",
+                     m.rope_layout.substr(0, 64), "')"));
+  }
+  RETURN_IF_ERROR(CheckIdentifier("channel_order", m.channel_order, kMaxManifestString));
+  RETURN_IF_ERROR(CheckIdentifier("kind", m.kind, kMaxManifestString));
+  if (m.calibration_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration_tokens ", m.calibration_tokens, " must be >= 0"));
+  }
+  if (m.calibration_text.size() > kMaxCalibrationText) {
+    return absl::InvalidArgumentError(absl::StrCat("calibration_text holds ",
+                                                   m.calibration_text.size(),
+                                                   " bytes; at most ", kMaxCalibrationText));
+  }
+  try {  // what the manifest writer will meet: it refuses strings that are not UTF-8
+    (void)nlohmann::json(m.calibration_text).dump();
+  } catch (const nlohmann::json::exception&) {
+    return absl::InvalidArgumentError("calibration_text must be UTF-8");
   }
   if (m.rank < 0 || m.rank > m.head_dim || (e.has_basis && m.rank < 1) ||
       (!e.has_basis && m.rank != 0)) {
@@ -185,39 +282,28 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
 absl::StatusOr<ModelEntry> Registry::LoadEntry(const std::string& path) const {
   ModelEntry e;
   const fs::path p(path);
-  if (fs::exists(p / "manifest.json")) {
+  std::error_code ec;
+  if (fs::exists(p / "manifest.json", ec)) {
     ASSIGN_OR_RETURN(e.basis, ReadBasis(path));
     e.manifest = e.basis.manifest;
     e.has_basis = true;
-  } else if (fs::exists(p / "model.json")) {
-    std::ifstream f(p / "model.json");
-    nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
-    if (j.is_discarded() || !j.is_object()) {
-      return absl::InvalidArgumentError("model.json is not a JSON object");
-    }
+  } else if (fs::exists(p / "model.json", ec)) {
+    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject(p / "model.json"));
+    const JsonFields f(j, "model.json");
     BasisManifest& m = e.manifest;
-    m.model = j.value("model", "");
-    m.version = j.value("version", 0);
-    m.layers = j.value("layers", 0);
-    m.kv_heads = j.value("kv_heads", 0);
-    m.q_heads = j.value("q_heads", 0);
-    m.head_dim = j.value("head_dim", 0);
+    m.model.clear();
+    m.version = 0;
+    RETURN_IF_ERROR(ReadModelShape(f, &m));
     m.rank = 0;
-    m.rope_layout = j.value("rope_layout", m.rope_layout);
-    m.channel_order = j.value("channel_order", m.channel_order);
     m.kind = "none";
     e.has_basis = false;
   } else {
     return absl::NotFoundError("neither manifest.json nor model.json");
   }
   e.codec = DefaultCodec(e.manifest, e.has_basis);
-  if (fs::exists(p / "codec.json")) {
-    std::ifstream f(p / "codec.json");
-    nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
-    if (j.is_discarded() || !j.is_object()) {
-      return absl::InvalidArgumentError("codec.json is not a JSON object");
-    }
-    CodecFromJson(j, &e.codec);
+  if (fs::exists(p / "codec.json", ec)) {
+    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject(p / "codec.json"));
+    RETURN_IF_ERROR(CodecFromJson(j, "codec.json", &e.codec));
   }
   RETURN_IF_ERROR(ValidateEntry(e));
   return e;
@@ -229,38 +315,48 @@ absl::Status Registry::LoadAll(std::vector<std::string>* loaded,
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir_, ": ", ec.message()));
-  std::vector<fs::path> candidates;
-  for (auto it = fs::recursive_directory_iterator(dir_, ec); !ec && it != fs::end(it);
-       it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (it->is_directory() && !name.empty() && name[0] == '.') {
-      it.disable_recursion_pending();  // temporary folders of interrupted registrations
+  auto skip = [skipped](const fs::path& p, absl::string_view why) {
+    if (skipped) skipped->push_back(absl::StrCat(p.string(), ": ", why));
+  };
+  ASSIGN_OR_RETURN(const std::vector<fs::path> models, Subfolders(dir_));
+  // Only <dir>/<model>/v<version>/ is an entry, and it must be the one its manifest names:
+  // a folder elsewhere, or one whose manifest names another model or version, would
+  // otherwise stand in for (or shadow) the real entry.
+  for (const fs::path& model_dir : models) {
+    const std::string model = model_dir.filename().string();
+    if (!ValidModelName(model)) {
+      skip(model_dir, "not a model folder (names are 1..128 characters of [A-Za-z0-9._-])");
       continue;
     }
-    if (it.depth() > 3) it.disable_recursion_pending();
-    if (it->is_regular_file() && (name == "manifest.json" || name == "model.json")) {
-      candidates.push_back(it->path().parent_path());
-    }
-  }
-  if (ec) return absl::InternalError(absl::StrCat("cannot list ", dir_, ": ", ec.message()));
-  std::sort(candidates.begin(), candidates.end());
-  for (const fs::path& c : candidates) {
-    absl::StatusOr<ModelEntry> e = LoadEntry(c.string());
-    if (!e.ok()) {
-      if (skipped) skipped->push_back(absl::StrCat(c.string(), ": ", e.status().message()));
+    absl::StatusOr<std::vector<fs::path>> versions = Subfolders(model_dir);
+    if (!versions.ok()) {
+      skip(model_dir, versions.status().message());
       continue;
     }
-    absl::MutexLock l(&mu_);
-    auto& versions = models_[e->manifest.model];
-    if (versions.count(e->manifest.version)) {
-      if (skipped) {
-        skipped->push_back(absl::StrCat(c.string(), ": duplicate of ", e->manifest.model, " v",
-                                        e->manifest.version));
+    for (const fs::path& c : *versions) {
+      const std::string folder = c.filename().string();
+      int version = 0;
+      if (folder.size() < 2 || folder[0] != 'v' ||
+          !absl::SimpleAtoi(absl::string_view(folder).substr(1), &version) ||
+          folder != absl::StrCat("v", version)) {
+        skip(c, "not a version folder (v<version>, e.g. v1)");
+        continue;
       }
-      continue;
+      absl::StatusOr<ModelEntry> e = LoadEntry(c.string());
+      if (!e.ok()) {
+        skip(c, e.status().message());
+        continue;
+      }
+      if (e->manifest.model != model || e->manifest.version != version) {
+        skip(c, absl::StrCat("its manifest names model '", e->manifest.model, "' version ",
+                             e->manifest.version, "; an entry must sit in <registry>/",
+                             e->manifest.model, "/v", e->manifest.version, "/"));
+        continue;
+      }
+      absl::MutexLock l(&mu_);
+      if (loaded) loaded->push_back(absl::StrCat(model, " v", version));
+      models_[model][version] = std::make_shared<const ModelEntry>(*std::move(e));
     }
-    if (loaded) loaded->push_back(absl::StrCat(e->manifest.model, " v", e->manifest.version));
-    versions[e->manifest.version] = std::make_shared<const ModelEntry>(*std::move(e));
   }
   return absl::OkStatus();
 }
@@ -326,24 +422,22 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry 
     entry.basis.manifest = entry.manifest;
     entry.manifest.fingerprint = BasisFingerprint(entry.basis);
     entry.basis.manifest.fingerprint = entry.manifest.fingerprint;
-  } else {
+  } else {  // what model.json holds and LoadEntry reads back
     entry.manifest.fingerprint.clear();
+    entry.manifest.kind = "none";
+    entry.manifest.calibration_tokens = 0;
+    entry.manifest.calibration_text.clear();
     entry.basis = ModelBasis{};
   }
   absl::MutexLock l(&mu_);
   auto& versions = models_[entry.manifest.model];
   auto it = versions.find(entry.manifest.version);
   if (it != versions.end()) {
-    const ModelEntry& old = *it->second;
-    const BasisManifest &a = old.manifest, &b = entry.manifest;
-    const bool same = old.has_basis == entry.has_basis && a.layers == b.layers &&
-                      a.kv_heads == b.kv_heads && a.q_heads == b.q_heads &&
-                      a.head_dim == b.head_dim && a.rank == b.rank &&
-                      a.fingerprint == b.fingerprint && SameCodec(old.codec, entry.codec);
-    if (!same) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("model '", b.model, "' version ", b.version,
-                       " is already registered with different contents; register a new version"));
+    const std::string diff = FirstDifference(*it->second, entry);
+    if (!diff.empty()) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          "model '", entry.manifest.model, "' version ", entry.manifest.version,
+          " is already registered with a different ", diff, "; register a new version"));
     }
     if (already) *already = true;
     return it->second;

@@ -156,5 +156,54 @@ TEST(ServerProcessTest, BadFlagsExitNonZeroWithAMessage) {
   EXPECT_NE(log.find("unknown flag --no-such-flag"), std::string::npos) << log;
 }
 
+// Runs the binary to its exit and returns its exit status (-1: it was still running after
+// 10 s, so it was killed: for these tests a server that starts is the failure) and its log.
+int RunToExit(const std::vector<std::string>& args, std::string* log) {
+  Process p = Spawn(args, {});
+  int status = 0;
+  bool exited = false;
+  for (int i = 0; i < 1000 && !exited; ++i) {
+    exited = waitpid(p.pid, &status, WNOHANG) == p.pid;
+    if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!exited) {
+    kill(p.pid, SIGKILL);
+    waitpid(p.pid, &status, 0);
+  }
+  char line[4096];
+  while (std::fgets(line, sizeof line, p.err)) *log += line;
+  fclose(p.err);
+  return exited && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(ServerProcessTest, OutOfRangeNumericFlagsExit2NamingTheFlagAndTheRange) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--grpc-port", "70000"}, "--grpc-port 70000 must be in 0..65535"},
+      {{"--grpc-port", "-1"}, "--grpc-port -1 must be in 0..65535"},
+      {{"--metrics-port", "-2"}, "--metrics-port -2 must be in -1..65535"},
+      {{"--metrics-port", "65536"}, "--metrics-port 65536 must be in -1..65535"},
+      {{"--workers", "-3"}, "--workers -3 must be in 0..1024"},
+      {{"--workers", "100000"}, "--workers 100000 must be in 0..1024"},
+      {{"--max-inflight", "-1"}, "--max-inflight -1 must be in 0..1000000"},
+      {{"--max-message-bytes", "0"}, "--max-message-bytes 0 must be in 65536..2147483647"},
+      {{"--max-message-bytes", "100"}, "--max-message-bytes 100 must be in 65536..2147483647"},
+      {{"--max-message-bytes", "3G"}, "--max-message-bytes 3221225472 must be in"},
+      {{"--sequence-ttl", "-5s"}, "--sequence-ttl -5s must be finite and >= 0"},
+      {{"--shutdown-grace", "-1s"}, "--shutdown-grace -1s must be finite and >= 0"},
+      {{"--shutdown-grace", "inf"}, "--shutdown-grace inf must be finite and >= 0"},
+      {{"--scrub-period", "-1m"}, "--scrub-period -1m must be finite and >= 0"},
+      {{"--capacity", "99999999999T"}, "bad value '99999999999T' for --capacity"},
+      {{"--tenant-quota", "-1"}, "bad value '-1' for --tenant-quota"},
+  };
+  for (const auto& [flag, want] : cases) {
+    std::vector<std::string> args = {KVQ_SERVER_BIN, "--grpc-address", "127.0.0.1", "--grpc-port",
+                                     "0", "--metrics-port", "-1", "--registry", ""};
+    args.insert(args.end(), flag.begin(), flag.end());  // the last of a flag wins
+    std::string log;
+    EXPECT_EQ(RunToExit(args, &log), 2) << flag[0] << " " << flag[1] << "\n" << log;
+    EXPECT_NE(log.find(want), std::string::npos) << want << "\n" << log;
+  }
+}
+
 }  // namespace
 }  // namespace kvq::testing

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -18,6 +19,8 @@
 #include "gtest/gtest.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/metrics.h"
+#include "server/auth.h"
+#include "server/convert.h"
 #include "tests/server/test_util.h"
 
 namespace kvq::testing {
@@ -841,6 +844,45 @@ TEST(ServiceTest, FailedMessageIsAtomicAndEarlierMessagesStay) {
   EXPECT_EQ(r.tokens_written(), 32 + 16);
 }
 
+TEST(ServiceTest, UnparsableStreamMessageFailsTheStreamNamingItsIndex) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  auto k = RandomKV(kv, 32, d, 1);
+  v1::PutBlocksRequest first, third;
+  *first.add_appends() =
+      MakeAppend("s", 0, 0, Slice(k, kv, 32, d, 0, 16), Slice(k, kv, 32, d, 0, 16), kv, 16, d,
+                 "tiny");
+  *third.add_appends() =
+      MakeAppend("s", 0, 16, Slice(k, kv, 32, d, 16, 16), Slice(k, kv, 32, d, 16, 16), kv, 16, d);
+  // [valid, not a protobuf message (a varint that never ends), valid], sent as raw bytes.
+  const std::vector<std::string> messages = {first.SerializeAsString(), std::string(11, '\xff'),
+                                             third.SerializeAsString()};
+  auto channel = ts.Channel();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::ByteBuffer resp;
+  const grpc::internal::RpcMethod method("/kvq.v1.Kvq/PutBlocks",
+                                         grpc::internal::RpcMethod::CLIENT_STREAMING);
+  std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> w(
+      grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(channel.get(), method, &ctx,
+                                                                    &resp));
+  for (const std::string& m : messages) {
+    grpc::Slice slice(m);
+    if (!w->Write(grpc::ByteBuffer(&slice, 1))) break;  // the server may have failed already
+  }
+  w->WritesDone();
+  const grpc::Status st = w->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("message 1 of the stream"));
+  // The message before it stays applied (documented), the one after it was not read.
+  auto info = ts.server().store().Describe("default", "s");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_tokens[0], 16);
+}
+
 TEST(ServiceTest, StreamCutPartWayLeavesWholeMessages) {
   TestServer ts;
   auto stub = ts.Stub();
@@ -1034,6 +1076,118 @@ TEST(ServiceTest, ValidationErrorsNameFieldAndLimit) {
   ASSERT_TRUE(stub->DeleteSequence(ctx6.get(), dreq, &dresp).ok());
   EXPECT_GT(dresp.bytes_freed(), 0);
   EXPECT_EQ(ts.server().store().TotalUsage().bytes, 0);
+}
+
+TEST(ConvertTest, OutOfRangeCodecOverridesAreRejectedNamingFieldAndRange) {
+  const core::CodecOptions base = CodecOf(Shape{});
+  struct Case {
+    std::function<void(v1::CodecSettings*)> set;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {[](auto* c) { c->set_window(-2); }, "c.window = -2: must be -1 (none), 0"},
+      {[](auto* c) { c->set_window(70000); }, "codec.window = 70000: must be in [0, 65536]"},
+      {[](auto* c) { c->set_rank(-2); }, "c.rank = -2: must be -1 (none), 0"},
+      {[](auto* c) { c->set_rank(65); }, "codec.rank = 65: must be in [0, head_dim]"},
+      {[](auto* c) { c->set_value_policy(static_cast<v1::CodecSettings::ValuePolicy>(9)); },
+       "c.value_policy = 9: must be VALUE_POLICY_DEFAULT (0)"},
+      {[](auto* c) { c->set_side_bits(5); },
+       "c.side_bits = 5: must be 0 (the model's default), 4 or 8"},
+      {[](auto* c) { c->set_rank(-1), c->set_side_bits(7); }, "c.side_bits = 7"},
+      {[](auto* c) { c->set_value_budget(9); }, "c.value_budget = 9: must be 0 (the model's"},
+      {[](auto* c) { c->set_value_budget(std::nanf("")); }, "c.value_budget = nan"},
+      {[](auto* c) { c->set_key_bits(-1); }, "codec.key_bits = -1: must be 2, 3, 4 or 8"},
+      {[](auto* c) { c->set_key_group(48); }, "codec.key_group = 48: must be 32, 64 or 128"},
+      {[](auto* c) { c->set_value_bits(9); }, "codec.value_bits = 9"},
+      {[](auto* c) { c->set_value_group(-3); }, "codec.value_group = -3: must be in [1, head_dim]"},
+      {[](auto* c) { c->set_value_group(65); }, "codec.value_group = 65"},
+      {[](auto* c) { c->set_sink_tokens(-1); }, "codec.sink_tokens = -1: must be in [0, 1024]"},
+  };
+  for (const Case& c : cases) {
+    v1::CodecSettings settings;
+    c.set(&settings);
+    const absl::StatusOr<core::CodecOptions> got = server::MergeCodec(base, settings, "c");
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << c.want;
+    EXPECT_THAT(std::string(got.status().message()), HasSubstr(c.want));
+  }
+  // The documented request values: -1 is none for rank and window; a value group need not
+  // divide head_dim (the last group is shorter).
+  v1::CodecSettings ok;
+  ok.set_rank(-1);
+  ok.set_window(-1);
+  ok.set_value_group(7);
+  absl::StatusOr<core::CodecOptions> got = server::MergeCodec(base, ok, "c");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->rank, 0);
+  EXPECT_EQ(got->window, 0);
+  EXPECT_EQ(got->value_group, 7);
+
+  // On the wire: at sequence creation and in a registration.
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  auto k = RandomKV(s.kv_heads, 8, s.head_dim, 1);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("x", 0, 0, k, k, s.kv_heads, 8, s.head_dim, "tiny");
+  m.mutable_appends(0)->mutable_codec()->set_window(-2);
+  v1::PutBlocksResponse r;
+  grpc::Status st = Put(*stub, {m}, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("appends[0].codec.window = -2"));
+  EXPECT_EQ(ts.server().store().TotalUsage().sequences, 0);
+  Shape other = s;
+  other.model = "other";
+  v1::RegisterBasisRequest reg = MakeRegister(other, kBasisSeed);
+  reg.mutable_info()->mutable_codec()->set_rank(-2);
+  v1::RegisterBasisResponse rr;
+  auto ctx = Ctx();
+  st = stub->RegisterBasis(ctx.get(), reg, &rr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("info.codec.rank = -2"));
+  reg = MakeRegister(other, kBasisSeed);
+  reg.mutable_info()->set_rope_layout("spiral");
+  auto ctx2 = Ctx();
+  st = stub->RegisterBasis(ctx2.get(), reg, &rr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), HasSubstr("rope_layout"));
+}
+
+TEST(ServiceTest, TheListeningPortIsExclusive) {
+  TestServer first;
+  server::ServerOptions o;
+  o.grpc_address = "127.0.0.1";
+  o.grpc_port = first.server().grpc_port();
+  o.metrics_port = -1;
+  o.capacity_bytes = 1 << 20;
+  server::KvqServer second(o);
+  const absl::Status st = second.Start();
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(st.message()),
+              HasSubstr(absl::StrCat("cannot listen on 127.0.0.1:", o.grpc_port)));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("in use"));
+}
+
+TEST(AuthTest, ATokenListedForTwoTenantsIsRefusedNamingItsLinesNotTheToken) {
+  const std::string dir = TempDir("kvq-auth");
+  const std::string file = dir + "/tokens";
+  const std::string token = "secret-token-0123456789";
+  std::ofstream(file) << "# tokens\n"
+                      << token << " alice\n"
+                      << "another-token-0123456789 bob\n"
+                      << token << " alice\n"  // the same pair again: harmless
+                      << token << " bob\n";
+  absl::StatusOr<server::Authenticator> a = server::Authenticator::Load(file);
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string msg(a.status().message());
+  EXPECT_THAT(msg, HasSubstr(file + ":5:"));
+  EXPECT_THAT(msg, HasSubstr("already listed on line 2 for tenant 'alice'"));
+  EXPECT_THAT(msg, ::testing::Not(HasSubstr(token)));
+  std::ofstream(file) << token << " alice\n" << token << " alice\n";
+  a = server::Authenticator::Load(file);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->tokens(), 1u);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(ServiceTest, NewBasisVersionWhileSequencesAreLive) {

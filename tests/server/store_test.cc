@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -119,6 +120,160 @@ TEST(RegistryTest, RejectsBadEntriesNamingTheField) {
   e.manifest.q_heads = 3;
   EXPECT_THAT(std::string(r.Register(e, nullptr).status().message()),
               ::testing::HasSubstr("q_heads 3 must be a multiple of kv_heads 2"));
+}
+
+// The reason LoadAll gave for skipping the folder ending in `suffix` ("" when not skipped).
+std::string SkipReason(const std::vector<std::string>& skipped, const std::string& suffix) {
+  for (const std::string& s : skipped) {
+    if (s.find(suffix + ": ") != std::string::npos) return s;
+  }
+  return "";
+}
+
+TEST(RegistryTest, MistypedGarbageAndMisplacedEntriesAreSkippedNamingTheField) {
+  const std::string dir = TempDir();
+  {
+    Registry r(dir);
+    ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
+    ASSERT_TRUE(r.Register(Entry("m", 1, 1), nullptr).ok());
+    ASSERT_TRUE(r.Register(Entry("plain", 1, 0, /*rank=*/0), nullptr).ok());
+  }
+  auto write = [&](const std::string& path, const std::string& text) {
+    fs::create_directories(fs::path(dir + path).parent_path());
+    std::ofstream(dir + path) << text;
+  };
+  const std::string model_json =
+      R"({"model": "%s", "version": %s, "layers": 2, "kv_heads": 2, "q_heads": 4, )"
+      R"("head_dim": 64})";
+  auto model = [&](const std::string& name, const std::string& version) {
+    std::string s = model_json;
+    s.replace(s.find("%s"), 2, name);
+    s.replace(s.find("%s"), 2, version);
+    return s;
+  };
+  write("/typed/v1/model.json", model("typed", "1"));
+  write("/typed/v1/codec.json", R"({"key_bits": "2"})");
+  write("/layers/v1/model.json", R"({"model": "layers", "version": 1, "layers": "2"})");
+  write("/frac/v1/model.json", model("frac", "1.5"));
+  write("/huge/v1/model.json", model("huge", "99999999999"));
+  write("/cut/v1/model.json", R"({"model": "cut", "vers)");
+  write("/garbage/v1/manifest.json", "\x01\x02 not json at all");
+  write("/mani/v1/manifest.json",
+        R"({"format": "kvq-basis", "model": "mani", "version": 1, "layers": 2.5, "kv_heads": 2, )"
+        R"("q_heads": 4, "head_dim": 64, "rank": 8, "rope_layout": "halves", "fingerprint": ""})");
+  write("/policy/v1/model.json", model("policy", "1"));
+  write("/policy/v1/codec.json", R"({"value_policy": "fast"})");
+  write("/rope/v1/model.json",
+        R"({"model": "rope", "version": 1, "layers": 2, "kv_heads": 2, "q_heads": 4, )"
+        R"("head_dim": 64, "rope_layout": "spiral"})");
+  // An impostor: its manifest claims to be plain v1 (it sorts first, so it used to win).
+  write("/aaa/v1/model.json", R"({"model": "plain", "version": 1, "layers": 5, "kv_heads": 2, )"
+                               R"("q_heads": 4, "head_dim": 64})");
+  write("/plain/v2/model.json", model("plain", "3"));  // its folder says v2
+  write("/m/v7/codec.json", "{}");                   // an entry without manifest
+  write("/m/latest/model.json", model("m", "8"));     // not a version folder
+  write("/m/v1/extra/model.json", model("m", "9"));   // deeper than an entry
+
+  Registry again(dir);
+  std::vector<std::string> loaded, skipped;
+  ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("m v1", "plain v1"));
+  const std::vector<std::pair<std::string, std::string>> reasons = {
+      {"typed/v1", "codec.json: field 'key_bits'"},
+      {"layers/v1", "'layers'"},
+      {"frac/v1", "'version'"},
+      {"huge/v1", "'version'"},
+      {"cut/v1", "not a JSON object"},
+      {"garbage/v1", "not a JSON object"},
+      {"mani/v1", "manifest.json: field 'layers' is mistyped: must be a 32-bit integer"},
+      {"policy/v1", "'value_policy'"},
+      {"rope/v1", "rope_layout"},
+      {"aaa/v1", "names model 'plain'"},
+      {"plain/v2", "version 3"},
+      {"m/v7", "neither manifest.json"},
+      {"m/latest", "not a version folder"},
+  };
+  for (const auto& [folder, why] : reasons) {
+    EXPECT_THAT(SkipReason(skipped, folder), ::testing::HasSubstr(why)) << folder;
+  }
+  EXPECT_EQ(skipped.size(), 13u) << ::testing::PrintToString(skipped);
+  // The real plain v1 is served, not the impostor.
+  auto plain = again.Get("plain", 0);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ((*plain)->manifest.version, 1);
+  EXPECT_EQ((*plain)->manifest.layers, 2);
+  fs::remove_all(dir);
+}
+
+TEST(RegistryTest, RegisterRefusesWhatLoadingWouldAndConflictingMetadata) {
+  const std::string dir = TempDir();
+  Registry r(dir);
+  ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
+  using Mutation = std::function<void(ModelEntry&)>;
+  // Each is refused, with and without basis, naming the field and the limit.
+  const std::vector<std::pair<Mutation, std::string>> invalid = {
+      {[](ModelEntry& e) { e.manifest.rope_layout = "spiral"; },
+       "rope_layout must be 'adjacent_pairs' or 'halves'"},
+      {[](ModelEntry& e) { e.manifest.kind = std::string(1 << 20, 'k'); },
+       "kind must be at most 256 bytes"},
+      {[](ModelEntry& e) { e.manifest.kind = std::string(257, 'k'); },
+       "kind must be at most 256 bytes"},
+      {[](ModelEntry& e) { e.manifest.kind = "two\nlines"; }, "printable ASCII"},
+      {[](ModelEntry& e) { e.manifest.channel_order = std::string(300, 'c'); },
+       "channel_order must be at most 256 bytes"},
+      {[](ModelEntry& e) { e.manifest.calibration_text = std::string(5000, 't'); },
+       "calibration_text holds 5000 bytes; at most 4096"},
+      {[](ModelEntry& e) { e.manifest.calibration_text = "\xff\xfe"; },
+       "calibration_text must be UTF-8"},
+  };
+  for (const auto& [mutate, want] : invalid) {
+    for (int rank : {8, 0}) {
+      ModelEntry e = Entry(rank ? "m" : "plain", 1, 1, rank);
+      mutate(e);
+      const absl::Status st = r.Register(std::move(e), nullptr).status();
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << want;
+      EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr(want));
+    }
+  }
+
+  // The longest accepted fields; the same again is OK, other metadata is ALREADY_EXISTS
+  // naming what differs.
+  ModelEntry e = Entry("m", 1, 1);
+  e.manifest.kind = std::string(256, 'k');
+  ASSERT_TRUE(r.Register(e, nullptr).ok());
+  bool already = false;
+  ASSERT_TRUE(r.Register(e, &already).ok());
+  EXPECT_TRUE(already);
+  const std::vector<std::pair<Mutation, std::string>> conflicting = {
+      {[](ModelEntry& e) { e.manifest.kind = "query_pca_centred"; }, "kind"},
+      {[](ModelEntry& e) { e.manifest.rope_layout = "halves"; }, "rope_layout"},
+      {[](ModelEntry& e) { e.manifest.channel_order = "hf"; }, "channel_order"},
+      {[](ModelEntry& e) { e.manifest.calibration_tokens = 123; }, "calibration_tokens"},
+      {[](ModelEntry& e) { e.codec.window = 64; }, "codec"},
+  };
+  for (const auto& [mutate, field] : conflicting) {
+    ModelEntry other = e;
+    mutate(other);
+    const absl::Status st = r.Register(std::move(other), nullptr).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kAlreadyExists) << field;
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("different " + field));
+  }
+  // Without basis the entry is stored as it loads back, so sending it again is idempotent.
+  ModelEntry plain = Entry("plain", 1, 0, /*rank=*/0);
+  ASSERT_TRUE(r.Register(plain, nullptr).ok());
+  ASSERT_TRUE(r.Register(plain, &already).ok());
+  EXPECT_TRUE(already);
+
+  // None of the refused entries reached the folder; what was accepted loads back whole.
+  Registry again(dir);
+  std::vector<std::string> loaded, skipped;
+  ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("m v1", "plain v1"));
+  EXPECT_THAT(skipped, ::testing::IsEmpty());
+  EXPECT_EQ((*again.Get("m", 1))->manifest.kind, std::string(256, 'k'));
+  ASSERT_TRUE(again.Register(plain, &already).ok());
+  EXPECT_TRUE(already);
+  fs::remove_all(dir);
 }
 
 class StoreTest : public ::testing::Test {

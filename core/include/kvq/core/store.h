@@ -89,14 +89,18 @@ class Registry {
   // dir "" keeps entries in memory only.
   explicit Registry(std::string dir);
 
-  // Loads every entry under dir (entries that fail to load are skipped and reported in
-  // `skipped` as "path: reason"). Creates dir when it does not exist.
+  // Loads every entry under dir: the folders <dir>/<model>/v<version>/ whose manifest names
+  // that model and version. Anything else (a broken, mistyped or misplaced entry) is skipped
+  // and reported in `skipped` as "path: reason"; folders starting with '.' are ignored.
+  // Creates dir when it does not exist; fails only when dir cannot be listed.
   absl::Status LoadAll(std::vector<std::string>* loaded, std::vector<std::string>* skipped);
 
   // Adds an entry and persists it (written into a temporary folder, then renamed into
   // place, so a crash never leaves half an entry). An identical existing entry is OK
-  // (*already_registered = true); the same (model, version) with other contents is
-  // ALREADY_EXISTS. `entry.manifest.fingerprint` is recomputed.
+  // (*already_registered = true); the same (model, version) with other contents (shape,
+  // basis, codec, rope_layout, channel_order, kind, calibration_tokens) is ALREADY_EXISTS
+  // naming the first difference. `entry.manifest.fingerprint` is recomputed; an entry
+  // without basis is stored as loading would read it back (kind "none", no calibration).
   absl::StatusOr<std::shared_ptr<const ModelEntry>> Register(ModelEntry entry,
                                                              bool* already_registered);
 
@@ -106,8 +110,13 @@ class Registry {
   std::vector<std::shared_ptr<const ModelEntry>> List() const;
   const std::string& dir() const { return dir_; }
 
-  // Checks a model entry's shape fields and basis (used by Register and LoadAll).
+  // Checks a model entry's shape, string fields and basis: everything loading it back from
+  // the registry folder checks, so Register never accepts an entry the next start cannot
+  // load (used by Register and LoadAll).
   static absl::Status ValidateEntry(const ModelEntry& e);
+  // Longest kind and channel_order (printable ASCII), and calibration_text (a file path).
+  static constexpr size_t kMaxManifestString = 256;
+  static constexpr size_t kMaxCalibrationText = 4096;
   // The default codec settings of a model shape (see ModelEntry::codec).
   static CodecOptions DefaultCodec(const BasisManifest& m, bool has_basis);
 
