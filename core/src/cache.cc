@@ -85,25 +85,36 @@ absl::Status CheckKV(const TensorView& t, absl::string_view name, int kv_heads, 
   return absl::OkStatus();
 }
 
-// True when every element is finite, read from the raw bits (exponent not all ones).
-bool AllFinite(DType t, const uint8_t* p, int n, int* bad) {
-  if (t == DType::kF32) {
-    const uint32_t* u = reinterpret_cast<const uint32_t*>(p);
+// True when every element is finite and within +-kMaxStorableMagnitude (the fp16 range the
+// block's scales and zero points are stored in), read from the raw bits: a larger element
+// would give its group an infinite zero point, so that every token of it decodes to Inf/NaN.
+// Non-finite bit patterns are above every bound, so one comparison tests both.
+bool AllStorable(DType t, const uint8_t* p, int n, int* bad) {
+  auto scan = [&](const auto* u, uint32_t mask, uint32_t bound) {
     uint32_t any = 0;
-    for (int c = 0; c < n; ++c) any |= ((u[c] & 0x7f800000u) == 0x7f800000u);
+    for (int c = 0; c < n; ++c) any |= (u[c] & mask) > bound;
     if (!any) return true;
     for (int c = 0; c < n; ++c)
-      if ((u[c] & 0x7f800000u) == 0x7f800000u) return *bad = c, false;
-  } else {
-    const uint16_t* u = reinterpret_cast<const uint16_t*>(p);
-    const uint16_t m = t == DType::kF16 ? 0x7c00 : 0x7f80;
-    uint32_t any = 0;
-    for (int c = 0; c < n; ++c) any |= ((u[c] & m) == m);
-    if (!any) return true;
-    for (int c = 0; c < n; ++c)
-      if ((u[c] & m) == m) return *bad = c, false;
-  }
-  return false;
+      if ((u[c] & mask) > bound) return *bad = c, false;
+    return false;
+  };
+  if (t == DType::kF32)  // 0x477fe000 is 65504.0f
+    return scan(reinterpret_cast<const uint32_t*>(p), 0x7fffffffu, 0x477fe000u);
+  // f16: every finite value fits; bf16: 0x477f is 65280, the largest bf16 within the range.
+  return scan(reinterpret_cast<const uint16_t*>(p), 0x7fffu, t == DType::kF16 ? 0x7bffu : 0x477fu);
+}
+
+// The message for element `c` of a row that AllStorable rejected.
+absl::Status NotStorable(DType t, const uint8_t* row, int c, absl::string_view name, int h,
+                         int64_t j) {
+  float x;
+  ToFloat(t, row + c * DTypeSize(t), &x, 1);
+  const std::string at = absl::StrCat(name, "[", h, ", ", j, ", ", c, "]");
+  if (!std::isfinite(x))
+    return absl::InvalidArgumentError(absl::StrCat(at, " is not finite (in ", DTypeName(t), ")"));
+  return absl::InvalidArgumentError(absl::StrCat(
+      at, " = ", x, ": outside [-", kMaxStorableMagnitude, ", ", kMaxStorableMagnitude,
+      "], the fp16 range of the block format's scales and zero points"));
 }
 
 absl::Status CheckQueries(int q_heads, int kv_heads, int n_q);
@@ -115,14 +126,14 @@ const uint8_t* RowPtr(const TensorView& t, int h, int64_t j) {
          (h * t.stride[0] + j * t.stride[1]) * DTypeSize(t.dtype);
 }
 
-// Checks that one head's rows [n][d] are finite once stored as dtype `to` (a conversion that
-// overflows, f32 -> f16, counts too). Reads only: the cache is not touched.
+// Checks that one head's rows [n][d] are storable (AllStorable) once stored as dtype `to`
+// (a conversion that overflows, f32 -> f16, counts too). Reads only: the cache is not touched.
 absl::Status ValidateRows(const TensorView& t, int h, int64_t n, int d, DType to,
                           absl::string_view name) {
   int bad = 0;
   // A contiguous run of rows stored as is: one pass over all of it (the common case).
   if (FastRows(t, to) && t.stride[1] == d && n * d <= INT32_MAX &&
-      AllFinite(to, RowPtr(t, h, 0), static_cast<int>(n * d), &bad))
+      AllStorable(to, RowPtr(t, h, 0), static_cast<int>(n * d), &bad))
     return absl::OkStatus();
   std::vector<float> row;
   std::vector<uint8_t> conv;
@@ -135,9 +146,7 @@ absl::Status ValidateRows(const TensorView& t, int h, int64_t n, int d, DType to
       FromFloat(to, row.data(), conv.data(), d);
       p = conv.data();
     }
-    if (!AllFinite(to, p, d, &bad))
-      return absl::InvalidArgumentError(absl::StrCat(name, "[", h, ", ", j, ", ", bad,
-                                                     "] is not finite (in ", DTypeName(to), ")"));
+    if (!AllStorable(to, p, d, &bad)) return NotStorable(to, p, bad, name, h, j);
   }
   return absl::OkStatus();
 }
@@ -180,6 +189,14 @@ void Widen(std::vector<uint8_t>* win, DType from) {
 }
 
 }  // namespace
+
+absl::Status CheckStorable(const TensorView& t, absl::string_view name) {
+  if (t.rank != 3)
+    return absl::InvalidArgumentError(absl::StrCat(name, ": rank ", t.rank, ", must be 3"));
+  for (int h = 0; h < t.shape[0]; ++h)
+    RETURN_IF_ERROR(ValidateRows(t, h, t.shape[1], static_cast<int>(t.shape[2]), t.dtype, name));
+  return absl::OkStatus();
+}
 
 absl::Status LayerCache::Append(const TensorView& k, const TensorView& v, int64_t start,
                                 const float* probe_weights) {
@@ -300,9 +317,9 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
   auto finite = [&](const TensorView& t, int h, int64_t j0, int64_t j1) {
     int bad = 0;
     if (t.stride[1] == d)
-      return AllFinite(to, RowPtr(t, h, j0), static_cast<int>((j1 - j0) * d), &bad);
+      return AllStorable(to, RowPtr(t, h, j0), static_cast<int>((j1 - j0) * d), &bad);
     for (int64_t j = j0; j < j1; ++j)
-      if (!AllFinite(to, RowPtr(t, h, j), d, &bad)) return false;
+      if (!AllStorable(to, RowPtr(t, h, j), d, &bad)) return false;
     return true;
   };
   bool ok = true;

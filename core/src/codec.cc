@@ -192,6 +192,10 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
     // c_t = U^T (k_t - k_base_t): r coefficients per token.
     coef.resize(static_cast<size_t>(G) * r);
     K().project_residual(keys, ld, deq.data(), G, d, basis_t, r, coef.data());
+    // A coefficient sums up to d residuals, so keys within kMaxStorableMagnitude can still
+    // project beyond fp16 (an infinite side zero point: the group decodes to Inf/NaN).
+    // Clamped, such a group keeps a finite if coarser correction.
+    for (float& c : coef) c = std::clamp(c, -kMaxStorableMagnitude, kMaxStorableMagnitude);
     uint8_t* side = codes + d * RowBytes(G, o.key_bits);
     uint16_t* sscale = reinterpret_cast<uint16_t*>(side);
     uint16_t* szero = sscale + r;

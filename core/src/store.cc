@@ -624,6 +624,16 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
              " must equal keys.dtype ", DTypeName(k->dtype));
         break;
       }
+      if (!attach_only && batch.size() > 1) {
+        // Each cache rejects bad rows without change, but only for its own append: with more
+        // than one, every element is checked here so that a bad one leaves none applied.
+        absl::Status rows = CheckStorable(*k, "keys");
+        if (rows.ok()) rows = CheckStorable(*v, "values");
+        if (!rows.ok()) {
+          fail(absl::StatusCode::kInvalidArgument, " (layer ", a.layer, "): ", rows.message());
+          break;
+        }
+      }
       if (!attach_only && !a.token_ids.empty() &&
           a.token_ids.size() != static_cast<size_t>(k->shape[1])) {
         fail(absl::StatusCode::kInvalidArgument, ".token_ids has ", a.token_ids.size(),
@@ -879,8 +889,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
                                 probe.empty() ? nullptr : probe.data());
         if (!applied.ok()) {
           unpin(i + 1);
-          applied =
-              absl::Status(applied.code(), absl::StrCat("appends[", i, "]: ", applied.message()));
+          applied = absl::Status(applied.code(), absl::StrCat("appends[", i, "] (layer ", a.layer,
+                                                              "): ", applied.message()));
           break;
         }
         s->dtype = a.keys.dtype;

@@ -203,16 +203,26 @@ TEST(Codec, AppendRejectsBadInputAndKeepsState) {
   EXPECT_EQ(c.Size().total_bytes(), bytes);
 }
 
+// A rank-4 codec at d = 64 over a random basis, and Gaussian keys and values [kv][T][64].
+struct Rank4 {
+  CodecOptions o;
+  ModelBasis basis;
+  std::vector<float> k, v;
+};
+Rank4 Rank4Input(int kv, int T) {
+  Rank4 r{CodecOptions{}, RandomBasis({"t", 1, 1, kv, kv, 64, 4}, 7), Gaussian(kv * T * 64, 3),
+          Gaussian(kv * T * 64, 4)};
+  r.o.rank = 4;
+  return r;
+}
+
 // An append into an empty window encodes its groups straight from the input, a few at a
 // time, checking each before encoding it: a bad value anywhere (a later head, a later chunk,
 // the rows left for the window) must still leave nothing behind and report the first bad
 // element in the order of the up-front check.
 TEST(Codec, DirectAppendRejectsBadInputAnywhereAndKeepsState) {
   const int kv = 3, d = 64, T = 700;
-  CodecOptions o;
-  o.rank = 4;
-  auto basis = RandomBasis({"t", 1, 1, kv, kv, d, 4}, 7);
-  auto k = Gaussian(kv * T * d, 3), v = Gaussian(kv * T * d, 4);
+  auto [o, basis, k, v] = Rank4Input(kv, T);
   std::vector<uint16_t> kh(k.size()), vh(v.size());
   FloatToHalfN(k.data(), kh.data(), k.size());
   FloatToHalfN(v.data(), vh.data(), v.size());
@@ -253,6 +263,81 @@ TEST(Codec, DirectAppendRejectsBadInputAnywhereAndKeepsState) {
       EXPECT_EQ(v0, v1);
     }
   }
+}
+
+// One element beyond the fp16 range (the block's zero points are fp16) would make its group's
+// zero point infinite and every token of the group decode to Inf/NaN: the append is rejected
+// naming the element and the limit, for keys and values, f32 and bf16, and nothing is kept.
+TEST(Codec, AppendRejectsElementsBeyondTheFp16RangeAndKeepsState) {
+  const int kv = 2, d = 64, T = 40;
+  auto [o, basis, k, v] = Rank4Input(kv, T);
+  struct Bad {
+    bool keys;
+    int h, t, c;
+    float x;
+  };
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (Bad b : {Bad{true, 1, 3, 5, 4e6f}, Bad{true, 0, 39, 0, -3e38f},
+                  Bad{false, 1, 0, 63, 3e38f}, Bad{false, 0, 20, 9, -70000.0f}}) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(dt) << (b.keys ? " keys " : " values ")
+                                        << b.x);
+      auto bk = k, bv = v;
+      (b.keys ? bk : bv)[(static_cast<size_t>(b.h) * T + b.t) * d + b.c] = b.x;
+      std::vector<uint16_t> hk(bk.size()), hv(bv.size());
+      for (size_t i = 0; i < bk.size(); ++i) hk[i] = FloatToBF16(bk[i]), hv[i] = FloatToBF16(bv[i]);
+      auto view = [&](const std::vector<float>& f, const std::vector<uint16_t>& h) {
+        return dt == DType::kF32 ? View3(f, kv, T, d)
+                                 : TensorView::Contiguous(h.data(), dt, {kv, T, d});
+      };
+      LayerCache c(o, kv, basis.u.data());
+      const absl::Status s = c.Append(view(bk, hk), view(bv, hv), 0);
+      ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(s.message().find(absl::StrCat(b.keys ? "keys[" : "values[", b.h, ", ", b.t, ", ",
+                                              b.c, "]")),
+                std::string::npos)
+          << s.message();
+      EXPECT_NE(s.message().find("65504"), std::string::npos) << s.message();
+      EXPECT_EQ(c.tokens(), 0);
+      EXPECT_EQ(c.Size().total_bytes(), 0);
+      EXPECT_EQ(CheckStorable(view(bk, hk), "keys").ok(), !b.keys);
+      EXPECT_EQ(CheckStorable(view(bv, hv), "values").ok(), b.keys);
+    }
+  }
+  // The limit itself is accepted and decodes finite.
+  auto ek = k;
+  ek[0] = kMaxStorableMagnitude;
+  ek[1] = -kMaxStorableMagnitude;
+  LayerCache c(o, kv, basis.u.data());
+  ASSERT_TRUE(c.Append(View3(ek, kv, T, d), View3(v, kv, T, d), 0).ok());
+  std::vector<float> dk, dv;
+  ASSERT_TRUE(c.Decode(&dk, &dv).ok());
+  for (float x : dk) ASSERT_TRUE(std::isfinite(x));
+}
+
+// Keys within the fp16 range can still project beyond it in the side code (a coefficient sums
+// d residuals): every channel half a step off its level gives a coefficient of about
+// 8 * 21800 at d = 64, whose fp16 zero point would be -Inf. The block must decode finite.
+TEST(Codec, SideCodeOfExtremeKeysStaysFinite) {
+  CodecOptions o;
+  o.head_dim = 64;
+  o.rank = 1;
+  const int d = o.head_dim, G = o.key_group;
+  std::vector<float> basis(d, 1.0f / 8.0f);  // [d][1], unit norm
+  std::vector<float> keys(static_cast<size_t>(G) * d, 100.0f);
+  for (int c = 0; c < d; ++c) {
+    keys[c] = -kMaxStorableMagnitude;  // levels -65504, -21824, 21856, 65536:
+    keys[d + c] = kMaxStorableMagnitude;  // 100 rounds to 21856, residual -21756
+  }
+  std::vector<uint8_t> block;
+  ASSERT_TRUE(EncodeKeyBlock(o, keys.data(), d, basis.data(), &block).ok());
+  auto view = ParseKeyBlock(block, o, true);
+  ASSERT_TRUE(view.ok()) << view.status();
+  std::vector<float> out(keys.size());
+  DecodeKeyBlock(*view, basis.data(), 1.0f, out.data());
+  for (float x : out) ASSERT_TRUE(std::isfinite(x)) << x;
+  std::vector<float> q(d, 1.0f), uq(1, 8.0f), scores(G);
+  ScoreKeyBlock(*view, q.data(), uq.data(), 1, 1.0f, 1.0f, scores.data(), G);
+  for (float x : scores) ASSERT_TRUE(std::isfinite(x)) << x;
 }
 
 // A constant vector added to every key is softmax-null: attention and the Fisher metric

@@ -351,6 +351,31 @@ TEST_F(StoreTest, ScrubFindsCorruptionAndReadsFailWithDataLoss) {
   EXPECT_EQ(store.Decode("t", "x", 0, 0, &k, &v, &tokens).code(), absl::StatusCode::kDataLoss);
 }
 
+// A batch whose later item holds an element beyond the fp16 range (or a non-finite one) is
+// rejected before anything is applied: the earlier, valid items are not stored either.
+TEST_F(StoreTest, BadElementInALaterItemLeavesTheWholeBatchUnapplied) {
+  Store store({}, &registry_);
+  Data good(40, 1), big(40, 2), nan(40, 3);
+  big.k[(1 * 40 + 7) * 64 + 3] = 4e6f;
+  nan.v[(0 * 40 + 2) * 64 + 5] = std::nanf("");
+  AppendOutcome out;
+  using Case = std::pair<const Data*, std::string>;
+  for (const auto& [bad, want] :
+       {Case{&big, "keys[1, 7, 3] = 4e+06"}, Case{&nan, "values[0, 2, 5] is not finite"}}) {
+    const absl::Status st = store.Append("t", {Spec("x", 0, 0, good), Spec("x", 1, 0, *bad)}, &out);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("appends[1] (layer 1): " + want));
+    EXPECT_FALSE(store.Describe("t", "x").ok());
+    EXPECT_EQ(store.TotalUsage().bytes, 0);
+  }
+  // One item alone: the layer cache rejects it without change, reported the same way.
+  const absl::Status st = store.Append("t", {Spec("x", 1, 0, big)}, &out);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()),
+              ::testing::HasSubstr("appends[0] (layer 1): keys[1, 7, 3]"));
+  ASSERT_TRUE(store.Append("t", {Spec("x", 0, 0, good), Spec("x", 1, 0, good)}, &out).ok());
+}
+
 TEST_F(StoreTest, RacingIdenticalResendsStoreEachTokenOnce) {
   Store store({}, &registry_);
   const int64_t T = 200;

@@ -21,6 +21,11 @@
 
 namespace kvq::core {
 
+// Checks that every element of `t` ([heads][n][d]) is finite and within
+// +-kMaxStorableMagnitude (codec.h), naming the first that is not as name[h, j, c]. Append
+// checks its own rows; a caller applying several appends checks them all first with it.
+absl::Status CheckStorable(const TensorView& t, absl::string_view name);
+
 struct SizeReport {
   int64_t tokens = 0;          // cached tokens per head
   int64_t encoded_tokens = 0;  // tokens in encoded blocks

@@ -38,6 +38,10 @@ inline constexpr uint16_t kBlockMagic = 0x514b;
 // Version written by this build. Version 1 blocks (seeded checksum) are still read.
 inline constexpr uint8_t kBlockVersion = 2;
 inline constexpr size_t kBlockHeaderBytes = 16;
+// The largest key or value magnitude an append accepts: the fp16 maximum, since each group's
+// zero point is its minimum stored in fp16 (a larger element would make it infinite and the
+// whole group decode to Inf/NaN). Within it every scale and zero point of a block is finite.
+inline constexpr float kMaxStorableMagnitude = 65504.0f;
 
 enum class ValuePolicy : uint8_t {
   kUniform = 0,  // every token at value_bits
