@@ -75,6 +75,10 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
              "calls queued or running on the workers before new ones get RESOURCE_EXHAUSTED "
              "(default 4096; 0 no limit)",
              integer(&o->max_inflight));
+  flags->Add("stream-idle-timeout", "DURATION",
+             "fail a PutBlocks stream quiet this long between messages with DEADLINE_EXCEEDED "
+             "(default 60s; 0 never)",
+             duration(&o->stream_idle_timeout));
   flags->Add("max-message-bytes", "BYTES", "largest gRPC message (default 256M)",
              bytes(&o->max_message_bytes));
   flags->Add("tls-cert", "FILE", "server certificate chain (PEM); with --tls-key turns TLS on",

@@ -67,6 +67,12 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   RETURN_IF_ERROR(CheckDuration("--sequence-ttl", o.sequence_ttl));
   RETURN_IF_ERROR(CheckDuration("--shutdown-grace", o.shutdown_grace));
   RETURN_IF_ERROR(CheckDuration("--scrub-period", o.scrub_period));
+  if (o.stream_idle_timeout != absl::ZeroDuration() &&
+      (o.stream_idle_timeout < absl::Milliseconds(1) || o.stream_idle_timeout > absl::Hours(24))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--stream-idle-timeout ", absl::FormatDuration(o.stream_idle_timeout),
+                     " must be 0 (never) or in 1ms..24h"));
+  }
   if (o.housekeeping_period <= absl::ZeroDuration() ||
       o.housekeeping_period == absl::InfiniteDuration()) {
     return absl::InvalidArgumentError("the housekeeping period must be finite and > 0");
@@ -154,6 +160,7 @@ absl::Status KvqServer::Impl::Start() {
   service = std::make_unique<Service>(store.get(), registry.get(), &auth, metrics.get(), pool.get(),
                                       &ready, pool_name, backend);
   service->set_max_inflight(opts.max_inflight);
+  service->set_stream_idle_timeout(opts.stream_idle_timeout);
 
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (!opts.tls_cert.empty() || !opts.tls_key.empty()) {

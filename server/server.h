@@ -52,6 +52,10 @@ struct ServerOptions {
   // would wait long for. 0 = no limit. The default leaves room for thousands of concurrent
   // streams while bounding the queue (and the requests it holds in memory).
   int max_inflight = 4096;
+  // A PutBlocks stream that receives no message for this long fails with DEADLINE_EXCEEDED,
+  // freeing its --max-inflight slot (a client that opens a stream and goes quiet would hold
+  // it forever). Time spent applying a message does not count. Zero = never.
+  absl::Duration stream_idle_timeout = absl::Seconds(60);
   // Largest gRPC message either way. 256 MiB holds a 16k-token fp16 prefill of one layer
   // at 8 KV heads x 128 dims (2 x 32 MiB) several times over; clients should split larger
   // writes into several PutBlocks messages (each is applied atomically).
@@ -84,7 +88,7 @@ struct ServerOptions {
 //   --grpc-port 0..65535; --metrics-port -1..65535; --workers 0..1024;
 //   --max-inflight 0..1000000; --max-message-bytes 64K..2147483647 (gRPC's limit);
 //   --capacity, --tenant-quota >= 0; --sequence-ttl, --shutdown-grace, --scrub-period
-//   finite and >= 0; the housekeeping period > 0.
+//   finite and >= 0; --stream-idle-timeout 0 or 1ms..24h; the housekeeping period > 0.
 absl::Status ValidateOptions(const ServerOptions& opts);
 
 class KvqServer {

@@ -228,7 +228,10 @@ namespace {
 // in order, by one worker at a time. The stream is read as raw bytes and parsed here: gRPC's
 // typed reader reports a message that does not parse exactly as the client's end of stream,
 // which would answer OK and silently drop that message and every later one.
-class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+// A stream that waits longer than --stream-idle-timeout for its next message is failed with
+// DEADLINE_EXCEEDED (IdleStreams), which frees its --max-inflight slot.
+class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
+                               public IdleStream {
  public:
   PutBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : svc_(svc), resp_(resp), start_(absl::Now()) {
@@ -246,7 +249,24 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> 
       buf_ = std::make_unique<grpc::ByteBuffer>();
       reading_ = true;
     }
+    svc_->idle_streams()->Add(this);
     StartRead(buf_.get());
+  }
+
+  bool ClaimIdle() override {
+    absl::MutexLock l(&mu_);
+    if (done_ || applying_ || !queue_.empty()) return false;
+    done_ = true;
+    return true;
+  }
+
+  void ExpireIdle(absl::Duration idle) override {
+    const absl::Duration timeout = svc_->idle_streams()->timeout();
+    const absl::Duration ms = absl::Trunc(idle, absl::Milliseconds(1));
+    Done(absl::DeadlineExceededError(absl::StrCat(
+        "PutBlocks stream idle for ", absl::FormatDuration(ms), " (--stream-idle-timeout ",
+        absl::FormatDuration(timeout), "); the ", messages_seen_,
+        " messages before were applied")));  // may delete this
   }
 
   void OnReadDone(bool ok) override {
@@ -255,6 +275,10 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> 
     {
       absl::MutexLock l(&mu_);
       reading_ = false;
+      if (done_) {  // failed or timed out meanwhile: what arrives now is dropped
+        buf_.reset();
+        return;
+      }
       if (!ok) {  // the client closed its side (or the call was cancelled)
         eof_ = true;
         finish = !applying_ && !done_;
@@ -268,6 +292,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> 
     }
     // The read is started before the drain is scheduled: a drain that fails a message calls
     // Finish, after which no read may be started.
+    if (ok) svc_->idle_streams()->Touch(this);
     if (next) StartRead(next);
     if (submit) svc_->pool()->Submit([this] { Drain(); });
     if (finish) Succeed();  // may delete this
@@ -310,6 +335,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> 
       }
       if (next) StartRead(next);
       absl::Status st = ParseAndApply(msg.get());
+      svc_->idle_streams()->Touch(this);  // quiet time counts from the end of the work
       if (!st.ok()) {
         {
           absl::MutexLock l(&mu_);
@@ -369,6 +395,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> 
       absl::MutexLock l(&mu_);
       in = bytes_in_;
     }
+    svc_->idle_streams()->Remove(this);
     if (pooled_) svc_->LeavePool();
     bool own_buffer = false;
     if (st.ok()) {

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
 #include <string>
 
 #include "kvq/core/store.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "server/auth.h"
+#include "server/idle_streams.h"
 #include "server/metrics.h"
 #include "server/worker_pool.h"
 
@@ -77,6 +79,10 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   void set_max_inflight(int64_t n) { max_inflight_ = n; }
   absl::Status EnterPool();
   void LeavePool() { pool_calls_.fetch_sub(1, std::memory_order_acq_rel); }
+  // PutBlocks streams quiet this long between messages fail with DEADLINE_EXCEEDED (zero:
+  // never). Set before serving.
+  void set_stream_idle_timeout(absl::Duration d) { idle_ = std::make_unique<IdleStreams>(d); }
+  IdleStreams* idle_streams() { return idle_.get(); }
 
  private:
   template <typename Req, typename Resp, typename Fn>
@@ -95,6 +101,7 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   std::atomic<bool> draining_{false};
   int64_t max_inflight_ = 0;
   std::atomic<int64_t> pool_calls_{0};
+  std::unique_ptr<IdleStreams> idle_ = std::make_unique<IdleStreams>(absl::ZeroDuration());
 };
 
 }  // namespace kvq::server

@@ -192,6 +192,8 @@ TEST(ServerProcessTest, OutOfRangeNumericFlagsExit2NamingTheFlagAndTheRange) {
       {{"--shutdown-grace", "-1s"}, "--shutdown-grace -1s must be finite and >= 0"},
       {{"--shutdown-grace", "inf"}, "--shutdown-grace inf must be finite and >= 0"},
       {{"--scrub-period", "-1m"}, "--scrub-period -1m must be finite and >= 0"},
+      {{"--stream-idle-timeout", "-1s"}, "--stream-idle-timeout -1s must be 0 (never) or in 1ms.."},
+      {{"--stream-idle-timeout", "25h"}, "--stream-idle-timeout 25h must be 0 (never) or in 1ms.."},
       {{"--capacity", "99999999999T"}, "bad value '99999999999T' for --capacity"},
       {{"--tenant-quota", "-1"}, "bad value '-1' for --tenant-quota"},
   };

@@ -1662,6 +1662,22 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
   }
 }
 
+// A server with options `o` and model "tiny" registered; Open() leaves a PutBlocks stream open
+// on sequence "o" (OpenStream). q: one query for it.
+struct HeldStream {
+  TestServer ts;
+  std::unique_ptr<v1::Kvq::Stub> stub;
+  Shape s;
+  OpenStream open;
+  std::vector<float> q;
+  explicit HeldStream(server::ServerOptions o)
+      : ts(std::move(o)), stub(ts.Stub()), q(RandomQueries(s.q_heads, 1, s.head_dim, 5)) {}
+  void Open() {
+    ASSERT_NO_FATAL_FAILURE(Register(*stub, MakeRegister(s, kBasisSeed)));
+    ASSERT_NO_FATAL_FAILURE(open.Open(*stub, s, "o", 5));
+  }
+};
+
 // --max-inflight 1: an open PutBlocks stream holds the only slot, so calls that need the worker
 // pool fail fast with RESOURCE_EXHAUSTED naming the limit (counted), calls that do not still
 // answer, and the server serves again once the stream ends; concurrent callers get either an
@@ -1671,13 +1687,9 @@ TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
   o.max_inflight = 1;
   o.metrics_port = 0;
   o.metrics_address = "127.0.0.1";
-  TestServer ts(o);
-  auto stub = ts.Stub();
-  Shape s;
-  Register(*stub, MakeRegister(s, kBasisSeed));
-  OpenStream open;
-  ASSERT_NO_FATAL_FAILURE(open.Open(*stub, s, "o", 5));
-  const auto q = RandomQueries(s.q_heads, 1, s.head_dim, 5);
+  HeldStream held(o);
+  ASSERT_NO_FATAL_FAILURE(held.Open());
+  auto& [ts, stub, s, open, q] = held;
   grpc::Status st;
   ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &st);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -1728,6 +1740,48 @@ TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
   EXPECT_THAT(text, HasSubstr(absl::StrCat("kvq_rejected_total{reason=\"overload\"} ",
                                            2 + refused.load())));
   EXPECT_THAT(text, HasSubstr("kvq_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Score\"}"));
+}
+
+// --stream-idle-timeout: a PutBlocks stream that goes quiet fails with DEADLINE_EXCEEDED
+// naming the flag, which frees its --max-inflight slot; what it sent stays applied. A stream
+// that keeps sending, for longer than the timeout in all, is not cut.
+TEST(ServiceTest, IdleStreamsTimeOutAndFreeTheirSlot) {
+  server::ServerOptions o;
+  o.max_inflight = 1;
+  o.stream_idle_timeout = absl::Milliseconds(300);
+  HeldStream held(o);
+  ASSERT_NO_FATAL_FAILURE(held.Open());
+  auto& [ts, stub, s, open, q] = held;
+  grpc::Status st;
+  v1::ScoreResponse sr;
+  for (int i = 0;; ++i) {  // refused while the quiet stream holds the only slot
+    sr = ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &st);
+    if (st.ok()) break;
+    ASSERT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+    ASSERT_LT(i, 500) << "the idle stream still holds its slot";
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(sr.results(0).tokens(), 16);  // its message stayed applied
+  open.writer->WritesDone();
+  st = open.writer->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("(--stream-idle-timeout 300ms); the 1 messages"));
+
+  auto ctx = Ctx();
+  v1::PutBlocksResponse resp;
+  auto w = stub->PutBlocks(ctx.get(), &resp);
+  for (int i = 0; i < 8; ++i) {
+    auto k = RandomKV(s.kv_heads, 16, s.head_dim, 100 + i);
+    v1::PutBlocksRequest m;
+    *m.add_appends() =
+        MakeAppend("busy", 0, 16 * i, k, k, s.kv_heads, 16, s.head_dim, i == 0 ? "tiny" : "");
+    ASSERT_TRUE(w->Write(m));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  w->WritesDone();
+  st = w->Finish();
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(resp.messages(), 8);
 }
 
 // A golden block: bytes committed to the repository must keep decoding to the committed
