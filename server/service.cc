@@ -1,5 +1,6 @@
 #include "server/service.h"
 
+#include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
@@ -33,6 +34,22 @@ absl::Status CheckBatch(int n) {
 absl::Status Prefix(const absl::Status& st, absl::string_view prefix) {
   if (st.ok()) return st;
   return absl::Status(st.code(), absl::StrCat(prefix, ": ", st.message()));
+}
+
+// OK while someone still waits for the call's answer; CANCELLED once the client cancelled it
+// (or went away), DEADLINE_EXCEEDED once its deadline passed. Checked when a worker picks a
+// call up and before each item of a batch, so that abandoned work stops within one item
+// instead of keeping workers from the calls behind it. `item` < 0: before any work.
+absl::Status StillWanted(const grpc::CallbackServerContext& ctx, int item = -1, int items = 0) {
+  const std::string where =
+      item < 0 ? std::string("before a worker took it up")
+               : absl::StrCat("after ", item, " of its ", items, " items; the rest were skipped");
+  // A call past its deadline is cancelled too: the deadline, checked first, says more.
+  if (std::chrono::system_clock::now() >= ctx.deadline()) {
+    return absl::DeadlineExceededError(absl::StrCat("the call's deadline passed ", where));
+  }
+  if (ctx.IsCancelled()) return absl::CancelledError(absl::StrCat("call cancelled ", where));
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -117,8 +134,9 @@ grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServe
     finish(st);
     return reactor;
   }
-  pool_->Submit([this, finish, fn = std::move(fn), tenant = *std::move(tenant)]() mutable {
-    const absl::Status st = fn(tenant);
+  pool_->Submit([this, ctx, finish, fn = std::move(fn), tenant = *std::move(tenant)]() mutable {
+    absl::Status st = StillWanted(*ctx);
+    if (st.ok()) st = fn(tenant);
     LeavePool();
     finish(st);
   });
@@ -440,35 +458,41 @@ namespace {
 // atomic index). The caller always makes progress itself, so a busy pool only means less
 // parallelism, never a wait for a queued task; helpers that start late find no item left.
 // Items must be independent: callers pass serial = true when two items name one sequence
-// (observing Attends on one sequence must keep their order).
-void ForEachItem(WorkerPool* pool, int n, bool serial, const std::function<void(int)>& fn) {
-  if (n <= 1 || serial || pool->size() <= 1) {
-    for (int i = 0; i < n; ++i) fn(i);
-    return;
-  }
+// (observing Attends on one sequence must keep their order). An item reached after the call
+// stopped being wanted is skipped, and the call answers why (StillWanted).
+absl::Status ForEachItem(WorkerPool* pool, const grpc::CallbackServerContext& ctx, int n,
+                         bool serial, const std::function<void(int)>& fn) {
   struct State {
+    const grpc::CallbackServerContext* ctx;
     std::function<void(int)> fn;
     int n;
     std::atomic<int> next{0};
     absl::Mutex mu;
     int done ABSL_GUARDED_BY(mu) = 0;
+    absl::Status gone ABSL_GUARDED_BY(mu);  // the first item skipped, why
   };
   auto st = std::make_shared<State>();
+  st->ctx = &ctx;
   st->fn = fn;
   st->n = n;
   auto work = [](State* s) {
     for (int i; (i = s->next.fetch_add(1)) < s->n;) {
-      s->fn(i);
+      absl::Status gone = StillWanted(*s->ctx, i, s->n);
+      if (gone.ok()) s->fn(i);
       absl::MutexLock l(&s->mu);
+      if (s->gone.ok()) s->gone = gone;
       ++s->done;
     }
   };
-  const int helpers = std::min<int>(n - 1, static_cast<int>(pool->size()) - 1);
-  for (int h = 0; h < helpers; ++h) pool->Submit([st, work] { work(st.get()); });
+  if (n > 1 && !serial && pool->size() > 1) {
+    const int helpers = std::min<int>(n - 1, static_cast<int>(pool->size()) - 1);
+    for (int h = 0; h < helpers; ++h) pool->Submit([st, work] { work(st.get()); });
+  }
   work(st.get());
   absl::MutexLock l(&st->mu);
   st->mu.Await(absl::Condition(
       +[](State* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->done == s->n; }, st.get()));
+  return st->gone;
 }
 
 template <typename Items>
@@ -506,10 +530,10 @@ absl::Status Service::ItemAppend(const std::string& tenant, const Item& item,
 
 grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
                                          const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
-  return Unary("Score", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
+  return Unary("Score", ctx, req, resp, true, [this, ctx, req, resp](const std::string& tenant) {
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
     for (int i = 0; i < req->items_size(); ++i) resp->add_results();
-    ForEachItem(pool_, req->items_size(), SharesASequence(req->items()), [&](int i) {
+    return ForEachItem(pool_, *ctx, req->items_size(), SharesASequence(req->items()), [&](int i) {
       const v1::ScoreItem& item = req->items(i);
       v1::ScoreResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
@@ -531,17 +555,16 @@ grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
       }
       SetItemStatus(st, r->mutable_status());
     });
-    return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
                                            const v1::ReadoutRequest* req,
                                            v1::ReadoutResponse* resp) {
-  return Unary("Readout", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
+  return Unary("Readout", ctx, req, resp, true, [this, ctx, req, resp](const std::string& tenant) {
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
     for (int i = 0; i < req->items_size(); ++i) resp->add_results();
-    ForEachItem(pool_, req->items_size(), false, [&](int i) {
+    return ForEachItem(pool_, *ctx, req->items_size(), false, [&](int i) {
       const v1::ReadoutItem& item = req->items(i);
       v1::ReadoutResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
@@ -581,16 +604,15 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
       }
       SetItemStatus(st, r->mutable_status());
     });
-    return absl::OkStatus();
   });
 }
 
 grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
                                           const v1::AttendRequest* req, v1::AttendResponse* resp) {
-  return Unary("Attend", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
+  return Unary("Attend", ctx, req, resp, true, [this, ctx, req, resp](const std::string& tenant) {
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
     for (int i = 0; i < req->items_size(); ++i) resp->add_results();
-    ForEachItem(pool_, req->items_size(), SharesASequence(req->items()), [&](int i) {
+    return ForEachItem(pool_, *ctx, req->items_size(), SharesASequence(req->items()), [&](int i) {
       const v1::AttendItem& item = req->items(i);
       v1::AttendResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
@@ -622,7 +644,6 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
       }
       SetItemStatus(st, r->mutable_status());
     });
-    return absl::OkStatus();
   });
 }
 

@@ -26,6 +26,7 @@
 namespace kvq::testing {
 namespace {
 
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
 constexpr uint64_t kBasisSeed = 7;
@@ -1598,6 +1599,14 @@ TEST(ServiceTest, RandomlyDamagedRequestsAreRejectedCleanly) {
 }
 
 // Scrapes /metrics over a plain socket.
+// Options with /metrics on a free port of 127.0.0.1.
+server::ServerOptions WithLocalMetrics() {
+  server::ServerOptions o;
+  o.metrics_port = 0;
+  o.metrics_address = "127.0.0.1";
+  return o;
+}
+
 std::string HttpGet(int port, const std::string& path) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -1683,10 +1692,8 @@ struct HeldStream {
 // answer, and the server serves again once the stream ends; concurrent callers get either an
 // answer or RESOURCE_EXHAUSTED, nothing else.
 TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
-  server::ServerOptions o;
+  server::ServerOptions o = WithLocalMetrics();
   o.max_inflight = 1;
-  o.metrics_port = 0;
-  o.metrics_address = "127.0.0.1";
   HeldStream held(o);
   ASSERT_NO_FATAL_FAILURE(held.Open());
   auto& [ts, stub, s, open, q] = held;
@@ -1782,6 +1789,79 @@ TEST(ServiceTest, IdleStreamsTimeOutAndFreeTheirSlot) {
   st = w->Finish();
   ASSERT_TRUE(st.ok()) << st.error_message();
   EXPECT_EQ(resp.messages(), 8);
+}
+
+// A call whose deadline passed is dropped when a worker takes it up, and a batch stops between
+// its items: ten heavy Attends abandoned by their callers must not keep the only worker from
+// a small call. Counted on the server: none of the heavy calls is answered OK.
+TEST(ServiceTest, AbandonedCallsStopAtTheirDeadline) {
+  server::ServerOptions o = WithLocalMetrics();
+  o.workers = 1;
+  TestServer ts(o);
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int64_t T = 4096;
+  std::vector<v1::PutBlocksRequest> msgs;
+  for (int64_t t0 = 0; t0 < T; t0 += 1024) {
+    auto k = RandomKV(s.kv_heads, 1024, s.head_dim, 7 + t0);
+    *msgs.emplace_back().add_appends() =
+        MakeAppend("big", 0, t0, k, k, s.kv_heads, 1024, s.head_dim, t0 == 0 ? "tiny" : "");
+  }
+  v1::PutBlocksResponse pr;
+  ASSERT_TRUE(Put(*stub, msgs, &pr).ok());
+
+  auto attend = [&](int items, int n_q) {
+    v1::AttendRequest req;
+    const auto q = RandomQueries(s.q_heads, n_q, s.head_dim, 3);
+    for (int i = 0; i < items; ++i) {
+      auto* it = req.add_items();
+      it->set_sequence_id("big");
+      it->set_layer(0);
+      it->set_observe(false);
+      *it->mutable_queries() = TensorF32(q, {s.q_heads, n_q, s.head_dim});
+    }
+    return req;
+  };
+  const v1::AttendRequest heavy = attend(64, 32), small = attend(1, 1);
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    grpc::Status st;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  absl::Mutex mu;
+  int answered = 0;
+  for (int i = 0; i < 10; ++i) {
+    auto& c = *calls.emplace_back(std::make_unique<Call>());
+    c.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
+    stub->async()->Attend(&c.ctx, &heavy, &c.resp, [&c, &mu, &answered](grpc::Status st) {
+      absl::MutexLock l(&mu);
+      c.st = std::move(st);
+      ++answered;
+    });
+  }
+  // Queued behind the ten on the single worker: it runs once they are over.
+  v1::AttendResponse sr;
+  auto ctx = Ctx("", "", 120);
+  const absl::Time t0 = absl::Now();
+  grpc::Status st = stub->Attend(ctx.get(), small, &sr);
+  const absl::Duration took = absl::Now() - t0;
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(sr.results(0).status().code(), 0);
+  {
+    absl::MutexLock l(&mu);
+    mu.Await(absl::Condition(+[](int* n) { return *n == 10; }, &answered));
+  }
+  for (const auto& c : calls) EXPECT_EQ(c->st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // Only the small call was worked through; the heavy ones that reached a worker were dropped
+  // (worked through, each would take most of a second or more here): DEADLINE_EXCEEDED, or
+  // CANCELLED when the client's deadline cancelled the call before the server's passed.
+  const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
+  EXPECT_THAT(text, HasSubstr("kvq_requests_total{code=\"OK\",method=\"Attend\"} 1\n"));
+  EXPECT_THAT(text, AnyOf(HasSubstr("{code=\"DEADLINE_EXCEEDED\",method=\"Attend\"}"),
+                          HasSubstr("{code=\"CANCELLED\",method=\"Attend\"}")));
+  EXPECT_LT(took, absl::Seconds(30));
 }
 
 // A golden block: bytes committed to the repository must keep decoding to the committed
