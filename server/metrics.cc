@@ -10,6 +10,11 @@ using prometheus::BuildCounter;
 using prometheus::BuildGauge;
 using prometheus::BuildHistogram;
 
+// /metrics: connections served at once, and how long one may take to send its request (or
+// read a chunk of the answer) before it is dropped.
+constexpr int kMetricsThreads = 16;
+constexpr int kMetricsReadTimeoutMs = 2000;
+
 // gRPC's codes are Abseil's: the canonical names come from absl.
 std::string CodeName(int code) {
   std::string name = absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
@@ -133,7 +138,13 @@ Metrics::Metrics()
                              .Add({{"reason", "overload"}})) {}
 
 int Metrics::Expose(const std::string& address, int port) {
-  exposer_ = std::make_unique<prometheus::Exposer>(absl::StrCat(address, ":", port));
+  // civetweb gives each connection a worker thread until its request arrives, for as long as
+  // request_timeout_ms (30 s by default) per read: with the default 2 threads, two idle
+  // connections blocked every scrape. More threads and a short timeout keep /metrics served
+  // while a few peers are slow or silent (a scrape's request arrives at once).
+  exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+      "listening_ports", absl::StrCat(address, ":", port), "num_threads",
+      absl::StrCat(kMetricsThreads), "request_timeout_ms", absl::StrCat(kMetricsReadTimeoutMs)});
   exposer_->RegisterCollectable(registry_);
   auto ports = exposer_->GetListeningPorts();
   return ports.empty() ? port : ports[0];

@@ -2,6 +2,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -1607,7 +1608,8 @@ server::ServerOptions WithLocalMetrics() {
   return o;
 }
 
-std::string HttpGet(int port, const std::string& path) {
+// A TCP connection to 127.0.0.1:port (-1 when refused).
+int ConnectLocal(int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -1615,8 +1617,17 @@ std::string HttpGet(int port, const std::string& path) {
   inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     close(fd);
-    return "";
+    return -1;
   }
+  return fd;
+}
+
+// The whole HTTP answer, or what came before `timeout_s` passed without a byte.
+std::string HttpGet(int port, const std::string& path, int timeout_s = 30) {
+  const int fd = ConnectLocal(port);
+  if (fd < 0) return "";
+  timeval tv{timeout_s, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\nConnection: close\r\n\r\n";
   (void)!write(fd, req.data(), req.size());
   std::string out;
@@ -1862,6 +1873,25 @@ TEST(ServiceTest, AbandonedCallsStopAtTheirDeadline) {
   EXPECT_THAT(text, AnyOf(HasSubstr("{code=\"DEADLINE_EXCEEDED\",method=\"Attend\"}"),
                           HasSubstr("{code=\"CANCELLED\",method=\"Attend\"}")));
   EXPECT_LT(took, absl::Seconds(30));
+}
+
+// Silent TCP peers on the metrics port (one connected and quiet, one with half a request)
+// must not block a scrape: civetweb's default two threads, each held up to 30 s by such a
+// peer, did.
+TEST(ServiceTest, MetricsScrapeIsNotBlockedByIdlePeers) {
+  TestServer ts(WithLocalMetrics());
+  const int port = ts.server().metrics_port();
+  std::vector<int> idle;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = ConnectLocal(port);
+    ASSERT_GE(fd, 0);
+    if (i % 2) (void)!write(fd, "GET /metr", 9);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // accepted, threads taken
+  const std::string text = HttpGet(port, "/metrics", /*timeout_s=*/5);
+  EXPECT_THAT(text, HasSubstr("kvq_ready 1"));
+  for (int fd : idle) close(fd);
 }
 
 // A golden block: bytes committed to the repository must keep decoding to the committed
