@@ -6,6 +6,8 @@
 #include "absl/strings/str_cat.h"
 #include "kvq/client/basis_request.h"
 #include "kvq/core/basis.h"
+#include "kvq/core/json_fields.h"
+#include "kvq/core/status.h"
 #include "nlohmann/json.hpp"
 
 namespace kvq::client {
@@ -35,15 +37,27 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
   } else if (fs::exists(p / "model.json")) {
     auto j = ReadJson(p / "model.json");
     if (!j.ok()) return j.status();
-    info->set_model(j->value("model", ""));
-    info->set_version(j->value("version", 0));
-    info->set_layers(j->value("layers", 0));
-    info->set_kv_heads(j->value("kv_heads", 0));
-    info->set_q_heads(j->value("q_heads", 0));
-    info->set_head_dim(j->value("head_dim", 0));
+    // Checked reads: a mistyped field is an error naming it, never an exception.
+    const core::JsonFields f(*j, (p / "model.json").string());
+    std::string model, rope_layout, channel_order;
+    int version = 0, layers = 0, kv_heads = 0, q_heads = 0, head_dim = 0;
+    RETURN_IF_ERROR(f.String("model", &model));
+    RETURN_IF_ERROR(f.Int("version", &version));
+    RETURN_IF_ERROR(f.Int("layers", &layers));
+    RETURN_IF_ERROR(f.Int("kv_heads", &kv_heads));
+    RETURN_IF_ERROR(f.Int("q_heads", &q_heads));
+    RETURN_IF_ERROR(f.Int("head_dim", &head_dim));
+    RETURN_IF_ERROR(f.String("rope_layout", &rope_layout));
+    RETURN_IF_ERROR(f.String("channel_order", &channel_order));
+    info->set_model(model);
+    info->set_version(version);
+    info->set_layers(layers);
+    info->set_kv_heads(kv_heads);
+    info->set_q_heads(q_heads);
+    info->set_head_dim(head_dim);
     info->set_basis_rank(0);
-    if (j->contains("rope_layout")) info->set_rope_layout(j->value("rope_layout", ""));
-    if (j->contains("channel_order")) info->set_channel_order(j->value("channel_order", ""));
+    if (!rope_layout.empty()) info->set_rope_layout(rope_layout);
+    if (!channel_order.empty()) info->set_channel_order(channel_order);
   } else {
     return absl::NotFoundError(
         absl::StrCat("'", dir, "' is not a registry entry: neither manifest.json nor model.json"));
@@ -52,23 +66,39 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
     auto j = ReadJson(p / "codec.json");
     if (!j.ok()) return j.status();
     v1::CodecSettings* c = info->mutable_codec();
+    const core::JsonFields f(*j, (p / "codec.json").string());
+    int key_bits = 0, key_group = 0, side_bits = 0, value_bits = 0, value_group = 0;
+    int sink_tokens = 0, rank = 0, window = 0;
+    float value_budget = 0;
+    std::string policy;
+    RETURN_IF_ERROR(f.Int("key_bits", &key_bits));
+    RETURN_IF_ERROR(f.Int("key_group", &key_group));
+    RETURN_IF_ERROR(f.Int("rank", &rank));
+    RETURN_IF_ERROR(f.Int("side_bits", &side_bits));
+    RETURN_IF_ERROR(f.Int("value_bits", &value_bits));
+    RETURN_IF_ERROR(f.Int("value_group", &value_group));
+    RETURN_IF_ERROR(f.String("value_policy", &policy));
+    RETURN_IF_ERROR(f.Float("value_budget", &value_budget));
+    RETURN_IF_ERROR(f.Int("sink_tokens", &sink_tokens));
+    RETURN_IF_ERROR(f.Int("window", &window));
     // In a request 0 means "the default"; -1 asks for a real 0 (rank, window).
-    c->set_key_bits(j->value("key_bits", 0));
-    c->set_key_group(j->value("key_group", 0));
-    if (j->contains("rank")) c->set_rank(j->value("rank", 0) == 0 ? -1 : j->value("rank", 0));
-    c->set_side_bits(j->value("side_bits", 0));
-    c->set_value_bits(j->value("value_bits", 0));
-    c->set_value_group(j->value("value_group", 0));
-    if (j->contains("value_policy")) {
-      c->set_value_policy(j->value("value_policy", std::string()) == "a2"
-                              ? v1::CodecSettings::VALUE_POLICY_A2
-                              : v1::CodecSettings::VALUE_POLICY_UNIFORM);
+    c->set_key_bits(key_bits);
+    c->set_key_group(key_group);
+    if (j->contains("rank")) c->set_rank(rank == 0 ? -1 : rank);
+    c->set_side_bits(side_bits);
+    c->set_value_bits(value_bits);
+    c->set_value_group(value_group);
+    if (!policy.empty()) {
+      if (policy != "a2" && policy != "uniform") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            (p / "codec.json").string(), ": value_policy \"", policy, "\": must be uniform or a2"));
+      }
+      c->set_value_policy(policy == "a2" ? v1::CodecSettings::VALUE_POLICY_A2
+                                         : v1::CodecSettings::VALUE_POLICY_UNIFORM);
     }
-    c->set_value_budget(j->value("value_budget", 0.0f));
-    c->set_sink_tokens(j->value("sink_tokens", 0));
-    if (j->contains("window")) {
-      c->set_window(j->value("window", 0) == 0 ? -1 : j->value("window", 0));
-    }
+    c->set_value_budget(value_budget);
+    c->set_sink_tokens(sink_tokens);
+    if (j->contains("window")) c->set_window(window == 0 ? -1 : window);
   }
   return req;
 }

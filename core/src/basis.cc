@@ -17,7 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "json_fields.h"
+#include "kvq/core/json_fields.h"
 #include "kvq/core/status.h"
 
 namespace kvq::core {

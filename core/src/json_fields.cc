@@ -1,4 +1,4 @@
-#include "json_fields.h"
+#include "kvq/core/json_fields.h"
 
 #include <cmath>
 #include <limits>

@@ -14,7 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "json_fields.h"
+#include "kvq/core/json_fields.h"
 #include "kvq/core/status.h"
 #include "kvq/core/store.h"
 #include "nlohmann/json.hpp"

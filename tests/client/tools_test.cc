@@ -187,6 +187,22 @@ TEST_F(ToolsTest, ModelsRegisterTakesModelJsonAndCodecJson) {
 
   std::ofstream(entry + "/codec.json") << "{not json";
   EXPECT_EQ(Kvq(absl::StrCat("models register ", entry, " ", flags_)).code, 1);
+
+  // Mistyped fields and an unknown value policy are local errors naming the field (the CLI
+  // used to abort on nlohmann's exception, and to turn any policy but "a2" into uniform).
+  std::ofstream(entry + "/codec.json") << R"({"key_bits": "2"})";
+  ToolRun typed = Kvq(absl::StrCat("models register ", entry, " ", flags_));
+  EXPECT_EQ(typed.code, 1) << typed.err;
+  EXPECT_THAT(typed.err, HasSubstr("key_bits"));
+  std::ofstream(entry + "/codec.json") << R"({"value_policy": "a3"})";
+  ToolRun policy = Kvq(absl::StrCat("models register ", entry, " ", flags_));
+  EXPECT_EQ(policy.code, 1) << policy.err;
+  EXPECT_THAT(policy.err, HasSubstr("value_policy \"a3\": must be uniform or a2"));
+  std::ofstream(entry + "/codec.json") << "{}";
+  std::ofstream(entry + "/model.json") << R"({"model": "plain-model", "layers": 4.5})";
+  ToolRun shape = Kvq(absl::StrCat("models register ", entry, " ", flags_));
+  EXPECT_EQ(shape.code, 1) << shape.err;
+  EXPECT_THAT(shape.err, HasSubstr("layers"));
 }
 
 TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
