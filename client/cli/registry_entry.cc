@@ -37,27 +37,22 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
   } else if (fs::exists(p / "model.json")) {
     auto j = ReadJson(p / "model.json");
     if (!j.ok()) return j.status();
-    // Checked reads: a mistyped field is an error naming it, never an exception.
-    const core::JsonFields f(*j, (p / "model.json").string());
-    std::string model, rope_layout, channel_order;
-    int version = 0, layers = 0, kv_heads = 0, q_heads = 0, head_dim = 0;
-    RETURN_IF_ERROR(f.String("model", &model));
-    RETURN_IF_ERROR(f.Int("version", &version));
-    RETURN_IF_ERROR(f.Int("layers", &layers));
-    RETURN_IF_ERROR(f.Int("kv_heads", &kv_heads));
-    RETURN_IF_ERROR(f.Int("q_heads", &q_heads));
-    RETURN_IF_ERROR(f.Int("head_dim", &head_dim));
-    RETURN_IF_ERROR(f.String("rope_layout", &rope_layout));
-    RETURN_IF_ERROR(f.String("channel_order", &channel_order));
-    info->set_model(model);
-    info->set_version(version);
-    info->set_layers(layers);
-    info->set_kv_heads(kv_heads);
-    info->set_q_heads(q_heads);
-    info->set_head_dim(head_dim);
+    // Checked reads (the registry loader's): a mistyped field is an error naming it. Absent
+    // fields stay unset in the request (0 / empty: the server's defaults).
+    core::BasisManifest m;
+    m.version = 0;
+    m.rope_layout.clear();
+    m.channel_order.clear();
+    RETURN_IF_ERROR(core::ReadModelShape(core::JsonFields(*j, (p / "model.json").string()), &m));
+    info->set_model(m.model);
+    info->set_version(m.version);
+    info->set_layers(m.layers);
+    info->set_kv_heads(m.kv_heads);
+    info->set_q_heads(m.q_heads);
+    info->set_head_dim(m.head_dim);
     info->set_basis_rank(0);
-    if (!rope_layout.empty()) info->set_rope_layout(rope_layout);
-    if (!channel_order.empty()) info->set_channel_order(channel_order);
+    if (!m.rope_layout.empty()) info->set_rope_layout(m.rope_layout);
+    if (!m.channel_order.empty()) info->set_channel_order(m.channel_order);
   } else {
     return absl::NotFoundError(
         absl::StrCat("'", dir, "' is not a registry entry: neither manifest.json nor model.json"));
