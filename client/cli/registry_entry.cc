@@ -44,15 +44,8 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
     m.rope_layout.clear();
     m.channel_order.clear();
     RETURN_IF_ERROR(core::ReadModelShape(core::JsonFields(*j, (p / "model.json").string()), &m));
-    info->set_model(m.model);
-    info->set_version(m.version);
-    info->set_layers(m.layers);
-    info->set_kv_heads(m.kv_heads);
-    info->set_q_heads(m.q_heads);
-    info->set_head_dim(m.head_dim);
+    client::FillModelShape(m, info);  // empty strings stay unset (proto3)
     info->set_basis_rank(0);
-    if (!m.rope_layout.empty()) info->set_rope_layout(m.rope_layout);
-    if (!m.channel_order.empty()) info->set_channel_order(m.channel_order);
   } else {
     return absl::NotFoundError(
         absl::StrCat("'", dir, "' is not a registry entry: neither manifest.json nor model.json"));

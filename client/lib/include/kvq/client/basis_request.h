@@ -9,18 +9,23 @@
 
 namespace kvq::client {
 
-inline void FillBasisRequest(const core::ModelBasis& basis, v1::RegisterBasisRequest* req) {
-  const core::BasisManifest& m = basis.manifest;
-  v1::ModelInfo* info = req->mutable_info();
+// The identity and shape fields a manifest.json and a model.json share (core::ReadModelShape).
+inline void FillModelShape(const core::BasisManifest& m, v1::ModelInfo* info) {
   info->set_model(m.model);
   info->set_version(m.version);
   info->set_layers(m.layers);
   info->set_kv_heads(m.kv_heads);
   info->set_q_heads(m.q_heads);
   info->set_head_dim(m.head_dim);
-  info->set_basis_rank(m.rank);
   info->set_rope_layout(m.rope_layout);
   info->set_channel_order(m.channel_order);
+}
+
+inline void FillBasisRequest(const core::ModelBasis& basis, v1::RegisterBasisRequest* req) {
+  const core::BasisManifest& m = basis.manifest;
+  v1::ModelInfo* info = req->mutable_info();
+  FillModelShape(m, info);
+  info->set_basis_rank(m.rank);
   info->set_kind(m.kind);
   info->set_calibration_tokens(m.calibration_tokens);
   const size_t per = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
