@@ -62,7 +62,11 @@ absl::Status Bad(const std::string& dir, absl::string_view what) {
 }  // namespace
 
 std::string BasisFingerprint(const ModelBasis& b) {
-  return absl::StrFormat("%016x", XXH3_64bits(b.u.data(), b.u.size() * sizeof(float)));
+  uint64_t h = XXH3_64bits(b.u.data(), b.u.size() * sizeof(float));
+  if (b.oblique()) h = XXH3_64bits_withSeed(b.encode.data(), b.encode.size() * sizeof(float), h);
+  if (!b.query_moment.empty())
+    h = XXH3_64bits_withSeed(b.query_moment.data(), b.query_moment.size() * sizeof(float), h);
+  return absl::StrFormat("%016x", h);
 }
 
 ModelBasis ModelBasis::Truncated(int r) const {
@@ -71,10 +75,16 @@ ModelBasis ModelBasis::Truncated(int r) const {
   out.manifest.rank = r;
   const int R = manifest.rank, d = manifest.head_dim;
   const size_t heads = static_cast<size_t>(manifest.layers) * manifest.kv_heads;
-  out.u.resize(heads * d * r);
-  for (size_t h = 0; h < heads; ++h)
-    for (int a = 0; a < d; ++a)
-      for (int j = 0; j < r; ++j) out.u[(h * d + a) * r + j] = u[(h * d + a) * R + j];
+  auto keep_first = [&](const std::vector<float>& from, std::vector<float>* to) {
+    to->resize(heads * d * r);
+    for (size_t h = 0; h < heads; ++h)
+      for (int a = 0; a < d; ++a)
+        for (int j = 0; j < r; ++j) (*to)[(h * d + a) * r + j] = from[(h * d + a) * R + j];
+  };
+  // An oblique pair's leading columns are the lower-rank pair (A^T B = I column by column).
+  keep_first(u, &out.u);
+  if (oblique()) keep_first(encode, &out.encode);
+  out.query_moment = query_moment;
   out.manifest.fingerprint = BasisFingerprint(out);
   return out;
 }
@@ -83,17 +93,33 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b) {
   const BasisManifest& m = b.manifest;
   const size_t per_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
   if (m.layers < 1 || m.kv_heads < 1 || m.head_dim < 1 || m.rank < 1 ||
-      b.u.size() != per_layer * m.layers)
+      b.u.size() != per_layer * m.layers || (b.oblique() && b.encode.size() != b.u.size()) ||
+      (!b.query_moment.empty() &&
+       b.query_moment.size() != static_cast<size_t>(m.layers) * m.kv_heads * m.head_dim * m.head_dim))
     return Bad(dir, "manifest shape does not match the tensor data");
   b.manifest.fingerprint = BasisFingerprint(b);
   json header;
+  const size_t all_u = per_layer * m.layers * 4;
   for (int l = 0; l < m.layers; ++l) {
     const size_t begin = l * per_layer * 4;
     header[absl::StrCat("layer.", l, ".u")] = {
         {"dtype", "F32"},
         {"shape", {m.kv_heads, m.head_dim, m.rank}},
         {"data_offsets", {begin, begin + per_layer * 4}}};
+    if (b.oblique())
+      header[absl::StrCat("layer.", l, ".encode")] = {
+          {"dtype", "F32"},
+          {"shape", {m.kv_heads, m.head_dim, m.rank}},
+          {"data_offsets", {all_u + begin, all_u + begin + per_layer * 4}}};
   }
+  const size_t moment_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.head_dim * 4;
+  const size_t moment0 = all_u * (b.oblique() ? 2 : 1);
+  if (!b.query_moment.empty())
+    for (int l = 0; l < m.layers; ++l)
+      header[absl::StrCat("layer.", l, ".query_moment")] = {
+          {"dtype", "F32"},
+          {"shape", {m.kv_heads, m.head_dim, m.head_dim}},
+          {"data_offsets", {moment0 + l * moment_layer, moment0 + (l + 1) * moment_layer}}};
   header["__metadata__"] = {{"format", "kvq-basis"}, {"fingerprint", b.manifest.fingerprint}};
   std::string h = header.dump();
   while (h.size() % 8) h.push_back(' ');
@@ -102,6 +128,8 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b) {
   std::memcpy(bytes.data(), &n, 8);
   bytes += h;
   bytes.append(reinterpret_cast<const char*>(b.u.data()), b.u.size() * 4);
+  if (b.oblique()) bytes.append(reinterpret_cast<const char*>(b.encode.data()), b.encode.size() * 4);
+  bytes.append(reinterpret_cast<const char*>(b.query_moment.data()), b.query_moment.size() * 4);
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("mkdir ", dir, ": ", ec.message()));
@@ -158,8 +186,10 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir) {
   if (m.rope_layout != "adjacent_pairs" && m.rope_layout != "halves")
     return Bad(dir, "rope_layout must be 'adjacent_pairs' or 'halves'");
   const size_t per_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
-  const size_t data_bytes = per_layer * m.layers * 4;
-  auto ts = ReadFile(fs::path(dir) / "basis.safetensors", data_bytes + (16 << 20));
+  const size_t u_bytes = per_layer * m.layers * 4;
+  const size_t moment_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.head_dim;
+  const size_t moment_bytes = moment_layer * m.layers * 4;
+  auto ts = ReadFile(fs::path(dir) / "basis.safetensors", 2 * u_bytes + moment_bytes + (16 << 20));
   if (!ts.ok()) return ts.status();
   const std::string& t = *ts;
   if (t.size() < 8) return Bad(dir, "basis.safetensors truncated (no header length)");
@@ -169,42 +199,66 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir) {
   json hj = json::parse(t.substr(8, hn), nullptr, false);
   if (hj.is_discarded() || !hj.is_object()) return Bad(dir, "safetensors header is not JSON");
   const size_t data0 = 8 + hn;
+  const bool oblique = hj.contains("layer.0.encode");
+  const bool has_moment = hj.contains("layer.0.query_moment");
+  const size_t data_bytes = (oblique ? 2 * u_bytes : u_bytes) + (has_moment ? moment_bytes : 0);
   if (t.size() - data0 != data_bytes)
     return Bad(dir, absl::StrCat("tensor data is ", t.size() - data0, " bytes, the manifest "
                                  "implies ", data_bytes));
-  b.u.resize(per_layer * m.layers);
-  for (int l = 0; l < m.layers; ++l) {
-    const std::string name = absl::StrCat("layer.", l, ".u");
+  auto read_tensor = [&](const std::string& name, float* to, int64_t cols = 0) -> absl::Status {
     if (!hj.contains(name)) return Bad(dir, absl::StrCat("tensor ", name, " missing"));
     const json& e = hj[name];
+    if (cols == 0) cols = m.rank;
+    const size_t n = static_cast<size_t>(m.kv_heads) * m.head_dim * cols;
     try {
       if (e.at("dtype").get<std::string>() != "F32") return Bad(dir, name + ": dtype must be F32");
       auto shape = e.at("shape").get<std::vector<int64_t>>();
-      if (shape != std::vector<int64_t>{m.kv_heads, m.head_dim, m.rank})
-        return Bad(dir, name + ": shape must be [kv_heads, head_dim, rank] of the manifest");
+      if (shape != std::vector<int64_t>{m.kv_heads, m.head_dim, cols})
+        return Bad(dir, absl::StrCat(name, ": shape must be [kv_heads, head_dim, ",
+                                     cols == m.rank ? "rank" : "head_dim", "] of the manifest"));
       auto off = e.at("data_offsets").get<std::vector<uint64_t>>();
-      if (off.size() != 2 || off[1] - off[0] != per_layer * 4 || off[1] > data_bytes)
+      if (off.size() != 2 || off[1] < off[0] || off[1] - off[0] != n * 4 || off[1] > data_bytes)
         return Bad(dir, name + ": data_offsets out of range");
-      std::memcpy(b.u.data() + l * per_layer, t.data() + data0 + off[0], per_layer * 4);
+      std::memcpy(to, t.data() + data0 + off[0], n * 4);
     } catch (const json::exception& ex) {
       return Bad(dir, absl::StrCat(name, ": ", ex.what()));
     }
+    return absl::OkStatus();
+  };
+  b.u.resize(per_layer * m.layers);
+  if (oblique) b.encode.resize(b.u.size());
+  for (int l = 0; l < m.layers; ++l) {
+    RETURN_IF_ERROR(read_tensor(absl::StrCat("layer.", l, ".u"), b.u.data() + l * per_layer));
+    if (oblique)
+      RETURN_IF_ERROR(
+          read_tensor(absl::StrCat("layer.", l, ".encode"), b.encode.data() + l * per_layer));
   }
-  for (float x : b.u)
-    if (!std::isfinite(x)) return Bad(dir, "basis holds a non-finite value");
+  if (has_moment) {
+    b.query_moment.resize(moment_layer * m.layers);
+    for (int l = 0; l < m.layers; ++l)
+      RETURN_IF_ERROR(read_tensor(absl::StrCat("layer.", l, ".query_moment"),
+                                  b.query_moment.data() + l * moment_layer, m.head_dim));
+  }
+  for (const auto* v : {&b.u, &b.encode, &b.query_moment})
+    for (float x : *v)
+      if (!std::isfinite(x)) return Bad(dir, "basis holds a non-finite value");
   if (BasisFingerprint(b) != m.fingerprint)
     return absl::DataLossError(absl::StrCat("basis ", dir, ": fingerprint ", BasisFingerprint(b),
                                             " does not match the manifest's ", m.fingerprint));
-  // Orthonormal columns per head (tolerance for float storage).
+  // Orthonormal columns per head, or for an oblique pair A^T B = I (tolerance for float
+  // storage): either way B A^T is a projection, so the side code cannot amplify a residual.
   for (int l = 0; l < m.layers; ++l)
     for (int h = 0; h < m.kv_heads; ++h) {
       const float* u = b.head(l, h);
+      const float* a_ = b.encode_head(l, h);
       for (int i = 0; i < m.rank; ++i)
-        for (int j = i; j < m.rank; ++j) {
+        for (int j = oblique ? 0 : i; j < m.rank; ++j) {
           double dot = 0;
-          for (int a = 0; a < m.head_dim; ++a) dot += double(u[a * m.rank + i]) * u[a * m.rank + j];
+          for (int a = 0; a < m.head_dim; ++a) dot += double(a_[a * m.rank + i]) * u[a * m.rank + j];
           if (std::fabs(dot - (i == j ? 1.0 : 0.0)) > 1e-3)
-            return Bad(dir, absl::StrCat("layer ", l, " head ", h, ": columns are not orthonormal"));
+            return Bad(dir, absl::StrCat("layer ", l, " head ", h,
+                                         oblique ? ": encode and decode bases are not biorthogonal"
+                                                 : ": columns are not orthonormal"));
         }
     }
   return b;

@@ -40,7 +40,8 @@ SizeReport& SizeReport::operator+=(const SizeReport& o) {
   return *this;
 }
 
-LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool)
+LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool,
+                       const float* encode_basis, const float* query_moment)
     : opts_(o),
       kv_heads_(kv_heads),
       pool_(pool ? pool : HostBytePool()),
@@ -50,11 +51,22 @@ LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis, 
     basis_.assign(basis, basis + static_cast<size_t>(kv_heads) * o.head_dim * o.rank);
   if (o.rank > 0 && !basis) opts_.rank = 0;  // no basis: KIVI-like base only
   const int d = opts_.head_dim, r = opts_.rank;
+  // The encoder projects with A^T (U^T unless an oblique pair is given), kept transposed.
+  const float* enc = r > 0 && encode_basis ? encode_basis : basis_.data();
   basis_t_.resize(basis_.size());
   for (int h = 0; h < kv_heads; ++h)
     for (int c = 0; c < d; ++c)
       for (int j = 0; j < r; ++j)
-        basis_t_[(static_cast<size_t>(h) * r + j) * d + c] = basis_[(static_cast<size_t>(h) * d + c) * r + j];
+        basis_t_[(static_cast<size_t>(h) * r + j) * d + c] = enc[(static_cast<size_t>(h) * d + c) * r + j];
+  if (o.metric_rounding && query_moment) {
+    for (int h = 0; h < kv_heads; ++h) {
+      const size_t hb = static_cast<size_t>(h) * d * r;
+      std::vector<float> f = KeyRoundingFactor(query_moment + static_cast<size_t>(h) * d * d, d,
+                                               r > 0 ? basis_.data() + hb : nullptr,
+                                               r > 0 ? enc + hb : nullptr, r, o.rotate_keys);
+      rounding_.insert(rounding_.end(), f.begin(), f.end());
+    }
+  }
 }
 
 namespace {
@@ -390,7 +402,9 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
-      RETURN_IF_ERROR(EncodeKeyBlockT(opts_, kf.data(), d, Ut, seal ? &sb->bytes : &hd.kblocks));
+      RETURN_IF_ERROR(EncodeKeyBlockT(opts_, kf.data(), d, Ut, seal ? &sb->bytes : &hd.kblocks,
+                                      rounding_.empty() ? nullptr
+                                                        : rounding_.data() + static_cast<size_t>(h) * d * d));
       if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
       const uint8_t* wp = nullptr;
       if (opts_.per_token_value_bits()) {

@@ -13,6 +13,7 @@ QueryStats::QueryStats(int layers, int q_heads, int kv_heads, int head_dim)
   m2_.assign(heads * d_ * d_, 0.0);
   m1_.assign(heads * d_, 0.0);
   res2_.assign(heads * d_, 0.0);
+  res_m2_.assign(heads * d_ * d_, 0.0);
   n_.assign(heads, 0);
   nres_.assign(heads, 0);
 }
@@ -36,8 +37,15 @@ void QueryStats::Add(int layer, int q_head, const float* q, int64_t n) {
 void QueryStats::AddResidual(int layer, int kv_head, const float* e, int64_t n) {
   const size_t hi = static_cast<size_t>(layer) * kv_heads_ + kv_head;
   double* r = res2_.data() + hi * d_;
-  for (int64_t t = 0; t < n; ++t)
-    for (int a = 0; a < d_; ++a) r[a] += double(e[t * d_ + a]) * e[t * d_ + a];
+  double* m2 = res_m2_.data() + hi * d_ * d_;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* x = e + t * d_;
+    for (int a = 0; a < d_; ++a) {
+      r[a] += double(x[a]) * x[a];
+      const double xa = x[a];
+      for (int b = a; b < d_; ++b) m2[a * d_ + b] += xa * x[b];
+    }
+  }
   nres_[hi] += n;
 }
 
@@ -55,11 +63,14 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
   manifest.q_heads = q_heads_;
   manifest.head_dim = d_;
   manifest.rank = rank;
-  manifest.kind = opts.residual_weighted ? "query_pca_residual_weighted"
+  manifest.kind = opts.oblique ? "oblique_rrr"
+                 : opts.residual_weighted ? "query_pca_residual_weighted"
                   : opts.centred         ? "query_pca_centred"
                                          : "query_pca_uncentred";
   int64_t total = 0;
   b.u.assign(static_cast<size_t>(layers_) * kv_heads_ * d_ * rank, 0.0f);
+  if (opts.oblique) b.encode.assign(b.u.size(), 0.0f);
+  if (opts.keep_query_moment) b.query_moment.assign(static_cast<size_t>(layers_) * kv_heads_ * d_ * d_, 0.0f);
   for (int l = 0; l < layers_; ++l)
     for (int h = 0; h < kv_heads_; ++h) {
       const size_t hi = static_cast<size_t>(l) * kv_heads_ + h;
@@ -71,6 +82,9 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
       Eigen::MatrixXd m(d_, d_);
       for (int a = 0; a < d_; ++a)
         for (int c = a; c < d_; ++c) m(a, c) = m(c, a) = m2_[hi * d_ * d_ + a * d_ + c] / n;
+      if (opts.keep_query_moment)
+        for (int a = 0; a < d_; ++a)
+          for (int c = 0; c < d_; ++c) b.query_moment[(hi * d_ + a) * d_ + c] = static_cast<float>(m(a, c));
       if (opts.centred) {
         Eigen::VectorXd mu(d_);
         for (int a = 0; a < d_; ++a) mu(a) = m1_[hi * d_ + a] / n;
@@ -83,6 +97,39 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
         Eigen::VectorXd s(d_);
         for (int a = 0; a < d_; ++a) s(a) = std::sqrt(res2_[hi * d_ + a] / nres_[hi]) + 1e-12;
         m = s.asDiagonal() * m * s.asDiagonal();
+      }
+      if (opts.oblique) {
+        if (nres_[hi] == 0)
+          return absl::FailedPreconditionError(
+              absl::StrCat("no residual statistics for layer ", l, " kv head ", h));
+        Eigen::MatrixXd se(d_, d_);
+        for (int a = 0; a < d_; ++a)
+          for (int c = a; c < d_; ++c)
+            se(a, c) = se(c, a) = res_m2_[hi * d_ * d_ + a * d_ + c] / nres_[hi];
+        // A small ridge keeps R^-1 bounded along directions the residual never takes.
+        se += Eigen::MatrixXd::Identity(d_, d_) * (1e-4 * se.trace() / d_ + 1e-20);
+        Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> ee(se);
+        const Eigen::VectorXd sq = ee.eigenvalues().cwiseSqrt();
+        const Eigen::MatrixXd R = ee.eigenvectors() * sq.asDiagonal() * ee.eigenvectors().transpose();
+        const Eigen::MatrixXd Rinv =
+            ee.eigenvectors() * sq.cwiseInverse().asDiagonal() * ee.eigenvectors().transpose();
+        Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> es(R * m * R);
+        Eigen::MatrixXd w(d_, rank);
+        for (int j = 0; j < rank; ++j) w.col(j) = es.eigenvectors().col(d_ - 1 - j);
+        Eigen::MatrixXd dec = R * w, enc = Rinv * w;
+        for (int j = 0; j < rank; ++j) {  // unit decode columns; A^T B = I is kept
+          const double s = dec.col(j).norm();
+          dec.col(j) /= s;
+          enc.col(j) *= s;
+        }
+        float* u = b.u.data() + hi * d_ * rank;
+        float* a_ = b.encode.data() + hi * d_ * rank;
+        for (int a = 0; a < d_; ++a)
+          for (int j = 0; j < rank; ++j) {
+            u[a * rank + j] = static_cast<float>(dec(a, j));
+            a_[a * rank + j] = static_cast<float>(enc(a, j));
+          }
+        continue;
       }
       Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> es(m);
       Eigen::MatrixXd top(d_, rank);

@@ -3,6 +3,8 @@
 
 #include <xxhash.h>
 
+#include <Eigen/Dense>
+
 #include <cmath>
 #include <algorithm>
 #include <cstring>
@@ -40,12 +42,15 @@ uint32_t BlockChecksum(const uint8_t* block, size_t size, uint8_t version) {
   return ChecksumV2(block, size, head);
 }
 
-// Header bytes 0..11 (everything but the checksum) of a current-version block.
+// Header bytes 0..11 (everything but the checksum) of a current-version block. `kind` may
+// carry flags in its high nibble; only then is the block version 3.
+uint8_t VersionFor(uint8_t kind) { return (kind & 0xF0) != 0 ? kBlockVersionFlags : kBlockVersion; }
+
 void WriteHeaderFields(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens,
                        int head_dim, int extra) {
   const uint16_t magic = kBlockMagic;
   std::memcpy(p, &magic, 2);
-  p[2] = kBlockVersion;
+  p[2] = VersionFor(kind);
   p[3] = kind;
   p[4] = static_cast<uint8_t>(bits);
   p[5] = static_cast<uint8_t>(side_bits);
@@ -57,12 +62,12 @@ void WriteHeaderFields(uint8_t* p, uint8_t kind, int bits, int side_bits, int to
 void WriteHeader(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, int head_dim,
                  int extra, size_t size) {
   WriteHeaderFields(p, kind, bits, side_bits, tokens, head_dim, extra);
-  const uint32_t sum = BlockChecksum(p, size, kBlockVersion);
+  const uint32_t sum = BlockChecksum(p, size, VersionFor(kind));
   std::memcpy(p + 12, &sum, 4);
 }
 
 struct Header {
-  uint8_t kind, bits, side_bits;
+  uint8_t kind, flags, bits, side_bits;
   uint16_t tokens, head_dim, extra;
 };
 
@@ -75,12 +80,16 @@ absl::StatusOr<Header> ReadHeader(std::span<const uint8_t> b, uint8_t kind, bool
   if (magic != kBlockMagic)
     return absl::DataLossError(absl::StrFormat("block magic 0x%04x, expected 0x%04x", magic,
                                                kBlockMagic));
-  if (b[2] != 1 && b[2] != 2)
+  if (b[2] < 1 || b[2] > kBlockVersionFlags)
     return absl::DataLossError(absl::StrCat("block version ", b[2], " unsupported (this build "
-                                            "reads versions 1 and 2)"));
-  if (b[3] != kind)
-    return absl::DataLossError(absl::StrCat("block kind ", b[3], ", expected ", kind));
-  Header h{b[3], b[4], b[5], 0, 0, 0};
+                                            "reads versions 1 to 3)"));
+  const uint8_t flags = b[3] & 0xF0;
+  if ((b[3] & 0x0F) != kind)
+    return absl::DataLossError(absl::StrCat("block kind ", b[3] & 0x0F, ", expected ", kind));
+  if ((b[2] == kBlockVersionFlags) != (flags != 0) || (flags & ~kBlockRotated) != 0)
+    return absl::DataLossError(absl::StrFormat("block flags 0x%02x invalid for version %d", flags,
+                                               b[2]));
+  Header h{kind, flags, b[4], b[5], 0, 0, 0};
   uint16_t f[3];
   std::memcpy(f, b.data() + 6, 6);
   h.tokens = f[0];
@@ -101,6 +110,73 @@ int CodeAt(const uint8_t* row, int bits, int64_t i) {
   const int64_t bit = i * bits;
   uint32_t w = row[bit >> 3] | (bits + (bit & 7) > 8 ? row[(bit >> 3) + 1] << 8 : 0);
   return static_cast<int>((w >> (bit & 7)) & ((1u << bits) - 1));
+}
+
+// x <- H x for the normalized Walsh-Hadamard matrix H (d a power of two): H is symmetric and
+// orthogonal, so the same call also undoes it. d log2 d additions, one pass of scaling.
+void Rotate(float* x, int d) {
+  for (int h = 1; h < d; h *= 2)
+    for (int i = 0; i < d; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+  const float norm = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int i = 0; i < d; ++i) x[i] *= norm;
+}
+
+// Rows [n][d] of x (row stride ld) rotated into out [n][d].
+void RotateRows(const float* x, int64_t ld, int n, int d, std::vector<float>* out) {
+  out->resize(static_cast<size_t>(n) * d);
+  for (int t = 0; t < n; ++t) {
+    float* row = out->data() + static_cast<size_t>(t) * d;
+    std::copy_n(x + t * ld, d, row);
+    Rotate(row, d);
+  }
+}
+
+uint8_t KindByte(uint8_t kind, bool rotated) { return kind | (rotated ? kBlockRotated : 0); }
+
+void SetCode(uint8_t* row, int bits, int64_t i, int code) {
+  const int64_t bit = i * bits;
+  const uint32_t mask = ((1u << bits) - 1) << (bit & 7), v = static_cast<uint32_t>(code) << (bit & 7);
+  row[bit >> 3] = static_cast<uint8_t>((row[bit >> 3] & ~mask) | v);
+  if (bits + (bit & 7) > 8)
+    row[(bit >> 3) + 1] = static_cast<uint8_t>((row[(bit >> 3) + 1] & ~(mask >> 8)) | (v >> 8));
+}
+
+// Re-chooses the base codes of a key block token by token (the per-channel scales and zero
+// points stay): channel c is rounded to its grid, and its error, scaled by the metric factor
+// U (upper Cholesky factor of H^-1), is fed into the channels after it. This is GPTQ's
+// sequential rule with the keys as weights and the queries as inputs: it minimizes the
+// error e^T H e greedily, i.e. the mean squared score error for queries with E[q q^T] = H.
+// deq receives the dequantized keys the decoder will see.
+void MetricRound(const float* keys, int64_t ld, int G, int d, int bits, const uint16_t* scale,
+                 const uint16_t* zero, const float* U, uint8_t* codes, float* deq) {
+  const int maxq = (1 << bits) - 1;
+  const int64_t rb = RowBytes(G, bits);
+  thread_local std::vector<float> w, s, z;
+  w.resize(d);
+  s.resize(d);
+  z.resize(d);
+  for (int c = 0; c < d; ++c) {
+    s[c] = HalfToFloat(scale[c]);
+    z[c] = HalfToFloat(zero[c]);
+  }
+  for (int t = 0; t < G; ++t) {
+    std::copy_n(keys + t * ld, d, w.data());
+    float* out = deq + static_cast<size_t>(t) * d;
+    for (int c = 0; c < d; ++c) {
+      int q = 0;
+      if (s[c] > 0) q = std::clamp(static_cast<int>(std::nearbyint((w[c] - z[c]) / s[c])), 0, maxq);
+      SetCode(codes + c * rb, bits, t, q);
+      out[c] = z[c] + s[c] * static_cast<float>(q);
+      const float err = (w[c] - out[c]) / U[static_cast<size_t>(c) * d + c];
+      const float* row = U + static_cast<size_t>(c) * d;
+      for (int j = c + 1; j < d; ++j) w[j] -= err * row[j];
+    }
+  }
 }
 
 }  // namespace
@@ -126,6 +202,8 @@ absl::Status CodecOptions::Validate() const {
     return bad("sink_tokens", sink_tokens, "must be in [0, 1024]");
   if (window < 0 || window > 65536) return bad("window", window, "must be in [0, 65536]");
   if (side_sign != 1.0f && side_sign != -1.0f) return bad("side_sign", side_sign, "must be 1 or -1");
+  if ((rotate_keys || rotate_values) && (head_dim & (head_dim - 1)) != 0)
+    return bad("head_dim", head_dim, "must be a power of two to rotate keys or values");
   return absl::OkStatus();
 }
 
@@ -137,6 +215,8 @@ std::string CodecOptions::ToString() const {
   else
     absl::StrAppendFormat(&s, " v%dg%d", value_bits, value_group);
   absl::StrAppendFormat(&s, " R%d", window);
+  if (rotate_keys) s += " rotk";
+  if (rotate_values) s += " rotv";
   if (side_sign < 0) s += " wrongsign";
   return s;
 }
@@ -175,9 +255,19 @@ absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld
 
 template <class ByteVec>
 absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t ld,
-                             const float* basis_t, ByteVec* out) {
+                             const float* basis_t, ByteVec* out, const float* rounding) {
   const int d = o.head_dim, G = o.key_group, r = o.rank;
   if (r > 0 && basis_t == nullptr) return absl::InvalidArgumentError("rank > 0 needs a basis");
+  thread_local std::vector<float> rotated_keys, rotated_basis;
+  if (o.rotate_keys) {  // quantize H k with the basis H U (rows of U^T rotated)
+    RotateRows(keys, ld, G, d, &rotated_keys);
+    keys = rotated_keys.data();
+    ld = d;
+    if (r > 0) {
+      RotateRows(basis_t, d, r, d, &rotated_basis);
+      basis_t = rotated_basis.data();
+    }
+  }
   const size_t size = KeyBlockBytes(o);
   const size_t at = out->size();
   out->resize(at + size);
@@ -187,7 +277,10 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
   uint8_t* codes = reinterpret_cast<uint8_t*>(zero + d);
   thread_local std::vector<float> deq, coef;
   if (r > 0) deq.resize(static_cast<size_t>(G) * d);
-  K().quantize_channels(keys, ld, G, d, o.key_bits, scale, zero, codes, r > 0 ? deq.data() : nullptr);
+  if (r > 0 || rounding) deq.resize(static_cast<size_t>(G) * d);
+  K().quantize_channels(keys, ld, G, d, o.key_bits, scale, zero, codes,
+                        r > 0 || rounding ? deq.data() : nullptr);
+  if (rounding) MetricRound(keys, ld, G, d, o.key_bits, scale, zero, rounding, codes, deq.data());
   if (r > 0) {
     // c_t = U^T (k_t - k_base_t): r coefficients per token.
     coef.resize(static_cast<size_t>(G) * r);
@@ -202,7 +295,7 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
     uint8_t* scodes = reinterpret_cast<uint8_t*>(szero + r);
     K().quantize_channels(coef.data(), r, G, r, o.side_bits, sscale, szero, scodes, nullptr);
   }
-  WriteHeader(p, 1, o.key_bits, r > 0 ? o.side_bits : 0, G, d, r, size);
+  WriteHeader(p, KindByte(1, o.rotate_keys), o.key_bits, r > 0 ? o.side_bits : 0, G, d, r, size);
   return absl::OkStatus();
 }
 
@@ -213,6 +306,12 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
   const bool per_token = o.per_token_value_bits();
   if (per_token && bits_per_token == nullptr)
     return absl::InvalidArgumentError("the A^2 value policy needs per-token widths");
+  thread_local std::vector<float> rotated_values;
+  if (o.rotate_values) {
+    RotateRows(values, ld, G, d, &rotated_values);
+    values = rotated_values.data();
+    ld = d;
+  }
   size_t size = kBlockHeaderBytes;
   if (per_token) {
     size += (G + 3) / 4;
@@ -244,7 +343,8 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
       rec += 4 * ng + RowBytes(d, b);
     }
   }
-  WriteHeader(p, 2, per_token ? 0 : o.value_bits, 0, G, d, o.value_group, size);
+  WriteHeader(p, KindByte(2, o.rotate_values), per_token ? 0 : o.value_bits, 0, G, d,
+              o.value_group, size);
   return absl::OkStatus();
 }
 
@@ -252,7 +352,7 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
   template absl::Status EncodeKeyBlock(const CodecOptions&, const float*, int64_t,          \
                                        const float*, ByteVec*);                             \
   template absl::Status EncodeKeyBlockT(const CodecOptions&, const float*, int64_t,         \
-                                        const float*, ByteVec*);                            \
+                                        const float*, ByteVec*, const float*);              \
   template absl::Status EncodeValueBlock(const CodecOptions&, const float*, int64_t,        \
                                          const uint8_t*, ByteVec*);
 KVQ_INSTANTIATE_ENCODERS(std::vector<uint8_t>)
@@ -268,11 +368,15 @@ absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const
     return absl::DataLossError(absl::StrFormat(
         "key block layout k%d g%d d%d r%d s%d does not match the sequence's codec %s", h->bits,
         h->tokens, h->head_dim, h->extra, h->side_bits, o.ToString()));
+  if (((h->flags & kBlockRotated) != 0) != o.rotate_keys)
+    return absl::DataLossError(absl::StrCat("key block ", o.rotate_keys ? "not " : "",
+                                            "rotated, unlike the sequence's codec ", o.ToString()));
   if (block.size() != KeyBlockBytes(o))
     return absl::DataLossError(absl::StrCat("key block is ", block.size(), " bytes, expected ",
                                             KeyBlockBytes(o), " (truncated or padded)"));
   const int d = o.head_dim, G = o.key_group, r = o.rank;
   KeyBlockView v;
+  v.rotated = o.rotate_keys;
   v.bits = o.key_bits;
   v.side_bits = r > 0 ? o.side_bits : 0;
   v.tokens = G;
@@ -300,8 +404,12 @@ absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
     return absl::DataLossError(absl::StrFormat(
         "value block layout v%d g%d d%d vg%d does not match the sequence's codec %s", h->bits,
         h->tokens, h->head_dim, h->extra, o.ToString()));
+  if (((h->flags & kBlockRotated) != 0) != o.rotate_values)
+    return absl::DataLossError(absl::StrCat("value block ", o.rotate_values ? "not " : "",
+                                            "rotated, unlike the sequence's codec ", o.ToString()));
   const int d = o.head_dim, G = o.key_group, ng = o.value_groups();
   ValueBlockView v;
+  v.rotated = o.rotate_values;
   v.bits = h->bits;
   v.tokens = G;
   v.head_dim = d;
@@ -334,8 +442,10 @@ BlockReader::BlockReader(const CodecOptions& o, bool verify)
       key_bytes_(KeyBlockBytes(o)),
       value_bytes_(ValueBlockBytes(o)) {
   const int r = o.rank;
-  WriteHeaderFields(key_head_, 1, o.key_bits, r > 0 ? o.side_bits : 0, o.key_group, o.head_dim, r);
-  WriteHeaderFields(value_head_, 2, o.value_bits, 0, o.key_group, o.head_dim, o.value_group);
+  WriteHeaderFields(key_head_, KindByte(1, o.rotate_keys), o.key_bits, r > 0 ? o.side_bits : 0,
+                    o.key_group, o.head_dim, r);
+  WriteHeaderFields(value_head_, KindByte(2, o.rotate_values), o.value_bits, 0, o.key_group,
+                    o.head_dim, o.value_group);
   key_hash_ = XXH3_64bits(key_head_, 12);
   value_hash_ = XXH3_64bits(value_head_, 12);
   const int d = o.head_dim, G = o.key_group;
@@ -345,11 +455,13 @@ BlockReader::BlockReader(const CodecOptions& o, bool verify)
   k.tokens = G;
   k.head_dim = d;
   k.rank = r;
+  k.rotated = o.rotate_keys;
   ValueBlockView& v = value_view_;
   v.bits = o.value_bits;
   v.tokens = G;
   v.head_dim = d;
   v.value_group = o.value_group;
+  v.rotated = o.rotate_values;
   for (int t = 0; t < G; ++t) v.token_bits[t] = static_cast<uint8_t>(o.value_bits);
 }
 
@@ -392,13 +504,67 @@ absl::Status BlockReader::Value(std::span<const uint8_t> b, ValueBlockView* v) c
 
 absl::Status VerifyBlock(std::span<const uint8_t> block) {
   if (block.size() < kBlockHeaderBytes) return absl::DataLossError("block truncated");
-  auto h = ReadHeader(block, block[3], true);
+  auto h = ReadHeader(block, block[3] & 0x0F, true);
   return h.ok() ? absl::OkStatus() : h.status();
+}
+
+std::vector<float> KeyRoundingFactor(const float* moment, int d, const float* decode_basis,
+                                     const float* encode_basis, int r, bool rotated) {
+  Eigen::MatrixXd m(d, d);
+  for (int a = 0; a < d; ++a)
+    for (int c = 0; c < d; ++c) m(a, c) = 0.5 * (double(moment[a * d + c]) + moment[c * d + a]);
+  std::vector<float> rb, ra;
+  if (rotated) {  // H M H, and the bases' columns rotated (H is symmetric)
+    std::vector<float> col(d);
+    for (int pass = 0; pass < 2; ++pass) {  // rows, then columns
+      for (int a = 0; a < d; ++a) {
+        for (int c = 0; c < d; ++c) col[c] = static_cast<float>(pass == 0 ? m(a, c) : m(c, a));
+        Rotate(col.data(), d);
+        for (int c = 0; c < d; ++c) (pass == 0 ? m(a, c) : m(c, a)) = col[c];
+      }
+    }
+    auto rotate_columns = [&](const float* basis, std::vector<float>* to) {
+      to->assign(basis, basis + static_cast<size_t>(d) * r);
+      for (int j = 0; j < r; ++j) {
+        for (int c = 0; c < d; ++c) col[c] = (*to)[c * r + j];
+        Rotate(col.data(), d);
+        for (int c = 0; c < d; ++c) (*to)[c * r + j] = col[c];
+      }
+    };
+    if (r > 0) {
+      rotate_columns(decode_basis, &rb);
+      rotate_columns(encode_basis, &ra);
+      decode_basis = rb.data();
+      encode_basis = ra.data();
+    }
+  }
+  // Damping as GPTQ does (1% of the mean diagonal) keeps H invertible where P or the
+  // queries leave directions unweighted.
+  const double damp = 0.01 * m.trace() / d + 1e-12;
+  if (r > 0) {
+    Eigen::MatrixXd p = Eigen::MatrixXd::Identity(d, d);
+    for (int a = 0; a < d; ++a)
+      for (int c = 0; c < d; ++c)
+        for (int j = 0; j < r; ++j) p(a, c) -= double(decode_basis[a * r + j]) * encode_basis[c * r + j];
+    m = p.transpose() * m * p;
+  }
+  m += damp * Eigen::MatrixXd::Identity(d, d);
+  const Eigen::MatrixXd inv = m.llt().solve(Eigen::MatrixXd::Identity(d, d));
+  const Eigen::MatrixXd u = inv.llt().matrixU();
+  std::vector<float> out(static_cast<size_t>(d) * d);
+  for (int a = 0; a < d; ++a)
+    for (int c = 0; c < d; ++c) out[static_cast<size_t>(a) * d + c] = static_cast<float>(u(a, c));
+  return out;
 }
 
 void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q, float scale,
                    float side_sign, float* out, int64_t out_stride, bool include_base) {
   const int d = b.head_dim, G = b.tokens, r = b.rank;
+  thread_local std::vector<float> rotated_q;
+  if (include_base && b.rotated) {  // the base code holds H k: score H q against it
+    RotateRows(q, d, n_q, d, &rotated_q);
+    q = rotated_q.data();
+  }
   if (include_base)
     K().score_codes(b.codes, b.bits, d, G, b.scale, b.zero, q, d, n_q, scale, false, out,
                     out_stride);
@@ -411,6 +577,19 @@ void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n
 
 void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,
                        float* out, int64_t out_stride) {
+  if (b.rotated) {  // sum_t p_t H v_t = H (sum_t p_t v_t): rotate the block's partial output
+    const int d = b.head_dim;
+    thread_local std::vector<float> part;
+    part.assign(static_cast<size_t>(n_q) * d, 0.0f);
+    K().readout_rows(b.payload, b.token_bits, b.tokens, d, b.value_group, p, p_stride, n_q,
+                     part.data(), d);
+    for (int i = 0; i < n_q; ++i) {
+      float* row = part.data() + static_cast<size_t>(i) * d;
+      Rotate(row, d);
+      for (int c = 0; c < d; ++c) out[i * out_stride + c] += row[c];
+    }
+    return;
+  }
   K().readout_rows(b.payload, b.token_bits, b.tokens, b.head_dim, b.value_group, p, p_stride, n_q,
                    out, out_stride);
 }
@@ -423,6 +602,8 @@ void DecodeKeyBase(const KeyBlockView& b, float* out) {
     const uint8_t* row = b.codes + c * rb;
     for (int t = 0; t < G; ++t) out[static_cast<size_t>(t) * d + c] = z + s * CodeAt(row, b.bits, t);
   }
+  if (b.rotated)
+    for (int t = 0; t < G; ++t) Rotate(out + static_cast<size_t>(t) * d, d);
 }
 
 void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float side_sign, float* out) {
@@ -455,6 +636,7 @@ void DecodeValueBlock(const ValueBlockView& b, float* out) {
           HalfToFloat(sz[ng + g]) + HalfToFloat(sz[g]) * CodeAt(codes, b.token_bits[t], c);
     }
     rec += 4 * ng + RowBytes(d, b.token_bits[t]);
+    if (b.rotated) Rotate(out + static_cast<size_t>(t) * d, d);
   }
 }
 

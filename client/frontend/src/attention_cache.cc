@@ -84,7 +84,7 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape&
   c->probe_ = probe;
   if (probe && !o.per_token_value_bits()) return absl::InvalidArgumentError("probe needs the A^2 policy");
   if (keys_only) c->dense_v_.resize(s.layers);
-  std::vector<float> u;
+  std::vector<float> u, a;  // U (or the decode basis B) and an oblique pair's A, per layer
   if (layer_ranks && static_cast<int>(layer_ranks->size()) != s.layers)
     return absl::InvalidArgumentError("layer_ranks needs one rank per layer");
   int max_rank = o.rank;
@@ -102,22 +102,31 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape&
   }
   for (int l = 0; l < s.layers; ++l) {
     const float* bp = nullptr;
+    const float* ap = nullptr;
     core::CodecOptions ol = o;
     if (layer_ranks) ol.rank = (*layer_ranks)[l];
     RETURN_IF_ERROR(ol.Validate());
     if (ol.rank > 0) {
       // Keep the first ol.rank columns of each head's U: [kv][d][rank].
       const int R = basis->manifest.rank;
-      u.assign(static_cast<size_t>(s.kv_heads) * s.head_dim * ol.rank, 0.0f);
-      for (int h = 0; h < s.kv_heads; ++h) {
-        const float* src = basis->head(l, h);
-        for (int i = 0; i < s.head_dim; ++i)
-          for (int r = 0; r < ol.rank; ++r)
-            u[(static_cast<size_t>(h) * s.head_dim + i) * ol.rank + r] = src[i * R + r];
-      }
+      auto first_columns = [&](bool encode, std::vector<float>* to) {
+        to->assign(static_cast<size_t>(s.kv_heads) * s.head_dim * ol.rank, 0.0f);
+        for (int h = 0; h < s.kv_heads; ++h) {
+          const float* src = encode ? basis->encode_head(l, h) : basis->head(l, h);
+          for (int i = 0; i < s.head_dim; ++i)
+            for (int r = 0; r < ol.rank; ++r)
+              (*to)[(static_cast<size_t>(h) * s.head_dim + i) * ol.rank + r] = src[i * R + r];
+        }
+      };
+      first_columns(false, &u);
       bp = u.data();
+      if (basis->oblique()) {
+        first_columns(true, &a);
+        ap = a.data();
+      }
     }
-    c->layers_.push_back(std::make_unique<core::LayerCache>(ol, s.kv_heads, bp));
+    const float* moment = basis ? basis->query_moment_head(l, 0) : nullptr;
+    c->layers_.push_back(std::make_unique<core::LayerCache>(ol, s.kv_heads, bp, nullptr, ap, moment));
   }
   return c;
 }

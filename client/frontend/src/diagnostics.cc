@@ -18,7 +18,8 @@ absl::StatusOr<KeyDistortion> MeasureKeyDistortion(const KeyQuantizer& qz, const
   RETURN_IF_ERROR(o.Validate());
   if (o.rank > 0 && !qz.basis) return absl::InvalidArgumentError(qz.name + ": rank > 0 needs a basis");
   if (min_pos >= n) return absl::InvalidArgumentError("min_pos >= n");
-  core::LayerCache cache(o, 1, o.rank > 0 ? qz.basis : nullptr);
+  core::LayerCache cache(o, 1, o.rank > 0 ? qz.basis : nullptr, nullptr,
+                         o.rank > 0 ? qz.encode_basis : nullptr, qz.query_moment);
   const core::TensorView kv = core::TensorView::Contiguous(k, core::DType::kF32, {1, n, d});
   RETURN_IF_ERROR(cache.Append(kv, kv, 0));  // values are not measured here
   std::vector<float> approx(static_cast<size_t>(gq) * n * n);

@@ -69,8 +69,15 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
       c.basis = BasisKind::kCentred;
     } else if (p == "oracle") {
       c.basis = BasisKind::kOracle;
+    } else if (p == "mr") {
+      o.metric_rounding = true;
+    } else if (p == "obl") {
+      c.basis = BasisKind::kOblique;
     } else if (p == "resw") {
       c.basis = BasisKind::kResidualWeighted;
+    } else if (p == "rot" || p == "rotk" || p == "rotv") {
+      if (p != "rotv") o.rotate_keys = true;
+      if (p != "rotk") o.rotate_values = true;
     } else if (ParseSuffixInt(p, "vg", &v)) {
       o.value_group = v;
       vg_set = true;

@@ -76,11 +76,12 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
                                                    static_cast<int64_t>(windows) * window_len));
   }
   const core::ModelBasis* basis = nullptr;
-  if (!config.dense && config.codec.rank > 0) {
+  if (!config.dense && (config.codec.rank > 0 || config.codec.metric_rounding)) {
     switch (config.basis) {
       case BasisKind::kQuery: basis = bases->query; break;
       case BasisKind::kCentred: basis = bases->centred; break;
       case BasisKind::kResidualWeighted: basis = bases->residual_weighted; break;
+      case BasisKind::kOblique: basis = bases->oblique; break;
       case BasisKind::kOracle:
         return absl::InvalidArgumentError(config.name + ": the oracle basis exists only in --diagnostics");
       case BasisKind::kRandom:

@@ -95,6 +95,10 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
       break;
     case BasisKind::kOracle:
       return absl::InvalidArgumentError(config.name + ": the oracle basis exists only in --diagnostics");
+    case BasisKind::kOblique:
+      basis = bases ? bases->oblique : nullptr;
+      suffix = "-obl";
+      break;
   }
   if (config.codec.rank > 0 && !basis) {
     return absl::FailedPreconditionError(

@@ -33,8 +33,12 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
   --tokens N        calibration tokens (default 32768), taken from the start of the text
   --rank R          basis rank (default 8; evaluation may use the first r <= R columns)
   --window-len L    tokens per independent calibration sequence (default 512)
-  --variants        also write DIR/centred (centred PCA) and DIR/resw (query second moment
-                    weighted by the 2-bit G=32 KIVI key residual per channel)
+  --variants        also write DIR/centred (centred PCA), DIR/resw (query second moment
+                    weighted by the 2-bit G=32 KIVI key residual per channel) and DIR/oblique
+                    (the reduced-rank-regression encode/decode pair over that residual's
+                    covariance)
+  --query-moment    also store each head's E[q q^T] in the basis (the metric of the codec's
+                    metric rounding: keys rounded so that the score error is small)
   --model-name NAME manifest model name (default: the model's file name, lower case, without
                     .gguf and its quantization tag: SmolLM2-135M-Instruct.Q4_1.gguf ->
                     smollm2-135m-instruct)
@@ -60,6 +64,7 @@ int Main(int argc, char** argv) {
                {"rank", "8"},
                {"window-len", "512"},
                {"variants", "false"},
+               {"query-moment", "false"},
                {"model-name", ""},
                {"threads", "2"}},
               kHelp);
@@ -131,13 +136,16 @@ int Main(int argc, char** argv) {
   struct Out { std::string dir; core::CalibrationOptions opts; };
   std::vector<Out> outs = {{flags.Get("out"), {}}};
   if (variants) {
-    core::CalibrationOptions cen, rw;
+    core::CalibrationOptions cen, rw, obl;
     cen.centred = true;
     rw.residual_weighted = true;
+    obl.oblique = true;
     outs.push_back({flags.Get("out") + "/centred", cen});
     outs.push_back({flags.Get("out") + "/resw", rw});
+    outs.push_back({flags.Get("out") + "/oblique", obl});
   }
   for (auto& o : outs) {
+    o.opts.keep_query_moment = flags.GetBool("query-moment");
     auto b = stats.Basis(rank, o.opts, m);
     if (!b.ok()) return Fail(b.status());
     absl::Status ws = core::WriteBasis(o.dir, *b);

@@ -90,6 +90,8 @@ Configuration grammar:
             w<N> fp16 window R, s<N> side-code bits (4/8), a2 (A^2 value policy),
             v<N> value bits other than the key bits (kv targets; the A^2 mean with a2),
             random | wrongsign | centred | resw (basis controls and ablations),
+            obl (the oblique reduced-rank-regression pair kvq-calibrate --variants writes),
+            rotk | rotv | rot (keys / values / both rotated by a Hadamard matrix),
             oracle (--diagnostics only: PCA of the scored queries themselves, an upper bound)
   Defaults: G=32, vg=32, R=0, s=8; headq-kv*-a2 defaults to G=128.
   Examples: kivi-k2 headq-k2-r4 headq-k2-r4-random headq-k2-r4-wrongsign kivi-kv2 headq-kv2-a2
@@ -109,11 +111,13 @@ std::string BaselineOf(const EvalConfig& c) {
 }
 
 // U [d][r] of (layer, kv head) from a basis with rank >= r.
-std::vector<float> HeadBasis(const core::ModelBasis& b, int layer, int h, int r) {
+std::vector<float> HeadBasis(const core::ModelBasis& b, int layer, int h, int r,
+                             bool encode = false) {
   const int d = b.manifest.head_dim, R = b.manifest.rank;
+  const float* src = encode ? b.encode_head(layer, h) : b.head(layer, h);
   std::vector<float> u(static_cast<size_t>(d) * r);
   for (int i = 0; i < d; ++i)
-    for (int j = 0; j < r; ++j) u[static_cast<size_t>(i) * r + j] = b.head(layer, h)[i * R + j];
+    for (int j = 0; j < r; ++j) u[static_cast<size_t>(i) * r + j] = src[i * R + j];
   return u;
 }
 
@@ -148,7 +152,7 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
       for (const auto& cfg : *configs) {
         if (cfg.dense) continue;
         KeyQuantizer qz{cfg.name, cfg.codec, nullptr};
-        std::vector<float> u;
+        std::vector<float> u, a;
         if (cfg.codec.rank > 0 && cfg.basis == BasisKind::kOracle) {
           core::QueryStats qs(1, gq, 1, D);
           for (int j = 0; j < gq; ++j) qs.Add(0, j, qh + static_cast<size_t>(j) * n * D, n);
@@ -160,10 +164,22 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
           const core::ModelBasis* b = cfg.basis == BasisKind::kQuery ? bases.query
                                       : cfg.basis == BasisKind::kRandom ? &bases.random
                                       : cfg.basis == BasisKind::kCentred ? bases.centred
+                                      : cfg.basis == BasisKind::kOblique ? bases.oblique
                                                                          : bases.residual_weighted;
           if (!b || b->u.empty()) return Fail(absl::FailedPreconditionError(cfg.name + ": no such basis (--basis)"));
           u = HeadBasis(*b, l, h, cfg.codec.rank);
           qz.basis = u.data();
+          if (b->oblique()) {
+            a = HeadBasis(*b, l, h, cfg.codec.rank, true);
+            qz.encode_basis = a.data();
+          }
+        }
+        if (cfg.codec.metric_rounding) {
+          const core::ModelBasis* mb = cfg.basis == BasisKind::kOblique ? bases.oblique : bases.query;
+          if (!mb || mb->query_moment.empty())
+            return Fail(absl::FailedPreconditionError(
+                cfg.name + ": metric rounding needs a basis with query moments (kvq-calibrate --query-moment)"));
+          qz.query_moment = mb->query_moment_head(l, h);
         }
         auto r = MeasureKeyDistortion(qz, qh, gq, kh, n, D, 32);
         if (!r.ok()) return Fail(r.status());
@@ -299,7 +315,7 @@ int Main(int argc, char** argv) {
   if (!model.ok()) return Fail(model.status());
 
   BasisSet bases;
-  core::ModelBasis query, centred, resw;
+  core::ModelBasis query, centred, resw, oblique;
   if (!flags.Get("basis").empty()) {
     auto b = ReadBasisFor((*model)->config(), flags.Get("basis"));
     if (!b.ok()) return Fail(b.status());
@@ -312,6 +328,10 @@ int Main(int argc, char** argv) {
     if (auto c = core::ReadBasis(flags.Get("basis") + "/resw"); c.ok()) {
       resw = std::move(*c);
       bases.residual_weighted = &resw;
+    }
+    if (auto c = core::ReadBasis(flags.Get("basis") + "/oblique"); c.ok()) {
+      oblique = std::move(*c);
+      bases.oblique = &oblique;
     }
   }
   if (flags.GetBool("diagnostics")) {

@@ -2,7 +2,9 @@
 //
 // On disk a registry entry is a folder: basis.safetensors (one F32 tensor per layer,
 // "layer.{l}.u" of shape [kv_heads, head_dim, rank], U row-major per head with orthonormal
-// columns) and manifest.json (the fields of BasisManifest). The reader validates every field,
+// columns) and manifest.json (the fields of BasisManifest). An oblique basis adds
+// "layer.{l}.encode" of the same shape (the encode basis A, stored after every layer's U):
+// then U is the decode basis B, need not be orthonormal, and A^T B = I per head. The reader validates every field,
 // the tensor table, sizes and orthonormality, and that the fingerprint matches the tensors.
 #pragma once
 
@@ -32,11 +34,32 @@ struct BasisManifest {
 
 struct ModelBasis {
   BasisManifest manifest;
-  // [layers][kv_heads][head_dim][rank], row-major.
+  // [layers][kv_heads][head_dim][rank], row-major: the basis scores and decodes use
+  // (U^T q and U z_hat).
   std::vector<float> u;
-  const float* head(int layer, int kv_head) const {
-    return u.data() + (static_cast<size_t>(layer) * manifest.kv_heads + kv_head) *
-                          manifest.head_dim * manifest.rank;
+  // Empty, or the encode basis A of an oblique pair, same shape: side coefficients are
+  // A^T e instead of U^T e. A reduced-rank regression pair (calibration.h) weighs the base
+  // quantizer's residual covariance against the queries, which no single orthonormal U can.
+  std::vector<float> encode;
+  bool oblique() const { return !encode.empty(); }
+  // Empty, or the calibration queries' second moment E[q q^T] per head,
+  // [layers][kv_heads][head_dim][head_dim] ("layer.{l}.query_moment", stored last): the metric
+  // in which the encoder rounds keys when the codec asks for metric rounding.
+  std::vector<float> query_moment;
+  const float* query_moment_head(int layer, int kv_head) const {
+    return query_moment.empty()
+               ? nullptr
+               : query_moment.data() + (static_cast<size_t>(layer) * manifest.kv_heads + kv_head) *
+                                           manifest.head_dim * manifest.head_dim;
+  }
+  const float* head(int layer, int kv_head) const { return u.data() + HeadOffset(layer, kv_head); }
+  // The basis the encoder projects with: A for an oblique pair, else U.
+  const float* encode_head(int layer, int kv_head) const {
+    return (oblique() ? encode.data() : u.data()) + HeadOffset(layer, kv_head);
+  }
+  size_t HeadOffset(int layer, int kv_head) const {
+    return (static_cast<size_t>(layer) * manifest.kv_heads + kv_head) * manifest.head_dim *
+           manifest.rank;
   }
   // A copy keeping only the first r columns of each head's U (r <= rank).
   ModelBasis Truncated(int r) const;

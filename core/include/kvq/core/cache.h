@@ -94,7 +94,12 @@ class LayerCache {
   // basis: [kv_heads][d][rank] (row-major U per head) or null when o.rank == 0. Copied.
   // pool: where the encoded blocks live (null: host memory); it must outlive the cache and
   // every sealed block the cache made. The window stays in host memory.
-  LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool = nullptr);
+  // encode_basis: the encode basis A of an oblique pair, same layout (side coefficients are
+  // A^T e; basis then is the decode basis B), or null: A = U.
+  // query_moment: [kv_heads][d][d] E[q q^T] per head, for CodecOptions::metric_rounding
+  // (null: nearest rounding).
+  LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool = nullptr,
+             const float* encode_basis = nullptr, const float* query_moment = nullptr);
 
   const CodecOptions& options() const { return opts_; }
   int kv_heads() const { return kv_heads_; }
@@ -202,6 +207,7 @@ class LayerCache {
   BytePool* pool_;
   std::vector<float> basis_;
   std::vector<float> basis_t_;  // U^T per head, [kv_heads][r][d], for encoding
+  std::vector<float> rounding_;  // metric rounding factor per head [kv_heads][d][d], or empty
   std::vector<Head> heads_;
   int64_t tokens_ = 0;
   int64_t encoded_ = 0;  // tokens per head in blocks

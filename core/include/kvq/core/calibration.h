@@ -16,6 +16,14 @@ struct CalibrationOptions {
   // Optional per-channel weights (e.g. the base quantizer's residual variance per channel);
   // when set, the basis diagonalizes D^1/2 E[qq^T] D^1/2 (residual-weighted basis).
   bool residual_weighted = false;
+  // Oblique pair by reduced-rank regression: the rank-r M = B A^T minimizing the mean squared
+  // score error E[(q^T (e - M e))^2] = tr(Sq (I - M) Se (I - M)^T) over the query second
+  // moment Sq and the base quantizer's residual covariance Se (AddResidual). With
+  // R = Se^1/2 and W the top-r eigenvectors of R Sq R: B = R W (decode), A = R^-1 W (encode).
+  // Reduces to the query PCA when Se is isotropic. Needs residual statistics.
+  bool oblique = false;
+  // Also keep E[q q^T] per head in the basis (ModelBasis::query_moment) for metric rounding.
+  bool keep_query_moment = false;
 };
 
 class QueryStats {
@@ -38,6 +46,7 @@ class QueryStats {
   std::vector<double> m2_;    // [layers][kv][d][d]
   std::vector<double> m1_;    // [layers][kv][d]
   std::vector<double> res2_;  // [layers][kv][d]
+  std::vector<double> res_m2_;  // [layers][kv][d][d] (upper triangle)
   std::vector<int64_t> n_;    // [layers][kv]
   std::vector<int64_t> nres_;
 };

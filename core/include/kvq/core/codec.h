@@ -37,6 +37,11 @@ namespace kvq::core {
 inline constexpr uint16_t kBlockMagic = 0x514b;
 // Version written by this build. Version 1 blocks (seeded checksum) are still read.
 inline constexpr uint8_t kBlockVersion = 2;
+// Version 3: the version-2 layout with flags in the high nibble of the kind byte
+// (kBlockRotated: the rows were rotated by H before quantization). Written only for blocks
+// with a flag set, so that codecs without one keep writing version-2 bytes.
+inline constexpr uint8_t kBlockVersionFlags = 3;
+inline constexpr uint8_t kBlockRotated = 0x10;
 inline constexpr size_t kBlockHeaderBytes = 16;
 // The largest key or value magnitude an append accepts: the fp16 maximum, since each group's
 // zero point is its minimum stored in fp16 (a larger element would make it infinite and the
@@ -78,6 +83,18 @@ struct CodecOptions {
   int window = 0;
   // Control only: -1 flips the sign of the HeadQ correction (the paper's wrong-sign test).
   float side_sign = 1.0f;
+  // A fixed orthogonal rotation (the normalized Walsh-Hadamard matrix H, head_dim a power of
+  // two) applied to each key / value token before quantization: it spreads outlier channels
+  // over all channels, so per-token value groups and per-channel key ranges see flatter
+  // data. Scores use H q against rotated keys (q . k = Hq . Hk), readouts rotate the
+  // partial output back; HeadQ's basis lives in the rotated coordinates (H U), so U^T q and
+  // the side code are unchanged. Blocks so encoded carry version 3 and a flag.
+  bool rotate_keys = false;
+  bool rotate_values = false;
+  // Encoder only (blocks read the same): round each key's base codes channel by channel with
+  // error feedback (GPTQ's rule) so that the error is small in the model's query metric
+  // E[q q^T] rather than per channel; needs the basis's query moment (else nearest rounding).
+  bool metric_rounding = false;
   // Verify the block checksum on every score/readout/decode (true) or only when a
   // block is read out whole (GetBlocks, moves) and by the store's scrub (false).
   bool verify_on_read = true;
@@ -104,9 +121,18 @@ absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld
                             const float* basis, ByteVec* out);
 // The same with U given transposed, [r][d] (a cache keeps it per head instead of transposing
 // the basis for every block).
+// rounding: null (nearest rounding) or the metric factor of KeyRoundingFactor: the base
+// codes are then chosen by MetricRound.
 template <class ByteVec>
 absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t ld,
-                             const float* basis_t, ByteVec* out);
+                             const float* basis_t, ByteVec* out, const float* rounding = nullptr);
+
+// The factor metric rounding uses for one head: the upper Cholesky factor of H^-1 [d][d]
+// row-major, H = P^T M P + damping, M = E[q q^T] [d][d] and P = I - B A^T the part of a key
+// error the side code leaves (decode basis B, encode basis A, [d][r] each; r = 0: P = I).
+// rotated: the factor for keys rotated by H (CodecOptions::rotate_keys), H M H and H B, H A.
+std::vector<float> KeyRoundingFactor(const float* moment, int d, const float* decode_basis,
+                                     const float* encode_basis, int r, bool rotated);
 
 // values: [G][d] fp32, row stride ld. bits_per_token: [G] widths in {1,2,3,4} (kA2) or
 // null (uniform value_bits). Appends the block to `out`.
@@ -117,6 +143,7 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
 // A parsed, validated block. Pointers point into the caller's bytes.
 struct KeyBlockView {
   int bits = 0, side_bits = 0, tokens = 0, head_dim = 0, rank = 0;
+  bool rotated = false;  // keys stored as H k (see CodecOptions::rotate_keys)
   const uint16_t* scale = nullptr;  // [d] fp16
   const uint16_t* zero = nullptr;   // [d] fp16
   const uint8_t* codes = nullptr;   // [d][tokens*bits/8]
@@ -128,6 +155,7 @@ struct KeyBlockView {
 struct ValueBlockView {
   int bits = 0;  // 0: per-token widths
   int tokens = 0, head_dim = 0, value_group = 0;
+  bool rotated = false;  // values stored as H v (see CodecOptions::rotate_values)
   const uint8_t* payload = nullptr;  // first token record: fp16 scale[ng] | zero[ng] | codes
   uint8_t token_bits[128] = {};      // width of each token (<= 128 tokens per block)
 };

@@ -17,6 +17,8 @@ struct KeyQuantizer {
   std::string name;
   core::CodecOptions codec;  // rank > 0 needs `basis`
   const float* basis = nullptr;  // U [d][codec.rank] row-major, or null
+  const float* encode_basis = nullptr;  // an oblique pair's A (same layout), or null: A = U
+  const float* query_moment = nullptr;  // [d][d] for codec.metric_rounding, or null
 };
 
 struct KeyDistortion {

@@ -17,6 +17,8 @@
 //              wrongsign  control: the HeadQ correction subtracted instead of added
 //              centred    basis from centred query PCA (kvq-calibrate writes DIR/centred)
 //              resw       residual-weighted basis (kvq-calibrate writes DIR/resw)
+//              obl        oblique pair from reduced-rank regression (kvq-calibrate writes
+//                         DIR/oblique): encode basis A, decode basis B (calibration.h)
 //              oracle     --diagnostics only, a labelled upper bound: the PCA of the very
 //                         queries being scored (not a deployable basis)
 //              probe      with a2: each append carries the appended positions' own queries as
@@ -26,6 +28,10 @@
 //              adapt      per-layer HeadQ ranks with mean <rank> (1..basis rank), allocated
 //                         greedily by the query energy each added column captures, measured
 //                         on validation text (BasisSet::layer_ranks), never the test text
+//              mr         metric rounding of the key base codes (needs a basis written with
+//                         kvq-calibrate --query-moment)
+//              rotk, rotv, rot  keys, values or both rotated by the normalized Hadamard
+//                         matrix before quantization (CodecOptions::rotate_keys/values)
 //              fused      read through the codec's fused LayerCache::Attend instead of
 //                         local attention over LayerCache::Decode (same numbers, slower)
 //
@@ -44,7 +50,7 @@
 
 namespace kvq::frontend {
 
-enum class BasisKind { kQuery, kRandom, kCentred, kResidualWeighted, kOracle };
+enum class BasisKind { kQuery, kRandom, kCentred, kResidualWeighted, kOracle, kOblique };
 
 struct EvalConfig {
   std::string name;

@@ -36,6 +36,7 @@ struct BasisSet {
   const core::ModelBasis* query = nullptr;
   const core::ModelBasis* centred = nullptr;
   const core::ModelBasis* residual_weighted = nullptr;
+  const core::ModelBasis* oblique = nullptr;
   core::ModelBasis random;  // filled lazily from query's shape
   // For "-adapt" configs: captured query energy per layer, [layer][j] = mean over KV heads of
   // E[(u_j . q)^2] / E[|q|^2] for column j of the query basis (see MeasureColumnEnergy).
