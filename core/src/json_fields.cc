@@ -1,6 +1,8 @@
 #include "kvq/core/json_fields.h"
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -56,6 +58,23 @@ absl::Status JsonFields::String(absl::string_view key, std::string* out) const {
   if (!it->is_string()) return Mistyped(key, "a string");
   *out = it->get<std::string>();
   return absl::OkStatus();
+}
+
+absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path) {
+  constexpr uintmax_t kMaxBytes = 1 << 20;
+  std::error_code ec;
+  const uintmax_t size = std::filesystem::file_size(path, ec);
+  if (ec) return absl::NotFoundError(absl::StrCat("cannot read ", path, ": ", ec.message()));
+  if (size > kMaxBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, " holds ", size, " bytes, over the limit of ", kMaxBytes));
+  }
+  std::ifstream f(path, std::ios::binary);
+  nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
+  }
+  return j;
 }
 
 absl::Status ReadModelShape(const JsonFields& f, BasisManifest* m) {

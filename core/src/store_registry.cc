@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvq/core/codec_json.h"
 #include "kvq/core/json_fields.h"
 #include "kvq/core/status.h"
 #include "kvq/core/store.h"
@@ -31,62 +32,6 @@ bool ValidModelName(const std::string& s) {
     }
   }
   return true;
-}
-
-nlohmann::json CodecToJson(const CodecOptions& c) {
-  return {{"key_bits", c.key_bits},
-          {"key_group", c.key_group},
-          {"rank", c.rank},
-          {"side_bits", c.side_bits},
-          {"value_bits", c.value_bits},
-          {"value_group", c.value_group},
-          {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
-          {"value_budget", c.value_budget},
-          {"sink_tokens", c.sink_tokens},
-          {"window", c.window}};
-}
-
-// codec.json over the defaults in *c; a field of the wrong type is an error naming it (the
-// ranges are checked with the rest of the entry, by ValidateEntry).
-absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, CodecOptions* c) {
-  const JsonFields f(j, file);
-  RETURN_IF_ERROR(f.Int("key_bits", &c->key_bits));
-  RETURN_IF_ERROR(f.Int("key_group", &c->key_group));
-  RETURN_IF_ERROR(f.Int("rank", &c->rank));
-  RETURN_IF_ERROR(f.Int("side_bits", &c->side_bits));
-  RETURN_IF_ERROR(f.Int("value_bits", &c->value_bits));
-  RETURN_IF_ERROR(f.Int("value_group", &c->value_group));
-  std::string policy = c->value_policy == ValuePolicy::kA2 ? "a2" : "uniform";
-  RETURN_IF_ERROR(f.String("value_policy", &policy));
-  if (policy != "uniform" && policy != "a2") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file, ": field 'value_policy' must be \"uniform\" or \"a2\" (got \"", policy.substr(0, 64),
-        "\")"));
-  }
-  c->value_policy = policy == "a2" ? ValuePolicy::kA2 : ValuePolicy::kUniform;
-  RETURN_IF_ERROR(f.Float("value_budget", &c->value_budget));
-  RETURN_IF_ERROR(f.Int("sink_tokens", &c->sink_tokens));
-  RETURN_IF_ERROR(f.Int("window", &c->window));
-  return absl::OkStatus();
-}
-
-// A registry file as a JSON object (never an exception: a garbage or truncated file is
-// INVALID_ARGUMENT naming it).
-absl::StatusOr<nlohmann::json> ReadJsonObject(const fs::path& p) {
-  constexpr uintmax_t kMaxBytes = 1 << 20;
-  std::error_code ec;
-  const uintmax_t size = fs::file_size(p, ec);
-  if (ec) return absl::NotFoundError(absl::StrCat("cannot read ", p.string(), ": ", ec.message()));
-  if (size > kMaxBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(p.string(), " holds ", size, " bytes, over the limit of ", kMaxBytes));
-  }
-  std::ifstream f(p, std::ios::binary);
-  nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(p.string(), " is not a JSON object"));
-  }
-  return j;
 }
 
 // A string field of a manifest: at most `max` bytes of printable ASCII (these are
@@ -288,7 +233,7 @@ absl::StatusOr<ModelEntry> Registry::LoadEntry(const std::string& path) const {
     e.manifest = e.basis.manifest;
     e.has_basis = true;
   } else if (fs::exists(p / "model.json", ec)) {
-    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject(p / "model.json"));
+    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject((p / "model.json").string()));
     const JsonFields f(j, "model.json");
     BasisManifest& m = e.manifest;
     m.model.clear();
@@ -302,7 +247,7 @@ absl::StatusOr<ModelEntry> Registry::LoadEntry(const std::string& path) const {
   }
   e.codec = DefaultCodec(e.manifest, e.has_basis);
   if (fs::exists(p / "codec.json", ec)) {
-    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject(p / "codec.json"));
+    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject((p / "codec.json").string()));
     RETURN_IF_ERROR(CodecFromJson(j, "codec.json", &e.codec));
   }
   RETURN_IF_ERROR(ValidateEntry(e));

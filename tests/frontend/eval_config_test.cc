@@ -2,6 +2,7 @@
 #include "kvq/frontend/eval_config.h"
 
 #include "gtest/gtest.h"
+#include "kvq/frontend/codec_search.h"
 #include "kvq/frontend/perplexity.h"
 
 namespace kvq::frontend {
@@ -86,6 +87,54 @@ TEST(EvalConfig, BadNamesAreErrors) {
   }
   EXPECT_TRUE(ParseEvalConfigList("dense,kivi-k2").ok());
   EXPECT_FALSE(ParseEvalConfigList(",").ok());
+}
+
+TEST(EvalConfig, CalibratedIsTheGivenCodecAndAnErrorWithoutIt) {
+  auto bare = ParseEvalConfig("calibrated");
+  ASSERT_FALSE(bare.ok());
+  EXPECT_NE(bare.status().message().find("codec.json"), std::string::npos) << bare.status();
+  EXPECT_FALSE(ParseEvalConfigList("dense,calibrated").ok());
+  EXPECT_TRUE(NamesCalibratedConfig("dense,calibrated"));
+  EXPECT_FALSE(NamesCalibratedConfig("dense,calibrated-x"));
+  core::CodecOptions codec = ParseEvalConfig("headq-kv3-g128-s4-v2")->codec;
+  auto list = ParseEvalConfigList("dense,calibrated", &codec);
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->size(), 2u);
+  const EvalConfig& c = (*list)[1];
+  EXPECT_EQ(c.name, "calibrated");
+  EXPECT_EQ(c.family, "headq");
+  EXPECT_FALSE(c.keys_only);
+  EXPECT_EQ(c.codec.ToString(), codec.ToString());
+  codec.side_sign = -1;  // a control, not a setting codec.json can hold
+  EXPECT_FALSE(EvalConfigFromCodec("calibrated", codec).ok());
+}
+
+TEST(CodecSearch, EveryCandidateIsACodecAndItsBitsAreTheBlockSizes) {
+  // Every candidate converts to the config that evaluates its codec, unchanged.
+  for (const std::string& n : CodecSearchCandidates()) {
+    auto parsed = ParseEvalConfig(n);
+    ASSERT_TRUE(parsed.ok()) << n << ": " << parsed.status();
+    auto back = EvalConfigFromCodec(n, parsed->codec);
+    ASSERT_TRUE(back.ok()) << n;
+    EXPECT_EQ(back->family, parsed->family) << n;
+    EXPECT_EQ(back->codec.ToString(), parsed->codec.ToString()) << n;
+  }
+  // kivi-kv2 at d = 64: (16 + 4*64 + 64*8) bytes per 32 x 64 keys; the same for values.
+  const CodecBits b = SteadyStateBits(ParseEvalConfig("kivi-kv2")->codec);
+  EXPECT_DOUBLE_EQ(b.k, 8.0 * 784 / 2048);
+  EXPECT_DOUBLE_EQ(b.v, 8.0 * 784 / 2048);
+  // The plan: over the budget or the basis rank is skipped; nothing left is an error.
+  auto plan = PlanCodecSearch({"kivi-kv2", "headq-kv2", "headq-kv2-r8-g128"}, 64, 4, 3.2);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ((*plan)[0].skipped, "");
+  EXPECT_EQ((*plan)[1].skipped, "3.344 bits > 3.200");
+  EXPECT_EQ((*plan)[2].skipped, "rank 8 > basis rank 4");
+  auto none = PlanCodecSearch({"kivi-kv2", "kivi-kv4"}, 64, 4, 3.0);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(none.status().message().find("kivi-kv2, costs 3.062"), std::string::npos)
+      << none.status();
+  EXPECT_FALSE(PlanCodecSearch({"kivi-k2"}, 64, 4, 9.0).ok()) << "keys-only is not a codec.json";
 }
 
 }  // namespace

@@ -23,6 +23,11 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
     c.family = "dense";
     return c;
   }
+  if (name == kCalibratedConfig) {
+    return absl::InvalidArgumentError(
+        "config 'calibrated' evaluates the codec that the basis folder's codec.json names "
+        "(kvq-calibrate --bits writes it): give --basis DIR");
+  }
   std::vector<std::string> parts = absl::StrSplit(name, '-');
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("config '", name, "': ", why,
@@ -119,9 +124,38 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   return c;
 }
 
-absl::StatusOr<std::vector<EvalConfig>> ParseEvalConfigList(const std::string& comma_list) {
+absl::StatusOr<EvalConfig> EvalConfigFromCodec(const std::string& name,
+                                               const core::CodecOptions& codec) {
+  if (codec.side_sign != 1.0f) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config '", name, "': side_sign ", codec.side_sign,
+                     " is a control, not a codec setting"));
+  }
+  absl::Status s = codec.Validate();
+  if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("config '", name, "': ", s.message()));
+  EvalConfig c;
+  c.name = name;
+  c.codec = codec;
+  c.family = codec.rank > 0 ? "headq" : "kivi";
+  return c;
+}
+
+bool NamesCalibratedConfig(const std::string& comma_list) {
+  for (absl::string_view n : absl::StrSplit(comma_list, ',', absl::SkipEmpty())) {
+    if (n == kCalibratedConfig) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<std::vector<EvalConfig>> ParseEvalConfigList(const std::string& comma_list,
+                                                            const core::CodecOptions* calibrated) {
   std::vector<EvalConfig> out;
   for (absl::string_view n : absl::StrSplit(comma_list, ',', absl::SkipEmpty())) {
+    if (n == kCalibratedConfig && calibrated) {
+      ASSIGN_OR_RETURN(EvalConfig c, EvalConfigFromCodec(kCalibratedConfig, *calibrated));
+      out.push_back(std::move(c));
+      continue;
+    }
     ASSIGN_OR_RETURN(EvalConfig c, ParseEvalConfig(std::string(n)));
     out.push_back(std::move(c));
   }

@@ -1,15 +1,20 @@
 // kvq-calibrate: runs a GGUF model over calibration text, accumulates the post-RoPE queries
 // per layer and KV head, and writes a HeadQ basis registry entry (basis.safetensors +
-// manifest.json) into --out.
+// manifest.json) into --out; with --bits B it then chooses the codec for that budget by
+// validation perplexity (codec_search.h) and writes codec.json and codec-search.json.
 #include <cstdio>
+#include <fstream>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "flags.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/calibration.h"
 #include "kvq/core/codec.h"
+#include "kvq/core/codec_json.h"
 #include "kvq/frontend/blas_kernels.h"
+#include "kvq/frontend/codec_search.h"
 #include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/gguf.h"
@@ -25,6 +30,7 @@ constexpr char kHelp[] = R"(kvq-calibrate: HeadQ query-PCA calibration of a GGUF
 
 Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank R]
                      [--window-len L] [--variants] [--model-name NAME] [--threads T]
+                     [--bits B [--search-windows N] [--search-window-len L] [--search-only]]
 
   --out DIR         registry entry to write (created; basis.safetensors + manifest.json)
   --model GGUF      model (default $KVQ_MODEL or ~/.cache/kvq/models/SmolLM2-135M-Instruct.Q4_1.gguf)
@@ -44,6 +50,30 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
                     smollm2-135m-instruct)
   --threads T       BLAS threads (default 2)
 
+Choosing the codec (a registry entry without codec.json is served with the server's
+built-in default; `kvq models register DIR` sends DIR/codec.json with the basis):
+  --bits B          also choose the codec for a budget of B bits per element, K and V
+                    together ((K bits + V bits) / 2, steady state, every byte counted: block
+                    headers, scales and zero points, side code; A^2 value blocks at their
+                    largest). Candidates: a fixed list of kvq-eval config names (full-KV
+                    kivi-kv*/headq-kv* settings from about 2.4 to 9 bits per element at
+                    head_dim 64; client/frontend/src/codec_search.cc); those over B (or over
+                    the basis rank) are skipped and listed as such; it is an error when none
+                    fits (naming the smallest candidate's bits). Each one left is evaluated
+                    with the basis just calibrated by perplexity on the first N windows of L
+                    tokens of --text (the validation text; llama.cpp's protocol,
+                    decode-faithful, as kvq-eval), and the lowest perplexity wins (ties: fewer
+                    bits). Writes DIR/codec.json (the chosen codec, the registry's format) and
+                    DIR/codec-search.json (every candidate: name, bits per element, K and V
+                    bits, validation PPL, skipped reason, chosen flag; the budget, text,
+                    windows and window length) and prints the table. Without --bits no codec
+                    is chosen and no codec.json is written.
+                    Check the choice on the test text: kvq-eval --basis DIR --configs calibrated
+  --search-windows N   windows of the search (default 8)
+  --search-window-len L  tokens per search window (default 512)
+  --search-only     do not calibrate: choose the codec for the basis already in DIR (its
+                    manifest must match --model), e.g. for another --bits
+
 Queries are post-RoPE in GGUF channel order, with the RoPE layout of the architecture
 (llama: adjacent pairs, qwen2: halves; written to the manifest as rope_layout), all query
 heads of a group pooled into their KV head, uncentred second moment E[q q^T] unless stated.
@@ -53,6 +83,49 @@ Every flag can also be set as KVQ_CALIBRATE_<FLAG>.
 int Fail(const absl::Status& s) {
   std::fprintf(stderr, "kvq-calibrate: %s\n", std::string(s.ToString()).c_str());
   return 1;
+}
+
+absl::Status WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+  f.flush();
+  if (!f) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+// --bits: chooses the codec for the basis in --out and writes codec.json and
+// codec-search.json next to it.
+int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids, double max_bits,
+                int windows, int window_len, const Flags& flags) {
+  const std::string dir = flags.Get("out");
+  auto basis = ReadBasisFor(model.config(), dir);
+  if (!basis.ok()) return Fail(basis.status());
+  auto rows = PlanCodecSearch(CodecSearchCandidates(), model.config().head_dim,
+                              basis->manifest.rank, max_bits);
+  if (!rows.ok()) return Fail(rows.status());
+  int64_t evaluated = 0;
+  for (const auto& r : *rows) evaluated += r.skipped.empty();
+  std::fprintf(stderr, "kvq-calibrate: choosing the codec for %s bits per element: %lld of %zu "
+               "candidates fit, each on %d x %d tokens of %s\n", flags.Get("bits").c_str(),
+               static_cast<long long>(evaluated), rows->size(), windows, window_len,
+               flags.Get("text").c_str());
+  ProgressBar bar("kvq-calibrate codec search", evaluated * windows);
+  auto chosen = RunCodecSearch(model, ids, windows, window_len, *basis, &*rows,
+                               [&](int64_t done, const std::string& name) { bar.Update(done, name); });
+  if (!chosen.ok()) return Fail(chosen.status());
+  bar.Finish();
+  std::fputs(CodecSearchTable(*rows).c_str(), stdout);
+  const CodecSearchRow& best = (*rows)[*chosen];
+  absl::Status st = WriteFile(dir + "/codec.json", core::CodecToJson(best.codec).dump(2) + "\n");
+  if (st.ok()) {
+    st = WriteFile(dir + "/codec-search.json",
+                   CodecSearchJson(*rows, max_bits, flags.Get("text"), windows, window_len).dump(2) + "\n");
+  }
+  if (!st.ok()) return Fail(st);
+  std::fprintf(stderr, "kvq-calibrate: chose %s (%s, %.3f bits per element, validation PPL %.4f): "
+               "wrote %s/codec.json and %s/codec-search.json\n", best.name.c_str(),
+               best.codec.ToString().c_str(), best.bits.per_element(), best.ppl, dir.c_str(), dir.c_str());
+  return 0;
 }
 
 int Main(int argc, char** argv) {
@@ -66,16 +139,47 @@ int Main(int argc, char** argv) {
                {"variants", "false"},
                {"query-moment", "false"},
                {"model-name", ""},
-               {"threads", "2"}},
+               {"threads", "2"},
+               {"bits", ""},
+               {"search-windows", "8"},
+               {"search-window-len", "512"},
+               {"search-only", "false"}},
               kHelp);
   int rc = 0;
   if (!flags.Parse(argc, argv, &rc)) return rc;
   if (flags.Get("out").empty()) return Fail(absl::InvalidArgumentError("--out is required"));
+  const bool search = !flags.Get("bits").empty(), search_only = flags.GetBool("search-only");
+  double max_bits = 0;
+  if (search && (!absl::SimpleAtod(flags.Get("bits"), &max_bits) || !(max_bits > 0))) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--bits must be a positive number of bits per element (got '", flags.Get("bits"), "')")));
+  }
+  if (search_only && !search) {
+    return Fail(absl::InvalidArgumentError("--search-only needs --bits B"));
+  }
+  const int search_windows = static_cast<int>(flags.GetInt("search-windows"));
+  const int search_len = static_cast<int>(flags.GetInt("search-window-len"));
+  if (search && (search_windows < 1 || search_len < 4)) {
+    return Fail(absl::InvalidArgumentError(
+        "--search-windows must be >= 1 and --search-window-len >= 4"));
+  }
   SetBlasThreads(static_cast<int>(flags.GetInt("threads")));
   auto loaded = LoadModelAndText(flags.Get("model"), flags.Get("text"));
   if (!loaded.ok()) return Fail(loaded.status());
   const LlamaModel& model = *loaded->model;
   std::vector<int32_t> ids = std::move(loaded->ids);
+  if (search && static_cast<int64_t>(ids.size()) < static_cast<int64_t>(search_windows) * search_len) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--text has ", ids.size(), " tokens; the search needs --search-windows ",
+                     search_windows, " x --search-window-len ", search_len)));
+  }
+  if (search_only) return SearchCodec(model, ids, max_bits, search_windows, search_len, flags);
+  // The plan before the calibration: an impossible --bits is an error now, not after it.
+  if (search) {
+    auto plan = PlanCodecSearch(CodecSearchCandidates(), model.config().head_dim,
+                                static_cast<int>(flags.GetInt("rank")), max_bits);
+    if (!plan.ok()) return Fail(plan.status());
+  }
   const int64_t want = flags.GetInt("tokens");
   const int L = static_cast<int>(flags.GetInt("window-len"));
   if (static_cast<int64_t>(ids.size()) < want) {
@@ -156,6 +260,7 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "kvq-calibrate: wrote %s (%s, rank %d, mean captured query energy %.3f)\n",
                  o.dir.c_str(), b->manifest.kind.c_str(), rank, e.empty() ? 0.0 : mean / e.size());
   }
+  if (search) return SearchCodec(model, ids, max_bits, search_windows, search_len, flags);
   return 0;
 }
 

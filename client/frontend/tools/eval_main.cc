@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 
@@ -12,7 +13,10 @@
 #include "flags.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/calibration.h"
+#include "kvq/core/codec_json.h"
 #include "kvq/core/metrics.h"
+#include "kvq/core/status.h"
+#include "kvq/core/store.h"
 #include "kvq/frontend/blas_kernels.h"
 #include "kvq/frontend/diagnostics.h"
 #include "kvq/frontend/eval_config.h"
@@ -41,7 +45,10 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
   --text FILE       evaluation text (default <shared>/data/wikitext-2/wiki.test.raw)
   --windows N       number of windows (default 8)
   --window-len L    tokens per window (default 512)
-  --configs LIST    comma-separated configuration names (default dense,kivi-k2,headq-k2-r4)
+  --configs LIST    comma-separated configuration names (default dense,kivi-k2,headq-k2-r4);
+                    "calibrated" is the codec that --basis DIR/codec.json names (what the
+                    server serves that entry with; kvq-calibrate --bits B chooses and writes
+                    it): the row keeps the name, its codec is printed and in --json
   --json FILE       also write the results as JSON
   --threads T       BLAS threads (default 2)
   --kv MODE         where the KV cache lives: local (default, in-process caches) or
@@ -93,6 +100,8 @@ Configuration grammar:
             obl (the oblique reduced-rank-regression pair kvq-calibrate --variants writes),
             rotk | rotv | rot (keys / values / both rotated by a Hadamard matrix),
             oracle (--diagnostics only: PCA of the scored queries themselves, an upper bound)
+  calibrated                     the codec of --basis DIR/codec.json (fields it omits take
+                                 the registry's defaults for the entry)
   Defaults: G=32, vg=32, R=0, s=8; headq-kv*-a2 defaults to G=128.
   Examples: kivi-k2 headq-k2-r4 headq-k2-r4-random headq-k2-r4-wrongsign kivi-kv2 headq-kv2-a2
 
@@ -266,6 +275,27 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
   return 0;
 }
 
+// What "calibrated" stands for: the entry's codec as the registry loads it (its defaults for
+// the basis, then codec.json over them), checked as the registry checks it.
+absl::StatusOr<core::CodecOptions> ReadCalibratedCodec(const core::ModelBasis& basis,
+                                                       const std::string& file) {
+  if (!std::filesystem::exists(file)) {
+    return absl::NotFoundError(absl::StrCat(
+        "--configs calibrated: ", file, " does not exist; kvq-calibrate --bits B --search-only "
+        "--out DIR writes it for an existing basis"));
+  }
+  core::CodecOptions c = core::Registry::DefaultCodec(basis.manifest, /*has_basis=*/true);
+  RETURN_IF_ERROR(core::ReadCodecJson(file, &c));
+  if (c.rank > basis.manifest.rank) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": rank ", c.rank,
+                                                   " exceeds the basis rank ",
+                                                   basis.manifest.rank));
+  }
+  absl::Status st = c.Validate();
+  if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(file, ": ", st.message()));
+  return c;
+}
+
 int Main(int argc, char** argv) {
   Flags flags("eval",
               {{"model", DefaultModelPath()},
@@ -292,8 +322,19 @@ int Main(int argc, char** argv) {
   int rc = 0;
   if (!flags.Parse(argc, argv, &rc)) return rc;
   SetBlasThreads(static_cast<int>(flags.GetInt("threads")));
-  auto configs = ParseEvalConfigList(flags.Get("configs"));
-  if (!configs.ok()) return Fail(configs.status());
+  const bool calibrated = NamesCalibratedConfig(flags.Get("configs"));
+  if (calibrated && flags.Get("basis").empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "--configs calibrated evaluates the codec that the basis folder's codec.json names: "
+        "give --basis DIR"));
+  }
+  // The names are checked before the model loads ("calibrated" stands in as any valid codec
+  // until its codec.json is read, below).
+  const core::CodecOptions stand_in;
+  if (auto check = ParseEvalConfigList(flags.Get("configs"), calibrated ? &stand_in : nullptr);
+      !check.ok()) {
+    return Fail(check.status());
+  }
   auto file = GgufFile::Open(flags.Get("model"));
   if (!file.ok()) return Fail(file.status());
   auto tok = Tokenizer::FromGguf(**file);
@@ -337,6 +378,18 @@ int Main(int argc, char** argv) {
   if (flags.GetBool("diagnostics")) {
     return Diagnostics(**model, ids, bases, flags);
   }
+  core::CodecOptions calibrated_codec;
+  std::string codec_file;
+  if (calibrated) {
+    codec_file = flags.Get("basis") + "/codec.json";
+    auto c = ReadCalibratedCodec(query, codec_file);
+    if (!c.ok()) return Fail(c.status());
+    calibrated_codec = *c;
+    std::fprintf(stderr, "kvq-eval: calibrated = %s (%s)\n", calibrated_codec.ToString().c_str(),
+                 codec_file.c_str());
+  }
+  auto configs = ParseEvalConfigList(flags.Get("configs"), calibrated ? &calibrated_codec : nullptr);
+  if (!configs.ok()) return Fail(configs.status());
   bool any_adapt = false;
   for (const auto& c : *configs) any_adapt |= c.adaptive_rank;
   if (any_adapt && bases.query) {
@@ -466,8 +519,9 @@ int Main(int argc, char** argv) {
         exj = e;
       }
     }
-    std::printf("%-28s %10.4f %9s %7.3f %7.3f %9.3f %9.3f %8.1f\n", c.name.c_str(), r.ppl,
-                ex.c_str(), r.k_bits, r.v_bits, r.k_bits_ctx, r.v_bits_ctx, r.seconds);
+    std::printf("%-28s %10.4f %9s %7.3f %7.3f %9.3f %9.3f %8.1f%s\n", c.name.c_str(), r.ppl,
+                ex.c_str(), r.k_bits, r.v_bits, r.k_bits_ctx, r.v_bits_ctx, r.seconds,
+                c.name == kCalibratedConfig ? absl::StrCat("  ", c.codec.ToString()).c_str() : "");
     js["rows"].push_back({{"config", c.name},
                           {"ppl", r.ppl},
                           {"excess_removed", exj},
@@ -479,6 +533,10 @@ int Main(int argc, char** argv) {
                           {"tokens", r.scored_tokens},
                           {"seconds", r.seconds},
                           {"codec", c.dense ? "dense" : c.codec.ToString()}});
+    if (c.name == kCalibratedConfig) {
+      js["rows"].back()["codec_file"] = codec_file;
+      js["rows"].back()["codec_settings"] = core::CodecToJson(c.codec);
+    }
     if (remote_rows.count(c.name)) js["rows"].back()["remote"] = remote_rows[c.name];
   }
   if (!flags.Get("json").empty()) {

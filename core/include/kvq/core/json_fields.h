@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kvq/core/basis.h"
 #include "nlohmann/json.hpp"
@@ -31,6 +32,10 @@ class JsonFields {
   const nlohmann::json& j_;
   std::string file_;
 };
+
+// A registry file as a JSON object, at most 1 MiB (never an exception: a garbage or
+// truncated file is INVALID_ARGUMENT naming it, a missing one NOT_FOUND).
+absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path);
 
 // The identity and shape fields that manifest.json (a basis) and model.json (no basis)
 // share: model, version, layers, kv_heads, q_heads, head_dim, rope_layout, channel_order.

@@ -38,6 +38,9 @@
 // Defaults: G = 32, value group 32, R = 0, side bits 8, except headq-kv*-a2, which defaults
 // to G = 128 (the side code repairs the coarser key groups; that pays for the side code and
 // the A^2 width tags) so that it stays within kivi-kv<bits>'s combined budget.
+//   calibrated                              the codec that the basis folder's codec.json names
+//                                           (kvq-calibrate --bits writes it): see
+//                                           ParseEvalConfigList's `calibrated` argument
 // Examples: kivi-k2, headq-k2-r4, headq-k2-r4-random, headq-k2-r4-wrongsign, kivi-kv2,
 // headq-kv2-a2, kivi-k2-g128, headq-k3-r4-g64-w128.
 #pragma once
@@ -64,7 +67,23 @@ struct EvalConfig {
   bool probe = false;           // A^2 probe queries with each append
 };
 
+// The name of the config that evaluates the basis folder's codec.json.
+inline constexpr char kCalibratedConfig[] = "calibrated";
+
 absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name);
-absl::StatusOr<std::vector<EvalConfig>> ParseEvalConfigList(const std::string& comma_list);
+
+// A config that evaluates `codec` exactly, as the server would serve it (full KV, the query
+// basis; family headq when it has a side code, kivi otherwise), named `name`. Refused when
+// `codec` is not a setting a registry entry can hold (codec.json has no side_sign).
+absl::StatusOr<EvalConfig> EvalConfigFromCodec(const std::string& name,
+                                               const core::CodecOptions& codec);
+
+// `calibrated`: the codec that "calibrated" stands for (null: the name is an error saying
+// where it comes from).
+absl::StatusOr<std::vector<EvalConfig>> ParseEvalConfigList(
+    const std::string& comma_list, const core::CodecOptions* calibrated = nullptr);
+
+// Whether the comma-separated list names "calibrated".
+bool NamesCalibratedConfig(const std::string& comma_list);
 
 }  // namespace kvq::frontend

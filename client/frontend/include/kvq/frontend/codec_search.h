@@ -1,0 +1,66 @@
+// kvq-calibrate --bits B: the codec settings it chooses among, what each costs in bits per
+// element, and the search itself (validation perplexity with the basis just calibrated).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kvq/core/basis.h"
+#include "kvq/core/codec.h"
+#include "kvq/frontend/llama.h"
+#include "nlohmann/json.hpp"
+
+namespace kvq::frontend {
+
+// Steady-state bits per element of a codec at its head_dim, every byte counted (headers,
+// scales and zero points, side code, A^2 width tags): 8 * block bytes / (G * head_dim), as
+// kvq-eval's k_bits / v_bits columns measure them. An A^2 value block is counted at its
+// largest size (MaxValueBlockBytes), so the figure bounds what any block costs.
+struct CodecBits {
+  double k = 0, v = 0;
+  double per_element() const { return (k + v) / 2; }  // K and V together
+};
+CodecBits SteadyStateBits(const core::CodecOptions& o);
+
+// The candidates, as kvq-eval config names (full-KV "kv" targets with the query basis):
+// the one list to edit to search more settings. From about 2.4 to 9 bits per element at
+// head_dim 64.
+const std::vector<std::string>& CodecSearchCandidates();
+
+struct CodecSearchRow {
+  std::string name;
+  core::CodecOptions codec;  // at the model's head_dim: what codec.json would hold
+  CodecBits bits;
+  std::string skipped;  // why it was not evaluated ("" when it was)
+  double ppl = 0;       // validation perplexity (when evaluated)
+  bool chosen = false;
+};
+
+// The rows of `names` at `head_dim`: each parsed (a name that is not a full-KV codec with
+// the query basis is an error naming it), its bits counted, and skipped when its bits per
+// element exceed max_bits or its rank the basis rank. FAILED_PRECONDITION when none is left,
+// naming the smallest candidate's bits.
+absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<std::string>& names,
+                                                            int head_dim, int basis_rank,
+                                                            double max_bits);
+
+// Evaluates every row not skipped: perplexity over `windows` windows of `window_len` tokens
+// of `tokens` (llama.cpp's protocol, decode-faithful: EvaluatePerplexity) with `basis`, and
+// marks the lowest as chosen (ties: fewer bits per element, then the earlier row). Returns
+// the chosen row's index. on_window(windows done over all rows, row name) reports progress.
+absl::StatusOr<int> RunCodecSearch(const LlamaModel& model, const std::vector<int32_t>& tokens,
+                                   int windows, int window_len, const core::ModelBasis& basis,
+                                   std::vector<CodecSearchRow>* rows,
+                                   const std::function<void(int64_t, const std::string&)>& on_window = nullptr);
+
+// codec-search.json: how the choice was made (budget, text, windows) and every row.
+nlohmann::json CodecSearchJson(const std::vector<CodecSearchRow>& rows, double max_bits,
+                               const std::string& text, int windows, int window_len);
+
+// The rows as a table (one line each, the chosen one marked), for the tool's stdout.
+std::string CodecSearchTable(const std::vector<CodecSearchRow>& rows);
+
+}  // namespace kvq::frontend

@@ -1,0 +1,49 @@
+#include "kvq/core/codec_json.h"
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/json_fields.h"
+#include "kvq/core/status.h"
+
+namespace kvq::core {
+
+nlohmann::json CodecToJson(const CodecOptions& c) {
+  return {{"key_bits", c.key_bits},
+          {"key_group", c.key_group},
+          {"rank", c.rank},
+          {"side_bits", c.side_bits},
+          {"value_bits", c.value_bits},
+          {"value_group", c.value_group},
+          {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
+          {"value_budget", c.value_budget},
+          {"sink_tokens", c.sink_tokens},
+          {"window", c.window}};
+}
+
+absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, CodecOptions* c) {
+  const JsonFields f(j, file);
+  RETURN_IF_ERROR(f.Int("key_bits", &c->key_bits));
+  RETURN_IF_ERROR(f.Int("key_group", &c->key_group));
+  RETURN_IF_ERROR(f.Int("rank", &c->rank));
+  RETURN_IF_ERROR(f.Int("side_bits", &c->side_bits));
+  RETURN_IF_ERROR(f.Int("value_bits", &c->value_bits));
+  RETURN_IF_ERROR(f.Int("value_group", &c->value_group));
+  std::string policy = c->value_policy == ValuePolicy::kA2 ? "a2" : "uniform";
+  RETURN_IF_ERROR(f.String("value_policy", &policy));
+  if (policy != "uniform" && policy != "a2") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file, ": field 'value_policy' must be \"uniform\" or \"a2\" (got \"", policy.substr(0, 64),
+        "\")"));
+  }
+  c->value_policy = policy == "a2" ? ValuePolicy::kA2 : ValuePolicy::kUniform;
+  RETURN_IF_ERROR(f.Float("value_budget", &c->value_budget));
+  RETURN_IF_ERROR(f.Int("sink_tokens", &c->sink_tokens));
+  RETURN_IF_ERROR(f.Int("window", &c->window));
+  return absl::OkStatus();
+}
+
+absl::Status ReadCodecJson(const std::string& path, CodecOptions* c) {
+  ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject(path));
+  return CodecFromJson(j, path, c);
+}
+
+}  // namespace kvq::core
