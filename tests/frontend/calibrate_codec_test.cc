@@ -76,8 +76,26 @@ class CalibrateCodec : public ::testing::Test {
     EXPECT_EQ(s["text"], text_);
     EXPECT_EQ(s["windows"], 2);
     EXPECT_EQ(s["window_len"], 256);
-    // Every candidate of the list, in its order, with its bits; over the budget: skipped.
-    const auto& names = CodecSearchCandidates();
+    // Stage 1: each key lever on the probe codec; the lowest validation PPL names the lever.
+    const nlohmann::json& levers = s["key_lever_search"];
+    EXPECT_TRUE(levers.is_object());
+    if (!levers.is_object()) return {};
+    double best_lever = std::numeric_limits<double>::infinity();
+    std::string lever_name;
+    for (const nlohmann::json& r : levers["candidates"]) {
+      EXPECT_EQ(r["name"].get<std::string>().rfind(kLeverProbe, 0), 0u) << r["name"];
+      if (r["ppl"].get<double>() < best_lever) {
+        best_lever = r["ppl"].get<double>();
+        lever_name = r["name"];
+      }
+    }
+    EXPECT_EQ(levers["chosen"], lever_name);
+    EXPECT_EQ(WithKeyLever(kLeverProbe, s["key_lever"].get<std::string>()), lever_name);
+    // Stage 2: every candidate of the list with that lever, in its order, with its bits;
+    // over the budget: skipped.
+    std::vector<std::string> names;
+    for (const std::string& n : CodecSearchCandidates())
+      names.push_back(WithKeyLever(n, s["key_lever"].get<std::string>()));
     EXPECT_EQ(s["candidates"].size(), names.size());
     nlohmann::json chosen;
     int n_chosen = 0, evaluated = 0;
@@ -119,10 +137,24 @@ class CalibrateCodec : public ::testing::Test {
 
 TEST_F(CalibrateCodec, BitsChoosesTheBestCandidateWithinTheBudgetAndEvalReadsItBack) {
   const std::string entry = dir_ + "/entry";
-  ToolRun cal = Calibrate(entry, "--bits 3");
+  ToolRun cal = Calibrate(entry, "--bits 3,2.6");
   ASSERT_EQ(cal.code, 0) << cal.err;
   const nlohmann::json chosen = CheckSearch(entry, 3.0);
   ASSERT_TRUE(chosen.is_object());
+  // The second budget is chosen from the same rows: the lowest PPL at <= 2.6 bits.
+  const nlohmann::json s = ReadJson(entry + "/codec-search.json");
+  ASSERT_EQ(s["budgets"].size(), 2u);
+  EXPECT_EQ(s["budgets"][0]["chosen"], chosen["name"]);
+  double best_small = std::numeric_limits<double>::infinity();
+  std::string small;
+  for (const nlohmann::json& r : s["candidates"])
+    if (r["ppl"].is_number() && r["bits_per_element"].get<double>() <= 2.6 &&
+        r["ppl"].get<double>() < best_small) {
+      best_small = r["ppl"].get<double>();
+      small = r["name"];
+    }
+  EXPECT_EQ(s["budgets"][1]["chosen"], small);
+  EXPECT_LE(s["budgets"][1]["bits_per_element"].get<double>(), 2.6);
   EXPECT_THAT(cal.out, HasSubstr(chosen["name"].get<std::string>() + " "));
   EXPECT_THAT(cal.out, HasSubstr("<- chosen"));
   EXPECT_THAT(cal.out, HasSubstr("skipped: "));

@@ -137,5 +137,32 @@ TEST(CodecSearch, EveryCandidateIsACodecAndItsBitsAreTheBlockSizes) {
   EXPECT_FALSE(PlanCodecSearch({"kivi-k2"}, 64, 4, 9.0).ok()) << "keys-only is not a codec.json";
 }
 
+TEST(CodecSearch, KeyLeversApplyToEveryCandidateAndKiviHasNoObliquePair) {
+  EXPECT_EQ(WithKeyLever("headq-kv3-g128", ""), "headq-kv3-g128");
+  EXPECT_EQ(WithKeyLever("headq-kv3-g128", "obl-mr"), "headq-kv3-g128-obl-mr");
+  EXPECT_EQ(WithKeyLever("kivi-kv3-g128", "obl-mr"), "kivi-kv3-g128-mr");
+  EXPECT_EQ(WithKeyLever("kivi-kv3-g128", "rotk-mr"), "kivi-kv3-g128-rotk-mr");
+  for (const std::string& l : KeyLevers()) {
+    auto plan = PlanCodecSearch({WithKeyLever(kLeverProbe, l)}, 64, 8, 9.0);
+    ASSERT_TRUE(plan.ok()) << l << ": " << plan.status();
+    EXPECT_EQ((*plan)[0].oblique, l.rfind("obl", 0) == 0) << l;
+    EXPECT_EQ((*plan)[0].codec.rotate_keys, l.find("rotk") != std::string::npos) << l;
+    EXPECT_EQ((*plan)[0].codec.metric_rounding, l.find("mr") != std::string::npos) << l;
+    for (const std::string& n : CodecSearchCandidates())
+      EXPECT_TRUE(ParseEvalConfig(WithKeyLever(n, l)).ok()) << WithKeyLever(n, l);
+  }
+  // Among evaluated rows, the lowest PPL within each budget.
+  std::vector<CodecSearchRow> rows(3);
+  rows[0].bits = {2.0, 2.0};
+  rows[0].ppl = 30;
+  rows[1].bits = {3.0, 3.0};
+  rows[1].ppl = 20;
+  rows[2].bits = {4.0, 4.0};
+  rows[2].skipped = "over";
+  EXPECT_EQ(ChooseWithin(rows, 2.5), 0);
+  EXPECT_EQ(ChooseWithin(rows, 9.0), 1);
+  EXPECT_EQ(ChooseWithin(rows, 1.0), -1);
+}
+
 }  // namespace
 }  // namespace kvq::frontend

@@ -20,7 +20,10 @@ CodecBits SteadyStateBits(const core::CodecOptions& o) {
 const std::vector<std::string>& CodecSearchCandidates() {
   // Bits per element at head_dim 64 in the comments (K, V: mean). Fewer side-code bits,
   // coarser key groups and wider value groups reach below kivi-kv2; mixed key / value bits
-  // fill the steps between the uniform rows; the 8-bit rows are the high end.
+  // fill the steps between the uniform rows; the 8-bit rows are the high end. Left out, since
+  // every candidate costs a search run: settings another candidate beats at no more bits in
+  // RESULTS.md's SmolLM2 tables (kivi-kv2 by headq-kv2-g128, the old G = 32 default
+  // headq-kv2 and rank 2 with 8-bit side codes by headq-kv3-g128-s4-v2).
   static const std::vector<std::string> kCandidates = {
       "kivi-kv2-g128-vg64",           // 2.27, 2.52: 2.39
       "headq-kv2-g128-s4-vg64",       // 2.53, 2.52: 2.52
@@ -29,11 +32,8 @@ const std::vector<std::string>& CodecSearchCandidates() {
       "headq-kv2-g128-s4",            // 2.53, 3.02: 2.77
       "headq-kv2-g128",               // 2.78, 3.02: 2.90
       "headq-kv3-g128-s4-v2-vg64",    // 3.53, 2.52: 3.02
-      "kivi-kv2",                     // 3.06, 3.06: 3.06
       "kivi-kv3-g128-v2",             // 3.27, 3.02: 3.14
-      "headq-kv3-g128-r2-v2",         // 3.52, 3.02: 3.27
       "headq-kv3-g128-s4-v2",         // 3.53, 3.02: 3.27
-      "headq-kv2",                    // 3.63, 3.06: 3.34 (the server's built-in default)
       "headq-kv3-g128-v2",            // 3.78, 3.02: 3.40
       "headq-kv2-g128-v3",            // 2.78, 4.02: 3.40
       "kivi-kv4-g128-v2",             // 4.27, 3.02: 3.64
@@ -56,6 +56,19 @@ const std::vector<std::string>& CodecSearchCandidates() {
   return kCandidates;
 }
 
+const std::vector<std::string>& KeyLevers() {
+  static const std::vector<std::string> kLevers = {"", "mr", "obl-mr", "rotk-mr"};
+  return kLevers;
+}
+
+std::string WithKeyLever(const std::string& name, const std::string& lever) {
+  std::string l = lever;
+  // A KIVI-like codec has no side code: an oblique pair means nothing to it.
+  if (name.rfind("kivi", 0) == 0 && l.rfind("obl", 0) == 0)
+    l = l.find('-') == std::string::npos ? "" : l.substr(l.find('-') + 1);
+  return l.empty() ? name : absl::StrCat(name, "-", l);
+}
+
 absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<std::string>& names,
                                                             int head_dim, int basis_rank,
                                                             double max_bits) {
@@ -66,15 +79,17 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
     ASSIGN_OR_RETURN(EvalConfig c, ParseEvalConfig(name));
     // Only what a registry entry's codec.json can say: the server serves keys and values
     // through the codec with the entry's query basis.
-    if (c.keys_only || c.basis != BasisKind::kQuery || c.adaptive_rank || c.probe || c.fused ||
+    if (c.keys_only || (c.basis != BasisKind::kQuery && c.basis != BasisKind::kOblique) ||
+        c.adaptive_rank || c.probe || c.fused ||
         c.codec.side_sign != 1.0f) {
       return absl::InvalidArgumentError(absl::StrCat(
           "codec search candidate '", name,
-          "': must be a full-KV (kv) codec with the query basis (no basis controls, adapt, "
-          "probe or fused): codec.json holds only codec settings"));
+          "': must be a full-KV (kv) codec with the query basis or the oblique pair (no basis "
+          "controls, adapt, probe or fused): codec.json holds only codec settings"));
     }
     CodecSearchRow r;
     r.name = name;
+    r.oblique = c.basis == BasisKind::kOblique;
     r.codec = c.codec;
     r.codec.head_dim = head_dim;
     absl::Status valid = r.codec.Validate();
@@ -110,11 +125,9 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
 }
 
 absl::StatusOr<int> RunCodecSearch(const LlamaModel& model, const std::vector<int32_t>& tokens,
-                                   int windows, int window_len, const core::ModelBasis& basis,
+                                   int windows, int window_len, BasisSet* bases,
                                    std::vector<CodecSearchRow>* rows,
                                    const std::function<void(int64_t, const std::string&)>& on_window) {
-  BasisSet bases;
-  bases.query = &basis;
   int chosen = -1;
   int64_t done = 0;
   for (size_t i = 0; i < rows->size(); ++i) {
@@ -122,12 +135,13 @@ absl::StatusOr<int> RunCodecSearch(const LlamaModel& model, const std::vector<in
     if (!r.skipped.empty()) continue;
     // Evaluated as kvq-eval --configs calibrated evaluates codec.json: the same conversion.
     ASSIGN_OR_RETURN(EvalConfig c, EvalConfigFromCodec(r.name, r.codec));
+    if (r.oblique) c.basis = BasisKind::kOblique;
     const int64_t before = done;
     auto progress = [&](int w) {
       if (on_window) on_window(before + w, r.name);
     };
     ASSIGN_OR_RETURN(PerplexityResult p,
-                     EvaluatePerplexity(model, tokens, windows, window_len, c, &bases, progress));
+                     EvaluatePerplexity(model, tokens, windows, window_len, c, bases, progress));
     done = before + windows;
     r.ppl = p.ppl;
     if (!std::isfinite(r.ppl)) continue;  // never chosen
@@ -143,6 +157,18 @@ absl::StatusOr<int> RunCodecSearch(const LlamaModel& model, const std::vector<in
   if (chosen < 0) return absl::InternalError("no codec candidate gave a finite perplexity");
   (*rows)[chosen].chosen = true;
   return chosen;
+}
+
+int ChooseWithin(const std::vector<CodecSearchRow>& rows, double budget) {
+  int best = -1;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const CodecSearchRow& r = rows[i];
+    if (!r.skipped.empty() || !std::isfinite(r.ppl) || r.bits.per_element() > budget) continue;
+    if (best < 0 || r.ppl < rows[best].ppl ||
+        (r.ppl == rows[best].ppl && r.bits.per_element() < rows[best].bits.per_element()))
+      best = static_cast<int>(i);
+  }
+  return best;
 }
 
 nlohmann::json CodecSearchJson(const std::vector<CodecSearchRow>& rows, double max_bits,
@@ -165,6 +191,7 @@ nlohmann::json CodecSearchJson(const std::vector<CodecSearchRow>& rows, double m
                           {"bits_per_element", r.bits.per_element()},
                           {"k_bits", r.bits.k},
                           {"v_bits", r.bits.v},
+                          {"oblique_basis", r.oblique},
                           {"ppl", r.skipped.empty() ? nlohmann::json(r.ppl) : nlohmann::json(nullptr)},
                           {"chosen", r.chosen}};
     if (!r.skipped.empty()) row["skipped"] = r.skipped;

@@ -2,18 +2,22 @@
 // per layer and KV head, and writes a HeadQ basis registry entry (basis.safetensors +
 // manifest.json) into --out; with --bits B it then chooses the codec for that budget by
 // validation perplexity (codec_search.h) and writes codec.json and codec-search.json.
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "flags.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/calibration.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/codec_json.h"
 #include "kvq/frontend/blas_kernels.h"
+#include "kvq/core/status.h"
 #include "kvq/frontend/codec_search.h"
 #include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/attention_cache.h"
@@ -43,8 +47,9 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
                     weighted by the 2-bit G=32 KIVI key residual per channel) and DIR/oblique
                     (the reduced-rank-regression encode/decode pair over that residual's
                     covariance)
-  --query-moment    also store each head's E[q q^T] in the basis (the metric of the codec's
-                    metric rounding: keys rounded so that the score error is small)
+  --query-moment B  store each head's E[q q^T] in the basis (default true): the metric of the
+                    codec's metric rounding (keys rounded so that the score error is small);
+                    false writes U alone (a smaller file, nearest rounding only)
   --model-name NAME manifest model name (default: the model's file name, lower case, without
                     .gguf and its quantization tag: SmolLM2-135M-Instruct.Q4_1.gguf ->
                     smollm2-135m-instruct)
@@ -52,15 +57,19 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
 
 Choosing the codec (a registry entry without codec.json is served with the server's
 built-in default; `kvq models register DIR` sends DIR/codec.json with the basis):
-  --bits B          also choose the codec for a budget of B bits per element, K and V
+  --bits B[,B2..]   also choose the codec for a budget of B bits per element, K and V
                     together ((K bits + V bits) / 2, steady state, every byte counted: block
                     headers, scales and zero points, side code; A^2 value blocks at their
                     largest). Candidates: a fixed list of kvq-eval config names (full-KV
                     kivi-kv*/headq-kv* settings from about 2.4 to 9 bits per element at
                     head_dim 64; client/frontend/src/codec_search.cc); those over B (or over
                     the basis rank) are skipped and listed as such; it is an error when none
-                    fits (naming the smallest candidate's bits). Each one left is evaluated
-                    with the basis just calibrated by perplexity on the first N windows of L
+                    fits (naming the smallest candidate's bits). First the key-side lever
+                    (none, metric rounding, + the oblique pair, + keys rotated by H:
+                    codec_search.h KeyLevers) is chosen on one probe codec, then every
+                    candidate with that lever is evaluated with the basis just calibrated
+                    (and DIR/oblique, which --bits also writes) by perplexity on the first N
+                    windows of L
                     tokens of --text (the validation text; llama.cpp's protocol,
                     decode-faithful, as kvq-eval), and the lowest perplexity wins (ties: fewer
                     bits). Writes DIR/codec.json (the chosen codec, the registry's format) and
@@ -69,6 +78,9 @@ built-in default; `kvq models register DIR` sends DIR/codec.json with the basis)
                     windows and window length) and prints the table. Without --bits no codec
                     is chosen and no codec.json is written.
                     Check the choice on the test text: kvq-eval --basis DIR --configs calibrated
+                    More budgets (e.g. --bits 3,2.5,4) are chosen from the same evaluation
+                    (candidates up to the largest); codec.json gets the first one's choice and
+                    codec-search.json lists every budget's ("budgets").
   --search-windows N   windows of the search (default 8)
   --search-window-len L  tokens per search window (default 512)
   --search-only     do not calibrate: choose the codec for the basis already in DIR (its
@@ -95,31 +107,93 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
 
 // --bits: chooses the codec for the basis in --out and writes codec.json and
 // codec-search.json next to it.
-int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids, double max_bits,
+int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
+                const std::vector<double>& budgets,
                 int windows, int window_len, const Flags& flags) {
   const std::string dir = flags.Get("out");
-  auto basis = ReadBasisFor(model.config(), dir);
-  if (!basis.ok()) return Fail(basis.status());
-  auto rows = PlanCodecSearch(CodecSearchCandidates(), model.config().head_dim,
-                              basis->manifest.rank, max_bits);
-  if (!rows.ok()) return Fail(rows.status());
-  int64_t evaluated = 0;
-  for (const auto& r : *rows) evaluated += r.skipped.empty();
-  std::fprintf(stderr, "kvq-calibrate: choosing the codec for %s bits per element: %lld of %zu "
-               "candidates fit, each on %d x %d tokens of %s\n", flags.Get("bits").c_str(),
-               static_cast<long long>(evaluated), rows->size(), windows, window_len,
-               flags.Get("text").c_str());
-  ProgressBar bar("kvq-calibrate codec search", evaluated * windows);
-  auto chosen = RunCodecSearch(model, ids, windows, window_len, *basis, &*rows,
-                               [&](int64_t done, const std::string& name) { bar.Update(done, name); });
-  if (!chosen.ok()) return Fail(chosen.status());
-  bar.Finish();
-  std::fputs(CodecSearchTable(*rows).c_str(), stdout);
-  const CodecSearchRow& best = (*rows)[*chosen];
-  absl::Status st = WriteFile(dir + "/codec.json", core::CodecToJson(best.codec).dump(2) + "\n");
+  auto main_basis = ReadBasisFor(model.config(), dir);
+  if (!main_basis.ok()) return Fail(main_basis.status());
+  // DIR's basis is the query PCA, or the oblique pair an earlier search chose (the query PCA
+  // then waits in DIR/query-pca); the other one is looked for beside it.
+  const bool was_oblique = main_basis->oblique();
+  core::ModelBasis query, oblique;
+  (was_oblique ? oblique : query) = std::move(*main_basis);
+  auto other = ReadBasisFor(model.config(), dir + (was_oblique ? "/query-pca" : "/oblique"));
+  if (other.ok()) (was_oblique ? query : oblique) = std::move(*other);
+  if (query.u.empty()) return Fail(other.status());
+  BasisSet bases;
+  bases.query = &query;
+  if (!oblique.u.empty()) bases.oblique = &oblique;
+  const int d = model.config().head_dim, rank = query.manifest.rank;
+  auto search = [&](const std::vector<std::string>& names, double budget, const char* what)
+      -> absl::StatusOr<std::pair<std::vector<CodecSearchRow>, int>> {
+    ASSIGN_OR_RETURN(std::vector<CodecSearchRow> rows, PlanCodecSearch(names, d, rank, budget));
+    int64_t evaluated = 0;
+    for (const auto& r : rows) evaluated += r.skipped.empty();
+    std::fprintf(stderr, "kvq-calibrate: %s: %lld of %zu candidates, each on %d x %d tokens of %s\n",
+                 what, static_cast<long long>(evaluated), rows.size(), windows, window_len,
+                 flags.Get("text").c_str());
+    ProgressBar bar(absl::StrCat("kvq-calibrate ", what), evaluated * windows);
+    ASSIGN_OR_RETURN(int chosen, RunCodecSearch(model, ids, windows, window_len, &bases, &rows,
+                                                [&](int64_t done, const std::string& name) {
+                                                  bar.Update(done, name);
+                                                }));
+    bar.Finish();
+    std::fputs(CodecSearchTable(rows).c_str(), stdout);
+    return std::make_pair(std::move(rows), chosen);
+  };
+  // Stage 1: which key-side lever pays on this model, on one probe codec.
+  std::vector<std::string> probes;
+  std::vector<std::string> levers;
+  for (const std::string& l : KeyLevers()) {
+    if (l.rfind("obl", 0) == 0 && !bases.oblique) continue;  // no oblique pair calibrated
+    probes.push_back(WithKeyLever(kLeverProbe, l));
+    levers.push_back(l);
+  }
+  auto stage1 = search(probes, 1e9, "key lever");
+  if (!stage1.ok()) return Fail(stage1.status());
+  const std::string lever = levers[stage1->second];
+  // Stage 2: the codec within the budget, every candidate with that lever.
+  std::vector<std::string> names;
+  for (const std::string& n : CodecSearchCandidates()) names.push_back(WithKeyLever(n, lever));
+  // One evaluation serves every budget: the rows up to the largest, a choice per budget.
+  const double max_bits = budgets[0], largest = *std::max_element(budgets.begin(), budgets.end());
+  auto stage2 = search(names, largest, absl::StrCat("codec search (lever '", lever, "')").c_str());
+  if (!stage2.ok()) return Fail(stage2.status());
+  std::vector<CodecSearchRow>& rows = stage2->first;
+  nlohmann::json per_budget = nlohmann::json::array();
+  for (double b : budgets) {
+    const int i = ChooseWithin(rows, b);
+    per_budget.push_back({{"max_bits_per_element", b},
+                          {"chosen", i < 0 ? nlohmann::json(nullptr) : nlohmann::json(rows[i].name)},
+                          {"bits_per_element", i < 0 ? 0.0 : rows[i].bits.per_element()},
+                          {"ppl", i < 0 ? nlohmann::json(nullptr) : nlohmann::json(rows[i].ppl)}});
+    if (i >= 0)
+      std::fprintf(stderr, "kvq-calibrate: within %.3f bits per element: %s (%.3f bits, validation PPL %.4f)\n",
+                   b, rows[i].name.c_str(), rows[i].bits.per_element(), rows[i].ppl);
+  }
+  const int first = ChooseWithin(rows, max_bits);
+  if (first < 0) {
+    return Fail(absl::FailedPreconditionError(
+        absl::StrFormat("--bits %.3f: no evaluated candidate fits", max_bits)));
+  }
+  for (size_t i = 0; i < rows.size(); ++i) rows[i].chosen = static_cast<int>(i) == first;
+  const CodecSearchRow& best = rows[first];
+  // The entry serves with one basis: the oblique pair becomes DIR's when it was chosen.
+  absl::Status st;
+  if (best.oblique != was_oblique) {
+    st = core::WriteBasis(dir + (best.oblique ? "/query-pca" : "/oblique"),
+                          best.oblique ? query : oblique);
+    if (st.ok()) st = core::WriteBasis(dir, best.oblique ? oblique : query);
+  }
+  if (st.ok()) st = WriteFile(dir + "/codec.json", core::CodecToJson(best.codec).dump(2) + "\n");
   if (st.ok()) {
-    st = WriteFile(dir + "/codec-search.json",
-                   CodecSearchJson(*rows, max_bits, flags.Get("text"), windows, window_len).dump(2) + "\n");
+    nlohmann::json js = CodecSearchJson(rows, max_bits, flags.Get("text"), windows, window_len);
+    js["key_lever"] = lever;
+    js["budgets"] = per_budget;
+    js["key_lever_search"] = CodecSearchJson(stage1->first, 1e9, flags.Get("text"), windows, window_len);
+    js["basis"] = best.oblique ? "oblique_rrr (DIR; the query PCA in DIR/query-pca)" : "query PCA (DIR)";
+    st = WriteFile(dir + "/codec-search.json", js.dump(2) + "\n");
   }
   if (!st.ok()) return Fail(st);
   std::fprintf(stderr, "kvq-calibrate: chose %s (%s, %.3f bits per element, validation PPL %.4f): "
@@ -137,7 +211,7 @@ int Main(int argc, char** argv) {
                {"rank", "8"},
                {"window-len", "512"},
                {"variants", "false"},
-               {"query-moment", "false"},
+               {"query-moment", "true"},
                {"model-name", ""},
                {"threads", "2"},
                {"bits", ""},
@@ -149,11 +223,18 @@ int Main(int argc, char** argv) {
   if (!flags.Parse(argc, argv, &rc)) return rc;
   if (flags.Get("out").empty()) return Fail(absl::InvalidArgumentError("--out is required"));
   const bool search = !flags.Get("bits").empty(), search_only = flags.GetBool("search-only");
-  double max_bits = 0;
-  if (search && (!absl::SimpleAtod(flags.Get("bits"), &max_bits) || !(max_bits > 0))) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-        "--bits must be a positive number of bits per element (got '", flags.Get("bits"), "')")));
+  std::vector<double> budgets;
+  for (absl::string_view part : absl::StrSplit(flags.Get("bits"), ',', absl::SkipEmpty())) {
+    double b = 0;
+    if (!absl::SimpleAtod(part, &b) || !(b > 0)) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--bits must be positive numbers of bits per element, comma-separated (got '",
+          flags.Get("bits"), "')")));
+    }
+    budgets.push_back(b);
   }
+  if (search && budgets.empty()) return Fail(absl::InvalidArgumentError("--bits: no budget given"));
+  const double max_bits = search ? budgets[0] : 0;
   if (search_only && !search) {
     return Fail(absl::InvalidArgumentError("--search-only needs --bits B"));
   }
@@ -173,7 +254,7 @@ int Main(int argc, char** argv) {
         absl::StrCat("--text has ", ids.size(), " tokens; the search needs --search-windows ",
                      search_windows, " x --search-window-len ", search_len)));
   }
-  if (search_only) return SearchCodec(model, ids, max_bits, search_windows, search_len, flags);
+  if (search_only) return SearchCodec(model, ids, budgets, search_windows, search_len, flags);
   // The plan before the calibration: an impossible --bits is an error now, not after it.
   if (search) {
     auto plan = PlanCodecSearch(CodecSearchCandidates(), model.config().head_dim,
@@ -187,6 +268,8 @@ int Main(int argc, char** argv) {
   }
   const LlamaConfig& c = model.config();
   const bool variants = flags.GetBool("variants");
+  // The residual statistics feed the variants and the oblique pair the codec search tries.
+  const bool residuals = variants || search;
   core::QueryStats stats(c.layers, c.q_heads, c.kv_heads, c.head_dim);
   // The residual statistics for the residual-weighted basis: 2-bit KIVI keys, G = 32.
   core::CodecOptions kivi;
@@ -198,7 +281,7 @@ int Main(int argc, char** argv) {
   std::vector<float> kh, kb;
   auto hook = [&](int layer, int64_t start, int n, const float* q, const float* k, const float*) {
     for (int h = 0; h < c.q_heads; ++h) stats.Add(layer, h, q + static_cast<size_t>(h) * n * c.head_dim, n);
-    if (!variants) return;
+    if (!residuals) return;
     const int G = kivi.key_group, D = c.head_dim;
     for (int h = 0; h < c.kv_heads; ++h) {
       for (int t0 = 0; t0 + G <= n; t0 += G) {
@@ -239,6 +322,11 @@ int Main(int argc, char** argv) {
   const int rank = static_cast<int>(flags.GetInt("rank"));
   struct Out { std::string dir; core::CalibrationOptions opts; };
   std::vector<Out> outs = {{flags.Get("out"), {}}};
+  if (search && !variants) {
+    core::CalibrationOptions obl;
+    obl.oblique = true;
+    outs.push_back({flags.Get("out") + "/oblique", obl});
+  }
   if (variants) {
     core::CalibrationOptions cen, rw, obl;
     cen.centred = true;
@@ -260,7 +348,7 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "kvq-calibrate: wrote %s (%s, rank %d, mean captured query energy %.3f)\n",
                  o.dir.c_str(), b->manifest.kind.c_str(), rank, e.empty() ? 0.0 : mean / e.size());
   }
-  if (search) return SearchCodec(model, ids, max_bits, search_windows, search_len, flags);
+  if (search) return SearchCodec(model, ids, budgets, search_windows, search_len, flags);
   return 0;
 }
 

@@ -11,6 +11,7 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/codec.h"
 #include "kvq/frontend/llama.h"
+#include "kvq/frontend/perplexity.h"
 #include "nlohmann/json.hpp"
 
 namespace kvq::frontend {
@@ -30,6 +31,17 @@ CodecBits SteadyStateBits(const core::CodecOptions& o);
 // head_dim 64.
 const std::vector<std::string>& CodecSearchCandidates();
 
+// The key-side levers, as suffixes of kvq-eval options: "" (nearest rounding, query basis),
+// "mr" (metric rounding), "obl-mr" (and the oblique pair), "rotk-mr" (and keys rotated by
+// H). Which pays is model-dependent (rotation: a large gain on SmolLM2, a large loss on
+// Qwen2.5), so the search first evaluates each on one probe codec (kLeverProbe) and then
+// searches the candidates with the winner (WithKeyLever).
+const std::vector<std::string>& KeyLevers();
+inline constexpr char kLeverProbe[] = "headq-kv3-g128-s4-v2";
+// `name` with `lever` applied: headq names get it whole, kivi names its codec parts only
+// (they have no basis to make oblique).
+std::string WithKeyLever(const std::string& name, const std::string& lever);
+
 struct CodecSearchRow {
   std::string name;
   core::CodecOptions codec;  // at the model's head_dim: what codec.json would hold
@@ -37,10 +49,11 @@ struct CodecSearchRow {
   std::string skipped;  // why it was not evaluated ("" when it was)
   double ppl = 0;       // validation perplexity (when evaluated)
   bool chosen = false;
+  bool oblique = false;  // evaluated with the oblique pair (DIR/oblique) instead of DIR's basis
 };
 
 // The rows of `names` at `head_dim`: each parsed (a name that is not a full-KV codec with
-// the query basis is an error naming it), its bits counted, and skipped when its bits per
+// the query basis or the oblique pair is an error naming it), its bits counted, and skipped when its bits per
 // element exceed max_bits or its rank the basis rank. FAILED_PRECONDITION when none is left,
 // naming the smallest candidate's bits.
 absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<std::string>& names,
@@ -52,9 +65,14 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
 // marks the lowest as chosen (ties: fewer bits per element, then the earlier row). Returns
 // the chosen row's index. on_window(windows done over all rows, row name) reports progress.
 absl::StatusOr<int> RunCodecSearch(const LlamaModel& model, const std::vector<int32_t>& tokens,
-                                   int windows, int window_len, const core::ModelBasis& basis,
+                                   int windows, int window_len, BasisSet* bases,
                                    std::vector<CodecSearchRow>* rows,
                                    const std::function<void(int64_t, const std::string&)>& on_window = nullptr);
+
+// Among the evaluated rows, the one with the lowest finite perplexity at <= budget bits per
+// element (ties: fewer bits, then the earlier row); -1 when none. RunCodecSearch's choice is
+// ChooseWithin(rows, its max_bits): choices for smaller budgets come from the same rows.
+int ChooseWithin(const std::vector<CodecSearchRow>& rows, double budget);
 
 // codec-search.json: how the choice was made (budget, text, windows) and every row.
 nlohmann::json CodecSearchJson(const std::vector<CodecSearchRow>& rows, double max_bits,
