@@ -30,7 +30,10 @@ def load_kvq(files):
             if c != "calibrated" and (len(parts) < 2 or not parts[1].startswith("kv")):
                 continue  # K-only rows keep fp16 values: not a point on the full-KV curve
             bits = (r["k_bits_ctx"] + r["v_bits_ctx"]) / 2
-            fam = "kivi" if c.startswith("kivi") else "kvq"
+            # KIVI-like peers: kvq's base code alone; with kvq's levers (metric rounding,
+            # rotation) a rank-0 codec is one of kvq's own configurations.
+            levers = {"mr", "rotk", "rotv", "rot"} & set(parts)
+            fam = "kivi" if c.startswith("kivi") and not levers else "kvq"
             rows.append({"name": c, "bits": bits, "ppl": r["ppl"], "family": fam})
     if dense is None:
         sys.exit("plot_frontier: no dense row in the kvq files")
