@@ -105,7 +105,7 @@ def main():
     plots = []
     styles = {"kvq": "pt 7 ps 1.3 lc rgb '#1f77b4'", "kivi": "pt 4 ps 1.4 lc rgb '#ff7f0e'",
               "llama.cpp": "pt 9 ps 1.6 lc rgb '#d62728'"}
-    titles = {"kvq": "kvq (HeadQ) configurations", "kivi": "KIVI-like (kvq's base code alone)",
+    titles = {"kvq": "kvq (HeadQ) configurations", "kivi": "KIVI-like (the base code alone, no levers)",
               "llama.cpp": "llama.cpp KV types (llama-cpp-python %s, flash attention)" % version}
     for fam in ("kvq", "kivi", "llama.cpp"):
         pts = [r for r in rows + (lc if a.llamacpp else []) if r["family"] == fam]
