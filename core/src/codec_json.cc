@@ -16,7 +16,10 @@ nlohmann::json CodecToJson(const CodecOptions& c) {
           {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
           {"value_budget", c.value_budget},
           {"sink_tokens", c.sink_tokens},
-          {"window", c.window}};
+          {"window", c.window},
+          {"rotate_keys", c.rotate_keys},
+          {"rotate_values", c.rotate_values},
+          {"metric_rounding", c.metric_rounding}};
 }
 
 absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, CodecOptions* c) {
@@ -38,6 +41,9 @@ absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, Cod
   RETURN_IF_ERROR(f.Float("value_budget", &c->value_budget));
   RETURN_IF_ERROR(f.Int("sink_tokens", &c->sink_tokens));
   RETURN_IF_ERROR(f.Int("window", &c->window));
+  RETURN_IF_ERROR(f.Bool("rotate_keys", &c->rotate_keys));
+  RETURN_IF_ERROR(f.Bool("rotate_values", &c->rotate_values));
+  RETURN_IF_ERROR(f.Bool("metric_rounding", &c->metric_rounding));
   return absl::OkStatus();
 }
 

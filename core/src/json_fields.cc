@@ -60,6 +60,14 @@ absl::Status JsonFields::String(absl::string_view key, std::string* out) const {
   return absl::OkStatus();
 }
 
+absl::Status JsonFields::Bool(absl::string_view key, bool* out) const {
+  const auto it = j_.find(std::string(key));
+  if (it == j_.end()) return absl::OkStatus();
+  if (!it->is_boolean()) return Mistyped(key, "true or false");
+  *out = it->get<bool>();
+  return absl::OkStatus();
+}
+
 absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path) {
   constexpr uintmax_t kMaxBytes = 1 << 20;
   std::error_code ec;

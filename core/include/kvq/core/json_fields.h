@@ -25,6 +25,8 @@ class JsonFields {
   absl::Status Int64(absl::string_view key, int64_t* out) const;
   absl::Status Float(absl::string_view key, float* out) const;
   absl::Status String(absl::string_view key, std::string* out) const;
+  // true / false only (not 0 / 1 or "true"): a flag typed as a number is a mistake.
+  absl::Status Bool(absl::string_view key, bool* out) const;
 
  private:
   absl::Status Mistyped(absl::string_view key, absl::string_view want) const;
