@@ -4,7 +4,9 @@
 //                fp16 input), next to Memcpy of the same bytes.
 //   AttendCodes  fused score + softmax + readout over 2-bit HeadQ codes (one decode query per
 //                query head), AttendDense the same attention over fp16 K/V with the best SIMD
-//                kernels, AttendRef the codec on the scalar reference kernels.
+//                kernels, AttendRef the codec on the scalar reference kernels;
+//                AttendCodesK3G128RotK the lever codec (k3 G128 r4 s4 v2, rotated keys, metric
+//                rounding) next to AttendCodesK3G128, the same codec without the levers.
 // Every iteration touches a different cache (layer) of a set larger than the last-level cache,
 // as in decode, where 30 layers of KV do not fit in cache. Single-threaded; rates and times
 // are per CPU second (Google Benchmark's default), robust to preemption on a shared machine.
@@ -100,14 +102,33 @@ struct CodesSet {
   size_t bytes_each = 0;
 };
 
+// The quality frontier's lever codec: k3 G128 r4 s4 v2 with rotated keys and metric
+// rounding (rotated: false gives the same codec without the levers, to isolate their cost).
+CodecOptions LeverOptions(int d, bool rotated) {
+  CodecOptions o = HeadQOptions(d, 128);
+  o.key_bits = 3;
+  o.side_bits = 4;
+  o.rotate_keys = rotated;
+  o.metric_rounding = rotated;
+  return o;
+}
+
 // One encoded cache, copied until the set exceeds the working-set size.
-CodesSet BuildCodes(int T, int qh, int kv, int d, bool verify = true, int group = 32) {
-  CodecOptions o = HeadQOptions(d, group);
-  o.verify_on_read = verify;
+CodesSet BuildCodes(int T, int qh, int kv, const CodecOptions& o) {
+  const int d = o.head_dim;
   const ModelBasis b = Basis(kv, qh, d, o.rank);
   const size_t per = static_cast<size_t>(kv) * T * d;
   auto k = RandomHalf(per, 11), v = RandomHalf(per, 12);
-  auto first = std::make_unique<LayerCache>(o, kv, b.u.data());
+  // Metric rounding's query moment (encoder only: it changes which codes are stored, not what
+  // reading them costs): E[q q^T] = I + 1 1^T / d per head.
+  std::vector<float> moment;
+  if (o.metric_rounding) {
+    moment.assign(static_cast<size_t>(kv) * d * d, 1.0f / d);
+    for (int h = 0; h < kv; ++h)
+      for (int c = 0; c < d; ++c) moment[(static_cast<size_t>(h) * d + c) * d + c] += 1.0f;
+  }
+  auto first = std::make_unique<LayerCache>(o, kv, b.u.data(), nullptr, nullptr,
+                                            moment.empty() ? nullptr : moment.data());
   (void)first->Append(TensorView::Contiguous(k.data(), DType::kF16, {kv, T, d}),
                       TensorView::Contiguous(v.data(), DType::kF16, {kv, T, d}), 0);
   CodesSet set;
@@ -118,9 +139,10 @@ CodesSet BuildCodes(int T, int qh, int kv, int d, bool verify = true, int group 
   return set;
 }
 
-void AttendCodesImpl(benchmark::State& st, int T, int qh, int kv, int d, bool reference,
-                     bool verify = true, int group = 32) {
-  CodesSet set = BuildCodes(T, qh, kv, d, verify, group);
+void AttendCodesWith(benchmark::State& st, int T, int qh, int kv, const CodecOptions& o,
+                     bool reference) {
+  const int d = o.head_dim;
+  CodesSet set = BuildCodes(T, qh, kv, o);
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(qh) * d), out(q.size());
@@ -141,6 +163,13 @@ void AttendCodesImpl(benchmark::State& st, int T, int qh, int kv, int d, bool re
   st.counters["cache_bytes"] = static_cast<double>(set.bytes_each);
 }
 
+void AttendCodesImpl(benchmark::State& st, int T, int qh, int kv, int d, bool reference,
+                     bool verify = true, int group = 32) {
+  CodecOptions o = HeadQOptions(d, group);
+  o.verify_on_read = verify;
+  AttendCodesWith(st, T, qh, kv, o, reference);
+}
+
 void AttendCodes(benchmark::State& st, int T, int qh, int kv, int d) {
   AttendCodesImpl(st, T, qh, kv, d, false);
 }
@@ -154,6 +183,14 @@ void AttendCodesG128(benchmark::State& st, int T, int qh, int kv, int d) {
 }
 void AttendRef(benchmark::State& st, int T, int qh, int kv, int d) {
   AttendCodesImpl(st, T, qh, kv, d, true);
+}
+// The lever codec (rotated keys: the queries rotated once per attend), and the same codec
+// unrotated beside it.
+void AttendCodesK3G128RotK(benchmark::State& st, int T, int qh, int kv, int d) {
+  AttendCodesWith(st, T, qh, kv, LeverOptions(d, true), false);
+}
+void AttendCodesK3G128(benchmark::State& st, int T, int qh, int kv, int d) {
+  AttendCodesWith(st, T, qh, kv, LeverOptions(d, false), false);
 }
 
 // Dense fp16 attention with the same structure: per KV head, scores of its query group,
@@ -217,6 +254,12 @@ void RegisterAll() {
               ->Unit(benchmark::kMicrosecond);
           benchmark::RegisterBenchmark(("AttendCodesG128" + name).c_str(), AttendCodesG128, T,
                                        sh.qh, sh.kv, d)
+              ->Unit(benchmark::kMicrosecond);
+          benchmark::RegisterBenchmark(("AttendCodesK3G128" + name).c_str(), AttendCodesK3G128, T,
+                                       sh.qh, sh.kv, d)
+              ->Unit(benchmark::kMicrosecond);
+          benchmark::RegisterBenchmark(("AttendCodesK3G128RotK" + name).c_str(),
+                                       AttendCodesK3G128RotK, T, sh.qh, sh.kv, d)
               ->Unit(benchmark::kMicrosecond);
         }
       }

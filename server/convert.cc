@@ -141,6 +141,11 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
   if (s.value_budget() != 0 && !(s.value_budget() >= 1.0f && s.value_budget() <= 4.0f)) {
     return bad("value_budget", s.value_budget(), "0 (the model's default) or in [1, 4]");
   }
+  for (const auto& [name, v] : {std::pair{"rotate_keys", s.rotate_keys()},
+                                std::pair{"rotate_values", s.rotate_values()},
+                                std::pair{"metric_rounding", s.metric_rounding()}}) {
+    if (v < -1 || v > 1) return bad(name, v, "0 (the model's default), 1 (on) or -1 (off)");
+  }
   core::CodecOptions c = base;
   if (s.key_bits()) c.key_bits = s.key_bits();
   if (s.key_group()) c.key_group = s.key_group();
@@ -158,6 +163,12 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
   if (s.sink_tokens()) c.sink_tokens = s.sink_tokens();
   if (s.window() > 0) c.window = s.window();
   if (s.window() == -1) c.window = 0;
+  auto set_switch = [](int32_t v, bool* on) {
+    if (v != 0) *on = v > 0;
+  };
+  set_switch(s.rotate_keys(), &c.rotate_keys);
+  set_switch(s.rotate_values(), &c.rotate_values);
+  set_switch(s.metric_rounding(), &c.metric_rounding);
   absl::Status st = c.Validate();
   if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", st.message()));
   return c;
@@ -176,6 +187,9 @@ void CodecToProto(const core::CodecOptions& c, v1::CodecSettings* out) {
   out->set_value_budget(c.value_budget);
   out->set_sink_tokens(c.sink_tokens);
   out->set_window(c.window);
+  out->set_rotate_keys(c.rotate_keys ? 1 : -1);
+  out->set_rotate_values(c.rotate_values ? 1 : -1);
+  out->set_metric_rounding(c.metric_rounding ? 1 : -1);
 }
 
 void ModelToProto(const core::ModelEntry& e, int64_t live_sequences, v1::ModelInfo* out) {
@@ -192,6 +206,8 @@ void ModelToProto(const core::ModelEntry& e, int64_t live_sequences, v1::ModelIn
   out->set_rope_layout(m.rope_layout);
   out->set_channel_order(m.channel_order);
   out->set_kind(e.has_basis ? m.kind : "none");
+  out->set_oblique(e.has_basis && e.basis.oblique());
+  out->set_has_query_moment(e.has_basis && !e.basis.query_moment.empty());
   out->set_calibration_tokens(m.calibration_tokens);
   CodecToProto(e.codec, out->mutable_codec());
   out->set_live_sequences(live_sequences);
@@ -225,29 +241,47 @@ absl::StatusOr<core::ModelEntry> ModelFromProto(const v1::RegisterBasisRequest& 
     return absl::InvalidArgumentError(
         absl::StrCat("info.layers ", info.layers(), " must be in 1..1024"));
   }
-  if (e.has_basis) {
-    if (req.basis_size() != info.layers()) {
-      return absl::InvalidArgumentError(absl::StrCat("basis holds ", req.basis_size(),
+  // One F32 tensor [kv_heads, head_dim, cols] per layer of `list`, appended to *to; the
+  // values themselves are checked by the registry (core::CheckBasisTensors).
+  auto read_layers = [&](const google::protobuf::RepeatedPtrField<v1::Tensor>& list,
+                         absl::string_view name, int cols, absl::string_view cols_name,
+                         std::vector<float>* to) -> absl::Status {
+    if (list.size() != info.layers()) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " holds ", list.size(),
                                                      " tensors; expected one per layer (",
                                                      info.layers(), ")"));
     }
-    e.basis.manifest = m;
-    for (int l = 0; l < req.basis_size(); ++l) {
-      const std::string field = absl::StrCat("basis[", l, "]");
-      ASSIGN_OR_RETURN(core::TensorView v, ViewOf(req.basis(l), field, 3, 3));
+    for (int l = 0; l < list.size(); ++l) {
+      const std::string field = absl::StrCat(name, "[", l, "]");
+      ASSIGN_OR_RETURN(core::TensorView v, ViewOf(list[l], field, 3, 3));
       if (v.dtype != core::DType::kF32 || v.shape[0] != info.kv_heads() ||
-          v.shape[1] != info.head_dim() || v.shape[2] != info.basis_rank()) {
+          v.shape[1] != info.head_dim() || v.shape[2] != cols) {
         return absl::InvalidArgumentError(
             absl::StrCat(field, " must be DTYPE_F32 [kv_heads=", info.kv_heads(),
-                         ", head_dim=", info.head_dim(), ", basis_rank=", info.basis_rank(), "]"));
+                         ", head_dim=", info.head_dim(), ", ", cols_name, "=", cols, "]"));
       }
       const size_t n = static_cast<size_t>(v.numel());
-      const size_t off = e.basis.u.size();
-      e.basis.u.resize(off + n);
-      core::ToFloat(core::DType::kF32, v.data, e.basis.u.data() + off, n);
+      const size_t off = to->size();
+      to->resize(off + n);
+      core::ToFloat(core::DType::kF32, v.data, to->data() + off, n);
     }
-  } else if (req.basis_size() != 0) {
-    return absl::InvalidArgumentError("basis must be empty when info.basis_rank is 0");
+    return absl::OkStatus();
+  };
+  if (e.has_basis) {
+    e.basis.manifest = m;
+    RETURN_IF_ERROR(read_layers(req.basis(), "basis", info.basis_rank(), "basis_rank", &e.basis.u));
+    if (req.encode_basis_size() > 0) {
+      RETURN_IF_ERROR(read_layers(req.encode_basis(), "encode_basis", info.basis_rank(),
+                                  "basis_rank", &e.basis.encode));
+    }
+    if (req.query_moment_size() > 0) {
+      RETURN_IF_ERROR(read_layers(req.query_moment(), "query_moment", info.head_dim(), "head_dim",
+                                  &e.basis.query_moment));
+    }
+  } else if (req.basis_size() != 0 || req.encode_basis_size() != 0 ||
+             req.query_moment_size() != 0) {
+    return absl::InvalidArgumentError(
+        "basis, encode_basis and query_moment must be empty when info.basis_rank is 0");
   }
   e.codec = core::Registry::DefaultCodec(m, e.has_basis);
   ASSIGN_OR_RETURN(e.codec, MergeCodec(e.codec, info.codec(), "info.codec"));

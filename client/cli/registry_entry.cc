@@ -87,6 +87,15 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
     c->set_value_budget(value_budget);
     c->set_sink_tokens(sink_tokens);
     if (j->contains("window")) c->set_window(window == 0 ? -1 : window);
+    // Switches: present true / false is on / off (1 / -1), absent the server's default.
+    for (const auto& [key, set] :
+         {std::pair{"rotate_keys", &v1::CodecSettings::set_rotate_keys},
+          std::pair{"rotate_values", &v1::CodecSettings::set_rotate_values},
+          std::pair{"metric_rounding", &v1::CodecSettings::set_metric_rounding}}) {
+      bool on = false;
+      RETURN_IF_ERROR(f.Bool(key, &on));
+      if (j->contains(key)) (c->*set)(on ? 1 : -1);
+    }
   }
   return req;
 }

@@ -5,6 +5,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -239,29 +240,66 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir) {
       RETURN_IF_ERROR(read_tensor(absl::StrCat("layer.", l, ".query_moment"),
                                   b.query_moment.data() + l * moment_layer, m.head_dim));
   }
-  for (const auto* v : {&b.u, &b.encode, &b.query_moment})
-    for (float x : *v)
-      if (!std::isfinite(x)) return Bad(dir, "basis holds a non-finite value");
   if (BasisFingerprint(b) != m.fingerprint)
     return absl::DataLossError(absl::StrCat("basis ", dir, ": fingerprint ", BasisFingerprint(b),
                                             " does not match the manifest's ", m.fingerprint));
-  // Orthonormal columns per head, or for an oblique pair A^T B = I (tolerance for float
-  // storage): either way B A^T is a projection, so the side code cannot amplify a residual.
+  if (absl::Status st = CheckBasisTensors(m, b); !st.ok()) return Bad(dir, st.message());
+  return b;
+}
+
+absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b) {
+  const int d = m.head_dim, R = m.rank;
+  const size_t heads = static_cast<size_t>(m.layers) * m.kv_heads;
+  const size_t want = heads * d * R;
+  if (b.u.size() != want)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "basis holds ", b.u.size(), " floats; layers*kv_heads*head_dim*rank = ", want));
+  if (b.oblique() && b.encode.size() != want)
+    return absl::InvalidArgumentError(absl::StrCat("encode basis holds ", b.encode.size(),
+                                                   " floats; the basis holds ", want));
+  if (!b.query_moment.empty() && b.query_moment.size() != heads * d * d)
+    return absl::InvalidArgumentError(
+        absl::StrCat("query moment holds ", b.query_moment.size(),
+                     " floats; layers*kv_heads*head_dim*head_dim = ", heads * d * d));
+  for (const auto& [v, name] : {std::pair{&b.u, "basis"}, std::pair{&b.encode, "encode basis"},
+                                std::pair{&b.query_moment, "query moment"}})
+    for (size_t i = 0; i < v->size(); ++i)
+      if (!std::isfinite((*v)[i]))
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, " holds a non-finite value (layer ", i / (v->size() / m.layers), ")"));
   for (int l = 0; l < m.layers; ++l)
     for (int h = 0; h < m.kv_heads; ++h) {
-      const float* u = b.head(l, h);
-      const float* a_ = b.encode_head(l, h);
-      for (int i = 0; i < m.rank; ++i)
-        for (int j = oblique ? 0 : i; j < m.rank; ++j) {
+      const size_t at = (static_cast<size_t>(l) * m.kv_heads + h) * d * R;
+      const float* u = b.u.data() + at;
+      const float* a = b.oblique() ? b.encode.data() + at : u;
+      for (int i = 0; i < R; ++i)
+        for (int j = b.oblique() ? 0 : i; j < R; ++j) {
           double dot = 0;
-          for (int a = 0; a < m.head_dim; ++a) dot += double(a_[a * m.rank + i]) * u[a * m.rank + j];
+          for (int c = 0; c < d; ++c) dot += double(a[c * R + i]) * u[c * R + j];
           if (std::fabs(dot - (i == j ? 1.0 : 0.0)) > 1e-3)
-            return Bad(dir, absl::StrCat("layer ", l, " head ", h,
-                                         oblique ? ": encode and decode bases are not biorthogonal"
-                                                 : ": columns are not orthonormal"));
+            return absl::InvalidArgumentError(absl::StrFormat(
+                b.oblique() ? "layer %d head %d: encode column %d and decode column %d are not "
+                              "biorthogonal (A^T B = %.4g, tolerance 1e-3)"
+                            : "layer %d head %d: columns %d and %d are not orthonormal (dot "
+                              "%.4g, tolerance 1e-3)",
+                l, h, i, j, dot));
         }
+      if (b.query_moment.empty()) continue;
+      const float* q = b.query_moment.data() + (static_cast<size_t>(l) * m.kv_heads + h) * d * d;
+      double top = 0;
+      for (int c = 0; c < d; ++c) {
+        if (q[c * d + c] < 0)
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "layer %d head %d: query moment diagonal %d is negative (%.4g)", l, h, c, q[c * d + c]));
+        top = std::max(top, double(q[c * d + c]));
+      }
+      for (int x = 0; x < d; ++x)
+        for (int y = x + 1; y < d; ++y)
+          if (std::fabs(double(q[x * d + y]) - q[y * d + x]) > 1e-4 * top + 1e-30)
+            return absl::InvalidArgumentError(absl::StrFormat(
+                "layer %d head %d: query moment is not symmetric at (%d, %d)", l, h, x, y));
     }
-  return b;
+  return absl::OkStatus();
 }
 
 ModelBasis RandomBasis(const BasisManifest& shape, uint64_t seed) {

@@ -463,7 +463,7 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
   const Head& hd = heads_[h];
   const int d = opts_.head_dim, r = opts_.rank, G = opts_.key_group;
   const int64_t T = tokens_;
-  thread_local std::vector<float> uq, win;
+  thread_local std::vector<float> uq, win, rq;
   const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
   if (r > 0) {
     uq.assign(static_cast<size_t>(rows) * r, 0.0f);
@@ -474,12 +474,18 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
       }
   }
   const int64_t nb = encoded_ / G;
+  // Rotated keys are scored with H q: rotated here once for every block, not per block.
+  const bool rotate = opts_.rotate_keys && !corr_only && nb > 0;
+  if (rotate) {
+    rq.assign(q, q + static_cast<size_t>(rows) * d);
+    HadamardRotateRows(rq.data(), d, rows, d);
+  }
   const BlockReader reader(opts_, opts_.verify_on_read);
   KeyBlockView kv;
   for (int64_t b = 0; b < nb; ++b) {
     RETURN_IF_ERROR(reader.Key(KeyBlock(h, b), &kv));
-    ScoreKeyBlock(kv, q, r > 0 ? uq.data() : nullptr, rows, scale, opts_.side_sign, out + b * G, T,
-                  !corr_only);
+    ScoreKeyBlock(kv, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr, rows, scale,
+                  opts_.side_sign, out + b * G, T, !corr_only, /*q_rotated=*/rotate);
   }
   const int64_t W = T - encoded_;
   if (W > 0) {
@@ -504,12 +510,16 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
   thread_local std::vector<float> win;
   std::fill(out, out + static_cast<size_t>(rows) * d, 0.0f);
   const int64_t nb = encoded_ / G;
+  // Rotated values: the blocks' readouts summed in the rotated coordinates (out starts at
+  // zero), then the sum rotated back once instead of each block's partial output.
+  const bool rotated = opts_.rotate_values && nb > 0;
   const BlockReader reader(opts_, opts_.verify_on_read);
   ValueBlockView vv;
   for (int64_t b = 0; b < nb; ++b) {
     RETURN_IF_ERROR(reader.Value(ValueBlock(h, b), &vv));
-    ReadoutValueBlock(vv, p + b * G, T, rows, out, d);
+    ReadoutValueBlock(vv, p + b * G, T, rows, out, d, /*out_rotated=*/rotated);
   }
+  if (rotated) HadamardRotateRows(out, d, rows, d);
   const int64_t W = T - encoded_;
   if (W > 0) {
     win.resize(static_cast<size_t>(W) * d);

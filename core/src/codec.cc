@@ -557,11 +557,16 @@ std::vector<float> KeyRoundingFactor(const float* moment, int d, const float* de
   return out;
 }
 
+void HadamardRotateRows(float* x, int64_t ld, int n, int d) {
+  for (int t = 0; t < n; ++t) Rotate(x + t * ld, d);
+}
+
 void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q, float scale,
-                   float side_sign, float* out, int64_t out_stride, bool include_base) {
+                   float side_sign, float* out, int64_t out_stride, bool include_base,
+                   bool q_rotated) {
   const int d = b.head_dim, G = b.tokens, r = b.rank;
   thread_local std::vector<float> rotated_q;
-  if (include_base && b.rotated) {  // the base code holds H k: score H q against it
+  if (include_base && b.rotated && !q_rotated) {  // the base code holds H k: score H q against it
     RotateRows(q, d, n_q, d, &rotated_q);
     q = rotated_q.data();
   }
@@ -576,8 +581,8 @@ void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n
 }
 
 void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,
-                       float* out, int64_t out_stride) {
-  if (b.rotated) {  // sum_t p_t H v_t = H (sum_t p_t v_t): rotate the block's partial output
+                       float* out, int64_t out_stride, bool out_rotated) {
+  if (b.rotated && !out_rotated) {  // sum_t p_t H v_t = H (sum_t p_t v_t): rotate the block's partial output
     const int d = b.head_dim;
     thread_local std::vector<float> part;
     part.assign(static_cast<size_t>(n_q) * d, 0.0f);

@@ -138,7 +138,8 @@ PrefixKey PrefixSeed(const ModelEntry& m, const CodecOptions& c, int layer) {
       "kvq-prefix-v1|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint,
       "|", m.has_basis, "|", c.head_dim, ",", c.key_bits, ",", c.key_group, ",", c.rank, ",",
       c.side_bits, ",", c.value_bits, ",", c.value_group, ",", static_cast<int>(c.value_policy),
-      ",", c.value_budget, ",", c.sink_tokens, ",", c.window, ",", c.side_sign, "|", layer);
+      ",", c.value_budget, ",", c.sink_tokens, ",", c.window, ",", c.side_sign, ",",
+      c.rotate_keys, ",", c.rotate_values, ",", c.metric_rounding, "|", layer);
   const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
   return {h.low64, h.high64};
 }
@@ -160,12 +161,16 @@ TensorView SliceTokens(const TensorView& t, int64_t from, int64_t n) {
   return s;
 }
 
-std::vector<float> LayerBasis(const ModelEntry& m, int layer, int rank) {
-  if (rank == 0 || !m.has_basis) return {};
+// The first `rank` columns of one layer of a basis-shaped tensor (U, or an oblique pair's
+// encode basis A: the leading columns of a pair are the lower-rank pair), [kv][d][rank];
+// empty when the tensor is (no basis, not oblique) or rank is 0.
+std::vector<float> LayerBasis(const ModelEntry& m, const std::vector<float>& tensor, int layer,
+                              int rank) {
+  if (rank == 0 || !m.has_basis || tensor.empty()) return {};
   const int kv = m.manifest.kv_heads, d = m.manifest.head_dim, R = m.manifest.rank;
   std::vector<float> out(static_cast<size_t>(kv) * d * rank);
   for (int h = 0; h < kv; ++h) {
-    const float* u = m.basis.head(layer, h);
+    const float* u = tensor.data() + m.basis.HeadOffset(layer, h);
     for (int i = 0; i < d; ++i) {
       for (int j = 0; j < rank; ++j) {
         out[(static_cast<size_t>(h) * d + i) * rank + j] = u[i * R + j];
@@ -525,6 +530,11 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         if (absl::Status st = s->codec.Validate(); !st.ok()) {
           return absl::InvalidArgumentError(absl::StrCat("appends[", i, "].codec: ", st.message()));
         }
+        if (s->codec.metric_rounding && (*m)->basis.query_moment.empty()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "appends[", i, "].codec.metric_rounding needs query moments, which model '",
+              a.model, "' version ", (*m)->manifest.version, " was registered without"));
+        }
         s->layers.resize((*m)->manifest.layers);
         s->hashes.resize((*m)->manifest.layers);
         s->hash_base.assign((*m)->manifest.layers, 0);
@@ -833,10 +843,14 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       if (p.n == 0) continue;
       auto& cache = s->layers[a.layer];
       if (!cache) {
-        std::vector<float> basis = LayerBasis(*s->model, a.layer, s->codec.rank);
-        cache = std::make_unique<LayerCache>(s->codec, s->model->manifest.kv_heads,
-                                             basis.empty() ? nullptr : basis.data(),
-                                             opts_.byte_pool);
+        const ModelEntry& model = *s->model;
+        std::vector<float> basis = LayerBasis(model, model.basis.u, a.layer, s->codec.rank);
+        std::vector<float> encode = LayerBasis(model, model.basis.encode, a.layer, s->codec.rank);
+        const float* moment = model.basis.query_moment_head(a.layer, 0);
+        cache = std::make_unique<LayerCache>(
+            s->codec, model.manifest.kv_heads, basis.empty() ? nullptr : basis.data(),
+            opts_.byte_pool, encode.empty() ? nullptr : encode.data(),
+            s->codec.metric_rounding ? moment : nullptr);
       }
       Sequence::LayerPrefix& lp = s->prefix[a.layer];
       if (a.token_ids.empty()) {

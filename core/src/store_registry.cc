@@ -186,30 +186,9 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
                                                    ") with a basis and 0 without"));
   }
   if (e.has_basis) {
-    const size_t want = static_cast<size_t>(m.layers) * m.kv_heads * m.head_dim * m.rank;
-    if (e.basis.u.size() != want) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "basis holds ", e.basis.u.size(), " floats; layers*kv_heads*head_dim*rank = ", want));
-    }
-    for (int l = 0; l < m.layers; ++l) {
-      for (int h = 0; h < m.kv_heads; ++h) {
-        const float* u = e.basis.head(l, h);
-        for (int a = 0; a < m.rank; ++a) {
-          for (int b = a; b < m.rank; ++b) {
-            double dot = 0;
-            for (int i = 0; i < m.head_dim; ++i)
-              dot += double(u[i * m.rank + a]) * u[i * m.rank + b];
-            const double want_dot = a == b ? 1.0 : 0.0;
-            if (!std::isfinite(dot) || std::abs(dot - want_dot) > 1e-3) {
-              return absl::InvalidArgumentError(absl::StrFormat(
-                  "basis[%d] head %d: columns %d and %d are not orthonormal (dot %.4g, "
-                  "tolerance 1e-3)",
-                  l, h, a, b, dot));
-            }
-          }
-        }
-      }
-    }
+    RETURN_IF_ERROR(CheckBasisTensors(m, e.basis));
+  } else if (e.basis.oblique() || !e.basis.query_moment.empty()) {
+    return absl::InvalidArgumentError("an encode basis or query moment needs a basis");
   }
   CodecOptions c = e.codec;
   if (c.head_dim != m.head_dim) {
@@ -221,6 +200,10 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
         absl::StrCat("codec rank ", c.rank, " exceeds the basis rank ", m.rank));
   }
   RETURN_IF_ERROR(c.Validate());
+  if (c.metric_rounding && e.basis.query_moment.empty()) {
+    return absl::InvalidArgumentError(
+        "codec metric_rounding needs the basis's query moment (kvq-calibrate --query-moment)");
+  }
   return absl::OkStatus();
 }
 

@@ -205,6 +205,41 @@ TEST_F(ToolsTest, ModelsRegisterTakesModelJsonAndCodecJson) {
   EXPECT_THAT(shape.err, HasSubstr("layers"));
 }
 
+// What kvq-calibrate --variants --query-moment writes (an oblique pair with query moments) and
+// a codec.json with the lever switches: the CLI sends all of it, the server keeps all of it.
+TEST_F(ToolsTest, ModelsRegisterSendsEncodeBasisQueryMomentsAndCodecSwitches) {
+  testing::Shape shape;
+  shape.model = "cli-levers";
+  core::ModelBasis basis = testing::MakeLeverBasis(shape, 4);
+  const std::string entry = dir_ + "/levers";
+  ASSERT_TRUE(core::WriteBasis(entry, basis).ok());
+  std::ofstream(entry + "/codec.json")
+      << R"({"key_bits": 3, "key_group": 128, "rank": 4, "side_bits": 4, "rotate_keys": true,
+            "rotate_values": false, "metric_rounding": true})";
+  ToolRun reg = Kvq(absl::StrCat("models register ", entry, " ", flags_));
+  ASSERT_EQ(reg.code, 0) << reg.err;
+  ToolRun show = Kvq(absl::StrCat("models show cli-levers ", flags_));
+  ASSERT_EQ(show.code, 0) << show.err;
+  auto js = nlohmann::json::parse(show.out);
+  EXPECT_EQ(js["oblique"], true);
+  EXPECT_EQ(js["has_query_moment"], true);
+  EXPECT_EQ(js["fingerprint"], basis.manifest.fingerprint);
+  EXPECT_EQ(js["codec"]["rotate_keys"], 1);
+  EXPECT_EQ(js["codec"]["rotate_values"], -1);
+  EXPECT_EQ(js["codec"]["metric_rounding"], 1);
+  EXPECT_EQ(js["codec"]["key_group"], 128);
+  // The server's copy holds both tensors.
+  absl::StatusOr<core::ModelBasis> kept = core::ReadBasis(server_.registry_dir() + "/cli-levers/v1");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->encode, basis.encode);
+  EXPECT_EQ(kept->query_moment, basis.query_moment);
+
+  std::ofstream(entry + "/codec.json") << R"({"rotate_keys": 1})";
+  ToolRun typed = Kvq(absl::StrCat("models register ", entry, " ", flags_));
+  EXPECT_EQ(typed.code, 1) << typed.err;
+  EXPECT_THAT(typed.err, HasSubstr("field 'rotate_keys' is mistyped: must be true or false"));
+}
+
 TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
   testing::Shape shape;
   v1::RegisterBasisResponse registered;

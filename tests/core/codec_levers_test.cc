@@ -107,6 +107,66 @@ TEST(Rotation, ReadPathsAgreeWithDecodedKeysAndValues) {
       }
 }
 
+// LayerCache rotates the queries once per call and the summed readout once per call; the
+// standalone block functions rotate per block. Both give the same scores (bit for bit: the
+// same rotation of the same queries) and the same readouts (up to float summation order),
+// and the standalone functions given pre-rotated input / asked for rotated output agree too.
+TEST(Rotation, HoistedRotationMatchesThePerBlockPath) {
+  const int kv = 2, gq = 2, qh = kv * gq, d = 64, nq = 3, G = 32, rank = 4;
+  const int64_t T = 96;  // three blocks, no window: every token is read from blocks
+  CodecOptions o;
+  o.rank = rank;
+  o.rotate_keys = true;
+  o.rotate_values = true;
+  auto basis = RandomBasis({"t", 1, 1, kv, qh, d, rank}, 5);
+  LayerCache cache(o, kv, basis.u.data());
+  auto k = WithOutlierChannel(kv * T, d, 8, 3, 6.0f), v = WithOutlierChannel(kv * T, d, 9, 11, 4.0f);
+  ASSERT_TRUE(cache.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  auto q = Gaussian(static_cast<size_t>(qh) * nq * d, 10);
+  auto p = Gaussian(static_cast<size_t>(qh) * nq * T, 11, 0.1f, 0.02f);
+  std::vector<float> scores(static_cast<size_t>(qh) * nq * T), outs(static_cast<size_t>(qh) * nq * d);
+  ASSERT_TRUE(cache.Score(q.data(), qh, nq, scores.data(), 1.0f).ok());
+  ASSERT_TRUE(cache.Readout(p.data(), qh, nq, outs.data()).ok());
+  const int rows = gq * nq;
+  for (int h = 0; h < kv; ++h) {
+    const float* qh_rows = q.data() + static_cast<size_t>(h) * rows * d;
+    std::vector<float> uq(static_cast<size_t>(rows) * rank, 0.0f);
+    const float* U = basis.head(0, h);
+    for (int i = 0; i < rows; ++i)
+      for (int c = 0; c < d; ++c)
+        for (int j = 0; j < rank; ++j) uq[i * rank + j] += qh_rows[i * d + c] * U[c * rank + j];
+    std::vector<float> rq(qh_rows, qh_rows + static_cast<size_t>(rows) * d);
+    HadamardRotateRows(rq.data(), d, rows, d);
+    std::vector<float> per_block(static_cast<size_t>(rows) * T), pre_rotated(per_block.size());
+    std::vector<float> out_per_block(static_cast<size_t>(rows) * d, 0.0f), out_rotated(out_per_block);
+    const float* ph = p.data() + static_cast<size_t>(h) * rows * T;
+    int64_t voff = 0;
+    for (int b = 0; b < T / G; ++b) {
+      const Bytes& kb = cache.key_blocks(h);
+      auto kview = ParseKeyBlock({kb.data() + b * KeyBlockBytes(o), KeyBlockBytes(o)}, o, true);
+      ASSERT_TRUE(kview.ok()) << kview.status();
+      ScoreKeyBlock(*kview, qh_rows, uq.data(), rows, 1.0f, 1.0f, per_block.data() + b * G, T);
+      ScoreKeyBlock(*kview, rq.data(), uq.data(), rows, 1.0f, 1.0f, pre_rotated.data() + b * G, T,
+                    true, /*q_rotated=*/true);
+      const Bytes& vb = cache.value_blocks(h);
+      auto vview = ParseValueBlock({vb.data() + voff, ValueBlockBytes(o)}, o, true);
+      ASSERT_TRUE(vview.ok()) << vview.status();
+      voff += ValueBlockBytes(o);
+      ReadoutValueBlock(*vview, ph + b * G, T, rows, out_per_block.data(), d);
+      ReadoutValueBlock(*vview, ph + b * G, T, rows, out_rotated.data(), d, /*out_rotated=*/true);
+    }
+    HadamardRotateRows(out_rotated.data(), d, rows, d);
+    const std::vector<float> got(scores.begin() + h * rows * T, scores.begin() + (h + 1) * rows * T);
+    EXPECT_EQ(got, per_block);
+    EXPECT_EQ(pre_rotated, per_block);
+    for (int i = 0; i < rows * d; ++i) {
+      const float cached = outs[static_cast<size_t>(h) * rows * d + i];
+      ASSERT_NEAR(cached, out_per_block[i], 1e-5f * (1 + std::fabs(out_per_block[i]))) << h << " " << i;
+      ASSERT_NEAR(out_rotated[i], out_per_block[i], 1e-5f * (1 + std::fabs(out_per_block[i])));
+    }
+  }
+}
+
 TEST(Rotation, FlagMismatchAndUnknownFlagsAreRejected) {
   CodecOptions o;
   o.rotate_keys = true;

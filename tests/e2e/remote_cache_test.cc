@@ -47,18 +47,23 @@ class RemoteCacheTest : public ::testing::Test {
     auto c = client::Client::Create(co);
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = std::move(*c);
+    basis_ = testing::MakeBasis(TestShape("remote-cache-test"), 7);
+    auto m = RegisterRemoteModel(*client_, shape_, &basis_);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = *m;
+    EXPECT_EQ(model_.model, "remote-cache-test");
+  }
+
+  // The cache's shape as a registered model of that name with a basis of rank 8.
+  testing::Shape TestShape(const std::string& model) const {
     testing::Shape ts;
-    ts.model = "remote-cache-test";
+    ts.model = model;
     ts.layers = shape_.layers;
     ts.kv_heads = shape_.kv_heads;
     ts.q_heads = shape_.q_heads;
     ts.head_dim = shape_.head_dim;
     ts.basis_rank = 8;
-    basis_ = testing::MakeBasis(ts, 7);
-    auto m = RegisterRemoteModel(*client_, shape_, &basis_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = *m;
-    EXPECT_EQ(model_.model, "remote-cache-test");
+    return ts;
   }
 
   core::CodecOptions Codec(bool a2) const {
@@ -169,6 +174,22 @@ TEST_F(RemoteCacheTest, AttendMatchesTheInProcessFusedCodecAndBatchesAcrossSeque
   EXPECT_EQ(st.appends_in_attend, st.items);
   EXPECT_EQ(st.attend_rpcs, st.batches);
   EXPECT_EQ(st.score_rpcs, 0);
+}
+
+// The lever codec over an oblique basis with query moments, as kvq-eval --kv remote runs an
+// "-obl" config with rotation and metric rounding: RegisterRemoteModel sends the encode basis
+// and the moments, CodecToWire the switches, so the server encodes what the in-process cache
+// does (before, the encode basis was dropped and the side coefficients were U^T e).
+TEST_F(RemoteCacheTest, LeverCodecOverAnObliqueBasisMatchesInProcess) {
+  basis_ = testing::MakeLeverBasis(TestShape("remote-cache-levers"), 9);
+  auto m = RegisterRemoteModel(*client_, shape_, &basis_);
+  ASSERT_TRUE(m.ok()) << m.status();
+  model_ = *m;
+  core::CodecOptions o = Codec(false);
+  o.rotate_keys = true;
+  o.rotate_values = true;
+  o.metric_rounding = true;
+  EXPECT_LE(Compare(o, false, 2, nullptr), 1e-6);
 }
 
 TEST_F(RemoteCacheTest, A2ValuePolicyObservesThroughAttend) {

@@ -28,6 +28,10 @@ ModelEntry Entry() {
   e.manifest = m;
   e.has_basis = true;
   e.basis = RandomBasis(m, 3);
+  // Query moments (E[q q^T] = I), so that sequences may ask for metric rounding.
+  e.basis.query_moment.assign(static_cast<size_t>(m.layers) * kKv * kD * kD, 0.0f);
+  for (int h = 0; h < m.layers * kKv; ++h)
+    for (int c = 0; c < kD; ++c) e.basis.query_moment[(static_cast<size_t>(h) * kD + c) * kD + c] = 1;
   e.codec = Registry::DefaultCodec(m, true);
   return e;
 }
@@ -237,6 +241,33 @@ TEST_F(PrefixTest, SharingStopsAtTheFirstDifferentGroupAndNeverCrossesTenants) {
   ASSERT_TRUE(store.Append("t", g64, &out).ok());
   EXPECT_EQ(out.tokens_shared, 0);
   EXPECT_EQ(Scores(store, "t", "a", 0), Scores(store, "u", "a", 0));
+}
+
+// The codec levers are part of the chain's seed: a codec that differs only in a rotation or
+// in metric rounding (encoder-only: its blocks would pass every layout check) never takes
+// another's blocks, while sequences of one lever codec still share among themselves.
+TEST_F(PrefixTest, CodecLeversNeverShareBlocksWithOtherCodecs) {
+  Store store({}, &registry_);
+  Tokens a(Ids(128, 9), 4);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("plain"), &out).ok());
+  using Lever = bool CodecOptions::*;
+  for (Lever lever : {&CodecOptions::rotate_keys, &CodecOptions::rotate_values,
+                      &CodecOptions::metric_rounding}) {
+    for (const std::string& id : {"first", "second"}) {
+      std::vector<AppendSpec> specs = a.All(id + std::to_string(lever == &CodecOptions::rotate_keys
+                                                                    ? 0
+                                                                    : lever == &CodecOptions::rotate_values ? 1 : 2));
+      for (auto& s : specs) {
+        s.has_codec = true;
+        s.codec = Entry().codec;
+        s.codec.*lever = true;
+      }
+      absl::Status st = store.Append("t", specs, &out);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(out.tokens_shared, id == "first" ? 0 : 2 * 128) << id;
+    }
+  }
 }
 
 TEST_F(PrefixTest, AttachWithoutDataThenContinue) {

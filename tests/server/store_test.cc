@@ -205,6 +205,63 @@ TEST(RegistryTest, MistypedGarbageAndMisplacedEntriesAreSkippedNamingTheField) {
   fs::remove_all(dir);
 }
 
+// The codec levers (rotation, metric rounding) live in codec.json like every other setting:
+// written by Persist, read back by LoadAll, absent = off, a mistyped one skips the entry
+// naming the field.
+TEST(RegistryTest, CodecJsonCarriesRotationAndMetricRounding) {
+  const std::string dir = TempDir();
+  {
+    Registry r(dir);
+    ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
+    ModelEntry e = Entry("rot", 1, 1);
+    e.codec.rotate_keys = true;
+    e.codec.rotate_values = true;
+    e.basis.query_moment.assign(2 * 2 * 64 * 64, 0.0f);  // metric rounding needs a moment
+    for (int h = 0; h < 4; ++h)
+      for (int a = 0; a < 64; ++a) e.basis.query_moment[(h * 64 + a) * 64 + a] = 1.0f;
+    e.codec.metric_rounding = true;
+    ASSERT_TRUE(r.Register(e, nullptr).ok());
+  }
+  auto write = [&](const std::string& path, const std::string& text) {
+    fs::create_directories(fs::path(dir + path).parent_path());
+    std::ofstream(dir + path) << text;
+  };
+  const std::string model = R"({"model": "%s", "version": 1, "layers": 2, "kv_heads": 2, )"
+                            R"("q_heads": 4, "head_dim": 64})";
+  auto named = [&](const std::string& name) {
+    std::string s = model;
+    return s.replace(s.find("%s"), 2, name);
+  };
+  write("/rotv/v1/model.json", named("rotv"));
+  write("/rotv/v1/codec.json", R"({"rotate_values": true})");
+  write("/rotnum/v1/model.json", named("rotnum"));
+  write("/rotnum/v1/codec.json", R"({"rotate_keys": 1})");
+  write("/mrstr/v1/model.json", named("mrstr"));
+  write("/mrstr/v1/codec.json", R"({"metric_rounding": "yes"})");
+  write("/mrnone/v1/model.json", named("mrnone"));  // no basis, so no query moment
+  write("/mrnone/v1/codec.json", R"({"metric_rounding": true})");
+  Registry again(dir);
+  std::vector<std::string> loaded, skipped;
+  ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("rot v1", "rotv v1"));
+  EXPECT_THAT(SkipReason(skipped, "rotnum/v1"),
+              ::testing::HasSubstr("field 'rotate_keys' is mistyped: must be true or false"));
+  EXPECT_THAT(SkipReason(skipped, "mrstr/v1"), ::testing::HasSubstr("'metric_rounding'"));
+  EXPECT_THAT(SkipReason(skipped, "mrnone/v1"), ::testing::HasSubstr("metric_rounding"));
+  auto rot = again.Get("rot", 1);
+  ASSERT_TRUE(rot.ok());
+  EXPECT_TRUE((*rot)->codec.rotate_keys);
+  EXPECT_TRUE((*rot)->codec.rotate_values);
+  EXPECT_TRUE((*rot)->codec.metric_rounding);
+  EXPECT_FALSE((*rot)->basis.query_moment.empty());
+  auto rotv = again.Get("rotv", 1);
+  ASSERT_TRUE(rotv.ok());
+  EXPECT_FALSE((*rotv)->codec.rotate_keys);  // absent: off
+  EXPECT_TRUE((*rotv)->codec.rotate_values);
+  EXPECT_FALSE((*rotv)->codec.metric_rounding);
+  fs::remove_all(dir);
+}
+
 TEST(RegistryTest, RegisterRefusesWhatLoadingWouldAndConflictingMetadata) {
   const std::string dir = TempDir();
   Registry r(dir);

@@ -48,6 +48,62 @@ v1::RegisterBasisRequest MakeRegister(const Shape& s, uint64_t seed, int codec_r
   return r;
 }
 
+core::ModelBasis MakeLeverBasis(const Shape& s, uint64_t seed) {
+  core::ModelBasis b = MakeBasis(s, seed);
+  b.manifest.kind = "oblique_rrr";
+  const int d = s.head_dim, R = s.basis_rank;
+  const size_t heads = static_cast<size_t>(s.layers) * s.kv_heads;
+  b.encode = b.u;
+  for (size_t h = 0; h < heads; ++h)
+    for (int a = 0; a < d; ++a)
+      for (int j = 0; j < R; ++j) {
+        const float scale = 0.5f + 0.25f * static_cast<float>(j % 4);  // exact in binary
+        b.u[(h * d + a) * R + j] *= scale;
+        b.encode[(h * d + a) * R + j] /= scale;
+      }
+  std::mt19937 rng(static_cast<uint32_t>(seed) + 17);
+  std::normal_distribution<float> nd;
+  b.query_moment.assign(heads * d * d, 0.0f);
+  std::vector<float> x(d);
+  for (size_t h = 0; h < heads; ++h) {
+    for (float& v : x) v = nd(rng);
+    for (int a = 0; a < d; ++a)
+      for (int c = 0; c < d; ++c)
+        b.query_moment[(h * d + a) * d + c] = (a == c ? 1.0f : 0.0f) + x[a] * x[c];
+  }
+  b.manifest.fingerprint = core::BasisFingerprint(b);
+  return b;
+}
+
+v1::RegisterBasisRequest RegisterOf(const core::ModelBasis& b, int codec_rank) {
+  const core::BasisManifest& m = b.manifest;
+  v1::RegisterBasisRequest r;
+  v1::ModelInfo* i = r.mutable_info();
+  i->set_model(m.model);
+  i->set_version(m.version);
+  i->set_layers(m.layers);
+  i->set_kv_heads(m.kv_heads);
+  i->set_q_heads(m.q_heads);
+  i->set_head_dim(m.head_dim);
+  i->set_basis_rank(m.rank);
+  i->set_kind(m.kind);
+  i->mutable_codec()->set_rank(codec_rank);
+  const size_t per = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
+  const size_t per_moment = static_cast<size_t>(m.kv_heads) * m.head_dim * m.head_dim;
+  for (int l = 0; l < m.layers; ++l) {
+    auto slice = [&](const std::vector<float>& x, size_t n) {
+      return std::vector<float>(x.begin() + l * n, x.begin() + (l + 1) * n);
+    };
+    *r.add_basis() = TensorF32(slice(b.u, per), {m.kv_heads, m.head_dim, m.rank});
+    if (b.oblique())
+      *r.add_encode_basis() = TensorF32(slice(b.encode, per), {m.kv_heads, m.head_dim, m.rank});
+    if (!b.query_moment.empty())
+      *r.add_query_moment() =
+          TensorF32(slice(b.query_moment, per_moment), {m.kv_heads, m.head_dim, m.head_dim});
+  }
+  return r;
+}
+
 core::CodecOptions CodecOf(const Shape& s, int codec_rank) {
   core::BasisManifest m;
   m.head_dim = s.head_dim;
@@ -57,11 +113,12 @@ core::CodecOptions CodecOf(const Shape& s, int codec_rank) {
   return c;
 }
 
-std::vector<float> LayerBasis(const core::ModelBasis& b, int layer, int rank) {
+std::vector<float> LayerBasis(const core::ModelBasis& b, int layer, int rank, bool encode) {
   const auto& m = b.manifest;
   std::vector<float> out;
+  if (encode && !b.oblique()) return out;
   for (int h = 0; h < m.kv_heads; ++h) {
-    const float* u = b.head(layer, h);
+    const float* u = encode ? b.encode_head(layer, h) : b.head(layer, h);
     for (int i = 0; i < m.head_dim; ++i) {
       for (int j = 0; j < rank; ++j) out.push_back(u[i * m.rank + j]);
     }

@@ -29,10 +29,19 @@ struct Shape {
 v1::RegisterBasisRequest MakeRegister(const Shape& s, uint64_t seed, int codec_rank = 4);
 // The same basis as core::ModelBasis (to build in-process caches).
 core::ModelBasis MakeBasis(const Shape& s, uint64_t seed);
+// The codec levers' basis (what kvq-calibrate --variants --query-moment writes): MakeBasis's U
+// made an oblique pair, decode B = U diag(s) and encode A = U diag(1/s) per head (A^T B = I,
+// B not orthonormal), plus a query moment E[q q^T] = I + x x^T per head (kind
+// "oblique_rrr").
+core::ModelBasis MakeLeverBasis(const Shape& s, uint64_t seed);
+// A registration request carrying every tensor of `b` (basis, encode_basis, query_moment),
+// with info.codec.rank = codec_rank.
+v1::RegisterBasisRequest RegisterOf(const core::ModelBasis& b, int codec_rank = 4);
 // The codec the server derives for a model registered by MakeRegister.
 core::CodecOptions CodecOf(const Shape& s, int codec_rank = 4);
-// The basis of one layer truncated to `rank` columns, [kv][d][rank].
-std::vector<float> LayerBasis(const core::ModelBasis& b, int layer, int rank);
+// The basis of one layer truncated to `rank` columns, [kv][d][rank] (encode: the encode
+// basis of an oblique pair instead of U; empty when the basis is not oblique).
+std::vector<float> LayerBasis(const core::ModelBasis& b, int layer, int rank, bool encode = false);
 
 // Random values (heavy-ish outlier channels, like real keys), fp32.
 std::vector<float> RandomKV(int kv_heads, int64_t tokens, int head_dim, uint32_t seed);

@@ -82,6 +82,9 @@ absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o) {
   }
   c.set_sink_tokens(o.sink_tokens);
   c.set_window(o.window == 0 ? -1 : o.window);
+  c.set_rotate_keys(o.rotate_keys ? 1 : -1);
+  c.set_rotate_values(o.rotate_values ? 1 : -1);
+  c.set_metric_rounding(o.metric_rounding ? 1 : -1);
   return c;
 }
 

@@ -64,6 +64,53 @@ def test_register_list_get_model(client, register_model):
     assert client.get_model("tiny", 1).version == 1
 
 
+def test_register_oblique_basis_with_query_moments_and_lever_codec(client, kvq_server):
+    """An oblique pair (decode B = U diag(s), encode A = U diag(1/s)) with query moments and
+    the lever codec switches: the server keeps all three and says so; switches travel as
+    tri-states (True/False accepted as on/off) and come back filled with 1/-1."""
+    L, R = 2, 8
+    rng = np.random.default_rng(3)
+    s = np.array([0.5, 0.75, 1.0, 1.25] * 2, dtype=np.float32)
+    u, a, m = [], [], []
+    for _ in range(L):
+        q = np.stack([np.linalg.qr(rng.standard_normal((D, R)))[0] for _ in range(KV)])
+        u.append((q * s).astype(np.float32))
+        a.append((q / s).astype(np.float32))
+        x = rng.standard_normal((KV, D, 1))
+        m.append((np.eye(D)[None] + x @ x.transpose(0, 2, 1)).astype(np.float32))
+    info = {"model": "obl", "version": 1, "layers": L, "kv_heads": KV, "q_heads": QH,
+            "head_dim": D, "basis_rank": R, "kind": "oblique_rrr",
+            "codec": kvq.CodecSettings(rank=4, rotate_keys=True, metric_rounding=1)}
+    r = client.register_basis(info, u, encode_basis=a, query_moment=m)
+    assert r.model.oblique and r.model.has_query_moment
+    assert (r.model.codec.rotate_keys, r.model.codec.rotate_values, r.model.codec.metric_rounding) == (1, -1, 1)
+    with pytest.raises(kvq.KvqError, match="rotate_values"):
+        client.register_basis(dict(info, codec=kvq.CodecSettings(rotate_values=2)), u)
+    # A^T B != I is refused by the server, naming the layer and head.
+    bad = [x.copy() for x in a]
+    bad[1][0, :, 2] *= 2
+    with pytest.raises(kvq.KvqError, match="layer 1 head 0: encode column 2"):
+        client.register_basis(dict(info, model="obl2"), u, encode_basis=bad, query_moment=m)
+    # kvq.hf reads the entry the server wrote (C++ WriteBasis): the fingerprint chained over U,
+    # A and the moments matches, and a GGUF-order entry maps A's rows and M's rows and columns.
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig
+
+    from kvq.hf.basis import hf_channel_order, read_basis, to_model_order
+
+    files = read_basis(str(kvq_server.registry / "obl" / "v1"))
+    assert files.manifest["fingerprint"] == r.model.fingerprint
+    for l in range(L):
+        np.testing.assert_array_equal(files.encode[l], a[l])
+        np.testing.assert_array_equal(files.query_moment[l], m[l])
+    cfg = LlamaConfig(num_hidden_layers=L, num_attention_heads=QH, num_key_value_heads=KV,
+                      hidden_size=QH * D, head_dim=D)
+    mapped = to_model_order(files, cfg)
+    perm = hf_channel_order(D)
+    np.testing.assert_array_equal(mapped.encode[1], a[1][:, perm, :])
+    np.testing.assert_array_equal(mapped.query_moment[1], m[1][:, perm][:, :, perm])
+
+
 def test_put_blocks_counts_and_lengths(client, register_model):
     register_model(client)
     k = rand((KV, 100, D), 1, np.float16)

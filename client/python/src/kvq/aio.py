@@ -197,9 +197,10 @@ class Client:
         return out
 
     async def register_basis(self, info: Union[kvq_pb2.ModelInfo, Mapping[str, Any]],
-                             basis: Sequence[Any] = (), *, deadline: Optional[float] = None
+                             basis: Sequence[Any] = (), *, encode_basis: Sequence[Any] = (),
+                             query_moment: Sequence[Any] = (), deadline: Optional[float] = None
                              ) -> kvq_pb2.RegisterBasisResponse:
-        req = register_request(info, basis)
+        req = register_request(info, basis, encode_basis, query_moment)
         results = await self._gather([
             self._run("RegisterBasis", s, True, deadline,
                       lambda st, t, md: st.RegisterBasis(req, timeout=t, metadata=md))

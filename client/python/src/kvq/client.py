@@ -91,7 +91,18 @@ def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[k
         raise KvqError.invalid(
             method, f"{field}.value_policy: '{c.value_policy}' is not default, uniform or a2"
         )
+    switches = {}
+    for name in ("rotate_keys", "rotate_values", "metric_rounding"):
+        v = getattr(c, name)
+        # codec.json writes the switches as booleans: true / false are on / off.
+        if isinstance(v, bool):
+            v = 1 if v else -1
+        if v not in (-1, 0, 1):
+            raise KvqError.invalid(
+                method, f"{field}.{name}: {v!r} must be 0 (the model's default), 1/True (on) or -1/False (off)")
+        switches[name] = int(v)
     return kvq_pb2.CodecSettings(
+        **switches,
         key_bits=c.key_bits,
         key_group=c.key_group,
         rank=c.rank,
@@ -246,11 +257,15 @@ def model_info_pb(info: Union[kvq_pb2.ModelInfo, Mapping[str, Any]]) -> kvq_pb2.
 
 
 def register_request(
-    info: Union[kvq_pb2.ModelInfo, Mapping[str, Any]], basis: Sequence[Any]
+    info: Union[kvq_pb2.ModelInfo, Mapping[str, Any]], basis: Sequence[Any],
+    encode_basis: Sequence[Any] = (), query_moment: Sequence[Any] = (),
 ) -> kvq_pb2.RegisterBasisRequest:
     req = kvq_pb2.RegisterBasisRequest(info=model_info_pb(info))
-    for l, u in enumerate(basis):
-        to_tensor(u, f"basis[{l}]", "RegisterBasis", ndims=(3,), f32_only=True, out=req.basis.add())
+    for name, tensors in (("basis", basis), ("encode_basis", encode_basis),
+                          ("query_moment", query_moment)):
+        for l, t in enumerate(tensors):
+            to_tensor(t, f"{name}[{l}]", "RegisterBasis", ndims=(3,), f32_only=True,
+                      out=getattr(req, name).add())
     return req
 
 
@@ -668,13 +683,18 @@ class Client:
         info: Union[kvq_pb2.ModelInfo, Mapping[str, Any]],
         basis: Sequence[Any] = (),
         *,
+        encode_basis: Sequence[Any] = (),
+        query_moment: Sequence[Any] = (),
         deadline: Optional[float] = None,
     ) -> kvq_pb2.RegisterBasisResponse:
         """Registers a model (and its basis: one f32 [kv_heads, head_dim, rank] per layer) on
         every server; returns the first server's answer, raises when any server fails.
         `info` is a kvq_pb2.ModelInfo or a dict of its fields (codec may be a CodecSettings).
+        encode_basis: an oblique pair's encode basis A (same shapes as basis, which is then the
+        decode basis B; A^T B = I); query_moment: E[q q^T] per layer, f32 [kv_heads,
+        head_dim, head_dim] (what codec metric_rounding needs). Both optional.
         Retried (idempotent: an identical entry registers again as OK)."""
-        req = register_request(info, basis)
+        req = register_request(info, basis, encode_basis, query_moment)
         jobs = [
             (lambda s=s: self._run("RegisterBasis", s, True, deadline,
                                    lambda t, md: self._stubs[s].RegisterBasis(req, timeout=t, metadata=md)))

@@ -39,7 +39,10 @@ class CodecSettings:
     side_bits 4/8; value_bits 1/2/3/4/8; value_group channels per value scale;
     value_policy "default" | "uniform" | "a2"; value_budget (A2) 1.0..4.0 bits;
     sink_tokens (A2) positions kept at 4 bits; window (R) recent tokens kept at arrival
-    precision (-1: 0).
+    precision (-1: 0). Switches rotate_keys / rotate_values (Walsh-Hadamard rotation before
+    quantization, head_dim a power of two) and metric_rounding (keys rounded in the query
+    metric; the basis must carry query moments): 0 the model's default, 1 (or True) on,
+    -1 (or False) off.
     """
 
     key_bits: int = 0
@@ -52,6 +55,9 @@ class CodecSettings:
     value_budget: float = 0.0
     sink_tokens: int = 0
     window: int = 0
+    rotate_keys: int = 0
+    rotate_values: int = 0
+    metric_rounding: int = 0
 
 
 @dataclass

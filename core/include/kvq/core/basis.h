@@ -69,6 +69,14 @@ struct ModelBasis {
 // Fills manifest.fingerprint.
 absl::Status WriteBasis(const std::string& dir, ModelBasis& basis);
 absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir);
+// The checks every basis passes wherever it comes from (ReadBasis, a registration), against
+// the shape in `m` (layers, kv_heads, head_dim, rank; b.manifest is not consulted): the
+// tensor sizes (U; A the same when oblique; query_moment [layers][kv][d][d] when present),
+// every value finite, per head U's columns orthonormal or, for an oblique pair, A^T B = I
+// (each to 1e-3: either way B A^T is a projection, so the side code cannot amplify a
+// residual), and each query moment symmetric with a non-negative diagonal (a second moment).
+// INVALID_ARGUMENT naming the layer, head and columns.
+absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b);
 std::string BasisFingerprint(const ModelBasis& basis);
 
 // A random orthonormal basis of the same shape (control), deterministic in `seed`.

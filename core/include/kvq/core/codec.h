@@ -199,13 +199,24 @@ absl::Status VerifyBlock(std::span<const uint8_t> block);
 //   out[i*out_stride + t] = scale * (q_i . k_base_t + side_sign * uq_i . z_hat_t)
 // q: [n_q][d]; uq: [n_q][r] = U^T q_i (computed once per query), may be null when r == 0.
 // include_base = false gives only the HeadQ correction term.
+// q_rotated: q is already H q (HadamardRotateRows) for a rotated block, so that a caller
+// scoring many blocks rotates its queries once instead of once per block; ignored for a
+// block that is not rotated. uq stays U^T q of the unrotated queries either way.
 void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q,
                    float scale, float side_sign, float* out, int64_t out_stride,
-                   bool include_base = true);
+                   bool include_base = true, bool q_rotated = false);
 
 // out[i*out_stride + c] += sum_t p[i*p_stride + t] * v_hat_t[c]
+// out_rotated: for a rotated block, accumulate in the rotated coordinates instead,
+// out += sum_t p_t (H v_hat_t), leaving the caller to rotate the sum back once (H is linear,
+// so sum_b H x_b = H sum_b x_b) instead of rotating each block's partial output; ignored for
+// a block that is not rotated.
 void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,
-                       float* out, int64_t out_stride);
+                       float* out, int64_t out_stride, bool out_rotated = false);
+
+// x <- H x for each row of x [n][d] (row stride ld), H the normalized Walsh-Hadamard matrix
+// (d a power of two). H is symmetric and orthogonal, so the same call also undoes it.
+void HadamardRotateRows(float* x, int64_t ld, int n, int d);
 
 // Keys as attention sees them: k_base + U z_hat (gives exactly the HeadQ scores, up to
 // rounding). out: [tokens][d]. basis may be null when rank == 0.

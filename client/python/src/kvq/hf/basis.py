@@ -67,6 +67,10 @@ class BasisFiles:
     manifest: Dict[str, Any]
     u: List[np.ndarray]  # per layer, f32 [kv_heads, head_dim, rank]
     codec: Optional[Dict[str, Any]] = None  # codec.json beside the manifest, if any
+    # An oblique pair's encode basis A (u is then the decode basis B), per layer like u.
+    encode: List[np.ndarray] = field(default_factory=list)
+    # E[q q^T] per layer, f32 [kv_heads, head_dim, head_dim] (for codec metric_rounding).
+    query_moment: List[np.ndarray] = field(default_factory=list)
     path: str = ""
     extra: Dict[str, Any] = field(default_factory=dict)
 
@@ -113,24 +117,39 @@ def read_basis(path: str, *, verify_fingerprint: bool = True) -> BasisFiles:
         raise _bad(path, "safetensors header is not JSON") from None
     data = raw[8 + hn :]
     per_layer = H * D * R * 4
-    if len(data) != per_layer * L:
-        raise _bad(path, f"tensor data is {len(data)} bytes, the manifest implies {per_layer * L}")
-    u = []
-    for l in range(L):
-        name = f"layer.{l}.u"
-        e = header.get(name)
-        if e is None:
-            raise _bad(path, f"tensor {name} missing")
-        if e.get("dtype") != "F32" or list(e.get("shape", [])) != [H, D, R]:
-            raise _bad(path, f"{name}: must be F32 [kv_heads, head_dim, rank] = [{H}, {D}, {R}]")
-        b, end = (int(x) for x in e["data_offsets"])
-        if end - b != per_layer or end > len(data):
-            raise _bad(path, f"{name}: data_offsets out of range")
-        u.append(np.frombuffer(data, dtype="<f4", count=H * D * R, offset=b).reshape(H, D, R).copy())
+    oblique = "layer.0.encode" in header
+    has_moment = "layer.0.query_moment" in header
+    want = per_layer * L * (2 if oblique else 1) + (H * D * D * 4 * L if has_moment else 0)
+    if len(data) != want:
+        raise _bad(path, f"tensor data is {len(data)} bytes, the manifest implies {want}")
+
+    def tensors(suffix: str, cols: int, cols_name: str) -> List[np.ndarray]:
+        out = []
+        for l in range(L):
+            name = f"layer.{l}.{suffix}"
+            e = header.get(name)
+            if e is None:
+                raise _bad(path, f"tensor {name} missing")
+            if e.get("dtype") != "F32" or list(e.get("shape", [])) != [H, D, cols]:
+                raise _bad(path, f"{name}: must be F32 [kv_heads, head_dim, {cols_name}] = [{H}, {D}, {cols}]")
+            b, end = (int(x) for x in e["data_offsets"])
+            if end - b != H * D * cols * 4 or end > len(data):
+                raise _bad(path, f"{name}: data_offsets out of range")
+            out.append(np.frombuffer(data, dtype="<f4", count=H * D * cols, offset=b).reshape(H, D, cols).copy())
+        return out
+
+    u = tensors("u", R, "rank")
+    encode = tensors("encode", R, "rank") if oblique else []
+    moment = tensors("query_moment", D, "head_dim") if has_moment else []
     if verify_fingerprint:
         import xxhash
 
-        fp = "%016x" % xxhash.xxh3_64_intdigest(b"".join(x.tobytes() for x in u))
+        # core::BasisFingerprint: XXH3-64 of U, chained (as the seed) through A and the moments.
+        fp = xxhash.xxh3_64_intdigest(b"".join(x.tobytes() for x in u))
+        for extra in (encode, moment):
+            if extra:
+                fp = xxhash.xxh3_64_intdigest(b"".join(x.tobytes() for x in extra), seed=fp)
+        fp = "%016x" % fp
         if fp != manifest["fingerprint"]:
             raise _bad(path, f"fingerprint {fp} does not match the manifest's {manifest['fingerprint']}")
     codec = None
@@ -138,7 +157,8 @@ def read_basis(path: str, *, verify_fingerprint: bool = True) -> BasisFiles:
     if os.path.exists(cpath):
         with open(cpath, "rb") as f:
             codec = json.loads(f.read())
-    return BasisFiles(manifest=manifest, u=u, codec=codec, path=path)
+    return BasisFiles(manifest=manifest, u=u, codec=codec, path=path, encode=encode,
+                      query_moment=moment)
 
 
 def hf_channel_order(head_dim: int) -> np.ndarray:
@@ -194,11 +214,15 @@ def to_model_order(basis: BasisFiles, config: Any) -> BasisFiles:
         raise BasisOrderError(
             f"basis {basis.path}: rope_layout '{rope}' with channel_order 'gguf', but {mt} GGUFs "
             f"apply RoPE on {gguf_rope}: the basis was not fitted on this kind of model")
-    u = basis.u
+    u, encode, moment = basis.u, basis.encode, basis.query_moment
     if permuted:
+        # Rows of U and A are channels; a query moment's rows and columns both are.
         perm = hf_channel_order(int(m["head_dim"]))
         u = [np.ascontiguousarray(x[:, perm, :]) for x in u]
-    out = replace(basis, u=u, manifest=dict(m, channel_order=HF_CHANNEL_ORDER, rope_layout="halves"))
+        encode = [np.ascontiguousarray(x[:, perm, :]) for x in encode]
+        moment = [np.ascontiguousarray(x[:, perm, :][:, :, perm]) for x in moment]
+    out = replace(basis, u=u, encode=encode, query_moment=moment,
+                  manifest=dict(m, channel_order=HF_CHANNEL_ORDER, rope_layout="halves"))
     return out
 
 
@@ -328,7 +352,8 @@ def register_basis(
     if check and model is not None:
         check_basis_order(model, mapped, probe_ids)
     entry = name or f"{files.manifest['model']}-{HF_CHANNEL_ORDER}"
-    resp = client.register_basis(_info(mapped, entry, True), mapped.u)
+    resp = client.register_basis(_info(mapped, entry, True), mapped.u,
+                                 encode_basis=mapped.encode, query_moment=mapped.query_moment)
     return resp.model
 
 

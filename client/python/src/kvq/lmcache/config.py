@@ -128,6 +128,8 @@ def _parse_codec(key: str, v: Any) -> Optional[CodecSettings]:
                 out[name] = float(value)
             except (TypeError, ValueError):
                 raise PluginConfigError(sub, f"expected a number, got {value!r}") from None
+        elif name in ("rotate_keys", "rotate_values", "metric_rounding") and isinstance(value, bool):
+            out[name] = 1 if value else -1  # as codec.json writes them
         else:
             # The server checks the allowed values (2/3/4/8 bits and so on) and names the
             # field; here only the type, so that one place keeps the rules.

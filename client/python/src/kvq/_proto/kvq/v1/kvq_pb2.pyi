@@ -29,7 +29,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CodecSettings(_message.Message):
-    __slots__ = ("key_bits", "key_group", "rank", "side_bits", "value_bits", "value_group", "value_policy", "value_budget", "sink_tokens", "window")
+    __slots__ = ("key_bits", "key_group", "rank", "side_bits", "value_bits", "value_group", "value_policy", "value_budget", "sink_tokens", "window", "rotate_keys", "rotate_values", "metric_rounding")
     class ValuePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         VALUE_POLICY_DEFAULT: _ClassVar[CodecSettings.ValuePolicy]
@@ -48,6 +48,9 @@ class CodecSettings(_message.Message):
     VALUE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ROTATE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ROTATE_VALUES_FIELD_NUMBER: _ClassVar[int]
+    METRIC_ROUNDING_FIELD_NUMBER: _ClassVar[int]
     key_bits: int
     key_group: int
     rank: int
@@ -58,10 +61,13 @@ class CodecSettings(_message.Message):
     value_budget: float
     sink_tokens: int
     window: int
-    def __init__(self, key_bits: _Optional[int] = ..., key_group: _Optional[int] = ..., rank: _Optional[int] = ..., side_bits: _Optional[int] = ..., value_bits: _Optional[int] = ..., value_group: _Optional[int] = ..., value_policy: _Optional[_Union[CodecSettings.ValuePolicy, str]] = ..., value_budget: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., window: _Optional[int] = ...) -> None: ...
+    rotate_keys: int
+    rotate_values: int
+    metric_rounding: int
+    def __init__(self, key_bits: _Optional[int] = ..., key_group: _Optional[int] = ..., rank: _Optional[int] = ..., side_bits: _Optional[int] = ..., value_bits: _Optional[int] = ..., value_group: _Optional[int] = ..., value_policy: _Optional[_Union[CodecSettings.ValuePolicy, str]] = ..., value_budget: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., window: _Optional[int] = ..., rotate_keys: _Optional[int] = ..., rotate_values: _Optional[int] = ..., metric_rounding: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "version", "layers", "kv_heads", "q_heads", "head_dim", "basis_rank", "has_basis", "fingerprint", "rope_layout", "channel_order", "kind", "codec", "live_sequences", "calibration_tokens")
+    __slots__ = ("model", "version", "layers", "kv_heads", "q_heads", "head_dim", "basis_rank", "has_basis", "fingerprint", "rope_layout", "channel_order", "kind", "codec", "live_sequences", "calibration_tokens", "oblique", "has_query_moment")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +83,8 @@ class ModelInfo(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CALIBRATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OBLIQUE_FIELD_NUMBER: _ClassVar[int]
+    HAS_QUERY_MOMENT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     layers: int
@@ -92,15 +100,21 @@ class ModelInfo(_message.Message):
     codec: CodecSettings
     live_sequences: int
     calibration_tokens: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., q_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., basis_rank: _Optional[int] = ..., has_basis: bool = ..., fingerprint: _Optional[str] = ..., rope_layout: _Optional[str] = ..., channel_order: _Optional[str] = ..., kind: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., live_sequences: _Optional[int] = ..., calibration_tokens: _Optional[int] = ...) -> None: ...
+    oblique: bool
+    has_query_moment: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., q_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., basis_rank: _Optional[int] = ..., has_basis: bool = ..., fingerprint: _Optional[str] = ..., rope_layout: _Optional[str] = ..., channel_order: _Optional[str] = ..., kind: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., live_sequences: _Optional[int] = ..., calibration_tokens: _Optional[int] = ..., oblique: bool = ..., has_query_moment: bool = ...) -> None: ...
 
 class RegisterBasisRequest(_message.Message):
-    __slots__ = ("info", "basis")
+    __slots__ = ("info", "basis", "encode_basis", "query_moment")
     INFO_FIELD_NUMBER: _ClassVar[int]
     BASIS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_BASIS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_MOMENT_FIELD_NUMBER: _ClassVar[int]
     info: ModelInfo
     basis: _containers.RepeatedCompositeFieldContainer[Tensor]
-    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ..., basis: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
+    encode_basis: _containers.RepeatedCompositeFieldContainer[Tensor]
+    query_moment: _containers.RepeatedCompositeFieldContainer[Tensor]
+    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ..., basis: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., encode_basis: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., query_moment: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ...) -> None: ...
 
 class RegisterBasisResponse(_message.Message):
     __slots__ = ("model", "already_registered")
