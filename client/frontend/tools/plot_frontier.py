@@ -101,14 +101,21 @@ def main():
     print(table)
     if a.markdown:
         open(a.markdown, "w").write(table + "\n")
+    # Points far above the rest (llama.cpp's q4_0 on Qwen2.5: +159%) would squash the curve:
+    # they are listed in a label instead.
+    cap = 25.0
+    allpts = rows + (lc if a.llamacpp else [])
+    off = [r for r in allpts if r["excess"] > cap]
     tmp = tempfile.mkdtemp()
     plots = []
     styles = {"kvq": "pt 7 ps 1.3 lc rgb '#1f77b4'", "kivi": "pt 4 ps 1.4 lc rgb '#ff7f0e'",
               "llama.cpp": "pt 9 ps 1.6 lc rgb '#d62728'"}
     titles = {"kvq": "kvq (HeadQ) configurations", "kivi": "KIVI-like (the base code alone, no levers)",
-              "llama.cpp": "llama.cpp KV types (llama-cpp-python %s, flash attention)" % version}
+              "llama.cpp": "llama.cpp KV types (%s)" % (
+                  "llama-cpp-python %s, flash attention" % version
+                  if version and version[0].isdigit() else version)}
     for fam in ("kvq", "kivi", "llama.cpp"):
-        pts = [r for r in rows + (lc if a.llamacpp else []) if r["family"] == fam]
+        pts = [r for r in allpts if r["family"] == fam and r["excess"] <= cap]
         if not pts:
             continue
         p = os.path.join(tmp, fam + ".dat")
@@ -120,7 +127,7 @@ def main():
     fp = os.path.join(tmp, "front.dat")
     with open(fp, "w") as f:
         for r in front:
-            f.write("%f %f\n" % (r["bits"], r["excess"]))
+            f.write("%f %f\n" % (r["bits"], min(r["excess"], cap)))
     plots.insert(0, "'%s' using 1:2 with steps lw 2 lc rgb '#1f77b4' title 'kvq frontier'" % fp)
     script = """set terminal pngcairo size 1100,700 noenhanced
 set output '%s'
@@ -129,9 +136,13 @@ set xlabel 'bits per element, (K + V) / 2, every byte counted'
 set ylabel 'perplexity over fp16 (%%)'
 set grid
 set key top right
-set yrange [-1:*]
+set yrange [-1:%g]
+%s
 plot %s
-""" % (a.out, a.title, dense, ", ".join(plots))
+""" % (a.out, a.title, dense, cap,
+       ("set label 'off the chart: %s' at graph 0.02, graph 0.96 font ',9'" %
+        ", ".join("%s (%.2f bits, %+.0f%%)" % (r["name"], r["bits"], r["excess"]) for r in off))
+       if off else "", ", ".join(plots))
     sp = os.path.join(tmp, "plot.gp")
     open(sp, "w").write(script)
     subprocess.run(["gnuplot", sp], check=True)
