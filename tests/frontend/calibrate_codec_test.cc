@@ -59,7 +59,7 @@ class CalibrateCodec : public ::testing::Test {
   }
   ToolRun Eval(const std::string& basis, const std::string& configs, const std::string& json) {
     return Run(KVQ_EVAL_BIN, absl::StrCat("--model ", model_, " --text ", text_, " --basis ", basis,
-                                          " --windows 2 --window-len 256 --threads 1 --configs ",
+                                          " --windows 2 --window-len 256 --first-token 512 --threads 1 --configs ",
                                           configs, json.empty() ? "" : " --json " + json));
   }
   static nlohmann::json ReadJson(const std::string& path) {
@@ -76,6 +76,8 @@ class CalibrateCodec : public ::testing::Test {
     EXPECT_EQ(s["text"], text_);
     EXPECT_EQ(s["windows"], 2);
     EXPECT_EQ(s["window_len"], 256);
+    // The search's windows follow the 512 calibration tokens: none of them fitted the basis.
+    EXPECT_EQ(s["first_token"], 512);
     // Stage 1: each key lever on the probe codec; the lowest validation PPL names the lever.
     const nlohmann::json& levers = s["key_lever_search"];
     EXPECT_TRUE(levers.is_object());
@@ -159,7 +161,8 @@ TEST_F(CalibrateCodec, BitsChoosesTheBestCandidateWithinTheBudgetAndEvalReadsItB
   EXPECT_THAT(cal.out, HasSubstr("<- chosen"));
   EXPECT_THAT(cal.out, HasSubstr("skipped: "));
 
-  // kvq-eval --configs calibrated evaluates exactly that codec: on the same windows it gives
+  // kvq-eval --configs calibrated evaluates exactly that codec: on the same windows
+  // (--first-token 512) it gives
   // the search's perplexity, the same as the chosen config by name, and kvq-eval's measured
   // bits columns are the search's.
   const std::string js = dir_ + "/eval.json";
@@ -236,6 +239,12 @@ TEST_F(CalibrateCodec, WithoutBitsNoCodecIsChosenAndCalibratedNeedsCodecJson) {
   ToolRun no_basis = Run(KVQ_EVAL_BIN, absl::StrCat("--model ", model_, " --configs calibrated"));
   EXPECT_EQ(no_basis.code, 1);
   EXPECT_THAT(no_basis.err, HasSubstr("give --basis DIR"));
+  // The search's windows must fit after the calibration tokens: 512 + 14 x 256 > 4000.
+  ToolRun short_text = Calibrate(entry, "--bits 3 --search-only --search-windows 14");
+  EXPECT_EQ(short_text.code, 1);
+  EXPECT_THAT(short_text.err, HasSubstr("the search needs the basis's 512 calibration tokens + "
+                                        "--search-windows 14 x --search-window-len 256"));
+  EXPECT_FALSE(fs::exists(entry + "/codec.json"));
 }
 
 }  // namespace

@@ -68,11 +68,12 @@ built-in default; `kvq models register DIR` sends DIR/codec.json with the basis)
                     (none, metric rounding, + the oblique pair, + keys rotated by H:
                     codec_search.h KeyLevers) is chosen on one probe codec, then every
                     candidate with that lever is evaluated with the basis just calibrated
-                    (and DIR/oblique, which --bits also writes) by perplexity on the first N
-                    windows of L
-                    tokens of --text (the validation text; llama.cpp's protocol,
-                    decode-faithful, as kvq-eval), and the lowest perplexity wins (ties: fewer
-                    bits). Writes DIR/codec.json (the chosen codec, the registry's format) and
+                    (and DIR/oblique, which --bits also writes) by perplexity on N windows of
+                    L tokens of --text that follow the basis's calibration tokens (the
+                    validation text; llama.cpp's protocol, decode-faithful, as kvq-eval;
+                    no token chooses the codec that also fitted the basis), and the lowest
+                    perplexity wins (ties: fewer bits).
+                    Writes DIR/codec.json (the chosen codec, the registry's format) and
                     DIR/codec-search.json (every candidate: name, bits per element, K and V
                     bits, validation PPL, skipped reason, chosen flag; the budget, text,
                     windows and window length) and prints the table. Without --bits no codec
@@ -121,6 +122,15 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
   auto other = ReadBasisFor(model.config(), dir + (was_oblique ? "/query-pca" : "/oblique"));
   if (other.ok()) (was_oblique ? query : oblique) = std::move(*other);
   if (query.u.empty()) return Fail(other.status());
+  // The search's windows follow the basis's calibration tokens (the first calibration_tokens
+  // of the same text), so that no token the basis was fitted to also chooses the codec.
+  const int64_t skip = query.manifest.calibration_tokens;
+  if (static_cast<int64_t>(ids.size()) < skip + static_cast<int64_t>(windows) * window_len) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--text has ", ids.size(), " tokens; the search needs the basis's ", skip,
+        " calibration tokens + --search-windows ", windows, " x --search-window-len ", window_len)));
+  }
+  const std::vector<int32_t> held_out(ids.begin() + skip, ids.end());
   BasisSet bases;
   bases.query = &query;
   if (!oblique.u.empty()) bases.oblique = &oblique;
@@ -130,11 +140,11 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
     ASSIGN_OR_RETURN(std::vector<CodecSearchRow> rows, PlanCodecSearch(names, d, rank, budget));
     int64_t evaluated = 0;
     for (const auto& r : rows) evaluated += r.skipped.empty();
-    std::fprintf(stderr, "kvq-calibrate: %s: %lld of %zu candidates, each on %d x %d tokens of %s\n",
-                 what, static_cast<long long>(evaluated), rows.size(), windows, window_len,
-                 flags.Get("text").c_str());
+    std::fprintf(stderr, "kvq-calibrate: %s: %lld of %zu candidates, each on %d x %d tokens of %s "
+                 "after its first %lld\n", what, static_cast<long long>(evaluated), rows.size(),
+                 windows, window_len, flags.Get("text").c_str(), static_cast<long long>(skip));
     ProgressBar bar(absl::StrCat("kvq-calibrate ", what), evaluated * windows);
-    ASSIGN_OR_RETURN(int chosen, RunCodecSearch(model, ids, windows, window_len, &bases, &rows,
+    ASSIGN_OR_RETURN(int chosen, RunCodecSearch(model, held_out, windows, window_len, &bases, &rows,
                                                 [&](int64_t done, const std::string& name) {
                                                   bar.Update(done, name);
                                                 }));
@@ -190,6 +200,7 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
   if (st.ok()) {
     nlohmann::json js = CodecSearchJson(rows, max_bits, flags.Get("text"), windows, window_len);
     js["key_lever"] = lever;
+    js["first_token"] = skip;  // the windows start after the calibration tokens
     js["budgets"] = per_budget;
     js["key_lever_search"] = CodecSearchJson(stage1->first, 1e9, flags.Get("text"), windows, window_len);
     js["basis"] = best.oblique ? "oblique_rrr (DIR; the query PCA in DIR/query-pca)" : "query PCA (DIR)";

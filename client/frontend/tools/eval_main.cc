@@ -45,6 +45,9 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
   --text FILE       evaluation text (default <shared>/data/wikitext-2/wiki.test.raw)
   --windows N       number of windows (default 8)
   --window-len L    tokens per window (default 512)
+  --first-token N   the windows start at token N of --text (default 0); kvq-calibrate's
+                    search windows start after the basis's calibration tokens
+                    (codec-search.json "first_token"): pass that number to reproduce them
   --configs LIST    comma-separated configuration names (default dense,kivi-k2,headq-k2-r4);
                     "calibrated" is the codec that --basis DIR/codec.json names (what the
                     server serves that entry with; kvq-calibrate --bits B chooses and writes
@@ -303,6 +306,7 @@ int Main(int argc, char** argv) {
                {"text", SharedDir() + "/data/wikitext-2/wiki.test.raw"},
                {"windows", "8"},
                {"window-len", "512"},
+               {"first-token", "0"},
                {"configs", "dense,kivi-k2,headq-k2-r4"},
                {"json", ""},
                {"threads", "2"},
@@ -352,6 +356,14 @@ int Main(int argc, char** argv) {
     for (int32_t id : ids) out << id << "\n";
     return out ? 0 : Fail(absl::InternalError("cannot write --dump-tokens file"));
   }
+  // --first-token: the windows start there (kvq-calibrate's search starts after the basis's
+  // calibration tokens; this reproduces its windows).
+  const int64_t first = flags.GetInt("first-token");
+  if (first < 0 || first >= static_cast<int64_t>(ids.size())) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--first-token ", first, " must be in 0..", ids.size() - 1, " (the text's tokens)")));
+  }
+  ids.erase(ids.begin(), ids.begin() + first);
   auto model = LlamaModel::Load(**file);
   if (!model.ok()) return Fail(model.status());
 
@@ -500,6 +512,7 @@ int Main(int argc, char** argv) {
   js["text"] = flags.Get("text");
   js["windows"] = windows;
   js["window_len"] = wlen;
+  js["first_token"] = first;
   js["protocol"] = "llama.cpp perplexity (second half of each window), decode-faithful";
   js["blas_kernel"] = BlasKernelName();
   js["rows"] = nlohmann::json::array();
