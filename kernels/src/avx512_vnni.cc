@@ -1,4 +1,4 @@
-// 2-bit score and readout on int16 dot products (AVX512-VNNI vpdpwssd, codes unpacked with
+// 2- and 3-bit scores and 2-bit readout on int16 dot products (AVX512-VNNI vpdpwssd, codes unpacked with
 // AVX512-VBMI vpmultishiftqb), used by the AVX-512 table when the CPU has both. The fp32
 // weights of a block are rounded to int16 on a per-(block, query) scale, so results differ
 // from the fp32 loops by about 2^-16 of the block's largest weight (see docs/CODEC.md,
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "avx512_reduce.h"
 #include "common.h"
@@ -49,6 +50,36 @@ inline __m512i DecodePair2(const uint8_t* a, const uint8_t* b) {
                           _mm512_set1_epi32(0x00030003));
 }
 
+// The same for two 3-bit rows: 16 codes are 6 bytes per row, and token 2m's code starts at
+// bit 6m, which no fixed qword of a broadcast reaches for every m. So one vpermb first gives
+// each qword m the four bytes of a and of b from byte 3m/4 on (a in its low dword, b in its
+// high one), and the multishift control differs per qword by the bit offset 6m mod 8. The
+// rows are read with masked loads: never a byte past their 6.
+inline __m512i DecodePair3(const uint8_t* a, const uint8_t* b) {
+  const __m128i ab = _mm_unpacklo_epi64(_mm_maskz_loadu_epi8(0x3f, a), _mm_maskz_loadu_epi8(0x3f, b));
+  alignas(64) static constexpr uint8_t kIdx[64] = {
+      0, 1, 2, 3, 8,  9,  10, 11, 0, 1, 2, 3, 8,  9,  10, 11, 1, 2, 3, 4, 9,  10, 11, 12,
+      2, 3, 4, 5, 10, 11, 12, 13, 3, 4, 5, 6, 11, 12, 13, 14, 3, 4, 5, 6, 11, 12, 13, 14,
+      4, 5, 6, 7, 12, 13, 14, 15, 5, 6, 7, 8, 13, 14, 15, 0};
+  // qword m: start byte s = 6m / 8, offset o = 6m - 8s; a_2m at o, b_2m at 32 + o, a_2m+1 at
+  // o + 3, b_2m+1 at 35 + o.
+  alignas(64) static constexpr uint8_t kCtrl[64] = {
+      0, 0, 32, 0, 3, 0, 35, 0, 6, 0, 38, 0, 9, 0, 41, 0, 4, 0, 36, 0, 7, 0, 39, 0,
+      2, 0, 34, 0, 5, 0, 37, 0, 0, 0, 32, 0, 3, 0, 35, 0, 6, 0, 38, 0, 9, 0, 41, 0,
+      4, 0, 36, 0, 7, 0, 39, 0, 2, 0, 34, 0, 5, 0, 37, 0};
+  const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(kIdx), _mm512_castsi128_si512(ab));
+  return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kCtrl), x),
+                          _mm512_set1_epi32(0x00070007));
+}
+
+template <int B>
+inline __m512i DecodePair(const uint8_t* a, const uint8_t* b) {
+  if constexpr (B == 2)
+    return DecodePair2(a, b);
+  else
+    return DecodePair3(a, b);
+}
+
 // x * inv rounded to int16, 16 lanes (|x * inv| <= 32767 by construction).
 inline __m256i ToI16(__m512 x, float inv) {
   return _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(inv))));
@@ -76,9 +107,9 @@ struct Shape {
   int n_ch, tokens, ng;
 };
 
-// Scores of NQ queries over one block: w = q * scale rounded to int16 on the scale of the
-// query's largest |w|, then token tiles of 16 with two channels per dword.
-template <int NQ, int NCH_, int T_>
+// Scores of NQ queries over one block of B-bit codes: w = q * scale rounded to int16 on the
+// scale of the query's largest |w|, then token tiles of 16 with two channels per dword.
+template <int B, int NQ, int NCH_, int T_>
 void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const float* q,
                 int64_t qs, float mult, bool accumulate, float* out, int64_t os, Shape rt) {
   const int n_ch = NCH_ ? NCH_ : rt.n_ch, tokens = T_ ? T_ : rt.tokens;
@@ -111,16 +142,17 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
     bias[j] *= mult;
   }
   constexpr int TILES = 2;  // tokens % 32 == 0 here; 16-token blocks take the 1-tile path
-  const int64_t rb = tokens / 4;
+  const int64_t rb = tokens * B / 8;
   const int tiles = tokens % 32 == 0 ? TILES : 1;
   for (int t0 = 0; t0 < tokens; t0 += 16 * tiles) {
     __m512i acc[TILES][NQ];
     for (int k = 0; k < TILES; ++k)
       for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
-    const uint8_t* base = codes + t0 / 4;
+    const uint8_t* base = codes + t0 * B / 8;
     for (int c = 0; c < n_ch; c += 2) {
       __m512i v[TILES];
-      for (int k = 0; k < tiles; ++k) v[k] = DecodePair2(base + c * rb + 4 * k, base + (c + 1) * rb + 4 * k);
+      for (int k = 0; k < tiles; ++k)
+        v[k] = DecodePair<B>(base + c * rb + 2 * B * k, base + (c + 1) * rb + 2 * B * k);
       for (int i = 0; i < NQ; ++i) {
         const __m512i w = _mm512_set1_epi32(static_cast<int>(Load32(w16[i] + c)));
         for (int k = 0; k < tiles; ++k) acc[k][i] = Dot(acc[k][i], v[k], w);
@@ -137,17 +169,17 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
   }
 }
 
-template <int NCH_, int T_>
+template <int B, int NCH_, int T_>
 void ScorePairS(const uint8_t* codes, const float* sc, const float* ze, const float* q, int64_t qs,
                 int n_q, float mult, bool accumulate, float* out, int64_t os, Shape rt) {
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* qi = q + i0 * qs;
     float* o = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ScorePairN<1, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
-      case 2: ScorePairN<2, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
-      case 3: ScorePairN<3, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
-      default: ScorePairN<4, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+      case 1: ScorePairN<B, 1, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+      case 2: ScorePairN<B, 2, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+      case 3: ScorePairN<B, 3, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+      default: ScorePairN<B, 4, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
     }
   }
 }
@@ -281,9 +313,9 @@ void ReadoutPairS(const uint8_t* rows, int64_t rec, int group, const float* p, i
 
 }  // namespace
 
-void ScorePairDot2(const uint8_t* codes, int n_ch, int tokens, const uint16_t* scale,
-                   const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
-                   bool accumulate, float* out, int64_t os) {
+void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
+                  const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
+                  bool accumulate, float* out, int64_t os) {
   alignas(64) float sc[512], ze[512];
   const int nv = (n_ch + 15) / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n_ch - (nv - 1) * 16)) - 1);
@@ -293,12 +325,22 @@ void ScorePairDot2(const uint8_t* codes, int n_ch, int tokens, const uint16_t* s
     _mm512_store_ps(ze + 16 * k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zero + 16 * k)));
   }
   const Shape rt{n_ch, tokens, 0};
-  if (tokens == 32 && n_ch == 64)
-    ScorePairS<64, 32>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
-  else if (tokens == 32 && n_ch == 128)
-    ScorePairS<128, 32>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+  // The served shapes get constants: 2-bit keys in groups of 32 (the old default) and 3-bit
+  // keys in groups of 128 (the default codec, docs/CODEC.md), head_dim 64 or 128.
+  auto run = [&](auto bits_c) {
+    constexpr int kB = decltype(bits_c)::value;
+    constexpr int kT = kB == 2 ? 32 : 128;
+    if (tokens == kT && n_ch == 64)
+      ScorePairS<kB, 64, kT>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (tokens == kT && n_ch == 128)
+      ScorePairS<kB, 128, kT>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else
+      ScorePairS<kB, 0, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+  };
+  if (bits == 2)
+    run(std::integral_constant<int, 2>{});
   else
-    ScorePairS<0, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    run(std::integral_constant<int, 3>{});
 }
 
 void ReadoutPairDot2(const uint8_t* rows, int64_t rec, int n_rows, int n, int group,
@@ -309,6 +351,10 @@ void ReadoutPairDot2(const uint8_t* rows, int64_t rec, int n_rows, int n, int gr
     ReadoutPairS<64, 32, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
   else if (n_rows == 32 && n == 128 && group == 32)
     ReadoutPairS<128, 32, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
+  else if (n_rows == 128 && n == 64 && group == 32)  // the default codec's 128-token blocks
+    ReadoutPairS<64, 128, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
+  else if (n_rows == 128 && n == 128 && group == 32)
+    ReadoutPairS<128, 128, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
   else
     ReadoutPairS<0, 0, 0>(rows, rec, group, p, ps, n_q, out, os, rt);
 }

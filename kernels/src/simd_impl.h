@@ -75,7 +75,7 @@ void ScoreBits(const uint8_t* codes, int bits, int n_ch, int tokens, const float
 
 constexpr int kSmallWeights = 8 * 512;  // floats: 16 KiB
 
-// 2-bit codes go through int16 dot products where the ISA offers them (Isa::kPairDot) and
+// 2- and 3-bit codes go through int16 dot products where the ISA offers them (Isa::kPairDot) and
 // this CPU has them: half the multiply-adds and decode instructions of the fp32 loops.
 inline bool PairDot() {
   static const bool ok = internal::CpuHasPairDot();
@@ -95,9 +95,9 @@ void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, cons
     return;
   }
   if constexpr (Isa::kPairDot) {
-    if (bits == 2 && n_ch % 2 == 0 && tokens % 16 == 0 && PairDot())
-      return internal::ScorePairDot2(codes, n_ch, tokens, scale, zero, q, qs, n_q, mult, accumulate,
-                                     out, os);
+    if ((bits == 2 || bits == 3) && n_ch % 2 == 0 && tokens % 16 == 0 && PairDot())
+      return internal::ScorePairDot(codes, bits, n_ch, tokens, scale, zero, q, qs, n_q, mult,
+                                    accumulate, out, os);
   }
   if (n_ch == 4 && bits == 8 && qs == 4 &&
       Isa::ScoreSide4x8(codes, tokens, scale, zero, q, n_q, mult, accumulate, out, os))

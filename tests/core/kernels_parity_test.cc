@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <random>
 #include <tuple>
 #include <vector>
 
@@ -142,9 +144,11 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
           }
 
           // Token rows: fp16 scale/zero per group then codes; varying widths per row, or
-          // one width (the int16 path of 2-bit rows): odd and whole row counts.
+          // one width (the int16 path of 2-bit rows): odd and whole row counts, and the
+          // 128-row blocks of G = 128.
           for (auto [group, rows, uniform] : {std::tuple{16, 19, false}, std::tuple{16, 19, true},
-                                               std::tuple{32, 32, true}, std::tuple{16, 37, true}}) {
+                                               std::tuple{32, 32, true}, std::tuple{16, 37, true},
+                                               std::tuple{32, 128, true}}) {
           SCOPED_TRACE(::testing::Message() << "group=" << group << " rows=" << rows << " uniform=" << uniform);
           const int ng = (d + group - 1) / group;
           std::vector<uint8_t> rb(rows), buf;
@@ -165,6 +169,36 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
           for (size_t i = 0; i < r0.size(); ++i) ASSERT_NEAR(r0[i], r1[i], 1e-3f * (1 + std::fabs(r0[i])));
           }
         }
+}
+
+// The int16 paths of 2- and 3-bit keys over every block length they take (16-token tiles,
+// pairs of tiles, the constant shapes G = 32 and G = 128 at d = 64 / 128): the codes are the
+// last bytes of their buffer, so a read past a row's end shows under a sanitizer.
+TEST(KernelParity, ScoreCodesEveryBlockLength) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {2, 3})
+      for (int tokens : {16, 32, 48, 128})
+        for (int d : {2, 64, 80, 128})
+          for (int n_q : {1, 4, 9}) {
+            SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens
+                                              << " d=" << d << " nq=" << n_q);
+            std::mt19937 rng(bits * 131 + tokens * 7 + d + n_q);
+            auto codes = std::make_unique<uint8_t[]>(RowBytes(tokens, bits) * d);
+            for (size_t i = 0; i < RowBytes(tokens, bits) * d; ++i) codes[i] = static_cast<uint8_t>(rng());
+            auto q = kvq::testing::Gaussian(n_q * d, 3 + d);
+            std::vector<uint16_t> sc(d), ze(d);
+            for (int c = 0; c < d; ++c) {
+              sc[c] = static_cast<uint16_t>(0x2c00 + rng() % 0x800);
+              ze[c] = static_cast<uint16_t>(0xb000 + rng() % 0x800);
+            }
+            std::vector<float> o0(n_q * tokens), o1(n_q * tokens);
+            Ref().score_codes(codes.get(), bits, d, tokens, sc.data(), ze.data(), q.data(), d, n_q,
+                              0.125f, false, o0.data(), tokens);
+            kt->score_codes(codes.get(), bits, d, tokens, sc.data(), ze.data(), q.data(), d, n_q,
+                            0.125f, false, o1.data(), tokens);
+            for (size_t i = 0; i < o0.size(); ++i)
+              ASSERT_NEAR(o0[i], o1[i], 1e-4f * (1 + std::fabs(o0[i]))) << i;
+          }
 }
 
 // The HeadQ side code: rank-4 rows of 4 or 8 bits, contiguous projected queries (stride 4).
