@@ -217,6 +217,7 @@ std::string CodecOptions::ToString() const {
   absl::StrAppendFormat(&s, " R%d", window);
   if (rotate_keys) s += " rotk";
   if (rotate_values) s += " rotv";
+  if (metric_rounding) s += " mr";  // encoder only, but a different codec's blocks
   if (side_sign < 0) s += " wrongsign";
   return s;
 }

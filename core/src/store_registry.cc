@@ -121,6 +121,17 @@ absl::StatusOr<std::vector<fs::path>> Subfolders(const fs::path& dir) {
 }  // namespace
 
 CodecOptions Registry::DefaultCodec(const BasisManifest& m, bool has_basis) {
+  // headq-kv3-g128-s4-v2 (3.27 bits per element at head_dim 64): on both evaluation models'
+  // quality frontiers (docs/RESULTS.md), and it needs neither the basis's query moments nor
+  // a rotation, so that it serves any registered basis.
+  CodecOptions c = LegacyDefaultCodec(m, has_basis);
+  c.key_bits = 3;
+  c.key_group = 128;
+  c.side_bits = 4;
+  return c;
+}
+
+CodecOptions Registry::LegacyDefaultCodec(const BasisManifest& m, bool has_basis) {
   CodecOptions c;
   c.head_dim = m.head_dim;
   c.key_bits = 2;

@@ -242,6 +242,7 @@ TEST_F(ToolsTest, ModelsRegisterSendsEncodeBasisQueryMomentsAndCodecSwitches) {
 
 TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
   testing::Shape shape;
+  shape.legacy_codec = true;  // the token counts below are written around 32-token groups
   v1::RegisterBasisResponse registered;
   ASSERT_TRUE(
       server_.Stub()
@@ -385,7 +386,8 @@ TEST_F(ToolsTest, LoadRunsAMixAndWritesTheJsonReport) {
 }
 
 // Sessions after a shared system prompt: each attaches the prompt's whole groups by token ids
-// (100 of 110 tokens: three groups of 32), so the report says 100% of what could be attached
+// (256 of 300 tokens: two groups of 128, the default codec's G), so the report says 100% of
+// what could be attached
 // was; the prompt is stored once (prefix bytes do not grow with the sessions); the sessions'
 // sequences are gone at the end.
 TEST_F(ToolsTest, LoadSessionsAttachTheSharedPrompt) {
@@ -393,20 +395,20 @@ TEST_F(ToolsTest, LoadSessionsAttachTheSharedPrompt) {
   ToolRun r = Load(absl::StrCat(flags_,
                                 " --concurrency 2 --requests 40 --context 40 --layers 2 --q-heads 4"
                                 " --kv-heads 2 --head-dim 64 --basis-rank 8 --put-tokens 5"
-                                " --mix session:1,attend:1 --shared-prefix 110 --json ",
+                                " --mix session:1,attend:1 --shared-prefix 300 --json ",
                                 json));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_THAT(r.out, HasSubstr("session"));
   auto js = nlohmann::json::parse(Slurp(json));
   const int64_t sessions = js["methods"]["session"]["requests"].get<int64_t>();
   ASSERT_GT(sessions, 0);
-  EXPECT_EQ(js["config"]["session_prompt_tokens"].get<int64_t>(), sessions * 2 * 110);
-  EXPECT_EQ(js["config"]["session_attached_tokens"].get<int64_t>(), sessions * 2 * 96);
+  EXPECT_EQ(js["config"]["session_prompt_tokens"].get<int64_t>(), sessions * 2 * 300);
+  EXPECT_EQ(js["config"]["session_attached_tokens"].get<int64_t>(), sessions * 2 * 256);
   v1::StatsResponse stats;
   ASSERT_TRUE(server_.Stub()->Stats(testing::Ctx().get(), v1::StatsRequest(), &stats).ok());
   EXPECT_EQ(stats.sequences(), 0);
-  EXPECT_EQ(stats.prefix_blocks(), 2 * 3);  // the prompt's groups, once (retained now)
-  EXPECT_EQ(stats.shared_tokens(), sessions * 2 * 96 + 2 * 96);  // + the second stream's prompt
+  EXPECT_EQ(stats.prefix_blocks(), 2 * 2);  // the prompt's groups, once (retained now)
+  EXPECT_EQ(stats.shared_tokens(), sessions * 2 * 256 + 2 * 256);  // + the second stream's prompt
   // The two go together.
   ToolRun bad = Load(absl::StrCat(flags_, " --mix session --requests 1"));
   EXPECT_EQ(bad.code, 2);
@@ -422,12 +424,12 @@ TEST(ToolsShards, LoadSessionsFindTheirPromptOnEveryShard) {
   ToolRun r = Load(absl::StrCat("--server ", a.address(), ",", b.address(), ",", c.address(),
                                 " --timeout 20s --concurrency 4 --requests 40 --context 40"
                                 " --layers 2 --q-heads 4 --kv-heads 2 --head-dim 64"
-                                " --basis-rank 8 --mix session --shared-prefix 64 --json ",
+                                " --basis-rank 8 --mix session --shared-prefix 256 --json ",
                                 json));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   auto js = nlohmann::json::parse(Slurp(json));
   EXPECT_EQ(js["config"]["session_attached_tokens"], js["config"]["session_prompt_tokens"]);
-  EXPECT_EQ(js["config"]["session_prompt_tokens"].get<int64_t>(), 40 * 2 * 64);
+  EXPECT_EQ(js["config"]["session_prompt_tokens"].get<int64_t>(), 40 * 2 * 256);
   std::filesystem::remove_all(dir);
 }
 

@@ -32,7 +32,8 @@ ModelEntry Entry() {
   e.basis.query_moment.assign(static_cast<size_t>(m.layers) * kKv * kD * kD, 0.0f);
   for (int h = 0; h < m.layers * kKv; ++h)
     for (int c = 0; c < kD; ++c) e.basis.query_moment[(static_cast<size_t>(h) * kD + c) * kD + c] = 1;
-  e.codec = Registry::DefaultCodec(m, true);
+  // The legacy default: the token counts below are written around 32-token prefix groups.
+  e.codec = Registry::LegacyDefaultCodec(m, true);
   return e;
 }
 

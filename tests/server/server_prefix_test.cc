@@ -75,7 +75,12 @@ class PrefixService : public ::testing::Test {
   static constexpr int64_t kT = 100;
   TestServer ts_;
   std::unique_ptr<v1::Kvq::Stub> stub_;
-  Shape shape_;
+  // 100 tokens are three whole 32-token prefix groups of the legacy default codec.
+  Shape shape_ = [] {
+    Shape s;
+    s.legacy_codec = true;
+    return s;
+  }();
   std::vector<uint32_t> ids_;
   std::vector<std::vector<float>> k_, v_;
 };

@@ -32,11 +32,19 @@ using ::testing::HasSubstr;
 
 constexpr uint64_t kBasisSeed = 7;
 
+// Token counts in tests written around 32-token groups: the legacy default codec.
+Shape LegacyShape() {
+  Shape s;
+  s.legacy_codec = true;
+  return s;
+}
+
 struct Fixture {
   Shape shape;
   core::ModelBasis basis;
   core::CodecOptions codec;
-  Fixture() : basis(MakeBasis(shape, kBasisSeed)), codec(CodecOf(shape)) {}
+  explicit Fixture(Shape s = Shape())
+      : shape(std::move(s)), basis(MakeBasis(shape, kBasisSeed)), codec(CodecOf(shape)) {}
   std::unique_ptr<core::LayerCache> Ref(int layer) const {
     std::vector<float> b = LayerBasis(basis, layer, codec.rank);
     return std::make_unique<core::LayerCache>(codec, shape.kv_heads,
@@ -160,6 +168,12 @@ TEST(ServiceTest, HealthServingAndModelsListed) {
   EXPECT_EQ(list.models(0).model(), "tiny");
   EXPECT_TRUE(list.models(0).has_basis());
   EXPECT_EQ(list.models(0).codec().rank(), 4);
+  // Registered without codec settings: the server's default, headq-kv3-g128-s4-v2.
+  EXPECT_EQ(list.models(0).codec().key_bits(), 3);
+  EXPECT_EQ(list.models(0).codec().key_group(), 128);
+  EXPECT_EQ(list.models(0).codec().side_bits(), 4);
+  EXPECT_EQ(list.models(0).codec().value_bits(), 2);
+  EXPECT_EQ(list.models(0).codec().value_group(), 32);
   EXPECT_FALSE(list.models(0).fingerprint().empty());
 }
 
@@ -458,7 +472,7 @@ TEST(ServiceTest, ObservingAttendsOnOneSequenceKeepTheirOrder) {
 TEST(ServiceTest, ProbeWeightsReachTheValuePolicy) {
   TestServer ts;
   auto stub = ts.Stub();
-  Fixture f;
+  Fixture f(LegacyShape());
   f.codec.value_policy = core::ValuePolicy::kA2;
   const Shape& s = f.shape;
   Register(*stub, MakeRegister(s, kBasisSeed));
@@ -508,7 +522,7 @@ TEST(ServiceTest, ProbeWeightsReachTheValuePolicy) {
 TEST(ServiceTest, GetBlocksRangeIsTheSliceAndReadsOnlyItsBlocks) {
   TestServer ts;
   auto stub = ts.Stub();
-  Fixture f;
+  Fixture f(LegacyShape());
   const Shape& s = f.shape;
   Register(*stub, MakeRegister(s, kBasisSeed));
   const int kv = s.kv_heads, d = s.head_dim;
@@ -1193,7 +1207,7 @@ TEST(AuthTest, ATokenListedForTwoTenantsIsRefusedNamingItsLinesNotTheToken) {
 }
 
 TEST(ServiceTest, NewBasisVersionWhileSequencesAreLive) {
-  Fixture f;
+  Fixture f(LegacyShape());
   std::string dir;
   const int kv = f.shape.kv_heads, d = f.shape.head_dim, qh = f.shape.q_heads;
   {
@@ -1394,7 +1408,7 @@ TEST(ServiceTest, TenantsAreIsolatedWithAuthOn) {
 }
 
 TEST(ServiceTest, EvictionUnderCapacityAndQuotaKeepsWholeSequences) {
-  Shape s;
+  Shape s = LegacyShape();
   s.layers = 2;
   const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
   const int64_t T = 64;
@@ -1645,7 +1659,7 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
   TestServer ts(o);
   ASSERT_GT(ts.server().metrics_port(), 0);
   auto stub = ts.Stub();
-  Shape s;
+  Shape s = LegacyShape();
   Register(*stub, MakeRegister(s, kBasisSeed));
   auto k = RandomKV(s.kv_heads, 64, s.head_dim, 1);
   v1::PutBlocksRequest m;
@@ -1901,17 +1915,14 @@ TEST(ServiceTest, MetricsScrapeIsNotBlockedByIdlePeers) {
 }
 
 // A golden block: bytes committed to the repository must keep decoding to the committed
-// values. KVQ_REGENERATE_GOLDEN=1 rewrites them (only on a deliberate format change).
-TEST(GoldenBlockTest, CommittedBlocksDecodeToCommittedValues) {
+// values. KVQ_REGENERATE_GOLDEN=1 rewrites them (only on a deliberate format change). One
+// pair per served default: the legacy k2g32r4s8 (32 tokens; its committed blocks are of
+// format version 2, which must keep reading: do not regenerate them) and today's k3g128r4s4
+// (128 tokens, version 3).
+void CheckGoldenBlocks(const core::CodecOptions& o, const std::string& key_name,
+                       const std::string& value_name) {
   const std::string dir = KVQ_GOLDEN_DIR;
-  core::CodecOptions o;
-  o.head_dim = 64;
-  o.key_bits = 2;
-  o.key_group = 32;
-  o.rank = 4;
-  o.side_bits = 8;
-  o.value_bits = 2;
-  o.value_group = 32;
+  const int T = o.key_group, d = o.head_dim;
   Shape s;
   s.layers = 1;
   s.kv_heads = 1;
@@ -1925,38 +1936,40 @@ TEST(GoldenBlockTest, CommittedBlocksDecodeToCommittedValues) {
   auto write = [](const std::string& p, const void* data, size_t n) {
     std::ofstream(p, std::ios::binary).write(static_cast<const char*>(data), n);
   };
+  const std::string key = dir + "/" + key_name, value = dir + "/" + value_name;
   if (std::getenv("KVQ_REGENERATE_GOLDEN")) {
     std::filesystem::create_directories(dir);
-    auto k = RandomKV(1, 32, 64, 42), v = RandomKV(1, 32, 64, 43);
+    auto k = RandomKV(1, T, d, 42), v = RandomKV(1, T, d, 43);
     std::vector<uint8_t> kb, vb;
-    ASSERT_TRUE(core::EncodeKeyBlock(o, k.data(), 64, u.data(), &kb).ok());
-    ASSERT_TRUE(core::EncodeValueBlock(o, v.data(), 64, nullptr, &vb).ok());
-    write(dir + "/key_k2g32r4s8_d64.block", kb.data(), kb.size());
-    write(dir + "/value_v2g32_d64.block", vb.data(), vb.size());
+    ASSERT_TRUE(core::EncodeKeyBlock(o, k.data(), d, u.data(), &kb).ok());
+    ASSERT_TRUE(core::EncodeValueBlock(o, v.data(), d, nullptr, &vb).ok());
+    write(key + ".block", kb.data(), kb.size());
+    write(value + ".block", vb.data(), vb.size());
     write(dir + "/basis_d64r4.f32", u.data(), u.size() * 4);
     auto kview = core::ParseKeyBlock(kb, o, true);
     auto vview = core::ParseValueBlock(vb, o, true);
-    std::vector<float> kd(32 * 64), vd(32 * 64);
+    std::vector<float> kd(T * d), vd(T * d);
     core::DecodeKeyBlock(*kview, u.data(), 1.0f, kd.data());
     core::DecodeValueBlock(*vview, vd.data());
-    write(dir + "/key_k2g32r4s8_d64.decoded.f32", kd.data(), kd.size() * 4);
-    write(dir + "/value_v2g32_d64.decoded.f32", vd.data(), vd.size() * 4);
+    write(key + ".decoded.f32", kd.data(), kd.size() * 4);
+    write(value + ".decoded.f32", vd.data(), vd.size() * 4);
   }
-  const auto kb = read(dir + "/key_k2g32r4s8_d64.block");
-  const auto vb = read(dir + "/value_v2g32_d64.block");
+  const auto kb = read(key + ".block");
+  const auto vb = read(value + ".block");
   const auto ub = read(dir + "/basis_d64r4.f32");
-  const auto kd = read(dir + "/key_k2g32r4s8_d64.decoded.f32");
-  const auto vd = read(dir + "/value_v2g32_d64.decoded.f32");
+  const auto kd = read(key + ".decoded.f32");
+  const auto vd = read(value + ".decoded.f32");
   ASSERT_FALSE(kb.empty());
   ASSERT_EQ(ub.size(), 64 * 4 * 4u);
-  ASSERT_EQ(kd.size(), 32 * 64 * 4u);
+  ASSERT_EQ(kd.size(), static_cast<size_t>(T) * d * 4);
+  ASSERT_EQ(vd.size(), static_cast<size_t>(T) * d * 4);
   EXPECT_EQ(kb.size(), core::KeyBlockBytes(o));
   EXPECT_EQ(vb.size(), core::ValueBlockBytes(o));
   auto kview = core::ParseKeyBlock(kb, o, true);
   ASSERT_TRUE(kview.ok()) << kview.status();
   auto vview = core::ParseValueBlock(vb, o, true);
   ASSERT_TRUE(vview.ok()) << vview.status();
-  std::vector<float> k(32 * 64), v(32 * 64);
+  std::vector<float> k(T * d), v(T * d);
   core::DecodeKeyBlock(*kview, reinterpret_cast<const float*>(ub.data()), 1.0f, k.data());
   core::DecodeValueBlock(*vview, v.data());
   EXPECT_EQ(0, std::memcmp(k.data(), kd.data(), kd.size()));
@@ -1965,6 +1978,20 @@ TEST(GoldenBlockTest, CommittedBlocksDecodeToCommittedValues) {
   auto bad = kb;
   bad[40] ^= 1;
   EXPECT_EQ(core::ParseKeyBlock(bad, o, true).status().code(), absl::StatusCode::kDataLoss);
+}
+
+// The legacy default and the server's default codec (3-bit keys in 128-token groups, 4-bit
+// side code).
+TEST(GoldenBlockTest, CommittedBlocksDecodeToCommittedValues) {
+  core::BasisManifest m;
+  m.head_dim = 64;
+  m.rank = 4;
+  const core::CodecOptions legacy = core::Registry::LegacyDefaultCodec(m, true);
+  const core::CodecOptions now = core::Registry::DefaultCodec(m, true);
+  ASSERT_EQ(legacy.ToString(), "k2g32 r4s8 v2g32 R0");
+  ASSERT_EQ(now.ToString(), "k3g128 r4s4 v2g32 R0");
+  CheckGoldenBlocks(legacy, "key_k2g32r4s8_d64", "value_v2g32_d64");
+  CheckGoldenBlocks(now, "key_k3g128r4s4_d64", "value_v2g32_t128_d64");
 }
 
 }  // namespace

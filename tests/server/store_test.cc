@@ -391,7 +391,7 @@ TEST_F(StoreTest, LruEvictsLeastRecentlyUsedWholeSequences) {
 
 TEST_F(StoreTest, ScrubFindsCorruptionAndReadsFailWithDataLoss) {
   Store store({}, &registry_);
-  Data d(96, 1);
+  Data d(128, 1);  // one whole key group of the default codec (G = 128): encoded blocks
   AppendOutcome out;
   ASSERT_TRUE(store.Append("t", {Spec("x", 0, 0, d)}, &out).ok());
   EXPECT_EQ(store.Scrub(), 0);

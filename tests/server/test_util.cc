@@ -25,6 +25,19 @@ core::ModelBasis MakeBasis(const Shape& s, uint64_t seed) {
   return core::RandomBasis(m, seed);
 }
 
+v1::CodecSettings LegacyCodecSettings(int head_dim) {
+  core::BasisManifest m;
+  m.head_dim = head_dim;
+  const core::CodecOptions c = core::Registry::LegacyDefaultCodec(m, false);
+  v1::CodecSettings w;
+  w.set_key_bits(c.key_bits);
+  w.set_key_group(c.key_group);
+  w.set_side_bits(c.side_bits);
+  w.set_value_bits(c.value_bits);
+  w.set_value_group(c.value_group);
+  return w;
+}
+
 v1::RegisterBasisRequest MakeRegister(const Shape& s, uint64_t seed, int codec_rank) {
   v1::RegisterBasisRequest r;
   v1::ModelInfo* i = r.mutable_info();
@@ -36,6 +49,7 @@ v1::RegisterBasisRequest MakeRegister(const Shape& s, uint64_t seed, int codec_r
   i->set_head_dim(s.head_dim);
   i->set_basis_rank(s.basis_rank);
   i->set_kind("random");
+  if (s.legacy_codec) *i->mutable_codec() = LegacyCodecSettings(s.head_dim);
   if (s.basis_rank > 0) {
     i->mutable_codec()->set_rank(codec_rank);
     core::ModelBasis b = MakeBasis(s, seed);
@@ -108,7 +122,8 @@ core::CodecOptions CodecOf(const Shape& s, int codec_rank) {
   core::BasisManifest m;
   m.head_dim = s.head_dim;
   m.rank = s.basis_rank;
-  core::CodecOptions c = core::Registry::DefaultCodec(m, s.basis_rank > 0);
+  core::CodecOptions c = s.legacy_codec ? core::Registry::LegacyDefaultCodec(m, s.basis_rank > 0)
+                                         : core::Registry::DefaultCodec(m, s.basis_rank > 0);
   if (s.basis_rank > 0) c.rank = codec_rank;
   return c;
 }

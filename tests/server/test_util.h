@@ -23,8 +23,14 @@ struct Shape {
   int q_heads = 4;  // grouped-query attention
   int head_dim = 64;
   int basis_rank = 8;  // 0: no basis
+  // Registered with the pre-frontier default codec (Registry::LegacyDefaultCodec: 2-bit keys
+  // in groups of 32), for tests whose token counts are written around 32-token groups;
+  // false: the model gets the server's default codec.
+  bool legacy_codec = false;
 };
 
+// The wire settings of Registry::LegacyDefaultCodec (rank and switches left to the model).
+v1::CodecSettings LegacyCodecSettings(int head_dim);
 // A registration request with a random orthonormal basis (deterministic in seed).
 v1::RegisterBasisRequest MakeRegister(const Shape& s, uint64_t seed, int codec_rank = 4);
 // The same basis as core::ModelBasis (to build in-process caches).

@@ -182,18 +182,29 @@ def _dense_ppl(model, tokens, windows, L):
 SYSTEM = ("You are a careful assistant for a museum of natural history. Visitors ask about fossils, "
           "minerals, the dinosaur hall, opening hours and tickets. Answer briefly and politely, "
           "say when you do not know, and never invent exhibits that the museum does not have. "
-          "The museum opens at nine and closes at five, every day except Monday.")
+          "The museum opens at nine and closes at five, every day except Monday. "
+          "The fossil gallery is on the first floor, beside the great hall, and holds the "
+          "skeletons of two tyrannosaurs, a triceratops skull, ammonites, trilobites and the "
+          "footprints of early reptiles found in the quarry north of the city. The minerals are "
+          "on the second floor: quartz, garnet, fluorite, a meteorite that fell in the valley a "
+          "century ago and a wall of gemstones lit from behind. Tickets cost twelve for adults "
+          "and five for children; members, teachers with a class and visitors under four come "
+          "in free. The cafe on the ground floor serves soup, sandwiches and cakes until four. "
+          "Strollers are welcome, wheelchairs can be borrowed at the desk, and every floor has "
+          "a lift. Photographs are allowed without flash, food is not allowed in the galleries, "
+          "and lost children are taken to the information desk by the main entrance. Guided "
+          "tours leave the great hall at ten, at noon and at two, and last about an hour.")
 
 
 def test_prefix_attach_through_generate(smol, kvq_server):
     model, tok = smol
-    G = 32
     first = tok(SYSTEM + " Question: where are the fossils?", return_tensors="pt").input_ids
     second = tok(SYSTEM + " Question: when does it open?", return_tensors="pt").input_ids
     common = int((first[0, : second.shape[1]] == second[0, : first.shape[1]]).cumprod(0).sum())
-    assert common >= 2 * G
     with kvq.Client(kvq_server.address, deadline=30.0) as client:
         info = kvq.hf.register_basis(client, str(FIXTURE_BASIS), model)
+        G = info.codec.key_group  # the prefix index holds whole key groups (default: 128)
+        assert common >= 2 * G, (common, G)
         kvq.hf.enable(model)
         # The first request stores the prompt (with ids): its whole groups enter the index
         # and stay there (retained) after it is deleted.

@@ -458,9 +458,9 @@ def block_bytes(codec: "kvq.CodecSettings", head_dim: int) -> "tuple[int, int]":
 # docs/API.md / docs/RESULTS.md, and a 2-bit setting with coarser groups.
 SMOLLM2 = dict(layers=30, kv_heads=3, q_heads=9, head_dim=64)
 CODECS = {
-    "default k2g32 r4s8 v2g32": {},
-    "k3g128 r4s4 v2g32 (RESULTS 3-bit row)": {"key_bits": 3, "key_group": 128, "side_bits": 4},
-    "k2g128 r4s8 v2g64": {"key_group": 128, "value_group": 64},
+    "default k3g128 r4s4 v2g32": {},
+    "legacy default k2g32 r4s8 v2g32": {"key_bits": 2, "key_group": 32, "side_bits": 8},
+    "k2g128 r4s8 v2g64": {"key_bits": 2, "key_group": 128, "side_bits": 8, "value_group": 64},
 }
 
 
