@@ -132,5 +132,37 @@ TEST(CodecCache, EncodeBoundaryFollowsWindowAndGroup) {
   EXPECT_EQ((*c)->NextEncodeBoundary(48), 80);
 }
 
+// Attention sinks (sink_tokens): the first positions come back exactly and no longer widen
+// their group's ranges; their fp16 rows are counted in the at-context bits.
+TEST(CodecCache, SinkTokensAreExactAndSpareTheirGroup) {
+  const CacheShape s{1, 4, 2, 64};
+  const int n = 64, kSinks = 2;
+  Data d = Random(s, n, 9);
+  for (int t = 0; t < kSinks; ++t)
+    for (int i = 0; i < s.kv_heads * s.head_dim; ++i) {
+      d.k[t * s.kv_heads * s.head_dim + i] *= 30.0f;  // outliers far beyond the other rows
+      d.v[t * s.kv_heads * s.head_dim + i] *= 30.0f;
+    }
+  core::CodecOptions o;
+  o.key_bits = 2;
+  o.value_bits = 2;
+  DenseCache dense(s);
+  const auto rd = RunChunks(&dense, s, d, n, n);
+  auto plain = CodecCache::Create(s, o, nullptr);
+  auto sunk = CodecCache::Create(s, o, nullptr, false, CodecRead::kDecode, nullptr, false, kSinks);
+  ASSERT_TRUE(plain.ok() && sunk.ok());
+  const double e_plain = MaxDiff(RunChunks(plain->get(), s, d, n, n), rd);
+  const double e_sunk = MaxDiff(RunChunks(sunk->get(), s, d, n, n), rd);
+  EXPECT_LT(e_sunk, 0.25 * e_plain) << e_sunk << " vs " << e_plain;
+  // Two fp16 rows of keys and of values per head on top of the codes: 2 * 16 / 64 bits.
+  const core::SizeReport a = (*plain)->Size(), b = (*sunk)->Size();
+  EXPECT_NEAR(b.k_bits_effective() - a.k_bits_effective(), 2.0 * 16 / n, 1e-9);
+  EXPECT_NEAR(b.v_bits_effective() - a.v_bits_effective(), 2.0 * 16 / n, 1e-9);
+  EXPECT_EQ(b.k_bits_steady(), a.k_bits_steady());
+  // Only on the Decode read path.
+  EXPECT_FALSE(CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend, nullptr, false, 2).ok());
+  EXPECT_FALSE(CodecCache::Create(s, o, nullptr, false, CodecRead::kDecode, nullptr, false, 65).ok());
+}
+
 }  // namespace
 }  // namespace kvq::frontend

@@ -18,6 +18,17 @@ TEST(EvalConfig, RequiredNamesParse) {
   }
 }
 
+TEST(EvalConfig, SinkTokensParseOnTheDecodePathOnly) {
+  auto c = ParseEvalConfig("headq-kv2-g128-rotk-mr-sink4");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->sink_tokens, 4);
+  EXPECT_EQ(c->codec.key_group, 128);
+  EXPECT_EQ(ParseEvalConfig("headq-kv2").value().sink_tokens, 0);
+  for (const char* bad : {"kivi-kv2-sink0", "kivi-kv2-sink65", "headq-kv2-a2-sink4",
+                          "headq-kv2-fused-sink4"})
+    EXPECT_FALSE(ParseEvalConfig(bad).ok()) << bad;
+}
+
 TEST(EvalConfig, FieldsFollowTheName) {
   auto c = *ParseEvalConfig("headq-k2-r4-wrongsign");
   EXPECT_TRUE(c.keys_only);
