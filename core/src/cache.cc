@@ -40,33 +40,46 @@ SizeReport& SizeReport::operator+=(const SizeReport& o) {
   return *this;
 }
 
-LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool,
-                       const float* encode_basis, const float* query_moment)
-    : opts_(o),
-      kv_heads_(kv_heads),
-      pool_(pool ? pool : HostBytePool()),
-      heads_(kv_heads, Head(pool_)),
-      kblock_bytes_(KeyBlockBytes(o)) {
-  if (o.rank > 0 && basis)
-    basis_.assign(basis, basis + static_cast<size_t>(kv_heads) * o.head_dim * o.rank);
-  if (o.rank > 0 && !basis) opts_.rank = 0;  // no basis: KIVI-like base only
-  const int d = opts_.head_dim, r = opts_.rank;
+std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions& o, int kv_heads,
+                                                             const float* basis,
+                                                             const float* encode_basis,
+                                                             const float* query_moment) {
+  auto t = std::make_shared<LayerCodecTables>();
+  const int d = o.head_dim, r = basis ? o.rank : 0;
+  if (r > 0) t->basis.assign(basis, basis + static_cast<size_t>(kv_heads) * d * r);
   // The encoder projects with A^T (U^T unless an oblique pair is given), kept transposed.
-  const float* enc = r > 0 && encode_basis ? encode_basis : basis_.data();
-  basis_t_.resize(basis_.size());
+  const float* enc = r > 0 && encode_basis ? encode_basis : t->basis.data();
+  t->basis_t.resize(t->basis.size());
   for (int h = 0; h < kv_heads; ++h)
     for (int c = 0; c < d; ++c)
       for (int j = 0; j < r; ++j)
-        basis_t_[(static_cast<size_t>(h) * r + j) * d + c] = enc[(static_cast<size_t>(h) * d + c) * r + j];
+        t->basis_t[(static_cast<size_t>(h) * r + j) * d + c] = enc[(static_cast<size_t>(h) * d + c) * r + j];
   if (o.metric_rounding && query_moment) {
     for (int h = 0; h < kv_heads; ++h) {
       const size_t hb = static_cast<size_t>(h) * d * r;
       std::vector<float> f = KeyRoundingFactor(query_moment + static_cast<size_t>(h) * d * d, d,
-                                               r > 0 ? basis_.data() + hb : nullptr,
+                                               r > 0 ? t->basis.data() + hb : nullptr,
                                                r > 0 ? enc + hb : nullptr, r, o.rotate_keys);
-      rounding_.insert(rounding_.end(), f.begin(), f.end());
+      t->rounding.insert(t->rounding.end(), f.begin(), f.end());
     }
   }
+  return t;
+}
+
+LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool,
+                       const float* encode_basis, const float* query_moment)
+    : LayerCache(o, kv_heads, MakeLayerCodecTables(o, kv_heads, basis, encode_basis, query_moment),
+                 pool) {}
+
+LayerCache::LayerCache(const CodecOptions& o, int kv_heads,
+                       std::shared_ptr<const LayerCodecTables> tables, BytePool* pool)
+    : opts_(o),
+      kv_heads_(kv_heads),
+      pool_(pool ? pool : HostBytePool()),
+      tables_(std::move(tables)),
+      heads_(kv_heads, Head(pool_)),
+      kblock_bytes_(KeyBlockBytes(o)) {
+  if (o.rank > 0 && tables_->basis.empty()) opts_.rank = 0;  // no basis: KIVI-like base only
 }
 
 namespace {
@@ -390,7 +403,7 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     const int64_t vstride = input ? input->vstride : row_bytes;
     const uint8_t* krows = input ? input->k : hd.kwin.data();
     const uint8_t* vrows = input ? input->v : hd.vwin.data();
-    const float* Ut = r > 0 ? basis_t_.data() + static_cast<size_t>(h) * d * r : nullptr;
+    const float* Ut = r > 0 ? tables_->basis_t.data() + static_cast<size_t>(h) * d * r : nullptr;
     const bool seal = !building_.empty();
     if (!seal && !input) {  // EncodeInput reserves for all of its chunks at once
       Reserve(&hd.kblocks, ready * kblock_bytes_);
@@ -403,8 +416,9 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
       RETURN_IF_ERROR(EncodeKeyBlockT(opts_, kf.data(), d, Ut, seal ? &sb->bytes : &hd.kblocks,
-                                      rounding_.empty() ? nullptr
-                                                        : rounding_.data() + static_cast<size_t>(h) * d * d));
+                                      tables_->rounding.empty()
+                                          ? nullptr
+                                          : tables_->rounding.data() + static_cast<size_t>(h) * d * d));
       if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
       const uint8_t* wp = nullptr;
       if (opts_.per_token_value_bits()) {
@@ -464,7 +478,7 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
   const int d = opts_.head_dim, r = opts_.rank, G = opts_.key_group;
   const int64_t T = tokens_;
   thread_local std::vector<float> uq, win, rq;
-  const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
+  const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
   if (r > 0) {
     uq.assign(static_cast<size_t>(rows) * r, 0.0f);
     for (int i = 0; i < rows; ++i)
@@ -641,7 +655,7 @@ absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* ke
     const Head& hd = heads_[h];
     float* kd = keys->data() + h * per_head;
     float* vd = values->data() + h * per_head;
-    const float* U = r > 0 ? basis_.data() + static_cast<size_t>(h) * d * r : nullptr;
+    const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = std::max(from, b * G), hi = std::min(to, (b + 1) * G);
       const bool whole = lo == b * G && hi == (b + 1) * G;

@@ -394,6 +394,28 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
   return absl::OkStatus();
 }
 
+std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& model, int layer,
+                                                           const CodecOptions& codec) {
+  // What the tables depend on: the entry's tensors (name, version, fingerprint) and the
+  // codec fields that shape them.
+  const std::string key = absl::StrCat(model.manifest.model, "/", model.manifest.version, "/",
+                                       model.manifest.fingerprint, "/", layer, "/", codec.head_dim,
+                                       ",", codec.rank, ",", codec.rotate_keys, ",",
+                                       codec.metric_rounding);
+  absl::MutexLock l(&tables_mu_);
+  if (auto held = tables_[key].lock()) return held;
+  std::vector<float> basis = LayerBasis(model, model.basis.u, layer, codec.rank);
+  std::vector<float> encode = LayerBasis(model, model.basis.encode, layer, codec.rank);
+  const float* moment = model.basis.query_moment_head(layer, 0);
+  std::shared_ptr<const LayerCodecTables> t = MakeLayerCodecTables(
+      codec, model.manifest.kv_heads, basis.empty() ? nullptr : basis.data(),
+      encode.empty() ? nullptr : encode.data(), codec.metric_rounding ? moment : nullptr);
+  tables_[key] = t;
+  // Forget the tables no cache holds any more (retired versions, finished codecs).
+  absl::erase_if(tables_, [](const auto& kv) { return kv.second.expired(); });
+  return t;
+}
+
 void Store::Remeasure(Sequence* s, int64_t reserved) {
   SizeReport size;
   int64_t tokens = 0, blocks = 0, elements = 0;
@@ -844,13 +866,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       auto& cache = s->layers[a.layer];
       if (!cache) {
         const ModelEntry& model = *s->model;
-        std::vector<float> basis = LayerBasis(model, model.basis.u, a.layer, s->codec.rank);
-        std::vector<float> encode = LayerBasis(model, model.basis.encode, a.layer, s->codec.rank);
-        const float* moment = model.basis.query_moment_head(a.layer, 0);
-        cache = std::make_unique<LayerCache>(
-            s->codec, model.manifest.kv_heads, basis.empty() ? nullptr : basis.data(),
-            opts_.byte_pool, encode.empty() ? nullptr : encode.data(),
-            s->codec.metric_rounding ? moment : nullptr);
+        cache = std::make_unique<LayerCache>(s->codec, model.manifest.kv_heads,
+                                             LayerTables(model, a.layer, s->codec), opts_.byte_pool);
       }
       Sequence::LayerPrefix& lp = s->prefix[a.layer];
       if (a.token_ids.empty()) {

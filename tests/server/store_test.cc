@@ -339,6 +339,47 @@ class StoreTest : public ::testing::Test {
   Registry registry_{""};
 };
 
+// Every sequence's cache of one layer reads the same basis, projection and metric-rounding
+// tables (built once per entry, layer and codec, not per sequence: 1.6 MB a SmolLM2 sequence
+// with metric rounding otherwise); another layer or codec has its own.
+TEST_F(StoreTest, SequencesOfALayerShareItsCodecTables) {
+  ModelEntry mm = Entry("mm", 1, 2);
+  const int kv = mm.manifest.kv_heads, d = mm.manifest.head_dim;
+  mm.basis.query_moment.assign(static_cast<size_t>(mm.manifest.layers) * kv * d * d, 0.0f);
+  for (int h = 0; h < mm.manifest.layers * kv; ++h)
+    for (int c = 0; c < d; ++c) mm.basis.query_moment[(static_cast<size_t>(h) * d + c) * d + c] = 1;
+  mm.manifest.fingerprint = BasisFingerprint(mm.basis);
+  ASSERT_TRUE(registry_.Register(mm, nullptr).ok());
+  Store store({}, &registry_);
+  Data data(40, 3);
+  AppendOutcome out;
+  auto spec = [&](const std::string& id, int layer, bool mr) {
+    AppendSpec a = Spec(id, layer, 0, data, "mm");
+    if (mr) {
+      a.has_codec = true;
+      a.codec = Registry::DefaultCodec(mm.manifest, true);
+      a.codec.metric_rounding = true;
+    }
+    return a;
+  };
+  ASSERT_TRUE(store.Append("t", {spec("a", 0, false), spec("a", 1, false), spec("b", 0, false),
+                                 spec("c", 0, true), spec("e", 0, true)}, &out).ok());
+  ASSERT_TRUE(store.Append("u", {spec("a", 0, false)}, &out).ok());
+  auto tables = [&](const std::string& tenant, const std::string& id, int layer) {
+    LayerCache* c = store.LayerForTest(tenant, id, layer);
+    EXPECT_NE(c, nullptr) << id;
+    return c ? c->tables().get() : nullptr;
+  };
+  EXPECT_EQ(tables("t", "a", 0), tables("t", "b", 0));
+  EXPECT_EQ(tables("t", "a", 0), tables("u", "a", 0));  // the model's, not the tenant's
+  EXPECT_NE(tables("t", "a", 0), tables("t", "a", 1));
+  EXPECT_NE(tables("t", "a", 0), tables("t", "c", 0));
+  EXPECT_EQ(tables("t", "c", 0), tables("t", "e", 0));
+  EXPECT_TRUE(tables("t", "a", 0)->rounding.empty());
+  EXPECT_EQ(tables("t", "c", 0)->rounding.size(), static_cast<size_t>(kv) * d * d);
+  EXPECT_FALSE(tables("t", "a", 0)->basis.empty());
+}
+
 TEST_F(StoreTest, TtlDropsIdleSequences) {
   absl::Time now = absl::FromUnixSeconds(1000);
   StoreOptions o;

@@ -89,6 +89,24 @@ struct SealedBlock {
 };
 using SealedBlockPtr = std::shared_ptr<const SealedBlock>;
 
+// What every sequence's LayerCache of one model layer and codec reads and never changes: the
+// decode basis, the encoder's transposed projection and metric rounding's factors. A store
+// builds them once per (model entry, layer, codec) and shares them (Store::LayerTables), so
+// a sequence carries none of its own (for SmolLM2 with metric rounding they are 1.6 MB a
+// sequence otherwise).
+struct LayerCodecTables {
+  std::vector<float> basis;     // [kv_heads][d][rank] U (or the decode basis B); empty: rank 0
+  std::vector<float> basis_t;   // [kv_heads][rank][d] U^T (or A^T), for encoding
+  std::vector<float> rounding;  // [kv_heads][d][d] metric rounding factors, or empty
+  size_t bytes() const { return 4 * (basis.size() + basis_t.size() + rounding.size()); }
+};
+// The arguments as LayerCache's own constructor takes them (null basis with o.rank > 0: no
+// side code).
+std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions& o, int kv_heads,
+                                                             const float* basis,
+                                                             const float* encode_basis,
+                                                             const float* query_moment);
+
 class LayerCache {
  public:
   // basis: [kv_heads][d][rank] (row-major U per head) or null when o.rank == 0. Copied.
@@ -100,6 +118,11 @@ class LayerCache {
   // (null: nearest rounding).
   LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool = nullptr,
              const float* encode_basis = nullptr, const float* query_moment = nullptr);
+  // The same with tables built by MakeLayerCodecTables for the same codec and kv_heads
+  // (shared with other caches, never copied).
+  LayerCache(const CodecOptions& o, int kv_heads, std::shared_ptr<const LayerCodecTables> tables,
+             BytePool* pool = nullptr);
+  const std::shared_ptr<const LayerCodecTables>& tables() const { return tables_; }
 
   const CodecOptions& options() const { return opts_; }
   int kv_heads() const { return kv_heads_; }
@@ -205,9 +228,7 @@ class LayerCache {
   CodecOptions opts_;
   int kv_heads_;
   BytePool* pool_;
-  std::vector<float> basis_;
-  std::vector<float> basis_t_;  // U^T per head, [kv_heads][r][d], for encoding
-  std::vector<float> rounding_;  // metric rounding factor per head [kv_heads][d][d], or empty
+  std::shared_ptr<const LayerCodecTables> tables_;  // never null
   std::vector<Head> heads_;
   int64_t tokens_ = 0;
   int64_t encoded_ = 0;  // tokens per head in blocks

@@ -305,6 +305,11 @@ class Store {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Re-measures a sequence after a change and fixes the accounting.
   void Remeasure(Sequence* s, int64_t reserved);
+  // The codec tables of (model entry, layer, codec), built on first use and shared by every
+  // sequence's cache of that layer for as long as one holds them (kept weakly here).
+  std::shared_ptr<const LayerCodecTables> LayerTables(const ModelEntry& model, int layer,
+                                                      const CodecOptions& codec)
+      ABSL_LOCKS_EXCLUDED(tables_mu_);
 
   StoreOptions opts_;
   Registry* registry_;
@@ -315,6 +320,9 @@ class Store {
   int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expirations_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t retained_scrub_drops_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex tables_mu_;
+  absl::flat_hash_map<std::string, std::weak_ptr<const LayerCodecTables>> tables_
+      ABSL_GUARDED_BY(tables_mu_);
 };
 
 }  // namespace kvq::core
