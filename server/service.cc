@@ -721,6 +721,9 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       kv_heads_ = info.model->manifest.kv_heads;
       d_ = info.model->manifest.head_dim;
       version_ = info.model->manifest.version;
+      // Every layer is read up to its length now (taken under the sequence's lock in one
+      // step): appends that land while the stream is under way are not seen.
+      snapshot_ = info.layer_tokens;
       const int n_layers = info.model->manifest.layers;
       if (req_.layers_size() == 0) {
         for (int l = 0; l < n_layers; ++l) layers_.push_back(l);
@@ -743,9 +746,12 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       layer_ = layers_[next_layer_++];
       offset_ = 0;
       layer_sent_ = false;
+      const int64_t length = layer_ < static_cast<int>(snapshot_.size()) ? snapshot_[layer_] : 0;
       RETURN_IF_ERROR(svc_->store()->Decode(
           tenant_, req_.sequence_id(), layer_, req_.basis_version(), req_.from_token(),
-          req_.to_token() > 0 ? req_.to_token() : -1, &keys_, &values_, &tokens_, &first_));
+          req_.to_token() > 0 ? std::min<int64_t>(req_.to_token(), length) : length, &keys_,
+          &values_, &tokens_, &first_));
+      tokens_ = std::min(tokens_, length);
       decoded_ = static_cast<int64_t>(keys_.size()) / (int64_t{kv_heads_} * d_);
     }
     layer_sent_ = true;
@@ -784,6 +790,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   int64_t chunk_ = 4096;
   int kv_heads_ = 0, d_ = 0, version_ = 0;
   std::vector<int> layers_;
+  std::vector<int64_t> snapshot_;  // every layer's length when the call started
   size_t next_layer_ = 0;
   int layer_ = 0;
   // The current layer: its length, the range decoded ([first_, first_ + decoded_)), the next

@@ -516,6 +516,50 @@ TEST(ServiceTest, ProbeWeightsReachTheValuePolicy) {
               HasSubstr("appends[0].probe_weights.shape must be [kv_heads, n]"));
 }
 
+// An all-layer GetBlocks reads every layer as it was when the call started: an append that
+// lands while layer 0 is still streaming (the client holds the stream after one message;
+// layer 0 is far beyond the transport's window, so the server is still in it) is not seen
+// in layer 1, and every message names the same length.
+TEST(ServiceTest, GetBlocksOfAllLayersIsOneSnapshotDespiteConcurrentAppends) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  const int64_t T = 16384;  // 8 MiB of fp32 keys per layer
+  v1::PutBlocksRequest m;
+  for (int l = 0; l < s.layers; ++l)
+    *m.add_appends() = MakeAppend("x", l, 0, RandomKV(kv, T, d, 80 + l), RandomKV(kv, T, d, 90 + l),
+                                  kv, T, d, "tiny");
+  v1::PutBlocksResponse pr;
+  ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+  v1::GetBlocksRequest req;
+  req.set_sequence_id("x");
+  req.set_max_tokens_per_message(256);
+  auto ctx = Ctx();
+  auto r = stub->GetBlocks(ctx.get(), req);
+  v1::GetBlocksResponse one;
+  ASSERT_TRUE(r->Read(&one));
+  EXPECT_EQ(one.layer(), 0);
+  // 256 more tokens on every layer while the read is under way.
+  v1::PutBlocksRequest more;
+  for (int l = 0; l < s.layers; ++l)
+    *more.add_appends() = MakeAppend("x", l, T, RandomKV(kv, 256, d, 7), RandomKV(kv, 256, d, 8),
+                                     kv, 256, d, "tiny");
+  ASSERT_TRUE(Put(*stub, {more}, &pr).ok());
+  std::vector<int64_t> seen(s.layers, 0);
+  seen[0] = one.keys().shape(1);
+  EXPECT_EQ(one.layer_tokens(), T);
+  while (r->Read(&one)) {
+    EXPECT_EQ(one.layer_tokens(), T) << "layer " << one.layer();
+    seen[one.layer()] += one.keys().shape(1);
+  }
+  ASSERT_TRUE(r->Finish().ok());
+  for (int l = 0; l < s.layers; ++l) EXPECT_EQ(seen[l], T) << "layer " << l;
+  // A new call sees the appended tokens.
+  EXPECT_EQ(GetAll(*stub, "x", 1, kv, d)[0].size(), static_cast<size_t>(kv) * (T + 256) * d);
+}
+
 // GetBlocks of a token range: the chunks concatenate to the same slice of the whole layer;
 // a range past the end gives one empty message (the layer's length); a corrupted block fails
 // the ranges that read it, not the others.
