@@ -9,6 +9,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <random>
 #include <thread>
 
@@ -1374,6 +1376,104 @@ TEST(ServiceTest, ModelWithoutBasisIsServedKiviLike) {
   std::vector<float> want(qh * 40);
   ASSERT_TRUE(ref.Score(q.data(), qh, 1, want.data()).ok());
   EXPECT_EQ(FloatsOf(ScoreOne(*stub, "p", 0, q, qh, 1, d).results(0).logits()), want);
+}
+
+// Every read path, paired: the owner's token reads its sequence; another tenant's token gets
+// exactly what a sequence that does not exist gets (code and message, the id aside), and
+// its Delete frees nothing of the owner's. The tenant comes from the token; x-kvq-tenant
+// naming the owner changes nothing.
+TEST(ServiceTest, EveryReadPathHitsForItsTenantAndMissesForAnother) {
+  const std::string dir = TempDir("kvq-auth-paths");
+  const std::string tokens = dir + "/tokens";
+  const std::string alpha = "alpha-token-0123456789", beta = "beta-token-0123456789";
+  std::ofstream(tokens) << alpha << " alpha\n" << beta << " beta\n";
+  server::ServerOptions o;
+  o.auth_tokens_file = tokens;
+  o.admin_tenants = "alpha";
+  TestServer ts(o);
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed), alpha);
+  const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
+  const int64_t T = 40;
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("secret", 0, 0, RandomKV(kv, T, d, 1), RandomKV(kv, T, d, 2), kv,
+                                T, d, "tiny");
+  v1::PutBlocksResponse pr;
+  ASSERT_TRUE(Put(*stub, {m}, &pr, "", alpha).ok());
+  const auto q = RandomQueries(qh, 1, d, 3);
+  std::vector<float> w(static_cast<size_t>(qh) * T, 1.0f / T);
+  // Each path's (code, message) for a sequence id as `token` sees it.
+  using Outcome = std::pair<int, std::string>;
+  auto item = [](const auto& status) { return Outcome{status.code(), status.message()}; };
+  auto rpc = [](const grpc::Status& st) { return Outcome{st.error_code(), st.error_message()}; };
+  std::map<std::string, std::function<Outcome(const std::string&, const std::string&)>> paths;
+  paths["Score"] = [&](const std::string& id, const std::string& token) {
+    v1::ScoreRequest req;
+    auto* it = req.add_items();
+    it->set_sequence_id(id);
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+    v1::ScoreResponse resp;
+    auto ctx = Ctx("alpha", token);
+    grpc::Status st = stub->Score(ctx.get(), req, &resp);
+    return st.ok() ? item(resp.results(0).status()) : rpc(st);
+  };
+  paths["Readout"] = [&](const std::string& id, const std::string& token) {
+    v1::ReadoutRequest req;
+    auto* it = req.add_items();
+    it->set_sequence_id(id);
+    *it->mutable_weights() = TensorF32(w, {qh, 1, T});
+    v1::ReadoutResponse resp;
+    auto ctx = Ctx("alpha", token);
+    grpc::Status st = stub->Readout(ctx.get(), req, &resp);
+    return st.ok() ? item(resp.results(0).status()) : rpc(st);
+  };
+  paths["Attend"] = [&](const std::string& id, const std::string& token) {
+    v1::AttendRequest req;
+    auto* it = req.add_items();
+    it->set_sequence_id(id);
+    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+    v1::AttendResponse resp;
+    auto ctx = Ctx("alpha", token);
+    grpc::Status st = stub->Attend(ctx.get(), req, &resp);
+    return st.ok() ? item(resp.results(0).status()) : rpc(st);
+  };
+  paths["GetBlocks"] = [&](const std::string& id, const std::string& token) {
+    v1::GetBlocksRequest req;
+    req.set_sequence_id(id);
+    auto ctx = Ctx("alpha", token);
+    auto r = stub->GetBlocks(ctx.get(), req);
+    v1::GetBlocksResponse one;
+    while (r->Read(&one)) {
+    }
+    return rpc(r->Finish());
+  };
+  auto without_id = [](Outcome x, const std::string& id) {
+    for (size_t at; (at = x.second.find(id)) != std::string::npos;) x.second.replace(at, id.size(), "ID");
+    return x;
+  };
+  for (const auto& [name, call] : paths) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(call("secret", alpha).first, 0) << call("secret", alpha).second;
+    const Outcome other = call("secret", beta), absent = call("no-such-sequence", beta);
+    EXPECT_EQ(other.first, grpc::StatusCode::NOT_FOUND) << other.second;
+    EXPECT_EQ(without_id(other, "secret"), without_id(absent, "no-such-sequence"));
+    EXPECT_EQ(call("no-such-sequence", alpha), absent);  // the owner's miss looks the same
+  }
+  auto del = [&](const std::string& id, const std::string& token) {
+    v1::DeleteSequenceRequest req;
+    req.set_sequence_id(id);
+    v1::DeleteSequenceResponse resp;
+    auto ctx = Ctx("alpha", token);
+    Outcome out = rpc(stub->DeleteSequence(ctx.get(), req, &resp));
+    out.second += "|" + std::to_string(resp.bytes_freed());
+    return out;
+  };
+  EXPECT_EQ(without_id(del("secret", beta), "secret"), without_id(del("no-such-sequence", beta), "no-such-sequence"));
+  EXPECT_EQ(paths["Score"]("secret", alpha).first, 0);  // beta's Delete freed nothing of alpha's
+  const Outcome mine = del("secret", alpha);
+  EXPECT_EQ(mine.first, 0) << mine.second;
+  EXPECT_EQ(paths["Score"]("secret", alpha).first, grpc::StatusCode::NOT_FOUND);
 }
 
 TEST(ServiceTest, TenantsAreIsolatedWithAuthOn) {
