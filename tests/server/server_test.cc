@@ -1408,35 +1408,28 @@ TEST(ServiceTest, EveryReadPathHitsForItsTenantAndMissesForAnother) {
   auto item = [](const auto& status) { return Outcome{status.code(), status.message()}; };
   auto rpc = [](const grpc::Status& st) { return Outcome{st.error_code(), st.error_message()}; };
   std::map<std::string, std::function<Outcome(const std::string&, const std::string&)>> paths;
-  paths["Score"] = [&](const std::string& id, const std::string& token) {
-    v1::ScoreRequest req;
+  // An items call (one item for `id`, completed by `fill`): its item's outcome.
+  auto one_item = [&](auto method, auto req, auto resp, const std::string& id,
+                      const std::string& token, const auto& fill) {
     auto* it = req.add_items();
     it->set_sequence_id(id);
-    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
-    v1::ScoreResponse resp;
+    fill(it);
     auto ctx = Ctx("alpha", token);
-    grpc::Status st = stub->Score(ctx.get(), req, &resp);
+    grpc::Status st = ((*stub).*method)(ctx.get(), req, &resp);
     return st.ok() ? item(resp.results(0).status()) : rpc(st);
   };
-  paths["Readout"] = [&](const std::string& id, const std::string& token) {
-    v1::ReadoutRequest req;
-    auto* it = req.add_items();
-    it->set_sequence_id(id);
-    *it->mutable_weights() = TensorF32(w, {qh, 1, T});
-    v1::ReadoutResponse resp;
-    auto ctx = Ctx("alpha", token);
-    grpc::Status st = stub->Readout(ctx.get(), req, &resp);
-    return st.ok() ? item(resp.results(0).status()) : rpc(st);
+  auto queries = [&](auto* it) { *it->mutable_queries() = TensorF32(q, {qh, 1, d}); };
+  paths["Score"] = [&](const std::string& id, const std::string& token) {
+    return one_item(&v1::Kvq::Stub::Score, v1::ScoreRequest(), v1::ScoreResponse(), id, token,
+                    queries);
   };
   paths["Attend"] = [&](const std::string& id, const std::string& token) {
-    v1::AttendRequest req;
-    auto* it = req.add_items();
-    it->set_sequence_id(id);
-    *it->mutable_queries() = TensorF32(q, {qh, 1, d});
-    v1::AttendResponse resp;
-    auto ctx = Ctx("alpha", token);
-    grpc::Status st = stub->Attend(ctx.get(), req, &resp);
-    return st.ok() ? item(resp.results(0).status()) : rpc(st);
+    return one_item(&v1::Kvq::Stub::Attend, v1::AttendRequest(), v1::AttendResponse(), id, token,
+                    queries);
+  };
+  paths["Readout"] = [&](const std::string& id, const std::string& token) {
+    return one_item(&v1::Kvq::Stub::Readout, v1::ReadoutRequest(), v1::ReadoutResponse(), id,
+                    token, [&](auto* it) { *it->mutable_weights() = TensorF32(w, {qh, 1, T}); });
   };
   paths["GetBlocks"] = [&](const std::string& id, const std::string& token) {
     v1::GetBlocksRequest req;
