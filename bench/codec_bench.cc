@@ -5,6 +5,7 @@
 //   AttendCodes  fused score + softmax + readout over 2-bit HeadQ codes (one decode query per
 //                query head), AttendDense the same attention over fp16 K/V with the best SIMD
 //                kernels, AttendRef the codec on the scalar reference kernels;
+//                AttendCodesK3V3 the 4-bit-budget calibrated codecs (k3 G128 s8, v3 vg64).
 //                AttendCodesK3G128RotK the lever codec (k3 G128 r4 s4 v2, rotated keys, metric
 //                rounding) next to AttendCodesK3G128, the same codec without the levers.
 // Every iteration touches a different cache (layer) of a set larger than the last-level cache,
@@ -192,6 +193,15 @@ void AttendCodesK3G128RotK(benchmark::State& st, int T, int qh, int kv, int d) {
 void AttendCodesK3G128(benchmark::State& st, int T, int qh, int kv, int d) {
   AttendCodesWith(st, T, qh, kv, LeverOptions(d, false), false);
 }
+// The calibrated 4-bit-budget codecs (headq-kv3-g128-vg64-*): 3-bit keys G = 128 with the
+// 8-bit side code, 3-bit values in groups of 64 channels.
+void AttendCodesK3V3(benchmark::State& st, int T, int qh, int kv, int d) {
+  CodecOptions o = HeadQOptions(d, 128);
+  o.key_bits = 3;
+  o.value_bits = 3;
+  o.value_group = 64;
+  AttendCodesWith(st, T, qh, kv, o, false);
+}
 
 // Dense fp16 attention with the same structure: per KV head, scores of its query group,
 // softmax, readout.
@@ -260,6 +270,9 @@ void RegisterAll() {
               ->Unit(benchmark::kMicrosecond);
           benchmark::RegisterBenchmark(("AttendCodesK3G128RotK" + name).c_str(),
                                        AttendCodesK3G128RotK, T, sh.qh, sh.kv, d)
+              ->Unit(benchmark::kMicrosecond);
+          benchmark::RegisterBenchmark(("AttendCodesK3V3" + name).c_str(), AttendCodesK3V3, T,
+                                       sh.qh, sh.kv, d)
               ->Unit(benchmark::kMicrosecond);
         }
       }

@@ -1,4 +1,4 @@
-// 2- and 3-bit scores and 2-bit readout on int16 dot products (AVX512-VNNI vpdpwssd, codes unpacked with
+// 2- and 3-bit scores and readouts on int16 dot products (AVX512-VNNI vpdpwssd, codes unpacked with
 // AVX512-VBMI vpmultishiftqb), used by the AVX-512 table when the CPU has both. The fp32
 // weights of a block are rounded to int16 on a per-(block, query) scale, so results differ
 // from the fp32 loops by about 2^-16 of the block's largest weight (see docs/CODEC.md,
@@ -184,9 +184,10 @@ void ScorePairS(const uint8_t* codes, const float* sc, const float* ze, const fl
   }
 }
 
-// Readout of NQ queries over one block of token rows: coefficients p * scale rounded to int16
-// per (query, group), token pairs in the two words of each dword, chunk pairs of 16 channels.
-template <int NQ, int N_, int ROWS_, int NG_>
+// Readout of NQ queries over one block of B-bit token rows: coefficients p * scale rounded to
+// int16 per (query, group), token pairs in the two words of each dword, chunk pairs of 16
+// channels (2 * B bytes each).
+template <int B, int NQ, int N_, int ROWS_, int NG_>
 void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, int64_t hs,
                   const float* p, int64_t ps, float* out, int64_t os, Shape rt) {
   constexpr int kRows = 128, kGroups = 8;
@@ -194,7 +195,7 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
   const int nv = (n_rows + 15) / 16, pairs = (n_rows + 1) & ~1;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n_rows - (nv - 1) * 16)) - 1);
   constexpr int kNv = ROWS_ ? (ROWS_ + 15) / 16 : kRows / 16;
-  // Fixed shapes come with group == n / ng (see ReadoutPairDot2); a group of 32 channels or a
+  // Fixed shapes come with group == n / ng (see ReadoutPairDot); a group of 32 channels or a
   // multiple keeps both chunks of a pair in one group, so they share the coefficients.
   constexpr int kGroup = N_ && NG_ ? N_ / NG_ : 0;
   constexpr bool kPairInGroup = kGroup > 0 && kGroup % 32 == 0;
@@ -238,12 +239,12 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
     __m512i acc[2][NQ];
     for (int k = 0; k < 2; ++k)
       for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
-    const uint8_t* codes = rows + 4 * ng + ch * 4;
+    const uint8_t* codes = rows + 4 * ng + ch * 2 * B;
     for (int t = 0; t < pairs; t += 2) {
       const uint8_t* r0 = codes + t * rec;
       const uint8_t* r1 = t + 1 < n_rows ? r0 + rec : r0;  // an odd count's pad (weight 0)
-      const __m512i v0 = DecodePair2(r0, r1);
-      const __m512i v1 = nc == 2 ? DecodePair2(r0 + 4, r1 + 4) : v0;
+      const __m512i v0 = DecodePair<B>(r0, r1);
+      const __m512i v1 = nc == 2 ? DecodePair<B>(r0 + 2 * B, r1 + 2 * B) : v0;
       for (int i = 0; i < NQ; ++i) {
         const __m512i w0 = _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g0] + t)));
         acc[0][i] = Dot(acc[0][i], v0, w0);
@@ -265,11 +266,11 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
 
 // The records' fp16 scales and zero points as floats, hz[k][t] (k < 2 * ng), 16 tokens at a
 // time: four 16-byte record heads per vector, then one permute pair per kind. With the shape
-// known, the record size (4 * ng + n / 4) and the clamping of the last rows fold away.
-template <int N_, int ROWS_, int NG_>
+// known, the record size (4 * ng + n * B / 8) and the clamping of the last rows fold away.
+template <int B, int N_, int ROWS_, int NG_>
 void LoadHeads(const uint8_t* rows, int64_t rec_rt, float (*hz)[128], Shape rt) {
   const int n_rows = ROWS_ ? ROWS_ : rt.tokens, ng = NG_ ? NG_ : rt.ng;
-  const int64_t rec = N_ && NG_ ? 4 * NG_ + N_ / 4 : rec_rt;
+  const int64_t rec = N_ && NG_ ? 4 * NG_ + N_ * B / 8 : rec_rt;
   const __m512i step = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 56, 48, 40,
                                         32, 24, 16, 8, 0, 56, 48, 40, 32, 24, 16, 8, 0);
   auto head = [&](int t) {
@@ -294,19 +295,19 @@ void LoadHeads(const uint8_t* rows, int64_t rec_rt, float (*hz)[128], Shape rt) 
   }
 }
 
-template <int N_, int ROWS_, int NG_>
+template <int B, int N_, int ROWS_, int NG_>
 void ReadoutPairS(const uint8_t* rows, int64_t rec, int group, const float* p, int64_t ps,
                   int n_q, float* out, int64_t os, Shape rt) {
   alignas(64) float hz[8][128];
-  LoadHeads<N_, ROWS_, NG_>(rows, rec, hz, rt);
+  LoadHeads<B, N_, ROWS_, NG_>(rows, rec, hz, rt);
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
     float* o = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ReadoutPairN<1, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
-      case 2: ReadoutPairN<2, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
-      case 3: ReadoutPairN<3, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
-      default: ReadoutPairN<4, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
+      case 1: ReadoutPairN<B, 1, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
+      case 2: ReadoutPairN<B, 2, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
+      case 3: ReadoutPairN<B, 3, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
+      default: ReadoutPairN<B, 4, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
     }
   }
 }
@@ -343,20 +344,31 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
     run(std::integral_constant<int, 3>{});
 }
 
-void ReadoutPairDot2(const uint8_t* rows, int64_t rec, int n_rows, int n, int group,
-                     const float* p, int64_t ps, int n_q, float* out, int64_t os) {
+void ReadoutPairDot(const uint8_t* rows, int bits, int64_t rec, int n_rows, int n, int group,
+                    const float* p, int64_t ps, int n_q, float* out, int64_t os) {
   const Shape rt{n, n_rows, (n + group - 1) / group};
-  // The fixed shapes must keep group == N_ / NG_ (ReadoutPairN's kGroup).
-  if (n_rows == 32 && n == 64 && group == 32)
-    ReadoutPairS<64, 32, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
-  else if (n_rows == 32 && n == 128 && group == 32)
-    ReadoutPairS<128, 32, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
-  else if (n_rows == 128 && n == 64 && group == 32)  // the default codec's 128-token blocks
-    ReadoutPairS<64, 128, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
-  else if (n_rows == 128 && n == 128 && group == 32)
-    ReadoutPairS<128, 128, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
+  // The fixed shapes must keep group == N_ / NG_ (ReadoutPairN's kGroup): 32- and 128-token
+  // blocks (G of the legacy and today's default codec) in groups of 32 channels, 2-bit rows;
+  // 3-bit rows in groups of 64 channels (the calibrated 4-bit-budget codecs) at d = 64.
+  auto run = [&](auto bits_c) {
+    constexpr int kB = decltype(bits_c)::value;
+    if (kB == 2 && n_rows == 32 && n == 64 && group == 32)
+      ReadoutPairS<kB, 64, 32, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
+    else if (kB == 2 && n_rows == 32 && n == 128 && group == 32)
+      ReadoutPairS<kB, 128, 32, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
+    else if (n_rows == 128 && n == 64 && group == 32)
+      ReadoutPairS<kB, 64, 128, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
+    else if (n_rows == 128 && n == 128 && group == 32)
+      ReadoutPairS<kB, 128, 128, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
+    else if (kB == 3 && n_rows == 128 && n == 64 && group == 64)
+      ReadoutPairS<kB, 64, 128, 1>(rows, rec, group, p, ps, n_q, out, os, rt);
+    else
+      ReadoutPairS<kB, 0, 0, 0>(rows, rec, group, p, ps, n_q, out, os, rt);
+  };
+  if (bits == 2)
+    run(std::integral_constant<int, 2>{});
   else
-    ReadoutPairS<0, 0, 0>(rows, rec, group, p, ps, n_q, out, os, rt);
+    run(std::integral_constant<int, 3>{});
 }
 
 }  // namespace kvq::kernels::internal

@@ -80,17 +80,16 @@ void QuantizeChannelRange(const float* x, int64_t ld, int tokens, int n_ch, int 
 void QuantizeRowScalar(const float* x, int n, int group, int bits, uint16_t* scale,
                        uint16_t* zero, uint8_t* codes);
 
-// 2-bit codes on int16 dot products (avx512_vnni.cc; only where CpuHasPairDot()): the same
-// contracts as KernelTable::score_codes with bits = 2 or 3 (n_ch <= 512 and even,
-// tokens % 16 == 0)
-// and readout_rows with every row 2-bit, records of rec >= 16 bytes (n % 16 == 0,
-// group % 16 == 0, n_rows <= 128, at most 4 groups). The fp32 weights of each (block, query)
-// are rounded to int16 on the scale of their largest magnitude.
+// 2- and 3-bit codes on int16 dot products (avx512_vnni.cc; only where CpuHasPairDot()): the
+// same contracts as KernelTable::score_codes with bits = 2 or 3 (n_ch <= 512 and even,
+// tokens % 16 == 0) and readout_rows with every row of `bits` (2 or 3), records of rec >= 16
+// bytes (n % 16 == 0, group % 16 == 0, n_rows <= 128, at most 4 groups). The fp32 weights
+// of each (block, query) are rounded to int16 on the scale of their largest magnitude.
 bool CpuHasPairDot();
 void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
                   const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
                   bool accumulate, float* out, int64_t os);
-void ReadoutPairDot2(const uint8_t* rows, int64_t rec, int n_rows, int n, int group,
-                     const float* p, int64_t ps, int n_q, float* out, int64_t os);
+void ReadoutPairDot(const uint8_t* rows, int bits, int64_t rec, int n_rows, int n, int group,
+                    const float* p, int64_t ps, int n_q, float* out, int64_t os);
 
 }  // namespace kvq::kernels::internal

@@ -323,9 +323,10 @@ void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows,
     return Ref().readout_rows(rows, row_bits, n_rows, n, group, p, ps, n_q, out, os);
   const bool uniform = std::memcmp(row_bits, row_bits + 1, n_rows - 1) == 0;  // all widths equal
   if constexpr (Isa::kPairDot) {
-    const int64_t rec = 4 * ng + internal::RowBytes(n, 2);
-    if (uniform && row_bits[0] == 2 && ng <= 4 && rec >= 16 && PairDot())
-      return internal::ReadoutPairDot2(rows, rec, n_rows, n, group, p, ps, n_q, out, os);
+    const int bits = row_bits[0];
+    const int64_t rec = 4 * ng + internal::RowBytes(n, bits);
+    if (uniform && (bits == 2 || bits == 3) && ng <= 4 && rec >= 16 && PairDot())
+      return internal::ReadoutPairDot(rows, bits, rec, n_rows, n, group, p, ps, n_q, out, os);
   }
   thread_local RowTable rt;  // 9 KiB: kept off small worker stacks
   rt.uniform = uniform;

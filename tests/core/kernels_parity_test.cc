@@ -144,11 +144,11 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
           }
 
           // Token rows: fp16 scale/zero per group then codes; varying widths per row, or
-          // one width (the int16 path of 2-bit rows): odd and whole row counts, and the
-          // 128-row blocks of G = 128.
+          // one width (the int16 path of 2- and 3-bit rows): odd and whole row counts, and
+          // the 128-row blocks of G = 128 in groups of 32 and 64 channels.
           for (auto [group, rows, uniform] : {std::tuple{16, 19, false}, std::tuple{16, 19, true},
                                                std::tuple{32, 32, true}, std::tuple{16, 37, true},
-                                               std::tuple{32, 128, true}}) {
+                                               std::tuple{32, 128, true}, std::tuple{64, 128, true}}) {
           SCOPED_TRACE(::testing::Message() << "group=" << group << " rows=" << rows << " uniform=" << uniform);
           const int ng = (d + group - 1) / group;
           std::vector<uint8_t> rb(rows), buf;
@@ -166,7 +166,11 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
           std::vector<float> r0(n_q * d, 0.25f), r1(n_q * d, 0.25f);
           Ref().readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r0.data(), d);
           kt->readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r1.data(), d);
-          for (size_t i = 0; i < r0.size(); ++i) ASSERT_NEAR(r0[i], r1[i], 1e-3f * (1 + std::fabs(r0[i])));
+          // The int16 paths round each coefficient to 2^-15 of its (query, group) maximum; the
+          // error of a sum of Gaussian weights grows as the square root of the rows summed:
+          // 1e-3 per 32 rows.
+          const float tol = 1e-3f * std::sqrt(std::max(1.0f, rows / 32.0f));
+          for (size_t i = 0; i < r0.size(); ++i) ASSERT_NEAR(r0[i], r1[i], tol * (1 + std::fabs(r0[i])));
           }
         }
 }
