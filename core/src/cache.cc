@@ -699,6 +699,22 @@ absl::Status LayerCache::VerifyAll() const {
   return absl::OkStatus();
 }
 
+int64_t LayerCache::OverheadBytes() const {
+  // A heap block costs its capacity and malloc's header (16 bytes on glibc x86-64).
+  auto held = [](const auto& v) -> int64_t {
+    return v.capacity() ? static_cast<int64_t>(v.capacity() * sizeof(v[0])) + 16 : 0;
+  };
+  int64_t b = static_cast<int64_t>(sizeof(LayerCache)) + 16 + held(heads_) + held(sealed_) +
+              held(building_);
+  for (const Head& h : heads_) {
+    // The window's bytes are counted in Size(); here its unused capacity and header.
+    b += held(h.kwin) - static_cast<int64_t>(h.kwin.size()) + held(h.vwin) -
+         static_cast<int64_t>(h.vwin.size()) + held(h.voffsets) + held(h.a2_sum) +
+         held(h.a2_reads) + held(h.probe);
+  }
+  return b;
+}
+
 SizeReport LayerCache::Size() const {
   SizeReport s;
   s.tokens = tokens_;

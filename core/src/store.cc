@@ -416,6 +416,25 @@ std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& mod
   return t;
 }
 
+// What a sequence takes besides its codes, windows and arrival hashes, counted against
+// capacity and quota so that many tiny sequences cannot take memory the count does not see:
+// the object and its strings, the per-layer vectors and caches (with malloc's 16-byte header
+// per heap block), and an estimate of the tenant map's slot and the LRU node (kIndexBytes).
+int64_t SequenceOverheadBytes(const Store::Sequence& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  constexpr int64_t kIndexBytes = 96;
+  auto held = [](const auto& v) -> int64_t {
+    return v.capacity() ? static_cast<int64_t>(v.capacity() * sizeof(v[0])) + 16 : 0;
+  };
+  int64_t b = kIndexBytes + static_cast<int64_t>(sizeof(Store::Sequence)) + 16 + held(s.tenant) +
+              held(s.id) + held(s.layers) + held(s.hashes) + held(s.hash_base) + held(s.prefix) +
+              held(s.node_keys);
+  for (const auto& h : s.hashes) b += held(h) - static_cast<int64_t>(h.capacity() * sizeof(uint64_t));
+  for (const auto& p : s.prefix) b += held(p.block_keys) + held(p.pending_ids);
+  for (const auto& l : s.layers)
+    if (l) b += l->OverheadBytes();
+  return b;
+}
+
 void Store::Remeasure(Sequence* s, int64_t reserved) {
   SizeReport size;
   int64_t tokens = 0, blocks = 0, elements = 0;
@@ -429,7 +448,8 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
   }
   // Sealed blocks are counted once, in the prefix index.
   int64_t bytes = size.total_bytes() - size.sealed_block_bytes;
-  for (const auto& h : s->hashes) bytes += static_cast<int64_t>(h.size() * sizeof(uint64_t));
+  for (const auto& h : s->hashes) bytes += static_cast<int64_t>(h.capacity() * sizeof(uint64_t));
+  bytes += SequenceOverheadBytes(*s);
   absl::MutexLock l(&mu_);
   auto t = tenants_.find(s->tenant);
   if (t == tenants_.end()) return;
@@ -493,9 +513,11 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
     }
     s->node_keys.push_back(key);
     lp.block_keys.push_back(key);
-    // The group's arrival hashes now live in the index.
+    // The group's arrival hashes now live in the index (and their room is given back once
+    // most of it is unused: it is counted against the tenant).
     auto& h = s->hashes[layer];
     h.erase(h.begin(), h.begin() + G);
+    if (h.capacity() > 2 * h.size() + 64) h.shrink_to_fit();
     s->hash_base[layer] += G;
   }
   return absl::OkStatus();

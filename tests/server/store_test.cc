@@ -1,6 +1,9 @@
 // core::Store and core::Registry without gRPC: TTL, LRU order, scrub, registry files, races.
 #include "kvq/core/store.h"
 
+#include <malloc.h>
+
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -378,6 +381,45 @@ TEST_F(StoreTest, SequencesOfALayerShareItsCodecTables) {
   EXPECT_TRUE(tables("t", "a", 0)->rounding.empty());
   EXPECT_EQ(tables("t", "c", 0)->rounding.size(), static_cast<size_t>(kv) * d * d);
   EXPECT_FALSE(tables("t", "a", 0)->basis.empty());
+}
+
+// Memory a workload of many tiny sequences takes on the heap, against what the store counts
+// (capacity and quota are enforced on the count).
+TEST_F(StoreTest, TinySequencesAreCountedAtTheMemoryTheyTake) {
+  Store store({}, &registry_);
+  Data one(1, 4);
+  constexpr int kSequences = 20000;
+  const size_t heap_before = mallinfo2().uordblks;
+  for (int i = 0; i < kSequences; ++i) {
+    AppendOutcome out;
+    const std::string id = absl::StrCat("seq-", i);
+    ASSERT_TRUE(store.Append("t", {Spec(id, 0, 0, one), Spec(id, 1, 0, one)}, &out).ok());
+  }
+  const double heap = static_cast<double>(mallinfo2().uordblks - heap_before) / kSequences;
+  const double counted = static_cast<double>(store.TotalUsage().bytes) / kSequences;
+  std::printf("per one-token, two-layer sequence: heap %.0f B, counted %.0f B\n", heap, counted);
+  EXPECT_LE(heap, 1.1 * counted);
+}
+
+// Under a capacity, the same workload evicts: what the store holds (and the heap it takes)
+// stays within the capacity (+ 10% and one batch's overhead).
+TEST_F(StoreTest, TinySequencesStayWithinCapacity) {
+  StoreOptions o;
+  o.capacity_bytes = 8 << 20;
+  Data one(1, 4);
+  const size_t heap_before = mallinfo2().uordblks;
+  {
+    Store store(o, &registry_);
+    for (int i = 0; i < 20000; ++i) {
+      AppendOutcome out;
+      const std::string id = absl::StrCat("seq-", i);
+      ASSERT_TRUE(store.Append("t", {Spec(id, 0, 0, one), Spec(id, 1, 0, one)}, &out).ok());
+    }
+    EXPECT_GT(store.TotalUsage().evictions, 0);
+    EXPECT_LE(store.TotalUsage().bytes, o.capacity_bytes + 16384);
+    const double heap = static_cast<double>(mallinfo2().uordblks - heap_before);
+    EXPECT_LE(heap, 1.1 * static_cast<double>(o.capacity_bytes) + (1 << 20));
+  }
 }
 
 TEST_F(StoreTest, TtlDropsIdleSequences) {

@@ -163,6 +163,10 @@ class LayerCache {
   absl::Status VerifyAll() const;
 
   SizeReport Size() const;
+  // What the cache takes besides the block and window bytes Size() counts: the object, its
+  // heads and their bookkeeping vectors (and the window's unused capacity). The block
+  // vectors' reserve is not included (docs/API.md: stored bytes are counted).
+  int64_t OverheadBytes() const;
 
   // Prefix sharing. A cache stores its leading encoded groups as SealedBlocks while sealing
   // is on and it holds no unsealed block yet; once a group is encoded unsealed (sealing
