@@ -428,7 +428,8 @@ int64_t SequenceOverheadBytes(const Store::Sequence& s) ABSL_NO_THREAD_SAFETY_AN
   int64_t b = kIndexBytes + static_cast<int64_t>(sizeof(Store::Sequence)) + 16 + held(s.tenant) +
               held(s.id) + held(s.layers) + held(s.hashes) + held(s.hash_base) + held(s.prefix) +
               held(s.node_keys);
-  for (const auto& h : s.hashes) b += held(h) - static_cast<int64_t>(h.capacity() * sizeof(uint64_t));
+  // The hashes' capacity is counted with the sequence's data (Remeasure); here their headers.
+  for (const auto& h : s.hashes) b += h.capacity() ? 16 : 0;
   for (const auto& p : s.prefix) b += held(p.block_keys) + held(p.pending_ids);
   for (const auto& l : s.layers)
     if (l) b += l->OverheadBytes();
