@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
+#include "kvq/wire/codec_settings.h"
 
 namespace kvq::server {
 
@@ -115,83 +116,6 @@ void FillTensor(const float* data, std::initializer_list<int64_t> shape, v1::DTy
   core::FromFloat(dt, data, bytes->data(), n);
 }
 
-absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
-                                              const v1::CodecSettings& s, absl::string_view field) {
-  // The request-only values (0: the default; -1: none) and the enum are checked here; the
-  // rest of every range by CodecOptions::Validate below. Nothing out of range is coerced.
-  auto bad = [field](absl::string_view name, double v, absl::string_view allowed) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".", name, " = ", v, ": must be ", allowed));
-  };
-  if (s.rank() < -1) {
-    return bad("rank", s.rank(), "-1 (none), 0 (the model's default) or 1..basis rank");
-  }
-  if (s.window() < -1) {
-    return bad("window", s.window(), "-1 (none), 0 (the model's default) or 1..65536");
-  }
-  if (!v1::CodecSettings::ValuePolicy_IsValid(s.value_policy())) {
-    return bad("value_policy", s.value_policy(),
-               "VALUE_POLICY_DEFAULT (0), VALUE_POLICY_UNIFORM (1) or VALUE_POLICY_A2 (2)");
-  }
-  // Checked even where the codec would not use them (side_bits at rank 0, value_budget
-  // under the uniform policy): a value no codec accepts is a client error either way.
-  if (s.side_bits() != 0 && s.side_bits() != 4 && s.side_bits() != 8) {
-    return bad("side_bits", s.side_bits(), "0 (the model's default), 4 or 8");
-  }
-  if (s.value_budget() != 0 && !(s.value_budget() >= 1.0f && s.value_budget() <= 4.0f)) {
-    return bad("value_budget", s.value_budget(), "0 (the model's default) or in [1, 4]");
-  }
-  for (const auto& [name, v] : {std::pair{"rotate_keys", s.rotate_keys()},
-                                std::pair{"rotate_values", s.rotate_values()},
-                                std::pair{"metric_rounding", s.metric_rounding()}}) {
-    if (v < -1 || v > 1) return bad(name, v, "0 (the model's default), 1 (on) or -1 (off)");
-  }
-  core::CodecOptions c = base;
-  if (s.key_bits()) c.key_bits = s.key_bits();
-  if (s.key_group()) c.key_group = s.key_group();
-  if (s.rank() > 0) c.rank = s.rank();
-  if (s.rank() == -1) c.rank = 0;
-  if (s.side_bits()) c.side_bits = s.side_bits();
-  if (s.value_bits()) c.value_bits = s.value_bits();
-  if (s.value_group()) c.value_group = s.value_group();
-  if (s.value_policy() == v1::CodecSettings::VALUE_POLICY_UNIFORM) {
-    c.value_policy = core::ValuePolicy::kUniform;
-  } else if (s.value_policy() == v1::CodecSettings::VALUE_POLICY_A2) {
-    c.value_policy = core::ValuePolicy::kA2;
-  }
-  if (s.value_budget() != 0) c.value_budget = s.value_budget();
-  if (s.sink_tokens()) c.sink_tokens = s.sink_tokens();
-  if (s.window() > 0) c.window = s.window();
-  if (s.window() == -1) c.window = 0;
-  auto set_switch = [](int32_t v, bool* on) {
-    if (v != 0) *on = v > 0;
-  };
-  set_switch(s.rotate_keys(), &c.rotate_keys);
-  set_switch(s.rotate_values(), &c.rotate_values);
-  set_switch(s.metric_rounding(), &c.metric_rounding);
-  absl::Status st = c.Validate();
-  if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", st.message()));
-  return c;
-}
-
-void CodecToProto(const core::CodecOptions& c, v1::CodecSettings* out) {
-  out->set_key_bits(c.key_bits);
-  out->set_key_group(c.key_group);
-  out->set_rank(c.rank);
-  out->set_side_bits(c.side_bits);
-  out->set_value_bits(c.value_bits);
-  out->set_value_group(c.value_group);
-  out->set_value_policy(c.value_policy == core::ValuePolicy::kA2
-                            ? v1::CodecSettings::VALUE_POLICY_A2
-                            : v1::CodecSettings::VALUE_POLICY_UNIFORM);
-  out->set_value_budget(c.value_budget);
-  out->set_sink_tokens(c.sink_tokens);
-  out->set_window(c.window);
-  out->set_rotate_keys(c.rotate_keys ? 1 : -1);
-  out->set_rotate_values(c.rotate_values ? 1 : -1);
-  out->set_metric_rounding(c.metric_rounding ? 1 : -1);
-}
-
 void ModelToProto(const core::ModelEntry& e, int64_t live_sequences, v1::ModelInfo* out) {
   const core::BasisManifest& m = e.manifest;
   out->set_model(m.model);
@@ -209,7 +133,8 @@ void ModelToProto(const core::ModelEntry& e, int64_t live_sequences, v1::ModelIn
   out->set_oblique(e.has_basis && e.basis.oblique());
   out->set_has_query_moment(e.has_basis && !e.basis.query_moment.empty());
   out->set_calibration_tokens(m.calibration_tokens);
-  CodecToProto(e.codec, out->mutable_codec());
+  // Registered entries are valid codecs with a wire form (side_sign is not a setting).
+  if (auto c = wire::CodecToWire(e.codec); c.ok()) *out->mutable_codec() = *std::move(c);
   out->set_live_sequences(live_sequences);
 }
 
@@ -284,7 +209,7 @@ absl::StatusOr<core::ModelEntry> ModelFromProto(const v1::RegisterBasisRequest& 
         "basis, encode_basis and query_moment must be empty when info.basis_rank is 0");
   }
   e.codec = core::Registry::DefaultCodec(m, e.has_basis);
-  ASSIGN_OR_RETURN(e.codec, MergeCodec(e.codec, info.codec(), "info.codec"));
+  ASSIGN_OR_RETURN(e.codec, wire::MergeCodec(e.codec, info.codec(), "info.codec"));
   return e;
 }
 

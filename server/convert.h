@@ -39,11 +39,7 @@ absl::Status QueriesToFloat(const v1::Tensor& t, absl::string_view field, std::v
 void FillTensor(const float* data, std::initializer_list<int64_t> shape, v1::DType dtype,
                 v1::Tensor* out);
 
-// Codec settings in a request (0 = keep `base`) over a base; validated.
-absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
-                                              const v1::CodecSettings& s, absl::string_view field);
-void CodecToProto(const core::CodecOptions& c, v1::CodecSettings* out);
-
+// Codec settings cross the wire through kvq/wire/codec_settings.h (MergeCodec, CodecToWire).
 void ModelToProto(const core::ModelEntry& e, int64_t live_sequences, v1::ModelInfo* out);
 absl::StatusOr<core::ModelEntry> ModelFromProto(const v1::RegisterBasisRequest& req);
 

@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
+#include "kvq/wire/codec_settings.h"
 #include "server/convert.h"
 
 namespace kvq::server {
@@ -233,7 +234,7 @@ absl::Status Service::SpecOf(const v1::Append& a, const std::string& at, core::A
     absl::StatusOr<std::shared_ptr<const core::ModelEntry>> m =
         registry_->Get(a.model(), a.basis_version());
     if (!m.ok()) return Prefix(m.status(), at + ".model");
-    ASSIGN_OR_RETURN(s.codec, MergeCodec((*m)->codec, a.codec(), at + ".codec"));
+    ASSIGN_OR_RETURN(s.codec, wire::MergeCodec((*m)->codec, a.codec(), at + ".codec"));
     s.has_codec = true;
   }
   return absl::OkStatus();

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <functional>
 
+#include <xxhash.h>
+
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
 #include "kvq/core/value_policy.h"
@@ -19,10 +21,11 @@ double SizeReport::v_bits_steady() const {
   return encoded_elements ? 8.0 * value_block_bytes / encoded_elements : 0.0;
 }
 double SizeReport::k_bits_effective() const {
-  return elements ? 8.0 * (key_block_bytes + key_window_bytes) / elements : 0.0;
+  return elements ? 8.0 * (key_block_bytes + key_window_bytes + key_sink_bytes) / elements : 0.0;
 }
 double SizeReport::v_bits_effective() const {
-  return elements ? 8.0 * (value_block_bytes + value_window_bytes) / elements : 0.0;
+  return elements ? 8.0 * (value_block_bytes + value_window_bytes + value_sink_bytes) / elements
+                  : 0.0;
 }
 SizeReport& SizeReport::operator+=(const SizeReport& o) {
   // Summing layers (or sequences) of the same shape: token rows and bytes add up.
@@ -36,8 +39,32 @@ SizeReport& SizeReport::operator+=(const SizeReport& o) {
   value_block_bytes += o.value_block_bytes;
   key_window_bytes += o.key_window_bytes;
   value_window_bytes += o.value_window_bytes;
+  key_sink_bytes += o.key_sink_bytes;
+  value_sink_bytes += o.value_sink_bytes;
   sealed_block_bytes += o.sealed_block_bytes;
   return *this;
+}
+
+uint64_t SinkRows::Hash() const {
+  const uint64_t k = XXH3_64bits(keys.data(), keys.size() * 2);
+  return XXH3_64bits_withSeed(values.data(), values.size() * 2, k);
+}
+
+absl::Status SinkRows::Verify() const {
+  if (Hash() == checksum) return absl::OkStatus();
+  return absl::DataLossError(
+      absl::StrCat("fp16 sink rows (", sinks, " tokens): checksum mismatch"));
+}
+
+absl::Status SealedBlock::Verify() const {
+  for (size_t i = 0; i + 1 < offsets.size(); ++i)
+    RETURN_IF_ERROR(VerifyBlock({bytes.data() + offsets[i], offsets[i + 1] - offsets[i]}));
+  return sinks ? sinks->Verify() : absl::OkStatus();
+}
+
+int64_t SealedBlock::stored_bytes() const {
+  return static_cast<int64_t>(bytes.size() + offsets.size() * sizeof(uint32_t)) +
+         (sinks ? sinks->bytes() : 0);
 }
 
 std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions& o, int kv_heads,
@@ -79,7 +106,10 @@ LayerCache::LayerCache(const CodecOptions& o, int kv_heads,
       tables_(std::move(tables)),
       heads_(kv_heads, Head(pool_)),
       kblock_bytes_(KeyBlockBytes(o)) {
-  if (o.rank > 0 && tables_->basis.empty()) opts_.rank = 0;  // no basis: KIVI-like base only
+  if (o.rank > 0 && tables_->basis.empty()) {  // no basis: KIVI-like base only
+    opts_.rank = 0;
+    kblock_bytes_ = KeyBlockBytes(opts_);  // the blocks are those of rank 0
+  }
 }
 
 namespace {
@@ -276,6 +306,7 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
   tokens_ += n;
   // Sealed groups only lead the cache: once an unsealed block exists, no more sealing.
   building_.clear();
+  building_sinks_.reset();
   if (sealing_ && heads_[0].voffsets.empty()) {
     for (int64_t g = 0; g < ready; ++g) building_.push_back(std::make_shared<SealedBlock>(pool_));
   }
@@ -312,6 +343,11 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
       join_window(h, 0);
       RETURN_IF_ERROR(EncodeGroups(h, ready));
     }
+  }
+  if (building_sinks_) {  // the first group was encoded: its sinks are complete
+    building_sinks_->checksum = building_sinks_->Hash();
+    sinks_ = std::move(building_sinks_);
+    if (!building_.empty() && sealed_.empty()) building_[0]->sinks = sinks_;
   }
   for (auto& b : building_) sealed_.push_back(std::move(b));
   building_.clear();
@@ -381,6 +417,7 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
     hd.probe.clear();
   }
   building_.clear();
+  building_sinks_.reset();
   tokens_ -= n;
   RETURN_IF_ERROR(validate());
   return st.ok() ? absl::InternalError("append: input changed while it was encoded") : st;
@@ -414,6 +451,7 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       const int64_t first = g * G;  // window (or input) index of the group's first token
       RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
+      if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
       RETURN_IF_ERROR(EncodeKeyBlockT(opts_, kf.data(), d, Ut, seal ? &sb->bytes : &hd.kblocks,
                                       tables_->rounding.empty()
@@ -460,6 +498,31 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
   return absl::OkStatus();
 }
 
+void LayerCache::HoldSinks(int h, float* keys, float* values) {
+  const int S = opts_.fp16_sinks, d = opts_.head_dim;
+  if (!building_sinks_) {
+    building_sinks_ = std::make_shared<SinkRows>();
+    building_sinks_->sinks = S;
+    building_sinks_->head_dim = d;
+    building_sinks_->keys.resize(static_cast<size_t>(kv_heads_) * S * d);
+    building_sinks_->values.resize(building_sinks_->keys.size());
+  }
+  const size_t at = static_cast<size_t>(h) * S * d;
+  FromFloat(DType::kF16, keys, building_sinks_->keys.data() + at, static_cast<size_t>(S) * d);
+  FromFloat(DType::kF16, values, building_sinks_->values.data() + at, static_cast<size_t>(S) * d);
+  // The stand-in: the first row after the sinks (S < G), an ordinary row of the group.
+  for (int t = 0; t < S; ++t) {
+    std::copy_n(keys + static_cast<size_t>(S) * d, d, keys + static_cast<size_t>(t) * d);
+    std::copy_n(values + static_cast<size_t>(S) * d, d, values + static_cast<size_t>(t) * d);
+  }
+}
+
+absl::StatusOr<const SinkRows*> LayerCache::ReadSinks(bool verify) const {
+  if (!sinks_ || encoded_ == 0) return nullptr;
+  if (verify) RETURN_IF_ERROR(sinks_->Verify());
+  return sinks_.get();
+}
+
 namespace {
 absl::Status CheckQueries(int q_heads, int kv_heads, int n_q) {
   if (q_heads <= 0 || q_heads % kv_heads != 0)
@@ -501,6 +564,23 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
     ScoreKeyBlock(kv, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr, rows, scale,
                   opts_.side_sign, out + b * G, T, !corr_only, /*q_rotated=*/rotate);
   }
+  ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(opts_.verify_on_read));
+  if (sinks) {
+    if (corr_only)
+      return absl::FailedPreconditionError(
+          "corrections_only scores: the codec keeps fp16 sinks, whose blocks hold stand-ins "
+          "(score whole logits instead)");
+    std::vector<float> k(d);
+    for (int t = 0; t < sinks->sinks; ++t) {  // exact logits over the blocks' stand-ins
+      ToFloat(DType::kF16, sinks->key(h, t), k.data(), d);
+      for (int i = 0; i < rows; ++i) {
+        const float* qi = q + static_cast<size_t>(i) * d;
+        float dot = 0.0f;
+        for (int c = 0; c < d; ++c) dot += qi[c] * k[c];
+        out[static_cast<size_t>(i) * T + t] = scale * dot;
+      }
+    }
+  }
   const int64_t W = T - encoded_;
   if (W > 0) {
     if (corr_only) {
@@ -528,12 +608,34 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
   // zero), then the sum rotated back once instead of each block's partial output.
   const bool rotated = opts_.rotate_values && nb > 0;
   const BlockReader reader(opts_, opts_.verify_on_read);
+  ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(opts_.verify_on_read));
   ValueBlockView vv;
   for (int64_t b = 0; b < nb; ++b) {
     RETURN_IF_ERROR(reader.Value(ValueBlock(h, b), &vv));
+    if (b == 0 && sinks) {  // the stand-ins get no weight: the sinks' rows are added below
+      thread_local std::vector<float> p0;
+      p0.resize(static_cast<size_t>(rows) * G);
+      for (int i = 0; i < rows; ++i) {
+        std::copy_n(p + static_cast<size_t>(i) * T, G, p0.data() + static_cast<size_t>(i) * G);
+        std::fill_n(p0.data() + static_cast<size_t>(i) * G, sinks->sinks, 0.0f);
+      }
+      ReadoutValueBlock(vv, p0.data(), G, rows, out, d, /*out_rotated=*/rotated);
+      continue;
+    }
     ReadoutValueBlock(vv, p + b * G, T, rows, out, d, /*out_rotated=*/rotated);
   }
   if (rotated) HadamardRotateRows(out, d, rows, d);
+  if (sinks) {
+    std::vector<float> v(d);
+    for (int t = 0; t < sinks->sinks; ++t) {
+      ToFloat(DType::kF16, sinks->value(h, t), v.data(), d);
+      for (int i = 0; i < rows; ++i) {
+        const float pt = p[static_cast<size_t>(i) * T + t];
+        if (pt == 0.0f) continue;
+        for (int c = 0; c < d; ++c) out[static_cast<size_t>(i) * d + c] += pt * v[c];
+      }
+    }
+  }
   const int64_t W = T - encoded_;
   if (W > 0) {
     win.resize(static_cast<size_t>(W) * d);
@@ -650,6 +752,7 @@ absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* ke
   // Blocks overlapping [from, to): decoded in place when whole, through a scratch group when
   // the range cuts them. Every block read is verified.
   const int64_t b0 = from / G, b1 = (std::min(to, encoded_) + G - 1) / G;
+  ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(true));
   std::vector<float> kg, vg;
   for (int h = 0; h < kv_heads_; ++h) {
     const Head& hd = heads_[h];
@@ -675,6 +778,10 @@ absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* ke
         std::copy_n(vg.data() + off, len, vout);
       }
     }
+    for (int64_t t = from; sinks && t < std::min<int64_t>(to, sinks->sinks); ++t) {
+      ToFloat(DType::kF16, sinks->key(h, static_cast<int>(t)), kd + (t - from) * d, d);
+      ToFloat(DType::kF16, sinks->value(h, static_cast<int>(t)), vd + (t - from) * d, d);
+    }
     if (to > encoded_) {  // window tokens [max(from, encoded_), to)
       const int64_t W = tokens_ - encoded_, lo = std::max(from, encoded_);
       kg.resize(static_cast<size_t>(W) * d);
@@ -690,6 +797,7 @@ absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* ke
 }
 
 absl::Status LayerCache::VerifyAll() const {
+  RETURN_IF_ERROR(ReadSinks(true).status());
   const int64_t nb = encoded_ / opts_.key_group;
   for (int h = 0; h < kv_heads_; ++h)
     for (int64_t b = 0; b < nb; ++b) {
@@ -712,6 +820,9 @@ int64_t LayerCache::OverheadBytes() const {
          static_cast<int64_t>(h.vwin.size()) + held(h.voffsets) + held(h.a2_sum) +
          held(h.a2_reads) + held(h.probe);
   }
+  // The sinks' bytes are counted in Size(); here the object and its vectors' headers.
+  if (sinks_ && (sealed_.empty() || sealed_[0]->sinks != sinks_))
+    b += static_cast<int64_t>(sizeof(SinkRows)) + 3 * 16;
   return b;
 }
 
@@ -727,6 +838,12 @@ SizeReport LayerCache::Size() const {
     s.key_block_bytes += b->key_bytes();
     s.value_block_bytes += b->value_bytes();
     s.sealed_block_bytes += static_cast<int64_t>(b->bytes.size());
+  }
+  if (sinks_ && encoded_ > 0) {
+    s.key_sink_bytes = 2 * static_cast<int64_t>(sinks_->keys.size());
+    s.value_sink_bytes = 2 * static_cast<int64_t>(sinks_->values.size());
+    // Held by the first sealed group when it is shared: counted once, with it.
+    if (!sealed_.empty() && sealed_[0]->sinks == sinks_) s.sealed_block_bytes += sinks_->bytes();
   }
   for (const Head& hd : heads_) {
     s.key_block_bytes += hd.kblocks.size();
@@ -768,6 +885,23 @@ bool LayerCache::AllSealed() const {
          encoded_ == static_cast<int64_t>(sealed_.size()) * opts_.key_group;
 }
 
+absl::Status LayerCache::CheckSinksOf(const SealedBlock& blk, bool first) const {
+  const int S = first ? opts_.fp16_sinks : 0;
+  if (S == 0) {
+    if (blk.sinks)
+      return absl::InvalidArgumentError(
+          "sealed block: holds fp16 sinks where the codec keeps none (or not a first group)");
+    return absl::OkStatus();
+  }
+  const size_t rows = static_cast<size_t>(kv_heads_) * S * opts_.head_dim;
+  if (!blk.sinks || blk.sinks->sinks != S || blk.sinks->head_dim != opts_.head_dim ||
+      blk.sinks->keys.size() != rows || blk.sinks->values.size() != rows)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sealed block: a first group of a codec with fp16_sinks = ", S, " needs its ", S,
+        " sink rows per head"));
+  return absl::OkStatus();
+}
+
 absl::Status LayerCache::CheckSealed(const SealedBlock& blk) const {
   if (blk.offsets.size() != static_cast<size_t>(2 * kv_heads_ + 1) ||
       blk.offsets.back() != blk.bytes.size()) {
@@ -792,10 +926,12 @@ absl::Status LayerCache::AttachSealed(std::span<const SealedBlockPtr> blocks) {
         "sealed blocks attach only to a cache whose every token is sealed (", tokens_,
         " tokens, ", encoded_, " encoded, ", sealed_.size(), " sealed groups)"));
   }
-  for (const SealedBlockPtr& b : blocks) {
-    if (!b) return absl::InvalidArgumentError("sealed block: null");
-    RETURN_IF_ERROR(CheckSealed(*b));
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    if (!blocks[i]) return absl::InvalidArgumentError("sealed block: null");
+    RETURN_IF_ERROR(CheckSealed(*blocks[i]));
+    RETURN_IF_ERROR(CheckSinksOf(*blocks[i], tokens_ == 0 && i == 0));
   }
+  if (tokens_ == 0 && !blocks.empty()) sinks_ = blocks[0]->sinks;
   sealed_.insert(sealed_.end(), blocks.begin(), blocks.end());
   const int64_t n = static_cast<int64_t>(blocks.size()) * opts_.key_group;
   tokens_ += n;
@@ -810,6 +946,8 @@ absl::Status LayerCache::ReplaceSealed(int64_t b, SealedBlockPtr block) {
   }
   if (!block) return absl::InvalidArgumentError("sealed block: null");
   RETURN_IF_ERROR(CheckSealed(*block));
+  RETURN_IF_ERROR(CheckSinksOf(*block, b == 0));
+  if (b == 0) sinks_ = block->sinks;
   sealed_[b] = std::move(block);
   return absl::OkStatus();
 }

@@ -200,6 +200,8 @@ absl::Status CodecOptions::Validate() const {
     return bad("value_budget", value_budget, "must be in [1, 4]");
   if (sink_tokens < 0 || sink_tokens > 1024)
     return bad("sink_tokens", sink_tokens, "must be in [0, 1024]");
+  if (fp16_sinks < 0 || fp16_sinks > kMaxFp16Sinks)
+    return bad("fp16_sinks", fp16_sinks, absl::StrCat("must be in [0, ", kMaxFp16Sinks, "]"));
   if (window < 0 || window > 65536) return bad("window", window, "must be in [0, 65536]");
   if (side_sign != 1.0f && side_sign != -1.0f) return bad("side_sign", side_sign, "must be 1 or -1");
   if ((rotate_keys || rotate_values) && (head_dim & (head_dim - 1)) != 0)
@@ -215,6 +217,7 @@ std::string CodecOptions::ToString() const {
   else
     absl::StrAppendFormat(&s, " v%dg%d", value_bits, value_group);
   absl::StrAppendFormat(&s, " R%d", window);
+  if (fp16_sinks > 0) absl::StrAppendFormat(&s, " sink%d", fp16_sinks);
   if (rotate_keys) s += " rotk";
   if (rotate_values) s += " rotv";
   if (metric_rounding) s += " mr";  // encoder only, but a different codec's blocks

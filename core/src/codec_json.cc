@@ -16,6 +16,7 @@ nlohmann::json CodecToJson(const CodecOptions& c) {
           {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
           {"value_budget", c.value_budget},
           {"sink_tokens", c.sink_tokens},
+          {"fp16_sinks", c.fp16_sinks},
           {"window", c.window},
           {"rotate_keys", c.rotate_keys},
           {"rotate_values", c.rotate_values},
@@ -40,6 +41,7 @@ absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, Cod
   c->value_policy = policy == "a2" ? ValuePolicy::kA2 : ValuePolicy::kUniform;
   RETURN_IF_ERROR(f.Float("value_budget", &c->value_budget));
   RETURN_IF_ERROR(f.Int("sink_tokens", &c->sink_tokens));
+  RETURN_IF_ERROR(f.Int("fp16_sinks", &c->fp16_sinks));
   RETURN_IF_ERROR(f.Int("window", &c->window));
   RETURN_IF_ERROR(f.Bool("rotate_keys", &c->rotate_keys));
   RETURN_IF_ERROR(f.Bool("rotate_values", &c->rotate_values));

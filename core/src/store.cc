@@ -9,6 +9,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "kvq/core/codec_json.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/status.h"
 #include "xxhash.h"
@@ -134,12 +135,11 @@ uint64_t TokenHash(const TensorView& k, const TensorView& v, int64_t t) {
 // The root of a layer's prefix chain: everything that must match for two sequences' blocks
 // to be interchangeable.
 PrefixKey PrefixSeed(const ModelEntry& m, const CodecOptions& c, int layer) {
+  // The codec as codec.json writes it (every stored field, so that no field can be left out
+  // here) plus the two that are not settings of a model.
   const std::string s = absl::StrCat(
-      "kvq-prefix-v1|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint,
-      "|", m.has_basis, "|", c.head_dim, ",", c.key_bits, ",", c.key_group, ",", c.rank, ",",
-      c.side_bits, ",", c.value_bits, ",", c.value_group, ",", static_cast<int>(c.value_policy),
-      ",", c.value_budget, ",", c.sink_tokens, ",", c.window, ",", c.side_sign, ",",
-      c.rotate_keys, ",", c.rotate_values, ",", c.metric_rounding, "|", layer);
+      "kvq-prefix-v2|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint,
+      "|", m.has_basis, "|", CodecToJson(c).dump(), "|", c.head_dim, ",", c.side_sign, "|", layer);
   const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
   return {h.low64, h.high64};
 }
@@ -504,9 +504,8 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
       }
       node.refs = 1;
       node.last_used = now;
-      node.bytes = static_cast<int64_t>(node.block->bytes.size() +
-                                        node.block->offsets.size() * sizeof(uint32_t) +
-                                        node.hashes.size() * sizeof(uint64_t));
+      node.bytes = node.block->stored_bytes() +
+                   static_cast<int64_t>(node.hashes.size() * sizeof(uint64_t));
       T.node_bytes += node.bytes;
       T.bytes += node.bytes;
       used_bytes_ += node.bytes;
@@ -1265,13 +1264,7 @@ int64_t Store::Scrub() {
     std::vector<PrefixKey> corrupt;
     for (const auto& [key, node] : t->nodes) {
       if (node.refs != 0) continue;
-      const SealedBlock& b = *node.block;
-      for (size_t i = 0; i + 1 < b.offsets.size(); ++i) {
-        if (!VerifyBlock({b.bytes.data() + b.offsets[i], b.offsets[i + 1] - b.offsets[i]}).ok()) {
-          corrupt.push_back(key);
-          break;
-        }
-      }
+      if (!node.block->Verify().ok()) corrupt.push_back(key);
     }
     for (const PrefixKey& k : corrupt) DropNodeLocked(*t, k);
     retained_scrub_drops_ += static_cast<int64_t>(corrupt.size());

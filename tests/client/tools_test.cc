@@ -173,7 +173,7 @@ TEST_F(ToolsTest, ModelsRegisterTakesModelJsonAndCodecJson) {
   EXPECT_EQ(js["codec"]["key_group"], 64);
   EXPECT_EQ(js["codec"]["value_bits"], 3);
   EXPECT_EQ(js["codec"]["window"], 16);
-  EXPECT_EQ(js["codec"]["rank"], 0);
+  EXPECT_EQ(js["codec"]["rank"], -1);  // rank 0 in the request form responses carry
 
   // The entry the server persisted for it registers again as "already registered".
   std::string persisted;
@@ -197,7 +197,7 @@ TEST_F(ToolsTest, ModelsRegisterTakesModelJsonAndCodecJson) {
   std::ofstream(entry + "/codec.json") << R"({"value_policy": "a3"})";
   ToolRun policy = Kvq(absl::StrCat("models register ", entry, " ", flags_));
   EXPECT_EQ(policy.code, 1) << policy.err;
-  EXPECT_THAT(policy.err, HasSubstr("value_policy \"a3\": must be uniform or a2"));
+  EXPECT_THAT(policy.err, HasSubstr("field 'value_policy' must be \"uniform\" or \"a2\" (got \"a3\")"));
   std::ofstream(entry + "/codec.json") << "{}";
   std::ofstream(entry + "/model.json") << R"({"model": "plain-model", "layers": 4.5})";
   ToolRun shape = Kvq(absl::StrCat("models register ", entry, " ", flags_));

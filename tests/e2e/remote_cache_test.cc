@@ -9,6 +9,7 @@
 #include "kvq/client/client.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/remote_cache.h"
+#include "kvq/wire/codec_settings.h"
 #include "tests/server/test_util.h"
 
 namespace kvq::frontend {
@@ -260,7 +261,7 @@ TEST_F(RemoteCacheTest, ServerErrorsReachTheCaller) {
   // The wrong-sign control has no wire form.
   core::CodecOptions o = Codec(false);
   o.side_sign = -1.0f;
-  EXPECT_EQ(CodecToWire(o).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(kvq::wire::CodecToWire(o).status().code(), absl::StatusCode::kInvalidArgument);
   // Registering a different basis under the same name and version is refused.
   // (Column 0 of one head negated: still orthonormal, different contents.)
   core::ModelBasis other = basis_;

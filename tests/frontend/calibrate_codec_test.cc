@@ -93,11 +93,20 @@ class CalibrateCodec : public ::testing::Test {
     }
     EXPECT_EQ(levers["chosen"], lever_name);
     EXPECT_EQ(WithKeyLever(kLeverProbe, s["key_lever"].get<std::string>()), lever_name);
-    // Stage 2: every candidate of the list with that lever, in its order, with its bits;
-    // over the budget: skipped.
+    // Stage 1b: the probe with that lever and fp16 sinks; the sinks lever taken when its
+    // perplexity is lower.
+    const nlohmann::json& sink_probe = s["sink_lever_search"]["candidates"];
+    EXPECT_EQ(sink_probe.size(), 1u);
+    EXPECT_EQ(sink_probe[0]["name"], lever_name + "-" + kSinkLever);
+    const bool sinks = sink_probe[0]["ppl"].get<double>() < best_lever;
+    EXPECT_EQ(s["sink_lever"], sinks ? kSinkLever : "");
+    // Stage 2: every candidate of the list with that lever (and once more with the sinks
+    // when they paid), in its order, with its bits; over the budget: skipped.
     std::vector<std::string> names;
-    for (const std::string& n : CodecSearchCandidates())
+    for (const std::string& n : CodecSearchCandidates()) {
       names.push_back(WithKeyLever(n, s["key_lever"].get<std::string>()));
+      if (sinks) names.push_back(names.back() + "-" + kSinkLever);
+    }
     EXPECT_EQ(s["candidates"].size(), names.size());
     nlohmann::json chosen;
     int n_chosen = 0, evaluated = 0;
@@ -106,7 +115,12 @@ class CalibrateCodec : public ::testing::Test {
       const nlohmann::json& r = s["candidates"][i];
       EXPECT_EQ(r["name"], names[i]);
       const double bits = r["bits_per_element"].get<double>();
-      EXPECT_NEAR(bits, (r["k_bits"].get<double>() + r["v_bits"].get<double>()) / 2, 1e-9);
+      EXPECT_NEAR(bits, (r["k_bits"].get<double>() + r["v_bits"].get<double>()) / 2 +
+                            r["sink_bits"].get<double>(), 1e-9);
+      // The sinks' 16-bit rows at the search's window length.
+      EXPECT_DOUBLE_EQ(r["sink_bits"].get<double>(),
+                       names[i].find(kSinkLever) == std::string::npos
+                           ? 0.0 : 16.0 * 4 / s["window_len"].get<double>());
       if (bits > max_bits) {
         EXPECT_TRUE(r["ppl"].is_null()) << names[i];
         EXPECT_TRUE(r.contains("skipped")) << names[i];

@@ -132,8 +132,9 @@ TEST(CodecCache, EncodeBoundaryFollowsWindowAndGroup) {
   EXPECT_EQ((*c)->NextEncodeBoundary(48), 80);
 }
 
-// Attention sinks (sink_tokens): the first positions come back exactly and no longer widen
-// their group's ranges; their fp16 rows are counted in the at-context bits.
+// Attention sinks (the codec's fp16_sinks): the first positions come back exactly and no
+// longer widen their group's ranges, on the Decode and the fused Attend read paths alike;
+// their fp16 rows are counted in the at-context bits.
 TEST(CodecCache, SinkTokensAreExactAndSpareTheirGroup) {
   const CacheShape s{1, 4, 2, 64};
   const int n = 64, kSinks = 2;
@@ -149,19 +150,23 @@ TEST(CodecCache, SinkTokensAreExactAndSpareTheirGroup) {
   DenseCache dense(s);
   const auto rd = RunChunks(&dense, s, d, n, n);
   auto plain = CodecCache::Create(s, o, nullptr);
-  auto sunk = CodecCache::Create(s, o, nullptr, false, CodecRead::kDecode, nullptr, false, kSinks);
-  ASSERT_TRUE(plain.ok() && sunk.ok());
+  core::CodecOptions with = o;
+  with.fp16_sinks = kSinks;
+  auto sunk = CodecCache::Create(s, with, nullptr);
+  auto fused = CodecCache::Create(s, with, nullptr, false, CodecRead::kAttend);
+  ASSERT_TRUE(plain.ok() && sunk.ok() && fused.ok());
   const double e_plain = MaxDiff(RunChunks(plain->get(), s, d, n, n), rd);
-  const double e_sunk = MaxDiff(RunChunks(sunk->get(), s, d, n, n), rd);
+  const auto r_sunk = RunChunks(sunk->get(), s, d, n, n);
+  const double e_sunk = MaxDiff(r_sunk, rd);
   EXPECT_LT(e_sunk, 0.25 * e_plain) << e_sunk << " vs " << e_plain;
+  EXPECT_LT(MaxDiff(RunChunks(fused->get(), s, d, n, n), r_sunk), 2e-3);
   // Two fp16 rows of keys and of values per head on top of the codes: 2 * 16 / 64 bits.
   const core::SizeReport a = (*plain)->Size(), b = (*sunk)->Size();
   EXPECT_NEAR(b.k_bits_effective() - a.k_bits_effective(), 2.0 * 16 / n, 1e-9);
   EXPECT_NEAR(b.v_bits_effective() - a.v_bits_effective(), 2.0 * 16 / n, 1e-9);
   EXPECT_EQ(b.k_bits_steady(), a.k_bits_steady());
-  // Only on the Decode read path.
-  EXPECT_FALSE(CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend, nullptr, false, 2).ok());
-  EXPECT_FALSE(CodecCache::Create(s, o, nullptr, false, CodecRead::kDecode, nullptr, false, 65).ok());
+  with.fp16_sinks = core::kMaxFp16Sinks + 1;
+  EXPECT_FALSE(CodecCache::Create(s, with, nullptr).ok());
 }
 
 }  // namespace

@@ -18,14 +18,16 @@ TEST(EvalConfig, RequiredNamesParse) {
   }
 }
 
-TEST(EvalConfig, SinkTokensParseOnTheDecodePathOnly) {
+TEST(EvalConfig, SinkTokensSetTheCodecsFp16Sinks) {
   auto c = ParseEvalConfig("headq-kv2-g128-rotk-mr-sink4");
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->sink_tokens, 4);
+  EXPECT_EQ(c->codec.fp16_sinks, 4);
   EXPECT_EQ(c->codec.key_group, 128);
-  EXPECT_EQ(ParseEvalConfig("headq-kv2").value().sink_tokens, 0);
-  for (const char* bad : {"kivi-kv2-sink0", "kivi-kv2-sink65", "headq-kv2-a2-sink4",
-                          "headq-kv2-fused-sink4"})
+  EXPECT_EQ(ParseEvalConfig("headq-kv2").value().codec.fp16_sinks, 0);
+  // A codec setting now: every read path takes it, the A^2 policy and the fused attend too.
+  for (const char* ok : {"headq-kv2-a2-sink4", "headq-kv2-fused-sink16"})
+    EXPECT_TRUE(ParseEvalConfig(ok).ok()) << ok;
+  for (const char* bad : {"kivi-kv2-sink0", "kivi-kv2-sink17"})
     EXPECT_FALSE(ParseEvalConfig(bad).ok()) << bad;
 }
 
@@ -146,6 +148,16 @@ TEST(CodecSearch, EveryCandidateIsACodecAndItsBitsAreTheBlockSizes) {
   EXPECT_NE(none.status().message().find("kivi-kv2, costs 3.062"), std::string::npos)
       << none.status();
   EXPECT_FALSE(PlanCodecSearch({"kivi-k2"}, 64, 4, 9.0).ok()) << "keys-only is not a codec.json";
+  // fp16 sinks: 4 rows of 16-bit keys and values over 512 tokens add 16 * 4 / 512 bits per
+  // element, which the budget sees (3.0625 + 0.125 > 3.1).
+  const std::string sunk = std::string("kivi-kv2-") + kSinkLever;
+  auto with = PlanCodecSearch({"kivi-kv2", sunk}, 64, 4, 3.1, 512);
+  ASSERT_TRUE(with.ok()) << with.status();
+  EXPECT_DOUBLE_EQ((*with)[1].bits.sinks, 0.125);
+  EXPECT_DOUBLE_EQ((*with)[1].bits.per_element(), (*with)[0].bits.per_element() + 0.125);
+  EXPECT_EQ((*with)[1].codec.fp16_sinks, 4);
+  EXPECT_EQ((*with)[0].skipped, "");
+  EXPECT_EQ((*with)[1].skipped, "3.188 bits > 3.100");
 }
 
 TEST(CodecSearch, KeyLeversApplyToEveryCandidateAndKiviHasNoObliquePair) {

@@ -11,7 +11,9 @@
 #include "gtest/gtest.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
+#include "kvq/core/codec_json.h"
 #include "kvq/core/metrics.h"
+#include "kvq/wire/codec_settings.h"
 #include "server/convert.h"
 #include "tests/server/test_util.h"
 
@@ -159,6 +161,49 @@ TEST(CodecLeversServeTest, BadEncodeBasesAndMomentsAreRefusedNamingWhat) {
   }
 }
 
+// One mapping for every crossing: CodecSettings' fields are codec.json's keys (a field added
+// to one and not the other fails here), and a codec sent in the request form and merged over
+// any base is that codec again, every field of it.
+TEST(CodecWireTest, FieldsAreCodecJsonKeysAndEveryCodecRoundTrips) {
+  const nlohmann::json keys = core::CodecToJson(core::CodecOptions{});
+  const google::protobuf::Descriptor* d = v1::CodecSettings::descriptor();
+  ASSERT_EQ(static_cast<size_t>(d->field_count()), keys.size());
+  for (int i = 0; i < d->field_count(); ++i)
+    EXPECT_TRUE(keys.contains(d->field(i)->name())) << d->field(i)->name();
+
+  std::vector<core::CodecOptions> codecs(4);
+  codecs[1].key_bits = 3, codecs[1].key_group = 128, codecs[1].rank = 4, codecs[1].side_bits = 4;
+  codecs[1].fp16_sinks = 4, codecs[1].rotate_keys = true, codecs[1].metric_rounding = true;
+  codecs[2].value_policy = core::ValuePolicy::kA2, codecs[2].value_budget = 2.5f;
+  codecs[2].sink_tokens = 0, codecs[2].window = 64, codecs[2].value_group = 64;
+  codecs[3].value_bits = 3, codecs[3].rotate_values = true, codecs[3].fp16_sinks = 16;
+  core::CodecOptions base;
+  base.rank = 8, base.window = 16, base.sink_tokens = 9, base.fp16_sinks = 2;
+  base.rotate_keys = base.rotate_values = base.metric_rounding = true;
+  for (const core::CodecOptions& o : codecs) {
+    absl::StatusOr<v1::CodecSettings> w = wire::CodecToWire(o);
+    ASSERT_TRUE(w.ok()) << w.status();
+    absl::StatusOr<core::CodecOptions> back = wire::MergeCodec(base, *w, "codec");
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(core::CodecToJson(*back), core::CodecToJson(o)) << o.ToString();
+  }
+  // Only the named fields: a codec.json naming rank 0 asks for a real 0, nothing else.
+  absl::StatusOr<v1::CodecSettings> partial =
+      wire::CodecToWire(codecs[0], nlohmann::json{{"rank", 0}, {"fp16_sinks", 0}});
+  ASSERT_TRUE(partial.ok());
+  v1::CodecSettings expect;
+  expect.set_rank(-1);
+  expect.set_fp16_sinks(-1);
+  EXPECT_EQ(partial->SerializeAsString(), expect.SerializeAsString());
+  v1::CodecSettings bad;
+  bad.set_fp16_sinks(-2);
+  EXPECT_THAT(std::string(wire::MergeCodec(base, bad, "appends[0].codec").status().message()),
+              HasSubstr("appends[0].codec.fp16_sinks = -2: must be -1 (none)"));
+  bad.set_fp16_sinks(17);
+  EXPECT_THAT(std::string(wire::MergeCodec(base, bad, "codec").status().message()),
+              HasSubstr("codec: codec.fp16_sinks = 17: must be in [0, 16]"));
+}
+
 TEST(CodecLeversServeTest, CodecSwitchesAreTriStateOnTheWire) {
   core::CodecOptions base;
   base.head_dim = 64;
@@ -166,34 +211,34 @@ TEST(CodecLeversServeTest, CodecSwitchesAreTriStateOnTheWire) {
   v1::CodecSettings s;
   s.set_rotate_keys(1);
   s.set_rotate_values(-1);
-  absl::StatusOr<core::CodecOptions> c = server::MergeCodec(base, s, "codec");
+  absl::StatusOr<core::CodecOptions> c = wire::MergeCodec(base, s, "codec");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_TRUE(c->rotate_keys);
   EXPECT_FALSE(c->rotate_values);
   EXPECT_FALSE(c->metric_rounding);  // 0: the base's
   s.set_rotate_values(0);
   s.set_metric_rounding(1);
-  c = server::MergeCodec(base, s, "codec");
+  c = wire::MergeCodec(base, s, "codec");
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE(c->rotate_values);
   EXPECT_TRUE(c->metric_rounding);
-  v1::CodecSettings out;
-  server::CodecToProto(*c, &out);
-  EXPECT_EQ(out.rotate_keys(), 1);
-  EXPECT_EQ(out.rotate_values(), 1);
-  EXPECT_EQ(out.metric_rounding(), 1);
+  absl::StatusOr<v1::CodecSettings> out = wire::CodecToWire(*c);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->rotate_keys(), 1);
+  EXPECT_EQ(out->rotate_values(), 1);
+  EXPECT_EQ(out->metric_rounding(), 1);
   c->rotate_keys = false;
-  server::CodecToProto(*c, &out);
-  EXPECT_EQ(out.rotate_keys(), -1);
+  out = wire::CodecToWire(*c);
+  EXPECT_EQ(out->rotate_keys(), -1);
   s.set_rotate_values(2);
-  c = server::MergeCodec(base, s, "appends[0].codec");
+  c = wire::MergeCodec(base, s, "appends[0].codec");
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(c.status().message()),
               HasSubstr("appends[0].codec.rotate_values = 2: must be 0 (the model's default), "
                         "1 (on) or -1 (off)"));
   s.set_rotate_values(1);
   base.head_dim = 48;  // rotation needs a power of two
-  c = server::MergeCodec(base, s, "codec");
+  c = wire::MergeCodec(base, s, "codec");
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("power of two"));
 }
 

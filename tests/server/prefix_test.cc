@@ -125,6 +125,16 @@ class PrefixTest : public ::testing::Test {
     return out;
   }
 
+  // Both sequences of tenant "t" decode to the same keys and values, bit for bit.
+  void ExpectSameDecode(Store& store, const std::string& a, const std::string& b, int layer) {
+    std::vector<float> ka, va, kb, vb;
+    int64_t tokens = 0;
+    ASSERT_TRUE(store.Decode("t", a, layer, 0, &ka, &va, &tokens).ok());
+    ASSERT_TRUE(store.Decode("t", b, layer, 0, &kb, &vb, &tokens).ok());
+    EXPECT_EQ(ka, kb) << a << " vs " << b;
+    EXPECT_EQ(va, vb) << a << " vs " << b;
+  }
+
   // What one sequence of these tokens holds without sharing.
   int64_t BytesUnshared(const Tokens& a) {
     Store probe({}, &registry_);
@@ -210,13 +220,58 @@ TEST_F(PrefixTest, WindowAndA2PolicyReadTheSameShared) {
   for (int layer = 0; layer < 2; ++layer) {
     EXPECT_EQ(Scores(store, "t", "b", layer), Scores(store, "t", "c", layer));
     EXPECT_EQ(Attention(store, "b", layer), Attention(store, "c", layer));
-    std::vector<float> kb, vb, kc, vc;
-    int64_t tokens = 0;
-    ASSERT_TRUE(store.Decode("t", "b", layer, 0, &kb, &vb, &tokens).ok());
-    ASSERT_TRUE(store.Decode("t", "c", layer, 0, &kc, &vc, &tokens).ok());
-    EXPECT_EQ(kb, kc);
-    EXPECT_EQ(vb, vc);
+    ExpectSameDecode(store, "b", "c", layer);
   }
+}
+
+// fp16 sinks travel with the first group: a sequence that shares it (by its ids, or by an
+// attach without data) reads what an unshared copy reads, bit for bit, and the sinks' rows
+// are counted once, with the group. The same tokens under the same codec but no sinks share
+// nothing (the prefix seed names every codec.json field).
+TEST_F(PrefixTest, Fp16SinksAreSharedWithTheFirstGroup) {
+  Store store({}, &registry_);
+  Tokens a(Ids(80, 4), 6);
+  CodecOptions c = Entry().codec;
+  c.fp16_sinks = 4;
+  auto with_codec = [&](std::vector<AppendSpec> v, const CodecOptions& codec) {
+    for (auto& s : v) {
+      s.has_codec = true;
+      s.codec = codec;
+    }
+    return v;
+  };
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", with_codec(a.All("a"), c), &out).ok());
+  const UsageStats one = store.TotalUsage();
+  ASSERT_TRUE(store.Append("t", with_codec(a.All("b"), c), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 2 * 64);
+  EXPECT_EQ(store.TotalUsage().prefix_bytes, one.prefix_bytes);
+  std::vector<AppendSpec> attach = {AttachSpec("d", 0, 0, a.ids), AttachSpec("d", 1, 0, a.ids)};
+  ASSERT_TRUE(store.Append("t", with_codec(attach, c), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 2 * 64);
+  ASSERT_TRUE(store.Append("t", with_codec({a.Spec("d", 0, 64, 16), a.Spec("d", 1, 64, 16)}, c),
+                           &out).ok());
+  ASSERT_TRUE(store.Append("t", with_codec(a.All("u", /*with_ids=*/false), c), &out).ok());
+  for (int layer = 0; layer < 2; ++layer) {
+    const LayerCache* la = store.LayerForTest("t", "a", layer);
+    ASSERT_NE(la->sinks(), nullptr);
+    EXPECT_EQ(la->sinks(), store.LayerForTest("t", "d", layer)->sinks());
+    EXPECT_EQ(la->sealed()[0]->sinks, la->sinks());
+    for (const char* id : {"b", "d"}) {
+      EXPECT_EQ(Scores(store, "t", id, layer), Scores(store, "t", "u", layer)) << id;
+      EXPECT_EQ(Attention(store, id, layer), Attention(store, "u", layer)) << id;
+    }
+    ExpectSameDecode(store, "d", "u", layer);
+  }
+  // The prefix index counts each first group with its sinks (2 layers x 2 heads x 4 rows of
+  // 64 fp16 keys and values).
+  Store plain({}, &registry_);
+  CodecOptions none = c;
+  none.fp16_sinks = 0;
+  ASSERT_TRUE(plain.Append("t", with_codec(a.All("a"), none), &out).ok());
+  EXPECT_EQ(one.prefix_bytes - plain.TotalUsage().prefix_bytes, 2 * kKv * 4 * kD * 2 * 2);
+  ASSERT_TRUE(store.Append("t", with_codec(a.All("n"), none), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 0);
 }
 
 TEST_F(PrefixTest, SharingStopsAtTheFirstDifferentGroupAndNeverCrossesTenants) {

@@ -23,6 +23,7 @@
 #include "kvq/core/codec.h"
 #include "kvq/core/metrics.h"
 #include "server/auth.h"
+#include "kvq/wire/codec_settings.h"
 #include "server/convert.h"
 #include "tests/server/test_util.h"
 
@@ -1163,12 +1164,15 @@ TEST(ConvertTest, OutOfRangeCodecOverridesAreRejectedNamingFieldAndRange) {
       {[](auto* c) { c->set_value_bits(9); }, "codec.value_bits = 9"},
       {[](auto* c) { c->set_value_group(-3); }, "codec.value_group = -3: must be in [1, head_dim]"},
       {[](auto* c) { c->set_value_group(65); }, "codec.value_group = 65"},
-      {[](auto* c) { c->set_sink_tokens(-1); }, "codec.sink_tokens = -1: must be in [0, 1024]"},
+      {[](auto* c) { c->set_sink_tokens(-2); }, "c.sink_tokens = -2: must be -1 (none), 0"},
+      {[](auto* c) { c->set_sink_tokens(2000); }, "codec.sink_tokens = 2000: must be in [0, 1024]"},
+      {[](auto* c) { c->set_fp16_sinks(-3); }, "c.fp16_sinks = -3: must be -1 (none), 0"},
+      {[](auto* c) { c->set_fp16_sinks(20); }, "codec.fp16_sinks = 20: must be in [0, 16]"},
   };
   for (const Case& c : cases) {
     v1::CodecSettings settings;
     c.set(&settings);
-    const absl::StatusOr<core::CodecOptions> got = server::MergeCodec(base, settings, "c");
+    const absl::StatusOr<core::CodecOptions> got = wire::MergeCodec(base, settings, "c");
     EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << c.want;
     EXPECT_THAT(std::string(got.status().message()), HasSubstr(c.want));
   }
@@ -1178,7 +1182,7 @@ TEST(ConvertTest, OutOfRangeCodecOverridesAreRejectedNamingFieldAndRange) {
   ok.set_rank(-1);
   ok.set_window(-1);
   ok.set_value_group(7);
-  absl::StatusOr<core::CodecOptions> got = server::MergeCodec(base, ok, "c");
+  absl::StatusOr<core::CodecOptions> got = wire::MergeCodec(base, ok, "c");
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->rank, 0);
   EXPECT_EQ(got->window, 0);
@@ -1361,7 +1365,7 @@ TEST(ServiceTest, ModelWithoutBasisIsServedKiviLike) {
   auto c = Ctx();
   ASSERT_TRUE(stub->RegisterBasis(c.get(), MakeRegister(s, 1), &rr).ok());
   EXPECT_FALSE(rr.model().has_basis());
-  EXPECT_EQ(rr.model().codec().rank(), 0);
+  EXPECT_EQ(rr.model().codec().rank(), -1);  // the request form of rank 0 (echo-safe)
   EXPECT_EQ(rr.model().kind(), "none");
   const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
   auto k = RandomKV(kv, 40, d, 1), v = RandomKV(kv, 40, d, 2);

@@ -75,7 +75,7 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape&
                                                                const core::ModelBasis* basis,
                                                                bool keys_only, CodecRead read,
                                                                const std::vector<int>* layer_ranks,
-                                                               bool probe, int sink_tokens) {
+                                                               bool probe) {
   RETURN_IF_ERROR(o.Validate());
   if (o.head_dim != s.head_dim) return absl::InvalidArgumentError("codec head_dim != model head_dim");
   std::unique_ptr<CodecCache> c(new CodecCache(s, o));
@@ -83,13 +83,6 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape&
   c->read_ = read;
   c->probe_ = probe;
   if (probe && !o.per_token_value_bits()) return absl::InvalidArgumentError("probe needs the A^2 policy");
-  if (sink_tokens < 0 || sink_tokens > 64)
-    return absl::InvalidArgumentError(absl::StrCat("sink_tokens ", sink_tokens, " must be in 0..64"));
-  if (sink_tokens > 0 && (o.per_token_value_bits() || read != CodecRead::kDecode))
-    return absl::InvalidArgumentError("sink_tokens needs the Decode read path (no A^2 policy, not fused)");
-  c->sink_tokens_ = sink_tokens;
-  c->sink_k_.resize(s.layers);
-  c->sink_v_.resize(s.layers);
   if (keys_only) c->dense_v_.resize(s.layers);
   std::vector<float> u, a;  // U (or the decode basis B) and an oblique pair's A, per layer
   if (layer_ranks && static_cast<int>(layer_ranks->size()) != s.layers)
@@ -168,7 +161,6 @@ absl::Status CodecCache::AppendAndAttend(int layer, const float* k, const float*
     dv.resize(old + vh.size());
     core::ToFloat(core::DType::kF16, vh.data(), dv.data() + old, vh.size());
   }
-  HoldSinks(layer, start, n, kh.data(), vh.data());  // after the dense copy: exact values
   RETURN_IF_ERROR(lc.Append(kv, vv, start));
   if (o_.per_token_value_bits() || read_ == CodecRead::kAttend) {
     // Server-side attend: the A^2 policy observes these readouts (earlier queries only).
@@ -183,44 +175,12 @@ absl::Status CodecCache::AppendAndAttend(int layer, const float* k, const float*
   std::vector<float> K, V;
   RETURN_IF_ERROR(lc.Decode(&K, &V));
   const int64_t T = lc.tokens();
-  PutSinks(layer, T, K.data(), keys_only_ ? nullptr : V.data());
   if (keys_only_) {
     LocalAttendSplit(q, n, start, T, K.data(), dense_v_[layer].data(), out);
     return absl::OkStatus();
   }
   LocalAttend(s_, q, n, start, T, K.data(), V.data(), T * D, D, out);
   return absl::OkStatus();
-}
-
-void CodecCache::HoldSinks(int layer, int64_t start, int n, uint16_t* kh, uint16_t* vh) {
-  const int64_t row = static_cast<int64_t>(s_.kv_heads) * s_.head_dim;
-  const int sinks = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, sink_tokens_ - start)));
-  if (sinks == 0) return;
-  auto& sk = sink_k_[layer];
-  auto& sv = sink_v_[layer];
-  const size_t old = sk.size();
-  sk.resize(old + sinks * row);
-  sv.resize(old + sinks * row);
-  core::ToFloat(core::DType::kF16, kh, sk.data() + old, sinks * row);
-  core::ToFloat(core::DType::kF16, vh, sv.data() + old, sinks * row);
-  if (sinks < n) {  // the stand-in: the chunk's first row after the sinks
-    for (int t = 0; t < sinks; ++t) {
-      std::copy_n(kh + sinks * row, row, kh + t * row);
-      std::copy_n(vh + sinks * row, row, vh + t * row);
-    }
-  }
-}
-
-void CodecCache::PutSinks(int layer, int64_t T, float* K, float* V) const {
-  // Decode's layout: [kv_heads][T][d]; the held rows: [t][kv_heads][d].
-  const int D = s_.head_dim, KVH = s_.kv_heads;
-  const int64_t held = static_cast<int64_t>(sink_k_[layer].size()) / (KVH * D);
-  for (int64_t t = 0; t < std::min(held, T); ++t)
-    for (int h = 0; h < KVH; ++h) {
-      const size_t from = (static_cast<size_t>(t) * KVH + h) * D, to = (static_cast<size_t>(h) * T + t) * D;
-      std::copy_n(sink_k_[layer].data() + from, D, K + to);
-      if (V) std::copy_n(sink_v_[layer].data() + from, D, V + to);
-    }
 }
 
 void CodecCache::LocalAttendSplit(const float* q, int n, int64_t start, int64_t T, const float* K,
@@ -276,12 +236,6 @@ absl::Status CodecCache::AppendWithProbes(core::LayerCache& lc, const uint16_t* 
 core::SizeReport CodecCache::Size() const {
   core::SizeReport r;
   for (const auto& l : layers_) r += l->Size();
-  // The sinks' fp16 rows on top of the codes (which a codec storing sinks apart would not
-  // need to hold: counted as extra, the pessimistic side), in the at-context bits.
-  for (size_t l = 0; l < sink_k_.size(); ++l) {
-    r.key_window_bytes += static_cast<int64_t>(sink_k_[l].size()) * 2;
-    if (!keys_only_) r.value_window_bytes += static_cast<int64_t>(sink_v_[l].size()) * 2;
-  }
   return r;
 }
 

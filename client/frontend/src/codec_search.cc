@@ -12,9 +12,12 @@
 
 namespace kvq::frontend {
 
-CodecBits SteadyStateBits(const core::CodecOptions& o) {
+CodecBits SteadyStateBits(const core::CodecOptions& o, int context_tokens) {
   const double elements = static_cast<double>(o.key_group) * o.head_dim;
-  return {8.0 * core::KeyBlockBytes(o) / elements, 8.0 * core::MaxValueBlockBytes(o) / elements};
+  CodecBits b{8.0 * core::KeyBlockBytes(o) / elements, 8.0 * core::MaxValueBlockBytes(o) / elements};
+  // S rows of 16-bit keys and values per head over context_tokens rows: 16 S / T per element.
+  if (context_tokens > 0) b.sinks = 16.0 * o.fp16_sinks / context_tokens;
+  return b;
 }
 
 const std::vector<std::string>& CodecSearchCandidates() {
@@ -71,7 +74,7 @@ std::string WithKeyLever(const std::string& name, const std::string& lever) {
 
 absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<std::string>& names,
                                                             int head_dim, int basis_rank,
-                                                            double max_bits) {
+                                                            double max_bits, int context_tokens) {
   std::vector<CodecSearchRow> rows;
   const CodecSearchRow* smallest = nullptr;
   bool any = false;
@@ -98,7 +101,7 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
                                                      "' at head_dim ", head_dim, ": ",
                                                      valid.message()));
     }
-    r.bits = SteadyStateBits(r.codec);
+    r.bits = SteadyStateBits(r.codec, context_tokens);
     if (r.codec.rank > basis_rank) {
       r.skipped = absl::StrCat("rank ", r.codec.rank, " > basis rank ", basis_rank);
     } else if (r.bits.per_element() > max_bits) {
@@ -179,7 +182,8 @@ nlohmann::json CodecSearchJson(const std::vector<CodecSearchRow>& rows, double m
       "validation perplexity, llama.cpp's protocol (second half of each window), "
       "decode-faithful, with the entry's basis; ties: fewer bits per element";
   js["bits"] = "steady state, every byte counted: 8 * block bytes / (G * head_dim), "
-               "A^2 value blocks at their largest; per element = (K + V) / 2";
+               "A^2 value blocks at their largest; per element = (K + V) / 2, plus the fp16 "
+               "sinks' rows counted at window_len tokens (16 * sinks / window_len)";
   js["text"] = text;
   js["windows"] = windows;
   js["window_len"] = window_len;
@@ -191,6 +195,7 @@ nlohmann::json CodecSearchJson(const std::vector<CodecSearchRow>& rows, double m
                           {"bits_per_element", r.bits.per_element()},
                           {"k_bits", r.bits.k},
                           {"v_bits", r.bits.v},
+                          {"sink_bits", r.bits.sinks},
                           {"oblique_basis", r.oblique},
                           {"ppl", r.skipped.empty() ? nlohmann::json(r.ppl) : nlohmann::json(nullptr)},
                           {"chosen", r.chosen}};

@@ -84,8 +84,9 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
       if (p != "rotv") o.rotate_keys = true;
       if (p != "rotk") o.rotate_values = true;
     } else if (ParseSuffixInt(p, "sink", &v)) {
-      if (v < 1 || v > 64) return bad("sink<N> needs N in 1..64");
-      c.sink_tokens = v;
+      if (v < 1 || v > core::kMaxFp16Sinks)
+        return bad(absl::StrCat("sink<N> needs N in 1..", core::kMaxFp16Sinks));
+      o.fp16_sinks = v;
     } else if (ParseSuffixInt(p, "vg", &v)) {
       o.value_group = v;
       vg_set = true;
@@ -118,9 +119,6 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   }
   if (!a2) o.value_bits = value_bits;
   if (c.probe && !a2) return bad("probe needs the a2 value policy");
-  if (c.sink_tokens > 0 && (a2 || c.fused)) {
-    return bad("sink<N> reads through LayerCache::Decode: not with a2 or fused");
-  }
   if (c.family == "kivi" && (c.basis != BasisKind::kQuery || o.side_sign != 1.0f || c.adaptive_rank)) {
     return bad("basis controls apply to headq only");
   }

@@ -111,8 +111,7 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     o.verify_on_read = false;
     ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
                                                   config.fused ? CodecRead::kAttend : CodecRead::kDecode,
-                                                  config.adaptive_rank ? &ranks : nullptr, config.probe,
-                                                  config.sink_tokens));
+                                                  config.adaptive_rank ? &ranks : nullptr, config.probe));
     return std::unique_ptr<AttentionCache>(std::move(cc));
   };
   // Windows run kWindowBatch at a time through one batched forward (same results as one by

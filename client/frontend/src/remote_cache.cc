@@ -9,6 +9,7 @@
 #include "kvq/client/basis_request.h"
 #include "kvq/core/status.h"
 #include "kvq/core/tensor.h"
+#include "kvq/wire/codec_settings.h"
 
 namespace kvq::frontend {
 namespace {
@@ -59,33 +60,6 @@ absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const Ca
   }
   ASSIGN_OR_RETURN(v1::RegisterBasisResponse resp, client.RegisterBasis(req));
   return RemoteModel{resp.model().model(), resp.model().version()};
-}
-
-absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o) {
-  RETURN_IF_ERROR(o.Validate());
-  if (o.side_sign != 1.0f) {
-    return absl::InvalidArgumentError(
-        "the wrong-sign control (side_sign != 1) has no wire form; run it in-process");
-  }
-  v1::CodecSettings c;
-  c.set_key_bits(o.key_bits);
-  c.set_key_group(o.key_group);
-  c.set_rank(o.rank == 0 ? -1 : o.rank);
-  c.set_side_bits(o.side_bits);
-  c.set_value_bits(o.value_bits);
-  c.set_value_group(o.value_group);
-  c.set_value_policy(o.per_token_value_bits() ? v1::CodecSettings::VALUE_POLICY_A2
-                                              : v1::CodecSettings::VALUE_POLICY_UNIFORM);
-  c.set_value_budget(o.value_budget);
-  if (o.sink_tokens == 0 && o.per_token_value_bits()) {
-    return absl::InvalidArgumentError("sink_tokens 0 has no wire form (0 means the default)");
-  }
-  c.set_sink_tokens(o.sink_tokens);
-  c.set_window(o.window == 0 ? -1 : o.window);
-  c.set_rotate_keys(o.rotate_keys ? 1 : -1);
-  c.set_rotate_values(o.rotate_values ? 1 : -1);
-  c.set_metric_rounding(o.metric_rounding ? 1 : -1);
-  return c;
 }
 
 // ------------------------------------------------------------------------------ batcher
@@ -212,7 +186,7 @@ absl::StatusOr<std::unique_ptr<RemoteCache>> RemoteCache::Create(client::Client*
   if (options.codec.head_dim != shape.head_dim) {
     return absl::InvalidArgumentError("remote cache: codec head_dim != model head_dim");
   }
-  ASSIGN_OR_RETURN(v1::CodecSettings wire, CodecToWire(options.codec));
+  ASSIGN_OR_RETURN(v1::CodecSettings wire, wire::CodecToWire(options.codec));
   std::unique_ptr<RemoteCache> c(new RemoteCache(client, batcher, shape, std::move(options)));
   c->wire_codec_ = std::move(wire);
   if (!c->batcher_) {

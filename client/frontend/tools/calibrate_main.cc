@@ -60,14 +60,17 @@ built-in default; `kvq models register DIR` sends DIR/codec.json with the basis)
   --bits B[,B2..]   also choose the codec for a budget of B bits per element, K and V
                     together ((K bits + V bits) / 2, steady state, every byte counted: block
                     headers, scales and zero points, side code; A^2 value blocks at their
-                    largest). Candidates: a fixed list of kvq-eval config names (full-KV
+                    largest; fp16 sinks at L tokens). Candidates: a fixed list of kvq-eval config names (full-KV
                     kivi-kv*/headq-kv* settings from about 2.4 to 9 bits per element at
                     head_dim 64; client/frontend/src/codec_search.cc); those over B (or over
                     the basis rank) are skipped and listed as such; it is an error when none
                     fits (naming the smallest candidate's bits). First the key-side lever
                     (none, metric rounding, + the oblique pair, + keys rotated by H:
-                    codec_search.h KeyLevers) is chosen on one probe codec, then every
-                    candidate with that lever is evaluated with the basis just calibrated
+                    codec_search.h KeyLevers) is chosen on one probe codec, then whether
+                    fp16 attention sinks (sink4: the first 4 positions kept at fp16,
+                    counted at L tokens: +16 * 4 / L bits) lower the probe's perplexity;
+                    then every candidate with that lever (and once more with sink4 when
+                    it paid) is evaluated with the basis just calibrated
                     (and DIR/oblique, which --bits also writes) by perplexity on N windows of
                     L tokens of --text that follow the basis's calibration tokens (the
                     validation text; llama.cpp's protocol, decode-faithful, as kvq-eval;
@@ -137,7 +140,8 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
   const int d = model.config().head_dim, rank = query.manifest.rank;
   auto search = [&](const std::vector<std::string>& names, double budget, const char* what)
       -> absl::StatusOr<std::pair<std::vector<CodecSearchRow>, int>> {
-    ASSIGN_OR_RETURN(std::vector<CodecSearchRow> rows, PlanCodecSearch(names, d, rank, budget));
+    ASSIGN_OR_RETURN(std::vector<CodecSearchRow> rows,
+                     PlanCodecSearch(names, d, rank, budget, window_len));
     int64_t evaluated = 0;
     for (const auto& r : rows) evaluated += r.skipped.empty();
     std::fprintf(stderr, "kvq-calibrate: %s: %lld of %zu candidates, each on %d x %d tokens of %s "
@@ -163,9 +167,18 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
   auto stage1 = search(probes, 1e9, "key lever");
   if (!stage1.ok()) return Fail(stage1.status());
   const std::string lever = levers[stage1->second];
-  // Stage 2: the codec within the budget, every candidate with that lever.
+  // Stage 1b: whether fp16 sinks pay on this model: the probe with the lever, with sinks.
+  const CodecSearchRow& no_sinks = stage1->first[stage1->second];
+  auto sink_probe = search({absl::StrCat(no_sinks.name, "-", kSinkLever)}, 1e9, "sink lever");
+  if (!sink_probe.ok()) return Fail(sink_probe.status());
+  const bool sinks = sink_probe->first[0].ppl < no_sinks.ppl;
+  // Stage 2: the codec within the budget, every candidate with that lever (and each once
+  // more with the sinks, when they paid).
   std::vector<std::string> names;
-  for (const std::string& n : CodecSearchCandidates()) names.push_back(WithKeyLever(n, lever));
+  for (const std::string& n : CodecSearchCandidates()) {
+    names.push_back(WithKeyLever(n, lever));
+    if (sinks) names.push_back(absl::StrCat(names.back(), "-", kSinkLever));
+  }
   // One evaluation serves every budget: the rows up to the largest, a choice per budget.
   const double max_bits = budgets[0], largest = *std::max_element(budgets.begin(), budgets.end());
   auto stage2 = search(names, largest, absl::StrCat("codec search (lever '", lever, "')").c_str());
@@ -203,6 +216,9 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
     js["first_token"] = skip;  // the windows start after the calibration tokens
     js["budgets"] = per_budget;
     js["key_lever_search"] = CodecSearchJson(stage1->first, 1e9, flags.Get("text"), windows, window_len);
+    js["sink_lever"] = sinks ? kSinkLever : "";
+    js["sink_lever_search"] =
+        CodecSearchJson(sink_probe->first, 1e9, flags.Get("text"), windows, window_len);
     js["basis"] = best.oblique ? "oblique_rrr (DIR; the query PCA in DIR/query-pca)" : "query PCA (DIR)";
     st = WriteFile(dir + "/codec-search.json", js.dump(2) + "\n");
   }

@@ -86,6 +86,17 @@ def test_register_oblique_basis_with_query_moments_and_lever_codec(client, kvq_s
     assert (r.model.codec.rotate_keys, r.model.codec.rotate_values, r.model.codec.metric_rounding) == (1, -1, 1)
     with pytest.raises(kvq.KvqError, match="rotate_values"):
         client.register_basis(dict(info, codec=kvq.CodecSettings(rotate_values=2)), u)
+    # codec.json's values (0 a real 0, booleans on/off) in the request form; fp16 sinks travel
+    # and come back; a response's settings sent back ask for exactly that codec.
+    c = kvq.CodecSettings.from_codec_json({"rank": 0, "window": 0, "fp16_sinks": 4, "rotate_keys": False,
+                                           "key_group": 128})
+    assert (c.rank, c.window, c.fp16_sinks, c.rotate_keys, c.key_group) == (-1, -1, 4, -1, 128)
+    with pytest.raises(ValueError, match="unknown field.*bogus"):
+        kvq.CodecSettings.from_codec_json({"bogus": 1})
+    r2 = client.register_basis(dict(info, model="obl-sinks", codec=c), u, encode_basis=a, query_moment=m)
+    assert (r2.model.codec.fp16_sinks, r2.model.codec.rank, r2.model.codec.key_group) == (4, -1, 128)
+    with pytest.raises(kvq.KvqError, match="fp16_sinks = 17: must be in"):
+        client.register_basis(dict(info, model="obl-bad", codec=kvq.CodecSettings(fp16_sinks=17)), u)
     # A^T B != I is refused by the server, naming the layer and head.
     bad = [x.copy() for x in a]
     bad[1][0, :, 2] *= 2

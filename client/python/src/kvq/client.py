@@ -113,6 +113,7 @@ def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[k
         value_budget=c.value_budget,
         sink_tokens=c.sink_tokens,
         window=c.window,
+        fp16_sinks=c.fp16_sinks,
     )
 
 

@@ -8,8 +8,8 @@ Shapes follow proto/kvq/v1/kvq.proto: keys/values [kv_heads, n, head_dim], queri
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -38,11 +38,13 @@ class CodecSettings:
     key_bits 2/3/4/8; key_group (G) 32/64/128; rank 0..basis rank (-1: force 0, KIVI-like);
     side_bits 4/8; value_bits 1/2/3/4/8; value_group channels per value scale;
     value_policy "default" | "uniform" | "a2"; value_budget (A2) 1.0..4.0 bits;
-    sink_tokens (A2) positions kept at 4 bits; window (R) recent tokens kept at arrival
-    precision (-1: 0). Switches rotate_keys / rotate_values (Walsh-Hadamard rotation before
-    quantization, head_dim a power of two) and metric_rounding (keys rounded in the query
-    metric; the basis must carry query moments): 0 the model's default, 1 (or True) on,
-    -1 (or False) off.
+    sink_tokens (A2) positions kept at 4 bits (-1: 0); window (R) recent tokens kept at
+    arrival precision (-1: 0); fp16_sinks 1..16: a sequence's first positions kept exact at
+    fp16 beside its first blocks (-1: none). Switches rotate_keys / rotate_values
+    (Walsh-Hadamard rotation before quantization, head_dim a power of two) and
+    metric_rounding (keys rounded in the query metric; the basis must carry query moments):
+    0 the model's default, 1 (or True) on, -1 (or False) off. Fields and names are
+    codec.json's; CodecSettings.from_codec_json reads that file's values (where 0 is a real 0).
     """
 
     key_bits: int = 0
@@ -58,6 +60,25 @@ class CodecSettings:
     rotate_keys: int = 0
     rotate_values: int = 0
     metric_rounding: int = 0
+    fp16_sinks: int = 0
+
+    @classmethod
+    def from_codec_json(cls, d: Mapping[str, Any]) -> "CodecSettings":
+        """The request form of a registry folder's codec.json object: a 0 there is a real 0
+        (sent as -1), booleans are on / off (1 / -1), absent fields stay the server's
+        defaults. Unknown keys are a ValueError naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"codec.json: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        out: Dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, bool):
+                v = 1 if v else -1
+            elif k in ("rank", "window", "sink_tokens", "fp16_sinks") and v == 0:
+                v = -1
+            out[k] = v
+        return cls(**out)
 
 
 @dataclass

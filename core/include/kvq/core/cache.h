@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/tensor.h"
 
@@ -36,17 +37,20 @@ struct SizeReport {
   int64_t elements = 0, encoded_elements = 0;
   int64_t key_block_bytes = 0, value_block_bytes = 0;
   int64_t key_window_bytes = 0, value_window_bytes = 0;
+  // The attention sinks' fp16 rows (CodecOptions::fp16_sinks), held for the life of the cache.
+  int64_t key_sink_bytes = 0, value_sink_bytes = 0;
   // Of the block bytes above, those in sealed blocks (which a store may share between
   // sequences and count once).
   int64_t sealed_block_bytes = 0;
   // Steady state: 8 * block bytes / encoded elements.
   double k_bits_steady() const;
   double v_bits_steady() const;
-  // At this context: 8 * (block + window bytes) / all cached elements.
+  // At this context: 8 * (block + window + sink bytes) / all cached elements.
   double k_bits_effective() const;
   double v_bits_effective() const;
   int64_t total_bytes() const {
-    return key_block_bytes + value_block_bytes + key_window_bytes + value_window_bytes;
+    return key_block_bytes + value_block_bytes + key_window_bytes + value_window_bytes +
+           key_sink_bytes + value_sink_bytes;
   }
   SizeReport& operator+=(const SizeReport& o);
 };
@@ -71,6 +75,21 @@ struct AttendOptions {
   float scale = 0.0f;
 };
 
+// The exact rows of a sequence's attention sinks (CodecOptions::fp16_sinks): fp16 keys and
+// values [kv_heads][S][d] each, which the first group's blocks hold stand-ins for. Made once,
+// when that group is encoded, and never changed; the checksum (XXH3-64 over both) is
+// verified wherever the blocks' are, so that a corrupted sink is detected, never served.
+struct SinkRows {
+  int sinks = 0, head_dim = 0;
+  std::vector<uint16_t> keys, values;
+  uint64_t checksum = 0;
+  uint64_t Hash() const;
+  absl::Status Verify() const;  // DATA_LOSS on a checksum mismatch
+  int64_t bytes() const { return 2 * static_cast<int64_t>(keys.size() + values.size()); }
+  const uint16_t* key(int h, int t) const { return keys.data() + (static_cast<size_t>(h) * sinks + t) * head_dim; }
+  const uint16_t* value(int h, int t) const { return values.data() + (static_cast<size_t>(h) * sinks + t) * head_dim; }
+};
+
 // One encoded group of G tokens for every KV head, immutable once made: the unit of prefix
 // sharing (several caches may hold the same block). For head h, the key block is
 // bytes[offsets[2h], offsets[2h+1]) and the value block bytes[offsets[2h+1], offsets[2h+2]).
@@ -78,6 +97,13 @@ struct SealedBlock {
   explicit SealedBlock(BytePool* pool = nullptr) : bytes(PoolAllocator<uint8_t>(pool)) {}
   Bytes bytes;
   std::vector<uint32_t> offsets{0};
+  // The sinks' exact rows, for a sequence's first group under a codec with fp16_sinks (they
+  // travel with the group when it is shared); null otherwise.
+  std::shared_ptr<const SinkRows> sinks;
+  // Every block's checksum and the sinks'.
+  absl::Status Verify() const;
+  // What the group holds: its bytes, offsets and sinks.
+  int64_t stored_bytes() const;
   std::span<const uint8_t> key(int h) const {
     return {bytes.data() + offsets[2 * h], offsets[2 * h + 1] - offsets[2 * h]};
   }
@@ -139,8 +165,10 @@ class LayerCache {
   absl::Status Append(const TensorView& k, const TensorView& v, int64_t start,
                       const ProbeQueries& probes);
 
-  // Logits: out[h][i][t] = scale * (q . k_base + U^T q . z_hat) over every cached token.
-  // corrections_only: only the HeadQ term (for frontends that score the base themselves).
+  // Logits: out[h][i][t] = scale * (q . k_base + U^T q . z_hat) over every cached token
+  // (scale * q . k for the fp16 sinks and window tokens).
+  // corrections_only: only the HeadQ term (for frontends that score the base themselves);
+  // FAILED_PRECONDITION once fp16 sinks are encoded (their blocks hold stand-ins).
   absl::Status Score(const float* q, int q_heads, int n_q, float* out, float scale = 0.0f,
                      bool corrections_only = false) const;
   // out[h][i][:] = sum_t p[h][i][t] v_hat_t ; p [q_heads][n_q][tokens()].
@@ -183,6 +211,9 @@ class LayerCache {
   // Replaces sealed block b by an identical-by-construction block (same tokens, options and
   // basis) that another cache made, so that both share one copy.
   absl::Status ReplaceSealed(int64_t b, SealedBlockPtr block);
+
+  // The fp16 sinks' rows once the first group is encoded (CodecOptions::fp16_sinks), else null.
+  const std::shared_ptr<const SinkRows>& sinks() const { return sinks_; }
 
   // Raw access to the unsealed blocks, for golden-file tests and fault injection.
   Bytes& key_blocks(int h) { return heads_[h].kblocks; }
@@ -241,6 +272,16 @@ class LayerCache {
   // Groups being sealed by the current append (filled head by head).
   std::vector<std::shared_ptr<SealedBlock>> building_;
   size_t kblock_bytes_;
+  // The fp16 sinks (null until the first group is encoded, or without fp16_sinks), and those
+  // the current append is collecting head by head.
+  std::shared_ptr<const SinkRows> sinks_;
+  std::shared_ptr<SinkRows> building_sinks_;
+  // Copies the sinks' rows out of the first group's [G][d] rows of head h and puts the
+  // stand-in (row S) in their place.
+  void HoldSinks(int h, float* keys, float* values);
+  // The sinks a read must apply (null when none are encoded), verified when `verify`.
+  absl::StatusOr<const SinkRows*> ReadSinks(bool verify) const;
+  absl::Status CheckSinksOf(const SealedBlock& blk, bool first) const;
 };
 
 }  // namespace kvq::core

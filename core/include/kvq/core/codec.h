@@ -47,6 +47,9 @@ inline constexpr size_t kBlockHeaderBytes = 16;
 // zero point is its minimum stored in fp16 (a larger element would make it infinite and the
 // whole group decode to Inf/NaN). Within it every scale and zero point of a block is finite.
 inline constexpr float kMaxStorableMagnitude = 65504.0f;
+// The most attention sinks a codec keeps at fp16 (CodecOptions::fp16_sinks): fewer than the
+// smallest group, so that every first group keeps a row to stand in for them.
+inline constexpr int kMaxFp16Sinks = 16;
 
 enum class ValuePolicy : uint8_t {
   kUniform = 0,  // every token at value_bits
@@ -78,6 +81,12 @@ struct CodecOptions {
   // A^2 policy: the first `sink_tokens` positions of a sequence always get 4 bits
   // (attention sinks carry large, persistent A^2 weight).
   int sink_tokens = 4;
+  // Attention sinks kept exact: positions [0, fp16_sinks) of a sequence (0..16) are stored
+  // at fp16 beside its first key and value blocks (LayerCache's SinkRows), and those blocks
+  // encode a stand-in in their place (the group's first row after them), so that the sinks'
+  // outlier keys and values do not widen the ranges of the whole first group. Reads use the
+  // exact rows; their bytes are counted with the sequence (16 bits per element, once).
+  int fp16_sinks = 0;
   // R: the most recent tokens kept at the precision they arrived in, besides the
   // incomplete group. Tokens are encoded a group at a time once more than R + G - 1 wait.
   int window = 0;

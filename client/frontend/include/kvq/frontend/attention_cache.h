@@ -80,8 +80,7 @@ class CodecCache : public AttentionCache {
                                                              bool keys_only = false,
                                                              CodecRead read = CodecRead::kDecode,
                                                              const std::vector<int>* layer_ranks = nullptr,
-                                                             bool probe = false,
-                                                             int sink_tokens = 0);
+                                                             bool probe = false);
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
   int64_t tokens(int layer) const override { return layers_[layer]->tokens(); }
@@ -102,14 +101,6 @@ class CodecCache : public AttentionCache {
   // keys_only: scores from the codec (Score), values read dense from fp16-rounded copies.
   bool keys_only_ = false;
   std::vector<std::vector<float>> dense_v_;  // per layer [tokens][kv_heads][d]
-  // Attention sinks (an evaluation-only lever): positions < sink_tokens_ are kept at fp16
-  // here, per layer [t][kv_heads][d], and replace the codec's decoded rows. The codec gets
-  // the chunk's first non-sink row in their place, so that the sinks' outliers do not widen
-  // the ranges of their group; a codec that stored sinks apart would skip them.
-  int sink_tokens_ = 0;
-  std::vector<std::vector<float>> sink_k_, sink_v_;
-  void HoldSinks(int layer, int64_t start, int n, uint16_t* kh, uint16_t* vh);
-  void PutSinks(int layer, int64_t T, float* K, float* V) const;
   std::vector<std::unique_ptr<core::LayerCache>> layers_;
 };
 

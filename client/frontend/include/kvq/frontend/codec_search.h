@@ -19,12 +19,15 @@ namespace kvq::frontend {
 // Steady-state bits per element of a codec at its head_dim, every byte counted (headers,
 // scales and zero points, side code, A^2 width tags): 8 * block bytes / (G * head_dim), as
 // kvq-eval's k_bits / v_bits columns measure them. An A^2 value block is counted at its
-// largest size (MaxValueBlockBytes), so the figure bounds what any block costs.
+// largest size (MaxValueBlockBytes), so the figure bounds what any block costs. The fp16
+// sinks (CodecOptions::fp16_sinks) cost a sequence the same bytes whatever its length: they
+// are counted at `context_tokens` (the search's window length; 0: not counted).
 struct CodecBits {
   double k = 0, v = 0;
-  double per_element() const { return (k + v) / 2; }  // K and V together
+  double sinks = 0;  // bits per element the fp16 sinks add (K and V together) at the context
+  double per_element() const { return (k + v) / 2 + sinks; }  // K and V together
 };
-CodecBits SteadyStateBits(const core::CodecOptions& o);
+CodecBits SteadyStateBits(const core::CodecOptions& o, int context_tokens = 0);
 
 // The candidates, as kvq-eval config names (full-KV "kv" targets with the query basis):
 // the one list to edit to search more settings. From about 2.4 to 9 bits per element at
@@ -40,6 +43,10 @@ const std::vector<std::string>& KeyLevers();
 // The probe has 2-bit keys: at 3 bits the levers' perplexities lay within rounding noise of
 // each other on Qwen2.5 (0.5%), at 2 bits they differ by several percent.
 inline constexpr char kLeverProbe[] = "headq-kv2-g128";
+// The attention-sink lever (CodecOptions::fp16_sinks = 4): tried on the probe with the key
+// lever chosen, and when it lowers the probe's perplexity every candidate is searched with
+// and without it (the budget decides, its 16-bit rows counted at the search's context).
+inline constexpr char kSinkLever[] = "sink4";
 // `name` with `lever` applied: headq names get it whole, kivi names its codec parts only
 // (they have no basis to make oblique).
 std::string WithKeyLever(const std::string& name, const std::string& lever);
@@ -58,9 +65,11 @@ struct CodecSearchRow {
 // the query basis or the oblique pair is an error naming it), its bits counted, and skipped when its bits per
 // element exceed max_bits or its rank the basis rank. FAILED_PRECONDITION when none is left,
 // naming the smallest candidate's bits.
+// context_tokens: where the fp16 sinks are counted (SteadyStateBits).
 absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<std::string>& names,
                                                             int head_dim, int basis_rank,
-                                                            double max_bits);
+                                                            double max_bits,
+                                                            int context_tokens = 0);
 
 // Evaluates every row not skipped: perplexity over `windows` windows of `window_len` tokens
 // of `tokens` (llama.cpp's protocol, decode-faithful: EvaluatePerplexity) with `basis`, and

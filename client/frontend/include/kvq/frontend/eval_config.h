@@ -34,9 +34,9 @@
 //                         matrix before quantization (CodecOptions::rotate_keys/values)
 //              fused      read through the codec's fused LayerCache::Attend instead of
 //                         local attention over LayerCache::Decode (same numbers, slower)
-//              sink<N>    attention sinks: a sequence's first N positions (1..64) kept at
-//                         fp16, keys and values, outside the codec's groups (an evaluation-
-//                         only lever: CodecCache's sink_tokens; counted in the at-context bits)
+//              sink<N>    attention sinks: a sequence's first N positions (1..16) kept at
+//                         fp16, keys and values, beside the codec's first group
+//                         (CodecOptions::fp16_sinks; counted in the at-context bits)
 //
 // Defaults: G = 32, value group 32, R = 0, side bits 8, except headq-kv*-a2, which defaults
 // to G = 128 (the side code repairs the coarser key groups; that pays for the side code and
@@ -68,7 +68,6 @@ struct EvalConfig {
   bool fused = false;           // CodecRead::kAttend
   bool adaptive_rank = false;   // per-layer ranks from BasisSet::layer_ranks
   bool probe = false;           // A^2 probe queries with each append
-  int sink_tokens = 0;          // sink<N>: first N positions at fp16 (CodecCache)
 };
 
 // The name of the config that evaluates the basis folder's codec.json.

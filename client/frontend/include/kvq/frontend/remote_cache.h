@@ -66,11 +66,6 @@ absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const Ca
                                                 const core::ModelBasis* basis,
                                                 const std::string& name = "");
 
-// Every codec field explicit (rank 0 and window 0 as -1, the wire's "force 0"). Fails for
-// options the wire cannot express (side_sign != 1: the wrong-sign control is in-process
-// only; sink_tokens == 0 with the A^2 policy).
-absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o);
-
 // Counters of a batcher (all its caches together).
 struct RemoteStats {
   // flushes: one read call each (an Attend, or for keys-only a Score, whose items carry

@@ -318,8 +318,7 @@ def _info(basis: BasisFiles, name: str, with_basis: bool) -> Dict[str, Any]:
     if basis.codec:
         from ..types import CodecSettings
 
-        info["codec"] = CodecSettings(**{k: v for k, v in basis.codec.items()
-                                         if k in CodecSettings.__dataclass_fields__})
+        info["codec"] = CodecSettings.from_codec_json(basis.codec)
     return info
 
 
