@@ -193,6 +193,16 @@ TEST_F(RemoteCacheTest, LeverCodecOverAnObliqueBasisMatchesInProcess) {
   EXPECT_LE(Compare(o, false, 2, nullptr), 1e-6);
 }
 
+// fp16 sinks over the wire: the server keeps the first positions exact as the in-process
+// codec does, on the uniform and the A^2 value policies.
+TEST_F(RemoteCacheTest, Fp16SinksMatchInProcess) {
+  for (bool a2 : {false, true}) {
+    core::CodecOptions o = Codec(a2);
+    o.fp16_sinks = 3;
+    EXPECT_LE(Compare(o, false, 2, nullptr), 1e-6) << "a2=" << a2;
+  }
+}
+
 TEST_F(RemoteCacheTest, A2ValuePolicyObservesThroughAttend) {
   RemoteStats st;
   EXPECT_LE(Compare(Codec(true), false, 2, &st), 1e-6);
