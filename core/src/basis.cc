@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvq/core/env.h"
 #include "kvq/core/json_fields.h"
 #include "kvq/core/status.h"
 
@@ -26,35 +27,6 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
-
-absl::Status WriteFileAtomic(const fs::path& path, const std::string& bytes) {
-  const fs::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) return absl::InternalError(absl::StrCat("cannot write ", tmp.string()));
-    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    f.flush();
-    if (!f) return absl::InternalError(absl::StrCat("short write to ", tmp.string()));
-  }
-  std::error_code ec;
-  fs::rename(tmp, path, ec);
-  if (ec) return absl::InternalError(absl::StrCat("rename ", tmp.string(), ": ", ec.message()));
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadFile(const fs::path& path, size_t limit) {
-  std::error_code ec;
-  const auto size = fs::file_size(path, ec);
-  if (ec) return absl::NotFoundError(absl::StrCat(path.string(), ": ", ec.message()));
-  if (size > limit)
-    return absl::InvalidArgumentError(absl::StrCat(path.string(), ": ", size,
-                                                   " bytes, over the limit of ", limit));
-  std::ifstream f(path, std::ios::binary);
-  std::string s(size, '\0');
-  f.read(s.data(), static_cast<std::streamsize>(size));
-  if (!f) return absl::DataLossError(absl::StrCat(path.string(), ": short read"));
-  return s;
-}
 
 absl::Status Bad(const std::string& dir, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat("basis ", dir, ": ", what));
@@ -90,7 +62,8 @@ ModelBasis ModelBasis::Truncated(int r) const {
   return out;
 }
 
-absl::Status WriteBasis(const std::string& dir, ModelBasis& b) {
+absl::Status WriteBasis(const std::string& dir, ModelBasis& b, Env* env) {
+  if (env == nullptr) env = Env::Default();
   const BasisManifest& m = b.manifest;
   const size_t per_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
   if (m.layers < 1 || m.kv_heads < 1 || m.head_dim < 1 || m.rank < 1 ||
@@ -131,9 +104,7 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b) {
   bytes.append(reinterpret_cast<const char*>(b.u.data()), b.u.size() * 4);
   if (b.oblique()) bytes.append(reinterpret_cast<const char*>(b.encode.data()), b.encode.size() * 4);
   bytes.append(reinterpret_cast<const char*>(b.query_moment.data()), b.query_moment.size() * 4);
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return absl::InternalError(absl::StrCat("mkdir ", dir, ": ", ec.message()));
+  RETURN_IF_ERROR(env->CreateDirs(dir));
   json mj = {{"format", "kvq-basis"},
              {"format_version", 1},
              {"model", m.model},
@@ -149,12 +120,13 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b) {
              {"calibration_tokens", m.calibration_tokens},
              {"calibration_text", m.calibration_text},
              {"fingerprint", b.manifest.fingerprint}};
-  if (auto s = WriteFileAtomic(fs::path(dir) / "basis.safetensors", bytes); !s.ok()) return s;
-  return WriteFileAtomic(fs::path(dir) / "manifest.json", mj.dump(2) + "\n");
+  RETURN_IF_ERROR(env->WriteFileAtomic((fs::path(dir) / "basis.safetensors").string(), bytes));
+  return env->WriteFileAtomic((fs::path(dir) / "manifest.json").string(), mj.dump(2) + "\n");
 }
 
-absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir) {
-  auto ms = ReadFile(fs::path(dir) / "manifest.json", 1 << 20);
+absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env) {
+  if (env == nullptr) env = Env::Default();
+  auto ms = env->ReadFile((fs::path(dir) / "manifest.json").string(), 1 << 20);
   if (!ms.ok()) return ms.status();
   json mj = json::parse(*ms, nullptr, false);
   if (mj.is_discarded() || !mj.is_object()) return Bad(dir, "manifest.json is not a JSON object");
@@ -190,7 +162,7 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir) {
   const size_t u_bytes = per_layer * m.layers * 4;
   const size_t moment_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.head_dim;
   const size_t moment_bytes = moment_layer * m.layers * 4;
-  auto ts = ReadFile(fs::path(dir) / "basis.safetensors", 2 * u_bytes + moment_bytes + (16 << 20));
+  auto ts = env->ReadFile((fs::path(dir) / "basis.safetensors").string(), 2 * u_bytes + moment_bytes + (16 << 20));
   if (!ts.ok()) return ts.status();
   const std::string& t = *ts;
   if (t.size() < 8) return Bad(dir, "basis.safetensors truncated (no header length)");

@@ -68,17 +68,10 @@ absl::Status JsonFields::Bool(absl::string_view key, bool* out) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path) {
-  constexpr uintmax_t kMaxBytes = 1 << 20;
-  std::error_code ec;
-  const uintmax_t size = std::filesystem::file_size(path, ec);
-  if (ec) return absl::NotFoundError(absl::StrCat("cannot read ", path, ": ", ec.message()));
-  if (size > kMaxBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, " holds ", size, " bytes, over the limit of ", kMaxBytes));
-  }
-  std::ifstream f(path, std::ios::binary);
-  nlohmann::json j = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path, Env* env) {
+  if (env == nullptr) env = Env::Default();
+  ASSIGN_OR_RETURN(const std::string text, env->ReadFile(path, size_t{1} << 20));
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is not a JSON object"));
   }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvq/core/env.h"
 
 namespace kvq::core {
 
@@ -67,8 +68,9 @@ struct ModelBasis {
 
 // Writes dir/basis.safetensors and dir/manifest.json atomically (temp files + rename).
 // Fills manifest.fingerprint.
-absl::Status WriteBasis(const std::string& dir, ModelBasis& basis);
-absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir);
+// env: where the files are written / read (null: Env::Default()).
+absl::Status WriteBasis(const std::string& dir, ModelBasis& basis, Env* env = nullptr);
+absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env = nullptr);
 // The checks every basis passes wherever it comes from (ReadBasis, a registration), against
 // the shape in `m` (layers, kv_heads, head_dim, rank; b.manifest is not consulted): the
 // tensor sizes (U; A the same when oblique; query_moment [layers][kv][d][d] when present),

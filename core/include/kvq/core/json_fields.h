@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "kvq/core/basis.h"
+#include "kvq/core/env.h"
 #include "nlohmann/json.hpp"
 
 namespace kvq::core {
@@ -37,7 +38,7 @@ class JsonFields {
 
 // A registry file as a JSON object, at most 1 MiB (never an exception: a garbage or
 // truncated file is INVALID_ARGUMENT naming it, a missing one NOT_FOUND).
-absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path);
+absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path, Env* env = nullptr);
 
 // The identity and shape fields that manifest.json (a basis) and model.json (no basis)
 // share: model, version, layers, kv_heads, q_heads, head_dim, rope_layout, channel_order.

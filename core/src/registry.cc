@@ -17,7 +17,7 @@
 #include "kvq/core/codec_json.h"
 #include "kvq/core/json_fields.h"
 #include "kvq/core/status.h"
-#include "kvq/core/store.h"
+#include "kvq/core/registry.h"
 #include "nlohmann/json.hpp"
 
 namespace kvq::core {
@@ -47,40 +47,16 @@ absl::Status CheckIdentifier(absl::string_view field, const std::string& v, size
   return absl::OkStatus();
 }
 
-absl::Status WriteText(const fs::path& p, const std::string& text) {
-  std::ofstream f(p, std::ios::binary | std::ios::trunc);
-  f << text;
-  f.flush();
-  if (!f) return absl::InternalError(absl::StrCat("cannot write ", p.string()));
-  return absl::OkStatus();
-}
-
-// fsync(2) of a file or a folder (a folder's fsync makes its entries, e.g. a rename, durable).
-absl::Status SyncPath(const fs::path& p) {
-  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    return absl::InternalError(
-        absl::StrCat("cannot open ", p.string(), " to fsync it: ", std::strerror(errno)));
-  }
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) {
-    return absl::InternalError(absl::StrCat("cannot fsync ", p.string(), ": ", std::strerror(err)));
-  }
-  return absl::OkStatus();
-}
-
 // Every file of a freshly written entry folder, then the folder itself.
-absl::Status SyncEntry(const fs::path& dir) {
+absl::Status SyncEntry(Env& env, const fs::path& dir) {
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (it->is_regular_file(ec)) RETURN_IF_ERROR(SyncPath(it->path()));
+    if (it->is_regular_file(ec)) RETURN_IF_ERROR(env.Sync(it->path().string()));
   }
   if (ec) {
     return absl::InternalError(absl::StrCat("cannot list ", dir.string(), ": ", ec.message()));
   }
-  return SyncPath(dir);
+  return env.Sync(dir.string());
 }
 
 // The first field in which two entries of one (model, version) differ ("" when none).
@@ -144,7 +120,8 @@ CodecOptions Registry::LegacyDefaultCodec(const BasisManifest& m, bool has_basis
   return c;
 }
 
-Registry::Registry(std::string dir) : dir_(std::move(dir)) {}
+Registry::Registry(std::string dir, Env* env)
+    : dir_(std::move(dir)), env_(env ? env : Env::Default()) {}
 
 absl::Status Registry::ValidateEntry(const ModelEntry& e) {
   const BasisManifest& m = e.manifest;
@@ -223,11 +200,11 @@ absl::StatusOr<ModelEntry> Registry::LoadEntry(const std::string& path) const {
   const fs::path p(path);
   std::error_code ec;
   if (fs::exists(p / "manifest.json", ec)) {
-    ASSIGN_OR_RETURN(e.basis, ReadBasis(path));
+    ASSIGN_OR_RETURN(e.basis, ReadBasis(path, env_));
     e.manifest = e.basis.manifest;
     e.has_basis = true;
   } else if (fs::exists(p / "model.json", ec)) {
-    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject((p / "model.json").string()));
+    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject((p / "model.json").string(), env_));
     const JsonFields f(j, "model.json");
     BasisManifest& m = e.manifest;
     m.model.clear();
@@ -241,7 +218,7 @@ absl::StatusOr<ModelEntry> Registry::LoadEntry(const std::string& path) const {
   }
   e.codec = DefaultCodec(e.manifest, e.has_basis);
   if (fs::exists(p / "codec.json", ec)) {
-    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject((p / "codec.json").string()));
+    ASSIGN_OR_RETURN(const nlohmann::json j, ReadJsonObject((p / "codec.json").string(), env_));
     RETURN_IF_ERROR(CodecFromJson(j, "codec.json", &e.codec));
   }
   RETURN_IF_ERROR(ValidateEntry(e));
@@ -308,15 +285,13 @@ absl::Status Registry::Persist(const ModelEntry& e) const {
   const fs::path tmp =
       fs::path(dir_) / absl::StrCat(".tmp-", e.manifest.model, "-v", e.manifest.version, "-",
                                     getpid(), "-", counter.fetch_add(1));
-  std::error_code ec;
-  fs::create_directories(tmp, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create ", tmp.string()));
-  auto cleanup = [&] { fs::remove_all(tmp, ec); };
+  RETURN_IF_ERROR(env_->CreateDirs(tmp.string()));
+  auto cleanup = [&] { (void)env_->RemoveAll(tmp.string()); };
   absl::Status st;
   if (e.has_basis) {
     ModelBasis b = e.basis;
     b.manifest = e.manifest;
-    st = WriteBasis(tmp.string(), b);
+    st = WriteBasis(tmp.string(), b, env_);
   } else {
     const BasisManifest& m = e.manifest;
     nlohmann::json j = {{"model", m.model},
@@ -327,30 +302,49 @@ absl::Status Registry::Persist(const ModelEntry& e) const {
                         {"head_dim", m.head_dim},
                         {"rope_layout", m.rope_layout},
                         {"channel_order", m.channel_order}};
-    st = WriteText(tmp / "model.json", j.dump(2));
+    st = env_->WriteFile((tmp / "model.json").string(), j.dump(2));
   }
-  if (st.ok()) st = WriteText(tmp / "codec.json", CodecToJson(e.codec).dump(2));
+  if (st.ok()) st = env_->WriteFile((tmp / "codec.json").string(), CodecToJson(e.codec).dump(2));
   // Durable before it becomes visible: the files and the folder reach the disk, then the
   // rename, then the folders holding the old and the new name.
-  if (st.ok()) st = SyncEntry(tmp);
+  if (st.ok()) st = SyncEntry(*env_, tmp);
   if (!st.ok()) {
     cleanup();
     return st;
   }
-  fs::create_directories(final_dir.parent_path(), ec);
-  if (fs::exists(final_dir)) {
+  // The model's folder, when this registration makes it, goes again on any failure below.
+  std::error_code ec;
+  const fs::path model_dir = final_dir.parent_path();
+  const bool made_model_dir = !fs::exists(model_dir, ec);
+  auto undo = [&] {
+    cleanup();
+    if (made_model_dir) (void)env_->RemoveAll(model_dir.string());
+  };
+  st = env_->CreateDirs(model_dir.string());
+  if (!st.ok()) {
+    undo();
+    return st;
+  }
+  if (fs::exists(final_dir, ec)) {
     cleanup();
     return absl::AlreadyExistsError(
         absl::StrCat(final_dir.string(), " already exists on disk but was not loaded"));
   }
-  fs::rename(tmp, final_dir, ec);
-  if (ec) {
-    cleanup();
-    return absl::InternalError(
-        absl::StrCat("cannot rename into ", final_dir.string(), ": ", ec.message()));
+  st = env_->Rename(tmp.string(), final_dir.string());
+  if (!st.ok()) {
+    undo();
+    return st;
   }
-  RETURN_IF_ERROR(SyncPath(final_dir.parent_path()));
-  return SyncPath(dir_);
+  // The rename is not known durable until the folders holding it are synced: on a failure
+  // there the entry is taken back out, so that a failed registration leaves nothing behind
+  // that the next start would load.
+  st = env_->Sync(model_dir.string());
+  if (st.ok()) st = env_->Sync(dir_);
+  if (!st.ok()) {
+    (void)env_->RemoveAll(final_dir.string());
+    undo();
+  }
+  return st;
 }
 
 absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry entry,
@@ -381,7 +375,10 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry 
     if (already) *already = true;
     return it->second;
   }
-  RETURN_IF_ERROR(Persist(entry));
+  if (absl::Status st = Persist(entry); !st.ok()) {
+    if (versions.empty()) models_.erase(entry.manifest.model);
+    return st;
+  }
   auto p = std::make_shared<const ModelEntry>(std::move(entry));
   versions[p->manifest.version] = p;
   return p;
