@@ -308,7 +308,13 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
   building_.clear();
   building_sinks_.reset();
   if (sealing_ && heads_[0].voffsets.empty()) {
-    for (int64_t g = 0; g < ready; ++g) building_.push_back(std::make_shared<SealedBlock>(pool_));
+    for (int64_t g = 0; g < ready; ++g) {
+      // Sized once: its exact bytes (the largest A^2 value blocks), never regrown.
+      auto b = std::make_shared<SealedBlock>(pool_);
+      b->bytes.reserve(static_cast<size_t>(kv_heads_) * (kblock_bytes_ + MaxValueBlockBytes(opts_)));
+      b->offsets.reserve(2 * kv_heads_ + 1);
+      building_.push_back(std::move(b));
+    }
   }
   auto join_window = [&](int h, int64_t j0) {
     Head& hd = heads_[h];

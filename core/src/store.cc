@@ -467,6 +467,29 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
   s->size = size;
 }
 
+// What one indexed group takes, counted against the tenant: the block's bytes (their
+// capacity), offsets and sinks, its arrival hashes, and the index's bookkeeping: the hash-map
+// slot (at the map's lowest load, 7/8), the SealedBlock object with its shared_ptr control
+// block, the vectors' heap headers, its key in its parent's children (with the vector's
+// doubling) and its entry in the retained set (every group is retained once unused). A heap
+// block costs malloc's 16-byte header on glibc x86-64.
+namespace {
+int64_t IndexedGroupBytes(const Store::Tenant::Node& n) {
+  constexpr int64_t kHeader = 16;
+  const SealedBlock& b = *n.block;
+  const int64_t slot = static_cast<int64_t>(sizeof(std::pair<const PrefixKey, Store::Tenant::Node>) + 1);
+  int64_t bytes = slot * 8 / 7 + 1;
+  bytes += static_cast<int64_t>(sizeof(SealedBlock)) + 16 + kHeader;  // make_shared
+  bytes += static_cast<int64_t>(b.bytes.capacity()) + kHeader;
+  bytes += static_cast<int64_t>(b.offsets.capacity() * sizeof(uint32_t)) + kHeader;
+  if (b.sinks) bytes += b.sinks->bytes() + static_cast<int64_t>(sizeof(SinkRows)) + 16 + 3 * kHeader;
+  bytes += static_cast<int64_t>(n.hashes.capacity() * sizeof(uint64_t)) + kHeader;
+  bytes += 2 * static_cast<int64_t>(sizeof(PrefixKey)) + kHeader;  // in the parent's children
+  bytes += 32 + static_cast<int64_t>(sizeof(std::pair<absl::Time, PrefixKey>)) + kHeader;  // retained
+  return bytes;
+}
+}  // namespace
+
 absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int layer) {
   Sequence::LayerPrefix& lp = s->prefix[layer];
   LayerCache& cache = *s->layers[layer];
@@ -504,8 +527,7 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
       }
       node.refs = 1;
       node.last_used = now;
-      node.bytes = node.block->stored_bytes() +
-                   static_cast<int64_t>(node.hashes.size() * sizeof(uint64_t));
+      node.bytes = IndexedGroupBytes(node);
       T.node_bytes += node.bytes;
       T.bytes += node.bytes;
       used_bytes_ += node.bytes;

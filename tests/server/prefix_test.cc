@@ -1,10 +1,13 @@
 // Prefix sharing in core::Store (no gRPC): sealed groups indexed by a chained hash of token
 // ids, stored once per tenant, attached without data, retained after delete, dropped first
 // under pressure and never leaving an extension without its prefix.
+#include <malloc.h>
+
 #include <atomic>
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvq/core/store.h"
@@ -264,14 +267,43 @@ TEST_F(PrefixTest, Fp16SinksAreSharedWithTheFirstGroup) {
     ExpectSameDecode(store, "d", "u", layer);
   }
   // The prefix index counts each first group with its sinks (2 layers x 2 heads x 4 rows of
-  // 64 fp16 keys and values).
+  // 64 fp16 keys and values, and per layer the SinkRows object and its three heap blocks).
   Store plain({}, &registry_);
   CodecOptions none = c;
   none.fp16_sinks = 0;
   ASSERT_TRUE(plain.Append("t", with_codec(a.All("a"), none), &out).ok());
-  EXPECT_EQ(one.prefix_bytes - plain.TotalUsage().prefix_bytes, 2 * kKv * 4 * kD * 2 * 2);
+  EXPECT_EQ(one.prefix_bytes - plain.TotalUsage().prefix_bytes,
+            2 * kKv * 4 * kD * 2 * 2 + 2 * static_cast<int64_t>(sizeof(SinkRows) + 16 + 3 * 16));
   ASSERT_TRUE(store.Append("t", with_codec(a.All("n"), none), &out).ok());
   EXPECT_EQ(out.tokens_shared, 0);
+}
+
+// The prefix index's bookkeeping (its hash-map slots, the sealed group's object and vectors,
+// the retained set's entries) is counted with each group, so that a workload of many short
+// prompts stays within what the store counts.
+TEST_F(PrefixTest, RetainedGroupsAreCountedAtTheMemoryTheyTake) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "heap statistics need glibc's allocator";
+#endif
+  Store store({}, &registry_);
+  constexpr int kPrompts = 4000;
+  std::vector<Tokens> prompts;
+  prompts.reserve(kPrompts);
+  for (int i = 0; i < kPrompts; ++i) prompts.emplace_back(Ids(32, 7 + 40 * i), 2);
+  const size_t heap_before = mallinfo2().uordblks;
+  const int64_t counted_before = store.TotalUsage().bytes;
+  for (int i = 0; i < kPrompts; ++i) {
+    AppendOutcome out;
+    const std::string id = absl::StrCat("p", i);
+    ASSERT_TRUE(store.Append("t", prompts[i].All(id), &out).ok());
+    ASSERT_TRUE(store.Delete("t", id).ok());  // its two groups stay, retained
+  }
+  EXPECT_EQ(store.TotalUsage().prefix_blocks, 2 * kPrompts);
+  const double heap = static_cast<double>(mallinfo2().uordblks - heap_before) / kPrompts;
+  const double counted = static_cast<double>(store.TotalUsage().bytes - counted_before) / kPrompts;
+  std::printf("per retained one-group prompt (two layers): heap %.0f B, counted %.0f B\n", heap,
+              counted);
+  EXPECT_LE(heap, 1.02 * counted);
 }
 
 TEST_F(PrefixTest, SharingStopsAtTheFirstDifferentGroupAndNeverCrossesTenants) {
@@ -407,7 +439,9 @@ TEST_F(PrefixTest, RetainedPrefixesServeLaterSequencesAndGoFirstUnderPressure) {
   Tokens a(Ids(128, 11), 5);
   const int64_t one = BytesUnshared(a);
   StoreOptions o;
-  o.capacity_bytes = 3 * one;
+  // Three sequences, and room for the bookkeeping of the probe sequence below that attaches
+  // the retained groups (which it pins, so they cannot make that room themselves).
+  o.capacity_bytes = 3 * one + 4096;
   Store store(o, &registry_);
   AppendOutcome out;
   ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
@@ -624,10 +658,15 @@ TEST_F(PrefixTest, ConcurrentSharersLeaveExactAccounting) {
       EXPECT_EQ(u.prefix_blocks, 0);
     }
     EXPECT_EQ(u.bytes, store.TenantUsage("t").bytes);
-    // Only retained groups hold pool memory now: exactly their block bytes (a group's usage
-    // also counts its 2 kv_heads + 1 offsets and its G = 32 arrival hashes, kept elsewhere).
-    EXPECT_EQ(slabs.usage().requested_bytes,
-              u.prefix_bytes - u.prefix_blocks * int64_t{4 * (2 * kKv + 1) + 8 * 32});
+    // Only retained groups hold pool memory now: exactly their block bytes. A group's usage
+    // also counts what is kept elsewhere, the same for every group of this codec: its
+    // 2 kv_heads + 1 offsets, its G = 32 arrival hashes and the index's bookkeeping.
+    if (u.prefix_blocks > 0) {
+      const int64_t elsewhere = u.prefix_bytes - slabs.usage().requested_bytes;
+      EXPECT_EQ(elsewhere % u.prefix_blocks, 0);
+      EXPECT_GE(elsewhere / u.prefix_blocks, 4 * (2 * kKv + 1) + 8 * 32);
+      EXPECT_LE(elsewhere / u.prefix_blocks, 4 * (2 * kKv + 1) + 8 * 32 + 1024);
+    }
     EXPECT_EQ(slabs.usage().fallback_bytes, 0);
     // The store gone, the pool has every byte back.
     owned.reset();
