@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <new>
 
 #include <xxhash.h>
 
@@ -303,19 +304,34 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
       return absl::InvalidArgumentError(absl::StrCat(
           "probe causal_offset = ", probes->causal_offset, ": must be >= -1"));
   }
-  tokens_ += n;
   // Sealed groups only lead the cache: once an unsealed block exists, no more sealing.
   building_.clear();
   building_sinks_.reset();
-  if (sealing_ && heads_[0].voffsets.empty()) {
-    for (int64_t g = 0; g < ready; ++g) {
-      // Sized once: its exact bytes (the largest A^2 value blocks), never regrown.
-      auto b = std::make_shared<SealedBlock>(pool_);
-      b->bytes.reserve(static_cast<size_t>(kv_heads_) * (kblock_bytes_ + MaxValueBlockBytes(opts_)));
-      b->offsets.reserve(2 * kv_heads_ + 1);
-      building_.push_back(std::move(b));
+  // Every byte the new groups take from the block pool, taken before anything changes: a pool
+  // that cannot give it (std::bad_alloc) fails the append with RESOURCE_EXHAUSTED and leaves
+  // the cache as it was (the encoders below then never grow a block vector).
+  try {
+    if (sealing_ && heads_[0].voffsets.empty()) {
+      for (int64_t g = 0; g < ready; ++g) {
+        // Sized once: its exact bytes (the largest A^2 value blocks), never regrown.
+        auto b = std::make_shared<SealedBlock>(pool_);
+        b->bytes.reserve(static_cast<size_t>(kv_heads_) * (kblock_bytes_ + MaxValueBlockBytes(opts_)));
+        b->offsets.reserve(2 * kv_heads_ + 1);
+        building_.push_back(std::move(b));
+      }
+    } else if (ready > 0) {
+      for (Head& hd : heads_) {
+        Reserve(&hd.kblocks, ready * kblock_bytes_);
+        Reserve(&hd.vblocks, ready * MaxValueBlockBytes(opts_));
+      }
     }
+  } catch (const std::bad_alloc&) {
+    building_.clear();
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "append of ", n, " tokens: the block pool cannot hold ", ready, " more groups of ",
+        kv_heads_, " heads"));
   }
+  tokens_ += n;
   auto join_window = [&](int h, int64_t j0) {
     Head& hd = heads_[h];
     if (has_window && hd.win_dtype != to) {

@@ -5,6 +5,7 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <set>
 
@@ -477,15 +478,18 @@ namespace {
 int64_t IndexedGroupBytes(const Store::Tenant::Node& n) {
   constexpr int64_t kHeader = 16;
   const SealedBlock& b = *n.block;
-  const int64_t slot = static_cast<int64_t>(sizeof(std::pair<const PrefixKey, Store::Tenant::Node>) + 1);
+  using Slot = std::pair<const PrefixKey, Store::Tenant::Node>;
+  const int64_t slot = static_cast<int64_t>(sizeof(Slot) + 1);
   int64_t bytes = slot * 8 / 7 + 1;
   bytes += static_cast<int64_t>(sizeof(SealedBlock)) + 16 + kHeader;  // make_shared
   bytes += static_cast<int64_t>(b.bytes.capacity()) + kHeader;
   bytes += static_cast<int64_t>(b.offsets.capacity() * sizeof(uint32_t)) + kHeader;
-  if (b.sinks) bytes += b.sinks->bytes() + static_cast<int64_t>(sizeof(SinkRows)) + 16 + 3 * kHeader;
+  if (b.sinks)
+    bytes += b.sinks->bytes() + static_cast<int64_t>(sizeof(SinkRows)) + 16 + 3 * kHeader;
   bytes += static_cast<int64_t>(n.hashes.capacity() * sizeof(uint64_t)) + kHeader;
   bytes += 2 * static_cast<int64_t>(sizeof(PrefixKey)) + kHeader;  // in the parent's children
-  bytes += 32 + static_cast<int64_t>(sizeof(std::pair<absl::Time, PrefixKey>)) + kHeader;  // retained
+  // Its retained-set entry: a red-black node (32 bytes) around (time, key).
+  bytes += 32 + static_cast<int64_t>(sizeof(std::pair<absl::Time, PrefixKey>)) + kHeader;
   return bytes;
 }
 }  // namespace
@@ -544,6 +548,28 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
   }
   return absl::OkStatus();
 }
+
+namespace {
+// The sequences one append holds: locked in address order (two appends never wait on each
+// other in a cycle) and unlocked in reverse when it goes out of scope, on every path.
+class SequenceLocks {
+ public:
+  explicit SequenceLocks(std::vector<Store::Sequence*> seqs) ABSL_NO_THREAD_SAFETY_ANALYSIS
+      : seqs_(std::move(seqs)) {
+    std::sort(seqs_.begin(), seqs_.end());
+    for (Store::Sequence* s : seqs_) s->mu.Lock();
+  }
+  ~SequenceLocks() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (auto it = seqs_.rbegin(); it != seqs_.rend(); ++it) (*it)->mu.Unlock();
+  }
+  SequenceLocks(const SequenceLocks&) = delete;
+  SequenceLocks& operator=(const SequenceLocks&) = delete;
+  const std::vector<Store::Sequence*>& held() const { return seqs_; }
+
+ private:
+  std::vector<Store::Sequence*> seqs_;
+};
+}  // namespace
 
 absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
                            AppendOutcome* outcome) {
@@ -614,14 +640,11 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       ids.push_back(id);
     }
 
-    // 2. Lock every sequence, in address order.
-    std::vector<Sequence*> locked;
-    for (auto& [id, s] : seqs) locked.push_back(s.get());
-    std::sort(locked.begin(), locked.end());
-    for (Sequence* s : locked) s->mu.Lock();
-    auto unlock_all = [&] {
-      for (auto it = locked.rbegin(); it != locked.rend(); ++it) (*it)->mu.Unlock();
-    };
+    // 2. Lock every sequence, in address order, until this attempt ends (whatever leaves it).
+    std::vector<Sequence*> to_lock;
+    for (auto& [id, s] : seqs) to_lock.push_back(s.get());
+    const SequenceLocks locks(std::move(to_lock));
+    const std::vector<Sequence*>& locked = locks.held();
 
     // 3. Validate the whole batch, simulating the lengths it produces.
     struct Plan {
@@ -860,7 +883,6 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
     };
     if (!bad.ok()) {
       unpin(0);
-      unlock_all();
       *outcome = AppendOutcome{};
       return bad;
     }
@@ -879,14 +901,12 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       }
       if (raced) {
         unpin_locked(0);
-        unlock_all();
         if (attempt < 3) continue;
         return absl::AbortedError("sequences changed concurrently; retry the append");
       }
       absl::Status st = ReserveLocked(tenant, estimate, locked);
       if (!st.ok()) {
         unpin_locked(0);
-        unlock_all();
         *outcome = AppendOutcome{};
         return st;
       }
@@ -900,94 +920,119 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       for (auto& [id, s] : seqs) TouchLocked(s.get());
     }
 
-    // 5. Apply.
+    // 5. Apply. A failed item stops the batch there (the items before it stay applied; a
+    // LayerCache append that fails changes nothing, its block pool reserved up front).
     absl::Status applied;
-    for (size_t i = 0; i < batch.size() && applied.ok(); ++i) {
-      const AppendSpec& a = batch[i];
-      const Plan& p = plans[i];
-      Sequence* s = seqs[a.sequence_id].get();
-      if (p.n == 0) continue;
-      auto& cache = s->layers[a.layer];
-      if (!cache) {
-        const ModelEntry& model = *s->model;
-        cache = std::make_unique<LayerCache>(s->codec, model.manifest.kv_heads,
-                                             LayerTables(model, a.layer, s->codec), opts_.byte_pool);
-      }
-      Sequence::LayerPrefix& lp = s->prefix[a.layer];
-      if (a.token_ids.empty()) {
-        lp.open = false;
-        lp.pending_ids.clear();
-      }
-      cache->set_sealing(lp.open);
-      const int G = s->codec.key_group;
-      const int64_t shared = static_cast<int64_t>(p.attach.size()) * G;
-      if (!p.attach.empty()) {
-        applied = cache->AttachSealed(p.attach);
-        if (!applied.ok()) {
-          unpin(i);
-          applied = absl::InternalError(
-              absl::StrCat("appends[", i, "]: prefix block rejected: ", applied.message()));
-          break;
+    size_t item = 0;
+    try {
+      for (size_t i = 0; i < batch.size() && applied.ok(); ++i) {
+        item = i;
+        const AppendSpec& a = batch[i];
+        const Plan& p = plans[i];
+        Sequence* s = seqs[a.sequence_id].get();
+        if (p.n == 0) continue;
+        auto& cache = s->layers[a.layer];
+        if (!cache) {
+          const ModelEntry& model = *s->model;
+          cache = std::make_unique<LayerCache>(s->codec, model.manifest.kv_heads,
+                                               LayerTables(model, a.layer, s->codec), opts_.byte_pool);
         }
-        lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
-        s->hash_base[a.layer] += shared;  // their arrival hashes are the index's
-        absl::MutexLock g(&mu_);
-        if (!s->linked) {
-          unpin_locked(i, i + 1);  // evicted meanwhile by another writer: hold nothing
-          continue;
+        Sequence::LayerPrefix& lp = s->prefix[a.layer];
+        if (a.token_ids.empty()) {
+          lp.open = false;
+          lp.pending_ids.clear();
         }
-        s->node_keys.insert(s->node_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
-        Tenant& T = *tenants_[tenant];
-        const absl::Time now = opts_.now();
-        for (const PrefixKey& k : p.attach_keys) {
-          auto n = T.nodes.find(k);
-          if (n != T.nodes.end()) n->second.last_used = now;
+        cache->set_sealing(lp.open);
+        const int G = s->codec.key_group;
+        const int64_t shared = static_cast<int64_t>(p.attach.size()) * G;
+        if (!p.attach.empty()) {
+          applied = cache->AttachSealed(p.attach);
+          if (!applied.ok()) {
+            unpin(i);
+            applied = absl::InternalError(
+                absl::StrCat("appends[", i, "]: prefix block rejected: ", applied.message()));
+            break;
+          }
+          lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
+          s->hash_base[a.layer] += shared;  // their arrival hashes are the index's
+          absl::MutexLock g(&mu_);
+          if (!s->linked) {
+            unpin_locked(i, i + 1);  // evicted meanwhile by another writer: hold nothing
+            continue;
+          }
+          s->node_keys.insert(s->node_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
+          Tenant& T = *tenants_[tenant];
+          const absl::Time now = opts_.now();
+          for (const PrefixKey& k : p.attach_keys) {
+            auto n = T.nodes.find(k);
+            if (n != T.nodes.end()) n->second.last_used = now;
+          }
+          T.shared_tokens += shared;
         }
-        T.shared_tokens += shared;
-      }
-      const int64_t data_n = p.n - shared;
-      if (data_n > 0) {
-        const int64_t from = p.from + shared;
-        std::vector<float> probe;
-        if (a.probe_weights) {
-          const int64_t n = a.keys.shape[1];
-          for (int64_t h = 0; h < a.keys.shape[0]; ++h) {
-            probe.insert(probe.end(), a.probe_weights + h * n + from, a.probe_weights + h * n + n);
+        const int64_t data_n = p.n - shared;
+        if (data_n > 0) {
+          const int64_t from = p.from + shared;
+          std::vector<float> probe;
+          if (a.probe_weights) {
+            const int64_t n = a.keys.shape[1];
+            for (int64_t h = 0; h < a.keys.shape[0]; ++h) {
+              probe.insert(probe.end(), a.probe_weights + h * n + from, a.probe_weights + h * n + n);
+            }
+          }
+          if (lp.open) {
+            lp.pending_ids.insert(lp.pending_ids.end(), a.token_ids.begin() + from,
+                                  a.token_ids.end());
+          }
+          applied = cache->Append(SliceTokens(a.keys, from, data_n),
+                                  SliceTokens(a.values, from, data_n), a.start + from,
+                                  probe.empty() ? nullptr : probe.data());
+          if (!applied.ok()) {
+            unpin(i + 1);
+            applied = absl::Status(applied.code(), absl::StrCat("appends[", i, "] (layer ", a.layer,
+                                                                "): ", applied.message()));
+            break;
+          }
+          s->dtype = a.keys.dtype;
+          s->dtype_set = true;
+        }
+        // Attached tokens' hashes are the index's; the rest are the sequence's own.
+        auto& h = s->hashes[a.layer];
+        h.insert(h.end(), p.new_hashes.begin() + shared, p.new_hashes.end());
+        if (lp.open) {
+          applied = IndexSealed(tenant, s, a.layer);
+          if (!applied.ok()) {
+            unpin(i + 1);
+            break;
           }
         }
-        if (lp.open) {
-          lp.pending_ids.insert(lp.pending_ids.end(), a.token_ids.begin() + from,
-                                a.token_ids.end());
-        }
-        applied = cache->Append(SliceTokens(a.keys, from, data_n),
-                                SliceTokens(a.values, from, data_n), a.start + from,
-                                probe.empty() ? nullptr : probe.data());
-        if (!applied.ok()) {
-          unpin(i + 1);
-          applied = absl::Status(applied.code(), absl::StrCat("appends[", i, "] (layer ", a.layer,
-                                                              "): ", applied.message()));
-          break;
-        }
-        s->dtype = a.keys.dtype;
-        s->dtype_set = true;
+        outcome->tokens_written += data_n;
+        outcome->tokens_shared += shared;
       }
-      // Attached tokens' hashes are the index's; the rest are the sequence's own.
-      auto& h = s->hashes[a.layer];
-      h.insert(h.end(), p.new_hashes.begin() + shared, p.new_hashes.end());
-      if (lp.open) {
-        applied = IndexSealed(tenant, s, a.layer);
-        if (!applied.ok()) {
-          unpin(i + 1);
-          break;
-        }
-      }
-      outcome->tokens_written += data_n;
-      outcome->tokens_shared += shared;
+    } catch (const std::bad_alloc&) {
+      // Host memory itself ran out mid-append (no pool reservation covers the window and the
+      // bookkeeping): the sequence of that item may hold half of it, so it is marked corrupt
+      // (its reads fail with DATA_LOSS until it is deleted) rather than served.
+      seqs[batch[item].sequence_id]->corrupt.store(true);
+      applied = absl::ResourceExhaustedError(absl::StrCat(
+          "appends[", item, "]: out of memory while storing it; sequence '",
+          batch[item].sequence_id, "' is marked corrupt (delete and re-send it)"));
     }
     int64_t reserved = estimate;
     for (Sequence* s : locked) {
       Remeasure(s, reserved);
       reserved = 0;
+    }
+    if (!applied.ok()) {
+      // No partial sequence: one this batch created and left empty goes again.
+      absl::MutexLock l(&mu_);
+      for (auto& [id, sp] : seqs) {
+        Sequence* q = sp.get();
+        if (!fresh.count(id)) continue;
+        bool empty = true;
+        for (size_t l2 = 0; l2 < q->layers.size(); ++l2)
+          empty &= q->Length(static_cast<int>(l2)) == 0;
+        if (empty) UnlinkLocked(q, /*drop=*/true);
+      }
     }
     std::set<std::pair<std::string, int>> seen;
     for (const AppendSpec& a : batch) {
@@ -996,7 +1041,6 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       outcome->lengths.emplace_back(a.sequence_id, a.layer,
                                     s->Length(a.layer));
     }
-    unlock_all();
     return applied;
   }
 }

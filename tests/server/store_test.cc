@@ -431,6 +431,69 @@ TEST_F(StoreTest, TinySequencesStayWithinCapacity) {
   }
 }
 
+// Host memory, until `allow` more allocations have been made: then std::bad_alloc, as a pool
+// that cannot take another slab would (the allocation seam of fault tests).
+class FailingPool final : public BytePool {
+ public:
+  std::atomic<int64_t> allow{1 << 30};
+  kernels::Pool pool() const override { return kernels::Pool::kHost; }
+  void* Allocate(size_t n) override {
+    if (allow.fetch_sub(1) <= 0) throw std::bad_alloc();
+    return HostBytePool()->Allocate(n);
+  }
+  void Free(void* p, size_t n) override { HostBytePool()->Free(p, n); }
+  Usage usage() const override { return {}; }
+};
+
+// A failing allocation during an append leaves the store as it was: RESOURCE_EXHAUSTED, no
+// partial sequence, no lock held (the next append and reads proceed), the stored tokens
+// untouched; with memory back, the same append succeeds.
+TEST_F(StoreTest, AFailingAllocationLeavesTheStoreAsItWas) {
+  FailingPool pool;
+  StoreOptions o;
+  o.byte_pool = &pool;
+  Store store(o, &registry_);
+  Data first(130, 1), more(170, 2);  // G = 128: one group, then two more
+  AppendOutcome out;
+  pool.allow = 0;  // a new sequence: nothing stored, nothing left behind
+  absl::Status st = store.Append("t", {Spec("new", 0, 0, first)}, &out);
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_EQ(store.Describe("t", "new").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store.TotalUsage().bytes, 0);
+  EXPECT_EQ(store.TotalUsage().sequences, 0);
+  pool.allow = 1 << 30;
+  ASSERT_TRUE(store.Append("t", {Spec("s", 0, 0, first)}, &out).ok());
+  std::vector<float> q(4 * 64, 0.25f), before, after;
+  int64_t tokens = 0;
+  ASSERT_TRUE(store.Score("t", "s", 0, 0, q.data(), 4, 1, 64, 0, false, &before, &tokens).ok());
+  const UsageStats used = store.TotalUsage();
+  for (int allow : {0, 1, 2, 3}) {  // each pool allocation of the next append in turn
+    SCOPED_TRACE(allow);
+    pool.allow = allow;
+    st = store.Append("t", {Spec("s", 0, 130, more)}, &out);
+    if (st.ok()) break;  // it needed fewer allocations
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    EXPECT_NE(st.message().find("block pool"), std::string::npos) << st;
+    pool.allow = 1 << 30;
+    ASSERT_TRUE(store.Score("t", "s", 0, 0, q.data(), 4, 1, 64, 0, false, &after, &tokens).ok());
+    EXPECT_EQ(tokens, 130);
+    EXPECT_EQ(after, before);
+    EXPECT_EQ(store.TotalUsage().bytes, used.bytes);
+  }
+  pool.allow = 1 << 30;
+  st = store.Append("t", {Spec("s", 0, 130, more)}, &out);
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_TRUE(store.Score("t", "s", 0, 0, q.data(), 4, 1, 64, 0, false, &after, &tokens).ok());
+  EXPECT_EQ(tokens, 300);
+  // The same tokens stored in one healthy store read the same.
+  Store ref({}, &registry_);
+  ASSERT_TRUE(ref.Append("t", {Spec("s", 0, 0, first)}, &out).ok());
+  ASSERT_TRUE(ref.Append("t", {Spec("s", 0, 130, more)}, &out).ok());
+  std::vector<float> want;
+  ASSERT_TRUE(ref.Score("t", "s", 0, 0, q.data(), 4, 1, 64, 0, false, &want, &tokens).ok());
+  EXPECT_EQ(after, want);
+}
+
 TEST_F(StoreTest, TtlDropsIdleSequences) {
   absl::Time now = absl::FromUnixSeconds(1000);
   StoreOptions o;
