@@ -211,6 +211,11 @@ class Store {
     return retained_scrub_drops_;
   }
 
+  // Test seam: the LRU-list steps the last eviction plan took (linear in the sequences).
+  int64_t LastEvictionPlanStepsForTest() const {
+    absl::MutexLock l(&mu_);
+    return last_plan_steps_;
+  }
   // Test seam: the layer cache of a sequence (null when absent). Not for production use.
   LayerCache* LayerForTest(const std::string& tenant, const std::string& sequence_id, int layer);
 
@@ -220,9 +225,13 @@ class Store {
  private:
   absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant, const std::string& id,
                                                  int basis_version);
-  // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`.
+  // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`; the
+  // evicted sequences go into *evicted (when given) so that the caller destroys them after
+  // releasing mu_.
   absl::Status ReserveLocked(const std::string& tenant, int64_t bytes,
-                             const std::vector<Sequence*>& keep) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+                             const std::vector<Sequence*>& keep,
+                             std::vector<std::shared_ptr<Sequence>>* evicted = nullptr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // drop: also drop the prefix blocks only this sequence held (eviction); else they stay
   // retained when StoreOptions::retain_prefixes.
   void UnlinkLocked(Sequence* s, bool drop) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -255,6 +264,7 @@ class Store {
   int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expirations_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t retained_scrub_drops_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t last_plan_steps_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Mutex tables_mu_;
   absl::flat_hash_map<std::string, std::weak_ptr<const LayerCodecTables>> tables_
       ABSL_GUARDED_BY(tables_mu_);
