@@ -339,6 +339,13 @@ TEST(RegistryTest, RegisterRefusesWhatLoadingWouldAndConflictingMetadata) {
 class StoreTest : public ::testing::Test {
  protected:
   void SetUp() override { ASSERT_TRUE(registry_.Register(Entry("m", 1, 1), nullptr).ok()); }
+  // What one sequence of `d` in both layers takes, stored alone.
+  int64_t BytesAlone(const Data& d) {
+    Store probe({}, &registry_);
+    AppendOutcome out;
+    EXPECT_TRUE(probe.Append("t", {Spec("x", 0, 0, d), Spec("x", 1, 0, d)}, &out).ok());
+    return probe.TotalUsage().bytes;
+  }
   Registry registry_{""};
 };
 
@@ -499,13 +506,7 @@ TEST_F(StoreTest, AFailingAllocationLeavesTheStoreAsItWas) {
 // sequences stalled the store's lock for seconds), and frees them after the lock.
 TEST_F(StoreTest, EvictingManySmallSequencesPlansInLinearSteps) {
   Data big(20000, 3), one(1, 4);
-  int64_t big_bytes = 0;
-  {
-    Store probe({}, &registry_);
-    AppendOutcome out;
-    ASSERT_TRUE(probe.Append("t", {Spec("big", 0, 0, big), Spec("big", 1, 0, big)}, &out).ok());
-    big_bytes = probe.TotalUsage().bytes;
-  }
+  const int64_t big_bytes = BytesAlone(big);
   StoreOptions o;
   o.capacity_bytes = big_bytes + 4096;
   Store store(o, &registry_);
@@ -546,13 +547,7 @@ TEST_F(StoreTest, TtlDropsIdleSequences) {
 
 TEST_F(StoreTest, LruEvictsLeastRecentlyUsedWholeSequences) {
   Data d(64, 1);
-  int64_t one = 0;
-  {
-    Store probe({}, &registry_);
-    AppendOutcome out;
-    ASSERT_TRUE(probe.Append("t", {Spec("x", 0, 0, d), Spec("x", 1, 0, d)}, &out).ok());
-    one = probe.TotalUsage().bytes;
-  }
+  const int64_t one = BytesAlone(d);
   StoreOptions o;
   o.capacity_bytes = 3 * one;
   Store store(o, &registry_);
