@@ -249,12 +249,13 @@ absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b) {
           double dot = 0;
           for (int c = 0; c < d; ++c) dot += double(a[c * R + i]) * u[c * R + j];
           if (std::fabs(dot - (i == j ? 1.0 : 0.0)) > 1e-3)
-            return absl::InvalidArgumentError(absl::StrFormat(
-                b.oblique() ? "layer %d head %d: encode column %d and decode column %d are not "
-                              "biorthogonal (A^T B = %.4g, tolerance 1e-3)"
-                            : "layer %d head %d: columns %d and %d are not orthonormal (dot "
-                              "%.4g, tolerance 1e-3)",
-                l, h, i, j, dot));
+            return absl::InvalidArgumentError(
+                b.oblique() ? absl::StrFormat("layer %d head %d: encode column %d and decode "
+                                              "column %d are not biorthogonal (A^T B = %.4g, "
+                                              "tolerance 1e-3)", l, h, i, j, dot)
+                            : absl::StrFormat("layer %d head %d: columns %d and %d are not "
+                                              "orthonormal (dot %.4g, tolerance 1e-3)",
+                                              l, h, i, j, dot));
         }
       if (b.query_moment.empty()) continue;
       const float* q = b.query_moment.data() + (static_cast<size_t>(l) * m.kv_heads + h) * d * d;

@@ -6,8 +6,16 @@
 
 namespace kvq::core {
 
+// clang before 15 has no _Float16 on x86 (the fuzzing build): its storage-only __fp16
+// converts the same way (round to nearest even).
+#if defined(__clang__) && __clang_major__ < 15
+using SoftHalf = __fp16;
+#else
+using SoftHalf = _Float16;
+#endif
+
 uint16_t FloatToHalf(float f) {
-  _Float16 v = static_cast<_Float16>(f);
+  SoftHalf v = static_cast<SoftHalf>(f);
   uint16_t h;
   std::memcpy(&h, &v, 2);
   return h;
@@ -51,7 +59,11 @@ __attribute__((target("f16c,avx"))) static void HalfToFloatF16C(const uint16_t* 
 static bool HasF16C() {
   static const bool ok = [] {
     __builtin_cpu_init();
+#if defined(__clang__) && __clang_major__ < 15
+    return __builtin_cpu_supports("avx2");  // clang 14 knows no "f16c"; AVX2 CPUs have it
+#else
     return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+#endif
   }();
   return ok;
 }

@@ -189,7 +189,7 @@ struct Isa {
 bool CpuHasAvx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         __builtin_cpu_supports("f16c");
+         KVQ_CPU_HAS_F16C();
 }
 
 }  // namespace

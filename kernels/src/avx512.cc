@@ -303,7 +303,7 @@ bool CpuHasAvx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+         KVQ_CPU_HAS_F16C() && __builtin_cpu_supports("fma");
 }
 
 }  // namespace
