@@ -340,10 +340,11 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
     K().quantize_rows(values, ld, G, d, o.value_group, o.value_bits, rec,
                       4 * ng + RowBytes(d, o.value_bits));
   } else {
+    uint16_t sz[2 * 64];  // an aligned copy (odd-sized records); ng <= 64 (Validate)
     for (int t = 0; t < G; ++t) {
       const int b = bits_per_token[t];
-      uint16_t* sz = reinterpret_cast<uint16_t*>(rec);
       K().quantize_row(values + t * ld, d, o.value_group, b, sz, sz + ng, rec + 4 * ng);
+      std::memcpy(rec, sz, 4 * ng);
       rec += 4 * ng + RowBytes(d, b);
     }
   }
@@ -636,8 +637,10 @@ void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float side_sign, 
 void DecodeValueBlock(const ValueBlockView& b, float* out) {
   const int d = b.head_dim, ng = (d + b.value_group - 1) / b.value_group;
   const uint8_t* rec = b.payload;
+  // Copied out: a record of odd size puts the next one's fp16 fields at an odd address.
+  uint16_t sz[2 * 64];  // ng <= 64 (CodecOptions::Validate, ParseValueBlock)
   for (int t = 0; t < b.tokens; ++t) {
-    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rec);
+    std::memcpy(sz, rec, 4 * ng);
     const uint8_t* codes = rec + 4 * ng;
     for (int c = 0; c < d; ++c) {
       const int g = c / b.value_group;

@@ -92,8 +92,9 @@ void score_codes_ref(const uint8_t* codes, int bits, int n_ch, int tokens, const
 void readout_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n, int group,
                       const float* p, int64_t p_stride, int n_q, float* out, int64_t out_stride) {
   const int ng = (n + group - 1) / group;
+  std::vector<uint16_t> sz(2 * ng);  // copied out: a record may sit at an odd address
   for (int t = 0; t < n_rows; ++t) {
-    const uint16_t* sz = reinterpret_cast<const uint16_t*>(rows);
+    std::memcpy(sz.data(), rows, 4 * ng);
     const uint8_t* codes = rows + 4 * ng;
     for (int i = 0; i < n_q; ++i) {
       const float pt = p[i * p_stride + t];

@@ -200,8 +200,9 @@ inline void LoadRowHeaders(const uint8_t* rows, int n_rows, int ng, RowTable* rt
     }
     for (; t + W <= n_rows; t += W) Isa::SlotsToFloats(slot + t, 2 * ng, &rt->hz[0][t], kMaxRows);
   }
-  for (; t < n_rows; ++t) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(rows + rt->rec[t]);
+  for (; t < n_rows; ++t) {  // records may sit at odd addresses: copied out, never cast
+    uint16_t h[2 * kMaxGroups];
+    std::memcpy(h, rows + rt->rec[t], 4 * ng);
     for (int k = 0; k < 2 * ng; ++k) rt->hz[k][t] = internal::HalfToFloat(h[k]);
   }
 }
@@ -522,9 +523,12 @@ void quantize_rows_simd(const float* x, int64_t ld, int n_rows, int n, int group
   if (n % W == 0 && group % W == 0 && bits != 3 && ng <= kMaxRowGroups)
     for (; t + W <= n_rows; t += W)
       QuantizeRowsW(x + t * ld, ld, n, group, ng, bits, rec + t * rec_bytes, rec_bytes);
+  // A record of odd size puts the next one's fp16 fields at an odd address: written through
+  // an aligned copy.
+  uint16_t s[2 * 64];  // ng <= 64 (CodecOptions::Validate)
   for (; t < n_rows; ++t) {
-    uint16_t* sz = reinterpret_cast<uint16_t*>(rec + t * rec_bytes);
-    quantize_row_simd(x + t * ld, n, group, bits, sz, sz + ng, rec + t * rec_bytes + 4 * ng);
+    quantize_row_simd(x + t * ld, n, group, bits, s, s + ng, rec + t * rec_bytes + 4 * ng);
+    std::memcpy(rec + t * rec_bytes, s, 4 * ng);
   }
 }
 
