@@ -16,6 +16,7 @@ PKGS=(
   prometheus-cpp-dev libssl-dev openssl
   python3 python3-venv gnuplot-nox prometheus docker-compose
   python3-yaml
+  clang libclang-rt-14-dev
 )
 missing=()
 for p in "${PKGS[@]}"; do
