@@ -586,13 +586,15 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
     ScoreKeyBlock(kv, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr, rows, scale,
                   opts_.side_sign, out + b * G, T, !corr_only, /*q_rotated=*/rotate);
   }
-  ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(opts_.verify_on_read));
+  // Verified once per call by Score / Readout / Attend, not once per head.
+  ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
   if (sinks) {
     if (corr_only)
       return absl::FailedPreconditionError(
           "corrections_only scores: the codec keeps fp16 sinks, whose blocks hold stand-ins "
           "(score whole logits instead)");
-    std::vector<float> k(d);
+    thread_local std::vector<float> k;
+    k.resize(d);
     for (int t = 0; t < sinks->sinks; ++t) {  // exact logits over the blocks' stand-ins
       ToFloat(DType::kF16, sinks->key(h, t), k.data(), d);
       for (int i = 0; i < rows; ++i) {
@@ -630,7 +632,8 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
   // zero), then the sum rotated back once instead of each block's partial output.
   const bool rotated = opts_.rotate_values && nb > 0;
   const BlockReader reader(opts_, opts_.verify_on_read);
-  ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(opts_.verify_on_read));
+  // Verified once per call by Score / Readout / Attend, not once per head.
+  ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
   ValueBlockView vv;
   for (int64_t b = 0; b < nb; ++b) {
     RETURN_IF_ERROR(reader.Value(ValueBlock(h, b), &vv));
@@ -648,7 +651,8 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
   }
   if (rotated) HadamardRotateRows(out, d, rows, d);
   if (sinks) {
-    std::vector<float> v(d);
+    thread_local std::vector<float> v;
+    v.resize(d);
     for (int t = 0; t < sinks->sinks; ++t) {
       ToFloat(DType::kF16, sinks->value(h, t), v.data(), d);
       for (int i = 0; i < rows; ++i) {
@@ -675,6 +679,7 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
 absl::Status LayerCache::Score(const float* q, int q_heads, int n_q, float* out, float scale,
                                bool corrections_only) const {
   RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
+  RETURN_IF_ERROR(ReadSinks(opts_.verify_on_read).status());
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   if (scale == 0.0f) scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int h = 0; h < kv_heads_; ++h)
@@ -685,6 +690,7 @@ absl::Status LayerCache::Score(const float* q, int q_heads, int n_q, float* out,
 
 absl::Status LayerCache::Readout(const float* p, int q_heads, int n_q, float* out) const {
   RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
+  RETURN_IF_ERROR(ReadSinks(opts_.verify_on_read).status());
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   for (int h = 0; h < kv_heads_; ++h)
     RETURN_IF_ERROR(ReadoutHead(h, p + static_cast<size_t>(h) * rows * tokens_, rows,
@@ -695,6 +701,7 @@ absl::Status LayerCache::Readout(const float* p, int q_heads, int n_q, float* ou
 absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const AttendOptions& ao,
                                 float* out) {
   RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
+  RETURN_IF_ERROR(ReadSinks(opts_.verify_on_read).status());
   if (tokens_ == 0) return absl::FailedPreconditionError("attend over an empty cache");
   if (ao.causal_offset < -1)
     return absl::InvalidArgumentError(absl::StrCat("causal_offset = ", ao.causal_offset,
