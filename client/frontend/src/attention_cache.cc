@@ -161,6 +161,18 @@ absl::Status CodecCache::AppendAndAttend(int layer, const float* k, const float*
     dv.resize(old + vh.size());
     core::ToFloat(core::DType::kF16, vh.data(), dv.data() + old, vh.size());
   }
+  if (!feeds_.empty()) {
+    LeverFeed& f = feeds_[layer];
+    RETURN_IF_ERROR(f.Append(lc, k, v, start, n));
+    std::vector<float> K, V;
+    RETURN_IF_ERROR(f.Read(lc, &K, &V));
+    if (keys_only_) {
+      LocalAttendSplit(q, n, start, f.tokens(), K.data(), dense_v_[layer].data(), out);
+    } else {
+      LocalAttend(s_, q, n, start, f.tokens(), K.data(), V.data(), f.tokens() * D, D, out);
+    }
+    return absl::OkStatus();
+  }
   RETURN_IF_ERROR(lc.Append(kv, vv, start));
   if (o_.per_token_value_bits() || read_ == CodecRead::kAttend) {
     // Server-side attend: the A^2 policy observes these readouts (earlier queries only).
@@ -233,9 +245,40 @@ absl::Status CodecCache::AppendWithProbes(core::LayerCache& lc, const uint16_t* 
   return absl::OkStatus();
 }
 
+absl::Status CodecCache::SetLevers(const EvalLevers& levers) {
+  if (!levers.any()) return absl::OkStatus();
+  RETURN_IF_ERROR(CheckLevers(levers, o_));
+  if (read_ != CodecRead::kDecode || probe_) {
+    return absl::InvalidArgumentError("the evaluation levers read by decoding (not fused, not probe)");
+  }
+  if (levers.keys_before_rope && levers.rope.inv_freq.empty()) {
+    return absl::InvalidArgumentError("pre: the model's RoPE frequencies are missing");
+  }
+  if (!feeds_.empty() || (!layers_.empty() && layers_[0]->tokens() > 0)) {
+    return absl::FailedPreconditionError("levers are set before the first append");
+  }
+  for (size_t l = 0; l < layers_.size(); ++l) feeds_.emplace_back(levers, o_, s_.kv_heads, keys_only_);
+  return absl::OkStatus();
+}
+
 core::SizeReport CodecCache::Size() const {
   core::SizeReport r;
-  for (const auto& l : layers_) r += l->Size();
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    core::SizeReport l = layers_[i]->Size();
+    if (!feeds_.empty()) {
+      // Rows not fed yet wait at fp16, as the codec's own window would hold them.
+      const LeverFeed& f = feeds_[i];
+      const int64_t tail = f.tokens() - l.tokens, row = static_cast<int64_t>(s_.kv_heads) * s_.head_dim;
+      l.tokens += tail;
+      l.window_tokens += tail;
+      l.elements += tail * row;
+      l.key_window_bytes += tail * row * 2;
+      l.value_window_bytes += tail * row * 2;
+      l.key_block_bytes += f.key_outlier_bytes();
+      l.value_block_bytes += f.value_outlier_bytes();
+    }
+    r += l;
+  }
   return r;
 }
 

@@ -76,6 +76,13 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
       c.basis = BasisKind::kOracle;
     } else if (p == "mr") {
       o.metric_rounding = true;
+    } else if (p == "pre") {
+      c.levers.keys_before_rope = true;
+    } else if (ParseSuffixInt(p, "spk", &v)) {
+      c.levers.key_outliers_permille = v;
+    } else if (ParseSuffixInt(p, "spv", &v)) {
+      if (c.keys_only) return bad("spv trims values; use a kv target");
+      c.levers.value_outliers_permille = v;
     } else if (p == "obl") {
       c.basis = BasisKind::kOblique;
     } else if (p == "resw") {
@@ -124,6 +131,8 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   }
   if (c.keys_only) o.value_bits = 8;  // unused: values are read dense
   absl::Status s = o.Validate();
+  if (!s.ok()) return bad(std::string(s.message()));
+  s = CheckLevers(c.levers, o);
   if (!s.ok()) return bad(std::string(s.message()));
   return c;
 }

@@ -229,31 +229,16 @@ absl::Status LlamaModel::ForwardBatch(const std::vector<const int32_t*>& tokens,
   }
   // cos/sin per (token, pair); every sequence has the same positions.
   const int P = c.rope_dims / 2;
-  std::vector<float> cs(static_cast<size_t>(n) * P), sn(cs.size());
-  for (int i = 0; i < n; ++i) {
-    for (int j = 0; j < P; ++j) {
-      const double th = static_cast<double>(start + i) * inv_freq_[j];
-      cs[static_cast<size_t>(i) * P + j] = static_cast<float>(std::cos(th));
-      sn[static_cast<size_t>(i) * P + j] = static_cast<float>(std::sin(th));
-    }
-  }
+  std::vector<float> cs, sn;
+  RopeAngles(rope(), start, n, &cs, &sn);
   const bool halves = c.rope_layout == RopeLayout::kHalves;
-  auto rope = [&](float* row, int heads) {  // row: [rows][heads][D]
+  auto rotate = [&](float* row, int heads) {  // row: [rows][heads][D]
     for (int r = 0; r < rows; ++r) {
       const int i = r % n;
       for (int hh = 0; hh < heads; ++hh) {
-        float* e = row + (static_cast<size_t>(r) * heads + hh) * D;
-        const float* ci = cs.data() + static_cast<size_t>(i) * P;
-        const float* si = sn.data() + static_cast<size_t>(i) * P;
-        // Pair j is (x[2j], x[2j+1]) for adjacent pairs, (x[j], x[j + P]) for halves.
-        const int stride = halves ? 1 : 2, off = halves ? P : 1;
-        for (int j = 0; j < P; ++j) {
-          float* pa = e + stride * j;
-          float* pb = pa + off;
-          const float a = *pa, b = *pb;
-          *pa = a * ci[j] - b * si[j];
-          *pb = a * si[j] + b * ci[j];
-        }
+        RotatePairs(row + (static_cast<size_t>(r) * heads + hh) * D,
+                    cs.data() + static_cast<size_t>(i) * P, sn.data() + static_cast<size_t>(i) * P,
+                    P, halves, /*inverse=*/false);
       }
     }
   };
@@ -267,8 +252,8 @@ absl::Status LlamaModel::ForwardBatch(const std::vector<const int32_t*>& tokens,
     AddBias(L.bq, rows, q.data());
     AddBias(L.bk, rows, k.data());
     AddBias(L.bv, rows, v.data());
-    rope(q.data(), QH);
-    rope(k.data(), KVH);
+    rotate(q.data(), QH);
+    rotate(k.data(), KVH);
     for (int s = 0; s < S; ++s) {
       // Sequence s: [n][QH][D] -> [QH][n][D], its own cache, and back.
       const float* qs_in = q.data() + s * qs;

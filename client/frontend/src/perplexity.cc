@@ -112,6 +112,9 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
                                                   config.fused ? CodecRead::kAttend : CodecRead::kDecode,
                                                   config.adaptive_rank ? &ranks : nullptr, config.probe));
+    EvalLevers levers = config.levers;
+    levers.rope = model.rope();
+    RETURN_IF_ERROR(cc->SetLevers(levers));
     return std::unique_ptr<AttentionCache>(std::move(cc));
   };
   // Windows run kWindowBatch at a time through one batched forward (same results as one by

@@ -102,6 +102,10 @@ Configuration grammar:
             random | wrongsign | centred | resw (basis controls and ablations),
             obl (the oblique reduced-rank-regression pair kvq-calibrate --variants writes),
             rotk | rotv | rot (keys / values / both rotated by a Hadamard matrix),
+            mr (key codes chosen in the query metric), sink<N> (first N positions at fp16),
+            evaluation-only levers (not codec settings; window 0, read by decoding):
+            spk<N> | spv<N> (N / 1000 of key / value elements kept exact, 32 bits each),
+            pre (keys quantized before RoPE; kivi only, not with mr),
             oracle (--diagnostics only: PCA of the scored queries themselves, an upper bound)
   calibrated                     the codec of --basis DIR/codec.json (fields it omits take
                                  the registry's defaults for the entry)

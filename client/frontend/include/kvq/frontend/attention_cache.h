@@ -18,6 +18,7 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/codec.h"
+#include "kvq/frontend/eval_levers.h"
 
 namespace kvq::frontend {
 
@@ -83,8 +84,12 @@ class CodecCache : public AttentionCache {
                                                              bool probe = false);
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
-  int64_t tokens(int layer) const override { return layers_[layer]->tokens(); }
+  int64_t tokens(int layer) const override {
+    return feeds_.empty() ? layers_[layer]->tokens() : feeds_[layer].tokens();
+  }
   core::SizeReport Size() const override;
+  // Evaluation-only levers (eval_levers.h), before the first append; read by decoding.
+  absl::Status SetLevers(const EvalLevers& levers);
   int64_t NextEncodeBoundary(int64_t tokens) const override;
   int64_t EncodeGroup() const override { return o_.key_group; }
 
@@ -102,6 +107,7 @@ class CodecCache : public AttentionCache {
   bool keys_only_ = false;
   std::vector<std::vector<float>> dense_v_;  // per layer [tokens][kv_heads][d]
   std::vector<std::unique_ptr<core::LayerCache>> layers_;
+  std::vector<LeverFeed> feeds_;  // per layer, when levers are set
 };
 
 }  // namespace kvq::frontend

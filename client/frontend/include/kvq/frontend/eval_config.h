@@ -53,6 +53,7 @@
 
 #include "absl/status/statusor.h"
 #include "kvq/core/codec.h"
+#include "kvq/frontend/eval_levers.h"
 
 namespace kvq::frontend {
 
@@ -68,6 +69,7 @@ struct EvalConfig {
   bool fused = false;           // CodecRead::kAttend
   bool adaptive_rank = false;   // per-layer ranks from BasisSet::layer_ranks
   bool probe = false;           // A^2 probe queries with each append
+  EvalLevers levers;            // evaluation-only: spk<N>, spv<N>, pre (eval_levers.h)
 };
 
 // The name of the config that evaluates the basis folder's codec.json.

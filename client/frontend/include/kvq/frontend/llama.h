@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/gguf.h"
+#include "kvq/frontend/rope.h"
 
 namespace kvq::frontend {
 
@@ -45,6 +46,8 @@ class LlamaModel {
  public:
   static absl::StatusOr<std::unique_ptr<LlamaModel>> Load(const GgufFile& f);
   const LlamaConfig& config() const { return cfg_; }
+  // The rotation this model applies to queries and keys.
+  Rope rope() const { return {cfg_.rope_layout == RopeLayout::kHalves, inv_freq_}; }
 
   // Runs tokens [start, start + n) of one sequence through the model, reading and extending
   // `cache` (which must hold exactly `start` tokens in every layer). Writes logits [n][vocab]

@@ -1,0 +1,90 @@
+// Codec levers that kvq-eval measures around the serving codec without it knowing: a fraction
+// of key or value elements kept exactly beside the codes (dense-and-sparse, KVQuant), and keys
+// quantized before RoPE (KVQuant). They are evaluation-only rows of docs/RESULTS.md, not codec
+// settings: a lever that pays would move into core (the block format, the readers) first.
+//
+// LeverFeed stands between the forward pass and one layer's LayerCache: it holds the layer's
+// rows as sent until a whole key group has arrived, then trims the group's outliers (each
+// kept exact, at fp16 plus a 16-bit position: 32 bits counted per element) and/or rotates its
+// keys back to before RoPE, and appends the group, which the LayerCache encodes at once
+// (window 0). Reads decode the layer, put the exact elements back, redo RoPE, and add the
+// rows not yet fed as sent: what attention would see from such a codec.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvq/core/cache.h"
+#include "kvq/core/codec.h"
+#include "kvq/frontend/rope.h"
+
+namespace kvq::frontend {
+
+struct EvalLevers {
+  int key_outliers_permille = 0;    // spk<N>: N / 1000 of key elements kept exact
+  int value_outliers_permille = 0;  // spv<N>: the same for values
+  bool keys_before_rope = false;    // pre: keys quantized before RoPE
+  Rope rope;                        // the model's, for keys_before_rope (kvq-eval fills it)
+  bool any() const {
+    return key_outliers_permille > 0 || value_outliers_permille > 0 || keys_before_rope;
+  }
+};
+
+// Bits each exactly kept element costs: its fp16 value and a 16-bit position in its block.
+inline constexpr int kOutlierBits = 32;
+
+// Why `levers` cannot run with codec `o` (empty when they can). Outliers are trimmed in the
+// coordinates the codec quantizes, so they exclude a rotation of the same tensor; keys before
+// RoPE exclude what is fitted to post-RoPE queries (a side code, metric rounding); all need
+// window 0 and a codec that is read by decoding (no A^2 per-token widths).
+absl::Status CheckLevers(const EvalLevers& levers, const core::CodecOptions& o);
+
+// Dense-and-sparse trimming. `units` partition (some of) the elements of x into quantization
+// ranges (each unit is quantized between its min and max). Removes up to `budget` elements,
+// each time the one at an end of its unit whose removal shrinks size * range^2 (the unit's
+// squared quantization error, up to a constant) the most, leaving at least two per unit; the
+// removed elements are clamped into their unit's remaining range in x. Returns their indices.
+std::vector<int64_t> TrimOutliers(float* x, const std::vector<std::vector<int64_t>>& units,
+                                  int64_t budget);
+
+class LeverFeed {
+ public:
+  LeverFeed(const EvalLevers& levers, const core::CodecOptions& o, int kv_heads, bool keys_only);
+
+  // Appends rows k, v [n][kv_heads][head_dim] (post-RoPE, fp32) at [start, start + n),
+  // feeding each completed key group to `lc`.
+  absl::Status Append(core::LayerCache& lc, const float* k, const float* v, int64_t start, int n);
+
+  // Keys and values as attention sees them, [kv_heads][tokens][head_dim] each (values left
+  // empty for keys_only).
+  absl::Status Read(const core::LayerCache& lc, std::vector<float>* keys,
+                    std::vector<float>* values) const;
+
+  int64_t tokens() const { return tokens_; }
+  // What the exactly kept elements cost, in bytes.
+  int64_t key_outlier_bytes() const { return key_exact_.size() * kOutlierBits / 8; }
+  int64_t value_outlier_bytes() const { return value_exact_.size() * kOutlierBits / 8; }
+
+ private:
+  struct Exact {
+    int64_t t;  // position
+    int head, channel;
+    float value;  // as fed (fp16-rounded; before RoPE for keys_before_rope)
+  };
+  absl::Status FeedGroup(core::LayerCache& lc);
+  void Trim(std::vector<float>* rows, int permille, bool keys, int64_t t0,
+            std::vector<Exact>* exact) const;
+
+  EvalLevers levers_;
+  core::CodecOptions o_;
+  int kv_heads_;
+  bool keys_only_;
+  int64_t tokens_ = 0, fed_ = 0;
+  // Rows as sent, fp16-rounded, [tokens][kv][d]: keys post-RoPE (attention's view of the
+  // rows not yet fed), keys to feed (before RoPE for keys_before_rope), values.
+  std::vector<float> keys_sent_, keys_fed_, values_;
+  std::vector<Exact> key_exact_, value_exact_;
+};
+
+}  // namespace kvq::frontend

@@ -1,0 +1,208 @@
+#include "kvq/frontend/eval_levers.h"
+
+#include <algorithm>
+#include <cmath>
+#include <queue>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
+#include "kvq/core/tensor.h"
+
+namespace kvq::frontend {
+
+absl::Status CheckLevers(const EvalLevers& l, const core::CodecOptions& o) {
+  auto no = [](const std::string& why) { return absl::InvalidArgumentError(why); };
+  for (int p : {l.key_outliers_permille, l.value_outliers_permille}) {
+    if (p < 0 || p > 100) return no(absl::StrCat("outliers: ", p, " per mille outside 0..100"));
+  }
+  if (!l.any()) return absl::OkStatus();
+  if (o.window != 0) return no("the evaluation levers (spk, spv, pre) need window 0");
+  if (o.per_token_value_bits()) return no("the evaluation levers do not run with a2 (read by decoding)");
+  if (l.key_outliers_permille > 0 && o.rotate_keys) return no("spk trims keys before a rotation spreads them: not with rotk");
+  if (l.value_outliers_permille > 0 && o.rotate_values) return no("spv: not with rotv");
+  if (l.keys_before_rope) {
+    if (o.rank > 0) return no("pre: the side code's basis is fitted to post-RoPE queries (kivi only)");
+    if (o.metric_rounding) return no("pre: metric rounding's query moment is post-RoPE (not with mr)");
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> TrimOutliers(float* x, const std::vector<std::vector<int64_t>>& units,
+                                  int64_t budget) {
+  struct Unit {
+    std::vector<int64_t> order;  // element indices by value
+    size_t lo = 0, hi = 0;       // the kept span of `order`
+    bool top = false;            // whether the next removal is at the top
+  };
+  std::vector<Unit> us(units.size());
+  // Gain of the better removal at either end; -1 when the unit keeps only two.
+  auto gain = [&](Unit& u) -> double {
+    if (u.hi - u.lo < 2) return -1.0;
+    const double lo = x[u.order[u.lo]], hi = x[u.order[u.hi]];
+    const double r = hi - lo, rt = x[u.order[u.hi - 1]] - lo, rb = hi - x[u.order[u.lo + 1]];
+    u.top = rt <= rb;
+    const double n = static_cast<double>(u.order.size());
+    return n * (r * r - std::min(rt, rb) * std::min(rt, rb));
+  };
+  std::priority_queue<std::pair<double, size_t>> best;
+  for (size_t i = 0; i < units.size(); ++i) {
+    Unit& u = us[i];
+    u.order = units[i];
+    std::sort(u.order.begin(), u.order.end(), [&](int64_t a, int64_t b) { return x[a] < x[b]; });
+    if (u.order.empty()) continue;
+    u.hi = u.order.size() - 1;
+    const double g = gain(u);
+    if (g > 0) best.push({g, i});
+  }
+  for (int64_t left = budget; left > 0 && !best.empty(); --left) {
+    const size_t i = best.top().second;
+    best.pop();
+    Unit& u = us[i];
+    if (u.top) {
+      --u.hi;
+    } else {
+      ++u.lo;
+    }
+    const double g = gain(u);
+    if (g > 0) best.push({g, i});
+  }
+  std::vector<int64_t> removed;
+  for (Unit& u : us) {
+    if (u.order.empty()) continue;
+    const float lo = x[u.order[u.lo]], hi = x[u.order[u.hi]];
+    for (size_t k = 0; k < u.order.size(); ++k) {
+      if (k >= u.lo && k <= u.hi) continue;
+      removed.push_back(u.order[k]);
+      x[u.order[k]] = std::clamp(x[u.order[k]], lo, hi);
+    }
+  }
+  return removed;
+}
+
+namespace {
+
+// fp16 rounding, the precision a serving frontend sends.
+void RoundToHalf(float* x, size_t n) {
+  std::vector<uint16_t> h(n);
+  core::FromFloat(core::DType::kF16, x, h.data(), n);
+  core::ToFloat(core::DType::kF16, h.data(), x, n);
+}
+
+}  // namespace
+
+LeverFeed::LeverFeed(const EvalLevers& levers, const core::CodecOptions& o, int kv_heads,
+                     bool keys_only)
+    : levers_(levers), o_(o), kv_heads_(kv_heads), keys_only_(keys_only) {}
+
+absl::Status LeverFeed::Append(core::LayerCache& lc, const float* k, const float* v,
+                               int64_t start, int n) {
+  if (start != tokens_) {
+    return absl::InvalidArgumentError(absl::StrCat("lever feed: append at ", start, ", holds ", tokens_));
+  }
+  const size_t row = static_cast<size_t>(kv_heads_) * o_.head_dim, cnt = row * n;
+  const size_t old = keys_sent_.size();
+  keys_sent_.insert(keys_sent_.end(), k, k + cnt);
+  values_.insert(values_.end(), v, v + cnt);
+  RoundToHalf(keys_sent_.data() + old, cnt);
+  RoundToHalf(values_.data() + old, cnt);
+  keys_fed_.insert(keys_fed_.end(), keys_sent_.begin() + old, keys_sent_.end());
+  if (levers_.keys_before_rope) {
+    RotateRows(levers_.rope, start, n, kv_heads_, o_.head_dim, keys_fed_.data() + old, /*inverse=*/true);
+    RoundToHalf(keys_fed_.data() + old, cnt);
+  }
+  tokens_ += n;
+  while (tokens_ - fed_ >= o_.key_group) RETURN_IF_ERROR(FeedGroup(lc));
+  return absl::OkStatus();
+}
+
+void LeverFeed::Trim(std::vector<float>* rows, int permille, bool keys, int64_t t0,
+                     std::vector<Exact>* exact) const {
+  const int G = o_.key_group, D = o_.head_dim, KVH = kv_heads_;
+  // The sinks' rows are kept exact by the codec already, and stand in for nothing here.
+  const int first = t0 == 0 ? std::min(o_.fp16_sinks, G) : 0;
+  auto at = [&](int t, int h, int c) { return (static_cast<int64_t>(t) * KVH + h) * D + c; };
+  std::vector<std::vector<int64_t>> units;
+  if (keys) {  // per channel over the group's tokens
+    for (int h = 0; h < KVH; ++h)
+      for (int c = 0; c < D; ++c) {
+        std::vector<int64_t>& u = units.emplace_back();
+        for (int t = first; t < G; ++t) u.push_back(at(t, h, c));
+      }
+  } else {  // per token over value_group channels
+    for (int t = first; t < G; ++t)
+      for (int h = 0; h < KVH; ++h)
+        for (int c0 = 0; c0 < D; c0 += o_.value_group) {
+          std::vector<int64_t>& u = units.emplace_back();
+          for (int c = c0; c < std::min(D, c0 + o_.value_group); ++c) u.push_back(at(t, h, c));
+        }
+  }
+  const std::vector<float> before = *rows;
+  const int64_t budget = std::llround(static_cast<double>(permille) / 1000.0 * G * KVH * D);
+  for (int64_t i : TrimOutliers(rows->data(), units, budget)) {
+    const int c = static_cast<int>(i % D), h = static_cast<int>(i / D % KVH);
+    exact->push_back({t0 + i / (static_cast<int64_t>(KVH) * D), h, c, before[i]});
+  }
+}
+
+absl::Status LeverFeed::FeedGroup(core::LayerCache& lc) {
+  const int G = o_.key_group, D = o_.head_dim, KVH = kv_heads_;
+  const size_t row = static_cast<size_t>(KVH) * D;
+  const int64_t t0 = fed_;
+  std::vector<float> kg(keys_fed_.begin() + t0 * row, keys_fed_.begin() + (t0 + G) * row);
+  std::vector<float> vg(values_.begin() + t0 * row, values_.begin() + (t0 + G) * row);
+  if (levers_.key_outliers_permille > 0) Trim(&kg, levers_.key_outliers_permille, true, t0, &key_exact_);
+  if (levers_.value_outliers_permille > 0 && !keys_only_)
+    Trim(&vg, levers_.value_outliers_permille, false, t0, &value_exact_);
+  std::vector<uint16_t> kh(kg.size()), vh(vg.size());
+  core::FromFloat(core::DType::kF16, kg.data(), kh.data(), kh.size());
+  core::FromFloat(core::DType::kF16, vg.data(), vh.data(), vh.size());
+  core::TensorView kv, vv;
+  for (auto* t : {&kv, &vv}) {
+    t->dtype = core::DType::kF16;
+    t->rank = 3;
+    t->shape = {KVH, G, D, 0};
+    t->stride = {D, static_cast<int64_t>(row), 1, 0};
+  }
+  kv.data = kh.data();
+  vv.data = vh.data();
+  RETURN_IF_ERROR(lc.Append(kv, vv, t0));
+  if (lc.Size().encoded_tokens != t0 + G) {
+    return absl::InternalError("lever feed: the codec did not encode a whole group (window 0?)");
+  }
+  fed_ += G;
+  return absl::OkStatus();
+}
+
+absl::Status LeverFeed::Read(const core::LayerCache& lc, std::vector<float>* keys,
+                             std::vector<float>* values) const {
+  const int D = o_.head_dim, KVH = kv_heads_;
+  const int64_t T = tokens_, F = fed_;
+  std::vector<float> K, V;
+  RETURN_IF_ERROR(lc.Decode(&K, &V));  // [kv][F][d]
+  auto at = [&](int h, int64_t t) { return (static_cast<size_t>(h) * T + t) * D; };
+  auto sent = [&](const std::vector<float>& rows, int64_t t, int h) {
+    return rows.data() + (static_cast<size_t>(t) * KVH + h) * D;
+  };
+  keys->assign(static_cast<size_t>(KVH) * T * D, 0.0f);
+  for (int h = 0; h < KVH; ++h) {
+    std::copy_n(K.data() + static_cast<size_t>(h) * F * D, F * D, keys->data() + at(h, 0));
+  }
+  for (const Exact& e : key_exact_) (*keys)[at(e.head, e.t) + e.channel] = e.value;
+  if (levers_.keys_before_rope) {
+    for (int h = 0; h < KVH; ++h) RotateRows(levers_.rope, 0, static_cast<int>(F), 1, D, keys->data() + at(h, 0), false);
+  }
+  for (int h = 0; h < KVH; ++h)
+    for (int64_t t = F; t < T; ++t) std::copy_n(sent(keys_sent_, t, h), D, keys->data() + at(h, t));
+  values->clear();
+  if (keys_only_) return absl::OkStatus();
+  values->assign(keys->size(), 0.0f);
+  for (int h = 0; h < KVH; ++h) {
+    std::copy_n(V.data() + static_cast<size_t>(h) * F * D, F * D, values->data() + at(h, 0));
+    for (int64_t t = F; t < T; ++t) std::copy_n(sent(values_, t, h), D, values->data() + at(h, t));
+  }
+  for (const Exact& e : value_exact_) (*values)[at(e.head, e.t) + e.channel] = e.value;
+  return absl::OkStatus();
+}
+
+}  // namespace kvq::frontend

@@ -1,0 +1,181 @@
+// The evaluation-only levers (eval_levers.h): dense-and-sparse trimming keeps the elements it
+// takes out exactly and counts them; keys before RoPE come back rotated to where attention
+// expects them; the grammar refuses the combinations the levers cannot run with.
+#include "kvq/frontend/eval_levers.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvq/frontend/attention_cache.h"
+#include "kvq/frontend/eval_config.h"
+
+namespace kvq::frontend {
+namespace {
+
+constexpr int kHeads = 2, kDim = 64;
+
+core::CodecOptions Kivi(int bits, int group = 32) {
+  core::CodecOptions o;
+  o.head_dim = kDim;
+  o.rank = 0;
+  o.key_bits = o.value_bits = bits;
+  o.key_group = group;
+  o.window = 0;
+  return o;
+}
+
+Rope TestRope() {
+  Rope r;
+  r.halves = true;
+  for (int j = 0; j < kDim / 2; ++j) r.inv_freq.push_back(std::pow(10000.0f, -2.0f * j / kDim));
+  return r;
+}
+
+std::vector<float> Normal(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(n);
+  for (auto& e : x) e = nd(rng);
+  return x;
+}
+
+// x [tokens][kv][d] -> [kv][tokens][d], the layout Read returns.
+std::vector<float> HeadMajor(const std::vector<float>& x, int64_t T) {
+  std::vector<float> y(x.size());
+  for (int64_t t = 0; t < T; ++t)
+    for (int h = 0; h < kHeads; ++h)
+      std::copy_n(x.data() + (t * kHeads + h) * kDim, kDim, y.data() + (h * T + t) * kDim);
+  return y;
+}
+
+double Mse(const std::vector<float>& a, const std::vector<float>& b, size_t n) {
+  double s = 0;
+  for (size_t i = 0; i < n; ++i) s += (a[i] - b[i]) * (a[i] - b[i]);
+  return s / n;
+}
+
+TEST(TrimOutliers, TakesTheElementThatShrinksItsRangeMostAndClampsIt) {
+  std::vector<float> x = {0, 1, 2, 100, 5, 6, 7, 8};
+  const std::vector<std::vector<int64_t>> units = {{0, 1, 2, 3}, {4, 5, 6, 7}};
+  std::vector<float> y = x;
+  EXPECT_EQ(TrimOutliers(y.data(), units, 1), std::vector<int64_t>{3});
+  EXPECT_EQ(y[3], 2.0f);
+  // Then unit 1 (range 3 -> 2: gain 4 * 5) beats unit 0 (range 2 -> 1: gain 4 * 3).
+  y = x;
+  std::vector<int64_t> two = TrimOutliers(y.data(), units, 2);
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[0], 3);
+  EXPECT_TRUE(two[1] == 4 || two[1] == 7);
+  // Every unit keeps two elements, whatever the budget.
+  y = x;
+  EXPECT_EQ(TrimOutliers(y.data(), units, 100).size(), 4u);
+}
+
+TEST(Rope, InverseUndoesTheRotation) {
+  const Rope r = TestRope();
+  std::vector<float> x = Normal(5 * kHeads * kDim, 1), y = x;
+  RotateRows(r, 300, 5, kHeads, kDim, y.data(), false);
+  EXPECT_GT(Mse(x, y, x.size()), 0.1);
+  RotateRows(r, 300, 5, kHeads, kDim, y.data(), true);
+  EXPECT_LT(Mse(x, y, x.size()), 1e-10);
+}
+
+TEST(LeverFeed, KeysBeforeRopeComeBackRotated) {
+  const core::CodecOptions o = Kivi(8);
+  EvalLevers l;
+  l.keys_before_rope = true;
+  l.rope = TestRope();
+  ASSERT_TRUE(CheckLevers(l, o).ok());
+  core::LayerCache lc(o, kHeads, nullptr);
+  LeverFeed f(l, o, kHeads, false);
+  const int T = 100;  // three groups fed, four rows waiting
+  std::vector<float> k = Normal(T * kHeads * kDim, 2), v = Normal(k.size(), 3);
+  ASSERT_TRUE(f.Append(lc, k.data(), v.data(), 0, 60).ok());
+  ASSERT_TRUE(f.Append(lc, k.data() + 60 * kHeads * kDim, v.data() + 60 * kHeads * kDim, 60, 40).ok());
+  EXPECT_EQ(lc.Size().encoded_tokens, 96);
+  std::vector<float> K, V;
+  ASSERT_TRUE(f.Read(lc, &K, &V).ok());
+  const std::vector<float> want = HeadMajor(k, T);
+  // 8-bit codes of the unrotated keys, rotated back: within the 8-bit step; without the
+  // rotation back they would be O(1) away.
+  EXPECT_LT(Mse(K, want, K.size()), 1e-3);
+  EXPECT_LT(Mse(V, HeadMajor(v, T), V.size()), 1e-3);
+}
+
+TEST(LeverFeed, OutliersAreKeptExactAndCounted) {
+  core::CodecOptions o = Kivi(2);
+  o.fp16_sinks = 4;
+  const int T = 96, G = 32;
+  std::vector<float> k = Normal(T * kHeads * kDim, 4), v = Normal(k.size(), 5);
+  std::mt19937_64 rng(6);
+  for (int i = 0; i < 40; ++i) k[rng() % k.size()] += 30.0f;  // spikes, not whole channels
+  for (int i = 0; i < 40; ++i) v[rng() % v.size()] -= 30.0f;
+  k[0] = 500.0f;  // a sink: exact already, never a trimmed outlier
+  auto run = [&](int permille, std::vector<float>* K, std::vector<float>* V) {
+    EvalLevers l;
+    l.key_outliers_permille = l.value_outliers_permille = permille;
+    core::LayerCache lc(o, kHeads, nullptr);
+    LeverFeed f(l, o, kHeads, false);
+    EXPECT_TRUE(f.Append(lc, k.data(), v.data(), 0, T).ok());
+    EXPECT_TRUE(f.Read(lc, K, V).ok());
+    return std::make_pair(f.key_outlier_bytes(), f.value_outlier_bytes());
+  };
+  std::vector<float> K0, V0, K1, V1;
+  EXPECT_EQ(run(0, &K0, &V0), std::make_pair(int64_t{0}, int64_t{0}));
+  const auto bytes = run(10, &K1, &V1);
+  const int64_t per_group = std::llround(0.01 * G * kHeads * kDim);
+  EXPECT_EQ(bytes.first, 3 * per_group * kOutlierBits / 8);
+  EXPECT_EQ(bytes.second, 3 * per_group * kOutlierBits / 8);
+  const std::vector<float> wk = HeadMajor(k, T), wv = HeadMajor(v, T);
+  EXPECT_LT(Mse(K1, wk, wk.size()), 0.5 * Mse(K0, wk, wk.size()));
+  EXPECT_LT(Mse(V1, wv, wv.size()), 0.5 * Mse(V0, wv, wv.size()));
+  // The spikes come back exactly (the fp16 rounding of what was sent).
+  EXPECT_EQ(K1[0], 500.0f);
+  int exact = 0;
+  for (size_t i = 0; i < wk.size(); ++i) exact += std::abs(wk[i]) > 20 && std::abs(K1[i] - wk[i]) < 0.02f;
+  EXPECT_GE(exact, 38);
+}
+
+TEST(CodecCache, LeversCountTheWaitingRowsAndTheOutliers) {
+  const CacheShape s{1, 4, kHeads, kDim};
+  const core::CodecOptions o = Kivi(2);
+  auto plain = *CodecCache::Create(s, o, nullptr);
+  auto trimmed = *CodecCache::Create(s, o, nullptr);
+  EvalLevers l;
+  l.key_outliers_permille = 10;
+  ASSERT_TRUE(trimmed->SetLevers(l).ok());
+  const int n = 70;
+  std::vector<float> k = Normal(n * kHeads * kDim, 7), v = Normal(k.size(), 8);
+  std::vector<float> q = Normal(static_cast<size_t>(s.q_heads) * n * kDim, 9), out(q.size());
+  for (auto* c : {plain.get(), trimmed.get()}) ASSERT_TRUE(c->AppendAndAttend(0, k.data(), v.data(), 0, n, q.data(), out.data()).ok());
+  const core::SizeReport a = plain->Size(), b = trimmed->Size();
+  EXPECT_EQ(trimmed->tokens(0), n);
+  EXPECT_EQ(b.tokens, a.tokens);
+  EXPECT_EQ(b.window_tokens, a.window_tokens);
+  EXPECT_EQ(b.key_window_bytes, a.key_window_bytes);
+  EXPECT_EQ(b.key_block_bytes - a.key_block_bytes, 2 * std::llround(0.01 * 32 * kHeads * kDim) * 4);
+  EXPECT_EQ(b.value_block_bytes, a.value_block_bytes);
+  // Fused reads are not what the levers feed.
+  auto fused = *CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend);
+  EXPECT_FALSE(fused->SetLevers(l).ok());
+}
+
+TEST(EvalConfig, LeverGrammar) {
+  auto pre = ParseEvalConfig("kivi-k2-g128-pre");
+  ASSERT_TRUE(pre.ok()) << pre.status();
+  EXPECT_TRUE(pre->levers.keys_before_rope);
+  auto sp = ParseEvalConfig("headq-kv2-g128-vg64-obl-mr-sink4-spk10-spv5");
+  ASSERT_TRUE(sp.ok()) << sp.status();
+  EXPECT_EQ(sp->levers.key_outliers_permille, 10);
+  EXPECT_EQ(sp->levers.value_outliers_permille, 5);
+  EXPECT_EQ(sp->codec.fp16_sinks, 4);
+  for (const char* bad : {"headq-k2-pre", "kivi-k2-mr-pre", "kivi-kv2-rotk-spk10", "kivi-k2-spv5",
+                          "kivi-kv2-w32-spk10", "headq-kv2-a2-spk10", "kivi-kv2-spk101"}) {
+    EXPECT_FALSE(ParseEvalConfig(bad).ok()) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace kvq::frontend
