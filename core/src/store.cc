@@ -5,13 +5,14 @@
 #include <array>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <new>
 #include <optional>
 #include <set>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "kvq/core/codec_json.h"
+#include "kvq/core/eviction_planner.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/status.h"
 #include "xxhash.h"
@@ -314,95 +315,46 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
     }
     if (used_bytes_ + bytes > cap) DropRetainedLocked(T, used_bytes_ + bytes - cap);
   }
-  // Checks first, then evicts: a write that cannot fit evicts no sequence. One pass over the
-  // LRU list per rule (each search resumes where the last one stopped: a sequence skipped
-  // once stays skipped, since owners only shrink), so planning is linear in the sequences,
-  // not quadratic in the victims (64,000 one-token sequences evicted by one write took
-  // seconds under the store's lock before).
-  auto plan = [&](bool apply) -> bool {
-    int64_t t_bytes = T.bytes, used = used_bytes_;
-    std::vector<Sequence*> victims;
-    absl::flat_hash_set<Sequence*> chosen;
-    int64_t steps = 0;
-    // What evicting v frees: its own bytes and the prefix blocks nobody else holds.
-    absl::flat_hash_map<std::pair<const Tenant*, PrefixKey>, int64_t> refs_left;
-    auto frees = [&](Sequence* v) {
-      const Tenant& o = *tenants_[v->tenant];
-      int64_t f = v->bytes;
-      for (const PrefixKey& k : v->node_keys) {
-        auto n = o.nodes.find(k);
-        if (n == o.nodes.end()) continue;
-        auto [r, fresh] = refs_left.try_emplace({&o, k}, n->second.refs);
-        if (--r->second == 0) f += n->second.bytes;
+  // Plans first (eviction_planner.h), then evicts: a write that cannot fit evicts nothing.
+  if ((quota > 0 && T.bytes + bytes > quota) || (cap > 0 && used_bytes_ + bytes > cap)) {
+    EvictionRequest req;
+    req.writer = tenant;
+    req.write_bytes = bytes;
+    req.quota = quota;
+    req.capacity = cap;
+    req.used_bytes = used_bytes_;
+    for (const auto& [name, t] : tenants_) req.tenant_bytes[name] = t->bytes;
+    // The LRU list as candidates, least recently used first, built as far as the planner reads.
+    std::deque<EvictionCandidate> seen;
+    auto lru_at = lru_.rbegin();
+    auto order = [&](size_t i) -> const EvictionCandidate* {
+      while (seen.size() <= i && lru_at != lru_.rend()) {
+        Sequence* s = *lru_at++;
+        if (kept(s)) continue;
+        EvictionCandidate& c = seen.emplace_back();
+        c.handle = s;
+        c.tenant = s->tenant;
+        c.bytes = s->bytes;
+        const Tenant& owner = *tenants_[s->tenant];
+        for (const PrefixKey& k : s->node_keys) {
+          auto n = owner.nodes.find(k);
+          if (n != owner.nodes.end()) c.blocks.push_back({&n->second, n->second.bytes, n->second.refs});
+        }
       }
-      return f;
+      return i < seen.size() ? &seen[i] : nullptr;
     };
-    auto choose = [&](Sequence* v) {
-      victims.push_back(v);
-      chosen.insert(v);
-      return frees(v);
-    };
-    // The next sequence from `it` on (least recently used first) that `ok` accepts.
-    auto next = [&](std::list<Sequence*>::reverse_iterator& it, auto ok) -> Sequence* {
-      for (; it != lru_.rend(); ++it, ++steps) {
-        Sequence* s = *it;
-        if (!kept(s) && !chosen.contains(s) && ok(s)) return *it++;
-      }
-      return nullptr;
-    };
-    auto own = [&](Sequence* s) { return s->tenant == tenant; };
-    auto own_it = lru_.rbegin();
-    while (quota > 0 && t_bytes + bytes > quota) {
-      Sequence* v = next(own_it, own);
-      if (!v) return false;
-      const int64_t f = choose(v);
-      t_bytes -= f;
-      used -= f;
+    const EvictionPlan plan = PlanEviction(req, order);
+    last_plan_steps_ = plan.steps;
+    if (!plan.fits) {
+      const bool over_quota = quota > 0 && T.bytes + bytes > quota;
+      return absl::ResourceExhaustedError(
+          absl::StrCat("the write needs ", bytes, " bytes and cannot fit even after eviction (",
+                       over_quota ? absl::StrCat("tenant quota ", quota, ", tenant holds ", T.bytes)
+                                  : absl::StrCat("capacity ", cap, ", in use ", used_bytes_),
+                       " bytes)"));
     }
-    int64_t active = 0;
-    for (const auto& [name, t] : tenants_) active += (t->bytes > 0 || name == tenant) ? 1 : 0;
-    const int64_t share = cap > 0 ? cap / std::max<int64_t>(1, active) : 0;
-    absl::flat_hash_map<std::string, int64_t> after;
-    // The least recently used sequence of any tenant holding more than an equal share (the
-    // writer counted without this write), else the writer's own LRU sequence.
-    auto over_share = [&](Sequence* s) {
-      int64_t owner_bytes = t_bytes;
-      if (s->tenant != tenant) {
-        auto a = after.find(s->tenant);
-        owner_bytes = a != after.end() ? a->second : tenants_[s->tenant]->bytes;
-      }
-      return owner_bytes > share;
-    };
-    auto share_it = lru_.rbegin();
-    own_it = lru_.rbegin();
-    while (cap > 0 && used + bytes > cap) {
-      Sequence* v = next(share_it, over_share);
-      if (!v) v = next(own_it, own);
-      if (!v) return false;
-      const int64_t f = choose(v);
-      if (v->tenant == tenant) {
-        t_bytes -= f;
-      } else {
-        auto [a, fresh] = after.try_emplace(v->tenant, tenants_[v->tenant]->bytes);
-        a->second -= f;
-      }
-      used -= f;
-    }
-    last_plan_steps_ = steps;
-    if (apply) {
-      for (Sequence* v : victims) evict(v);
-    }
-    return true;
-  };
-  if (!plan(false)) {
-    const bool over_quota = quota > 0 && T.bytes + bytes > quota;
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the write needs ", bytes, " bytes and cannot fit even after eviction (",
-                     over_quota ? absl::StrCat("tenant quota ", quota, ", tenant holds ", T.bytes)
-                                : absl::StrCat("capacity ", cap, ", in use ", used_bytes_),
-                     " bytes)"));
+    for (const void* v : plan.victims) evict(static_cast<Sequence*>(const_cast<void*>(v)));
   }
-  plan(true);
   T.bytes += bytes;
   used_bytes_ += bytes;
   return absl::OkStatus();

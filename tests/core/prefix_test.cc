@@ -344,7 +344,7 @@ TEST_F(PrefixTest, CodecLeversNeverShareBlocksWithOtherCodecs) {
   using Lever = bool CodecOptions::*;
   for (Lever lever : {&CodecOptions::rotate_keys, &CodecOptions::rotate_values,
                       &CodecOptions::metric_rounding}) {
-    for (const std::string& id : {"first", "second"}) {
+    for (const std::string id : {"first", "second"}) {
       std::vector<AppendSpec> specs = a.All(id + std::to_string(lever == &CodecOptions::rotate_keys
                                                                     ? 0
                                                                     : lever == &CodecOptions::rotate_values ? 1 : 2));
