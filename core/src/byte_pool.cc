@@ -77,7 +77,7 @@ SlabBytePool::SlabBytePool(kernels::Pool pool, size_t slab_bytes)
       free_(n_classes_) {}
 
 SlabBytePool::~SlabBytePool() {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   for (void* s : slabs_) {
     KVQ_UNPOISON(s, slab_bytes_);
     kernels::Free(pool_, s);
@@ -148,7 +148,7 @@ void* SlabBytePool::FallbackLocked(size_t n) {
 }
 
 void* SlabBytePool::Allocate(size_t n) {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   usage_.requested_bytes += static_cast<int64_t>(n);
   const int cls = ClassOf(n);
   void* p = nullptr;
@@ -171,7 +171,7 @@ void* SlabBytePool::Allocate(size_t n) {
 
 void SlabBytePool::Free(void* p, size_t n) {
   if (!p) return;
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   usage_.requested_bytes -= static_cast<int64_t>(n);
   if (auto it = fallback_.find(p); it != fallback_.end()) {
     fallback_.erase(it);
@@ -192,12 +192,12 @@ void SlabBytePool::Free(void* p, size_t n) {
 }
 
 BytePool::Usage SlabBytePool::usage() const {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   return usage_;
 }
 
 absl::Status SlabBytePool::Probe() {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   if (!slabs_.empty()) return absl::OkStatus();
   std::string err;
   if (!AddSlabLocked(&err))
@@ -212,9 +212,9 @@ absl::StatusOr<BytePool*> SharedBytePool(kernels::Pool pool) {
     return absl::FailedPreconditionError(
         "memory pool 'gpu': codes in device memory need CUDA readout and attend kernels, which "
         "this version does not have; use 'pinned' (host memory a GPU copies at bus speed)");
-  static absl::Mutex mu;
+  static Mutex mu;
   static SlabBytePool* pinned ABSL_GUARDED_BY(mu) = nullptr;
-  absl::MutexLock l(&mu);
+  MutexLock l(&mu);
   if (pinned == nullptr) {
     auto* p = new SlabBytePool(pool);
     if (absl::Status st = p->Probe(); !st.ok()) {

@@ -269,7 +269,7 @@ absl::Status Registry::LoadAll(std::vector<std::string>* loaded,
                              e->manifest.model, "/v", e->manifest.version, "/"));
         continue;
       }
-      absl::MutexLock l(&mu_);
+      MutexLock l(&mu_);
       if (loaded) loaded->push_back(absl::StrCat(model, " v", version));
       models_[model][version] = std::make_shared<const ModelEntry>(*std::move(e));
     }
@@ -362,7 +362,7 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry 
     entry.manifest.calibration_text.clear();
     entry.basis = ModelBasis{};
   }
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   auto& versions = models_[entry.manifest.model];
   auto it = versions.find(entry.manifest.version);
   if (it != versions.end()) {
@@ -386,7 +386,7 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Register(ModelEntry 
 
 absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Get(const std::string& model,
                                                                 int version) const {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   auto it = models_.find(model);
   if (it == models_.end() || it->second.empty()) {
     return absl::NotFoundError(absl::StrCat("model '", model, "' is not registered"));
@@ -401,7 +401,7 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> Registry::Get(const std::strin
 }
 
 std::vector<std::shared_ptr<const ModelEntry>> Registry::List() const {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   std::vector<std::shared_ptr<const ModelEntry>> out;
   for (const auto& [name, versions] : models_) {
     for (const auto& [v, e] : versions) out.push_back(e);

@@ -28,7 +28,7 @@ struct Store::Sequence {
   std::shared_ptr<const ModelEntry> model;
   CodecOptions codec;
 
-  absl::Mutex mu;
+  Mutex mu;
   std::vector<std::unique_ptr<LayerCache>> layers ABSL_GUARDED_BY(mu);
   // Per layer, per stored token: hash of the bytes it arrived as, for idempotent re-sends.
   // The tokens of indexed (sealed) groups keep theirs in the prefix index instead (the hashes
@@ -212,7 +212,7 @@ std::string Shape(const TensorView& t) {
 Store::Store(StoreOptions opts, Registry* registry) : opts_(std::move(opts)), registry_(registry) {}
 
 Store::~Store() {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   lru_.clear();
   tenants_.clear();
 }
@@ -368,7 +368,7 @@ std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& mod
                                        model.manifest.fingerprint, "/", layer, "/", codec.head_dim,
                                        ",", codec.rank, ",", codec.rotate_keys, ",",
                                        codec.metric_rounding);
-  absl::MutexLock l(&tables_mu_);
+  MutexLock l(&tables_mu_);
   if (auto held = tables_[key].lock()) return held;
   std::vector<float> basis = LayerBasis(model, model.basis.u, layer, codec.rank);
   std::vector<float> encode = LayerBasis(model, model.basis.encode, layer, codec.rank);
@@ -417,7 +417,7 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
   int64_t bytes = size.total_bytes() - size.sealed_block_bytes;
   for (const auto& h : s->hashes) bytes += static_cast<int64_t>(h.capacity() * sizeof(uint64_t));
   bytes += SequenceOverheadBytes(*s);
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   auto t = tenants_.find(s->tenant);
   if (t == tenants_.end()) return;
   t->second->bytes -= reserved;
@@ -463,7 +463,7 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
   Sequence::LayerPrefix& lp = s->prefix[layer];
   LayerCache& cache = *s->layers[layer];
   const int G = s->codec.key_group;
-  absl::MutexLock g(&mu_);
+  MutexLock g(&mu_);
   // Evicted by another writer while this append ran: it is going away, index nothing.
   if (!s->linked) return absl::OkStatus();
   Tenant& T = *tenants_[tenant];
@@ -553,7 +553,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       }
       if (seqs.count(id)) continue;
       {
-        absl::MutexLock l(&mu_);
+        MutexLock l(&mu_);
         auto t = tenants_.find(tenant);
         if (t != tenants_.end()) {
           auto s = t->second->seqs.find(id);
@@ -744,7 +744,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         }
       } else {
         // Tokens of indexed groups compare with the index's hashes (under the store lock).
-        std::optional<absl::MutexLock> index_lock;
+        std::optional<MutexLock> index_lock;
         const Tenant* T = nullptr;
         if (overlap > 0 && a.start < base) {
           index_lock.emplace(&mu_);
@@ -787,7 +787,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         // frontend to send with data, at arrival precision.
         const int64_t most = std::max<int64_t>(0, (p.n - s->codec.window) / G);
         PrefixKey prev = lp.block_keys.empty() ? lp.seed : lp.block_keys.back();
-        absl::MutexLock g(&mu_);
+        MutexLock g(&mu_);
         auto t = tenants_.find(tenant);
         for (int64_t b = 0; t != tenants_.end() && b < most; ++b) {
           prev = ChainKey(prev, a.token_ids.data() + p.from + b * G, G);
@@ -843,7 +843,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       }
     };
     auto unpin = [&](size_t from_item) {
-      absl::MutexLock g(&mu_);
+      MutexLock g(&mu_);
       unpin_locked(from_item);
     };
     if (!bad.ok()) {
@@ -856,7 +856,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
     // (their memory freed) after the store's lock is released.
     std::vector<std::shared_ptr<Sequence>> evicted;
     {
-      absl::MutexLock l(&mu_);
+      MutexLock l(&mu_);
       bool raced = false;
       auto& tp = tenants_[tenant];
       if (!tp) tp = std::make_unique<Tenant>();
@@ -923,7 +923,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
           }
           lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
           s->hash_base[a.layer] += shared;  // their arrival hashes are the index's
-          absl::MutexLock g(&mu_);
+          MutexLock g(&mu_);
           if (!s->linked) {
             unpin_locked(i, i + 1);  // evicted meanwhile by another writer: hold nothing
             continue;
@@ -992,7 +992,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
     }
     if (!applied.ok()) {
       // No partial sequence: one this batch created and left empty goes again.
-      absl::MutexLock l(&mu_);
+      MutexLock l(&mu_);
       for (auto& [id, sp] : seqs) {
         Sequence* q = sp.get();
         if (!fresh.count(id)) continue;
@@ -1016,7 +1016,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
 absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& tenant,
                                                              const std::string& id,
                                                              int basis_version) {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   auto t = tenants_.find(tenant);
   std::shared_ptr<Sequence> s;
   if (t != tenants_.end()) {
@@ -1056,7 +1056,7 @@ absl::Status Store::Score(const std::string& tenant, const std::string& sequence
                           float scale, bool corrections_only, std::vector<float>* out,
                           int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
-  absl::ReaderMutexLock l(&s->mu);
+  ReaderMutexLock l(&s->mu);
   KVQ_READ_PROLOGUE();
   if (q_heads < 1 || q_heads % m.kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
@@ -1075,7 +1075,7 @@ absl::Status Store::Readout(const std::string& tenant, const std::string& sequen
                             int64_t p_tokens, bool as_logits, std::vector<float>* out,
                             int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
-  absl::ReaderMutexLock l(&s->mu);
+  ReaderMutexLock l(&s->mu);
   KVQ_READ_PROLOGUE();
   if (q_heads < 1 || q_heads % m.kv_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat("weights.shape[0] (q_heads) ", q_heads,
@@ -1103,8 +1103,8 @@ absl::Status Store::Attend(const std::string& tenant, const std::string& sequenc
                            const AttendOptions& ao, std::vector<float>* out, int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   // Observing attends update the window's A^2 statistics: exclusive.
-  std::optional<absl::MutexLock> wl;
-  std::optional<absl::ReaderMutexLock> rl;
+  std::optional<MutexLock> wl;
+  std::optional<ReaderMutexLock> rl;
   if (ao.observe) {
     wl.emplace(&s->mu);
   } else {
@@ -1139,7 +1139,7 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
                            std::vector<float>* values, int64_t* tokens, int64_t* first) {
   if (from < 0) return absl::InvalidArgumentError(absl::StrCat("from ", from, " must be >= 0"));
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
-  absl::ReaderMutexLock l(&s->mu);
+  ReaderMutexLock l(&s->mu);
   const BasisManifest& m = s->model->manifest;
   if (layer < 0 || layer >= m.layers) {
     return absl::InvalidArgumentError(
@@ -1167,17 +1167,17 @@ absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
   SequenceInfo info;
   info.model = s->model;
   info.codec = s->codec;
-  absl::ReaderMutexLock l(&s->mu);
+  ReaderMutexLock l(&s->mu);
   for (size_t l = 0; l < s->hashes.size(); ++l) {
     info.layer_tokens.push_back(s->Length(static_cast<int>(l)));
   }
-  absl::MutexLock g(&mu_);
+  MutexLock g(&mu_);
   info.bytes = s->bytes;
   return info;
 }
 
 absl::StatusOr<int64_t> Store::Delete(const std::string& tenant, const std::string& sequence_id) {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   auto t = tenants_.find(tenant);
   if (t != tenants_.end()) {
     auto it = t->second->seqs.find(sequence_id);
@@ -1193,7 +1193,7 @@ absl::StatusOr<int64_t> Store::Delete(const std::string& tenant, const std::stri
 
 UsageStats Store::TenantUsage(const std::string& tenant) const {
   UsageStats u;
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   auto t = tenants_.find(tenant);
   if (t == tenants_.end()) return u;
   u.evictions = t->second->evictions;
@@ -1216,7 +1216,7 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
 
 UsageStats Store::TotalUsage() const {
   UsageStats u;
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   u.evictions = evictions_;
   u.expirations = expirations_;
   for (const auto& [name, t] : tenants_) {
@@ -1239,7 +1239,7 @@ UsageStats Store::TotalUsage() const {
 std::vector<std::pair<std::string, UsageStats>> Store::AllTenants() const {
   std::vector<std::string> names;
   {
-    absl::MutexLock l(&mu_);
+    MutexLock l(&mu_);
     for (const auto& [name, t] : tenants_) names.push_back(name);
   }
   std::vector<std::pair<std::string, UsageStats>> out;
@@ -1248,7 +1248,7 @@ std::vector<std::pair<std::string, UsageStats>> Store::AllTenants() const {
 }
 
 int64_t Store::LiveSequences(const std::string& model, int version) const {
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   int64_t n = 0;
   for (const Sequence* s : lru_) {
     n += s->model->manifest.model == model && s->model->manifest.version == version;
@@ -1258,7 +1258,7 @@ int64_t Store::LiveSequences(const std::string& model, int version) const {
 
 int64_t Store::Sweep() {
   if (opts_.ttl <= absl::ZeroDuration()) return 0;
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   const absl::Time cutoff = opts_.now() - opts_.ttl;
   int64_t n = 0;
   while (!lru_.empty() && lru_.back()->last_used < cutoff) {
@@ -1275,14 +1275,14 @@ int64_t Store::Sweep() {
 int64_t Store::Scrub() {
   std::vector<std::shared_ptr<Sequence>> all;
   {
-    absl::MutexLock l(&mu_);
+    MutexLock l(&mu_);
     for (const auto& [name, t] : tenants_) {
       for (const auto& [id, s] : t->seqs) all.push_back(s);
     }
   }
   int64_t bad = 0;
   for (const auto& s : all) {
-    absl::ReaderMutexLock l(&s->mu);
+    ReaderMutexLock l(&s->mu);
     for (const auto& c : s->layers) {
       if (c && !c->VerifyAll().ok()) {
         s->corrupt.store(true);
@@ -1293,7 +1293,7 @@ int64_t Store::Scrub() {
   }
   // Retained prefix groups (held by no sequence, so not verified above): a corrupted one is
   // dropped with its extensions, so that no later attach can take it.
-  absl::MutexLock l(&mu_);
+  MutexLock l(&mu_);
   for (auto& [name, t] : tenants_) {
     std::vector<PrefixKey> corrupt;
     for (const auto& [key, node] : t->nodes) {
@@ -1310,7 +1310,7 @@ LayerCache* Store::LayerForTest(const std::string& tenant, const std::string& se
                                 int layer) {
   absl::StatusOr<std::shared_ptr<Sequence>> s = Find(tenant, sequence_id, 0);
   if (!s.ok()) return nullptr;
-  absl::ReaderMutexLock l(&(*s)->mu);
+  ReaderMutexLock l(&(*s)->mu);
   if (layer < 0 || layer >= static_cast<int>((*s)->layers.size())) return nullptr;
   return (*s)->layers[layer].get();
 }

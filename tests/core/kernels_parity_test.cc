@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kvq/core/half.h"
 #include "kvq/kernels/kernels.h"
 #include "test_util.h"
 
@@ -268,10 +269,7 @@ TEST(KernelParity, DenseAndExp) {
         const int T = 111;
         auto kf = kvq::testing::Gaussian(T * d, d + n_q);
         std::vector<uint16_t> k(T * d);
-        for (int i = 0; i < T * d; ++i) {
-          _Float16 h = static_cast<_Float16>(kf[i]);
-          std::memcpy(&k[i], &h, 2);
-        }
+        for (int i = 0; i < T * d; ++i) k[i] = kvq::core::FloatToHalf(kf[i]);
         auto q = kvq::testing::Gaussian(n_q * d, 3);
         std::vector<float> s0(n_q * T), s1(n_q * T);
         Ref().dense_scores_f16(k.data(), T, d, q.data(), n_q, s0.data(), T);

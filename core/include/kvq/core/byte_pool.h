@@ -18,7 +18,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "kvq/core/mutex.h"
 #include "kvq/kernels/device.h"
 
 namespace kvq::core {
@@ -77,7 +77,7 @@ class SlabBytePool final : public BytePool {
   const size_t slab_bytes_;
   const std::vector<size_t> class_size_;  // ascending
   const int n_classes_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<std::vector<void*>> free_ ABSL_GUARDED_BY(mu_);  // per class
   std::vector<void*> slabs_ ABSL_GUARDED_BY(mu_);
   char* cur_ ABSL_GUARDED_BY(mu_) = nullptr;  // bump pointer in the newest slab

@@ -10,10 +10,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/env.h"
+#include "kvq/core/mutex.h"
 
 namespace kvq::core {
 
@@ -81,7 +81,7 @@ class Registry {
 
   std::string dir_;
   Env* env_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, std::map<int, std::shared_ptr<const ModelEntry>>> models_
       ABSL_GUARDED_BY(mu_);
 };

@@ -58,12 +58,12 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/byte_pool.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/codec.h"
+#include "kvq/core/mutex.h"
 #include "kvq/core/registry.h"
 #include "kvq/core/tensor.h"
 #include "kvq/kernels/device.h"
@@ -207,13 +207,13 @@ class Store {
   // dropped (with their extensions) and counted in RetainedScrubDrops().
   int64_t Scrub();
   int64_t RetainedScrubDrops() const {
-    absl::MutexLock l(&mu_);
+    MutexLock l(&mu_);
     return retained_scrub_drops_;
   }
 
   // Test seam: the LRU-list steps the last eviction plan took (linear in the sequences).
   int64_t LastEvictionPlanStepsForTest() const {
-    absl::MutexLock l(&mu_);
+    MutexLock l(&mu_);
     return last_plan_steps_;
   }
   // Test seam: the layer cache of a sequence (null when absent). Not for production use.
@@ -257,7 +257,7 @@ class Store {
 
   StoreOptions opts_;
   Registry* registry_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
   std::list<Sequence*> lru_ ABSL_GUARDED_BY(mu_);  // front: most recent
   int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
@@ -265,7 +265,7 @@ class Store {
   int64_t expirations_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t retained_scrub_drops_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t last_plan_steps_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Mutex tables_mu_;
+  Mutex tables_mu_;
   absl::flat_hash_map<std::string, std::weak_ptr<const LayerCodecTables>> tables_
       ABSL_GUARDED_BY(tables_mu_);
 };
