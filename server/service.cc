@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kvq/core/field_error.h"
 #include "kvq/core/status.h"
 #include "kvq/wire/codec_settings.h"
 #include "server/convert.h"
@@ -522,11 +523,8 @@ absl::Status Service::ItemAppend(const std::string& tenant, const Item& item,
   std::vector<float> probe;
   RETURN_IF_ERROR(SpecOf(ap, at + ".append", &spec, &probe));
   core::AppendOutcome outcome;
-  absl::Status st = store_->Append(tenant, {spec}, &outcome);
-  if (!st.ok() && absl::StartsWith(st.message(), "appends[0]")) {  // the store's own prefix
-    st = absl::Status(st.code(), absl::StrCat(at, ".append", st.message().substr(10)));
-  }
-  return st;
+  // The store names the item by its batch index; on the wire it is this item's append.
+  return core::RenameField(store_->Append(tenant, {spec}, &outcome), "appends[0]", at + ".append");
 }
 
 grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvq/core/codec_json.h"
 #include "kvq/core/eviction_planner.h"
+#include "kvq/core/field_error.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/status.h"
 #include "xxhash.h"
@@ -199,6 +200,12 @@ int64_t GrowthEstimate(const CodecOptions& o, int kv_heads, DType dtype, int64_t
                                static_cast<int64_t>(DTypeSize(dtype));
   return std::max<int64_t>(0, block_bytes + window_bytes) +
          (after - before) * static_cast<int64_t>(sizeof(uint64_t));
+}
+
+// An error about item i of an append batch: the field `appends[i]` (field_error.h), which the
+// server renames to its wire path.
+absl::Status AppendError(absl::StatusCode code, size_t i, absl::string_view rest) {
+  return FieldError(code, absl::StrCat("appends[", i, "]"), rest);
 }
 
 std::string Shape(const TensorView& t) {
@@ -548,8 +555,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
     for (size_t i = 0; i < batch.size(); ++i) {
       const std::string& id = batch[i].sequence_id;
       if (id.empty() || id.size() > 256) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "appends[", i, "].sequence_id must be 1..256 bytes (got ", id.size(), ")"));
+        return AppendError(absl::StatusCode::kInvalidArgument, i,
+                           absl::StrCat(".sequence_id must be 1..256 bytes (got ", id.size(), ")"));
       }
       if (seqs.count(id)) continue;
       {
@@ -563,15 +570,14 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       if (!seqs.count(id)) {
         const AppendSpec& a = batch[i];
         if (a.model.empty()) {
-          return absl::NotFoundError(
-              absl::StrCat("appends[", i, "]: sequence '", id,
-                           "' does not exist; the append that creates it must name a model"));
+          return AppendError(absl::StatusCode::kNotFound, i,
+                             absl::StrCat(": sequence '", id,
+                                          "' does not exist; the append that creates it must name a model"));
         }
         absl::StatusOr<std::shared_ptr<const ModelEntry>> m =
             registry_->Get(a.model, a.basis_version);
         if (!m.ok()) {
-          return absl::Status(m.status().code(),
-                              absl::StrCat("appends[", i, "].model: ", m.status().message()));
+          return AppendError(m.status().code(), i, absl::StrCat(".model: ", m.status().message()));
         }
         auto s = std::make_shared<Sequence>();
         s->tenant = tenant;
@@ -580,17 +586,18 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         s->codec = a.has_codec ? a.codec : (*m)->codec;
         s->codec.head_dim = (*m)->manifest.head_dim;
         if (s->codec.rank > (*m)->manifest.rank) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "appends[", i, "].codec.rank ", s->codec.rank, " exceeds the basis rank ",
-              (*m)->manifest.rank, " of model '", a.model, "'"));
+          return AppendError(absl::StatusCode::kInvalidArgument, i,
+                             absl::StrCat(".codec.rank ", s->codec.rank, " exceeds the basis rank ",
+                                          (*m)->manifest.rank, " of model '", a.model, "'"));
         }
         if (absl::Status st = s->codec.Validate(); !st.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat("appends[", i, "].codec: ", st.message()));
+          return AppendError(absl::StatusCode::kInvalidArgument, i, absl::StrCat(".codec: ", st.message()));
         }
         if (s->codec.metric_rounding && (*m)->basis.query_moment.empty()) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "appends[", i, "].codec.metric_rounding needs query moments, which model '",
-              a.model, "' version ", (*m)->manifest.version, " was registered without"));
+          return AppendError(absl::StatusCode::kFailedPrecondition, i,
+                             absl::StrCat(".codec.metric_rounding needs query moments, which model '",
+                                          a.model, "' version ", (*m)->manifest.version,
+                                          " was registered without"));
         }
         s->layers.resize((*m)->manifest.layers);
         s->hashes.resize((*m)->manifest.layers);
@@ -627,9 +634,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       const AppendSpec& a = batch[i];
       Sequence* s = seqs[a.sequence_id].get();
       const BasisManifest& m = s->model->manifest;
-      const std::string at = absl::StrCat("appends[", i, "]");
       auto fail = [&](absl::StatusCode code, auto&&... parts) {
-        bad = absl::Status(code, absl::StrCat(at, parts...));
+        bad = AppendError(code, i, absl::StrCat(parts...));
       };
       if (!a.model.empty() && a.model != m.model) {
         fail(absl::StatusCode::kFailedPrecondition, ".model '", a.model, "': sequence '",
@@ -917,8 +923,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
           applied = cache->AttachSealed(p.attach);
           if (!applied.ok()) {
             unpin(i);
-            applied = absl::InternalError(
-                absl::StrCat("appends[", i, "]: prefix block rejected: ", applied.message()));
+            applied = AppendError(absl::StatusCode::kInternal, i,
+                                  absl::StrCat(": prefix block rejected: ", applied.message()));
             break;
           }
           lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
@@ -956,8 +962,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
                                   probe.empty() ? nullptr : probe.data());
           if (!applied.ok()) {
             unpin(i + 1);
-            applied = absl::Status(applied.code(), absl::StrCat("appends[", i, "] (layer ", a.layer,
-                                                                "): ", applied.message()));
+            applied = AppendError(applied.code(), i,
+                                  absl::StrCat(" (layer ", a.layer, "): ", applied.message()));
             break;
           }
           s->dtype = a.keys.dtype;
@@ -981,9 +987,10 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       // bookkeeping): the sequence of that item may hold half of it, so it is marked corrupt
       // (its reads fail with DATA_LOSS until it is deleted) rather than served.
       seqs[batch[item].sequence_id]->corrupt.store(true);
-      applied = absl::ResourceExhaustedError(absl::StrCat(
-          "appends[", item, "]: out of memory while storing it; sequence '",
-          batch[item].sequence_id, "' is marked corrupt (delete and re-send it)"));
+      applied = AppendError(absl::StatusCode::kResourceExhausted, item,
+                            absl::StrCat(": out of memory while storing it; sequence '",
+                                         batch[item].sequence_id,
+                                         "' is marked corrupt (delete and re-send it)"));
     }
     int64_t reserved = estimate;
     for (Sequence* s : locked) {
