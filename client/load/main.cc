@@ -53,7 +53,7 @@ using kvq::load::MethodStats;
 namespace v1 = kvq::v1;
 
 constexpr int kExitOk = 0, kExitErrors = 1, kExitUsage = 2, kExitSetup = 3, kExitInterrupted = 130;
-const char* const kMethods[] = {"put", "score", "readout", "attend", "session"};
+const char* const kMethods[] = {"put", "score", "readout", "attend", "get", "session"};
 
 std::atomic<bool> g_interrupted{false};
 void OnSignal(int) { g_interrupted = true; }
@@ -78,6 +78,7 @@ struct LoadOptions {
   int64_t shared_prefix = 0;  // method "session": prompt tokens attached by id
   bool keep = false;
   uint64_t seed = 1;
+  int stalled_readers = 0;  // GetBlocks streams opened and then not read (soak tests)
 };
 
 v1::DType DTypeOf(const std::string& s) {
@@ -346,6 +347,18 @@ class Worker {
         resp_bytes = static_cast<int64_t>(r->ByteSizeLong());
         for (const auto& res : r->results()) item_codes.push_back(res.status().code());
       }
+    } else if (method == "get") {
+      // GetBlocks: a frontend taking back one layer of the stream's first sequence, as it
+      // would to attend locally.
+      v1::GetBlocksRequest req;
+      req.set_sequence_id(seqs_[0]);
+      req.add_layers(layer);
+      req.set_dtype(dt);
+      req_bytes = static_cast<int64_t>(req.ByteSizeLong());
+      call = s_->client->GetBlocks(req, [&](const v1::GetBlocksResponse& chunk) {
+        resp_bytes += static_cast<int64_t>(chunk.ByteSizeLong());
+        return true;
+      });
     } else if (method == "readout") {
       v1::ReadoutRequest req;
       for (int b = 0; b < o.batch; ++b) {
@@ -376,6 +389,10 @@ class Worker {
           a->set_sequence_id(seqs_[b]);
           a->set_layer(l);
           a->set_start(tokens_[b][l]);
+          if (tokens_[b][l] == 0) {  // re-creating a sequence the server evicted
+            a->set_model(s_->model);
+            a->set_basis_version(s_->model_version);
+          }
           SetTensor(a->mutable_keys(), dt, {o.kv_heads, o.put_tokens, o.head_dim}, put_k_);
           SetTensor(a->mutable_values(), dt, {o.kv_heads, o.put_tokens, o.head_dim}, put_v_);
         }
@@ -389,6 +406,11 @@ class Worker {
           for (int64_t& t : row) t += o.put_tokens;
         }
         if (logits_.size() > 8) logits_.clear();  // readout weights follow the new length
+      } else if (call.code() == absl::StatusCode::kNotFound) {
+        // Evicted under memory pressure: the next put starts the sequences again, as a
+        // frontend would prefill again (the NOT_FOUND is still counted).
+        for (auto& row : tokens_) std::fill(row.begin(), row.end(), 0);
+        logits_.clear();
       }
     }
     const double latency = absl::ToDoubleSeconds(absl::Now() - scheduled);
@@ -434,6 +456,7 @@ class Worker {
 
  public:
   std::string first_error_;
+  const std::string& first_sequence() const { return seqs_[0]; }
 
  private:
   Shared* s_;
@@ -552,6 +575,13 @@ int main(int argc, char** argv) {
             [&](const std::string& v) { return run_id = v, !v.empty() && v.size() <= 64; });
   flags.Add("seed", "N", "random seed of the data (default 1)",
             [&](const std::string& v) { return absl::SimpleAtoi(v, &o.seed); });
+  flags.Add("stalled-readers", "N",
+            "also open N GetBlocks streams (16 tokens a message) that stop reading after their "
+            "first message until the end: slow peers the server must not buffer for (default 0)",
+            [&](const std::string& v) {
+              return absl::SimpleAtoi(v, &o.stalled_readers) && o.stalled_readers >= 0 &&
+                     o.stalled_readers <= 1024;
+            });
   std::vector<std::string> pos;
   absl::Status parsed = flags.Parse(argc, argv, 1, &pos);
   if (help) {
@@ -711,6 +741,22 @@ int main(int argc, char** argv) {
   const absl::Duration limit =
       o.duration > absl::ZeroDuration() ? std::min(o.duration, o.max_duration) : o.max_duration;
   s.end = s.start + limit;
+  // Stalled readers: each takes one message of a stream's first sequence, then holds the
+  // stream open without reading until the measured phase ends.
+  std::vector<std::thread> stalled;
+  std::atomic<int> stalled_open{0};
+  for (int i = 0; i < o.stalled_readers; ++i) {
+    stalled.emplace_back([&, i] {
+      v1::GetBlocksRequest req;
+      req.set_sequence_id(workers[i % o.concurrency]->first_sequence());
+      req.set_max_tokens_per_message(16);
+      (void)s.client->GetBlocks(req, [&](const v1::GetBlocksResponse&) {
+        ++stalled_open;
+        while (!s.stop && !g_interrupted && absl::Now() < s.end) absl::SleepFor(absl::Milliseconds(20));
+        return false;  // then cancel
+      });
+    });
+  }
   std::vector<std::thread> threads;
   std::atomic<int> running{o.concurrency};
   for (int i = 0; i < o.concurrency; ++i) {
@@ -741,6 +787,11 @@ int main(int argc, char** argv) {
     }
   }
   for (auto& t : threads) t.join();
+  for (auto& t : stalled) t.join();
+  if (o.stalled_readers > 0) {
+    std::fprintf(stderr, "kvq-load: %d of %d stalled readers got their first message\n",
+                 stalled_open.load(), o.stalled_readers);
+  }
   const double wall = absl::ToDoubleSeconds(absl::Now() - s.start);
   progress_line(absl::StrFormat("kvq-load: done: %d requests, %d noop, %d errors in %.1f s%s",
                                 s.done.load(), s.noop_done.load(), s.failed.load(), wall,

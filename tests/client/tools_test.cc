@@ -415,6 +415,25 @@ TEST_F(ToolsTest, LoadSessionsAttachTheSharedPrompt) {
   EXPECT_THAT(bad.err, HasSubstr("--shared-prefix"));
 }
 
+// GetBlocks as a load method, with stalled readers beside it: every get returns the whole
+// layer (its bytes in the report), and each stalled stream got its first message and ended.
+TEST_F(ToolsTest, LoadGetsBlocksBesideStalledReaders) {
+  const std::string json = dir_ + "/report.json";
+  ToolRun r = Load(absl::StrCat(flags_,
+                                " --concurrency 2 --duration 1s --context 100 --layers 2 --q-heads 4"
+                                " --kv-heads 2 --head-dim 64 --basis-rank 8 --mix get:1,attend:1"
+                                " --stalled-readers 3 --progress 0 --json ",
+                                json));
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_THAT(r.err, HasSubstr("3 of 3 stalled readers got their first message"));
+  auto js = nlohmann::json::parse(Slurp(json));
+  const auto& get = js["methods"]["get"];
+  ASSERT_GT(get["requests"].get<int64_t>(), 0);
+  EXPECT_EQ(get["errors"].get<int64_t>(), 0);
+  // 100 tokens x 2 KV heads x 64 x 2 tensors at fp16 at least, per get.
+  EXPECT_GT(get["gbps"].get<double>() * 1e9 / get["rps"].get<double>(), 100 * 2 * 64 * 2 * 2);
+}
+
 // Three servers: sessions carry their stream's hash tag, so each lands where its prompt is and
 // still attaches every whole group.
 TEST(ToolsShards, LoadSessionsFindTheirPromptOnEveryShard) {
