@@ -735,23 +735,35 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
         layers_.push_back(req_.layers(i));
       }
     }
-    // Next layer once this one's range is sent (an empty range of a non-empty layer sends one
-    // message with n = 0; an empty layer sends none).
-    while (offset_ >= decoded_ && !(decoded_ == 0 && !layer_sent_ && tokens_ > 0)) {
+    // The layer's range is decoded a window at a time (at most kDecodeWindow tokens, or one
+    // message's), so that a stream holds a bounded fp32 copy however long the layer and
+    // however slowly its client reads. Next layer once this one's range is sent (an empty
+    // range of a non-empty layer sends one message with n = 0; an empty layer sends none).
+    while (offset_ >= decoded_) {
+      if (layer_open_ && first_ + decoded_ < end_) {  // the next window of this layer
+        RETURN_IF_ERROR(DecodeWindow(first_ + decoded_));
+        break;
+      }
+      if (layer_open_ && !layer_sent_ && tokens_ > 0) break;  // its one empty message
       if (next_layer_ >= layers_.size()) {
         finished_ = true;
         return absl::OkStatus();
       }
       layer_ = layers_[next_layer_++];
-      offset_ = 0;
+      layer_open_ = true;
       layer_sent_ = false;
       const int64_t length = layer_ < static_cast<int>(snapshot_.size()) ? snapshot_[layer_] : 0;
-      RETURN_IF_ERROR(svc_->store()->Decode(
-          tenant_, req_.sequence_id(), layer_, req_.basis_version(), req_.from_token(),
-          req_.to_token() > 0 ? std::min<int64_t>(req_.to_token(), length) : length, &keys_,
-          &values_, &tokens_, &first_));
-      tokens_ = std::min(tokens_, length);
-      decoded_ = static_cast<int64_t>(keys_.size()) / (int64_t{kv_heads_} * d_);
+      length_ = length;
+      end_ = req_.to_token() > 0 ? std::min<int64_t>(req_.to_token(), length) : length;
+      if (req_.from_token() == 0 && end_ == length) {
+        // The whole layer: every block checked before its first message goes out.
+        RETURN_IF_ERROR(svc_->store()->VerifyLayer(tenant_, req_.sequence_id(), layer_,
+                                                   req_.basis_version()));
+      }
+      offset_ = decoded_ = 0;
+      RETURN_IF_ERROR(DecodeWindow(req_.from_token()));
+      end_ = std::min(end_, tokens_);
+      if (tokens_ == 0) layer_open_ = false;  // an empty layer sends nothing
     }
     layer_sent_ = true;
     const int64_t n = std::min<int64_t>(chunk_, decoded_ - offset_);
@@ -770,6 +782,21 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
     FillTensor(kbuf.data(), {kv_heads_, n, d_}, req_.dtype(), msg_.mutable_keys());
     FillTensor(vbuf.data(), {kv_heads_, n, d_}, req_.dtype(), msg_.mutable_values());
     offset_ += n;
+    return absl::OkStatus();
+  }
+
+  // Decodes tokens [from, min(end_, from + window)) of the current layer into keys_/values_
+  // (first_: where they start; tokens_: the layer's length).
+  absl::Status DecodeWindow(int64_t from) {
+    // Whole messages per window: only the range's last message is short.
+    const int64_t window = std::max<int64_t>(chunk_, kDecodeWindow / chunk_ * chunk_);
+    RETURN_IF_ERROR(svc_->store()->Decode(tenant_, req_.sequence_id(), layer_,
+                                          req_.basis_version(), from,
+                                          std::min<int64_t>(end_, from + window), &keys_,
+                                          &values_, &tokens_, &first_));
+    tokens_ = std::min(tokens_, length_);  // appends after the call started are not seen
+    decoded_ = static_cast<int64_t>(keys_.size()) / (int64_t{kv_heads_} * d_);
+    offset_ = 0;
     return absl::OkStatus();
   }
 
@@ -792,10 +819,13 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   std::vector<int64_t> snapshot_;  // every layer's length when the call started
   size_t next_layer_ = 0;
   int layer_ = 0;
-  // The current layer: its length, the range decoded ([first_, first_ + decoded_)), the next
-  // chunk's offset in it, and whether a message of it went out.
-  int64_t offset_ = 0, tokens_ = 0, first_ = 0, decoded_ = 0;
-  bool layer_sent_ = true;
+  // The current layer: its length (tokens_, at most length_, its length when the call
+  // started), the end of the requested range (end_), the window decoded ([first_, first_ +
+  // decoded_)), the next message's offset in it, and whether a message of it went out.
+  // Tokens decoded per window: about this many, a whole number of messages (at least one).
+  static constexpr int64_t kDecodeWindow = 1024;
+  int64_t offset_ = 0, tokens_ = 0, first_ = 0, decoded_ = 0, end_ = 0, length_ = 0;
+  bool layer_open_ = false, layer_sent_ = true;
   std::vector<float> keys_, values_;
   v1::GetBlocksResponse msg_;
 };

@@ -1168,6 +1168,19 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
   return cache->Decode(*first, end, keys, values);  // verifies every block it reads
 }
 
+absl::Status Store::VerifyLayer(const std::string& tenant, const std::string& sequence_id,
+                                int layer, int basis_version) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
+  ReaderMutexLock l(&s->mu);
+  const BasisManifest& m = s->model->manifest;
+  if (layer < 0 || layer >= m.layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " must be in 0..", m.layers - 1));
+  }
+  LayerCache* cache = s->layers[layer].get();
+  return cache == nullptr ? absl::OkStatus() : cache->VerifyAll();
+}
+
 absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
                                              const std::string& sequence_id) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, 0));

@@ -13,6 +13,7 @@
 #include <map>
 #include <random>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -561,6 +562,63 @@ TEST(ServiceTest, GetBlocksOfAllLayersIsOneSnapshotDespiteConcurrentAppends) {
   for (int l = 0; l < s.layers; ++l) EXPECT_EQ(seen[l], T) << "layer " << l;
   // A new call sees the appended tokens.
   EXPECT_EQ(GetAll(*stub, "x", 1, kv, d)[0].size(), static_cast<size_t>(kv) * (T + 256) * d);
+}
+
+// A layer longer than GetBlocks' decode window (1024 tokens) is decoded a window at a time, so
+// that a stream holds a bounded copy however slowly it is read: small messages over several
+// windows concatenate to exactly what one message of the whole layer carries, from any start.
+TEST(ServiceTest, GetBlocksOfALongLayerStitchesItsDecodeWindows) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Fixture f(LegacyShape());
+  const Shape& s = f.shape;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  const int64_t T = 2600;
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("long", 0, 0, RandomKV(kv, T, d, 5), RandomKV(kv, T, d, 6), kv, T,
+                                d, "tiny");
+  v1::PutBlocksResponse pr;
+  ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+  auto read = [&](int64_t from, int chunk) {
+    v1::GetBlocksRequest req;
+    req.set_sequence_id("long");
+    req.add_layers(0);
+    req.set_from_token(from);
+    req.set_max_tokens_per_message(chunk);
+    auto ctx = Ctx();
+    auto r = stub->GetBlocks(ctx.get(), req);
+    std::vector<std::vector<float>> k(kv), v(kv);
+    v1::GetBlocksResponse one;
+    int64_t next = from, messages = 0;
+    while (r->Read(&one)) {
+      EXPECT_EQ(one.start(), next);
+      EXPECT_EQ(one.layer_tokens(), T);
+      const int64_t n = one.keys().shape(1);
+      const auto kf = FloatsOf(one.keys()), vf = FloatsOf(one.values());
+      for (int h = 0; h < kv; ++h) {
+        k[h].insert(k[h].end(), kf.begin() + h * n * d, kf.begin() + (h + 1) * n * d);
+        v[h].insert(v[h].end(), vf.begin() + h * n * d, vf.begin() + (h + 1) * n * d);
+      }
+      next += n;
+      ++messages;
+    }
+    EXPECT_TRUE(r->Finish().ok());
+    EXPECT_EQ(next, T);
+    return std::make_tuple(k, v, messages);
+  };
+  const auto [k_whole, v_whole, one_message] = read(0, 4096);
+  EXPECT_EQ(one_message, 1);
+  const auto [k_small, v_small, many] = read(0, 300);
+  EXPECT_EQ(many, 9);  // 2600 = 8 x 300 + 200, over three windows of three messages
+  EXPECT_EQ(k_small, k_whole);
+  EXPECT_EQ(v_small, v_whole);
+  const auto [k_tail, v_tail, tail_messages] = read(1000, 500);  // starts inside a window
+  EXPECT_EQ(tail_messages, 4);
+  for (int h = 0; h < kv; ++h) {
+    EXPECT_EQ(k_tail[h], std::vector<float>(k_whole[h].begin() + 1000 * d, k_whole[h].end()));
+    EXPECT_EQ(v_tail[h], std::vector<float>(v_whole[h].begin() + 1000 * d, v_whole[h].end()));
+  }
 }
 
 // GetBlocks of a token range: the chunks concatenate to the same slice of the whole layer;

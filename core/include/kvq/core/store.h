@@ -188,6 +188,10 @@ class Store {
   absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
                       int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
                       std::vector<float>* values, int64_t* tokens, int64_t* first);
+  // Every block of the layer's checksum (DATA_LOSS on a mismatch), reading none out: what a
+  // reader that will take the whole layer in parts checks before sending the first.
+  absl::Status VerifyLayer(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version);
 
   absl::StatusOr<SequenceInfo> Describe(const std::string& tenant, const std::string& sequence_id);
   // Returns the bytes freed; NOT_FOUND when the tenant has no such sequence.
