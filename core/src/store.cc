@@ -1141,18 +1141,26 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
   return Decode(tenant, sequence_id, layer, basis_version, 0, -1, keys, values, tokens, &first);
 }
 
+namespace {
+// Layer `layer` of `s`, whose lock the caller holds (null while nothing was appended to it);
+// INVALID_ARGUMENT outside the model's layers.
+absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s, int layer)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const int layers = s.model->manifest.layers;
+  if (layer < 0 || layer >= layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " must be in 0..", layers - 1));
+  }
+  return s.layers[layer].get();
+}
+}  // namespace
+
 absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
                            int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
                            std::vector<float>* values, int64_t* tokens, int64_t* first) {
   if (from < 0) return absl::InvalidArgumentError(absl::StrCat("from ", from, " must be >= 0"));
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   ReaderMutexLock l(&s->mu);
-  const BasisManifest& m = s->model->manifest;
-  if (layer < 0 || layer >= m.layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " must be in 0..", m.layers - 1));
-  }
-  LayerCache* cache = s->layers[layer].get();
+  ASSIGN_OR_RETURN(LayerCache* cache, LayerAt(*s, layer));
   if (cache == nullptr) {
     *tokens = 0;
     *first = 0;
@@ -1172,12 +1180,7 @@ absl::Status Store::VerifyLayer(const std::string& tenant, const std::string& se
                                 int layer, int basis_version) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   ReaderMutexLock l(&s->mu);
-  const BasisManifest& m = s->model->manifest;
-  if (layer < 0 || layer >= m.layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " must be in 0..", m.layers - 1));
-  }
-  LayerCache* cache = s->layers[layer].get();
+  ASSIGN_OR_RETURN(LayerCache* cache, LayerAt(*s, layer));
   return cache == nullptr ? absl::OkStatus() : cache->VerifyAll();
 }
 
