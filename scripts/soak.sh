@@ -71,8 +71,8 @@ rc=0
 "$BUILD/bin/kvq-load" --server "127.0.0.1:$PORT" --concurrency "$STREAMS" --duration "$DURATION" \
   --max-duration "$DURATION" "${SHAPE[@]}" "${WORK[@]}" --progress 30s --json "$OUT/load.json" \
   > "$OUT/load.txt" || rc=$?
+sleep 6  # one more sample after the load, and the gauges refreshed (housekeeping)
 curl -s "http://127.0.0.1:$MPORT/metrics" > "$OUT/metrics.txt" || true
-sleep 6  # one more sample after the load
 cat "$OUT/load.txt"
 python3 - "$OUT" "$rc" "$CAP_MIB" "$OVER_MIB" "$MODE" <<'PY'
 import csv, json, re, sys
