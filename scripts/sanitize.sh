@@ -25,6 +25,7 @@ for part in "${parts[@]}"; do
         -DCMAKE_CXX_FLAGS="$SAN" -DCMAKE_C_FLAGS="$SAN" -DCMAKE_EXE_LINKER_FLAGS="$SAN" \
         > /dev/null
       export ASAN_OPTIONS="detect_leaks=1:strict_string_checks=1:check_initialization_order=1"
+      export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp:print_suppressions=0"
       export UBSAN_OPTIONS="print_stacktrace=1"
       dir=build-asan; canary=(overflow "ERROR: AddressSanitizer: heap-buffer-overflow"); cxx=g++ ;;
     tsan)

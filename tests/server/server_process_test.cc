@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <thread>
 
@@ -138,6 +139,20 @@ int FreeLoopbackPort() {
   return port;
 }
 
+// Whether `pid` reaches the stopped state ('T' in /proc/PID/stat) within 5 s: the signal is
+// delivered asynchronously, and a call sent before it takes effect would still be answered.
+bool WaitUntilStopped(pid_t pid) {
+  for (int i = 0; i < 500; ++i) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
 // Faults, on the real binary: SIGKILL with a PutBlocks stream open (the client gets
 // UNAVAILABLE; restarted on the same registry and port, the model is there and the client's
 // retry succeeds), SIGSTOP with 1 s deadlines (DEADLINE_EXCEEDED, no hang; SIGCONT and it
@@ -207,6 +222,7 @@ TEST(ServerProcessTest, KillStopAndCancelLeaveAWorkingServer) {
 
   // 2. SIGSTOP: calls with 1 s deadlines end DEADLINE_EXCEEDED, promptly; SIGCONT resumes.
   kill(p.pid, SIGSTOP);
+  ASSERT_TRUE(WaitUntilStopped(p.pid)) << "the server did not stop";
   const auto t0 = std::chrono::steady_clock::now();
   {
     grpc::ClientContext ctx;
