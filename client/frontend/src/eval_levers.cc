@@ -106,10 +106,11 @@ absl::Status LeverFeed::Append(core::LayerCache& lc, const float* k, const float
   values_.insert(values_.end(), v, v + cnt);
   RoundToHalf(keys_sent_.data() + old, cnt);
   RoundToHalf(values_.data() + old, cnt);
-  keys_fed_.insert(keys_fed_.end(), keys_sent_.begin() + old, keys_sent_.end());
   if (levers_.keys_before_rope) {
-    RotateRows(levers_.rope, start, n, kv_heads_, o_.head_dim, keys_fed_.data() + old, /*inverse=*/true);
-    RoundToHalf(keys_fed_.data() + old, cnt);
+    keys_before_rope_.insert(keys_before_rope_.end(), keys_sent_.begin() + old, keys_sent_.end());
+    float* rows = keys_before_rope_.data() + old;
+    RotateRows(levers_.rope, start, n, kv_heads_, o_.head_dim, rows, /*inverse=*/true);
+    RoundToHalf(rows, cnt);
   }
   tokens_ += n;
   while (tokens_ - fed_ >= o_.key_group) RETURN_IF_ERROR(FeedGroup(lc));
@@ -149,7 +150,8 @@ absl::Status LeverFeed::FeedGroup(core::LayerCache& lc) {
   const int G = o_.key_group, D = o_.head_dim, KVH = kv_heads_;
   const size_t row = static_cast<size_t>(KVH) * D;
   const int64_t t0 = fed_;
-  std::vector<float> kg(keys_fed_.begin() + t0 * row, keys_fed_.begin() + (t0 + G) * row);
+  const std::vector<float>& fed = levers_.keys_before_rope ? keys_before_rope_ : keys_sent_;
+  std::vector<float> kg(fed.begin() + t0 * row, fed.begin() + (t0 + G) * row);
   std::vector<float> vg(values_.begin() + t0 * row, values_.begin() + (t0 + G) * row);
   if (levers_.key_outliers_permille > 0) Trim(&kg, levers_.key_outliers_permille, true, t0, &key_exact_);
   if (levers_.value_outliers_permille > 0 && !keys_only_)

@@ -81,9 +81,10 @@ class LeverFeed {
   int kv_heads_;
   bool keys_only_;
   int64_t tokens_ = 0, fed_ = 0;
-  // Rows as sent, fp16-rounded, [tokens][kv][d]: keys post-RoPE (attention's view of the
-  // rows not yet fed), keys to feed (before RoPE for keys_before_rope), values.
-  std::vector<float> keys_sent_, keys_fed_, values_;
+  // Rows as sent, fp16-rounded, [tokens][kv][d]: keys post-RoPE (fed as they are, and
+  // attention's view of the rows not yet fed), the same keys rotated back before RoPE (only
+  // for keys_before_rope: those are fed then), values.
+  std::vector<float> keys_sent_, keys_before_rope_, values_;
   std::vector<Exact> key_exact_, value_exact_;
 };
 
