@@ -189,7 +189,7 @@ TEST(KernelParity, ScoreCodesEveryBlockLength) {
                                               << " d=" << d << " nq=" << n_q);
             std::mt19937 rng(bits * 131 + tokens * 7 + d + n_q);
             auto codes = std::make_unique<uint8_t[]>(RowBytes(tokens, bits) * d);
-            for (size_t i = 0; i < RowBytes(tokens, bits) * d; ++i) codes[i] = static_cast<uint8_t>(rng());
+            for (int64_t i = 0; i < RowBytes(tokens, bits) * d; ++i) codes[i] = static_cast<uint8_t>(rng());
             auto q = kvq::testing::Gaussian(n_q * d, 3 + d);
             std::vector<uint16_t> sc(d), ze(d);
             for (int c = 0; c < d; ++c) {

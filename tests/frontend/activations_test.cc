@@ -3,7 +3,7 @@
 // rank-4 query basis from kvq-calibrate, committed as fp16 in
 // tests/fixtures/frontend/activations.safetensors. Made by:
 //   build/bin/kvq-calibrate --out /tmp/basis --variants        (32768 tokens, rank 8)
-//   build/bin/kvq-dump-activations --out tests/fixtures/frontend/activations.safetensors \
+//   build/bin/kvq-dump-activations --out tests/fixtures/frontend/activations.safetensors
 //       --basis /tmp/basis --rank 4 --layers 3,20 --tokens 256 --skip-tokens 40000
 // Claims checked (the paper's controls): rank-4 HeadQ cuts the Fisher score error of 2-bit
 // keys against the KIVI-like base (measured: x3.7 on layer 20 but only x1.4 on layer 3, where

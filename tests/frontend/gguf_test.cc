@@ -186,7 +186,9 @@ TEST(Gguf, TruncatedFilesAreErrorsAtEveryCut) {
     std::vector<uint8_t> part(full.begin(), full.begin() + static_cast<long>(cut));
     auto f = GgufFile::Open(WriteTemp(part, "trunc"));
     EXPECT_FALSE(f.ok()) << "cut at " << cut;
-    if (!f.ok() && cut >= 4) EXPECT_NE(f.status().message().find("truncated"), std::string::npos) << f.status();
+    if (!f.ok() && cut >= 4) {
+      EXPECT_NE(f.status().message().find("truncated"), std::string::npos) << f.status();
+    }
   }
 }
 

@@ -1,5 +1,8 @@
 // Prefix sharing over real gRPC: token ids on PutBlocks, attach without data, per-tenant
 // isolation, Stats, and reads equal to an unshared sequence's bit for bit.
+#include <fstream>
+#include <utility>
+
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/server/test_util.h"
@@ -11,10 +14,22 @@ constexpr uint64_t kBasisSeed = 77;
 
 class PrefixService : public ::testing::Test {
  protected:
+  // The server's options; the auth fixture below turns bearer tokens on.
+  virtual server::ServerOptions Options() { return {}; }
+  // What a call made as `tenant` sends: the x-kvq-tenant metadata and a bearer token ("" = none).
+  virtual std::pair<std::string, std::string> CallerOf(const std::string& tenant) {
+    return {tenant, ""};
+  }
+  std::unique_ptr<grpc::ClientContext> CtxAs(const std::string& tenant = "") {
+    const auto [meta, token] = CallerOf(tenant);
+    return Ctx(meta, token);
+  }
+
   void SetUp() override {
-    stub_ = ts_.Stub();
+    ts_ = std::make_unique<TestServer>(Options());
+    stub_ = ts_->Stub();
     v1::RegisterBasisResponse resp;
-    auto ctx = Ctx();
+    auto ctx = CtxAs();
     grpc::Status st = stub_->RegisterBasis(ctx.get(), MakeRegister(shape_, kBasisSeed), &resp);
     ASSERT_TRUE(st.ok()) << st.error_message();
     for (int i = 0; i < kT; ++i) ids_.push_back(1000 + 3 * i);
@@ -48,7 +63,8 @@ class PrefixService : public ::testing::Test {
   }
   v1::PutBlocksResponse PutOk(const v1::PutBlocksRequest& m, const std::string& tenant = "") {
     v1::PutBlocksResponse r;
-    grpc::Status st = Put(*stub_, {m}, &r, tenant);
+    const auto [meta, token] = CallerOf(tenant);
+    grpc::Status st = Put(*stub_, {m}, &r, meta, token);
     EXPECT_TRUE(st.ok()) << st.error_message();
     return r;
   }
@@ -60,20 +76,20 @@ class PrefixService : public ::testing::Test {
     *it->mutable_queries() = TensorF32(RandomQueries(shape_.q_heads, 2, shape_.head_dim, 5),
                                        {shape_.q_heads, 2, shape_.head_dim});
     v1::ScoreResponse resp;
-    auto ctx = Ctx(tenant);
+    auto ctx = CtxAs(tenant);
     EXPECT_TRUE(stub_->Score(ctx.get(), req, &resp).ok());
     EXPECT_EQ(resp.results(0).status().code(), 0) << resp.results(0).status().message();
     return FloatsOf(resp.results(0).logits());
   }
   v1::StatsResponse Stats(const std::string& tenant = "") {
     v1::StatsResponse r;
-    auto ctx = Ctx(tenant);
+    auto ctx = CtxAs(tenant);
     EXPECT_TRUE(stub_->Stats(ctx.get(), v1::StatsRequest(), &r).ok());
     return r;
   }
 
   static constexpr int64_t kT = 100;
-  TestServer ts_;
+  std::unique_ptr<TestServer> ts_;
   std::unique_ptr<v1::Kvq::Stub> stub_;
   // 100 tokens are three whole 32-token prefix groups of the legacy default codec.
   Shape shape_ = [] {
@@ -118,7 +134,7 @@ TEST_F(PrefixService, AttachThenContinueReadsLikeAnUnsharedSequence) {
     v1::DeleteSequenceRequest d;
     d.set_sequence_id(seq);
     v1::DeleteSequenceResponse dr;
-    auto ctx = Ctx();
+    auto ctx = CtxAs();
     ASSERT_TRUE(stub_->DeleteSequence(ctx.get(), d, &dr).ok());
   }
   const v1::StatsResponse s3 = Stats();
@@ -149,6 +165,57 @@ TEST_F(PrefixService, BadTokenIdsAreInvalidArgumentAndStoreNothing) {
   EXPECT_THAT(st.error_message(), ::testing::HasSubstr("multiple of the group size G = 32"));
   EXPECT_EQ(Stats().sequences(), 0);
   EXPECT_EQ(Stats().stored_bytes(), 0);
+}
+
+// With auth on, the tenant is the token's, never the x-kvq-tenant metadata: every call below
+// claims to be "alpha" in the metadata, and only the bearer token says who calls.
+class PrefixServiceWithAuth : public PrefixService {
+ protected:
+  server::ServerOptions Options() override {
+    const std::string tokens = TempDir("kvq-prefix-auth") + "/tokens";
+    std::ofstream(tokens) << kAlpha << " alpha\n" << kBeta << " beta\n";
+    server::ServerOptions o;
+    o.auth_tokens_file = tokens;
+    o.admin_tenants = "alpha";
+    return o;
+  }
+  std::pair<std::string, std::string> CallerOf(const std::string& tenant) override {
+    return {"alpha", tenant == "beta" ? kBeta : kAlpha};
+  }
+  static constexpr const char* kAlpha = "alpha-token-0123456789";
+  static constexpr const char* kBeta = "beta-token-0123456789";
+};
+
+// Paired: alpha's second request attaches alpha's prompt; beta, sending the same ids, gets
+// exactly what ids nobody stored get (nothing shared, nothing attached), writes its own copy
+// when it sends data, and leaves alpha's index as it was.
+TEST_F(PrefixServiceWithAuth, TheTokensTenantAttachesAndAnotherTenantMisses) {
+  PutOk(Msg("a", 0, kT, true, true), "alpha");
+  const v1::StatsResponse alpha_before = Stats("alpha");
+  EXPECT_EQ(alpha_before.prefix_blocks(), 2 * 3);
+
+  v1::PutBlocksResponse hit = PutOk(Msg("b", 0, kT, false, true), "alpha");
+  EXPECT_EQ(hit.tokens_shared(), 2 * 96);
+  EXPECT_EQ(hit.lengths(0).tokens(), 96);
+
+  const v1::PutBlocksResponse miss = PutOk(Msg("b", 0, kT, false, true), "beta");
+  EXPECT_EQ(miss.tokens_shared(), 0);
+  EXPECT_EQ(miss.lengths(0).tokens(), 0);
+  // The same attach with ids that no tenant ever stored answers the same, field for field.
+  for (uint32_t& id : ids_) id += 7;
+  const v1::PutBlocksResponse absent = PutOk(Msg("b", 0, kT, false, true), "beta");
+  EXPECT_EQ(miss.SerializeAsString(), absent.SerializeAsString());
+  for (uint32_t& id : ids_) id -= 7;
+
+  // Beta's own data with alpha's ids: stored in beta's index, shared with nobody.
+  const v1::PutBlocksResponse own = PutOk(Msg("a", 0, kT, true, true), "beta");
+  EXPECT_EQ(own.tokens_written(), 2 * kT);
+  EXPECT_EQ(own.tokens_shared(), 0);
+  EXPECT_EQ(Stats("beta").prefix_blocks(), 2 * 3);
+  EXPECT_EQ(Stats("alpha").prefix_blocks(), alpha_before.prefix_blocks());
+  EXPECT_EQ(Stats("alpha").shared_tokens(), 2 * 96);
+  EXPECT_EQ(Stats("beta").shared_tokens(), 0);
+  EXPECT_EQ(Stats("beta").tenant(), "beta");  // the token's tenant, not the metadata's claim
 }
 
 }  // namespace

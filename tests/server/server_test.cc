@@ -1732,7 +1732,7 @@ TEST(ServiceTest, SixteenConcurrentClientsMixingWritesAndReads) {
                   Slice(v, kv, T, d, step * chunk, chunk), kv, chunk, d, step * chunk);
       }
       std::vector<float> want(qh * T);
-      ref->Score(q.data(), qh, 1, want.data());
+      ASSERT_TRUE(ref->Score(q.data(), qh, 1, want.data()).ok());
       if (FloatsOf(ScoreOne(*stub, id, 0, q, qh, 1, d).results(0).logits()) != want) ++failures;
     });
   }
