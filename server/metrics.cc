@@ -1,7 +1,12 @@
 #include "server/metrics.h"
 
+#include <cstring>
+
+#include "CivetServer.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "civetweb.h"
 #include "kvq/core/store.h"
 
 namespace kvq::server {
@@ -14,6 +19,48 @@ using prometheus::BuildHistogram;
 // read a chunk of the answer) before it is dropped.
 constexpr int kMetricsThreads = 16;
 constexpr int kMetricsReadTimeoutMs = 2000;
+
+// /healthz. prometheus-cpp's Exposer keeps its CivetServer to itself and serves only
+// collectables, so the check is answered from civetweb's begin_request callback, which sees
+// every request before the Exposer's handlers. A callback is a plain function: it finds the
+// Metrics of its server by the listening port the request came in on (several servers may
+// run in one process, as in the tests). Until a port is registered (between the Exposer's
+// start and Expose's return) it answers 503.
+absl::Mutex health_mu(absl::kConstInit);
+absl::flat_hash_map<int, const Metrics*>& HealthByPort() ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu) {
+  static auto* m = new absl::flat_hash_map<int, const Metrics*>();
+  return *m;
+}
+
+int HealthzRequest(mg_connection* conn) {
+  const mg_request_info* info = mg_get_request_info(conn);
+  if (info == nullptr || info->local_uri == nullptr ||
+      std::strcmp(info->local_uri, "/healthz") != 0) {
+    return 0;  // not ours: the Exposer's handlers (/metrics) or civetweb's 404
+  }
+  const bool head =
+      info->request_method != nullptr && std::strcmp(info->request_method, "HEAD") == 0;
+  const bool get = info->request_method != nullptr && std::strcmp(info->request_method, "GET") == 0;
+  bool serving = false;
+  {
+    absl::MutexLock l(&health_mu);
+    auto it = HealthByPort().find(info->server_port);
+    serving = it != HealthByPort().end() && it->second->ready();
+  }
+  const char* body = !get && !head ? "method not allowed\n"
+                     : serving     ? "SERVING\n"
+                                   : "NOT_SERVING\n";
+  const int code = !get && !head ? 405 : serving ? 200 : 503;
+  const char* reason = code == 200   ? "OK"
+                       : code == 503 ? "Service Unavailable"
+                                     : "Method Not Allowed";
+  mg_printf(conn,
+            "HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %zu\r\n"
+            "Cache-Control: no-store\r\nConnection: close\r\n\r\n",
+            code, reason, std::strlen(body));
+  if (!head) mg_write(conn, body, std::strlen(body));
+  return code;
+}
 
 // gRPC's codes are Abseil's: the canonical names come from absl.
 std::string CodeName(int code) {
@@ -142,12 +189,30 @@ int Metrics::Expose(const std::string& address, int port) {
   // request_timeout_ms (30 s by default) per read: with the default 2 threads, two idle
   // connections blocked every scrape. More threads and a short timeout keep /metrics served
   // while a few peers are slow or silent (a scrape's request arrives at once).
-  exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-      "listening_ports", absl::StrCat(address, ":", port), "num_threads",
-      absl::StrCat(kMetricsThreads), "request_timeout_ms", absl::StrCat(kMetricsReadTimeoutMs)});
+  // civetweb copies the callbacks at start.
+  CivetCallbacks callbacks;
+  callbacks.begin_request = &HealthzRequest;
+  exposer_ = std::make_unique<prometheus::Exposer>(
+      std::vector<std::string>{"listening_ports", absl::StrCat(address, ":", port), "num_threads",
+                               absl::StrCat(kMetricsThreads), "request_timeout_ms",
+                               absl::StrCat(kMetricsReadTimeoutMs)},
+      &callbacks);
   exposer_->RegisterCollectable(registry_);
   auto ports = exposer_->GetListeningPorts();
-  return ports.empty() ? port : ports[0];
+  const int bound = ports.empty() ? port : ports[0];
+  absl::MutexLock l(&health_mu);
+  HealthByPort()[bound] = this;
+  exposed_port_ = bound;
+  return bound;
+}
+
+Metrics::~Metrics() {
+  {
+    absl::MutexLock l(&health_mu);
+    auto it = HealthByPort().find(exposed_port_);
+    if (it != HealthByPort().end() && it->second == this) HealthByPort().erase(it);
+  }
+  exposer_.reset();  // stops civetweb (its threads) before the members go
 }
 
 void Metrics::RecordCall(const std::string& method, int code, double seconds, size_t bytes_in,
@@ -165,7 +230,10 @@ void Metrics::RecordScrubFailures(int64_t n) { scrub_failures_.Increment(static_
 
 void Metrics::RecordOverload() { rejected_overload_.Increment(); }
 
-void Metrics::SetReady(bool ready) { ready_.Set(ready ? 1 : 0); }
+void Metrics::SetReady(bool ready) {
+  serving_.store(ready, std::memory_order_release);
+  ready_.Set(ready ? 1 : 0);
+}
 
 void Metrics::Refresh(const core::Store& store, const core::Registry& registry, const char* pool) {
   const core::UsageStats u = store.TotalUsage();

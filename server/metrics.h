@@ -26,8 +26,14 @@
 //   kvq_ready                                  gauge     1 once the registry is loaded
 //   kvq_rejected_total{reason}                 counter   calls refused before any work;
 //                                                        reason="overload": over --max-inflight
+//
+// The same port also answers GET (or HEAD) /healthz: 200 "SERVING" while SetReady(true) holds
+// (the registry is loaded and the server is not shutting down), 503 "NOT_SERVING" otherwise.
+// A plain HTTP check for proxies and load balancers that cannot speak grpc.health.v1
+// (HAProxy's `option httpchk`, deploy/haproxy/haproxy.cfg).
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -48,14 +54,16 @@ namespace kvq::server {
 class Metrics {
  public:
   Metrics();
-  // Serves /metrics on address:port (port 0: a free one). Returns the bound port.
+  // Serves /metrics and /healthz on address:port (port 0: a free one). Returns the bound port.
   int Expose(const std::string& address, int port);
+  ~Metrics();
 
   void RecordCall(const std::string& method, int code, double seconds, size_t bytes_in,
                   size_t bytes_out);
   void RecordScrubFailures(int64_t n);
   void RecordOverload();  // a call refused over --max-inflight
-  void SetReady(bool ready);
+  void SetReady(bool ready);  // also what /healthz answers
+  bool ready() const { return serving_.load(std::memory_order_acquire); }
   // Refreshes the store gauges (called periodically).
   void Refresh(const core::Store& store, const core::Registry& registry, const char* pool);
 
@@ -64,6 +72,8 @@ class Metrics {
  private:
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  int exposed_port_ = -1;  // the port /healthz is registered under (see metrics.cc)
+  std::atomic<bool> serving_{false};
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& latency_;
   prometheus::Family<prometheus::Counter>& bytes_in_;

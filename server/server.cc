@@ -273,6 +273,7 @@ void KvqServer::Shutdown() {
   if (s.shut_down) return;
   s.shut_down = true;
   s.ready.store(false);
+  if (s.metrics) s.metrics->SetReady(false);  // /healthz answers 503 while draining
   if (s.server) {
     s.health->Shutdown();
     // Drain: new calls are refused with UNAVAILABLE while in-flight ones (their work is on

@@ -127,7 +127,8 @@ const std::vector<Command>& Commands() {
       {"seq shard", "[ID...]",
        "Prints the server each sequence ID (of your tenant: --tenant, else --token, else\n"
        "'default') is sharded to over --server, one address per line, without calling any\n"
-       "server. With no ID, reads ids from standard input, one per line.",
+       "server. With --router, the x-kvq-route value the proxy routes it by instead. With no\n"
+       "ID, reads ids from standard input, one per line.",
        -1},
   };
   return kCommands;
@@ -353,7 +354,11 @@ int SeqGet(Client& c, const std::string& id, const std::string& path, const Comm
 
 int SeqShard(Client& c, const std::vector<std::string>& ids) {
   auto print = [&c](const std::string& id) {
-    std::printf("%s\n", c.server(c.ShardOf(id)).c_str());
+    if (c.options().router) {
+      std::printf("%s\n", c.RouteKey(id).c_str());
+    } else {
+      std::printf("%s\n", c.server(c.ShardOf(id)).c_str());
+    }
   };
   if (!ids.empty()) {
     for (const std::string& id : ids) print(id);

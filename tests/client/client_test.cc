@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -402,6 +403,80 @@ TEST(Client, TenantsAreSentAndShardKeysIncludeThem) {
   EXPECT_EQ(ca->Stats()->sequences(), 1);
   EXPECT_EQ(cb->Stats()->sequences(), 0);
   EXPECT_EQ(cb->DeleteSequence("shared-name").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Router mode (a proxy routes each call by x-kvq-route; here one server stands in for it,
+// ignoring the header): keys are the hashed identity + sequence as 16 hex digits, hash tags
+// share a key, batched calls and PutBlocks are split into one sub-call per distinct key and
+// merged back in order, RegisterBasis is refused. That HAProxy routes on the header is tested
+// on loopback by client/python/tests/test_router.py (with the kvq CLI in router mode too).
+TEST(Client, RouterModeSplitsCallsByRoutingKey) {
+  Cluster cl(1);
+  ClientOptions bad;
+  bad.router = true;
+  bad.servers = {"a:1", "b:2"};
+  EXPECT_EQ(Client::Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
+
+  AttemptLog log;
+  ClientOptions o;
+  o.router = true;
+  o.tenant = "acme";
+  log.Install(&o);
+  auto c = MakeClient(cl.addresses, o);
+  ASSERT_TRUE(MakeClient(cl.addresses)->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  EXPECT_EQ(c->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx",
+                static_cast<unsigned long long>(HashRing::KeyOf("acme", "seq-1")));
+  EXPECT_EQ(c->RouteKey("seq-1"), hex);
+  EXPECT_EQ(c->RouteKey("{conv}-1"), c->RouteKey("{conv}-2"));
+  EXPECT_NE(c->RouteKey("{conv}-1"), c->RouteKey("{other}-1"));
+  ClientOptions bob = o;
+  bob.tenant = "bob";
+  EXPECT_NE(MakeClient(cl.addresses, bob)->RouteKey("seq-1"), c->RouteKey("seq-1"));
+  EXPECT_EQ(c->ShardOf("seq-1"), 0);
+
+  const std::vector<std::string> ids = {"r-0", "r-1", "r-2", "r-3", "{t}a", "{t}b"};  // 5 keys
+  std::vector<v1::PutBlocksRequest> msgs;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (auto& m : Prefill(ids[i], 20 + i, 50 + i)) msgs.push_back(std::move(m));
+  }
+  auto put = c->PutBlocks(msgs);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->tokens_written(), kShape.layers * (20 * 6 + 15));
+  EXPECT_EQ(put->messages(), 12) << "each key's stream gets its own part of every message";
+  EXPECT_EQ(log.attempts["PutBlocks"], 5);
+
+  v1::AttendRequest batch;
+  for (size_t i = 0; i < ids.size(); ++i) *batch.add_items() = AttendOf(ids[i], i % 2, 70 + i);
+  auto merged = c->Attend(batch);
+  ASSERT_TRUE(merged.ok()) << merged.status();
+  EXPECT_EQ(log.attempts["Attend"], 5);
+  ASSERT_EQ(merged->results_size(), 6);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    v1::AttendRequest one;
+    *one.add_items() = batch.items(i);
+    auto single = c->Attend(one);
+    ASSERT_TRUE(single.ok());
+    EXPECT_EQ(merged->results(i).tokens(), 20 + static_cast<int>(i));
+    EXPECT_EQ(merged->results(i).outputs().data(), single->results(0).outputs().data()) << i;
+  }
+  EXPECT_EQ(c->Stats()->sequences(), 6);
+  v1::GetBlocksRequest g;
+  g.set_sequence_id("{t}b");
+  g.add_layers(1);
+  int64_t tokens = 0;
+  ASSERT_TRUE(c->GetBlocks(g, [&](const v1::GetBlocksResponse& r) {
+                 tokens += r.keys().shape(1);
+                 return true;
+               }).ok());
+  EXPECT_EQ(tokens, 25);
+  ASSERT_TRUE(c->DeleteSequence("r-2").ok());
+  auto gone = c->DeleteSequence("r-2");
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(gone.status().message()), HasSubstr(c->RouteKey("r-2")));
 }
 
 TEST(Client, RejectsBadOptions) {

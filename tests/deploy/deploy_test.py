@@ -4,6 +4,8 @@
   deploy_test.py compose     docker-compose config (with and without the load profile)
   deploy_test.py promtool    promtool check config / check rules on deploy/prometheus/
   deploy_test.py manifests   Dockerfiles, Kubernetes manifests and the dashboard agree
+  deploy_test.py haproxy     haproxy -c on deploy/haproxy/haproxy.cfg (the router; its loopback
+                             test is client/python/tests/test_router.py)
   deploy_test.py scrape --server-bin B --load-bin L --kvq-bin K
                              a real kvq-server and Debian's real Prometheus on loopback:
                              Prometheus scrapes kvq, and every metric (and every query) of the
@@ -58,19 +60,30 @@ def check_compose():
         fail(f"docker-compose config: {r.stderr}")
     r = run([dc, "-f", f, "--profile", "load", "config", "--services"])
     services = set(r.stdout.split())
-    if services != {"kvq-server", "prometheus", "grafana", "kvq-load"}:
+    if services != {"kvq-server", "prometheus", "grafana", "kvq-load", "kvq-shard-1",
+                    "kvq-shard-2", "kvq-router"}:
         fail(f"services are {sorted(services)}")
-    # kvq-load only under the "load" profile (docker-compose 1.29 lists it either way).
+    # kvq-load only under the "load" profile, the router and its extra shards under "router"
+    # (docker-compose 1.29 lists them either way).
     text = open(f).read()
-    block = text[text.index("\n  kvq-load:"):]
-    if not re.search(r'^    profiles: \["load"\]', block, re.M):
-        fail("kvq-load must be under the 'load' profile")
+    for name, profile in [("kvq-load", "load"), ("kvq-shard-1", "router"),
+                          ("kvq-router", "router")]:
+        block = text[text.index(f"\n  {name}:"):]
+        block = block[:block.find("\n\n") if "\n\n" in block else None]
+        if not re.search(rf'^    profiles: \["{profile}"\]', block, re.M):
+            fail(f"{name} must be under the '{profile}' profile")
     r = run([dc, "-f", f, "--profile", "load", "config"])
     cfg = r.stdout
     for want in ["--server=kvq-server:50051", "--baseline=noop", "service_healthy",
                  "/etc/grafana/provisioning", "/var/lib/grafana/dashboards"]:
         if want not in cfg:
             fail(f"compose config lacks {want!r}")
+    r = run([dc, "-f", f, "--profile", "router", "config"])
+    cfg = r.stdout
+    for want in ["KVQ_SHARD_0: kvq-server:50051", "KVQ_SHARD_1: kvq-shard-1:50051",
+                 "KVQ_SHARD_2: kvq-shard-2:50051", "/usr/local/etc/haproxy", "haproxy:2.6"]:
+        if want not in cfg:
+            fail(f"compose config (router profile) lacks {want!r}")
     prom = open(os.path.join(DEPLOY, "prometheus", "prometheus.yml")).read()
     if "kvq-server:9464" not in prom:
         fail("prometheus.yml does not scrape kvq-server:9464")
@@ -122,7 +135,8 @@ def check_manifests():
                 fail(f"{name}: port {port} not set in the final stage")
 
     docs = []
-    for f in ("configmap.yaml", "service.yaml", "statefulset.yaml", "kvq-load-job.yaml"):
+    for f in ("configmap.yaml", "service.yaml", "statefulset.yaml", "kvq-load-job.yaml",
+              "router.yaml"):
         docs += load_yaml_docs(os.path.join(DEPLOY, "k8s", f))
     by_kind = {}
     for d in docs:
@@ -151,6 +165,24 @@ def check_manifests():
     if maps["kvq-server"]["KVQ_GRPC_PORT"] != str(ports["grpc"]) or \
             maps["kvq-server"]["KVQ_METRICS_PORT"] != str(ports["metrics"]):
         fail("kvq-server ConfigMap ports differ from the container ports")
+    # The router: its ConfigMap holds deploy/haproxy's files verbatim, its shards are the
+    # StatefulSet's pods by their stable (fully qualified) names, and kustomize applies it.
+    router_cfg = maps["kvq-router"]
+    for name in ("haproxy.cfg", "missing-route.grpc.http"):
+        with open(os.path.join(DEPLOY, "haproxy", name), newline="") as fh:
+            if router_cfg.get(name) != fh.read():
+                fail(f"deploy/k8s/router.yaml: ConfigMap kvq-router's {name} differs from "
+                     f"deploy/haproxy/{name} (copy the file into it)")
+    dep = [d for d in by_kind["Deployment"] if d["metadata"]["name"] == "kvq-router"][0]
+    env = {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    for i in range(sts["spec"]["replicas"]):
+        want = (f"{sts['metadata']['name']}-{i}.{svc[0]['metadata']['name']}.$(POD_NAMESPACE)"
+                f".svc.$(KVQ_CLUSTER_DOMAIN):{ports['grpc']}")
+        if env.get(f"KVQ_SHARD_{i}") != want:
+            fail(f"kvq-router KVQ_SHARD_{i} is {env.get(f'KVQ_SHARD_{i}')}, expected {want}")
+    kust = open(os.path.join(DEPLOY, "k8s", "kustomization.yaml")).read()
+    if "router.yaml" not in kust:
+        fail("kustomization.yaml does not apply router.yaml")
     job = by_kind["Job"][0]["spec"]["template"]["spec"]["containers"][0]
     if {"configMapRef": {"name": "kvq-client"}} not in job.get("envFrom", []):
         fail("the kvq-load Job must take KVQ_SERVER from the kvq-client ConfigMap")
@@ -172,6 +204,19 @@ def check_manifests():
     if "/var/lib/grafana/dashboards" not in prov:
         fail("the dashboard provider does not point at the mounted folder")
     print("manifests: OK")
+
+
+# ---------------------------------------------------------------------------------------------
+def check_haproxy():
+    hap = need("haproxy")
+    env = dict(os.environ)
+    for i in range(3):  # addresses that need no DNS
+        env[f"KVQ_SHARD_{i}"] = f"127.0.0.1:{50061 + i}"
+    r = run([hap, "-c", "-f", os.path.join(DEPLOY, "haproxy", "haproxy.cfg")], env=env)
+    out = r.stdout + r.stderr
+    if r.returncode != 0 or "[WARNING]" in out or "[ALERT]" in out:
+        fail(f"haproxy -c: {out}")
+    print("haproxy: OK")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,7 +414,7 @@ def check_scrape(args):
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("check", choices=["compose", "promtool", "manifests", "scrape"])
+    ap.add_argument("check", choices=["compose", "promtool", "manifests", "haproxy", "scrape"])
     ap.add_argument("--server-bin")
     ap.add_argument("--load-bin")
     ap.add_argument("--kvq-bin")
@@ -380,6 +425,8 @@ def main():
         check_promtool()
     elif args.check == "manifests":
         check_manifests()
+    elif args.check == "haproxy":
+        check_haproxy()
     else:
         if not (args.server_bin and args.load_bin and args.kvq_bin):
             ap.error("scrape needs --server-bin, --load-bin and --kvq-bin")

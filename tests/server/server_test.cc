@@ -2113,6 +2113,36 @@ TEST(ServiceTest, MetricsScrapeIsNotBlockedByIdlePeers) {
   for (int fd : idle) close(fd);
 }
 
+// GET /healthz on the metrics port (HAProxy's httpchk): 503 until the registry is loaded,
+// 200 while SERVING, 503 again once shutdown began; /metrics is still served alongside.
+TEST(ServiceTest, HealthzOnTheMetricsPortFollowsServing) {
+  server::ServerOptions o = WithLocalMetrics();
+  o.grpc_address = "127.0.0.1";
+  o.grpc_port = 0;
+  o.capacity_bytes = int64_t{1} << 28;
+  o.shutdown_grace = absl::Milliseconds(100);
+  server::KvqServer* srv = nullptr;
+  std::string before;
+  o.on_listening = [&](int) { before = HttpGet(srv->metrics_port(), "/healthz", 5); };
+  server::KvqServer server(o);
+  srv = &server;
+  ASSERT_TRUE(server.Start().ok());
+  const int port = server.metrics_port();
+  ASSERT_GT(port, 0);
+  EXPECT_THAT(before, HasSubstr("HTTP/1.1 503"));
+  EXPECT_THAT(before, HasSubstr("NOT_SERVING"));
+  const std::string ok = HttpGet(port, "/healthz", 5);
+  EXPECT_THAT(ok, HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(ok, HasSubstr("\r\n\r\nSERVING\n"));
+  EXPECT_THAT(HttpGet(port, "/healthz?full=1", 5), HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(HttpGet(port, "/metrics", 5), HasSubstr("kvq_ready 1"));
+  EXPECT_THAT(HttpGet(port, "/healthzz", 5), HasSubstr("404"));
+  server.Shutdown();
+  const std::string after = HttpGet(port, "/healthz", 5);
+  EXPECT_THAT(after, HasSubstr("HTTP/1.1 503"));
+  EXPECT_THAT(HttpGet(port, "/metrics", 5), HasSubstr("kvq_ready 0"));
+}
+
 // A golden block: bytes committed to the repository must keep decoding to the committed
 // values. KVQ_REGENERATE_GOLDEN=1 rewrites them (only on a deliberate format change). One
 // pair per served default: the legacy k2g32r4s8 (32 tokens; its committed blocks are of

@@ -1,12 +1,16 @@
 #include "kvq/client/client.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cinttypes>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <mutex>
 #include <random>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -33,6 +37,19 @@ absl::Status ToAbsl(const grpc::Status& st, const std::string& server) {
                       absl::StrCat(st.error_message(), " [server ", server, "]"));
 }
 
+// Runs job(0..n-1) on at most kMaxParallelCalls threads (this one included).
+void ForEachParallel(int n, const std::function<void(int)>& job) {
+  if (n <= 0) return;
+  std::atomic<int> next{0};
+  auto worker = [&] {
+    for (int i; (i = next.fetch_add(1)) < n;) job(i);
+  };
+  std::vector<std::thread> threads;
+  for (int t = 1; t < std::min(n, kMaxParallelCalls); ++t) threads.emplace_back(worker);
+  worker();
+  for (auto& t : threads) t.join();
+}
+
 }  // namespace
 
 std::vector<std::string> SplitServers(std::string_view list) {
@@ -57,14 +74,24 @@ struct Client::Impl {
   std::vector<std::unique_ptr<grpc::health::v1::Health::Stub>> health;
   std::mutex rng_mu;
   std::mt19937_64 rng{std::random_device{}()};
+  std::string default_route;  // router mode: RouteKey(""), for calls of no sequence
 
-  void Prepare(grpc::ClientContext* ctx) const {
+  void Prepare(grpc::ClientContext* ctx, std::string_view route) const {
     ctx->set_deadline(absl::ToChronoTime(absl::Now() + opts.timeout));
     if (!opts.token.empty()) {
       ctx->AddMetadata("authorization", absl::StrCat("Bearer ", opts.token));
     } else if (!opts.tenant.empty()) {
       ctx->AddMetadata("x-kvq-tenant", opts.tenant);
     }
+    if (opts.router)
+      ctx->AddMetadata(kRouteHeader, std::string(route.empty() ? default_route : route));
+  }
+
+  // The server named in errors: the address, plus the routing key in router mode.
+  std::string Label(int shard, std::string_view route) const {
+    if (!opts.router) return opts.servers[shard];
+    return absl::StrCat(opts.servers[shard], " (", kRouteHeader, " ",
+                        route.empty() ? default_route : std::string(route), ")");
   }
 
   absl::Duration Backoff(int retry) {
@@ -77,14 +104,15 @@ struct Client::Impl {
 
   // Runs fn(ctx) until it succeeds, fails with a code other than UNAVAILABLE, runs out of
   // attempts, or (for streams) *no_more_retries turns true.
+  // route: router mode's x-kvq-route ("": the default route).
   template <class Fn>
   grpc::Status Run(std::string_view method, int shard, bool idempotent, Fn&& fn,
-                   const bool* no_more_retries = nullptr) {
+                   const bool* no_more_retries = nullptr, std::string_view route = {}) {
     const int attempts = idempotent ? std::max(1, opts.max_attempts) : 1;
     grpc::Status st;
     for (int a = 1; a <= attempts; ++a) {
       grpc::ClientContext ctx;
-      Prepare(&ctx);
+      Prepare(&ctx, route);
       st = fn(&ctx);
       if (opts.on_attempt) opts.on_attempt(method, a, shard, st.error_code());
       if (st.ok() || st.error_code() != grpc::StatusCode::UNAVAILABLE || a == attempts ||
@@ -96,76 +124,70 @@ struct Client::Impl {
     return st;
   }
 
-  // Splits a batched request by shard, runs the parts concurrently, merges the results.
+  // Splits a batched request by placement group (shard, or routing key in router mode),
+  // runs the parts concurrently, merges the results in request order.
   template <class Req, class Resp>
   absl::StatusOr<Resp> Batched(std::string_view method, const Req& req, bool idempotent,
-                               const HashRing& ring, const std::string& tenant,
+                               const Client::Placement& place,
                                grpc::Status (v1::Kvq::Stub::*call)(grpc::ClientContext*, const Req&,
                                                                    Resp*)) {
     const int n = req.items_size();
-    std::vector<int> shard_of(n);
-    std::vector<std::vector<int>> by_shard(ring.size());
-    for (int i = 0; i < n; ++i) {
-      shard_of[i] = ring.ShardOf(tenant, req.items(i).sequence_id());
-      by_shard[shard_of[i]].push_back(i);
-    }
-    std::vector<int> used;
-    for (int s = 0; s < static_cast<int>(ring.size()); ++s) {
-      if (!by_shard[s].empty()) used.push_back(s);
-    }
-    if (used.empty()) used.push_back(0);  // an empty batch: let the server judge it
-    if (used.size() == 1) {
-      const int s = used[0];
+    const int groups = static_cast<int>(place.members.size());
+    if (groups <= 1) {  // one group, or an empty batch (the server judges it)
+      const int s = groups ? place.shard[0] : 0;
+      const std::string route = groups ? place.route[0] : std::string();
       Resp resp;
-      grpc::Status st = Run(method, s, idempotent, [&](grpc::ClientContext* ctx) {
-        resp.Clear();
-        return (stubs[s].get()->*call)(ctx, req, &resp);
-      });
-      if (!st.ok()) return ToAbsl(st, ring.servers()[s]);
+      grpc::Status st = Run(
+          method, s, idempotent,
+          [&](grpc::ClientContext* ctx) {
+            resp.Clear();
+            return (stubs[s].get()->*call)(ctx, req, &resp);
+          },
+          nullptr, route);
+      if (!st.ok()) return ToAbsl(st, Label(s, route));
       if (resp.results_size() != n) {
-        return absl::InternalError(absl::StrCat(std::string(method), ": server ", ring.servers()[s],
+        return absl::InternalError(absl::StrCat(std::string(method), ": server ", Label(s, route),
                                                 " returned ", resp.results_size(), " results for ",
                                                 n, " items"));
       }
       return resp;
     }
-    std::vector<Req> parts(ring.size());
-    std::vector<Resp> answers(ring.size());
-    std::vector<grpc::Status> statuses(ring.size());
-    for (int s : used) {
-      for (int i : by_shard[s]) *parts[s].add_items() = req.items(i);
+    std::vector<Req> parts(groups);
+    std::vector<Resp> answers(groups);
+    std::vector<grpc::Status> statuses(groups);
+    for (int g = 0; g < groups; ++g) {
+      for (int i : place.members[g]) *parts[g].add_items() = req.items(i);
     }
-    auto run_shard = [&](int s) {
-      statuses[s] = Run(method, s, idempotent, [&](grpc::ClientContext* ctx) {
-        answers[s].Clear();
-        return (stubs[s].get()->*call)(ctx, parts[s], &answers[s]);
-      });
-      if (statuses[s].ok() && answers[s].results_size() != parts[s].items_size()) {
-        statuses[s] = grpc::Status(grpc::StatusCode::INTERNAL,
-                                   absl::StrCat("returned ", answers[s].results_size(),
-                                                " results for ", parts[s].items_size(), " items"));
+    ForEachParallel(groups, [&](int g) {
+      const int s = place.shard[g];
+      statuses[g] = Run(
+          method, s, idempotent,
+          [&](grpc::ClientContext* ctx) {
+            answers[g].Clear();
+            return (stubs[s].get()->*call)(ctx, parts[g], &answers[g]);
+          },
+          nullptr, place.route[g]);
+      if (statuses[g].ok() && answers[g].results_size() != parts[g].items_size()) {
+        statuses[g] = grpc::Status(grpc::StatusCode::INTERNAL,
+                                   absl::StrCat("returned ", answers[g].results_size(),
+                                                " results for ", parts[g].items_size(), " items"));
       }
-    };
-    std::vector<std::thread> threads;
-    for (size_t k = 1; k < used.size(); ++k) threads.emplace_back(run_shard, used[k]);
-    run_shard(used[0]);
-    for (auto& t : threads) t.join();
+    });
 
     int failed = 0;
-    for (int s : used) failed += statuses[s].ok() ? 0 : 1;
-    if (failed == static_cast<int>(used.size()))
-      return ToAbsl(statuses[used[0]], ring.servers()[used[0]]);
+    for (int g = 0; g < groups; ++g) failed += statuses[g].ok() ? 0 : 1;
+    if (failed == groups) return ToAbsl(statuses[0], Label(place.shard[0], place.route[0]));
     Resp out;
-    std::vector<int> next(ring.size(), 0);
+    std::vector<int> next(groups, 0);
     for (int i = 0; i < n; ++i) {
-      const int s = shard_of[i];
+      const int g = place.group_of[i];
       auto* r = out.add_results();
-      if (statuses[s].ok()) {
-        r->Swap(answers[s].mutable_results(next[s]++));
+      if (statuses[g].ok()) {
+        r->Swap(answers[g].mutable_results(next[g]++));
       } else {
-        r->mutable_status()->set_code(statuses[s].error_code());
-        r->mutable_status()->set_message(
-            absl::StrCat("server ", ring.servers()[s], ": ", statuses[s].error_message()));
+        r->mutable_status()->set_code(statuses[g].error_code());
+        r->mutable_status()->set_message(absl::StrCat(
+            "server ", Label(place.shard[g], place.route[g]), ": ", statuses[g].error_message()));
       }
     }
     return out;
@@ -188,6 +210,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Create(ClientOptions o) {
     return absl::InvalidArgumentError("backoff_multiplier must be >= 1");
   }
   if (o.virtual_nodes < 1) return absl::InvalidArgumentError("virtual_nodes must be >= 1");
+  if (o.router && o.servers.size() != 1) {
+    return absl::InvalidArgumentError(
+        "router mode takes exactly one address (the routing proxy), not a shard list");
+  }
   if (!o.tls && !o.token.empty() && !o.allow_insecure_token) {
     return absl::InvalidArgumentError(
         "refusing to send a bearer token over plaintext: turn TLS on (or allow insecure tokens "
@@ -244,12 +270,58 @@ Client::Client(ClientOptions options, std::unique_ptr<Impl> impl)
       shard_tenant_(!options_.tenant.empty()  ? options_.tenant
                     : !options_.token.empty() ? options_.token
                                               : std::string("default")),
-      impl_(std::move(impl)) {}
+      impl_(std::move(impl)) {
+  impl_->default_route = RouteKey("");
+}
 
 Client::~Client() = default;
 
 int Client::ShardOf(std::string_view sequence_id) const {
-  return ring_.ShardOf(shard_tenant_, sequence_id);
+  return options_.router ? 0 : ring_.ShardOf(shard_tenant_, sequence_id);
+}
+
+std::string Client::RouteKey(std::string_view sequence_id) const {
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016" PRIx64, HashRing::KeyOf(shard_tenant_, sequence_id));
+  return hex;
+}
+
+Client::Placement Client::Place(const std::function<std::string_view(int)>& id_of, int n) const {
+  Placement p;
+  p.group_of.resize(n);
+  if (options_.router) {  // by routing key, groups in order of first appearance
+    std::unordered_map<std::string, int> group;
+    for (int i = 0; i < n; ++i) {
+      std::string key = RouteKey(id_of(i));
+      auto [it, added] = group.try_emplace(key, static_cast<int>(p.members.size()));
+      if (added) {
+        p.members.emplace_back();
+        p.shard.push_back(0);
+        p.route.push_back(std::move(key));
+      }
+      p.group_of[i] = it->second;
+      p.members[it->second].push_back(i);
+    }
+    return p;
+  }
+  std::vector<int> group(num_shards(), -1);  // by shard, groups in shard order
+  std::vector<int> shard_of(n);
+  for (int i = 0; i < n; ++i) {
+    shard_of[i] = num_shards() == 1 ? 0 : ShardOf(id_of(i));
+    group[shard_of[i]] = 0;
+  }
+  for (int s = 0; s < num_shards(); ++s) {
+    if (group[s] < 0) continue;
+    group[s] = static_cast<int>(p.members.size());
+    p.members.emplace_back();
+    p.shard.push_back(s);
+    p.route.emplace_back();
+  }
+  for (int i = 0; i < n; ++i) {
+    p.group_of[i] = group[shard_of[i]];
+    p.members[p.group_of[i]].push_back(i);
+  }
+  return p;
 }
 
 std::vector<ShardHealth> Client::Health() {
@@ -302,6 +374,11 @@ absl::StatusOr<v1::ModelInfo> Client::GetModel(const std::string& model, int ver
 
 absl::StatusOr<v1::RegisterBasisResponse> Client::RegisterBasis(
     const v1::RegisterBasisRequest& req) {
+  if (options_.router) {
+    return absl::FailedPreconditionError(
+        "RegisterBasis in router mode: the proxy would register the model on one shard only; "
+        "register it on every shard directly (kvq --server shard1,shard2,... models register)");
+  }
   std::vector<v1::RegisterBasisResponse> resps(num_shards());
   std::vector<grpc::Status> sts(num_shards());
   std::vector<std::thread> threads;
@@ -321,75 +398,77 @@ absl::StatusOr<v1::RegisterBasisResponse> Client::RegisterBasis(
 
 absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocks(
     const std::vector<v1::PutBlocksRequest>& msgs) {
-  const int n = num_shards();
-  // Where every append goes; when they all go to one shard the messages are sent as they
-  // are (no copy: a prefill can be hundreds of MiB).
-  int only = -1;
-  bool single = true;
+  // Where every append goes (by shard, or by routing key in router mode).
+  std::vector<const v1::Append*> appends;
   for (const v1::PutBlocksRequest& m : msgs) {
-    for (const v1::Append& a : m.appends()) {
-      const int s = n == 1 ? 0 : ShardOf(a.sequence_id());
-      if (only == -1) only = s;
-      single = single && s == only;
-    }
+    for (const v1::Append& a : m.appends()) appends.push_back(&a);
   }
-  std::vector<std::vector<v1::PutBlocksRequest>> parts(n);
-  std::vector<const std::vector<v1::PutBlocksRequest>*> src(n, nullptr);
-  if (single) {
-    src[only < 0 ? 0 : only] = &msgs;
-  } else {
+  const Placement place =
+      Place([&](int i) -> std::string_view { return appends[i]->sequence_id(); },
+            static_cast<int>(appends.size()));
+  const int groups = std::max<int>(1, static_cast<int>(place.members.size()));
+  // When every append goes to one place the messages are sent as they are (no copy: a
+  // prefill can be hundreds of MiB); otherwise each message is split, order kept per group.
+  std::vector<std::vector<v1::PutBlocksRequest>> parts;
+  if (place.members.size() > 1) {
+    parts.resize(groups);
+    int i = 0;
     for (const v1::PutBlocksRequest& m : msgs) {
-      std::vector<v1::PutBlocksRequest*> cur(n, nullptr);
+      std::vector<v1::PutBlocksRequest*> cur(groups, nullptr);
       for (const v1::Append& a : m.appends()) {
-        const int s = ShardOf(a.sequence_id());
-        if (cur[s] == nullptr) cur[s] = &parts[s].emplace_back();
-        *cur[s]->add_appends() = a;
+        const int g = place.group_of[i++];
+        if (cur[g] == nullptr) cur[g] = &parts[g].emplace_back();
+        *cur[g]->add_appends() = a;
       }
     }
-    for (int s = 0; s < n; ++s) {
-      if (!parts[s].empty()) src[s] = &parts[s];
-    }
   }
-  std::vector<v1::PutBlocksResponse> resps(n);
-  std::vector<grpc::Status> sts(n);
-  auto run_shard = [&](int s) {
-    sts[s] = impl_->Run("PutBlocks", s, true, [&](grpc::ClientContext* ctx) {
-      resps[s].Clear();
-      auto writer = impl_->stubs[s]->PutBlocks(ctx, &resps[s]);
-      for (const v1::PutBlocksRequest& m : *src[s]) {
-        if (!writer->Write(m)) break;  // the stream ended; Finish() says why
-      }
-      writer->WritesDone();
-      return writer->Finish();
-    });
-  };
-  std::vector<int> used;
-  for (int s = 0; s < n; ++s) {
-    if (src[s] != nullptr) used.push_back(s);
-  }
-  std::vector<std::thread> threads;
-  for (size_t k = 1; k < used.size(); ++k) threads.emplace_back(run_shard, used[k]);
-  run_shard(used[0]);
-  for (auto& t : threads) t.join();
+  std::vector<v1::PutBlocksResponse> resps(groups);
+  std::vector<grpc::Status> sts(groups);
+  ForEachParallel(groups, [&](int g) {
+    const int s = place.members.empty() ? 0 : place.shard[g];
+    const std::string route = place.members.empty() ? std::string() : place.route[g];
+    const std::vector<v1::PutBlocksRequest>& src = parts.empty() ? msgs : parts[g];
+    sts[g] = impl_->Run(
+        "PutBlocks", s, true,
+        [&](grpc::ClientContext* ctx) {
+          resps[g].Clear();
+          auto writer = impl_->stubs[s]->PutBlocks(ctx, &resps[g]);
+          for (const v1::PutBlocksRequest& m : src) {
+            if (!writer->Write(m)) break;  // the stream ended; Finish() says why
+          }
+          writer->WritesDone();
+          return writer->Finish();
+        },
+        nullptr, route);
+  });
   v1::PutBlocksResponse out;
-  for (int s : used) {
-    if (!sts[s].ok()) return ToAbsl(sts[s], server(s));
-    out.set_messages(out.messages() + resps[s].messages());
-    out.set_appends(out.appends() + resps[s].appends());
-    out.set_tokens_written(out.tokens_written() + resps[s].tokens_written());
-    out.set_tokens_duplicate(out.tokens_duplicate() + resps[s].tokens_duplicate());
-    out.set_tokens_shared(out.tokens_shared() + resps[s].tokens_shared());
-    for (auto& l : *resps[s].mutable_lengths()) out.add_lengths()->Swap(&l);
+  for (int g = 0; g < groups; ++g) {
+    if (!sts[g].ok()) {
+      return ToAbsl(sts[g], place.members.empty() ? impl_->Label(0, "")
+                                                  : impl_->Label(place.shard[g], place.route[g]));
+    }
+    out.set_messages(out.messages() + resps[g].messages());
+    out.set_appends(out.appends() + resps[g].appends());
+    out.set_tokens_written(out.tokens_written() + resps[g].tokens_written());
+    out.set_tokens_duplicate(out.tokens_duplicate() + resps[g].tokens_duplicate());
+    out.set_tokens_shared(out.tokens_shared() + resps[g].tokens_shared());
+    for (auto& l : *resps[g].mutable_lengths()) out.add_lengths()->Swap(&l);
   }
   return out;
 }
 
+template <class Req>
+Client::Placement Client::PlaceItems(const Req& req) const {
+  return Place([&](int i) -> std::string_view { return req.items(i).sequence_id(); },
+               req.items_size());
+}
+
 absl::StatusOr<v1::ScoreResponse> Client::Score(const v1::ScoreRequest& req) {
-  return impl_->Batched("Score", req, true, ring_, shard_tenant_, &v1::Kvq::Stub::Score);
+  return impl_->Batched("Score", req, true, PlaceItems(req), &v1::Kvq::Stub::Score);
 }
 
 absl::StatusOr<v1::ReadoutResponse> Client::Readout(const v1::ReadoutRequest& req) {
-  return impl_->Batched("Readout", req, true, ring_, shard_tenant_, &v1::Kvq::Stub::Readout);
+  return impl_->Batched("Readout", req, true, PlaceItems(req), &v1::Kvq::Stub::Readout);
 }
 
 absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& req) {
@@ -398,12 +477,13 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& req) 
   for (const v1::AttendItem& it : req.items()) {
     read_only = read_only && it.has_observe() && !it.observe();
   }
-  return impl_->Batched("Attend", req, read_only, ring_, shard_tenant_, &v1::Kvq::Stub::Attend);
+  return impl_->Batched("Attend", req, read_only, PlaceItems(req), &v1::Kvq::Stub::Attend);
 }
 
 absl::Status Client::GetBlocks(const v1::GetBlocksRequest& req,
                                const std::function<bool(const v1::GetBlocksResponse&)>& on_chunk) {
   const int s = ShardOf(req.sequence_id());
+  const std::string route = options_.router ? RouteKey(req.sequence_id()) : std::string();
   bool received = false;
   grpc::Status st = impl_->Run(
       "GetBlocks", s, true,
@@ -420,19 +500,21 @@ absl::Status Client::GetBlocks(const v1::GetBlocksRequest& req,
         }
         return reader->Finish();
       },
-      &received);
-  return ToAbsl(st, server(s));
+      &received, route);
+  return ToAbsl(st, impl_->Label(s, route));
 }
 
 absl::StatusOr<v1::DeleteSequenceResponse> Client::DeleteSequence(const std::string& sequence_id) {
   const int s = ShardOf(sequence_id);
+  const std::string route = options_.router ? RouteKey(sequence_id) : std::string();
   v1::DeleteSequenceRequest req;
   req.set_sequence_id(sequence_id);
   v1::DeleteSequenceResponse resp;
-  grpc::Status st = impl_->Run("DeleteSequence", s, false, [&](grpc::ClientContext* ctx) {
-    return impl_->stubs[s]->DeleteSequence(ctx, req, &resp);
-  });
-  if (!st.ok()) return ToAbsl(st, server(s));
+  grpc::Status st = impl_->Run(
+      "DeleteSequence", s, false,
+      [&](grpc::ClientContext* ctx) { return impl_->stubs[s]->DeleteSequence(ctx, req, &resp); },
+      nullptr, route);
+  if (!st.ok()) return ToAbsl(st, impl_->Label(s, route));
   return resp;
 }
 

@@ -46,6 +46,10 @@ void AddClientFlags(FlagSet* flags, ClientOptions* o, ClientFlags* extra) {
              [extra](const std::string& v) { return extra->token_file = v, true; });
   flags->AddBool("allow-insecure-token", "allow a token over plaintext (loopback tests only)",
                  &o->allow_insecure_token);
+  flags->AddBool("router",
+                 "--server is a routing proxy (deploy/haproxy): send x-kvq-route with every call "
+                 "and split batches by routing key (default off)",
+                 &o->router);
   flags->Add("tenant", "NAME", "tenant sent as x-kvq-tenant when auth is off (default: default)",
              [o](const std::string& v) { return o->tenant = v, true; });
 }

@@ -18,9 +18,11 @@ from ._proto.kvq.v1 import kvq_pb2, kvq_pb2_grpc
 from .client import (
     _HEALTH_CHECK,
     _RESPONSE,
+    _ROUTER_PARALLEL,
     AttemptHook,
     _code_of,
     _Options,
+    _router_register_error,
     put_requests,
     attend_request,
     block_of,
@@ -62,12 +64,15 @@ class Client:
         tls_server_name: Optional[str] = None,
         allow_insecure_token: bool = False,
         on_attempt: Optional[AttemptHook] = None,
+        router: bool = False,
     ) -> None:
         self._o = _Options(
             servers, tenant, token, tls, root_certificates, private_key, certificate_chain,
             deadline, max_attempts, initial_backoff, max_backoff, backoff_multiplier,
-            virtual_nodes, tls_server_name, allow_insecure_token, on_attempt,
+            virtual_nodes, tls_server_name, allow_insecure_token, on_attempt, router,
         )
+        # Router mode: sub-calls of one batched call in flight at once (one per routing key).
+        self._router_slots: Optional[asyncio.Semaphore] = None
         self._channels: List[grpc.aio.Channel] = []
         self._stubs: List[kvq_pb2_grpc.KvqStub] = []
         self._health: List[Any] = []
@@ -103,25 +108,40 @@ class Client:
     def shard_of(self, sequence_id: str) -> int:
         return self._o.ring.shard_of(self._o.shard_tenant, sequence_id)
 
+    def route_key(self, sequence_id: str) -> str:
+        return self._o.route_key(sequence_id)
+
     def _shard(self, shard: int) -> int:
         if not 0 <= shard < len(self._o.servers):
             raise KvqError.invalid("Client", f"shard: {shard} is not in [0, {len(self._o.servers)})")
         return shard
 
     async def _run(self, method: str, shard: int, idempotent: bool, deadline: Optional[float],
-                   fn: Callable[[Any, float, Tuple[Tuple[str, str], ...]], Awaitable[Any]]) -> Any:
+                   fn: Callable[[Any, float, Tuple[Tuple[str, str], ...]], Awaitable[Any]],
+                   route: Optional[str] = None) -> Any:
         """fn(stub, timeout, metadata) with retries on UNAVAILABLE (idempotent calls only)."""
         self._open()
+        if self._o.router and route is not None:
+            if self._router_slots is None:
+                self._router_slots = asyncio.Semaphore(_ROUTER_PARALLEL)
+            async with self._router_slots:
+                return await self._attempts(method, shard, idempotent, deadline, fn, route)
+        return await self._attempts(method, shard, idempotent, deadline, fn, route)
+
+    async def _attempts(self, method: str, shard: int, idempotent: bool, deadline: Optional[float],
+                        fn: Callable[[Any, float, Tuple[Tuple[str, str], ...]], Awaitable[Any]],
+                        route: Optional[str]) -> Any:
         timeout = self._o.timeout(deadline)
         attempts = self._o.attempts(idempotent)
+        metadata = self._o.metadata_for(route)
         for a in range(1, attempts + 1):
             try:
-                result = await fn(self._stubs[shard], timeout, self._o.metadata)
+                result = await fn(self._stubs[shard], timeout, metadata)
             except grpc.RpcError as e:
                 code = _code_of(e)
                 self._o.note(method, a, shard, code)
                 if code != grpc.StatusCode.UNAVAILABLE or a == attempts:
-                    raise KvqError.from_rpc_error(method, e, self._o.servers[shard]) from None
+                    raise KvqError.from_rpc_error(method, e, self._o.label(shard, route)) from None
                 await asyncio.sleep(self._o.backoff(a))
                 continue
             self._o.note(method, a, shard, grpc.StatusCode.OK)
@@ -137,51 +157,54 @@ class Client:
 
     async def _batched(self, method: str, req: Any, idempotent: bool, deadline: Optional[float]) -> Any:
         n = len(req.items)
-        if len(self._o.servers) == 1:
-            shard_of, groups = [], {0: []}  # nothing to split
+        if len(self._o.servers) == 1 and not self._o.router:
+            group_of, groups = [], {0: []}  # nothing to split
         else:
-            shard_of, groups = self._o.by_shard([it.sequence_id for it in req.items])
+            group_of, groups = self._o.by_shard([it.sequence_id for it in req.items])
         if len(groups) <= 1:
-            s = next(iter(groups), 0)
+            s, route = self._o.target(next(iter(groups), 0))
             resp = await self._run(method, s, idempotent, deadline,
-                                   lambda st, t, md: getattr(st, method)(req, timeout=t, metadata=md))
+                                   lambda st, t, md: getattr(st, method)(req, timeout=t, metadata=md),
+                                   route)
             if len(resp.results) != n:
                 raise KvqError(method, grpc.StatusCode.INTERNAL,
-                               f"server {self._o.servers[s]} returned {len(resp.results)} "
+                               f"server {self._o.label(s, route)} returned {len(resp.results)} "
                                f"results for {n} items")
             return resp
-        shards = list(groups)
+        keys = list(groups)
         parts = {}
-        for s in shards:
+        for g in keys:
             part = type(req)()
-            part.items.extend(req.items[i] for i in groups[s])
-            parts[s] = part
+            part.items.extend(req.items[i] for i in groups[g])
+            parts[g] = part
 
-        def one(s: int) -> Awaitable[Any]:
+        def one(g: Any) -> Awaitable[Any]:
+            s, route = self._o.target(g)
             return self._run(method, s, idempotent, deadline,
-                             lambda st, t, md: getattr(st, method)(parts[s], timeout=t, metadata=md))
+                             lambda st, t, md: getattr(st, method)(parts[g], timeout=t, metadata=md),
+                             route)
 
-        answers = dict(zip(shards, await self._gather([one(s) for s in shards])))
-        for s in shards:
-            a = answers[s]
-            if not isinstance(a, KvqError) and len(a.results) != len(groups[s]):
-                answers[s] = KvqError(method, grpc.StatusCode.INTERNAL,
-                                      f"server {self._o.servers[s]} returned {len(a.results)} "
-                                      f"results for {len(groups[s])} items")
+        answers = dict(zip(keys, await self._gather([one(g) for g in keys])))
+        for g in keys:
+            a = answers[g]
+            if not isinstance(a, KvqError) and len(a.results) != len(groups[g]):
+                answers[g] = KvqError(method, grpc.StatusCode.INTERNAL,
+                                      f"server {self._o.label(*self._o.target(g))} returned "
+                                      f"{len(a.results)} results for {len(groups[g])} items")
         if all(isinstance(a, KvqError) for a in answers.values()):
-            raise answers[shards[0]]
+            raise answers[keys[0]]
         out = _RESPONSE[method]()
-        next_of = {s: 0 for s in shards}
+        next_of = {g: 0 for g in keys}
         for i in range(n):
-            s = shard_of[i]
-            a = answers[s]
+            g = group_of[i]
+            a = answers[g]
             r = out.results.add()
             if isinstance(a, KvqError):
                 r.status.code = a.code.value[0]
-                r.status.message = f"server {self._o.servers[s]}: {a.details}"
+                r.status.message = f"server {self._o.label(*self._o.target(g))}: {a.details}"
             else:
-                r.CopyFrom(a.results[next_of[s]])
-                next_of[s] += 1
+                r.CopyFrom(a.results[next_of[g]])
+                next_of[g] += 1
         return out
 
     async def health(self, *, deadline: Optional[float] = None) -> List[Tuple[str, bool]]:
@@ -200,6 +223,8 @@ class Client:
                              basis: Sequence[Any] = (), *, encode_basis: Sequence[Any] = (),
                              query_moment: Sequence[Any] = (), deadline: Optional[float] = None
                              ) -> kvq_pb2.RegisterBasisResponse:
+        if self._o.router:
+            raise _router_register_error()
         req = register_request(info, basis, encode_basis, query_moment)
         results = await self._gather([
             self._run("RegisterBasis", s, True, deadline,
@@ -232,11 +257,11 @@ class Client:
         elif appends:
             raise KvqError.invalid(method, "appends/messages: give one of them, not both")
         per_shard = put_requests(messages, self._o.by_shard, method)
-        shards = sorted(per_shard)
         results = await self._gather([
-            self._run(method, s, True, deadline,
-                      lambda st, t, md, s=s: st.PutBlocks(iter(per_shard[s]), timeout=t, metadata=md))
-            for s in shards])
+            self._run(method, self._o.target(g)[0], True, deadline,
+                      lambda st, t, md, g=g: st.PutBlocks(iter(per_shard[g]), timeout=t, metadata=md),
+                      self._o.target(g)[1])
+            for g in per_shard])
         for r in results:
             if isinstance(r, KvqError):
                 raise r
@@ -273,12 +298,14 @@ class Client:
             max_tokens_per_message=int(max_tokens_per_message), from_token=int(from_token),
             to_token=int(to_token))
         s = self.shard_of(sequence_id)
+        route = self._o.route_key(sequence_id) if self._o.router else None
         timeout = self._o.timeout(deadline)
         self._open()
         attempts = self._o.attempts(True)
+        metadata = self._o.metadata_for(route)
         for a in range(1, attempts + 1):
             received = False
-            call = self._stubs[s].GetBlocks(req, timeout=timeout, metadata=self._o.metadata)
+            call = self._stubs[s].GetBlocks(req, timeout=timeout, metadata=metadata)
             try:
                 async for chunk in call:
                     received = True
@@ -287,7 +314,7 @@ class Client:
                 code = _code_of(e)
                 self._o.note(method, a, s, code)
                 if code != grpc.StatusCode.UNAVAILABLE or received or a == attempts:
-                    raise KvqError.from_rpc_error(method, e, self._o.servers[s]) from None
+                    raise KvqError.from_rpc_error(method, e, self._o.label(s, route)) from None
                 await asyncio.sleep(self._o.backoff(a))
                 continue
             finally:
@@ -297,8 +324,10 @@ class Client:
 
     async def delete_sequence(self, sequence_id: str, *, deadline: Optional[float] = None) -> int:
         req = kvq_pb2.DeleteSequenceRequest(sequence_id=sequence_id)
+        route = self._o.route_key(sequence_id) if self._o.router else None
         resp = await self._run("DeleteSequence", self.shard_of(sequence_id), False, deadline,
-                               lambda st, t, md: st.DeleteSequence(req, timeout=t, metadata=md))
+                               lambda st, t, md: st.DeleteSequence(req, timeout=t, metadata=md),
+                               route)
         return int(resp.bytes_freed)
 
     async def stats(self, *, shard: Optional[int] = None, deadline: Optional[float] = None) -> kvq_pb2.StatsResponse:

@@ -11,6 +11,10 @@ Mirrors the C++ client (client/lib/src/client.cc):
   batched calls are split by shard, sent concurrently and merged back in request order; a
   failed shard's items get its status (message naming the server), and the call itself
   fails only when every shard it needed failed;
+* router mode (router=True): one address, a routing proxy (deploy/haproxy) that picks each
+  call's shard from its `x-kvq-route` header, set to route_key(sequence id); batched calls
+  are split by routing key instead of by shard (the proxy hashes with its own functions, so
+  one sequence must always be reached through the same path);
 * TLS (CA, client certificate) and a bearer token (`authorization: Bearer <t>`), or the
   tenant as `x-kvq-tenant` when no token is set;
 * messages up to 256 MiB each way (the server's default limit).
@@ -29,7 +33,7 @@ import numpy as np
 
 from ._proto.kvq.v1 import kvq_pb2, kvq_pb2_grpc
 from .errors import KvqError, code_from_int
-from .ring import HashRing
+from .ring import HashRing, key_of
 from .tensors import dtype_enum, from_tensor, to_tensor
 from .types import (
     Append,
@@ -41,7 +45,12 @@ from .types import (
     ScoreItem,
 )
 
-__all__ = ["Client", "split_servers", "MAX_MESSAGE_BYTES"]
+__all__ = ["Client", "split_servers", "MAX_MESSAGE_BYTES", "ROUTE_HEADER"]
+
+# Router mode's routing header (deploy/haproxy/haproxy.cfg balances on it).
+ROUTE_HEADER = "x-kvq-route"
+# Most sub-calls of one batched call in flight at once in router mode (one per routing key).
+_ROUTER_PARALLEL = 16
 
 # Called after every attempt of every call: (method, attempt from 1, shard, grpc.StatusCode).
 AttemptHook = Callable[[str, int, int, grpc.StatusCode], None]
@@ -359,6 +368,7 @@ class _Options:
         tls_server_name: Optional[str],
         allow_insecure_token: bool,
         on_attempt: Optional[AttemptHook],
+        router: bool = False,
     ) -> None:
         m = "Client"
         self.servers = split_servers(servers)
@@ -366,6 +376,9 @@ class _Options:
             raise KvqError.invalid(m, "servers: no server address given")
         if len(set(self.servers)) != len(self.servers):
             raise KvqError.invalid(m, "servers: an address is listed twice")
+        if router and len(self.servers) != 1:
+            raise KvqError.invalid(
+                m, "servers: router mode takes exactly one address (the routing proxy)")
         if not deadline or deadline <= 0:
             raise KvqError.invalid(m, f"deadline: must be > 0 seconds, got {deadline}")
         if max_attempts < 1:
@@ -400,6 +413,8 @@ class _Options:
         self.ring = HashRing(self.servers, virtual_nodes)
         # The tenant part of the shard key, as in C++: tenant, else token, else "default".
         self.shard_tenant = self.tenant or self.token or "default"
+        self.router = bool(router)
+        self.default_route = self.route_key("")
         if self.token:
             self.metadata: Tuple[Tuple[str, str], ...] = (("authorization", f"Bearer {self.token}"),)
         elif self.tenant:
@@ -445,8 +460,36 @@ class _Options:
         if self.on_attempt is not None:
             self.on_attempt(method, attempt, shard, code)
 
-    def by_shard(self, ids: Sequence[str]) -> Tuple[List[int], Dict[int, List[int]]]:
-        """Shard of each id, and the indices per shard (shards in increasing order)."""
+    def route_key(self, sequence_id: str) -> str:
+        """Router mode's x-kvq-route: 16 hex digits of key_of(identity, sequence_id)."""
+        return f"{key_of(self.shard_tenant, sequence_id):016x}"
+
+    def metadata_for(self, route: Optional[str]) -> Tuple[Tuple[str, str], ...]:
+        """The call metadata; in router mode with x-kvq-route (None: the default route)."""
+        if not self.router:
+            return self.metadata
+        return self.metadata + ((ROUTE_HEADER, route or self.default_route),)
+
+    def label(self, shard: int, route: Optional[str] = None) -> str:
+        """The server named in errors (router mode: the proxy and the routing key)."""
+        if not self.router:
+            return self.servers[shard]
+        return f"{self.servers[shard]} ({ROUTE_HEADER} {route or self.default_route})"
+
+    @staticmethod
+    def target(group: Union[int, str]) -> Tuple[int, Optional[str]]:
+        """(shard, route) of a by_shard group: a shard index, or a routing key (router mode)."""
+        return (0, group) if isinstance(group, str) else (group, None)
+
+    def by_shard(self, ids: Sequence[str]) -> Tuple[List[Any], Dict[Any, List[int]]]:
+        """Group of each id, and the indices per group: shards (in increasing order), or in
+        router mode routing keys (in order of first appearance)."""
+        if self.router:
+            keys = [self.route_key(sid) for sid in ids]
+            by_key: Dict[Any, List[int]] = {}
+            for i, k in enumerate(keys):
+                by_key.setdefault(k, []).append(i)
+            return keys, by_key
         n = len(self.servers)
         if n == 1:
             return [0] * len(ids), ({0: list(range(len(ids)))} if ids else {})
@@ -487,6 +530,11 @@ class Client:
         allow_insecure_token: allow a token over plaintext (loopback tests only).
         on_attempt: called after every attempt (method, attempt from 1, shard,
             grpc.StatusCode): a seam for counting retries.
+        router: `servers` is one routing proxy (deploy/haproxy): every call carries
+            x-kvq-route (route_key of its sequence; of "" for calls of no sequence, which
+            reach the one shard the proxy picks for it), batched calls are split by routing
+            key. register_basis is refused (the proxy reaches one shard per call): register
+            on the shards directly.
     """
 
     def __init__(
@@ -508,11 +556,12 @@ class Client:
         tls_server_name: Optional[str] = None,
         allow_insecure_token: bool = False,
         on_attempt: Optional[AttemptHook] = None,
+        router: bool = False,
     ) -> None:
         self._o = _Options(
             servers, tenant, token, tls, root_certificates, private_key, certificate_chain,
             deadline, max_attempts, initial_backoff, max_backoff, backoff_multiplier,
-            virtual_nodes, tls_server_name, allow_insecure_token, on_attempt,
+            virtual_nodes, tls_server_name, allow_insecure_token, on_attempt, router,
         )
         self._channels: List[grpc.Channel] = []
         for addr in self._o.servers:
@@ -557,6 +606,12 @@ class Client:
         """Index into servers of the server owning a sequence of this client's tenant."""
         return self._o.ring.shard_of(self._o.shard_tenant, sequence_id)
 
+    def route_key(self, sequence_id: str) -> str:
+        """The x-kvq-route value of a sequence in router mode: 16 hex digits of
+        kvq.ring.key_of(identity, sequence_id), identity = tenant, else token, else
+        "default" (honours the {tag} rule; the C++ client's Client::RouteKey)."""
+        return self._o.route_key(sequence_id)
+
     def stub(self, shard: int = 0) -> kvq_pb2_grpc.KvqStub:
         """The generated stub of one server, for calls this class does not wrap."""
         return self._stubs[self._shard(shard)]
@@ -569,20 +624,22 @@ class Client:
 
     def _run(
         self, method: str, shard: int, idempotent: bool, deadline: Optional[float],
-        fn: Callable[[float, Tuple[Tuple[str, str], ...]], Any],
+        fn: Callable[[float, Tuple[Tuple[str, str], ...]], Any], route: Optional[str] = None,
     ) -> Any:
         """fn(timeout, metadata) until it succeeds, fails other than UNAVAILABLE, or runs out
-        of attempts; raises KvqError with the last status."""
+        of attempts; raises KvqError with the last status. route: router mode's x-kvq-route
+        (None: the default route)."""
         timeout = self._o.timeout(deadline)
         attempts = self._o.attempts(idempotent)
+        metadata = self._o.metadata_for(route)
         for a in range(1, attempts + 1):
             try:
-                result = fn(timeout, self._o.metadata)
+                result = fn(timeout, metadata)
             except grpc.RpcError as e:
                 code = _code_of(e)
                 self._o.note(method, a, shard, code)
                 if code != grpc.StatusCode.UNAVAILABLE or a == attempts:
-                    raise KvqError.from_rpc_error(method, e, self._o.servers[shard]) from None
+                    raise KvqError.from_rpc_error(method, e, self._o.label(shard, route)) from None
                 time.sleep(self._o.backoff(a))
                 continue
             self._o.note(method, a, shard, grpc.StatusCode.OK)
@@ -598,7 +655,8 @@ class Client:
                 return [e]
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=max(2, len(self._stubs)),
+                workers = _ROUTER_PARALLEL if self._o.router else max(2, len(self._stubs))
+                self._pool = ThreadPoolExecutor(max_workers=workers,
                                                 thread_name_prefix="kvq-shard")
         futures = [self._pool.submit(j) for j in jobs[1:]]
         out: List[Any] = []
@@ -614,55 +672,57 @@ class Client:
         return out
 
     def _batched(self, method: str, req: Any, idempotent: bool, deadline: Optional[float]) -> Any:
-        """Splits a batched request by shard, runs the parts concurrently, merges in order."""
+        """Splits a batched request by shard (router mode: by routing key), runs the parts
+        concurrently, merges in order."""
         n = len(req.items)
-        if len(self._o.servers) == 1:
-            shard_of, groups = [], {0: []}  # nothing to split
+        if len(self._o.servers) == 1 and not self._o.router:
+            group_of, groups = [], {0: []}  # nothing to split
         else:
-            shard_of, groups = self._o.by_shard([it.sequence_id for it in req.items])
+            group_of, groups = self._o.by_shard([it.sequence_id for it in req.items])
         if len(groups) <= 1:
-            s = next(iter(groups), 0)
+            s, route = self._o.target(next(iter(groups), 0))
             call = getattr(self._stubs[s], method)
             resp = self._run(method, s, idempotent, deadline,
-                             lambda t, md: call(req, timeout=t, metadata=md))
+                             lambda t, md: call(req, timeout=t, metadata=md), route)
             if len(resp.results) != n:
                 raise KvqError(method, grpc.StatusCode.INTERNAL,
-                               f"server {self._o.servers[s]} returned {len(resp.results)} "
+                               f"server {self._o.label(s, route)} returned {len(resp.results)} "
                                f"results for {n} items")
             return resp
         parts = {}
-        for s, idx in groups.items():
+        for g, idx in groups.items():
             part = type(req)()
             part.items.extend(req.items[i] for i in idx)
-            parts[s] = part
+            parts[g] = part
 
-        def job(s: int) -> Callable[[], Any]:
+        def job(g: Any) -> Callable[[], Any]:
+            s, route = self._o.target(g)
             call = getattr(self._stubs[s], method)
             return lambda: self._run(method, s, idempotent, deadline,
-                                     lambda t, md: call(parts[s], timeout=t, metadata=md))
+                                     lambda t, md: call(parts[g], timeout=t, metadata=md), route)
 
-        shards = list(groups)
-        answers = dict(zip(shards, self._parallel([job(s) for s in shards])))
-        for s in shards:
-            a = answers[s]
-            if not isinstance(a, KvqError) and len(a.results) != len(groups[s]):
-                answers[s] = KvqError(method, grpc.StatusCode.INTERNAL,
-                                      f"server {self._o.servers[s]} returned {len(a.results)} "
-                                      f"results for {len(groups[s])} items")
+        keys = list(groups)
+        answers = dict(zip(keys, self._parallel([job(g) for g in keys])))
+        for g in keys:
+            a = answers[g]
+            if not isinstance(a, KvqError) and len(a.results) != len(groups[g]):
+                answers[g] = KvqError(method, grpc.StatusCode.INTERNAL,
+                                      f"server {self._o.label(*self._o.target(g))} returned "
+                                      f"{len(a.results)} results for {len(groups[g])} items")
         if all(isinstance(a, KvqError) for a in answers.values()):
-            raise answers[shards[0]]
+            raise answers[keys[0]]
         out = _RESPONSE[method]()
-        next_of = {s: 0 for s in shards}
+        next_of = {g: 0 for g in keys}
         for i in range(n):
-            s = shard_of[i]
-            a = answers[s]
+            g = group_of[i]
+            a = answers[g]
             r = out.results.add()
             if isinstance(a, KvqError):
                 r.status.code = a.code.value[0]
-                r.status.message = f"server {self._o.servers[s]}: {a.details}"
+                r.status.message = f"server {self._o.label(*self._o.target(g))}: {a.details}"
             else:
-                r.CopyFrom(a.results[next_of[s]])
-                next_of[s] += 1
+                r.CopyFrom(a.results[next_of[g]])
+                next_of[g] += 1
         return out
 
     # -- health and registry ----------------------------------------------------------------
@@ -695,6 +755,8 @@ class Client:
         decode basis B; A^T B = I); query_moment: E[q q^T] per layer, f32 [kv_heads,
         head_dim, head_dim] (what codec metric_rounding needs). Both optional.
         Retried (idempotent: an identical entry registers again as OK)."""
+        if self._o.router:
+            raise _router_register_error()
         req = register_request(info, basis, encode_basis, query_moment)
         jobs = [
             (lambda s=s: self._run("RegisterBasis", s, True, deadline,
@@ -748,14 +810,15 @@ class Client:
         elif appends:
             raise KvqError.invalid(method, "appends/messages: give one of them, not both")
         per_shard = put_requests(messages, self._o.by_shard, method)
-        shards = sorted(per_shard)
 
-        def job(s: int) -> Callable[[], Any]:
+        def job(g: Any) -> Callable[[], Any]:
+            s, route = self._o.target(g)
             return lambda: self._run(
                 method, s, True, deadline,
-                lambda t, md: self._stubs[s].PutBlocks(iter(per_shard[s]), timeout=t, metadata=md))
+                lambda t, md: self._stubs[s].PutBlocks(iter(per_shard[g]), timeout=t, metadata=md),
+                route)
 
-        results = self._parallel([job(s) for s in shards])
+        results = self._parallel([job(g) for g in per_shard])
         for r in results:
             if isinstance(r, KvqError):
                 raise r
@@ -820,15 +883,18 @@ class Client:
             to_token=int(to_token),
         )
         s = self.shard_of(sequence_id)
+        route = self._o.route_key(sequence_id) if self._o.router else None
         timeout = self._o.timeout(deadline)
-        return self._get_blocks(req, s, timeout, bf16)
+        return self._get_blocks(req, s, timeout, bf16, route)
 
-    def _get_blocks(self, req: kvq_pb2.GetBlocksRequest, s: int, timeout: float, bf16: str) -> Iterator[Block]:
+    def _get_blocks(self, req: kvq_pb2.GetBlocksRequest, s: int, timeout: float, bf16: str,
+                    route: Optional[str] = None) -> Iterator[Block]:
         method = "GetBlocks"
         attempts = self._o.attempts(True)
+        metadata = self._o.metadata_for(route)
         for a in range(1, attempts + 1):
             received = False
-            call = self._stubs[s].GetBlocks(req, timeout=timeout, metadata=self._o.metadata)
+            call = self._stubs[s].GetBlocks(req, timeout=timeout, metadata=metadata)
             try:
                 for chunk in call:
                     received = True
@@ -837,7 +903,7 @@ class Client:
                 code = _code_of(e)
                 self._o.note(method, a, s, code)
                 if code != grpc.StatusCode.UNAVAILABLE or received or a == attempts:
-                    raise KvqError.from_rpc_error(method, e, self._o.servers[s]) from None
+                    raise KvqError.from_rpc_error(method, e, self._o.label(s, route)) from None
                 time.sleep(self._o.backoff(a))
                 continue
             finally:
@@ -848,9 +914,11 @@ class Client:
     def delete_sequence(self, sequence_id: str, *, deadline: Optional[float] = None) -> int:
         """Drops a sequence; returns the bytes freed. NOT_FOUND raises. Never retried."""
         s = self.shard_of(sequence_id)
+        route = self._o.route_key(sequence_id) if self._o.router else None
         req = kvq_pb2.DeleteSequenceRequest(sequence_id=sequence_id)
         resp = self._run("DeleteSequence", s, False, deadline,
-                         lambda t, md: self._stubs[s].DeleteSequence(req, timeout=t, metadata=md))
+                         lambda t, md: self._stubs[s].DeleteSequence(req, timeout=t, metadata=md),
+                         route)
         return int(resp.bytes_freed)
 
     def stats(self, *, shard: Optional[int] = None, deadline: Optional[float] = None) -> kvq_pb2.StatsResponse:
@@ -875,6 +943,13 @@ class Client:
         resp = self._run("Echo", s, True, deadline,
                          lambda t, md: self._stubs[s].Echo(req, timeout=t, metadata=md))
         return bytes(resp.payload)
+
+
+def _router_register_error() -> KvqError:
+    return KvqError(
+        "RegisterBasis", grpc.StatusCode.FAILED_PRECONDITION,
+        "router mode: the proxy would register the model on one shard only; register it on "
+        "every shard directly (a Client of the shard addresses)")
 
 
 _RESPONSE = {

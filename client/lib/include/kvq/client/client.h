@@ -11,6 +11,12 @@
 //   by shard, sent concurrently and merged back in request order. When a shard fails, its
 //   items get that shard's status (the message names the server) and the other items still
 //   succeed; the call itself fails only when every shard it needed failed.
+// * Router mode (ClientOptions::router): one address, a proxy (deploy/haproxy) that picks the
+//   shard of each call from its `x-kvq-route` header. The client sets that header to
+//   RouteKey(sequence id) and splits batched calls by routing key instead of by shard (one
+//   sub-call per distinct key, at most kMaxParallelCalls at once), since only the proxy knows
+//   which shard a key lands on. The proxy hashes with its own functions: the two paths place
+//   a sequence differently, so one sequence must always be reached through one of them.
 // * TLS (server CA, optional client certificate for mTLS) and a bearer token.
 //
 // Thread-safe: one Client may be shared by any number of threads.
@@ -77,6 +83,12 @@ struct ClientOptions {
   absl::Duration max_reconnect_backoff = absl::Seconds(2);
   // Points per server on the hash ring.
   int virtual_nodes = 128;
+  // Router mode: `servers` is exactly one address, a routing proxy (deploy/haproxy); every
+  // call carries `x-kvq-route` (kRouteHeader): RouteKey(sequence id) for a sequence's calls,
+  // RouteKey("") for the others (Stats, ListModels, GetModel, Echo, Health: they reach the
+  // one shard the proxy picks for that key). RegisterBasis is refused (FAILED_PRECONDITION):
+  // a proxy cannot send it to every shard; register on the shards directly.
+  bool router = false;
   // Called after every attempt of every call (method, attempt from 1, server index, status
   // code). A seam for tests and for callers that count retries; must be thread-safe.
   std::function<void(std::string_view method, int attempt, int shard, int code)> on_attempt;
@@ -88,6 +100,12 @@ struct ShardHealth {
   bool serving = false;
   absl::Status status;  // the RPC's status (OK when the server answered)
 };
+
+// The routing header of router mode; its value is Client::RouteKey.
+inline constexpr char kRouteHeader[] = "x-kvq-route";
+// Most sub-calls of one batched call in flight at once (router mode splits by key, which can
+// mean one sub-call per item).
+inline constexpr int kMaxParallelCalls = 16;
 
 class Client {
  public:
@@ -102,8 +120,13 @@ class Client {
   const ClientOptions& options() const { return options_; }
   int num_shards() const { return static_cast<int>(ring_.size()); }
   const std::string& server(int shard) const { return ring_.servers()[shard]; }
-  // The server index owning a sequence of this client's tenant.
+  // The server index owning a sequence of this client's tenant (0 in router mode).
   int ShardOf(std::string_view sequence_id) const;
+  // The routing key of a sequence (router mode's x-kvq-route): 16 lowercase hex digits of
+  // HashRing::KeyOf(identity, sequence id), the identity being the tenant, else the token,
+  // else "default" (with auth on the client does not know its tenant's name: its token is
+  // its identity). Honours the {tag} rule, so sequences of one tag share a key and a shard.
+  std::string RouteKey(std::string_view sequence_id) const;
 
   // Health of every server (never fails as a whole; see each entry's status).
   std::vector<ShardHealth> Health();
@@ -113,6 +136,7 @@ class Client {
   absl::StatusOr<v1::ModelInfo> GetModel(const std::string& model, int version = 0, int shard = 0);
   // Registers on every server (each must know the model of the sequences it holds).
   // Returns the first server's answer; fails when any server fails.
+  // Router mode: FAILED_PRECONDITION (a proxy reaches one shard per call).
   absl::StatusOr<v1::RegisterBasisResponse> RegisterBasis(const v1::RegisterBasisRequest& req);
 
   // Streams the messages' appends, split by shard (one stream per shard, message order and
@@ -137,8 +161,19 @@ class Client {
   absl::StatusOr<std::string> Echo(const std::string& payload, int shard = 0);
 
   struct Impl;
+  // Where the items of a batched call go: groups of item indices, each with its channel and
+  // routing key ("" = none). By shard (client-side hashing), or by RouteKey (router mode).
+  struct Placement {
+    std::vector<int> group_of;              // per item
+    std::vector<std::vector<int>> members;  // per group: item indices, in request order
+    std::vector<int> shard;                 // per group
+    std::vector<std::string> route;         // per group
+  };
 
  private:
+  Placement Place(const std::function<std::string_view(int)>& id_of, int n) const;
+  template <class Req>
+  Placement PlaceItems(const Req& req) const;
   Client(ClientOptions options, std::unique_ptr<Impl> impl);
   ClientOptions options_;
   HashRing ring_;

@@ -20,8 +20,8 @@ using common::ParseIntFlag;
 
 // The connection flags: --server (comma list), --timeout, --retries, --tls, --tls-ca,
 // --tls-cert, --tls-key, --tls-server-name, --token, --token-file, --tenant,
-// --allow-insecure-token. The help shows the defaults in *options at the time of the call.
-// Call ResolveClientFlags after Parse.
+// --allow-insecure-token, --router. The help shows the defaults in *options at the time of
+// the call. Call ResolveClientFlags after Parse.
 struct ClientFlags {
   std::string servers = "localhost:50051";
   std::string token_file;
