@@ -79,6 +79,10 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
              "fail a PutBlocks stream quiet this long between messages with DEADLINE_EXCEEDED "
              "(default 60s; 0 never)",
              duration(&o->stream_idle_timeout));
+  flags->AddBool("log-calls",
+                 "log every call (method, tenant, status, duration, bytes) to stderr, not only "
+                 "server-side failures (default false)",
+                 &o->log_calls);
   flags->Add("max-message-bytes", "BYTES", "largest gRPC message (default 256M)",
              bytes(&o->max_message_bytes));
   flags->Add("tls-cert", "FILE", "server certificate chain (PEM); with --tls-key turns TLS on",

@@ -157,9 +157,14 @@ absl::Status KvqServer::Impl::Start() {
     }
   }
   const std::string backend = kernels::Best().name;
-  service = std::make_unique<Service>(store.get(), registry.get(), &auth, metrics.get(), pool.get(),
-                                      &ready, pool_name, backend);
-  service->set_max_inflight(opts.max_inflight);
+  CallGate::Options calls;
+  calls.auth = &auth;
+  calls.metrics = metrics.get();
+  calls.ready = &ready;
+  calls.max_inflight = opts.max_inflight;
+  calls.log_calls = opts.log_calls;
+  service =
+      std::make_unique<Service>(store.get(), registry.get(), pool.get(), calls, pool_name, backend);
   service->set_stream_idle_timeout(opts.stream_idle_timeout);
 
   std::shared_ptr<grpc::ServerCredentials> creds;

@@ -52,6 +52,10 @@ struct ServerOptions {
   // would wait long for. 0 = no limit. The default leaves room for thousands of concurrent
   // streams while bounding the queue (and the requests it holds in memory).
   int max_inflight = 4096;
+  // Log every call to stderr (method, tenant, status, duration, bytes), not only those that
+  // fail on the server's side (INTERNAL, DATA_LOSS, UNKNOWN), which are always logged. Off by
+  // default: a line per call costs more than Echo itself.
+  bool log_calls = false;
   // A PutBlocks stream that receives no message for this long fails with DEADLINE_EXCEEDED,
   // freeing its --max-inflight slot (a client that opens a stream and goes quiet would hold
   // it forever). Time spent applying a message does not count. Zero = never.
