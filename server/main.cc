@@ -64,8 +64,7 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
   flags->Add("tenant-quota", "BYTES", "bytes one tenant may hold (default 0: no quota)",
              bytes(&o->tenant_quota_bytes));
   flags->Add("sequence-ttl", "DURATION",
-             "drop sequences idle this long, e.g. 30m (default 0: never)",
-             duration(&o->sequence_ttl));
+             "drop sequences idle this long, e.g. 30m (default 0: never)", duration(&o->ttl));
   flags->AddBool("retain-prefixes",
                  "keep the shared prefix groups of deleted and expired sequences until room is "
                  "needed (default true)",
