@@ -1,6 +1,5 @@
 #include "server/service.h"
 
-#include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
