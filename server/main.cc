@@ -64,8 +64,7 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
   flags->Add("tenant-quota", "BYTES", "bytes one tenant may hold (default 0: no quota)",
              bytes(&o->tenant_quota_bytes));
   flags->Add("sequence-ttl", "DURATION",
-             "drop sequences idle this long, e.g. 30m (default 0: never)",
-             duration(&o->sequence_ttl));
+             "drop sequences idle this long, e.g. 30m (default 0: never)", duration(&o->ttl));
   flags->AddBool("retain-prefixes",
                  "keep the shared prefix groups of deleted and expired sequences until room is "
                  "needed (default true)",
@@ -79,6 +78,10 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
              "fail a PutBlocks stream quiet this long between messages with DEADLINE_EXCEEDED "
              "(default 60s; 0 never)",
              duration(&o->stream_idle_timeout));
+  flags->AddBool("log-calls",
+                 "log every call (method, tenant, status, duration, bytes) to stderr, not only "
+                 "server-side failures (default false)",
+                 &o->log_calls);
   flags->Add("max-message-bytes", "BYTES", "largest gRPC message (default 256M)",
              bytes(&o->max_message_bytes));
   flags->Add("tls-cert", "FILE", "server certificate chain (PEM); with --tls-key turns TLS on",

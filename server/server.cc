@@ -1,7 +1,5 @@
 #include "server/server.h"
 
-#include <unistd.h>
-
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -13,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "kvq/core/memory_pool.h"
 #include "kvq/core/status.h"
 #include "kvq/core/store.h"
 #include "kvq/kernels/device.h"
@@ -34,11 +33,6 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) 
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
-}
-
-int64_t PhysicalMemory() {
-  const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && size > 0 ? int64_t{pages} * size : int64_t{8} << 30;
 }
 
 absl::Status CheckRange(const char* flag, int64_t v, int64_t lo, int64_t hi) {
@@ -64,7 +58,7 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   RETURN_IF_ERROR(CheckRange("--max-message-bytes", o.max_message_bytes, 64 << 10, INT32_MAX));
   RETURN_IF_ERROR(CheckRange("--capacity", o.capacity_bytes, 0, kMax));
   RETURN_IF_ERROR(CheckRange("--tenant-quota", o.tenant_quota_bytes, 0, kMax));
-  RETURN_IF_ERROR(CheckDuration("--sequence-ttl", o.sequence_ttl));
+  RETURN_IF_ERROR(CheckDuration("--sequence-ttl", o.ttl));
   RETURN_IF_ERROR(CheckDuration("--shutdown-grace", o.shutdown_grace));
   RETURN_IF_ERROR(CheckDuration("--scrub-period", o.scrub_period));
   if (o.stream_idle_timeout != absl::ZeroDuration() &&
@@ -104,39 +98,17 @@ struct KvqServer::Impl {
 
 absl::Status KvqServer::Impl::Start() {
   RETURN_IF_ERROR(ValidateOptions(opts));
-  // Memory pool.
-  std::string why;
-  kernels::Pool want = kernels::Pool::kHost;
-  if (opts.memory == "auto") {
-    want = kernels::BestPool(&why);
-  } else if (opts.memory == "pinned") {
-    want = kernels::Pool::kPinned;
-  } else if (opts.memory == "gpu") {
-    want = kernels::Pool::kGpu;
-  } else if (opts.memory != "host") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--memory must be auto, gpu, pinned or host (got '", opts.memory, "')"));
+  core::StoreOptions so = opts;  // the embedded store options, with the serving defaults:
+  if (so.byte_pool == nullptr) {
+    ASSIGN_OR_RETURN(core::MemoryPoolChoice memory,
+                     core::ChooseMemoryPool(opts.memory, "--memory"));
+    so.byte_pool = memory.pool;
+    Log(absl::StrCat("memory: ", memory.explanation));
+  } else {
+    Log(absl::StrCat("memory: ", kernels::PoolName(so.byte_pool->pool()), " (given)"));
   }
-  absl::StatusOr<core::BytePool*> bytes = core::SharedBytePool(want);
-  if (!bytes.ok() && opts.memory != "auto")
-    return absl::FailedPreconditionError(
-        absl::StrCat("--memory ", opts.memory, " is not available: ", bytes.status().message()));
-  if (!bytes.ok()) {  // auto: what the device API offered does not work; host memory
-    why = absl::StrCat(why, "; ", bytes.status().message());
-    bytes = core::HostBytePool();
-  }
-  pool_name = kernels::PoolName((*bytes)->pool());
-  Log(absl::StrCat("memory: ", opts.memory == "auto" ? "auto -> " : "", pool_name, "; ",
-                   pool_name == "host" ? "encoded blocks and windows in host memory"
-                                       : "encoded blocks in pinned memory, windows in host memory",
-                   why.empty() ? "" : absl::StrCat(" [", why, "]")));
-
-  core::StoreOptions so;
-  so.byte_pool = *bytes;
-  so.capacity_bytes = opts.capacity_bytes > 0 ? opts.capacity_bytes : PhysicalMemory() / 2;
-  so.tenant_quota_bytes = opts.tenant_quota_bytes;
-  so.ttl = opts.sequence_ttl;
-  so.retain_prefixes = opts.retain_prefixes;
+  pool_name = kernels::PoolName(so.byte_pool->pool());
+  so.capacity_bytes = core::CapacityOrDefault(so.capacity_bytes);
 
   absl::StatusOr<Authenticator> a = Authenticator::Load(opts.auth_tokens_file, opts.admin_tenants);
   if (!a.ok()) return a.status();
@@ -157,9 +129,14 @@ absl::Status KvqServer::Impl::Start() {
     }
   }
   const std::string backend = kernels::Best().name;
-  service = std::make_unique<Service>(store.get(), registry.get(), &auth, metrics.get(), pool.get(),
-                                      &ready, pool_name, backend);
-  service->set_max_inflight(opts.max_inflight);
+  CallGate::Options calls;
+  calls.auth = &auth;
+  calls.metrics = metrics.get();
+  calls.ready = &ready;
+  calls.max_inflight = opts.max_inflight;
+  calls.log_calls = opts.log_calls;
+  service =
+      std::make_unique<Service>(store.get(), registry.get(), pool.get(), calls, pool_name, backend);
   service->set_stream_idle_timeout(opts.stream_idle_timeout);
 
   std::shared_ptr<grpc::ServerCredentials> creds;
@@ -222,6 +199,7 @@ absl::Status KvqServer::Impl::Start() {
       "compute backend: ", backend, "; workers: ", workers,
       "; max in flight: ", opts.max_inflight ? absl::StrCat(opts.max_inflight) : "unlimited",
       "; capacity: ", so.capacity_bytes, " bytes",
+      opts.capacity_bytes > 0 ? "" : " (auto: half the physical memory)",
       so.tenant_quota_bytes ? absl::StrCat("; tenant quota: ", so.tenant_quota_bytes) : "",
       "; prefixes retained: ", so.retain_prefixes ? "yes" : "no"));
   Log(absl::StrCat(

@@ -13,15 +13,18 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-
-namespace kvq::core {
-class Registry;
-class Store;
-}  // namespace kvq::core
+#include "kvq/core/store.h"
 
 namespace kvq::server {
 
-struct ServerOptions {
+// The store's options are embedded, one schema from flag to core::Store: capacity_bytes,
+// tenant_quota_bytes, ttl, retain_prefixes and the rest are documented in kvq/core/store.h,
+// and taken as they are but for two serving defaults:
+//   capacity_bytes 0 = half the machine's physical memory (core::CapacityOrDefault), not
+//     unlimited as for a bare core::Store;
+//   byte_pool null = the pool `memory` names (core::ChooseMemoryPool); set it (tests) to use a
+//     pool of one's own.
+struct ServerOptions : core::StoreOptions {
   // gRPC listen address and port. Port 0 picks a free port (tests); see grpc_port().
   std::string grpc_address = "0.0.0.0";
   int grpc_port = 50051;
@@ -30,19 +33,11 @@ struct ServerOptions {
   int metrics_port = 9464;
   // Registry folder (created when absent). "" keeps models in memory only.
   std::string registry_dir;
-  // Memory pool: "auto" (the best that works: gpu, pinned, then host), "gpu", "pinned",
-  // "host". The codes live in host vectors in this version, so auto always ends on host
-  // (and says why at start-up); gpu/pinned are refused with a clear error.
+  // Memory pool of the encoded blocks, by name (core::ChooseMemoryPool, which says what it
+  // chose and why at start-up): "auto" (the best that works: gpu, then pinned, then host; no
+  // CUDA driver means host), "gpu" (refused in this version, with the reason), "pinned",
+  // "host". Ignored when byte_pool is set.
   std::string memory = "auto";
-  // Capacity in bytes over all tenants; 0 = auto: half the machine's physical memory.
-  int64_t capacity_bytes = 0;
-  // Bytes one tenant may hold; 0 = no per-tenant limit.
-  int64_t tenant_quota_bytes = 0;
-  // Sequences untouched this long are dropped; zero = never.
-  absl::Duration sequence_ttl = absl::ZeroDuration();
-  // Keep the prefix-index groups of deleted and expired sequences until room is needed
-  // (docs/API.md, "Retained prefixes").
-  bool retain_prefixes = true;
   // Worker threads for encode/score/attend; 0 = the number of CPU cores.
   int workers = 0;
   // Overload shedding: calls queued or running on the worker pool at once (every call but
@@ -52,6 +47,10 @@ struct ServerOptions {
   // would wait long for. 0 = no limit. The default leaves room for thousands of concurrent
   // streams while bounding the queue (and the requests it holds in memory).
   int max_inflight = 4096;
+  // Log every call to stderr (method, tenant, status, duration, bytes), not only those that
+  // fail on the server's side (INTERNAL, DATA_LOSS, UNKNOWN), which are always logged. Off by
+  // default: a line per call costs more than Echo itself.
+  bool log_calls = false;
   // A PutBlocks stream that receives no message for this long fails with DEADLINE_EXCEEDED,
   // freeing its --max-inflight slot (a client that opens a stream and goes quiet would hold
   // it forever). Time spent applying a message does not count. Zero = never.

@@ -1,6 +1,5 @@
 #include "server/service.h"
 
-#include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
@@ -38,111 +37,24 @@ absl::Status Prefix(const absl::Status& st, absl::string_view prefix) {
   return absl::Status(st.code(), absl::StrCat(prefix, ": ", st.message()));
 }
 
-// OK while someone still waits for the call's answer; CANCELLED once the client cancelled it
-// (or went away), DEADLINE_EXCEEDED once its deadline passed. Checked when a worker picks a
-// call up and before each item of a batch, so that abandoned work stops within one item
-// instead of keeping workers from the calls behind it. `item` < 0: before any work.
-absl::Status StillWanted(const grpc::CallbackServerContext& ctx, int item = -1, int items = 0) {
-  const std::string where =
-      item < 0 ? std::string("before a worker took it up")
-               : absl::StrCat("after ", item, " of its ", items, " items; the rest were skipped");
-  // A call past its deadline is cancelled too: the deadline, checked first, says more.
-  if (std::chrono::system_clock::now() >= ctx.deadline()) {
-    return absl::DeadlineExceededError(absl::StrCat("the call's deadline passed ", where));
-  }
-  if (ctx.IsCancelled()) return absl::CancelledError(absl::StrCat("call cancelled ", where));
-  return absl::OkStatus();
-}
-
 }  // namespace
 
-Service::Service(core::Store* store, core::Registry* registry, const Authenticator* auth,
-                 Metrics* metrics, WorkerPool* pool, const std::atomic<bool>* ready,
-                 std::string pool_name, std::string backend_name)
+Service::Service(core::Store* store, core::Registry* registry, WorkerPool* pool,
+                 CallGate::Options calls, std::string pool_name, std::string backend_name)
     : store_(store),
       registry_(registry),
-      auth_(auth),
-      metrics_(metrics),
+      auth_(calls.auth),
       pool_(pool),
-      ready_(ready),
       pool_name_(std::move(pool_name)),
       backend_name_(std::move(backend_name)),
-      started_(absl::Now()) {}
+      started_(absl::Now()),
+      calls_(calls) {}
 
-absl::StatusOr<std::string> Service::Admit(const grpc::CallbackServerContext& ctx,
-                                           bool need_ready) {
-  // Authenticate first: an unauthenticated caller learns nothing, not even readiness.
-  if (draining_.load(std::memory_order_acquire)) {
-    return absl::UnavailableError("the server is shutting down");
-  }
-  absl::StatusOr<std::string> tenant = auth_->TenantOf(ctx);
-  if (!tenant.ok()) return tenant.status();
-  if (need_ready && !ready_->load(std::memory_order_acquire)) {
-    return absl::UnavailableError("the registry is still loading; retry shortly");
-  }
-  return tenant;
-}
-
-void Service::Record(const char* method, const absl::Status& st, absl::Time start, size_t in,
-                     size_t out) {
-  if (metrics_ != nullptr) {
-    metrics_->RecordCall(method, static_cast<int>(st.code()),
-                         absl::ToDoubleSeconds(absl::Now() - start), in, out);
-  }
-  inflight_.fetch_sub(1, std::memory_order_acq_rel);
-}
-
-bool Service::Drain(absl::Duration grace) {
-  draining_.store(true, std::memory_order_release);
-  const absl::Time deadline = absl::Now() + grace;
-  while (inflight_.load(std::memory_order_acquire) > 0) {
-    if (absl::Now() >= deadline) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
-}
-
-absl::Status Service::EnterPool() {
-  const int64_t before = pool_calls_.fetch_add(1, std::memory_order_acq_rel);
-  if (max_inflight_ > 0 && before >= max_inflight_) {
-    LeavePool();
-    if (metrics_ != nullptr) metrics_->RecordOverload();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("server overloaded: ", before, " calls in flight, limit ", max_inflight_));
-  }
-  return absl::OkStatus();
-}
-
-template <typename Req, typename Resp, typename Fn>
-grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServerContext* ctx,
-                                         const Req* req, Resp* resp, bool on_pool, Fn fn) {
-  Enter();
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  const absl::Time start = absl::Now();
-  auto finish = [this, reactor, method, start, req, resp](const absl::Status& st) {
-    Record(method, st, start, req->ByteSizeLong(), st.ok() ? resp->ByteSizeLong() : 0);
-    reactor->Finish(ToGrpc(st));
-  };
-  absl::StatusOr<std::string> tenant = Admit(*ctx, /*need_ready=*/true);
-  if (!tenant.ok()) {
-    finish(tenant.status());
-    return reactor;
-  }
-  if (!on_pool) {
-    finish(fn(*tenant));
-    return reactor;
-  }
-  if (absl::Status st = EnterPool(); !st.ok()) {
-    finish(st);
-    return reactor;
-  }
-  pool_->Submit([this, ctx, finish, fn = std::move(fn), tenant = *std::move(tenant)]() mutable {
-    absl::Status st = StillWanted(*ctx);
-    if (st.ok()) st = fn(tenant);
-    LeavePool();
-    finish(st);
-  });
-  return reactor;
+template <typename Req, typename Resp, typename Body>
+grpc::ServerUnaryReactor* Service::Unary(const char* method, CallKind kind,
+                                         grpc::CallbackServerContext* ctx, const Req* req,
+                                         Resp* resp, Body body) {
+  return server::Unary(&calls_, pool_, method, kind, ctx, req, resp, std::move(body));
 }
 
 // ---------------------------------------------------------------------------- registry
@@ -150,26 +62,29 @@ grpc::ServerUnaryReactor* Service::Unary(const char* method, grpc::CallbackServe
 grpc::ServerUnaryReactor* Service::RegisterBasis(grpc::CallbackServerContext* ctx,
                                                  const v1::RegisterBasisRequest* req,
                                                  v1::RegisterBasisResponse* resp) {
-  return Unary("RegisterBasis", ctx, req, resp, true, [this, req, resp](const std::string& tenant) {
-    if (!auth_->MayRegister(tenant)) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("tenant '", tenant, "' may not register models (see --admin-tenants)"));
-    }
-    ASSIGN_OR_RETURN(core::ModelEntry e, ModelFromProto(*req));
-    bool already = false;
-    ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> stored,
-                     registry_->Register(std::move(e), &already));
-    ModelToProto(*stored, store_->LiveSequences(stored->manifest.model, stored->manifest.version),
-                 resp->mutable_model());
-    resp->set_already_registered(already);
-    return absl::OkStatus();
-  });
+  return Unary(
+      "RegisterBasis", CallKind::kPooled, ctx, req, resp, [this, req, resp](const Call& call) {
+        const std::string& tenant = call.tenant();
+        if (!auth_->MayRegister(tenant)) {
+          return absl::PermissionDeniedError(
+              absl::StrCat("tenant '", tenant, "' may not register models (see --admin-tenants)"));
+        }
+        ASSIGN_OR_RETURN(core::ModelEntry e, ModelFromProto(*req));
+        bool already = false;
+        ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> stored,
+                         registry_->Register(std::move(e), &already));
+        ModelToProto(*stored,
+                     store_->LiveSequences(stored->manifest.model, stored->manifest.version),
+                     resp->mutable_model());
+        resp->set_already_registered(already);
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* Service::ListModels(grpc::CallbackServerContext* ctx,
                                               const v1::ListModelsRequest* req,
                                               v1::ListModelsResponse* resp) {
-  return Unary("ListModels", ctx, req, resp, false, [this, resp](const std::string&) {
+  return Unary("ListModels", CallKind::kInline, ctx, req, resp, [this, resp](const Call&) {
     for (const auto& e : registry_->List()) {
       ModelToProto(*e, store_->LiveSequences(e->manifest.model, e->manifest.version),
                    resp->add_models());
@@ -180,7 +95,7 @@ grpc::ServerUnaryReactor* Service::ListModels(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* Service::GetModel(grpc::CallbackServerContext* ctx,
                                             const v1::GetModelRequest* req, v1::ModelInfo* resp) {
-  return Unary("GetModel", ctx, req, resp, false, [this, req, resp](const std::string&) {
+  return Unary("GetModel", CallKind::kInline, ctx, req, resp, [this, req, resp](const Call&) {
     if (req->model().empty()) return absl::InvalidArgumentError("model must be set");
     if (req->version() < 0) {
       return absl::InvalidArgumentError(
@@ -254,16 +169,11 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
                                public IdleStream {
  public:
   PutBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
-      : svc_(svc), resp_(resp), start_(absl::Now()) {
-    svc_->Enter();
-    absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
-    absl::Status st = tenant.status();
-    if (st.ok()) pooled_ = (st = svc_->EnterPool()).ok();
-    if (!st.ok()) {
-      Done(st);
+      : svc_(svc), resp_(resp), call_(svc->calls(), "PutBlocks", *ctx, CallKind::kPooled) {
+    if (!call_.admission().ok()) {
+      Done(call_.admission());
       return;
     }
-    tenant_ = *std::move(tenant);
     {
       absl::MutexLock l(&mu_);
       buf_ = std::make_unique<grpc::ByteBuffer>();
@@ -399,7 +309,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
                                    &probes[i]));
     }
     core::AppendOutcome out;
-    RETURN_IF_ERROR(svc_->store()->Append(tenant_, specs, &out));
+    RETURN_IF_ERROR(svc_->store()->Append(call_.tenant(), specs, &out));
     out_.set_messages(out_.messages() + 1);
     out_.set_appends(out_.appends() + req.appends_size());
     out_.set_tokens_written(out_.tokens_written() + out.tokens_written);
@@ -416,21 +326,17 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       in = bytes_in_;
     }
     svc_->idle_streams()->Remove(this);
-    if (pooled_) svc_->LeavePool();
     bool own_buffer = false;
     if (st.ok()) {
       grpc::SerializationTraits<v1::PutBlocksResponse>::Serialize(out_, resp_, &own_buffer);
     }
-    svc_->Record("PutBlocks", st, start_, in, st.ok() ? out_.ByteSizeLong() : 0);
-    Finish(ToGrpc(st));
+    Finish(call_.End(st, in, st.ok() ? out_.ByteSizeLong() : 0));
   }
 
   Service* svc_;
   grpc::ByteBuffer* resp_;
   v1::PutBlocksResponse out_;  // serialized into resp_ on success
-  absl::Time start_;
-  std::string tenant_;
-  bool pooled_ = false;  // counted by EnterPool
+  Call call_;
   absl::Mutex mu_;
   std::unique_ptr<grpc::ByteBuffer> buf_;  // the outstanding read's target
   std::deque<std::unique_ptr<grpc::ByteBuffer>> queue_ ABSL_GUARDED_BY(mu_);
@@ -461,11 +367,11 @@ namespace {
 // parallelism, never a wait for a queued task; helpers that start late find no item left.
 // Items must be independent: callers pass serial = true when two items name one sequence
 // (observing Attends on one sequence must keep their order). An item reached after the call
-// stopped being wanted is skipped, and the call answers why (StillWanted).
-absl::Status ForEachItem(WorkerPool* pool, const grpc::CallbackServerContext& ctx, int n,
-                         bool serial, const std::function<void(int)>& fn) {
+// stopped being wanted is skipped, and the call answers why (Call::StillWanted).
+absl::Status ForEachItem(WorkerPool* pool, const Call& call, int n, bool serial,
+                         const std::function<void(int)>& fn) {
   struct State {
-    const grpc::CallbackServerContext* ctx;
+    const Call* call;
     std::function<void(int)> fn;
     int n;
     std::atomic<int> next{0};
@@ -474,12 +380,12 @@ absl::Status ForEachItem(WorkerPool* pool, const grpc::CallbackServerContext& ct
     absl::Status gone ABSL_GUARDED_BY(mu);  // the first item skipped, why
   };
   auto st = std::make_shared<State>();
-  st->ctx = &ctx;
+  st->call = &call;
   st->fn = fn;
   st->n = n;
   auto work = [](State* s) {
     for (int i; (i = s->next.fetch_add(1)) < s->n;) {
-      absl::Status gone = StillWanted(*s->ctx, i, s->n);
+      absl::Status gone = s->call->StillWanted(i, s->n);
       if (gone.ok()) s->fn(i);
       absl::MutexLock l(&s->mu);
       if (s->gone.ok()) s->gone = gone;
@@ -529,10 +435,11 @@ absl::Status Service::ItemAppend(const std::string& tenant, const Item& item,
 
 grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
                                          const v1::ScoreRequest* req, v1::ScoreResponse* resp) {
-  return Unary("Score", ctx, req, resp, true, [this, ctx, req, resp](const std::string& tenant) {
+  return Unary("Score", CallKind::kPooled, ctx, req, resp, [this, req, resp](const Call& call) {
+    const std::string& tenant = call.tenant();
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
     for (int i = 0; i < req->items_size(); ++i) resp->add_results();
-    return ForEachItem(pool_, *ctx, req->items_size(), SharesASequence(req->items()), [&](int i) {
+    return ForEachItem(pool_, call, req->items_size(), SharesASequence(req->items()), [&](int i) {
       const v1::ScoreItem& item = req->items(i);
       v1::ScoreResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
@@ -560,10 +467,11 @@ grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
                                            const v1::ReadoutRequest* req,
                                            v1::ReadoutResponse* resp) {
-  return Unary("Readout", ctx, req, resp, true, [this, ctx, req, resp](const std::string& tenant) {
+  return Unary("Readout", CallKind::kPooled, ctx, req, resp, [this, req, resp](const Call& call) {
+    const std::string& tenant = call.tenant();
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
     for (int i = 0; i < req->items_size(); ++i) resp->add_results();
-    return ForEachItem(pool_, *ctx, req->items_size(), false, [&](int i) {
+    return ForEachItem(pool_, call, req->items_size(), false, [&](int i) {
       const v1::ReadoutItem& item = req->items(i);
       v1::ReadoutResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
@@ -608,10 +516,11 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
                                           const v1::AttendRequest* req, v1::AttendResponse* resp) {
-  return Unary("Attend", ctx, req, resp, true, [this, ctx, req, resp](const std::string& tenant) {
+  return Unary("Attend", CallKind::kPooled, ctx, req, resp, [this, req, resp](const Call& call) {
+    const std::string& tenant = call.tenant();
     RETURN_IF_ERROR(CheckBatch(req->items_size()));
     for (int i = 0; i < req->items_size(); ++i) resp->add_results();
-    return ForEachItem(pool_, *ctx, req->items_size(), SharesASequence(req->items()), [&](int i) {
+    return ForEachItem(pool_, call, req->items_size(), SharesASequence(req->items()), [&](int i) {
       const v1::AttendItem& item = req->items(i);
       v1::AttendResult* r = resp->mutable_results(i);
       const std::string at = absl::StrCat("items[", i, "]");
@@ -653,17 +562,14 @@ namespace {
 class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResponse> {
  public:
   GetBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, const v1::GetBlocksRequest* req)
-      : svc_(svc), req_(*req), start_(absl::Now()) {
-    svc_->Enter();
-    bytes_in_ = req->ByteSizeLong();
-    absl::StatusOr<std::string> tenant = svc_->Admit(*ctx, true);
-    absl::Status st = tenant.status();
-    if (st.ok()) pooled_ = (st = svc_->EnterPool()).ok();
-    if (!st.ok()) {
-      Done(st);
+      : svc_(svc),
+        req_(*req),
+        call_(svc->calls(), "GetBlocks", *ctx, CallKind::kPooled),
+        bytes_in_(req->ByteSizeLong()) {
+    if (!call_.admission().ok()) {
+      Done(call_.admission());
       return;
     }
-    tenant_ = *std::move(tenant);
     svc_->pool()->Submit([this] { Next(); });
   }
 
@@ -696,6 +602,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   absl::Status Produce() {
     if (!started_) {
       started_ = true;
+      RETURN_IF_ERROR(call_.StillWanted());
       RETURN_IF_ERROR(CheckId(req_.sequence_id(), "sequence_id"));
       if (req_.max_tokens_per_message() < 0) {
         return absl::InvalidArgumentError("max_tokens_per_message must be >= 0 (0: 4096)");
@@ -711,7 +618,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
         RETURN_IF_ERROR(FromProto(req_.dtype(), "dtype").status());
       }
       ASSIGN_OR_RETURN(core::SequenceInfo info,
-                       svc_->store()->Describe(tenant_, req_.sequence_id()));
+                       svc_->store()->Describe(call_.tenant(), req_.sequence_id()));
       if (req_.basis_version() != 0 && req_.basis_version() != info.model->manifest.version) {
         return absl::FailedPreconditionError(
             absl::StrCat("basis_version ", req_.basis_version(), ": sequence '", req_.sequence_id(),
@@ -757,7 +664,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       end_ = req_.to_token() > 0 ? std::min<int64_t>(req_.to_token(), length) : length;
       if (req_.from_token() == 0 && end_ == length) {
         // The whole layer: every block checked before its first message goes out.
-        RETURN_IF_ERROR(svc_->store()->VerifyLayer(tenant_, req_.sequence_id(), layer_,
+        RETURN_IF_ERROR(svc_->store()->VerifyLayer(call_.tenant(), req_.sequence_id(), layer_,
                                                    req_.basis_version()));
       }
       offset_ = decoded_ = 0;
@@ -790,28 +697,21 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   absl::Status DecodeWindow(int64_t from) {
     // Whole messages per window: only the range's last message is short.
     const int64_t window = std::max<int64_t>(chunk_, kDecodeWindow / chunk_ * chunk_);
-    RETURN_IF_ERROR(svc_->store()->Decode(tenant_, req_.sequence_id(), layer_,
-                                          req_.basis_version(), from,
-                                          std::min<int64_t>(end_, from + window), &keys_,
-                                          &values_, &tokens_, &first_));
+    RETURN_IF_ERROR(svc_->store()->Decode(
+        call_.tenant(), req_.sequence_id(), layer_, req_.basis_version(), from,
+        std::min<int64_t>(end_, from + window), &keys_, &values_, &tokens_, &first_));
     tokens_ = std::min(tokens_, length_);  // appends after the call started are not seen
     decoded_ = static_cast<int64_t>(keys_.size()) / (int64_t{kv_heads_} * d_);
     offset_ = 0;
     return absl::OkStatus();
   }
 
-  void Done(const absl::Status& st) {
-    if (pooled_) svc_->LeavePool();
-    svc_->Record("GetBlocks", st, start_, bytes_in_, bytes_out_);
-    Finish(ToGrpc(st));
-  }
+  void Done(const absl::Status& st) { Finish(call_.End(st, bytes_in_, bytes_out_)); }
 
   Service* svc_;
   const v1::GetBlocksRequest req_;
-  absl::Time start_;
-  std::string tenant_;
+  Call call_;
   size_t bytes_in_ = 0, bytes_out_ = 0;
-  bool pooled_ = false;  // counted by EnterPool
   bool started_ = false, finished_ = false;
   int64_t chunk_ = 4096;
   int kv_heads_ = 0, d_ = 0, version_ = 0;
@@ -842,8 +742,9 @@ grpc::ServerWriteReactor<v1::GetBlocksResponse>* Service::GetBlocks(
 grpc::ServerUnaryReactor* Service::DeleteSequence(grpc::CallbackServerContext* ctx,
                                                   const v1::DeleteSequenceRequest* req,
                                                   v1::DeleteSequenceResponse* resp) {
-  return Unary("DeleteSequence", ctx, req, resp, true,
-               [this, req, resp](const std::string& tenant) {
+  return Unary("DeleteSequence", CallKind::kPooled, ctx, req, resp,
+               [this, req, resp](const Call& call) {
+                 const std::string& tenant = call.tenant();
                  RETURN_IF_ERROR(CheckId(req->sequence_id(), "sequence_id"));
                  ASSIGN_OR_RETURN(int64_t freed, store_->Delete(tenant, req->sequence_id()));
                  resp->set_bytes_freed(freed);
@@ -853,7 +754,8 @@ grpc::ServerUnaryReactor* Service::DeleteSequence(grpc::CallbackServerContext* c
 
 grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
                                          const v1::StatsRequest* req, v1::StatsResponse* resp) {
-  return Unary("Stats", ctx, req, resp, false, [this, resp](const std::string& tenant) {
+  return Unary("Stats", CallKind::kInline, ctx, req, resp, [this, resp](const Call& call) {
+    const std::string& tenant = call.tenant();
     const core::UsageStats t = store_->TenantUsage(tenant);
     const core::UsageStats all = store_->TotalUsage();
     resp->set_tenant(tenant);
@@ -879,15 +781,10 @@ grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
 
 grpc::ServerUnaryReactor* Service::Echo(grpc::CallbackServerContext* ctx,
                                         const v1::EchoRequest* req, v1::EchoResponse* resp) {
-  Enter();
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  const absl::Time start = absl::Now();
-  absl::StatusOr<std::string> tenant = Admit(*ctx, /*need_ready=*/false);
-  absl::Status st = tenant.status();
-  if (st.ok()) *resp->mutable_payload() = req->payload();
-  Record("Echo", st, start, req->ByteSizeLong(), st.ok() ? resp->ByteSizeLong() : 0);
-  reactor->Finish(ToGrpc(st));
-  return reactor;
+  return Unary("Echo", CallKind::kProbe, ctx, req, resp, [req, resp](const Call&) {
+    *resp->mutable_payload() = req->payload();
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace kvq::server

@@ -1,17 +1,17 @@
 // The kvq.v1.Kvq callback service: a thin translator from protobuf to core::Store calls.
 // Each handler authenticates on the gRPC thread, then runs on the worker pool; one wrapper
-// (Unary / the stream reactors) adds the status mapping, timing and counters to every call.
+// (server/call.h: Unary for unary calls, a Call held by each stream reactor) adds admission,
+// the deadline check, the status mapping, timing, counters and logging to every call.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <string>
 
 #include "kvq/core/store.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "server/auth.h"
+#include "server/call.h"
 #include "server/idle_streams.h"
-#include "server/metrics.h"
 #include "server/worker_pool.h"
 
 namespace kvq::server {
@@ -20,11 +20,10 @@ namespace kvq::server {
 // itself and can tell a message that does not parse from the end of the stream.
 class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::CallbackService> {
  public:
-  // metrics may be null. `ready` turns true once the registry is loaded; until then every
-  // call but Echo is UNAVAILABLE.
-  Service(core::Store* store, core::Registry* registry, const Authenticator* auth, Metrics* metrics,
-          WorkerPool* pool, const std::atomic<bool>* ready, std::string pool_name,
-          std::string backend_name);
+  // `calls` configures the wrapper every call goes through (authentication, readiness,
+  // --max-inflight, metrics, logging: server/call.h).
+  Service(core::Store* store, core::Registry* registry, WorkerPool* pool, CallGate::Options calls,
+          std::string pool_name, std::string backend_name);
 
   grpc::ServerUnaryReactor* RegisterBasis(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterBasisRequest* req,
@@ -64,43 +63,30 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   core::Store* store() { return store_; }
   core::Registry* registry() { return registry_; }
   WorkerPool* pool() { return pool_; }
-  // Authentication and readiness; OK and the tenant, or the status to finish with.
-  absl::StatusOr<std::string> Admit(const grpc::CallbackServerContext& ctx, bool need_ready);
-  void Record(const char* method, const absl::Status& st, absl::Time start, size_t in, size_t out);
-  // Every handler counts itself in on entry (Enter) and out in Record, which each call
-  // reaches exactly once. Drain() refuses new calls (UNAVAILABLE) and waits for the count
-  // to reach zero, at most `grace`; returns whether it did.
-  void Enter() { inflight_.fetch_add(1, std::memory_order_relaxed); }
-  bool Drain(absl::Duration grace);
-  // Overload shedding: calls whose work goes to the worker pool (all but Echo, ListModels,
-  // GetModel, Stats; a stream counts for its whole life) enter with EnterPool, which refuses
-  // one beyond `max_inflight` (0 = no limit) with RESOURCE_EXHAUSTED, and leave with
-  // LeavePool once finished. Set before serving.
-  void set_max_inflight(int64_t n) { max_inflight_ = n; }
-  absl::Status EnterPool();
-  void LeavePool() { pool_calls_.fetch_sub(1, std::memory_order_acq_rel); }
+  // The call wrapper's shared state (server/call.h): stream reactors start their Call on it.
+  CallGate* calls() { return &calls_; }
+  // Refuses new calls (UNAVAILABLE) and waits for those in flight to end, at most `grace`;
+  // returns whether they did.
+  bool Drain(absl::Duration grace) { return calls_.Drain(grace); }
   // PutBlocks streams quiet this long between messages fail with DEADLINE_EXCEEDED (zero:
   // never). Set before serving.
   void set_stream_idle_timeout(absl::Duration d) { idle_ = std::make_unique<IdleStreams>(d); }
   IdleStreams* idle_streams() { return idle_.get(); }
 
  private:
-  template <typename Req, typename Resp, typename Fn>
-  grpc::ServerUnaryReactor* Unary(const char* method, grpc::CallbackServerContext* ctx,
-                                  const Req* req, Resp* resp, bool on_pool, Fn fn);
+  // A unary call under the wrapper (server/call.h): body(const Call&) -> absl::Status.
+  template <typename Req, typename Resp, typename Body>
+  grpc::ServerUnaryReactor* Unary(const char* method, CallKind kind,
+                                  grpc::CallbackServerContext* ctx, const Req* req, Resp* resp,
+                                  Body body);
 
   core::Store* store_;
   core::Registry* registry_;
   const Authenticator* auth_;
-  Metrics* metrics_;
   WorkerPool* pool_;
-  const std::atomic<bool>* ready_;
   std::string pool_name_, backend_name_;
   absl::Time started_;
-  std::atomic<int64_t> inflight_{0};
-  std::atomic<bool> draining_{false};
-  int64_t max_inflight_ = 0;
-  std::atomic<int64_t> pool_calls_{0};
+  CallGate calls_;
   std::unique_ptr<IdleStreams> idle_ = std::make_unique<IdleStreams>(absl::ZeroDuration());
 };
 

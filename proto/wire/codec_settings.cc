@@ -53,17 +53,21 @@ absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o,
 
 absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
                                               const v1::CodecSettings& s, absl::string_view field) {
-  // The request-only values (0: the default; -1: none) and the enum are checked here; the
+  // The request-only values (unset: the default; -1: none) and the enum are checked here; the
   // rest of every range by CodecOptions::Validate below. Nothing out of range is coerced.
   auto bad = [field](absl::string_view name, double v, absl::string_view allowed) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".", name, " = ", v, ": must be ", allowed));
   };
   for (const auto& [name, v, limit] :
-       {std::tuple{"rank", s.rank(), "-1 (none), 0 (the model's default) or 1..basis rank"},
-        std::tuple{"window", s.window(), "-1 (none), 0 (the model's default) or 1..65536"},
-        std::tuple{"sink_tokens", s.sink_tokens(), "-1 (none), 0 (the model's default) or 1..1024"},
-        std::tuple{"fp16_sinks", s.fp16_sinks(), "-1 (none), 0 (the model's default) or 1..16"}}) {
+       {std::tuple{"rank", s.rank(),
+                   "-1 (none), 0 (none; unset: the model's default) or 1..basis rank"},
+        std::tuple{"window", s.window(),
+                   "-1 (none), 0 (none; unset: the model's default) or 1..65536"},
+        std::tuple{"sink_tokens", s.sink_tokens(),
+                   "-1 (none), 0 (none; unset: the model's default) or 1..1024"},
+        std::tuple{"fp16_sinks", s.fp16_sinks(),
+                   "-1 (none), 0 (none; unset: the model's default) or 1..16"}}) {
     if (v < -1) return bad(name, v, limit);
   }
   if (!v1::CodecSettings::ValuePolicy_IsValid(s.value_policy())) {
@@ -84,12 +88,15 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
     if (v < -1 || v > 1) return bad(name, v, "0 (the model's default), 1 (on) or -1 (off)");
   }
   core::CodecOptions c = base;
-  auto set = [](int32_t v, int* to) {
-    if (v != 0) *to = v == -1 ? 0 : v;
+  // Where 0 is a setting (rank, window, sink_tokens, fp16_sinks): unset keeps base's, a set
+  // value is taken as sent, -1 (the form of clients without presence) meaning 0 too.
+  auto set = [](bool has, int32_t v, int* to) {
+    if (has) *to = v == -1 ? 0 : v;
   };
+  // Elsewhere 0 is no setting and keeps meaning "the default", set or not.
   if (s.key_bits()) c.key_bits = s.key_bits();
   if (s.key_group()) c.key_group = s.key_group();
-  set(s.rank(), &c.rank);
+  set(s.has_rank(), s.rank(), &c.rank);
   if (s.side_bits()) c.side_bits = s.side_bits();
   if (s.value_bits()) c.value_bits = s.value_bits();
   if (s.value_group()) c.value_group = s.value_group();
@@ -99,9 +106,9 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
     c.value_policy = core::ValuePolicy::kA2;
   }
   if (s.value_budget() != 0) c.value_budget = s.value_budget();
-  set(s.sink_tokens(), &c.sink_tokens);
-  set(s.window(), &c.window);
-  set(s.fp16_sinks(), &c.fp16_sinks);
+  set(s.has_sink_tokens(), s.sink_tokens(), &c.sink_tokens);
+  set(s.has_window(), s.window(), &c.window);
+  set(s.has_fp16_sinks(), s.fp16_sinks(), &c.fp16_sinks);
   auto set_switch = [](int32_t v, bool* on) {
     if (v != 0) *on = v > 0;
   };

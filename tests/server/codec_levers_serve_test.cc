@@ -4,6 +4,7 @@
 // (Score, Readout, Attend, GetBlocks) exactly as an in-process LayerCache built from the same
 // basis and codec.
 #include <filesystem>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
@@ -202,6 +203,101 @@ TEST(CodecWireTest, FieldsAreCodecJsonKeysAndEveryCodecRoundTrips) {
   bad.set_fp16_sinks(17);
   EXPECT_THAT(std::string(wire::MergeCodec(base, bad, "codec").status().message()),
               HasSubstr("codec: codec.fp16_sinks = 17: must be in [0, 16]"));
+}
+
+// proto3 presence on CodecSettings: a 0 set explicitly travels and arrives as 0, while the
+// forms of clients built before it (a field left out: the default; -1: a real 0; a 0 of a field
+// that has no 0 setting: the default) mean what they meant, byte for byte the same messages.
+TEST(CodecWireTest, AnExplicitZeroArrivesAsZeroAndOldFormsKeepTheirMeaning) {
+  core::CodecOptions base;
+  base.head_dim = 64;
+  base.rank = 8, base.window = 16, base.sink_tokens = 9, base.fp16_sinks = 2;
+  base.rotate_values = true;
+  auto merged = [&](const v1::CodecSettings& s) {
+    v1::CodecSettings received;  // as the server parses it
+    EXPECT_TRUE(received.ParseFromString(s.SerializeAsString()));
+    absl::StatusOr<core::CodecOptions> c = wire::MergeCodec(base, received, "codec");
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *c : core::CodecOptions{};
+  };
+  const std::string want_base = core::CodecToJson(base).dump();
+
+  // Nothing set: the model's defaults, and nothing on the wire.
+  v1::CodecSettings unset;
+  EXPECT_EQ(unset.ByteSizeLong(), 0u);
+  EXPECT_EQ(core::CodecToJson(merged(unset)).dump(), want_base);
+
+  // Zeros set explicitly: sent (two bytes each) and taken as 0.
+  v1::CodecSettings zero;
+  zero.set_rank(0);
+  zero.set_window(0);
+  zero.set_sink_tokens(0);
+  zero.set_fp16_sinks(0);
+  EXPECT_EQ(zero.ByteSizeLong(), 8u);
+  core::CodecOptions c = merged(zero);
+  EXPECT_EQ(c.rank, 0);
+  EXPECT_EQ(c.window, 0);
+  EXPECT_EQ(c.sink_tokens, 0);
+  EXPECT_EQ(c.fp16_sinks, 0);
+  EXPECT_EQ(c.key_bits, base.key_bits);  // the rest stays the model's
+  EXPECT_TRUE(c.rotate_values);
+
+  // The older form of a real 0, -1, as a client without presence writes it (field 3, varint
+  // -1: ten bytes), still asks for 0.
+  v1::CodecSettings legacy;
+  legacy.set_rank(-1);
+  EXPECT_EQ(legacy.SerializeAsString(),
+            std::string("\x18\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11));
+  EXPECT_EQ(merged(legacy).rank, 0);
+  EXPECT_EQ(merged(legacy).window, base.window);
+
+  // A 0 of a field with no 0 setting, even set, is the model's default as it always was.
+  v1::CodecSettings no_zero_setting;
+  no_zero_setting.set_key_bits(0);
+  no_zero_setting.set_key_group(0);
+  no_zero_setting.set_side_bits(0);
+  no_zero_setting.set_value_bits(0);
+  no_zero_setting.set_value_group(0);
+  no_zero_setting.set_value_policy(v1::CodecSettings::VALUE_POLICY_DEFAULT);
+  no_zero_setting.set_value_budget(0);
+  no_zero_setting.set_rotate_values(0);
+  EXPECT_EQ(core::CodecToJson(merged(no_zero_setting)).dump(), want_base);
+
+  // Answers keep the older request form (-1 for a real 0), which every server reads alike.
+  absl::StatusOr<v1::CodecSettings> out = wire::CodecToWire(c);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->has_rank());
+  EXPECT_EQ(out->rank(), -1);
+  EXPECT_EQ(out->window(), -1);
+}
+
+// The same through the server: a sequence created with rank 0 set explicitly is encoded at
+// rank 0 (KIVI-like), as one created with the older -1; one that leaves rank out gets the
+// model's 4.
+TEST(CodecLeversServeTest, AnExplicitZeroRankReachesTheSequence) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  ASSERT_TRUE(RegisterStatus(*stub, MakeRegister(s, kSeed, 4)).ok());
+  const auto k = RandomKV(s.kv_heads, 40, s.head_dim, 3);
+  const struct {
+    const char* seq;
+    std::optional<int> rank;  // what the append's codec sets
+    int want;
+  } cases[] = {{"unset", std::nullopt, 4}, {"zero", 0, 0}, {"legacy", -1, 0}, {"two", 2, 2}};
+  for (const auto& c : cases) {
+    v1::Append a = MakeAppend(c.seq, 0, 0, k, k, s.kv_heads, 40, s.head_dim, s.model);
+    a.mutable_codec();  // present, possibly empty
+    if (c.rank) a.mutable_codec()->set_rank(*c.rank);
+    v1::PutBlocksRequest m;
+    *m.add_appends() = a;
+    v1::PutBlocksResponse put;
+    grpc::Status st = Put(*stub, {m}, &put);
+    ASSERT_TRUE(st.ok()) << c.seq << ": " << st.error_message();
+    absl::StatusOr<core::SequenceInfo> info = ts.server().store().Describe("default", c.seq);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->codec.rank, c.want) << c.seq;
+  }
 }
 
 TEST(CodecLeversServeTest, CodecSwitchesAreTriStateOnTheWire) {

@@ -282,6 +282,46 @@ TEST(ServerProcessTest, KillStopAndCancelLeaveAWorkingServer) {
   std::filesystem::remove_all(reg);
 }
 
+// The call wrapper's log: --log-calls (here from its environment variable) writes one line
+// per call, refused ones included; without it only server-side failures are logged, and the
+// capacity default (half the physical memory) says so at start-up.
+TEST(ServerProcessTest, LogCallsWritesOneLinePerCall) {
+  for (const bool on : {true, false}) {
+    std::vector<std::string> env = {"KVQ_GRPC_ADDRESS=127.0.0.1", "KVQ_METRICS_PORT=-1",
+                                    "KVQ_REGISTRY=" + TempDir("kvq-log-calls")};
+    if (on) env.push_back("KVQ_LOG_CALLS=true");
+    Process p = Spawn({KVQ_SERVER_BIN, "--grpc-port", "0"}, env);
+    std::string log;
+    const int port = WaitForPort(p, &log);
+    ASSERT_GT(port, 0) << log;
+    EXPECT_NE(log.find("bytes (auto: half the physical memory)"), std::string::npos) << log;
+    auto stub = v1::Kvq::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    v1::EchoRequest req;
+    req.set_payload("hello");
+    v1::EchoResponse er;
+    auto c1 = Ctx("acme");
+    ASSERT_TRUE(stub->Echo(c1.get(), req, &er).ok());
+    v1::ModelInfo mi;
+    v1::GetModelRequest gr;
+    gr.set_model("absent");
+    auto c2 = Ctx("acme");
+    EXPECT_EQ(stub->GetModel(c2.get(), gr, &mi).error_code(), grpc::StatusCode::NOT_FOUND);
+    kill(p.pid, SIGTERM);
+    int status = 0;
+    ASSERT_EQ(waitpid(p.pid, &status, 0), p.pid);
+    char line[4096];
+    while (std::fgets(line, sizeof line, p.err)) log += line;
+    fclose(p.err);
+    const bool echo = log.find("kvq-server: Echo tenant 'acme': OK in ") != std::string::npos;
+    const bool get =
+        log.find("kvq-server: GetModel tenant 'acme': NOT_FOUND in ") != std::string::npos;
+    EXPECT_EQ(echo, on) << log;
+    EXPECT_EQ(get, on) << log;
+    if (on) EXPECT_NE(log.find("7 bytes in, 7 out"), std::string::npos) << log;
+  }
+}
+
 TEST(ServerProcessTest, BadFlagsExitNonZeroWithAMessage) {
   Process p = Spawn({KVQ_SERVER_BIN, "--memory", "floppy", "--grpc-port", "0", "--metrics-port",
                      "-1", "--registry", ""},

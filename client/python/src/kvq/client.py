@@ -110,7 +110,7 @@ def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[k
             raise KvqError.invalid(
                 method, f"{field}.{name}: {v!r} must be 0 (the model's default), 1/True (on) or -1/False (off)")
         switches[name] = int(v)
-    return kvq_pb2.CodecSettings(
+    values = dict(
         **switches,
         key_bits=c.key_bits,
         key_group=c.key_group,
@@ -124,6 +124,12 @@ def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[k
         window=c.window,
         fp16_sinks=c.fp16_sinks,
     )
+    # CodecSettings' fields have presence (proto3 optional): a field given to the constructor
+    # is sent even at 0, and the server takes a rank, window, sink_tokens or fp16_sinks set to
+    # 0 as a real 0. Here 0 keeps meaning "the model's default" (-1: a real 0), so zeros are
+    # left unset, exactly the bytes this client sent before presence. To set a 0 explicitly,
+    # pass a kvq_pb2.CodecSettings (e.g. kvq_pb2.CodecSettings(rank=0)), sent as it is.
+    return kvq_pb2.CodecSettings(**{k: v for k, v in values.items() if v != 0})
 
 
 def append_pb(a: Append, field: str, method: str,

@@ -45,6 +45,9 @@ class CodecSettings:
     metric_rounding (keys rounded in the query metric; the basis must carry query moments):
     0 the model's default, 1 (or True) on, -1 (or False) off. Fields and names are
     codec.json's; CodecSettings.from_codec_json reads that file's values (where 0 is a real 0).
+    Zeros here are sent as unset fields (the wire's "the model's default"); a
+    kvq_pb2.CodecSettings given in place of this class is sent as it is, so one can also set a
+    real 0 explicitly there (kvq_pb2.CodecSettings(rank=0); docs/API.md).
     """
 
     key_bits: int = 0

@@ -13,21 +13,24 @@
 
 namespace kvq::wire {
 
-// The request form of a whole codec: every field set, a value 0 that would read as "the
-// default" sent as -1, so that MergeCodec over any base gives `o` back exactly.
+// The request form of a whole codec: every field set, a rank, window, sink_tokens or
+// fp16_sinks of 0 sent as -1 (the form every server reads as 0, old ones included, which
+// took a 0 for "the default"), so that MergeCodec over any base gives `o` back exactly.
 // INVALID_ARGUMENT for a codec that fails Validate or has no wire form (the wrong-sign
 // control, side_sign -1). head_dim is the model's, not a setting; verify_on_read is the
 // server's.
 absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o);
 
 // The same with only the fields whose names `present` holds as keys (a codec.json object):
-// the others stay 0, the receiver's defaults.
+// the others stay unset, the receiver's defaults.
 absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o,
                                               const nlohmann::json& present);
 
-// `s` over `base`: 0 keeps base's value, -1 asks for 0 (rank, window, sink_tokens,
-// fp16_sinks) or off (the switches). Nothing is coerced: a value out of range is
-// INVALID_ARGUMENT naming `field`.name and its limit.
+// `s` over `base` (the rules in kvq.proto's CodecSettings): a field not set keeps base's
+// value. rank, window, sink_tokens and fp16_sinks set are taken as sent, 0 included, -1
+// asking for 0 too (the form of clients without presence). The switches: 0 base's, 1 on, -1
+// off. The other fields have no 0 setting: 0, set or not, keeps base's. Nothing is coerced: a
+// value out of range is INVALID_ARGUMENT naming `field`.name and its limit.
 absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
                                               const v1::CodecSettings& s, absl::string_view field);
 

@@ -1,0 +1,46 @@
+// Where a serving store's encoded blocks live, chosen by name at start-up, and how big the
+// store may grow when nobody says: the two defaults a server (or any embedder) takes before it
+// builds a Store.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kvq/core/byte_pool.h"
+
+namespace kvq::core {
+
+struct MemoryPoolChoice {
+  BytePool* pool = nullptr;  // process-wide, never null once chosen
+  std::string name;          // "gpu", "pinned" or "host": what `pool` is
+  // One line for the start-up log: what was asked, what it came to, where blocks and windows
+  // live and, for "auto", why: "auto -> host; encoded blocks and windows in host memory [no
+  // CUDA driver ...]".
+  std::string explanation;
+};
+
+// The pool named `want`:
+//   "auto"   the best that works here: gpu, then pinned, then host; never fails (no CUDA
+//            driver means host memory, and the explanation says why);
+//   "pinned" page-locked host memory from the CUDA driver (SharedBytePool(kPinned));
+//   "gpu"    device memory: refused in this version (codes must be readable by the CPU
+//            kernels), with the reason;
+//   "host"   ordinary host memory.
+// Errors name `field` (e.g. the flag "--memory"): INVALID_ARGUMENT "<field> must be auto, gpu,
+// pinned or host (got 'x')"; FAILED_PRECONDITION "<field> <want> is not available: <why>" for
+// a pool named explicitly that cannot work here.
+absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want,
+                                                  absl::string_view field = "memory");
+
+// The machine's physical memory in bytes (sysconf); 8 GiB when the system does not say.
+int64_t PhysicalMemoryBytes();
+
+// A serving store's capacity: `capacity_bytes` when > 0, else (0, "auto") half the machine's
+// physical memory, leaving the other half to the process's own buffers, the OS and whatever
+// else runs beside it. (A bare StoreOptions::capacity_bytes of 0 means unlimited; a server
+// resolves it through this first.)
+int64_t CapacityOrDefault(int64_t capacity_bytes);
+
+}  // namespace kvq::core

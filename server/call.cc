@@ -1,0 +1,89 @@
+#include "server/call.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace kvq::server {
+
+bool CallGate::Drain(absl::Duration grace) {
+  draining_.store(true, std::memory_order_release);
+  const absl::Time deadline = absl::Now() + grace;
+  while (inflight_.load(std::memory_order_acquire) > 0) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
+Call::Call(CallGate* gate, const char* method, const grpc::CallbackServerContext& ctx,
+           CallKind kind)
+    : gate_(gate), method_(method), ctx_(ctx), start_(absl::Now()) {
+  gate_->inflight_.fetch_add(1, std::memory_order_relaxed);
+  const CallGate::Options& o = gate_->o_;
+  if (gate_->draining_.load(std::memory_order_acquire)) {
+    admission_ = absl::UnavailableError("the server is shutting down");
+    return;
+  }
+  // Authenticate first: an unauthenticated caller learns nothing, not even readiness.
+  absl::StatusOr<std::string> tenant = o.auth->TenantOf(ctx);
+  if (!tenant.ok()) {
+    admission_ = tenant.status();
+    return;
+  }
+  tenant_ = *std::move(tenant);
+  if (kind != CallKind::kProbe && !o.ready->load(std::memory_order_acquire)) {
+    admission_ = absl::UnavailableError("the registry is still loading; retry shortly");
+    return;
+  }
+  if (kind != CallKind::kPooled) return;
+  const int64_t before = gate_->pool_calls_.fetch_add(1, std::memory_order_acq_rel);
+  if (o.max_inflight > 0 && before >= o.max_inflight) {
+    gate_->pool_calls_.fetch_sub(1, std::memory_order_acq_rel);
+    if (o.metrics != nullptr) o.metrics->RecordOverload();
+    admission_ = absl::ResourceExhaustedError(
+        absl::StrCat("server overloaded: ", before, " calls in flight, limit ", o.max_inflight));
+    return;
+  }
+  pooled_ = true;
+}
+
+absl::Status Call::StillWanted(int item, int items) const {
+  const std::string where =
+      item < 0 ? std::string("before a worker took it up")
+               : absl::StrCat("after ", item, " of its ", items, " items; the rest were skipped");
+  // A call past its deadline is cancelled too: the deadline, checked first, says more.
+  if (std::chrono::system_clock::now() >= ctx_.deadline()) {
+    return absl::DeadlineExceededError(absl::StrCat("the call's deadline passed ", where));
+  }
+  if (ctx_.IsCancelled()) return absl::CancelledError(absl::StrCat("call cancelled ", where));
+  return absl::OkStatus();
+}
+
+grpc::Status Call::End(const absl::Status& st, size_t bytes_in, size_t bytes_out) {
+  const CallGate::Options& o = gate_->o_;
+  if (pooled_) gate_->pool_calls_.fetch_sub(1, std::memory_order_acq_rel);
+  const absl::Duration took = absl::Now() - start_;
+  if (o.metrics != nullptr) {
+    o.metrics->RecordCall(method_, static_cast<int>(st.code()), absl::ToDoubleSeconds(took),
+                          bytes_in, bytes_out);
+  }
+  const bool server_fault = st.code() == absl::StatusCode::kInternal ||
+                            st.code() == absl::StatusCode::kDataLoss ||
+                            st.code() == absl::StatusCode::kUnknown;
+  if (o.log_calls || server_fault) {
+    std::fprintf(stderr, "%s",
+                 absl::StrFormat("kvq-server: %s tenant '%s': %s in %s, %d bytes in, %d out%s%s\n",
+                                 method_, tenant_, absl::StatusCodeToString(st.code()),
+                                 absl::FormatDuration(absl::Trunc(took, absl::Microseconds(1))),
+                                 bytes_in, bytes_out, st.ok() ? "" : ": ", st.message())
+                     .c_str());
+  }
+  grpc::Status out = ToGrpc(st);
+  gate_->inflight_.fetch_sub(1, std::memory_order_acq_rel);
+  return out;
+}
+
+}  // namespace kvq::server
