@@ -10,7 +10,8 @@
 // and kept for the whole run (registry in memory, 2 workers), with a seeded store: model
 // "tiny" (2 layers, 1 KV head, 2 query heads, head_dim 64, a rank-8 basis), model "plain" (no
 // basis), and sequences s0 (40 tokens on both layers of tiny, fp16, with token ids: the
-// prefix index), s1 (33 tokens of layer 0, fp32) and p0 (plain, 8 tokens of layer 1). After a
+// prefix index), s1 (33 tokens of layer 0, fp32), s2 (40 tokens of layer 0 with another codec:
+// 3-bit keys, A2 values, sinks, a window, rotations) and p0 (plain, 8 tokens of layer 1). After a
 // call that may have changed a sequence (PutBlocks, DeleteSequence, an Attend, a Score with an
 // append), every sequence the request names is deleted and the seeded ones are put again, so
 // each input meets the same store (registrations stay: an input may register new models, but
@@ -78,6 +79,19 @@ Shape PlainShape() {
   return s;
 }
 
+v1::CodecSettings A2Codec() {
+  v1::CodecSettings c;
+  c.set_key_bits(3);
+  c.set_value_policy(v1::CodecSettings::VALUE_POLICY_A2);
+  c.set_value_budget(2.5f);
+  c.set_sink_tokens(4);
+  c.set_window(8);
+  c.set_rotate_keys(1);
+  c.set_rotate_values(1);
+  c.set_fp16_sinks(2);
+  return c;
+}
+
 // The seeded sequences: the PutBlocks message that creates each.
 std::vector<std::pair<std::string, v1::PutBlocksRequest>> SeedPuts() {
   const Shape t = TinyShape();
@@ -104,6 +118,17 @@ std::vector<std::pair<std::string, v1::PutBlocksRequest>> SeedPuts() {
     const auto k = kvq::testing::RandomKV(kv, 8, d, 5), v = kvq::testing::RandomKV(kv, 8, d, 6);
     *r.add_appends() = kvq::testing::MakeAppend("p0", 1, 0, k, v, kv, 8, d, "plain");
     out.emplace_back("p0", r);
+  }
+  {
+    // Another codec: 3-bit keys, A2 values (with the frontend's probe weights), attention
+    // sinks kept at fp16, a recent-token window, both rotations.
+    v1::PutBlocksRequest r;
+    const auto k = kvq::testing::RandomKV(kv, 40, d, 7), v = kvq::testing::RandomKV(kv, 40, d, 8);
+    v1::Append a = kvq::testing::MakeAppend("s2", 0, 0, k, v, kv, 40, d, "tiny");
+    *a.mutable_codec() = A2Codec();
+    *a.mutable_probe_weights() = kvq::testing::TensorF32(std::vector<float>(kv * 40, 0.025f), {kv, 40});
+    *r.add_appends() = a;
+    out.emplace_back("s2", r);
   }
   return out;
 }
@@ -343,6 +368,33 @@ void WriteSeeds(const std::string& dir) {
     r.set_to_token(37);
     r.set_dtype(v1::DTYPE_BF16);
     write("get_blocks", kGetBlocks, r.SerializeAsString());
+  }
+  {
+    // s2 (the A2 codec with sinks, window and rotations): scored, attended, read back.
+    v1::ScoreRequest sr;
+    auto* si = sr.add_items();
+    si->set_sequence_id("s2");
+    *si->mutable_queries() = kvq::testing::TensorF32(q, {qh, 1, d});
+    write("score_s2", kScore, sr.SerializeAsString());
+    v1::AttendRequest ar;
+    auto* ai = ar.add_items();
+    ai->set_sequence_id("s2");
+    ai->set_output_dtype(v1::DTYPE_BF16);
+    *ai->mutable_queries() = kvq::testing::TensorF32(q, {qh, 1, d});
+    const auto k = kvq::testing::RandomKV(kv, 1, d, 16), v = kvq::testing::RandomKV(kv, 1, d, 17);
+    *ai->mutable_append() = kvq::testing::MakeAppend("s2", 0, 40, k, v, kv, 1, d);
+    *ai->mutable_append()->mutable_probe_weights() = kvq::testing::TensorF32({0.5f}, {kv, 1});
+    write("attend_s2_with_append", kAttend, ar.SerializeAsString());
+    v1::GetBlocksRequest gr;
+    gr.set_sequence_id("s2");
+    write("get_blocks_s2", kGetBlocks, gr.SerializeAsString());
+    // A new sequence created with that codec (8 tokens: the window only).
+    const auto k8 = kvq::testing::RandomKV(kv, 8, d, 18), v8 = kvq::testing::RandomKV(kv, 8, d, 19);
+    v1::PutBlocksRequest pr;
+    v1::Append* pa = pr.add_appends();
+    *pa = kvq::testing::MakeAppend("fc", 1, 0, k8, v8, kv, 8, d, "tiny");
+    *pa->mutable_codec() = A2Codec();
+    write("put_codec", kPutBlocks, std::string(1, '\0') + pr.SerializeAsString());
   }
   v1::DeleteSequenceRequest del;
   del.set_sequence_id("s1");
