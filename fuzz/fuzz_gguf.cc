@@ -3,14 +3,16 @@
 // hangs or allocates out of proportion to the input (libFuzzer's -rss_limit_mb and
 // -malloc_limit_mb stop an input that does); a file that reads has every tensor with data
 // inside the file (ASan sees a read past the copy's end), dequantizes or fails with a status,
-// answers every typed metadata accessor with a value or a status, and, when it carries a
-// tokenizer, builds one (or fails with a status) that encodes and decodes a short text.
+// answers every typed metadata accessor with a value or a status, loads as a Llama model
+// (LlamaModel::Load: hyperparameters and tensors) or fails with a status, and, when it carries
+// a tokenizer, builds one (or fails with a status) that encodes and decodes a short text.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
 #include "kvq/frontend/gguf.h"
+#include "kvq/frontend/llama.h"
 #include "kvq/frontend/tokenizer.h"
 
 namespace {
@@ -47,6 +49,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (d.ok() && g.FindTensor(t.name) == &t) {
       Check(static_cast<int64_t>(d->size()) == t.numel(), "dequantized size != numel");
     }
+  }
+  // The model loader: its hyperparameters and tensors, checked against each other.
+  if (auto model = kvq::frontend::LlamaModel::Load(g); model.ok()) {
+    const auto& c = (*model)->config();
+    Check(c.layers >= 1 && c.q_heads >= 1 && c.kv_heads >= 1 && c.head_dim >= 1, "a model without heads");
   }
   if (auto tok = kvq::frontend::Tokenizer::FromGguf(g); tok.ok()) {
     const auto ids = (*tok)->Encode("Hello, world 123!\n");

@@ -6,6 +6,8 @@
              (the keys of tests/frontend/tiny_model.cc)
   metadata   a value of each of the 13 metadata types, integer and string arrays, alignment 64
   tokenizer  a GPT-2 byte-level BPE tokenizer (256 byte tokens, a few merges), no tensors
+  tiny_llama a Llama the model loader accepts (1 layer, hidden 8, 2 query heads, 1 KV head,
+             FFN 8, vocabulary 4: the tensors of tests/frontend/tiny_model.cc, smaller), F32
   empty      no metadata, no tensors
 
 Usage: fuzz/gen_gguf_seeds.py [OUT_DIR]   (default fuzz/corpus/gguf)
@@ -112,7 +114,20 @@ def main():
                  ("tokenizer.ggml.tokens", ARRAY, (STRING, vocab)),
                  ("tokenizer.ggml.merges", ARRAY, (STRING, merges)),
                  ("tokenizer.ggml.bos_token_id", U32, 1), ("tokenizer.ggml.add_bos_token", BOOL, False)]
-    files = {"types": gguf(llama, types), "metadata": gguf(metadata, [tensor(rng, "t", [3], 0)], 64),
+    H, F, V, KV = 8, 8, 4, 4
+    tiny = [("general.architecture", STRING, "llama"), ("llama.block_count", U32, 1),
+            ("llama.embedding_length", U32, H), ("llama.attention.head_count", U32, 2),
+            ("llama.attention.head_count_kv", U32, 1), ("llama.feed_forward_length", U32, F),
+            ("llama.attention.layer_norm_rms_epsilon", F32, 1e-5), ("llama.rope.freq_base", F32, 10000.0)]
+    shapes = [("token_embd.weight", [H, V]), ("output_norm.weight", [H]),
+              ("blk.0.attn_norm.weight", [H]), ("blk.0.attn_q.weight", [H, H]),
+              ("blk.0.attn_k.weight", [H, KV]), ("blk.0.attn_v.weight", [H, KV]),
+              ("blk.0.attn_output.weight", [H, H]), ("blk.0.ffn_norm.weight", [H]),
+              ("blk.0.ffn_gate.weight", [H, F]), ("blk.0.ffn_up.weight", [H, F]),
+              ("blk.0.ffn_down.weight", [F, H])]
+    tiny_rng = random.Random(15)  # its own: the other seeds stay as they were
+    tiny_tensors = [tensor(tiny_rng, name, dims, 0) for name, dims in shapes]
+    files = {"types": gguf(llama, types), "tiny_llama": gguf(tiny, tiny_tensors), "metadata": gguf(metadata, [tensor(rng, "t", [3], 0)], 64),
              "tokenizer": gguf(tokenizer, []), "empty": gguf([], [])}
     for name, data in files.items():
         assert len(data) < 4096, (name, len(data))
