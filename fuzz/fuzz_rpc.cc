@@ -1,7 +1,8 @@
 // Fuzzes every RPC handler of kvq-server in-process: the first byte picks the method (its
-// value mod 11: RegisterBasis, ListModels, GetModel, PutBlocks, Score, Readout, Attend,
-// GetBlocks, DeleteSequence, Stats, Echo; its top bit calls as tenant "other" instead of the
-// default one), the rest is that method's request, parsed with ParseFromArray (an input that
+// low 7 bits mod 13: RegisterBasis, ListModels, GetModel, PutBlocks, Score, Readout, Attend,
+// GetBlocks, DeleteSequence, Stats, Echo, then grpc.health.v1's Check and Watch, whose first
+// answer is read before the call is cancelled; its top bit calls as tenant "other" instead of
+// the default one), the rest is that method's request, parsed with ParseFromArray (an input that
 // does not parse is skipped). PutBlocks, a client stream, takes up to four messages: the
 // second byte's low two bits are the count less one, and each message but the last has a
 // 2-byte little-endian length before it.
@@ -20,7 +21,9 @@
 // Checked: the server answers every call (no crash, no hang: a call past its 30 s deadline
 // fails the input), with OK or one of the status codes docs/API.md lists for that method or
 // for every call; never UNKNOWN, INTERNAL, UNAVAILABLE (the server gone or draining),
-// CANCELLED or DEADLINE_EXCEEDED. A batch answered OK has one result per item, each with a
+// CANCELLED (but for the Watch the harness cancels) or DEADLINE_EXCEEDED. Health answers
+// SERVING for the server ("") and kvq.v1.Kvq, NOT_FOUND (Check) or SERVICE_UNKNOWN (Watch)
+// for any other name. A batch answered OK has one result per item, each with a
 // documented item code.
 //
 // KVQ_FUZZ_RPC_SEEDS=DIR writes the committed seeds (fuzz/corpus/rpc/) into DIR and exits;
@@ -37,6 +40,7 @@
 #include <vector>
 
 #include "google/protobuf/stubs/logging.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "server/server.h"
@@ -50,11 +54,12 @@ using kvq::testing::Shape;
 
 enum Method {
   kRegisterBasis, kListModels, kGetModel, kPutBlocks, kScore, kReadout, kAttend, kGetBlocks,
-  kDeleteSequence, kStats, kEcho, kMethods
+  kDeleteSequence, kStats, kEcho, kHealthCheck, kHealthWatch, kMethods
 };
 const char* const kNames[kMethods] = {"RegisterBasis", "ListModels", "GetModel", "PutBlocks",
                                       "Score", "Readout", "Attend", "GetBlocks",
-                                      "DeleteSequence", "Stats", "Echo"};
+                                      "DeleteSequence", "Stats", "Echo", "Health.Check",
+                                      "Health.Watch"};
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "fuzz_rpc: %s\n", what.c_str());
@@ -142,6 +147,7 @@ using kvq::testing::Put;
 struct World {
   std::unique_ptr<kvq::server::KvqServer> server;
   std::unique_ptr<v1::Kvq::Stub> stub;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health;
   std::vector<std::pair<std::string, v1::PutBlocksRequest>> seeds;
 
   // Deletes `id` of `tenant` and, for a seeded sequence of the default tenant, puts it again.
@@ -184,8 +190,10 @@ World& TheWorld() {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(256 << 20);
     args.SetMaxSendMessageSize(256 << 20);
-    w->stub = v1::Kvq::NewStub(grpc::CreateCustomChannel(
-        "127.0.0.1:" + std::to_string(w->server->grpc_port()), grpc::InsecureChannelCredentials(), args));
+    auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(w->server->grpc_port()),
+                                             grpc::InsecureChannelCredentials(), args);
+    w->stub = v1::Kvq::NewStub(channel);
+    w->health = grpc::health::v1::Health::NewStub(channel);
     for (const Shape& s : {TinyShape(), PlainShape()}) {
       v1::RegisterBasisResponse r;
       auto ctx = Ctx("");
@@ -226,6 +234,10 @@ bool Documented(Method m, StatusCode c) {
              c == StatusCode::INVALID_ARGUMENT || c == StatusCode::DATA_LOSS;
     case kDeleteSequence:
       return c == StatusCode::NOT_FOUND || c == StatusCode::INVALID_ARGUMENT;
+    case kHealthCheck:
+      return c == StatusCode::NOT_FOUND;  // another service name
+    case kHealthWatch:
+      return c == StatusCode::CANCELLED;  // the harness cancels it after the first answer
     default:
       return false;
   }
@@ -403,6 +415,10 @@ void WriteSeeds(const std::string& dir) {
   v1::EchoRequest echo;
   echo.set_payload("ping");
   write("echo", kEcho, echo.SerializeAsString());
+  grpc::health::v1::HealthCheckRequest hc;
+  hc.set_service("kvq.v1.Kvq");
+  write("health_check", kHealthCheck, hc.SerializeAsString());
+  write("health_watch_all", kHealthWatch, "");
 }
 
 }  // namespace
@@ -530,6 +546,34 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const grpc::Status st = stub.Echo(ctx.get(), req, &resp);
       CheckStatus(m, st);
       if (st.ok() && resp.payload() != req.payload()) Fail("Echo returned another payload");
+      break;
+    }
+    case kHealthCheck: {
+      grpc::health::v1::HealthCheckRequest req;
+      if (!Parse(data, size, &req)) return 0;
+      grpc::health::v1::HealthCheckResponse resp;
+      const grpc::Status st = w.health->Check(ctx.get(), req, &resp);
+      CheckStatus(m, st);
+      if (st.ok() && resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+        Fail("Health.Check: not SERVING");
+      }
+      break;
+    }
+    case kHealthWatch: {
+      grpc::health::v1::HealthCheckRequest req;
+      if (!Parse(data, size, &req)) return 0;
+      auto reader = w.health->Watch(ctx.get(), req);
+      grpc::health::v1::HealthCheckResponse resp;
+      if (!reader->Read(&resp)) Fail("Health.Watch: no first answer");
+      // kvq's own services are SERVING; any other name is SERVICE_UNKNOWN (not an error).
+      if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING &&
+          resp.status() != grpc::health::v1::HealthCheckResponse::SERVICE_UNKNOWN) {
+        Fail("Health.Watch: first answer " + std::to_string(resp.status()));
+      }
+      ctx->TryCancel();
+      while (reader->Read(&resp)) {
+      }
+      CheckStatus(m, reader->Finish());
       break;
     }
     default:
