@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs dependencies, builds kvq (Release, build/) and runs the whole test suite: C++ (ctest),
 # then Python (scripts/test-python.sh: a venv outside the clone, pytest against the built server),
-# then the fuzz targets for a fixed 100,000 inputs each (scripts/fuzz.sh, clang + ASan/UBSan),
+# then the fuzz targets for a fixed 100,000 inputs each, fuzz_rpc 10,000 (scripts/fuzz.sh, clang + ASan/UBSan),
 # then the core, server and client tests under ASan + UBSan and core's under TSan (scripts/sanitize.sh).
 # Usage: scripts/test.sh [--help]   Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS, KVQ_VENV.
 set -euo pipefail

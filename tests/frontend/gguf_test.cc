@@ -221,5 +221,73 @@ TEST(Gguf, RejectsTensorsPastTheEndAndMisaligned) {
   EXPECT_NE(f.status().message().find("tensor t"), std::string::npos) << f.status();
 }
 
+// Tensor infos whose numbers would wrap around: an offset near 2^64 (the sum with the data
+// section's start wrapped, placing the tensor silently in the header), dims whose
+// product overflows int64, a tensor count or array length the file cannot hold (which sized
+// an allocation before anything was read). Each is an error naming what is wrong; found by
+// fuzz/fuzz_gguf.cc's review.
+TEST(Gguf, RejectsCountsAndOffsetsThatWrapOrOutgrowTheFile) {
+  GgufWriter w;
+  w.AddUint32("general.alignment", 1);
+  w.AddTensor("t", {4}, static_cast<uint32_t>(GgmlType::kF32), std::vector<uint8_t>(16, 0));
+  std::vector<uint8_t> b = w.Finish(1);
+  const size_t data_start = b.size() - 16;  // alignment 1: right after the tensor info
+  ASSERT_TRUE(GgufFile::FromBytes(std::string(b.begin(), b.end())).ok());
+  // data_start + offset wraps to 0: the tensor was read from the header (the magic onwards),
+  // through a pointer computed past the end of the address space.
+  const uint64_t wrap = uint64_t{0} - data_start;
+  std::memcpy(b.data() + data_start - 8, &wrap, 8);
+  auto f = GgufFile::FromBytes(std::string(b.begin(), b.end()), "wrap.gguf");
+  ASSERT_FALSE(f.ok());
+  EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("wrap.gguf: GGUF truncated: tensor t"), std::string::npos)
+      << f.status();
+
+  GgufWriter big;
+  big.AddTensor("huge", {int64_t{1} << 40, int64_t{1} << 40}, static_cast<uint32_t>(GgmlType::kF32),
+                std::vector<uint8_t>(16, 0));
+  auto h = GgufFile::FromBytes([&] { auto v = big.Finish(); return std::string(v.begin(), v.end()); }());
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.status().message().find("tensor huge has over 2^56 elements"), std::string::npos)
+      << h.status();
+
+  // Header: magic, version 3, 1000 tensors, no metadata, then 1000 zero bytes (a count up
+  // to the file size passed before, and was reserved: 80 bytes per byte of file).
+  std::vector<uint8_t> many = GgufWriter().Finish(1);
+  many.resize(many.size() + 1000, 0);
+  const uint64_t n = 1000;
+  std::memcpy(many.data() + 8, &n, 8);
+  auto m = GgufFile::FromBytes(std::string(many.begin(), many.end()));
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("1000 tensor infos need at least 32 bytes each"),
+            std::string::npos) << m.status();
+
+  // An array of 100 u64 (8 bytes each) with 100 bytes left.
+  GgufWriter arr;
+  arr.AddStringArray("a", {});
+  std::vector<uint8_t> ab = arr.Finish(1);
+  ab.resize(ab.size() + 100, 0);
+  const size_t type_at = 24 + 8 + 1 + 4;  // header, key "a", value type: the element type
+  const uint32_t u64 = 10;
+  const uint64_t len = 100;
+  std::memcpy(ab.data() + type_at, &u64, 4);
+  std::memcpy(ab.data() + type_at + 4, &len, 8);
+  auto a = GgufFile::FromBytes(std::string(ab.begin(), ab.end()));
+  ASSERT_FALSE(a.ok());
+  EXPECT_NE(a.status().message().find("array of 100 elements of type 10 needs at least 8 bytes each"),
+            std::string::npos) << a.status();
+}
+
+TEST(Gguf, ReadsFromMemoryAsFromAFile) {
+  const std::vector<uint8_t> bytes = Example().Finish();
+  auto f = GgufFile::FromBytes(std::string(bytes.begin(), bytes.end()));
+  ASSERT_TRUE(f.ok()) << f.status();
+  auto g = GgufFile::Open(WriteTemp(bytes, "mem"));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ((*f)->tensors().size(), (*g)->tensors().size());
+  EXPECT_EQ(*(*f)->Dequantize("q41"), *(*g)->Dequantize("q41"));
+  EXPECT_EQ(*(*f)->GetStringArray("tokenizer.ggml.tokens"), *(*g)->GetStringArray("tokenizer.ggml.tokens"));
+}
+
 }  // namespace
 }  // namespace kvq::frontend

@@ -10,6 +10,7 @@
 #include <random>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/gguf.h"
@@ -232,6 +233,40 @@ TEST(Llama, UnsupportedArchitectureTensorsAndMetadataAreNamedErrors) {
   auto mq = LlamaModel::Load(*fq);
   EXPECT_FALSE(mq.ok());
   EXPECT_NE(mq.status().message().find("bias"), std::string::npos) << mq.status();
+}
+
+// Counts out of range are named errors before anything is sized by them. A block_count of
+// 2^32 - 1 (an int of -1) in a file without layer tensors resized the layers to 2^64 - 1
+// (std::length_error, an abort); a billion spent minutes naming a billion layers' tensors.
+TEST(Llama, CountsOutOfRangeAreNamedErrors) {
+  auto file = [](uint32_t layers, uint32_t heads) {
+    GgufWriter w;
+    w.AddString("general.architecture", "llama");
+    w.AddUint32("llama.block_count", layers);
+    w.AddUint32("llama.embedding_length", kH);
+    w.AddUint32("llama.attention.head_count", heads);
+    w.AddUint32("llama.attention.head_count_kv", 1);
+    w.AddUint32("llama.feed_forward_length", kF);
+    w.AddFloat32("llama.attention.layer_norm_rms_epsilon", 1e-5f);
+    w.AddTensor("token_embd.weight", {kH, 4}, static_cast<uint32_t>(GgmlType::kF32),
+                std::vector<uint8_t>(kH * 4 * 4, 0));
+    w.AddTensor("output_norm.weight", {kH}, static_cast<uint32_t>(GgmlType::kF32),
+                std::vector<uint8_t>(kH * 4, 0));
+    const auto b = w.Finish();
+    auto f = GgufFile::FromBytes(std::string(b.begin(), b.end()));
+    EXPECT_TRUE(f.ok()) << f.status();
+    return std::move(*f);
+  };
+  for (uint32_t layers : {0xFFFFFFFFu, 0u, 1000000000u}) {
+    auto m = LlamaModel::Load(*file(layers, kHeads));
+    EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << layers;
+    EXPECT_NE(m.status().message().find(
+                  absl::StrCat("llama.block_count = ", layers, " is outside 1..4096")),
+              std::string::npos) << m.status();
+  }
+  auto h = LlamaModel::Load(*file(1, 1u << 31));
+  EXPECT_NE(h.status().message().find("llama.attention.head_count = 2147483648 is outside 1..4096"),
+            std::string::npos) << h.status();
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvq/frontend/tokenizer.h"
 
 namespace kvq::frontend {
 namespace {
@@ -19,22 +20,6 @@ std::string WriteModel(const GgufWriter& w, const std::string& tag) {
                            "_" + std::to_string(seq++) + ".gguf";
   std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   return path;
-}
-
-// GPT-2's bytes_to_unicode: the token of byte b is its printable stand-in (UTF-8).
-std::vector<std::string> ByteTokens() {
-  std::vector<std::string> t(kByteVocab);
-  int n = 0;
-  for (int b = 0; b < kByteVocab; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-    const unsigned cp = printable ? b : 256 + n++;
-    if (cp < 0x80) {
-      t[b] = std::string(1, static_cast<char>(cp));
-    } else {
-      t[b] = {static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
-    }
-  }
-  return t;
 }
 
 }  // namespace
@@ -57,7 +42,7 @@ std::string WriteTinyModel(const TinyOptions& o) {
   if (o.byte_tokenizer) {
     w.AddString("tokenizer.ggml.model", "gpt2");
     w.AddString("tokenizer.ggml.pre", "gpt2");
-    w.AddStringArray("tokenizer.ggml.tokens", ByteTokens());
+    w.AddStringArray("tokenizer.ggml.tokens", Tokenizer::ByteSymbols());
     w.AddStringArray("tokenizer.ggml.merges", {});
   }
   auto put = [&](const std::string& name, std::vector<int64_t> dims, const std::vector<float>& v) {

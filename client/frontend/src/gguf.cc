@@ -24,6 +24,7 @@ class Cursor {
  public:
   Cursor(const uint8_t* p, size_t n) : p_(p), n_(n) {}
   size_t pos() const { return pos_; }
+  size_t left() const { return n_ - pos_; }
   absl::Status Need(size_t k, const char* what) const {
     if (k > n_ - pos_) {
       return absl::InvalidArgumentError(absl::StrCat("GGUF truncated: need ", k, " bytes for ",
@@ -53,6 +54,24 @@ class Cursor {
   size_t pos_ = 0;
 };
 
+// The fewest bytes one value of a metadata type takes (a string: its 8-byte length); 0 for
+// arrays (not allowed as elements) and unknown types.
+size_t MinValueBytes(uint32_t type) {
+  switch (type) {
+    case kU8: case kI8: case kBool: return 1;
+    case kU16: case kI16: return 2;
+    case kU32: case kI32: case kF32v: return 4;
+    case kU64: case kI64: case kF64v: case kString: return 8;
+    default: return 0;
+  }
+}
+
+// The fewest bytes one tensor info takes: name length, n_dims, one dim, type, offset.
+constexpr size_t kMinTensorInfoBytes = 8 + 4 + 8 + 4 + 8;
+// The most elements a tensor may have (dims are at most 2^40 each): keeps numel() and bytes()
+// far from overflow.
+constexpr int64_t kMaxTensorElements = int64_t{1} << 56;
+
 absl::StatusOr<GgufValue> ReadValue(Cursor& c, uint32_t type, int depth) {
   GgufValue out;
   out.type = type;
@@ -73,8 +92,20 @@ absl::StatusOr<GgufValue> ReadValue(Cursor& c, uint32_t type, int depth) {
       if (depth > 0) return absl::InvalidArgumentError("GGUF: nested arrays are not supported");
       ASSIGN_OR_RETURN(uint32_t et, c.Read<uint32_t>("array type"));
       ASSIGN_OR_RETURN(uint64_t n, c.Read<uint64_t>("array length"));
-      // Each element takes at least one byte: reject lengths the file cannot hold.
-      RETURN_IF_ERROR(c.Need(n, "array elements"));
+      // Reject lengths the file cannot hold (each element takes at least its type's smallest
+      // encoding) before reserving room for them.
+      if (n > 0) {
+        const size_t min_bytes = MinValueBytes(et);
+        if (et == kArray) return absl::InvalidArgumentError("GGUF: nested arrays are not supported");
+        if (min_bytes == 0) {
+          return absl::InvalidArgumentError(absl::StrCat("GGUF: unknown metadata value type ", et));
+        }
+        if (n > c.left() / min_bytes) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "GGUF truncated: array of ", n, " elements of type ", et, " needs at least ",
+              min_bytes, " bytes each at offset ", c.pos(), ", ", c.left(), " bytes left"));
+        }
+      }
       auto arr = std::make_shared<GgufValue::Array>();
       arr->reserve(n);
       for (uint64_t i = 0; i < n; ++i) {
@@ -289,6 +320,7 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
       return absl::InternalError(absl::StrCat("GGUF: cannot map ", path));
     }
     f->base_ = static_cast<const uint8_t*>(p);
+    f->mapped_ = true;
   }
   ::close(fd);
   absl::Status s = f->Parse();
@@ -296,8 +328,20 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
   return f;
 }
 
+absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::FromBytes(std::string bytes,
+                                                             const std::string& name) {
+  std::unique_ptr<GgufFile> f(new GgufFile());
+  f->path_ = name;
+  f->owned_ = std::move(bytes);
+  f->size_ = f->owned_.size();
+  f->base_ = reinterpret_cast<const uint8_t*>(f->owned_.data());
+  absl::Status s = f->Parse();
+  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(name, ": ", s.message()));
+  return f;
+}
+
 GgufFile::~GgufFile() {
-  if (base_) ::munmap(const_cast<uint8_t*>(base_), size_);
+  if (mapped_ && base_) ::munmap(const_cast<uint8_t*>(base_), size_);
 }
 
 absl::Status GgufFile::Parse() {
@@ -323,6 +367,13 @@ absl::Status GgufFile::Parse() {
     }
     alignment_ = static_cast<uint64_t>(*a);
   }
+  // A tensor info takes at least kMinTensorInfoBytes: a count the rest of the file cannot
+  // hold is an error before anything is reserved for it.
+  if (n_tensors > c.left() / kMinTensorInfoBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "GGUF truncated: ", n_tensors, " tensor infos need at least ", kMinTensorInfoBytes,
+        " bytes each at offset ", c.pos(), ", ", c.left(), " bytes left"));
+  }
   tensors_.reserve(n_tensors);
   for (uint64_t i = 0; i < n_tensors; ++i) {
     GgufTensorInfo t;
@@ -331,12 +382,18 @@ absl::Status GgufFile::Parse() {
     if (nd == 0 || nd > 4) {
       return absl::InvalidArgumentError(absl::StrCat("GGUF: tensor ", t.name, " has ", nd, " dims"));
     }
+    int64_t numel = 1;
     for (uint32_t d = 0; d < nd; ++d) {
       ASSIGN_OR_RETURN(uint64_t ne, c.Read<uint64_t>("tensor dim"));
       if (ne == 0 || ne > (1ull << 40)) {
         return absl::InvalidArgumentError(absl::StrCat("GGUF: tensor ", t.name, " bad dim ", ne));
       }
       t.dims.push_back(static_cast<int64_t>(ne));
+      if (static_cast<int64_t>(ne) > kMaxTensorElements / numel) {
+        return absl::InvalidArgumentError(absl::StrCat("GGUF: tensor ", t.name,
+                                                       " has over 2^56 elements"));
+      }
+      numel *= static_cast<int64_t>(ne);
     }
     ASSIGN_OR_RETURN(t.type, c.Read<uint32_t>("tensor type"));
     ASSIGN_OR_RETURN(t.offset, c.Read<uint64_t>("tensor offset"));
@@ -355,7 +412,8 @@ absl::Status GgufFile::Parse() {
       return absl::InvalidArgumentError(absl::StrCat("GGUF: tensor ", t.name, " row of ", t.dims[0],
                                                      " is not a multiple of block ", bs));
     }
-    if (data_start + t.offset > size_ || nbytes > size_ - data_start - t.offset) {
+    // (Each term is checked against the file size alone first: no sum can wrap around.)
+    if (data_start > size_ || t.offset > size_ - data_start || nbytes > size_ - data_start - t.offset) {
       return absl::InvalidArgumentError(
           absl::StrCat("GGUF truncated: tensor ", t.name, " needs bytes [", data_start + t.offset,
                        ", ", data_start + t.offset + nbytes, "), file has ", size_));

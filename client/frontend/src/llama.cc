@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
@@ -105,6 +106,19 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
   ASSIGN_OR_RETURN(double eps, f.GetFloat(arch + ".attention.layer_norm_rms_epsilon"));
   double base = 10000.0;
   if (auto v = f.GetFloat(arch + ".rope.freq_base"); v.ok()) base = *v;
+  // Each count in range before anything is sized by it: a corrupt block_count of -1 (or 2^32
+  // - 1, an int of -1) resized the layers to 2^64 - 1 (an abort), and a billion made a
+  // billion layers' tensor names. The bounds are far beyond any real model's.
+  for (const auto& [k, v, hi] : {std::tuple<const char*, int64_t, int64_t>{"block_count", layers, 4096},
+                                 {"embedding_length", hidden, int64_t{1} << 20},
+                                 {"attention.head_count", heads, 4096},
+                                 {"attention.head_count_kv", kv, 4096},
+                                 {"feed_forward_length", ffn, int64_t{1} << 22}}) {
+    if (v < 1 || v > hi) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: ", arch, ".", k, " = ", v, " is outside 1..", hi));
+    }
+  }
   if (heads <= 0 || kv <= 0 || heads % kv != 0 || hidden % heads != 0) {
     return absl::InvalidArgumentError("model: inconsistent head counts");
   }
@@ -122,12 +136,13 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
   c.ffn = static_cast<int>(ffn);
   c.rms_eps = static_cast<float>(eps);
   c.rope_base = static_cast<float>(base);
-  c.rope_dims = c.head_dim;
-  if (auto v = geti("rope.dimension_count"); v.ok()) c.rope_dims = static_cast<int>(*v);
-  if (c.rope_dims <= 0 || c.rope_dims > c.head_dim || c.rope_dims % 2 != 0) {
+  int64_t rope_dims = c.head_dim;
+  if (auto v = geti("rope.dimension_count"); v.ok()) rope_dims = *v;
+  if (rope_dims <= 0 || rope_dims > c.head_dim || rope_dims % 2 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("model: ", arch, ".rope.dimension_count = ",
-                                                   c.rope_dims, " for head_dim ", c.head_dim));
+                                                   rope_dims, " for head_dim ", c.head_dim));
   }
+  c.rope_dims = static_cast<int>(rope_dims);
   if (auto v = geti("context_length"); v.ok()) c.context_length = *v;
   if (auto v = f.GetStringArray("tokenizer.ggml.tokens"); v.ok()) c.vocab = static_cast<int>(v->size());
   const GgufTensorInfo* emb = f.FindTensor("token_embd.weight");

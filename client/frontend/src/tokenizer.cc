@@ -123,14 +123,22 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromGguf(const GgufFile& f
   return t;
 }
 
-absl::Status Tokenizer::Init(const std::string& pre) {
-  // GPT-2 bytes_to_unicode: printable bytes map to themselves, the rest to U+0100 onwards.
+std::vector<std::string> Tokenizer::ByteSymbols() {
+  // Printable bytes map to themselves, the rest to U+0100 onwards.
+  std::vector<std::string> out(256);
   int n = 0;
   for (int b = 0; b < 256; ++b) {
     const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-    uint32_t cp = printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + n++);
-    AppendUtf8(cp, &byte_to_unicode_[b]);
-    unicode_to_byte_[byte_to_unicode_[b]] = static_cast<uint8_t>(b);
+    AppendUtf8(printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + n++), &out[b]);
+  }
+  return out;
+}
+
+absl::Status Tokenizer::Init(const std::string& pre) {
+  const std::vector<std::string> symbols = ByteSymbols();
+  for (int b = 0; b < 256; ++b) {
+    byte_to_unicode_[b] = symbols[b];
+    unicode_to_byte_[symbols[b]] = static_cast<uint8_t>(b);
   }
   const std::string gpt2 =
       "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";

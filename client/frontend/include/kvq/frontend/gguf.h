@@ -2,10 +2,12 @@
 // the aligned data section, plus dequantization to fp32 of the tensor types kvq meets
 // (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K).
 //
-// The file is memory-mapped read-only; tensor data pointers stay valid while the GgufFile
-// lives. Every length and offset read from the file is bounds-checked: a truncated or
-// malformed file is an INVALID_ARGUMENT / DATA_LOSS error naming what is wrong, an
-// unsupported tensor type is UNIMPLEMENTED, never a crash.
+// The file is memory-mapped read-only (or held in memory: FromBytes); tensor data pointers
+// stay valid while the GgufFile lives. Every length and offset read from the file is
+// bounds-checked, and every count that sizes an allocation (tensors, array elements, a
+// tensor's elements) is bounded by the bytes the file has left: a truncated or malformed
+// file is an INVALID_ARGUMENT / DATA_LOSS error naming what is wrong, an unsupported tensor
+// type is UNIMPLEMENTED, never a crash or an allocation out of proportion to the file.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +49,10 @@ struct GgufTensorInfo {
 class GgufFile {
  public:
   static absl::StatusOr<std::unique_ptr<GgufFile>> Open(const std::string& path);
+  // The same over bytes in memory (kept by the GgufFile; `name` stands for the path in
+  // errors). The fuzz target reads through it.
+  static absl::StatusOr<std::unique_ptr<GgufFile>> FromBytes(std::string bytes,
+                                                             const std::string& name = "<memory>");
   ~GgufFile();
 
   uint32_t version() const { return version_; }
@@ -70,6 +76,8 @@ class GgufFile {
   GgufFile() = default;
   absl::Status Parse();
   std::string path_;
+  std::string owned_;     // FromBytes: the bytes (base_ points into them; nothing mapped)
+  bool mapped_ = false;   // Open: base_ is an mmap of size_ bytes
   const uint8_t* base_ = nullptr;
   size_t size_ = 0;
   uint32_t version_ = 0;

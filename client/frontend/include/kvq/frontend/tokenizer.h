@@ -25,6 +25,9 @@ class Tokenizer {
                                                            const std::vector<std::string>& merges,
                                                            const std::string& pre);
   ~Tokenizer();
+  // GPT-2's bytes_to_unicode: the symbol (UTF-8) standing for each byte in tokens. Token b of
+  // a byte-level vocabulary without merges (the tiny test model's, the fuzz target's).
+  static std::vector<std::string> ByteSymbols();
 
   // Token ids of `text` (no BOS/EOS; see add_bos()).
   std::vector<int32_t> Encode(std::string_view text) const;
