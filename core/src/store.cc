@@ -2,7 +2,6 @@
 #include "kvq/core/store.h"
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -11,18 +10,14 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
-#include "kvq/core/codec_json.h"
 #include "kvq/core/eviction_planner.h"
 #include "kvq/core/field_error.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/status.h"
+#include "prefix_index.h"
 #include "xxhash.h"
 
 namespace kvq::core {
-
-namespace {
-using PrefixKey = std::pair<uint64_t, uint64_t>;
-}  // namespace
 
 struct Store::Sequence {
   std::string tenant, id;
@@ -69,43 +64,8 @@ struct Store::Tenant {
   int64_t bytes = 0;  // stored + reserved, prefix index included
   int64_t evictions = 0;
   int64_t expirations = 0;
-  // The prefix index: one entry per sealed group, by chained key.
-  struct Node {
-    SealedBlockPtr block;
-    std::vector<uint64_t> hashes;  // arrival hashes of the G tokens (for attach re-sends)
-    std::optional<PrefixKey> parent;
-    std::vector<PrefixKey> children;
-    int64_t refs = 0;  // sequences holding it (and plans pinning it); change via Hold/Release
-    int64_t bytes = 0;
-    absl::Time last_used;  // not changed while refs == 0 (it keys `retained`)
-  };
-  absl::flat_hash_map<PrefixKey, Node> nodes;
-  int64_t node_bytes = 0;
+  PrefixIndex prefixes;  // its bytes are in `bytes` (and the store's used bytes)
   int64_t shared_tokens = 0;
-  // The entries no sequence holds (refs == 0), least recently used first: eviction takes
-  // the front, so pressure costs O(log n) per dropped entry, not a scan of the index.
-  std::set<std::pair<absl::Time, PrefixKey>> retained;
-  int64_t retained_bytes = 0;
-
-  void Hold(const PrefixKey& k, Node& n) {
-    if (n.refs++ == 0) {
-      retained.erase({n.last_used, k});
-      retained_bytes -= n.bytes;
-    }
-  }
-  // True when nobody holds the entry any more (it is retained now).
-  bool Release(const PrefixKey& k, Node& n) {
-    if (--n.refs != 0) return false;
-    retained.emplace(n.last_used, k);
-    retained_bytes += n.bytes;
-    return true;
-  }
-  // Before the entry is erased.
-  void Forget(const PrefixKey& k, const Node& n) {
-    if (n.refs != 0) return;
-    retained.erase({n.last_used, k});
-    retained_bytes -= n.bytes;
-  }
 };
 
 namespace {
@@ -134,28 +94,6 @@ uint64_t TokenHash(const TensorView& k, const TensorView& v, int64_t t) {
     }
   }
   return h;
-}
-
-// The root of a layer's prefix chain: everything that must match for two sequences' blocks
-// to be interchangeable.
-PrefixKey PrefixSeed(const ModelEntry& m, const CodecOptions& c, int layer) {
-  // The codec as codec.json writes it (every stored field, so that no field can be left out
-  // here) plus the two that are not settings of a model.
-  const std::string s = absl::StrCat(
-      "kvq-prefix-v2|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint,
-      "|", m.has_basis, "|", CodecToJson(c).dump(), "|", c.head_dim, ",", c.side_sign, "|", layer);
-  const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
-  return {h.low64, h.high64};
-}
-
-// The key of a group: XXH3-128 over (the previous key, the group's token ids).
-PrefixKey ChainKey(const PrefixKey& prev, const uint32_t* ids, int g) {
-  std::array<uint8_t, 16 + 4 * 128> buf;  // G <= 128 (CodecOptions::Validate)
-  std::memcpy(buf.data(), &prev.first, 8);
-  std::memcpy(buf.data() + 8, &prev.second, 8);
-  std::memcpy(buf.data() + 16, ids, 4 * static_cast<size_t>(g));
-  const XXH128_hash_t h = XXH3_128bits(buf.data(), 16 + 4 * static_cast<size_t>(g));
-  return {h.low64, h.high64};
 }
 
 TensorView SliceTokens(const TensorView& t, int64_t from, int64_t n) {
@@ -239,46 +177,27 @@ void Store::UnlinkLocked(Sequence* s, bool drop) {
   // Release its prefix blocks, last group first so that a dropped group's extensions (held
   // by nobody either) are already gone.
   for (auto it = s->node_keys.rbegin(); it != s->node_keys.rend(); ++it) {
-    auto n = t.nodes.find(*it);
-    if (n == t.nodes.end()) continue;
-    if (t.Release(*it, n->second) && (drop || !opts_.retain_prefixes)) DropNodeLocked(t, *it);
+    ReleasePrefixLocked(t, *it, drop);
   }
   s->node_keys.clear();
   t.seqs.erase(s->id);  // may destroy *s when nobody else holds it: do this last
 }
 
-int64_t Store::DropNodeLocked(Tenant& t, std::pair<uint64_t, uint64_t> key) {
-  // The entry and every extension of it (none is held when it is not: a holder of an
-  // extension holds its prefix too).
-  int64_t freed = 0;
-  std::vector<PrefixKey> stack{key};
-  while (!stack.empty()) {
-    const PrefixKey k = stack.back();
-    stack.pop_back();
-    auto e = t.nodes.find(k);
-    if (e == t.nodes.end()) continue;
-    for (const PrefixKey& c : e->second.children) stack.push_back(c);
-    if (e->second.parent && k == key) {
-      auto p = t.nodes.find(*e->second.parent);
-      if (p != t.nodes.end()) std::erase(p->second.children, k);
-    }
-    freed += e->second.bytes;
-    t.Forget(k, e->second);
-    t.nodes.erase(e);
-  }
-  t.node_bytes -= freed;
+void Store::ReleasePrefixLocked(Tenant& t, const PrefixKey& key, bool drop) {
+  if (t.prefixes.Release(key) && (drop || !opts_.retain_prefixes)) DropPrefixLocked(t, key);
+}
+
+int64_t Store::DropPrefixLocked(Tenant& t, const PrefixKey& key) {
+  const int64_t freed = t.prefixes.Drop(key);
   t.bytes -= freed;
   used_bytes_ -= freed;
   return freed;
 }
 
 int64_t Store::DropRetainedLocked(Tenant& t, int64_t need, absl::Time older_than) {
-  int64_t freed = 0;
-  // Each drop removes the front entry (with its extensions), so the loop ends.
-  while (!t.retained.empty() && t.retained.begin()->first < older_than &&
-         !(need > 0 && freed >= need)) {
-    freed += DropNodeLocked(t, t.retained.begin()->second);
-  }
+  const int64_t freed = t.prefixes.DropRetained(need, older_than);
+  t.bytes -= freed;
+  used_bytes_ -= freed;
   return freed;
 }
 
@@ -344,8 +263,9 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
         c.bytes = s->bytes;
         const Tenant& owner = *tenants_[s->tenant];
         for (const PrefixKey& k : s->node_keys) {
-          auto n = owner.nodes.find(k);
-          if (n != owner.nodes.end()) c.blocks.push_back({&n->second, n->second.bytes, n->second.refs});
+          if (const PrefixIndex::Entry* e = owner.prefixes.Find(k)) {
+            c.blocks.push_back({e, e->bytes, e->refs});
+          }
         }
       }
       return i < seen.size() ? &seen[i] : nullptr;
@@ -440,32 +360,6 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
   s->size = size;
 }
 
-// What one indexed group takes, counted against the tenant: the block's bytes (their
-// capacity), offsets and sinks, its arrival hashes, and the index's bookkeeping: the hash-map
-// slot (at the map's lowest load, 7/8), the SealedBlock object with its shared_ptr control
-// block, the vectors' heap headers, its key in its parent's children (with the vector's
-// doubling) and its entry in the retained set (every group is retained once unused). A heap
-// block costs malloc's 16-byte header on glibc x86-64.
-namespace {
-int64_t IndexedGroupBytes(const Store::Tenant::Node& n) {
-  constexpr int64_t kHeader = 16;
-  const SealedBlock& b = *n.block;
-  using Slot = std::pair<const PrefixKey, Store::Tenant::Node>;
-  const int64_t slot = static_cast<int64_t>(sizeof(Slot) + 1);
-  int64_t bytes = slot * 8 / 7 + 1;
-  bytes += static_cast<int64_t>(sizeof(SealedBlock)) + 16 + kHeader;  // make_shared
-  bytes += static_cast<int64_t>(b.bytes.capacity()) + kHeader;
-  bytes += static_cast<int64_t>(b.offsets.capacity() * sizeof(uint32_t)) + kHeader;
-  if (b.sinks)
-    bytes += b.sinks->bytes() + static_cast<int64_t>(sizeof(SinkRows)) + 16 + 3 * kHeader;
-  bytes += static_cast<int64_t>(n.hashes.capacity() * sizeof(uint64_t)) + kHeader;
-  bytes += 2 * static_cast<int64_t>(sizeof(PrefixKey)) + kHeader;  // in the parent's children
-  // Its retained-set entry: a red-black node (32 bytes) around (time, key).
-  bytes += 32 + static_cast<int64_t>(sizeof(std::pair<absl::Time, PrefixKey>)) + kHeader;
-  return bytes;
-}
-}  // namespace
-
 absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int layer) {
   Sequence::LayerPrefix& lp = s->prefix[layer];
   LayerCache& cache = *s->layers[layer];
@@ -484,30 +378,19 @@ absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int laye
     const PrefixKey prev = b > 0 ? lp.block_keys[b - 1] : lp.seed;
     const PrefixKey key = ChainKey(prev, lp.pending_ids.data(), G);
     lp.pending_ids.erase(lp.pending_ids.begin(), lp.pending_ids.begin() + G);
-    auto n = T.nodes.find(key);
-    if (n != T.nodes.end()) {
+    if (const PrefixIndex::Entry* e = T.prefixes.Find(key)) {
       // The same tokens, model, basis and codec settings: hold the indexed copy instead.
-      RETURN_IF_ERROR(cache.ReplaceSealed(static_cast<int64_t>(b), n->second.block));
-      T.Hold(key, n->second);
-      n->second.last_used = now;
+      RETURN_IF_ERROR(cache.ReplaceSealed(static_cast<int64_t>(b), e->block));
+      T.prefixes.Hold(key);
+      T.prefixes.Touch(key, now);
       T.shared_tokens += G;
     } else {
-      Tenant::Node node;
-      node.block = cache.sealed()[b];
       const auto& hashes = s->hashes[layer];  // starts at group b (hash_base = b * G)
-      node.hashes.assign(hashes.begin(), hashes.begin() + G);
-      if (b > 0) {
-        node.parent = prev;
-        auto p = T.nodes.find(prev);
-        if (p != T.nodes.end()) p->second.children.push_back(key);
-      }
-      node.refs = 1;
-      node.last_used = now;
-      node.bytes = IndexedGroupBytes(node);
-      T.node_bytes += node.bytes;
-      T.bytes += node.bytes;
-      used_bytes_ += node.bytes;
-      T.nodes.emplace(key, std::move(node));
+      const int64_t bytes =
+          T.prefixes.Insert(key, b > 0 ? std::optional<PrefixKey>(prev) : std::nullopt,
+                            cache.sealed()[b], std::span<const uint64_t>(hashes.data(), G), now);
+      T.bytes += bytes;
+      used_bytes_ += bytes;
     }
     s->node_keys.push_back(key);
     lp.block_keys.push_back(key);
@@ -761,11 +644,8 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
           const int64_t pos = a.start + t;
           uint64_t have = 0;
           if (pos < base) {
-            const Tenant::Node* node = nullptr;
-            if (T != nullptr) {
-              auto it = T->nodes.find(lp.block_keys[pos / G]);
-              if (it != T->nodes.end()) node = &it->second;
-            }
+            const PrefixIndex::Entry* node =
+                T != nullptr ? T->prefixes.Find(lp.block_keys[pos / G]) : nullptr;
             have = node != nullptr ? node->hashes[pos % G] : ~TokenHash(*k, *v, t);
           } else {
             const int64_t i = pos - base;
@@ -792,20 +672,16 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
         // have encoded itself; the last R (the window) and the incomplete group stay for the
         // frontend to send with data, at arrival precision.
         const int64_t most = std::max<int64_t>(0, (p.n - s->codec.window) / G);
-        PrefixKey prev = lp.block_keys.empty() ? lp.seed : lp.block_keys.back();
+        const PrefixKey prev = lp.block_keys.empty() ? lp.seed : lp.block_keys.back();
         MutexLock g(&mu_);
         auto t = tenants_.find(tenant);
-        for (int64_t b = 0; t != tenants_.end() && b < most; ++b) {
-          prev = ChainKey(prev, a.token_ids.data() + p.from + b * G, G);
-          auto node = t->second->nodes.find(prev);
-          if (node == t->second->nodes.end()) break;
-          t->second->Hold(prev, node->second);  // pinned: no reservation may drop it before it is attached
-          p.attach.push_back(node->second.block);
-          p.attach_keys.push_back(prev);
-          if (attach_only) {
-            p.new_hashes.insert(p.new_hashes.end(), node->second.hashes.begin(),
-                                node->second.hashes.end());
-          }
+        if (t != tenants_.end()) {
+          // Pinned: no reservation may drop them before they are attached.
+          PrefixIndex::Run run =
+              t->second->prefixes.HoldRun(prev, a.token_ids.subspan(p.from), G, most);
+          p.attach = std::move(run.blocks);
+          p.attach_keys = std::move(run.keys);
+          if (attach_only) p.new_hashes = std::move(run.hashes);
         }
       }
       if (attach_only) p.n = static_cast<int64_t>(p.attach.size()) * G;
@@ -839,11 +715,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
       if (t == tenants_.end()) return;
       for (size_t i = from_item; i < std::min(to_item, plans.size()); ++i) {
         for (const PrefixKey& k : plans[i].attach_keys) {
-          auto n = t->second->nodes.find(k);
-          if (n != t->second->nodes.end() && t->second->Release(k, n->second) &&
-              !opts_.retain_prefixes) {
-            DropNodeLocked(*t->second, k);
-          }
+          ReleasePrefixLocked(*t->second, k, /*drop=*/false);
         }
         plans[i].attach_keys.clear();
       }
@@ -937,10 +809,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
           s->node_keys.insert(s->node_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
           Tenant& T = *tenants_[tenant];
           const absl::Time now = opts_.now();
-          for (const PrefixKey& k : p.attach_keys) {
-            auto n = T.nodes.find(k);
-            if (n != T.nodes.end()) n->second.last_used = now;
-          }
+          for (const PrefixKey& k : p.attach_keys) T.prefixes.Touch(k, now);
           T.shared_tokens += shared;
         }
         const int64_t data_n = p.n - shared;
@@ -1222,9 +1091,9 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
   u.evictions = t->second->evictions;
   u.expirations = t->second->expirations;
   u.shared_tokens = t->second->shared_tokens;
-  u.prefix_blocks = static_cast<int64_t>(t->second->nodes.size());
-  u.prefix_bytes = t->second->node_bytes;
-  u.retained_bytes = t->second->retained_bytes;
+  u.prefix_blocks = t->second->prefixes.entries();
+  u.prefix_bytes = t->second->prefixes.bytes();
+  u.retained_bytes = t->second->prefixes.retained_bytes();
   for (const auto& [id, s] : t->second->seqs) {
     ++u.sequences;
     u.tokens += s->tokens;
@@ -1233,7 +1102,7 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
     u.elements += s->elements;
     u.size += s->size;
   }
-  u.bytes += t->second->node_bytes;
+  u.bytes += t->second->prefixes.bytes();
   return u;
 }
 
@@ -1244,9 +1113,9 @@ UsageStats Store::TotalUsage() const {
   u.expirations = expirations_;
   for (const auto& [name, t] : tenants_) {
     u.shared_tokens += t->shared_tokens;
-    u.prefix_blocks += static_cast<int64_t>(t->nodes.size());
-    u.prefix_bytes += t->node_bytes;
-    u.retained_bytes += t->retained_bytes;
+    u.prefix_blocks += t->prefixes.entries();
+    u.prefix_bytes += t->prefixes.bytes();
+    u.retained_bytes += t->prefixes.retained_bytes();
   }
   for (const Sequence* s : lru_) {
     ++u.sequences;
@@ -1318,12 +1187,8 @@ int64_t Store::Scrub() {
   // dropped with its extensions, so that no later attach can take it.
   MutexLock l(&mu_);
   for (auto& [name, t] : tenants_) {
-    std::vector<PrefixKey> corrupt;
-    for (const auto& [key, node] : t->nodes) {
-      if (node.refs != 0) continue;
-      if (!node.block->Verify().ok()) corrupt.push_back(key);
-    }
-    for (const PrefixKey& k : corrupt) DropNodeLocked(*t, k);
+    const std::vector<PrefixKey> corrupt = t->prefixes.CorruptRetained();
+    for (const PrefixKey& k : corrupt) DropPrefixLocked(*t, k);
     retained_scrub_drops_ += static_cast<int64_t>(corrupt.size());
   }
   return bad;
