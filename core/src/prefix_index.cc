@@ -15,8 +15,8 @@ PrefixKey PrefixSeed(const ModelEntry& m, const CodecOptions& c, int layer) {
   // The codec as codec.json writes it (every stored field, so that no field can be left out
   // here) plus the two that are not settings of a model.
   const std::string s = absl::StrCat(
-      "kvq-prefix-v2|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint,
-      "|", m.has_basis, "|", CodecToJson(c).dump(), "|", c.head_dim, ",", c.side_sign, "|", layer);
+      "kvq-prefix-v2|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint, "|",
+      m.has_basis, "|", CodecToJson(c).dump(), "|", c.head_dim, ",", c.side_sign, "|", layer);
   const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
   return {h.low64, h.high64};
 }
@@ -114,8 +114,7 @@ void PrefixIndex::Touch(const PrefixKey& key, absl::Time now) {
 PrefixIndex::Run PrefixIndex::HoldRun(PrefixKey prev, std::span<const uint32_t> ids, int group,
                                       int64_t max_groups) {
   Run run;
-  for (int64_t b = 0; b < max_groups && (b + 1) * group <= static_cast<int64_t>(ids.size());
-       ++b) {
+  for (int64_t b = 0; b < max_groups && (b + 1) * group <= static_cast<int64_t>(ids.size()); ++b) {
     prev = ChainKey(prev, ids.data() + b * group, group);
     auto e = entries_.find(prev);
     if (e == entries_.end()) break;

@@ -44,8 +44,8 @@ PrefixKey KeyOf(const std::vector<uint32_t>& ids, int groups) {
 
 // Indexes the first `groups` groups of `ids` as one chain, each held once and group g used at
 // now + g seconds; returns the keys.
-std::vector<PrefixKey> InsertChain(PrefixIndex& index, const std::vector<uint32_t>& ids,
-                                   int groups, absl::Time now) {
+std::vector<PrefixKey> InsertChain(PrefixIndex& index, const std::vector<uint32_t>& ids, int groups,
+                                   absl::Time now) {
   std::vector<PrefixKey> keys;
   for (int g = 0; g < groups; ++g) {
     const PrefixKey k = KeyOf(ids, g + 1);

@@ -227,6 +227,9 @@ class Store {
   struct Tenant;
 
  private:
+  // One attempt of Append, in named steps (core/src/store_append.h).
+  class AppendBatch;
+
   absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant, const std::string& id,
                                                  int basis_version);
   // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`; the
@@ -254,9 +257,6 @@ class Store {
                              absl::Time older_than = absl::InfiniteFuture())
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Indexes the groups a layer sealed since the last call (or holds the indexed copy).
-  absl::Status IndexSealed(const std::string& tenant, Sequence* s, int layer)
-      ABSL_LOCKS_EXCLUDED(mu_);
   // Re-measures a sequence after a change and fixes the accounting.
   void Remeasure(Sequence* s, int64_t reserved);
   // The codec tables of (model entry, layer, codec), built on first use and shared by every
