@@ -31,7 +31,9 @@ class Store::AppendBatch {
   absl::Status FindOrCreateSequences();
   std::vector<Sequence*> sequences() const;
 
-  // The steps below run with every sequence of sequences() locked.
+  // The steps below run with every sequence of sequences() locked (by Append's
+  // SequenceLocks, a lock set the thread-safety analysis cannot follow: the methods that read
+  // a sequence's guarded fields are marked ABSL_NO_THREAD_SAFETY_ANALYSIS).
 
   // 2. Validates the whole batch before anything is stored, simulating the lengths it
   // produces: each item's new tokens and duplicates, the prefix groups it takes from the
