@@ -1,169 +1,20 @@
-// The block store: sequences per tenant, positioned idempotent appends, LRU eviction.
+// The block store: sequences per tenant, their reads, capacity and LRU eviction (the write
+// path, Store::Append, is store_append.cc).
 #include "kvq/core/store.h"
 
 #include <algorithm>
-#include <array>
-#include <atomic>
-#include <cstring>
 #include <deque>
-#include <new>
 #include <optional>
-#include <set>
 
 #include "absl/strings/str_cat.h"
-#include "kvq/core/codec_json.h"
 #include "kvq/core/eviction_planner.h"
-#include "kvq/core/field_error.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/status.h"
-#include "xxhash.h"
+#include "store_state.h"
 
 namespace kvq::core {
 
 namespace {
-using PrefixKey = std::pair<uint64_t, uint64_t>;
-}  // namespace
-
-struct Store::Sequence {
-  std::string tenant, id;
-  std::shared_ptr<const ModelEntry> model;
-  CodecOptions codec;
-
-  Mutex mu;
-  std::vector<std::unique_ptr<LayerCache>> layers ABSL_GUARDED_BY(mu);
-  // Per layer, per stored token: hash of the bytes it arrived as, for idempotent re-sends.
-  // The tokens of indexed (sealed) groups keep theirs in the prefix index instead (the hashes
-  // of the sequence that first stored the group): hashes[l] holds tokens from
-  // hash_base[l] = (indexed groups) x G on. Length(l) is the layer's token count.
-  std::vector<std::vector<uint64_t>> hashes ABSL_GUARDED_BY(mu);
-  std::vector<int64_t> hash_base ABSL_GUARDED_BY(mu);
-  int64_t Length(int layer) const ABSL_SHARED_LOCKS_REQUIRED(mu) {
-    return hash_base[layer] + static_cast<int64_t>(hashes[layer].size());
-  }
-  // Per layer: prefix-sharing state.
-  struct LayerPrefix {
-    bool open = true;                   // every append so far carried token ids
-    PrefixKey seed;                     // the chain's root (PrefixSeed), set at creation
-    std::vector<PrefixKey> block_keys;  // key of each sealed group
-    std::vector<uint32_t> pending_ids;  // ids of the tokens after the sealed groups
-  };
-  std::vector<LayerPrefix> prefix ABSL_GUARDED_BY(mu);
-  bool dtype_set ABSL_GUARDED_BY(mu) = false;
-  DType dtype ABSL_GUARDED_BY(mu) = DType::kF32;
-  std::atomic<bool> corrupt{false};
-
-  // Guarded by Store::mu_.
-  std::vector<PrefixKey> node_keys;  // prefix-index entries this sequence holds
-  int64_t bytes = 0;
-  int64_t tokens = 0;
-  int64_t blocks = 0;
-  int64_t elements = 0;
-  SizeReport size;
-  absl::Time last_used;
-  std::list<Sequence*>::iterator lru;
-  bool linked = false;
-};
-
-struct Store::Tenant {
-  absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> seqs;
-  int64_t bytes = 0;  // stored + reserved, prefix index included
-  int64_t evictions = 0;
-  int64_t expirations = 0;
-  // The prefix index: one entry per sealed group, by chained key.
-  struct Node {
-    SealedBlockPtr block;
-    std::vector<uint64_t> hashes;  // arrival hashes of the G tokens (for attach re-sends)
-    std::optional<PrefixKey> parent;
-    std::vector<PrefixKey> children;
-    int64_t refs = 0;  // sequences holding it (and plans pinning it); change via Hold/Release
-    int64_t bytes = 0;
-    absl::Time last_used;  // not changed while refs == 0 (it keys `retained`)
-  };
-  absl::flat_hash_map<PrefixKey, Node> nodes;
-  int64_t node_bytes = 0;
-  int64_t shared_tokens = 0;
-  // The entries no sequence holds (refs == 0), least recently used first: eviction takes
-  // the front, so pressure costs O(log n) per dropped entry, not a scan of the index.
-  std::set<std::pair<absl::Time, PrefixKey>> retained;
-  int64_t retained_bytes = 0;
-
-  void Hold(const PrefixKey& k, Node& n) {
-    if (n.refs++ == 0) {
-      retained.erase({n.last_used, k});
-      retained_bytes -= n.bytes;
-    }
-  }
-  // True when nobody holds the entry any more (it is retained now).
-  bool Release(const PrefixKey& k, Node& n) {
-    if (--n.refs != 0) return false;
-    retained.emplace(n.last_used, k);
-    retained_bytes += n.bytes;
-    return true;
-  }
-  // Before the entry is erased.
-  void Forget(const PrefixKey& k, const Node& n) {
-    if (n.refs != 0) return;
-    retained.erase({n.last_used, k});
-    retained_bytes -= n.bytes;
-  }
-};
-
-namespace {
-
-constexpr int64_t kMaxAppendTokens = 65536;
-
-// Hash of token t (all heads, keys then values) as it arrived, including the dtype.
-uint64_t TokenHash(const TensorView& k, const TensorView& v, int64_t t) {
-  const size_t es = DTypeSize(k.dtype);
-  uint64_t h = 0x6b7671ull ^ static_cast<uint64_t>(k.dtype);
-  uint8_t buf[512 * 4];
-  const TensorView* views[2] = {&k, &v};
-  for (const TensorView* tv : views) {
-    for (int64_t head = 0; head < tv->shape[0]; ++head) {
-      const uint8_t* base =
-          static_cast<const uint8_t*>(tv->data) + (head * tv->stride[0] + t * tv->stride[1]) * es;
-      const size_t row = static_cast<size_t>(tv->shape[2]) * es;
-      if (tv->stride[2] == 1) {
-        h = XXH3_64bits_withSeed(base, row, h);
-      } else {
-        for (int64_t c = 0; c < tv->shape[2]; ++c) {
-          std::memcpy(buf + c * es, base + c * tv->stride[2] * es, es);
-        }
-        h = XXH3_64bits_withSeed(buf, row, h);
-      }
-    }
-  }
-  return h;
-}
-
-// The root of a layer's prefix chain: everything that must match for two sequences' blocks
-// to be interchangeable.
-PrefixKey PrefixSeed(const ModelEntry& m, const CodecOptions& c, int layer) {
-  // The codec as codec.json writes it (every stored field, so that no field can be left out
-  // here) plus the two that are not settings of a model.
-  const std::string s = absl::StrCat(
-      "kvq-prefix-v2|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint,
-      "|", m.has_basis, "|", CodecToJson(c).dump(), "|", c.head_dim, ",", c.side_sign, "|", layer);
-  const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
-  return {h.low64, h.high64};
-}
-
-// The key of a group: XXH3-128 over (the previous key, the group's token ids).
-PrefixKey ChainKey(const PrefixKey& prev, const uint32_t* ids, int g) {
-  std::array<uint8_t, 16 + 4 * 128> buf;  // G <= 128 (CodecOptions::Validate)
-  std::memcpy(buf.data(), &prev.first, 8);
-  std::memcpy(buf.data() + 8, &prev.second, 8);
-  std::memcpy(buf.data() + 16, ids, 4 * static_cast<size_t>(g));
-  const XXH128_hash_t h = XXH3_128bits(buf.data(), 16 + 4 * static_cast<size_t>(g));
-  return {h.low64, h.high64};
-}
-
-TensorView SliceTokens(const TensorView& t, int64_t from, int64_t n) {
-  TensorView s = t;
-  s.data = static_cast<const uint8_t*>(t.data) + from * t.stride[1] * DTypeSize(t.dtype);
-  s.shape[1] = n;
-  return s;
-}
 
 // The first `rank` columns of one layer of a basis-shaped tensor (U, or an oblique pair's
 // encode basis A: the leading columns of a pair are the lower-rank pair), [kv][d][rank];
@@ -182,36 +33,6 @@ std::vector<float> LayerBasis(const ModelEntry& m, const std::vector<float>& ten
     }
   }
   return out;
-}
-
-// Bytes a layer grows by from `before` to `after` tokens: blocks for the groups that get
-// encoded (the value block at its largest), the window at arrival precision, the hashes.
-// Remeasure() replaces the estimate with the real size right after the append.
-int64_t GrowthEstimate(const CodecOptions& o, int kv_heads, DType dtype, int64_t before,
-                       int64_t after) {
-  auto encoded = [&](int64_t n) {
-    return std::max<int64_t>(0, (n - o.window) / o.key_group) * o.key_group;
-  };
-  const int64_t e0 = encoded(before), e1 = encoded(after);
-  const int64_t blocks = (e1 - e0) / o.key_group * kv_heads;
-  const int64_t block_bytes =
-      blocks * static_cast<int64_t>(KeyBlockBytes(o) + MaxValueBlockBytes(o));
-  const int64_t window_bytes = ((after - e1) - (before - e0)) * kv_heads * o.head_dim * 2 *
-                               static_cast<int64_t>(DTypeSize(dtype));
-  return std::max<int64_t>(0, block_bytes + window_bytes) +
-         (after - before) * static_cast<int64_t>(sizeof(uint64_t));
-}
-
-// An error about item i of an append batch: the field `appends[i]` (field_error.h), which the
-// server renames to its wire path.
-absl::Status AppendError(absl::StatusCode code, size_t i, absl::string_view rest) {
-  return FieldError(code, absl::StrCat("appends[", i, "]"), rest);
-}
-
-std::string Shape(const TensorView& t) {
-  std::string s = "[";
-  for (int i = 0; i < t.rank; ++i) absl::StrAppend(&s, i ? "," : "", t.shape[i]);
-  return s + "]";
 }
 
 }  // namespace
@@ -239,46 +60,27 @@ void Store::UnlinkLocked(Sequence* s, bool drop) {
   // Release its prefix blocks, last group first so that a dropped group's extensions (held
   // by nobody either) are already gone.
   for (auto it = s->node_keys.rbegin(); it != s->node_keys.rend(); ++it) {
-    auto n = t.nodes.find(*it);
-    if (n == t.nodes.end()) continue;
-    if (t.Release(*it, n->second) && (drop || !opts_.retain_prefixes)) DropNodeLocked(t, *it);
+    ReleasePrefixLocked(t, *it, drop);
   }
   s->node_keys.clear();
   t.seqs.erase(s->id);  // may destroy *s when nobody else holds it: do this last
 }
 
-int64_t Store::DropNodeLocked(Tenant& t, std::pair<uint64_t, uint64_t> key) {
-  // The entry and every extension of it (none is held when it is not: a holder of an
-  // extension holds its prefix too).
-  int64_t freed = 0;
-  std::vector<PrefixKey> stack{key};
-  while (!stack.empty()) {
-    const PrefixKey k = stack.back();
-    stack.pop_back();
-    auto e = t.nodes.find(k);
-    if (e == t.nodes.end()) continue;
-    for (const PrefixKey& c : e->second.children) stack.push_back(c);
-    if (e->second.parent && k == key) {
-      auto p = t.nodes.find(*e->second.parent);
-      if (p != t.nodes.end()) std::erase(p->second.children, k);
-    }
-    freed += e->second.bytes;
-    t.Forget(k, e->second);
-    t.nodes.erase(e);
-  }
-  t.node_bytes -= freed;
+void Store::ReleasePrefixLocked(Tenant& t, const PrefixKey& key, bool drop) {
+  if (t.prefixes.Release(key) && (drop || !opts_.retain_prefixes)) DropPrefixLocked(t, key);
+}
+
+int64_t Store::DropPrefixLocked(Tenant& t, const PrefixKey& key) {
+  const int64_t freed = t.prefixes.Drop(key);
   t.bytes -= freed;
   used_bytes_ -= freed;
   return freed;
 }
 
 int64_t Store::DropRetainedLocked(Tenant& t, int64_t need, absl::Time older_than) {
-  int64_t freed = 0;
-  // Each drop removes the front entry (with its extensions), so the loop ends.
-  while (!t.retained.empty() && t.retained.begin()->first < older_than &&
-         !(need > 0 && freed >= need)) {
-    freed += DropNodeLocked(t, t.retained.begin()->second);
-  }
+  const int64_t freed = t.prefixes.DropRetained(need, older_than);
+  t.bytes -= freed;
+  used_bytes_ -= freed;
   return freed;
 }
 
@@ -344,8 +146,9 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
         c.bytes = s->bytes;
         const Tenant& owner = *tenants_[s->tenant];
         for (const PrefixKey& k : s->node_keys) {
-          auto n = owner.nodes.find(k);
-          if (n != owner.nodes.end()) c.blocks.push_back({&n->second, n->second.bytes, n->second.refs});
+          if (const PrefixIndex::Entry* e = owner.prefixes.Find(k)) {
+            c.blocks.push_back({e, e->bytes, e->refs});
+          }
         }
       }
       return i < seen.size() ? &seen[i] : nullptr;
@@ -438,586 +241,6 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
   s->blocks = blocks;
   s->elements = elements;
   s->size = size;
-}
-
-// What one indexed group takes, counted against the tenant: the block's bytes (their
-// capacity), offsets and sinks, its arrival hashes, and the index's bookkeeping: the hash-map
-// slot (at the map's lowest load, 7/8), the SealedBlock object with its shared_ptr control
-// block, the vectors' heap headers, its key in its parent's children (with the vector's
-// doubling) and its entry in the retained set (every group is retained once unused). A heap
-// block costs malloc's 16-byte header on glibc x86-64.
-namespace {
-int64_t IndexedGroupBytes(const Store::Tenant::Node& n) {
-  constexpr int64_t kHeader = 16;
-  const SealedBlock& b = *n.block;
-  using Slot = std::pair<const PrefixKey, Store::Tenant::Node>;
-  const int64_t slot = static_cast<int64_t>(sizeof(Slot) + 1);
-  int64_t bytes = slot * 8 / 7 + 1;
-  bytes += static_cast<int64_t>(sizeof(SealedBlock)) + 16 + kHeader;  // make_shared
-  bytes += static_cast<int64_t>(b.bytes.capacity()) + kHeader;
-  bytes += static_cast<int64_t>(b.offsets.capacity() * sizeof(uint32_t)) + kHeader;
-  if (b.sinks)
-    bytes += b.sinks->bytes() + static_cast<int64_t>(sizeof(SinkRows)) + 16 + 3 * kHeader;
-  bytes += static_cast<int64_t>(n.hashes.capacity() * sizeof(uint64_t)) + kHeader;
-  bytes += 2 * static_cast<int64_t>(sizeof(PrefixKey)) + kHeader;  // in the parent's children
-  // Its retained-set entry: a red-black node (32 bytes) around (time, key).
-  bytes += 32 + static_cast<int64_t>(sizeof(std::pair<absl::Time, PrefixKey>)) + kHeader;
-  return bytes;
-}
-}  // namespace
-
-absl::Status Store::IndexSealed(const std::string& tenant, Sequence* s, int layer) {
-  Sequence::LayerPrefix& lp = s->prefix[layer];
-  LayerCache& cache = *s->layers[layer];
-  const int G = s->codec.key_group;
-  MutexLock g(&mu_);
-  // Evicted by another writer while this append ran: it is going away, index nothing.
-  if (!s->linked) return absl::OkStatus();
-  Tenant& T = *tenants_[tenant];
-  const absl::Time now = opts_.now();
-  while (lp.block_keys.size() < cache.sealed().size()) {
-    const size_t b = lp.block_keys.size();
-    if (lp.pending_ids.size() < static_cast<size_t>(G)) {
-      return absl::InternalError(absl::StrCat("layer ", layer, ": group ", b,
-                                              " sealed without its token ids"));
-    }
-    const PrefixKey prev = b > 0 ? lp.block_keys[b - 1] : lp.seed;
-    const PrefixKey key = ChainKey(prev, lp.pending_ids.data(), G);
-    lp.pending_ids.erase(lp.pending_ids.begin(), lp.pending_ids.begin() + G);
-    auto n = T.nodes.find(key);
-    if (n != T.nodes.end()) {
-      // The same tokens, model, basis and codec settings: hold the indexed copy instead.
-      RETURN_IF_ERROR(cache.ReplaceSealed(static_cast<int64_t>(b), n->second.block));
-      T.Hold(key, n->second);
-      n->second.last_used = now;
-      T.shared_tokens += G;
-    } else {
-      Tenant::Node node;
-      node.block = cache.sealed()[b];
-      const auto& hashes = s->hashes[layer];  // starts at group b (hash_base = b * G)
-      node.hashes.assign(hashes.begin(), hashes.begin() + G);
-      if (b > 0) {
-        node.parent = prev;
-        auto p = T.nodes.find(prev);
-        if (p != T.nodes.end()) p->second.children.push_back(key);
-      }
-      node.refs = 1;
-      node.last_used = now;
-      node.bytes = IndexedGroupBytes(node);
-      T.node_bytes += node.bytes;
-      T.bytes += node.bytes;
-      used_bytes_ += node.bytes;
-      T.nodes.emplace(key, std::move(node));
-    }
-    s->node_keys.push_back(key);
-    lp.block_keys.push_back(key);
-    // The group's arrival hashes now live in the index (and their room is given back once
-    // most of it is unused: it is counted against the tenant).
-    auto& h = s->hashes[layer];
-    h.erase(h.begin(), h.begin() + G);
-    if (h.capacity() > 2 * h.size() + 64) h.shrink_to_fit();
-    s->hash_base[layer] += G;
-  }
-  return absl::OkStatus();
-}
-
-namespace {
-// The sequences one append holds: locked in address order (two appends never wait on each
-// other in a cycle) and unlocked in reverse when it goes out of scope, on every path.
-class SequenceLocks {
- public:
-  explicit SequenceLocks(std::vector<Store::Sequence*> seqs) ABSL_NO_THREAD_SAFETY_ANALYSIS
-      : seqs_(std::move(seqs)) {
-    std::sort(seqs_.begin(), seqs_.end());
-    for (Store::Sequence* s : seqs_) s->mu.Lock();
-  }
-  ~SequenceLocks() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    for (auto it = seqs_.rbegin(); it != seqs_.rend(); ++it) (*it)->mu.Unlock();
-  }
-  SequenceLocks(const SequenceLocks&) = delete;
-  SequenceLocks& operator=(const SequenceLocks&) = delete;
-  const std::vector<Store::Sequence*>& held() const { return seqs_; }
-
- private:
-  std::vector<Store::Sequence*> seqs_;
-};
-}  // namespace
-
-absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
-                           AppendOutcome* outcome) {
-  *outcome = AppendOutcome{};
-  if (batch.empty()) return absl::OkStatus();
-  for (int attempt = 0;; ++attempt) {
-    // 1. Find or prepare every sequence the batch names.
-    std::vector<std::string> ids;
-    absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> seqs;
-    absl::flat_hash_map<std::string, bool> fresh;
-    for (size_t i = 0; i < batch.size(); ++i) {
-      const std::string& id = batch[i].sequence_id;
-      if (id.empty() || id.size() > 256) {
-        return AppendError(absl::StatusCode::kInvalidArgument, i,
-                           absl::StrCat(".sequence_id must be 1..256 bytes (got ", id.size(), ")"));
-      }
-      if (seqs.count(id)) continue;
-      {
-        MutexLock l(&mu_);
-        auto t = tenants_.find(tenant);
-        if (t != tenants_.end()) {
-          auto s = t->second->seqs.find(id);
-          if (s != t->second->seqs.end()) seqs[id] = s->second;
-        }
-      }
-      if (!seqs.count(id)) {
-        const AppendSpec& a = batch[i];
-        if (a.model.empty()) {
-          return AppendError(absl::StatusCode::kNotFound, i,
-                             absl::StrCat(": sequence '", id,
-                                          "' does not exist; the append that creates it must name a model"));
-        }
-        absl::StatusOr<std::shared_ptr<const ModelEntry>> m =
-            registry_->Get(a.model, a.basis_version);
-        if (!m.ok()) {
-          return AppendError(m.status().code(), i, absl::StrCat(".model: ", m.status().message()));
-        }
-        auto s = std::make_shared<Sequence>();
-        s->tenant = tenant;
-        s->id = id;
-        s->model = *m;
-        s->codec = a.has_codec ? a.codec : (*m)->codec;
-        s->codec.head_dim = (*m)->manifest.head_dim;
-        if (s->codec.rank > (*m)->manifest.rank) {
-          return AppendError(absl::StatusCode::kInvalidArgument, i,
-                             absl::StrCat(".codec.rank ", s->codec.rank, " exceeds the basis rank ",
-                                          (*m)->manifest.rank, " of model '", a.model, "'"));
-        }
-        if (absl::Status st = s->codec.Validate(); !st.ok()) {
-          return AppendError(absl::StatusCode::kInvalidArgument, i, absl::StrCat(".codec: ", st.message()));
-        }
-        if (s->codec.metric_rounding && (*m)->basis.query_moment.empty()) {
-          return AppendError(absl::StatusCode::kFailedPrecondition, i,
-                             absl::StrCat(".codec.metric_rounding needs query moments, which model '",
-                                          a.model, "' version ", (*m)->manifest.version,
-                                          " was registered without"));
-        }
-        s->layers.resize((*m)->manifest.layers);
-        s->hashes.resize((*m)->manifest.layers);
-        s->hash_base.assign((*m)->manifest.layers, 0);
-        s->prefix.resize((*m)->manifest.layers);
-        for (int l = 0; l < (*m)->manifest.layers; ++l) {
-          s->prefix[l].seed = PrefixSeed(**m, s->codec, l);
-        }
-        seqs[id] = s;
-        fresh[id] = true;
-      }
-      ids.push_back(id);
-    }
-
-    // 2. Lock every sequence, in address order, until this attempt ends (whatever leaves it).
-    std::vector<Sequence*> to_lock;
-    for (auto& [id, s] : seqs) to_lock.push_back(s.get());
-    const SequenceLocks locks(std::move(to_lock));
-    const std::vector<Sequence*>& locked = locks.held();
-
-    // 3. Validate the whole batch, simulating the lengths it produces.
-    struct Plan {
-      int64_t from = 0, n = 0;  // new tokens: [from, from + n) of the append's own range
-      std::vector<uint64_t> new_hashes;
-      // The first `attach.size()` groups of the new tokens come from the prefix index.
-      std::vector<SealedBlockPtr> attach;
-      std::vector<PrefixKey> attach_keys;
-    };
-    std::vector<Plan> plans(batch.size());
-    absl::flat_hash_map<std::pair<Sequence*, int>, std::vector<uint64_t>> pending;
-    int64_t estimate = 0;
-    absl::Status bad;
-    for (size_t i = 0; i < batch.size() && bad.ok(); ++i) {
-      const AppendSpec& a = batch[i];
-      Sequence* s = seqs[a.sequence_id].get();
-      const BasisManifest& m = s->model->manifest;
-      auto fail = [&](absl::StatusCode code, auto&&... parts) {
-        bad = AppendError(code, i, absl::StrCat(parts...));
-      };
-      if (!a.model.empty() && a.model != m.model) {
-        fail(absl::StatusCode::kFailedPrecondition, ".model '", a.model, "': sequence '",
-             a.sequence_id, "' belongs to model '", m.model, "'");
-        break;
-      }
-      if (a.basis_version != 0 && a.basis_version != m.version) {
-        fail(absl::StatusCode::kFailedPrecondition, ".basis_version ", a.basis_version,
-             ": sequence '", a.sequence_id, "' is pinned to version ", m.version, " of '", m.model,
-             "'");
-        break;
-      }
-      if (a.layer < 0 || a.layer >= m.layers) {
-        fail(absl::StatusCode::kInvalidArgument, ".layer ", a.layer, " must be in 0..",
-             m.layers - 1, " (model '", m.model, "' has ", m.layers, " layers)");
-        break;
-      }
-      const TensorView *k = &a.keys, *v = &a.values;
-      const bool attach_only = k->rank == 0 && v->rank == 0;
-      const int G = s->codec.key_group;
-      if (attach_only) {
-        if (a.token_ids.empty() || a.token_ids.size() > static_cast<size_t>(kMaxAppendTokens)) {
-          fail(absl::StatusCode::kInvalidArgument, ": keys and values are absent, so token_ids "
-               "(1..", kMaxAppendTokens, " ids) must name the tokens to attach from the prefix "
-               "index (got ", a.token_ids.size(), ")");
-          break;
-        }
-        if (a.start % G != 0) {
-          fail(absl::StatusCode::kInvalidArgument, ".start ", a.start,
-               ": an attach (token_ids without keys and values) starts at a multiple of the "
-               "group size G = ", G);
-          break;
-        }
-        if (a.probe_weights != nullptr) {
-          fail(absl::StatusCode::kInvalidArgument,
-               ".probe_weights: an attach carries no tokens to weigh");
-          break;
-        }
-      } else if (k->rank != 3 || k->shape[0] != m.kv_heads || k->shape[2] != m.head_dim ||
-          k->shape[1] < 1 || k->shape[1] > kMaxAppendTokens) {
-        fail(absl::StatusCode::kInvalidArgument, ".keys.shape ", Shape(*k),
-             " must be [kv_heads=", m.kv_heads, ", n in 1..", kMaxAppendTokens,
-             ", head_dim=", m.head_dim, "]");
-        break;
-      }
-      if (attach_only) {
-        // checked above
-      } else if (v->rank != 3 || v->shape[0] != k->shape[0] || v->shape[1] != k->shape[1] ||
-          v->shape[2] != k->shape[2]) {
-        fail(absl::StatusCode::kInvalidArgument, ".values.shape ", Shape(*v),
-             " must equal keys.shape ", Shape(*k));
-        break;
-      }
-      if (!attach_only && v->dtype != k->dtype) {
-        fail(absl::StatusCode::kInvalidArgument, ".values.dtype ", DTypeName(v->dtype),
-             " must equal keys.dtype ", DTypeName(k->dtype));
-        break;
-      }
-      if (!attach_only && batch.size() > 1) {
-        // Each cache rejects bad rows without change, but only for its own append: with more
-        // than one, every element is checked here so that a bad one leaves none applied.
-        absl::Status rows = CheckStorable(*k, "keys");
-        if (rows.ok()) rows = CheckStorable(*v, "values");
-        if (!rows.ok()) {
-          fail(absl::StatusCode::kInvalidArgument, " (layer ", a.layer, "): ", rows.message());
-          break;
-        }
-      }
-      if (!attach_only && !a.token_ids.empty() &&
-          a.token_ids.size() != static_cast<size_t>(k->shape[1])) {
-        fail(absl::StatusCode::kInvalidArgument, ".token_ids has ", a.token_ids.size(),
-             " ids; it must be empty or hold one id per appended token (", k->shape[1], ")");
-        break;
-      }
-      if (!attach_only && s->dtype_set && k->dtype != s->dtype) {
-        fail(absl::StatusCode::kInvalidArgument, ".keys.dtype ", DTypeName(k->dtype),
-             " differs from the dtype sequence '", a.sequence_id, "' arrived in (",
-             DTypeName(s->dtype), ")");
-        break;
-      }
-      const int64_t n = attach_only ? static_cast<int64_t>(a.token_ids.size()) : k->shape[1];
-      auto& pend = pending[{s, a.layer}];
-      const std::vector<uint64_t>& stored = s->hashes[a.layer];
-      const int64_t base = s->hash_base[a.layer];
-      const int64_t len = base + static_cast<int64_t>(stored.size() + pend.size());
-      if (a.start < 0 || a.start > len) {
-        fail(a.start < 0 ? absl::StatusCode::kInvalidArgument
-                         : absl::StatusCode::kFailedPrecondition,
-             ".start ", a.start, " must be in 0..", len, " (layer ", a.layer, " of sequence '",
-             a.sequence_id, "' holds ", len, " tokens; appends leave no gaps)");
-        break;
-      }
-      Plan& p = plans[i];
-      const Sequence::LayerPrefix& lp = s->prefix[a.layer];
-      int64_t overlap = std::min(n, len - a.start);
-      if (attach_only) {
-        // A re-sent attach: the overlapped groups must be sealed with the same keys.
-        PrefixKey prev = lp.seed;
-        const int64_t g0 = a.start / G;
-        if (g0 > 0 && g0 <= static_cast<int64_t>(lp.block_keys.size())) prev = lp.block_keys[g0 - 1];
-        int64_t g = 0;
-        for (; (g + 1) * G <= overlap; ++g) {
-          prev = ChainKey(prev, a.token_ids.data() + g * G, G);
-          const size_t at_g = static_cast<size_t>(g0 + g);
-          if (at_g >= lp.block_keys.size() || lp.block_keys[at_g] != prev) break;
-        }
-        if (g * G < overlap) {
-          fail(absl::StatusCode::kAlreadyExists, ".token_ids[", g * G, "..]: tokens from ",
-               a.start + g * G, " of layer ", a.layer, " of sequence '", a.sequence_id,
-               "' are stored, but not as sealed groups of these ids");
-          break;
-        }
-      } else {
-        // Tokens of indexed groups compare with the index's hashes (under the store lock).
-        std::optional<MutexLock> index_lock;
-        const Tenant* T = nullptr;
-        if (overlap > 0 && a.start < base) {
-          index_lock.emplace(&mu_);
-          auto t = tenants_.find(tenant);
-          if (t != tenants_.end()) T = t->second.get();
-        }
-        for (int64_t t = 0; t < overlap; ++t) {
-          const int64_t pos = a.start + t;
-          uint64_t have = 0;
-          if (pos < base) {
-            const Tenant::Node* node = nullptr;
-            if (T != nullptr) {
-              auto it = T->nodes.find(lp.block_keys[pos / G]);
-              if (it != T->nodes.end()) node = &it->second;
-            }
-            have = node != nullptr ? node->hashes[pos % G] : ~TokenHash(*k, *v, t);
-          } else {
-            const int64_t i = pos - base;
-            have = i < static_cast<int64_t>(stored.size()) ? stored[i] : pend[i - stored.size()];
-          }
-          if (have != TokenHash(*k, *v, t)) {
-            fail(absl::StatusCode::kAlreadyExists, ": token ", pos, " of layer ", a.layer,
-                 " of sequence '", a.sequence_id,
-                 "' is already stored with different contents (re-sends must be identical)");
-            break;
-          }
-        }
-        if (!bad.ok()) break;
-      }
-      p.from = overlap;
-      p.n = n - overlap;
-      // Groups from the prefix index: only at the end of a layer whose every token is sealed
-      // (and nothing earlier in this message touched it); for data, at most the groups the
-      // append would encode itself.
-      const LayerCache* cache = s->layers[a.layer].get();
-      if (p.n > 0 && !a.token_ids.empty() && lp.open && pend.empty() && a.start + overlap == len &&
-          (cache == nullptr || cache->AllSealed())) {
-        // Attach or data alike: only groups that a sequence holding these n tokens would
-        // have encoded itself; the last R (the window) and the incomplete group stay for the
-        // frontend to send with data, at arrival precision.
-        const int64_t most = std::max<int64_t>(0, (p.n - s->codec.window) / G);
-        PrefixKey prev = lp.block_keys.empty() ? lp.seed : lp.block_keys.back();
-        MutexLock g(&mu_);
-        auto t = tenants_.find(tenant);
-        for (int64_t b = 0; t != tenants_.end() && b < most; ++b) {
-          prev = ChainKey(prev, a.token_ids.data() + p.from + b * G, G);
-          auto node = t->second->nodes.find(prev);
-          if (node == t->second->nodes.end()) break;
-          t->second->Hold(prev, node->second);  // pinned: no reservation may drop it before it is attached
-          p.attach.push_back(node->second.block);
-          p.attach_keys.push_back(prev);
-          if (attach_only) {
-            p.new_hashes.insert(p.new_hashes.end(), node->second.hashes.begin(),
-                                node->second.hashes.end());
-          }
-        }
-      }
-      if (attach_only) p.n = static_cast<int64_t>(p.attach.size()) * G;
-      if (len + p.n > opts_.max_tokens_per_layer) {
-        fail(absl::StatusCode::kResourceExhausted, ": layer ", a.layer, " would hold ", len + p.n,
-             " tokens; the limit is ", opts_.max_tokens_per_layer);
-        break;
-      }
-      if (!attach_only) {
-        for (int64_t t = p.from; t < n; ++t) p.new_hashes.push_back(TokenHash(*k, *v, t));
-      }
-      pend.insert(pend.end(), p.new_hashes.begin(), p.new_hashes.end());
-      outcome->tokens_duplicate += overlap;
-      const int64_t shared = static_cast<int64_t>(p.attach.size()) * G;
-      if (!attach_only) {
-        estimate += GrowthEstimate(s->codec, m.kv_heads, k->dtype, len + shared, len + p.n);
-      }
-      estimate += shared * static_cast<int64_t>(sizeof(uint64_t));
-      if (a.probe_weights == nullptr) continue;
-      for (int64_t j = 0; j < m.kv_heads * n; ++j) {
-        if (!(a.probe_weights[j] >= 0.0f)) {
-          fail(absl::StatusCode::kInvalidArgument, ".probe_weights[", j,
-               "] must be finite and >= 0");
-          break;
-        }
-      }
-    }
-    // Releases the prefix-index entries pinned above (a failed or retried attempt).
-    auto unpin_locked = [&](size_t from_item, size_t to_item = SIZE_MAX) {
-      auto t = tenants_.find(tenant);
-      if (t == tenants_.end()) return;
-      for (size_t i = from_item; i < std::min(to_item, plans.size()); ++i) {
-        for (const PrefixKey& k : plans[i].attach_keys) {
-          auto n = t->second->nodes.find(k);
-          if (n != t->second->nodes.end() && t->second->Release(k, n->second) &&
-              !opts_.retain_prefixes) {
-            DropNodeLocked(*t->second, k);
-          }
-        }
-        plans[i].attach_keys.clear();
-      }
-    };
-    auto unpin = [&](size_t from_item) {
-      MutexLock g(&mu_);
-      unpin_locked(from_item);
-    };
-    if (!bad.ok()) {
-      unpin(0);
-      *outcome = AppendOutcome{};
-      return bad;
-    }
-
-    // 4. Insert new sequences and reserve room. Sequences evicted for it are destroyed
-    // (their memory freed) after the store's lock is released.
-    std::vector<std::shared_ptr<Sequence>> evicted;
-    {
-      MutexLock l(&mu_);
-      bool raced = false;
-      auto& tp = tenants_[tenant];
-      if (!tp) tp = std::make_unique<Tenant>();
-      for (auto& [id, s] : seqs) {
-        auto it = tp->seqs.find(id);
-        if (fresh.count(id) ? it != tp->seqs.end() : (it == tp->seqs.end() || it->second != s)) {
-          raced = true;  // created, deleted or evicted concurrently
-        }
-      }
-      if (raced) {
-        unpin_locked(0);
-        if (attempt < 3) continue;
-        return absl::AbortedError("sequences changed concurrently; retry the append");
-      }
-      absl::Status st = ReserveLocked(tenant, estimate, locked, &evicted);
-      if (!st.ok()) {
-        unpin_locked(0);
-        *outcome = AppendOutcome{};
-        return st;
-      }
-      for (auto& [id, s] : seqs) {
-        if (!fresh.count(id)) continue;
-        tp->seqs[id] = s;
-        lru_.push_front(s.get());
-        s->lru = lru_.begin();
-        s->linked = true;
-      }
-      for (auto& [id, s] : seqs) TouchLocked(s.get());
-    }
-    evicted.clear();  // their memory back, outside the store's lock
-
-    // 5. Apply. A failed item stops the batch there (the items before it stay applied; a
-    // LayerCache append that fails changes nothing, its block pool reserved up front).
-    absl::Status applied;
-    size_t item = 0;
-    try {
-      for (size_t i = 0; i < batch.size() && applied.ok(); ++i) {
-        item = i;
-        const AppendSpec& a = batch[i];
-        const Plan& p = plans[i];
-        Sequence* s = seqs[a.sequence_id].get();
-        if (p.n == 0) continue;
-        auto& cache = s->layers[a.layer];
-        if (!cache) {
-          const ModelEntry& model = *s->model;
-          cache = std::make_unique<LayerCache>(s->codec, model.manifest.kv_heads,
-                                               LayerTables(model, a.layer, s->codec), opts_.byte_pool);
-        }
-        Sequence::LayerPrefix& lp = s->prefix[a.layer];
-        if (a.token_ids.empty()) {
-          lp.open = false;
-          lp.pending_ids.clear();
-        }
-        cache->set_sealing(lp.open);
-        const int G = s->codec.key_group;
-        const int64_t shared = static_cast<int64_t>(p.attach.size()) * G;
-        if (!p.attach.empty()) {
-          applied = cache->AttachSealed(p.attach);
-          if (!applied.ok()) {
-            unpin(i);
-            applied = AppendError(absl::StatusCode::kInternal, i,
-                                  absl::StrCat(": prefix block rejected: ", applied.message()));
-            break;
-          }
-          lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
-          s->hash_base[a.layer] += shared;  // their arrival hashes are the index's
-          MutexLock g(&mu_);
-          if (!s->linked) {
-            unpin_locked(i, i + 1);  // evicted meanwhile by another writer: hold nothing
-            continue;
-          }
-          s->node_keys.insert(s->node_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
-          Tenant& T = *tenants_[tenant];
-          const absl::Time now = opts_.now();
-          for (const PrefixKey& k : p.attach_keys) {
-            auto n = T.nodes.find(k);
-            if (n != T.nodes.end()) n->second.last_used = now;
-          }
-          T.shared_tokens += shared;
-        }
-        const int64_t data_n = p.n - shared;
-        if (data_n > 0) {
-          const int64_t from = p.from + shared;
-          std::vector<float> probe;
-          if (a.probe_weights) {
-            const int64_t n = a.keys.shape[1];
-            for (int64_t h = 0; h < a.keys.shape[0]; ++h) {
-              probe.insert(probe.end(), a.probe_weights + h * n + from, a.probe_weights + h * n + n);
-            }
-          }
-          if (lp.open) {
-            lp.pending_ids.insert(lp.pending_ids.end(), a.token_ids.begin() + from,
-                                  a.token_ids.end());
-          }
-          applied = cache->Append(SliceTokens(a.keys, from, data_n),
-                                  SliceTokens(a.values, from, data_n), a.start + from,
-                                  probe.empty() ? nullptr : probe.data());
-          if (!applied.ok()) {
-            unpin(i + 1);
-            applied = AppendError(applied.code(), i,
-                                  absl::StrCat(" (layer ", a.layer, "): ", applied.message()));
-            break;
-          }
-          s->dtype = a.keys.dtype;
-          s->dtype_set = true;
-        }
-        // Attached tokens' hashes are the index's; the rest are the sequence's own.
-        auto& h = s->hashes[a.layer];
-        h.insert(h.end(), p.new_hashes.begin() + shared, p.new_hashes.end());
-        if (lp.open) {
-          applied = IndexSealed(tenant, s, a.layer);
-          if (!applied.ok()) {
-            unpin(i + 1);
-            break;
-          }
-        }
-        outcome->tokens_written += data_n;
-        outcome->tokens_shared += shared;
-      }
-    } catch (const std::bad_alloc&) {
-      // Host memory itself ran out mid-append (no pool reservation covers the window and the
-      // bookkeeping): the sequence of that item may hold half of it, so it is marked corrupt
-      // (its reads fail with DATA_LOSS until it is deleted) rather than served.
-      seqs[batch[item].sequence_id]->corrupt.store(true);
-      applied = AppendError(absl::StatusCode::kResourceExhausted, item,
-                            absl::StrCat(": out of memory while storing it; sequence '",
-                                         batch[item].sequence_id,
-                                         "' is marked corrupt (delete and re-send it)"));
-    }
-    int64_t reserved = estimate;
-    for (Sequence* s : locked) {
-      Remeasure(s, reserved);
-      reserved = 0;
-    }
-    if (!applied.ok()) {
-      // No partial sequence: one this batch created and left empty goes again.
-      MutexLock l(&mu_);
-      for (auto& [id, sp] : seqs) {
-        Sequence* q = sp.get();
-        if (!fresh.count(id)) continue;
-        bool empty = true;
-        for (size_t l2 = 0; l2 < q->layers.size(); ++l2)
-          empty &= q->Length(static_cast<int>(l2)) == 0;
-        if (empty) UnlinkLocked(q, /*drop=*/true);
-      }
-    }
-    std::set<std::pair<std::string, int>> seen;
-    for (const AppendSpec& a : batch) {
-      if (!seen.insert({a.sequence_id, a.layer}).second) continue;
-      Sequence* s = seqs[a.sequence_id].get();
-      outcome->lengths.emplace_back(a.sequence_id, a.layer,
-                                    s->Length(a.layer));
-    }
-    return applied;
-  }
 }
 
 absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& tenant,
@@ -1222,9 +445,9 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
   u.evictions = t->second->evictions;
   u.expirations = t->second->expirations;
   u.shared_tokens = t->second->shared_tokens;
-  u.prefix_blocks = static_cast<int64_t>(t->second->nodes.size());
-  u.prefix_bytes = t->second->node_bytes;
-  u.retained_bytes = t->second->retained_bytes;
+  u.prefix_blocks = t->second->prefixes.entries();
+  u.prefix_bytes = t->second->prefixes.bytes();
+  u.retained_bytes = t->second->prefixes.retained_bytes();
   for (const auto& [id, s] : t->second->seqs) {
     ++u.sequences;
     u.tokens += s->tokens;
@@ -1233,7 +456,7 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
     u.elements += s->elements;
     u.size += s->size;
   }
-  u.bytes += t->second->node_bytes;
+  u.bytes += t->second->prefixes.bytes();
   return u;
 }
 
@@ -1244,9 +467,9 @@ UsageStats Store::TotalUsage() const {
   u.expirations = expirations_;
   for (const auto& [name, t] : tenants_) {
     u.shared_tokens += t->shared_tokens;
-    u.prefix_blocks += static_cast<int64_t>(t->nodes.size());
-    u.prefix_bytes += t->node_bytes;
-    u.retained_bytes += t->retained_bytes;
+    u.prefix_blocks += t->prefixes.entries();
+    u.prefix_bytes += t->prefixes.bytes();
+    u.retained_bytes += t->prefixes.retained_bytes();
   }
   for (const Sequence* s : lru_) {
     ++u.sequences;
@@ -1318,12 +541,8 @@ int64_t Store::Scrub() {
   // dropped with its extensions, so that no later attach can take it.
   MutexLock l(&mu_);
   for (auto& [name, t] : tenants_) {
-    std::vector<PrefixKey> corrupt;
-    for (const auto& [key, node] : t->nodes) {
-      if (node.refs != 0) continue;
-      if (!node.block->Verify().ok()) corrupt.push_back(key);
-    }
-    for (const PrefixKey& k : corrupt) DropNodeLocked(*t, k);
+    const std::vector<PrefixKey> corrupt = t->prefixes.CorruptRetained();
+    for (const PrefixKey& k : corrupt) DropPrefixLocked(*t, k);
     retained_scrub_drops_ += static_cast<int64_t>(corrupt.size());
   }
   return bad;

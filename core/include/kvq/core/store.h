@@ -227,6 +227,9 @@ class Store {
   struct Tenant;
 
  private:
+  // One attempt of Append, in named steps (core/src/store_append.h).
+  class AppendBatch;
+
   absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant, const std::string& id,
                                                  int basis_version);
   // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`; the
@@ -239,18 +242,21 @@ class Store {
   // drop: also drop the prefix blocks only this sequence held (eviction); else they stay
   // retained when StoreOptions::retain_prefixes.
   void UnlinkLocked(Sequence* s, bool drop) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops a prefix-index entry and every entry that extends it; returns the bytes freed.
-  int64_t DropNodeLocked(Tenant& t, std::pair<uint64_t, uint64_t> key)
+  // The prefix index's steps that change what the tenant and the store count (prefix_index.h
+  // for the rules). Release: one holder of `key` fewer; once none is left it stays retained,
+  // or goes when `drop` or retaining is off.
+  void ReleasePrefixLocked(Tenant& t, const std::pair<uint64_t, uint64_t>& key, bool drop)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops retained prefix blocks of tenant t, least recently used first with their
-  // extensions, until `need` bytes are freed (or none is left; need <= 0: every one idle since before
+  // Drops an entry and every entry that extends it; returns the bytes freed.
+  int64_t DropPrefixLocked(Tenant& t, const std::pair<uint64_t, uint64_t>& key)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops retained entries of tenant t, least recently used first with their extensions,
+  // until `need` bytes are freed (or none is left; need <= 0: every one idle since before
   // older_than); returns the bytes freed.
-  int64_t DropRetainedLocked(Tenant& t, int64_t need, absl::Time older_than = absl::InfiniteFuture())
+  int64_t DropRetainedLocked(Tenant& t, int64_t need,
+                             absl::Time older_than = absl::InfiniteFuture())
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Indexes the groups a layer sealed since the last call (or holds the indexed copy).
-  absl::Status IndexSealed(const std::string& tenant, Sequence* s, int layer)
-      ABSL_LOCKS_EXCLUDED(mu_);
   // Re-measures a sequence after a change and fixes the accounting.
   void Remeasure(Sequence* s, int64_t reserved);
   // The codec tables of (model entry, layer, codec), built on first use and shared by every

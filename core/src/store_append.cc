@@ -1,0 +1,667 @@
+// The store's write path: Store::Append and its steps (store_append.h).
+#include "store_append.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+#include <optional>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/field_error.h"
+#include "kvq/core/status.h"
+#include "xxhash.h"
+
+namespace kvq::core {
+
+namespace {
+
+constexpr int64_t kMaxAppendTokens = 65536;
+
+// Hash of token t (all heads, keys then values) as it arrived, including the dtype.
+uint64_t TokenHash(const TensorView& k, const TensorView& v, int64_t t) {
+  const size_t es = DTypeSize(k.dtype);
+  uint64_t h = 0x6b7671ull ^ static_cast<uint64_t>(k.dtype);
+  uint8_t buf[512 * 4];
+  const TensorView* views[2] = {&k, &v};
+  for (const TensorView* tv : views) {
+    for (int64_t head = 0; head < tv->shape[0]; ++head) {
+      const uint8_t* base =
+          static_cast<const uint8_t*>(tv->data) + (head * tv->stride[0] + t * tv->stride[1]) * es;
+      const size_t row = static_cast<size_t>(tv->shape[2]) * es;
+      if (tv->stride[2] == 1) {
+        h = XXH3_64bits_withSeed(base, row, h);
+      } else {
+        for (int64_t c = 0; c < tv->shape[2]; ++c) {
+          std::memcpy(buf + c * es, base + c * tv->stride[2] * es, es);
+        }
+        h = XXH3_64bits_withSeed(buf, row, h);
+      }
+    }
+  }
+  return h;
+}
+
+TensorView SliceTokens(const TensorView& t, int64_t from, int64_t n) {
+  TensorView s = t;
+  s.data = static_cast<const uint8_t*>(t.data) + from * t.stride[1] * DTypeSize(t.dtype);
+  s.shape[1] = n;
+  return s;
+}
+
+// Bytes a layer grows by from `before` to `after` tokens: blocks for the groups that get
+// encoded (the value block at its largest), the window at arrival precision, the hashes.
+// Remeasure() replaces the estimate with the real size right after the append.
+int64_t GrowthEstimate(const CodecOptions& o, int kv_heads, DType dtype, int64_t before,
+                       int64_t after) {
+  auto encoded = [&](int64_t n) {
+    return std::max<int64_t>(0, (n - o.window) / o.key_group) * o.key_group;
+  };
+  const int64_t e0 = encoded(before), e1 = encoded(after);
+  const int64_t blocks = (e1 - e0) / o.key_group * kv_heads;
+  const int64_t block_bytes =
+      blocks * static_cast<int64_t>(KeyBlockBytes(o) + MaxValueBlockBytes(o));
+  const int64_t window_bytes = ((after - e1) - (before - e0)) * kv_heads * o.head_dim * 2 *
+                               static_cast<int64_t>(DTypeSize(dtype));
+  return std::max<int64_t>(0, block_bytes + window_bytes) +
+         (after - before) * static_cast<int64_t>(sizeof(uint64_t));
+}
+
+// An error about item i of an append batch: the field `appends[i]` (field_error.h), which the
+// server renames to its wire path; `parts` continue the field's path, then the message.
+template <typename... Parts>
+absl::Status AppendError(absl::StatusCode code, size_t i, const Parts&... parts) {
+  return FieldError(code, absl::StrCat("appends[", i, "]"), absl::StrCat(parts...));
+}
+
+std::string Shape(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.rank; ++i) absl::StrAppend(&s, i ? "," : "", t.shape[i]);
+  return s + "]";
+}
+
+// An attach: token ids without keys and values.
+bool IsAttach(const AppendSpec& a) { return a.keys.rank == 0 && a.values.rank == 0; }
+
+// The sequences one append holds: locked in address order (two appends never wait on each
+// other in a cycle) and unlocked in reverse when it goes out of scope, on every path.
+class SequenceLocks {
+ public:
+  explicit SequenceLocks(std::vector<Store::Sequence*> seqs) ABSL_NO_THREAD_SAFETY_ANALYSIS
+      : seqs_(std::move(seqs)) {
+    std::sort(seqs_.begin(), seqs_.end());
+    for (Store::Sequence* s : seqs_) s->mu.Lock();
+  }
+  ~SequenceLocks() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    for (auto it = seqs_.rbegin(); it != seqs_.rend(); ++it) (*it)->mu.Unlock();
+  }
+  SequenceLocks(const SequenceLocks&) = delete;
+  SequenceLocks& operator=(const SequenceLocks&) = delete;
+  const std::vector<Store::Sequence*>& held() const { return seqs_; }
+
+ private:
+  std::vector<Store::Sequence*> seqs_;
+};
+
+// A sequence that item i of a batch creates, checked against its model; not yet in the store.
+absl::StatusOr<std::shared_ptr<Store::Sequence>> NewSequence(
+    Registry& registry, const std::string& tenant, const AppendSpec& a,
+    size_t i) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const std::string& id = a.sequence_id;
+  if (a.model.empty()) {
+    return AppendError(absl::StatusCode::kNotFound, i, ": sequence '", id,
+                       "' does not exist; the append that creates it must name a model");
+  }
+  absl::StatusOr<std::shared_ptr<const ModelEntry>> m = registry.Get(a.model, a.basis_version);
+  if (!m.ok()) return AppendError(m.status().code(), i, ".model: ", m.status().message());
+  auto s = std::make_shared<Store::Sequence>();
+  s->tenant = tenant;
+  s->id = id;
+  s->model = *m;
+  s->codec = a.has_codec ? a.codec : (*m)->codec;
+  s->codec.head_dim = (*m)->manifest.head_dim;
+  if (s->codec.rank > (*m)->manifest.rank) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".codec.rank ", s->codec.rank,
+                       " exceeds the basis rank ", (*m)->manifest.rank, " of model '", a.model,
+                       "'");
+  }
+  if (absl::Status st = s->codec.Validate(); !st.ok()) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".codec: ", st.message());
+  }
+  if (s->codec.metric_rounding && (*m)->basis.query_moment.empty()) {
+    return AppendError(absl::StatusCode::kFailedPrecondition, i,
+                       ".codec.metric_rounding needs query moments, which model '", a.model,
+                       "' version ", (*m)->manifest.version, " was registered without");
+  }
+  const int layers = (*m)->manifest.layers;
+  s->layers.resize(layers);
+  s->hashes.resize(layers);
+  s->hash_base.assign(layers, 0);
+  s->prefix.resize(layers);
+  for (int l = 0; l < layers; ++l) s->prefix[l].seed = PrefixSeed(**m, s->codec, l);
+  return s;
+}
+
+}  // namespace
+
+absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
+                           AppendOutcome* outcome) {
+  *outcome = AppendOutcome{};
+  if (batch.empty()) return absl::OkStatus();
+  for (int attempt = 0;; ++attempt) {
+    AppendBatch append(*this, tenant, batch);
+    RETURN_IF_ERROR(append.FindOrCreateSequences());
+    // Until this attempt ends, whatever leaves it.
+    const SequenceLocks locks(append.sequences());
+    RETURN_IF_ERROR(append.Plan());
+    absl::Status published = append.Publish(locks.held());
+    if (published.code() == absl::StatusCode::kAborted && attempt < 3) continue;
+    RETURN_IF_ERROR(published);
+    return append.Apply(locks.held(), outcome);
+  }
+}
+
+Store::AppendBatch::~AppendBatch() {
+  // Only an exception leaves pins here. Running out of memory again while releasing them
+  // leaves those groups held (counted, never dropped): better than terminating.
+  try {
+    ReleasePins();
+  } catch (const std::bad_alloc&) {
+  }
+}
+
+absl::Status Store::AppendBatch::FindOrCreateSequences() {
+  for (size_t i = 0; i < batch_.size(); ++i) {
+    const std::string& id = batch_[i].sequence_id;
+    if (id.empty() || id.size() > 256) {
+      return AppendError(absl::StatusCode::kInvalidArgument, i,
+                         ".sequence_id must be 1..256 bytes (got ", id.size(), ")");
+    }
+    if (seqs_.count(id)) continue;
+    {
+      MutexLock l(&store_.mu_);
+      auto t = store_.tenants_.find(tenant_);
+      if (t != store_.tenants_.end()) {
+        auto s = t->second->seqs.find(id);
+        if (s != t->second->seqs.end()) seqs_[id] = s->second;
+      }
+    }
+    if (seqs_.count(id)) continue;
+    ASSIGN_OR_RETURN(seqs_[id], NewSequence(*store_.registry_, tenant_, batch_[i], i));
+    fresh_.insert(id);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<Store::Sequence*> Store::AppendBatch::sequences() const {
+  std::vector<Sequence*> all;
+  for (const auto& [id, s] : seqs_) all.push_back(s.get());
+  return all;
+}
+
+absl::Status Store::AppendBatch::Plan() {
+  plans_.resize(batch_.size());
+  for (size_t i = 0; i < batch_.size(); ++i) {
+    if (absl::Status st = PlanItem(i); !st.ok()) {
+      ReleasePins();
+      return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::AppendBatch::PlanItem(size_t i) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  Sequence* s = seqs_.at(a.sequence_id).get();
+  RETURN_IF_ERROR(CheckTarget(i, *s));
+  RETURN_IF_ERROR(CheckTensors(i, *s));
+  const bool attach_only = IsAttach(a);
+  const int G = s->codec.key_group;
+  const int64_t n = attach_only ? static_cast<int64_t>(a.token_ids.size()) : a.keys.shape[1];
+  std::vector<uint64_t>& pend = pending_[{s, a.layer}];
+  const int64_t len = s->Length(a.layer) + static_cast<int64_t>(pend.size());
+  if (a.start < 0 || a.start > len) {
+    return AppendError(
+        a.start < 0 ? absl::StatusCode::kInvalidArgument : absl::StatusCode::kFailedPrecondition, i,
+        ".start ", a.start, " must be in 0..", len, " (layer ", a.layer, " of sequence '",
+        a.sequence_id, "' holds ", len, " tokens; appends leave no gaps)");
+  }
+  const int64_t overlap = std::min(n, len - a.start);
+  RETURN_IF_ERROR(attach_only ? CheckResentAttach(i, *s, overlap)
+                              : CheckResentTokens(i, *s, overlap, pend));
+  ItemPlan& p = plans_[i];
+  p.from = overlap;
+  p.n = n - overlap;
+  PinIndexedGroups(i, *s, len, pend.empty());
+  if (attach_only) p.n = static_cast<int64_t>(p.attach.size()) * G;
+  if (len + p.n > store_.opts_.max_tokens_per_layer) {
+    return AppendError(absl::StatusCode::kResourceExhausted, i, ": layer ", a.layer, " would hold ",
+                       len + p.n, " tokens; the limit is ", store_.opts_.max_tokens_per_layer);
+  }
+  if (!attach_only) {
+    for (int64_t t = p.from; t < n; ++t) p.new_hashes.push_back(TokenHash(a.keys, a.values, t));
+  }
+  pend.insert(pend.end(), p.new_hashes.begin(), p.new_hashes.end());
+  duplicates_ += overlap;
+  const int64_t shared = static_cast<int64_t>(p.attach.size()) * G;
+  if (!attach_only) {
+    estimate_ += GrowthEstimate(s->codec, s->model->manifest.kv_heads, a.keys.dtype, len + shared,
+                                len + p.n);
+  }
+  estimate_ += shared * static_cast<int64_t>(sizeof(uint64_t));
+  return CheckProbeWeights(i, s->model->manifest.kv_heads * n);
+}
+
+// The model, version and layer item i names.
+absl::Status Store::AppendBatch::CheckTarget(size_t i, const Sequence& s) const {
+  const AppendSpec& a = batch_[i];
+  const BasisManifest& m = s.model->manifest;
+  if (!a.model.empty() && a.model != m.model) {
+    return AppendError(absl::StatusCode::kFailedPrecondition, i, ".model '", a.model,
+                       "': sequence '", a.sequence_id, "' belongs to model '", m.model, "'");
+  }
+  if (a.basis_version != 0 && a.basis_version != m.version) {
+    return AppendError(absl::StatusCode::kFailedPrecondition, i, ".basis_version ", a.basis_version,
+                       ": sequence '", a.sequence_id, "' is pinned to version ", m.version, " of '",
+                       m.model, "'");
+  }
+  if (a.layer < 0 || a.layer >= m.layers) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".layer ", a.layer, " must be in 0..",
+                       m.layers - 1, " (model '", m.model, "' has ", m.layers, " layers)");
+  }
+  return absl::OkStatus();
+}
+
+// Item i's shapes, dtypes, token ids and (in a batch of more than one) every element, against
+// the model and the sequence.
+absl::Status Store::AppendBatch::CheckTensors(size_t i, const Sequence& s) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  const BasisManifest& m = s.model->manifest;
+  const TensorView &k = a.keys, &v = a.values;
+  if (IsAttach(a)) {
+    if (a.token_ids.empty() || a.token_ids.size() > static_cast<size_t>(kMaxAppendTokens)) {
+      return AppendError(absl::StatusCode::kInvalidArgument, i,
+                         ": keys and values are absent, so token_ids (1..", kMaxAppendTokens,
+                         " ids) must name the tokens to attach from the prefix index (got ",
+                         a.token_ids.size(), ")");
+    }
+    const int G = s.codec.key_group;
+    if (a.start % G != 0) {
+      return AppendError(absl::StatusCode::kInvalidArgument, i, ".start ", a.start,
+                         ": an attach (token_ids without keys and values) starts at a multiple "
+                         "of the group size G = ",
+                         G);
+    }
+    if (a.probe_weights != nullptr) {
+      return AppendError(absl::StatusCode::kInvalidArgument, i,
+                         ".probe_weights: an attach carries no tokens to weigh");
+    }
+    return absl::OkStatus();
+  }
+  if (k.rank != 3 || k.shape[0] != m.kv_heads || k.shape[2] != m.head_dim || k.shape[1] < 1 ||
+      k.shape[1] > kMaxAppendTokens) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".keys.shape ", Shape(k),
+                       " must be [kv_heads=", m.kv_heads, ", n in 1..", kMaxAppendTokens,
+                       ", head_dim=", m.head_dim, "]");
+  }
+  if (v.rank != 3 || v.shape[0] != k.shape[0] || v.shape[1] != k.shape[1] ||
+      v.shape[2] != k.shape[2]) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".values.shape ", Shape(v),
+                       " must equal keys.shape ", Shape(k));
+  }
+  if (v.dtype != k.dtype) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".values.dtype ", DTypeName(v.dtype),
+                       " must equal keys.dtype ", DTypeName(k.dtype));
+  }
+  if (batch_.size() > 1) {
+    // Each cache rejects bad rows without change, but only for its own append: with more
+    // than one, every element is checked here so that a bad one leaves none applied.
+    absl::Status rows = CheckStorable(k, "keys");
+    if (rows.ok()) rows = CheckStorable(v, "values");
+    if (!rows.ok()) {
+      return AppendError(absl::StatusCode::kInvalidArgument, i, " (layer ", a.layer,
+                         "): ", rows.message());
+    }
+  }
+  if (!a.token_ids.empty() && a.token_ids.size() != static_cast<size_t>(k.shape[1])) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".token_ids has ", a.token_ids.size(),
+                       " ids; it must be empty or hold one id per appended token (", k.shape[1],
+                       ")");
+  }
+  if (s.dtype_set && k.dtype != s.dtype) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".keys.dtype ", DTypeName(k.dtype),
+                       " differs from the dtype sequence '", a.sequence_id, "' arrived in (",
+                       DTypeName(s.dtype), ")");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::AppendBatch::CheckResentAttach(
+    size_t i, const Sequence& s, int64_t overlap) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  const Sequence::LayerPrefix& lp = s.prefix[a.layer];
+  const int G = s.codec.key_group;
+  // The overlapped groups must be sealed with the same keys.
+  PrefixKey prev = lp.seed;
+  const int64_t g0 = a.start / G;
+  if (g0 > 0 && g0 <= static_cast<int64_t>(lp.block_keys.size())) prev = lp.block_keys[g0 - 1];
+  int64_t g = 0;
+  for (; (g + 1) * G <= overlap; ++g) {
+    prev = ChainKey(prev, a.token_ids.data() + g * G, G);
+    const size_t at_g = static_cast<size_t>(g0 + g);
+    if (at_g >= lp.block_keys.size() || lp.block_keys[at_g] != prev) break;
+  }
+  if (g * G < overlap) {
+    return AppendError(absl::StatusCode::kAlreadyExists, i, ".token_ids[", g * G,
+                       "..]: tokens from ", a.start + g * G, " of layer ", a.layer,
+                       " of sequence '", a.sequence_id,
+                       "' are stored, but not as sealed groups of these ids");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::AppendBatch::CheckResentTokens(size_t i, const Sequence& s, int64_t overlap,
+                                                   const std::vector<uint64_t>& pending) const
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  const std::vector<uint64_t>& stored = s.hashes[a.layer];
+  const int64_t base = s.hash_base[a.layer];
+  const int G = s.codec.key_group;
+  // Tokens of indexed groups compare with the index's hashes (under the store lock).
+  std::optional<MutexLock> index_lock;
+  const Tenant* T = nullptr;
+  if (overlap > 0 && a.start < base) {
+    index_lock.emplace(&store_.mu_);
+    auto t = store_.tenants_.find(tenant_);
+    if (t != store_.tenants_.end()) T = t->second.get();
+  }
+  for (int64_t t = 0; t < overlap; ++t) {
+    const int64_t pos = a.start + t;
+    const uint64_t want = TokenHash(a.keys, a.values, t);
+    uint64_t have = 0;
+    if (pos < base) {
+      const PrefixIndex::Entry* e =
+          T != nullptr ? T->prefixes.Find(s.prefix[a.layer].block_keys[pos / G]) : nullptr;
+      have = e != nullptr ? e->hashes[pos % G] : ~want;
+    } else {
+      const int64_t j = pos - base;
+      have = j < static_cast<int64_t>(stored.size()) ? stored[j] : pending[j - stored.size()];
+    }
+    if (have != want) {
+      return AppendError(absl::StatusCode::kAlreadyExists, i, ": token ", pos, " of layer ",
+                         a.layer, " of sequence '", a.sequence_id,
+                         "' is already stored with different contents (re-sends must be "
+                         "identical)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Store::AppendBatch::PinIndexedGroups(size_t i, const Sequence& s, int64_t len,
+                                          bool pending_empty) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  ItemPlan& p = plans_[i];
+  const Sequence::LayerPrefix& lp = s.prefix[a.layer];
+  const LayerCache* cache = s.layers[a.layer].get();
+  // Only at the end of a layer whose every token is sealed (and nothing earlier in this
+  // message touched it).
+  if (p.n == 0 || a.token_ids.empty() || !lp.open || !pending_empty || a.start + p.from != len ||
+      (cache != nullptr && !cache->AllSealed())) {
+    return;
+  }
+  // Attach or data alike: only groups that a sequence holding these n tokens would have
+  // encoded itself; the last R (the window) and the incomplete group stay for the frontend
+  // to send with data, at arrival precision.
+  const int G = s.codec.key_group;
+  const int64_t most = std::max<int64_t>(0, (p.n - s.codec.window) / G);
+  const PrefixKey prev = lp.block_keys.empty() ? lp.seed : lp.block_keys.back();
+  MutexLock g(&store_.mu_);
+  auto t = store_.tenants_.find(tenant_);
+  if (t == store_.tenants_.end()) return;
+  // Pinned: no reservation may drop them before they are attached.
+  PrefixIndex::Run run = t->second->prefixes.HoldRun(prev, a.token_ids.subspan(p.from), G, most);
+  p.attach = std::move(run.blocks);
+  p.attach_keys = std::move(run.keys);
+  if (IsAttach(a)) p.new_hashes = std::move(run.hashes);
+}
+
+absl::Status Store::AppendBatch::CheckProbeWeights(size_t i, int64_t n) const {
+  const float* w = batch_[i].probe_weights;
+  if (w == nullptr) return absl::OkStatus();
+  for (int64_t j = 0; j < n; ++j) {
+    if (!(w[j] >= 0.0f)) {
+      return AppendError(absl::StatusCode::kInvalidArgument, i, ".probe_weights[", j,
+                         "] must be finite and >= 0");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::AppendBatch::Publish(const std::vector<Sequence*>& locked) {
+  // Sequences evicted for the room are destroyed (their memory freed) after the store's
+  // lock is released: declared before it.
+  std::vector<std::shared_ptr<Sequence>> evicted;
+  MutexLock l(&store_.mu_);
+  auto& tp = store_.tenants_[tenant_];
+  if (!tp) tp = std::make_unique<Tenant>();
+  for (auto& [id, s] : seqs_) {
+    auto it = tp->seqs.find(id);
+    if (fresh_.count(id) ? it != tp->seqs.end() : (it == tp->seqs.end() || it->second != s)) {
+      // Created, deleted or evicted concurrently.
+      ReleasePinsLocked();
+      return absl::AbortedError("sequences changed concurrently; retry the append");
+    }
+  }
+  if (absl::Status st = store_.ReserveLocked(tenant_, estimate_, locked, &evicted); !st.ok()) {
+    ReleasePinsLocked();
+    return st;
+  }
+  for (auto& [id, s] : seqs_) {
+    if (!fresh_.count(id)) continue;
+    tp->seqs[id] = s;
+    store_.lru_.push_front(s.get());
+    s->lru = store_.lru_.begin();
+    s->linked = true;
+  }
+  for (auto& [id, s] : seqs_) store_.TouchLocked(s.get());
+  return absl::OkStatus();
+}
+
+absl::Status Store::AppendBatch::Apply(const std::vector<Sequence*>& locked,
+                                       AppendOutcome* outcome) {
+  outcome->tokens_duplicate = duplicates_;
+  absl::Status applied;
+  size_t item = 0;
+  try {
+    for (; item < batch_.size(); ++item) {
+      applied = ApplyItem(item, outcome);
+      if (!applied.ok()) break;
+    }
+  } catch (const std::bad_alloc&) {
+    // Host memory itself ran out mid-append (no pool reservation covers the window and the
+    // bookkeeping): the sequence of that item may hold half of it, so it is marked corrupt
+    // (its reads fail with DATA_LOSS until it is deleted) rather than served.
+    const std::string& id = batch_[item].sequence_id;
+    seqs_.at(id)->corrupt.store(true);
+    applied = AppendError(absl::StatusCode::kResourceExhausted, item,
+                          ": out of memory while storing it; sequence '", id,
+                          "' is marked corrupt (delete and re-send it)");
+  }
+  if (!applied.ok()) ReleasePins();
+  Finish(locked, !applied.ok(), outcome);
+  return applied;
+}
+
+absl::Status Store::AppendBatch::ApplyItem(size_t i,
+                                           AppendOutcome* outcome) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  const ItemPlan& p = plans_[i];
+  if (p.n == 0) return absl::OkStatus();
+  Sequence* s = seqs_.at(a.sequence_id).get();
+  std::unique_ptr<LayerCache>& cache = s->layers[a.layer];
+  if (!cache) {
+    const ModelEntry& model = *s->model;
+    cache = std::make_unique<LayerCache>(s->codec, model.manifest.kv_heads,
+                                         store_.LayerTables(model, a.layer, s->codec),
+                                         store_.opts_.byte_pool);
+  }
+  Sequence::LayerPrefix& lp = s->prefix[a.layer];
+  if (a.token_ids.empty()) {
+    lp.open = false;
+    lp.pending_ids.clear();
+  }
+  cache->set_sealing(lp.open);
+  const int64_t shared = static_cast<int64_t>(p.attach.size()) * s->codec.key_group;
+  if (shared > 0) {
+    ASSIGN_OR_RETURN(const bool linked, AttachPinned(i, s, *cache));
+    if (!linked) return absl::OkStatus();
+  }
+  const int64_t data_n = p.n - shared;
+  if (data_n > 0) RETURN_IF_ERROR(AppendData(i, s, *cache, p.from + shared, data_n));
+  // Attached tokens' hashes are the index's; the rest are the sequence's own.
+  std::vector<uint64_t>& h = s->hashes[a.layer];
+  h.insert(h.end(), p.new_hashes.begin() + shared, p.new_hashes.end());
+  if (lp.open) RETURN_IF_ERROR(IndexSealedGroups(s, a.layer));
+  outcome->tokens_written += data_n;
+  outcome->tokens_shared += shared;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> Store::AppendBatch::AttachPinned(size_t i, Sequence* s, LayerCache& cache)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  ItemPlan& p = plans_[i];
+  if (absl::Status st = cache.AttachSealed(p.attach); !st.ok()) {
+    return AppendError(absl::StatusCode::kInternal, i, ": prefix block rejected: ", st.message());
+  }
+  Sequence::LayerPrefix& lp = s->prefix[a.layer];
+  lp.block_keys.insert(lp.block_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
+  const int64_t shared = static_cast<int64_t>(p.attach.size()) * s->codec.key_group;
+  s->hash_base[a.layer] += shared;  // their arrival hashes are the index's
+  MutexLock g(&store_.mu_);
+  if (!s->linked) {
+    ReleasePinsLocked(i, i + 1);  // evicted meanwhile by another writer: hold nothing
+    return false;
+  }
+  s->node_keys.insert(s->node_keys.end(), p.attach_keys.begin(), p.attach_keys.end());
+  Tenant& T = *store_.tenants_[tenant_];
+  const absl::Time now = store_.opts_.now();
+  for (const PrefixKey& k : p.attach_keys) T.prefixes.Touch(k, now);
+  p.attach_keys.clear();  // the sequence holds them now
+  T.shared_tokens += shared;
+  return true;
+}
+
+absl::Status Store::AppendBatch::AppendData(size_t i, Sequence* s, LayerCache& cache, int64_t from,
+                                            int64_t n) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  std::vector<float> probe;
+  if (a.probe_weights) {
+    const int64_t all = a.keys.shape[1];
+    for (int64_t h = 0; h < a.keys.shape[0]; ++h) {
+      probe.insert(probe.end(), a.probe_weights + h * all + from, a.probe_weights + h * all + all);
+    }
+  }
+  Sequence::LayerPrefix& lp = s->prefix[a.layer];
+  if (lp.open) {
+    lp.pending_ids.insert(lp.pending_ids.end(), a.token_ids.begin() + from, a.token_ids.end());
+  }
+  absl::Status st = cache.Append(SliceTokens(a.keys, from, n), SliceTokens(a.values, from, n),
+                                 a.start + from, probe.empty() ? nullptr : probe.data());
+  if (!st.ok()) {
+    return AppendError(st.code(), i, " (layer ", a.layer, "): ", st.message());
+  }
+  s->dtype = a.keys.dtype;
+  s->dtype_set = true;
+  return absl::OkStatus();
+}
+
+absl::Status Store::AppendBatch::IndexSealedGroups(Sequence* s,
+                                                   int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  Sequence::LayerPrefix& lp = s->prefix[layer];
+  LayerCache& cache = *s->layers[layer];
+  const int G = s->codec.key_group;
+  MutexLock g(&store_.mu_);
+  // Evicted by another writer while this append ran: it is going away, index nothing.
+  if (!s->linked) return absl::OkStatus();
+  Tenant& T = *store_.tenants_[tenant_];
+  const absl::Time now = store_.opts_.now();
+  while (lp.block_keys.size() < cache.sealed().size()) {
+    const size_t b = lp.block_keys.size();
+    if (lp.pending_ids.size() < static_cast<size_t>(G)) {
+      return absl::InternalError(
+          absl::StrCat("layer ", layer, ": group ", b, " sealed without its token ids"));
+    }
+    const PrefixKey prev = b > 0 ? lp.block_keys[b - 1] : lp.seed;
+    const PrefixKey key = ChainKey(prev, lp.pending_ids.data(), G);
+    lp.pending_ids.erase(lp.pending_ids.begin(), lp.pending_ids.begin() + G);
+    std::vector<uint64_t>& h = s->hashes[layer];  // starts at group b (hash_base = b * G)
+    if (const PrefixIndex::Entry* e = T.prefixes.Find(key)) {
+      // The same tokens, model, basis and codec settings: hold the indexed copy instead.
+      RETURN_IF_ERROR(cache.ReplaceSealed(static_cast<int64_t>(b), e->block));
+      T.prefixes.Hold(key);
+      T.prefixes.Touch(key, now);
+      T.shared_tokens += G;
+    } else {
+      const int64_t bytes =
+          T.prefixes.Insert(key, b > 0 ? std::optional<PrefixKey>(prev) : std::nullopt,
+                            cache.sealed()[b], std::span<const uint64_t>(h.data(), G), now);
+      T.bytes += bytes;
+      store_.used_bytes_ += bytes;
+    }
+    s->node_keys.push_back(key);
+    lp.block_keys.push_back(key);
+    // The group's arrival hashes now live in the index (and their room is given back once
+    // most of it is unused: it is counted against the tenant).
+    h.erase(h.begin(), h.begin() + G);
+    if (h.capacity() > 2 * h.size() + 64) h.shrink_to_fit();
+    s->hash_base[layer] += G;
+  }
+  return absl::OkStatus();
+}
+
+void Store::AppendBatch::Finish(const std::vector<Sequence*>& locked, bool failed,
+                                AppendOutcome* outcome) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  // The whole reservation is given back once, with the first sequence's real size.
+  int64_t reserved = estimate_;
+  for (Sequence* s : locked) {
+    store_.Remeasure(s, reserved);
+    reserved = 0;
+  }
+  if (failed) {
+    // No partial sequence: one this batch created and left empty goes again.
+    MutexLock l(&store_.mu_);
+    for (auto& [id, s] : seqs_) {
+      if (!fresh_.count(id)) continue;
+      bool empty = true;
+      for (size_t layer = 0; layer < s->layers.size(); ++layer)
+        empty &= s->Length(static_cast<int>(layer)) == 0;
+      if (empty) store_.UnlinkLocked(s.get(), /*drop=*/true);
+    }
+  }
+  std::set<std::pair<std::string, int>> seen;
+  for (const AppendSpec& a : batch_) {
+    if (!seen.insert({a.sequence_id, a.layer}).second) continue;
+    outcome->lengths.emplace_back(a.sequence_id, a.layer, seqs_.at(a.sequence_id)->Length(a.layer));
+  }
+}
+
+void Store::AppendBatch::ReleasePins() {
+  MutexLock g(&store_.mu_);
+  ReleasePinsLocked();
+}
+
+void Store::AppendBatch::ReleasePinsLocked(size_t from, size_t to) {
+  auto t = store_.tenants_.find(tenant_);
+  if (t == store_.tenants_.end()) return;
+  for (size_t i = from; i < std::min(to, plans_.size()); ++i) {
+    ItemPlan& p = plans_[i];
+    for (const PrefixKey& k : p.attach_keys) {
+      store_.ReleasePrefixLocked(*t->second, k, /*drop=*/false);
+    }
+    p.attach_keys.clear();
+  }
+}
+
+}  // namespace kvq::core
