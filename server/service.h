@@ -33,6 +33,9 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
                                        v1::ListModelsResponse* resp) override;
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
                                      const v1::GetModelRequest* req, v1::ModelInfo* resp) override;
+  // The generated typed PutBlocks is never registered (the raw one replaces it); named here so
+  // that overriding the raw one does not hide it (clang's -Woverloaded-virtual).
+  using v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::CallbackService>::PutBlocks;
   // Reads PutBlocksRequest messages, answers a serialized PutBlocksResponse.
   grpc::ServerReadReactor<grpc::ByteBuffer>* PutBlocks(grpc::CallbackServerContext* ctx,
                                                       grpc::ByteBuffer* resp) override;

@@ -622,7 +622,7 @@ TEST_F(StoreTest, RacingIdenticalResendsStoreEachTokenOnce) {
   std::vector<std::thread> th;
   std::atomic<int> errors{0};
   for (int i = 0; i < 4; ++i) {
-    th.emplace_back([&, i] {
+    th.emplace_back([&] {
       for (int64_t from = 0; from < T; from += 20) {
         TensorView k = d.kt, v = d.vt;
         k.data = d.k.data() + from * 64;

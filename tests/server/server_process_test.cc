@@ -318,7 +318,9 @@ TEST(ServerProcessTest, LogCallsWritesOneLinePerCall) {
         log.find("kvq-server: GetModel tenant 'acme': NOT_FOUND in ") != std::string::npos;
     EXPECT_EQ(echo, on) << log;
     EXPECT_EQ(get, on) << log;
-    if (on) EXPECT_NE(log.find("7 bytes in, 7 out"), std::string::npos) << log;
+    if (on) {
+      EXPECT_NE(log.find("7 bytes in, 7 out"), std::string::npos) << log;
+    }
   }
 }
 
