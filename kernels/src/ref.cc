@@ -169,6 +169,12 @@ void dense_scores_f32_ref(const float* k, int tokens, int d, const float* q, int
     }
 }
 
+float max_value_ref(const float* x, int64_t n) {
+  float mx = x[0];
+  for (int64_t t = 1; t < n; ++t) mx = std::max(mx, x[t]);
+  return mx;
+}
+
 }  // namespace
 
 const KernelTable& Ref() {
@@ -184,7 +190,8 @@ const KernelTable& Ref() {
                              xxh3_ref,
                              exp_sum_ref,
                              softmax_ref,
-                             dense_scores_f32_ref};
+                             dense_scores_f32_ref,
+                             max_value_ref};
   return t;
 }
 

@@ -698,7 +698,16 @@ void softmax_simd(float* x, int64_t n) {
   for (; t < n; ++t) x[t] *= inv;
 }
 
+float max_value_simd(const float* x, int64_t n) {
+  typename Isa::F m = Isa::Set1(x[0]);
+  int64_t t = 0;
+  for (; t + W <= n; t += W) m = Isa::Max(m, Isa::Load(x + t));
+  float mx = Isa::ReduceMax(m);
+  for (; t < n; ++t) mx = std::max(mx, x[t]);
+  return mx;
+}
+
 const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
                          quantize_rows_simd,  score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
                          dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd,
-                         softmax_simd,        dense_scores_f32_simd};
+                         softmax_simd,        dense_scores_f32_simd, max_value_simd};

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <tuple>
@@ -298,6 +299,27 @@ TEST(KernelParity, DenseAndExp) {
         kt->softmax(m1.data(), 37);
         for (int i = 0; i < 37; ++i) ASSERT_NEAR(m0[i], m1[i], 1e-6f);
       }
+}
+
+// The partial softmax's shift: exact (a max has no rounding), the maximum at every position
+// of odd lengths, -inf entries (masked logits) ignored unless all are.
+TEST(KernelParity, MaxValue) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const KernelTable* kt : Optimized())
+    for (int n : {1, 2, 15, 16, 17, 31, 33, 111, 989}) {
+      auto x = kvq::testing::Gaussian(n, n);
+      for (int at : {0, n / 2, n - 1}) {
+        std::vector<float> y(x);
+        y[at] = 50.0f;
+        EXPECT_EQ(kt->max_value(y.data(), n), 50.0f) << kt->name << " n=" << n << " at=" << at;
+        EXPECT_EQ(kt->max_value(y.data(), n), Ref().max_value(y.data(), n));
+      }
+      std::vector<float> z(n, -inf);
+      z[n - 1] = -3.0f;
+      EXPECT_EQ(kt->max_value(z.data(), n), -3.0f) << kt->name << " n=" << n;
+      z[n - 1] = -inf;
+      EXPECT_EQ(kt->max_value(z.data(), n), -inf) << kt->name << " n=" << n;
+    }
 }
 
 TEST(KernelParity, ChecksumsAgree) {

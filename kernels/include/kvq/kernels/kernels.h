@@ -73,6 +73,9 @@ struct KernelTable {
   // dense_scores_f16 over fp32 rows (the full-precision window, converted).
   void (*dense_scores_f32)(const float* k, int tokens, int d, const float* q, int n_q,
                            float* out, int64_t out_stride);
+
+  // max_t x[t] over n >= 1 values (the shift of a partial softmax, partial_attention.h).
+  float (*max_value)(const float* x, int64_t n);
 };
 
 // The scalar reference (*_ref): plain loops, the definition of correct.
