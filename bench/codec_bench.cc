@@ -8,14 +8,23 @@
 //                AttendCodesK3V3 the 4-bit-budget calibrated codecs (k3 G128 s8, v3 vg64).
 //                AttendCodesK3G128RotK the lever codec (k3 G128 r4 s4 v2, rotated keys, metric
 //                rounding) next to AttendCodesK3G128, the same codec without the levers.
+//   AttendSplit  one request's Attend at 32k tokens: the unsplit order on one thread, 2 parts
+//                on one thread (the split's own cost), 2 parts on two threads (flash-decoding);
+//                StreamRead the memory-bandwidth baseline of the same run, one thread reading a
+//                buffer beyond the LLC vs two threads reading half each. Wall-clock times
+//                (UseRealTime: CPU time of the calling thread would hide the helper's).
 // Every iteration touches a different cache (layer) of a set larger than the last-level cache,
 // as in decode, where 30 layers of KV do not fit in cache. Single-threaded; rates and times
 // are per CPU second (Google Benchmark's default), robust to preemption on a shared machine.
 #include <benchmark/benchmark.h>
 
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <random>
 #include <string>
 #include <vector>
@@ -238,6 +247,114 @@ void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
   st.SetItemsProcessed(st.iterations() * T);
 }
 
+// The calling thread and one helper thread (started once, as a server's worker): parts with
+// even index run on the caller, odd ones on the helper; Run returns when both are done.
+class TwoThreads {
+ public:
+  TwoThreads() : helper_([this] { Loop(); }) {}
+  ~TwoThreads() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    helper_.join();
+  }
+  void Run(int n, const std::function<void(int)>& task) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      task_ = &task;
+      n_ = n;
+      pending_ = true;
+    }
+    cv_.notify_all();
+    for (int k = 0; k < n; k += 2) task(k);
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return !pending_; });
+  }
+  RunParts AsRunParts() {
+    return [this](int n, const std::function<void(int)>& task) { Run(n, task); };
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      cv_.wait(l, [&] { return stop_ || pending_; });
+      if (stop_) return;
+      l.unlock();
+      for (int k = 1; k < n_; k += 2) (*task_)(k);
+      l.lock();
+      pending_ = false;
+      cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const std::function<void(int)>* task_ = nullptr;
+  int n_ = 0;
+  bool pending_ = false, stop_ = false;
+  std::thread helper_;
+};
+
+// parts: AttendOptions::parts; threads: 1 (parts run on the caller) or 2 (TwoThreads).
+void AttendSplit(benchmark::State& st, int T, int qh, int kv, int d, int parts, int threads) {
+  CodesSet set = BuildCodes(T, qh, kv, HeadQOptions(d));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(static_cast<size_t>(qh) * d), out(q.size());
+  for (auto& x : q) x = nd(rng);
+  TwoThreads pool;
+  const RunParts run = pool.AsRunParts();
+  AttendOptions ao;
+  ao.observe = false;
+  ao.parts = parts;
+  ao.run_parts = threads > 1 ? &run : nullptr;
+  size_t i = 0;
+  for (auto _ : st) {
+    auto s = set.caches[i]->Attend(q.data(), qh, 1, ao, out.data());
+    if (!s.ok()) st.SkipWithError(s.ToString().c_str());
+    benchmark::DoNotOptimize(out.data());
+    i = (i + 1) % set.caches.size();
+  }
+  st.SetBytesProcessed(st.iterations() * set.bytes_each);
+  st.SetItemsProcessed(st.iterations() * T);
+}
+
+// Reads 64 MiB (beyond the LLC share of this VM; a different half of a 256 MiB set each
+// iteration) on 1 or 2 threads: the memory bandwidth one request can get from 1 or 2 cores.
+void StreamRead(benchmark::State& st, int threads) {
+  constexpr size_t kBytes = size_t{64} << 20, kSets = 4;
+  std::vector<uint64_t> buf(kSets * kBytes / 8);
+  for (size_t j = 0; j < buf.size(); ++j) buf[j] = j * 0x9e3779b97f4a7c15ull;
+  TwoThreads pool;
+  uint64_t sums[2] = {0, 0};
+  size_t set = 0;
+  for (auto _ : st) {
+    const uint64_t* base = buf.data() + set * (kBytes / 8);
+    const size_t per = kBytes / 8 / threads;
+    auto part = [&](int k) {
+      const uint64_t* p = base + k * per;
+      uint64_t a = 0, b = 0, c = 0, e = 0;
+      for (size_t j = 0; j < per; j += 4) {
+        a += p[j];
+        b += p[j + 1];
+        c += p[j + 2];
+        e += p[j + 3];
+      }
+      sums[k] = a + b + c + e;
+    };
+    if (threads > 1) {
+      pool.Run(2, part);
+    } else {
+      part(0);
+    }
+    benchmark::DoNotOptimize(sums);
+    set = (set + 1) % kSets;
+  }
+  st.SetBytesProcessed(st.iterations() * kBytes);
+}
+
 void RegisterAll() {
   for (auto [kv, d] : {std::pair{3, 64}, std::pair{8, 128}}) {
     const std::string shape = "/kv:" + std::to_string(kv) + "/d:" + std::to_string(d);
@@ -247,6 +364,20 @@ void RegisterAll() {
   struct Shape {
     int qh, kv;
   };
+  for (int threads : {1, 2})
+    benchmark::RegisterBenchmark(("StreamRead/threads:" + std::to_string(threads)).c_str(),
+                                 StreamRead, threads)
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  for (auto [d, sh] : {std::pair{64, Shape{9, 3}}, std::pair{128, Shape{32, 8}}})
+    for (auto [parts, threads] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+      const std::string name = "AttendSplit/T:32768/d:" + std::to_string(d) + "/q:" +
+                               std::to_string(sh.qh) + "/kv:" + std::to_string(sh.kv) +
+                               "/parts:" + std::to_string(parts) + "/threads:" + std::to_string(threads);
+      benchmark::RegisterBenchmark(name.c_str(), AttendSplit, 32768, sh.qh, sh.kv, d, parts, threads)
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
   for (int T : {1024, 8192, 32768})
     for (int d : {64, 128})
       for (Shape sh : {Shape{9, 3}, Shape{32, 8}}) {
