@@ -8,6 +8,12 @@
 //                AttendCodesK3V3 the 4-bit-budget calibrated codecs (k3 G128 s8, v3 vg64).
 //                AttendCodesK3G128RotK the lever codec (k3 G128 r4 s4 v2, rotated keys, metric
 //                rounding) next to AttendCodesK3G128, the same codec without the levers.
+//   DecodeKV     LayerCache::DecodeAs fp16 of 4096 tokens (keys as attention sees them,
+//                values: the bytes a GetBlocks of fp16 sends), bytes_per_second of fp16 K+V
+//                written, next to Memcpy of those bytes (MemcpyReused: into one reused
+//                destination, as DecodeKV's outputs are); DecodeKVF32 the fp32 Decode (twice
+//                the bytes written, rated on the same fp16 bytes); DecodeKVRef DecodeKV on
+//                the reference kernels.
 //   AttendSplit  one request's Attend at 32k tokens: the unsplit order on one thread, 2 parts
 //                on one thread (the split's own cost), 2 parts on two threads (flash-decoding);
 //                StreamRead the memory-bandwidth baseline of the same run, one thread reading a
@@ -89,6 +95,56 @@ void EncodeKV(benchmark::State& st, int kv, int d) {
   st.SetBytesProcessed(st.iterations() * per * 4);
 }
 
+// Memcpy with DecodeKV's destination policy: the same fp16 bytes from a set beyond the LLC
+// into one reused destination (Memcpy above writes a cold destination too).
+void MemcpyReused(benchmark::State& st, int kv, int d) {
+  const int T = 4096;
+  const size_t per = static_cast<size_t>(kv) * T * d;
+  const int layers = static_cast<int>(std::max<size_t>(2, kWorkingSetBytes / (per * 4) + 1));
+  std::vector<std::vector<uint16_t>> src;
+  for (int l = 0; l < layers; ++l) src.push_back(RandomHalf(2 * per, l));
+  std::vector<uint16_t> dst(2 * per, 0);
+  int l = 0;
+  for (auto _ : st) {
+    std::memcpy(dst.data(), src[l].data(), per * 4);
+    benchmark::ClobberMemory();
+    l = (l + 1) % layers;
+  }
+  st.SetBytesProcessed(st.iterations() * per * 4);
+}
+
+struct CodesSet {
+  std::vector<std::unique_ptr<LayerCache>> caches;
+  size_t bytes_each = 0;
+};
+CodesSet BuildCodes(int T, int qh, int kv, const CodecOptions& o);
+
+// The output vectors are reused from call to call (as GetBlocks reuses its window's).
+// dtype: kF16 (LayerCache::DecodeAs, what GetBlocks sends for fp16) or kF32 (Decode).
+void DecodeKVImpl(benchmark::State& st, int kv, int d, DType dtype, bool reference) {
+  const int T = 4096;
+  CodesSet set = BuildCodes(T, kv, kv, HeadQOptions(d));
+  std::vector<float> keys, values;
+  std::vector<uint8_t> k16, v16;
+  if (reference) kk::SetActive(&kk::Ref());
+  size_t i = 0;
+  for (auto _ : st) {
+    auto s = dtype == DType::kF32 ? set.caches[i]->Decode(0, T, &keys, &values)
+                                  : set.caches[i]->DecodeAs(0, T, dtype, &k16, &v16);
+    if (!s.ok()) st.SkipWithError(s.ToString().c_str());
+    benchmark::DoNotOptimize(keys.data());
+    benchmark::DoNotOptimize(k16.data());
+    i = (i + 1) % set.caches.size();
+  }
+  kk::SetActive(nullptr);
+  st.SetBytesProcessed(st.iterations() * static_cast<int64_t>(kv) * T * d * 4);
+}
+void DecodeKV(benchmark::State& st, int kv, int d) { DecodeKVImpl(st, kv, d, DType::kF16, false); }
+void DecodeKVF32(benchmark::State& st, int kv, int d) {
+  DecodeKVImpl(st, kv, d, DType::kF32, false);
+}
+void DecodeKVRef(benchmark::State& st, int kv, int d) { DecodeKVImpl(st, kv, d, DType::kF16, true); }
+
 void Memcpy(benchmark::State& st, int kv, int d) {
   const int T = 4096;
   const size_t per = static_cast<size_t>(kv) * T * d;
@@ -107,10 +163,6 @@ void Memcpy(benchmark::State& st, int kv, int d) {
   st.SetBytesProcessed(st.iterations() * per * 4);
 }
 
-struct CodesSet {
-  std::vector<std::unique_ptr<LayerCache>> caches;
-  size_t bytes_each = 0;
-};
 
 // The quality frontier's lever codec: k3 G128 r4 s4 v2 with rotated keys and metric
 // rounding (rotated: false gives the same codec without the levers, to isolate their cost).
@@ -360,6 +412,10 @@ void RegisterAll() {
     const std::string shape = "/kv:" + std::to_string(kv) + "/d:" + std::to_string(d);
     benchmark::RegisterBenchmark(("EncodeKV" + shape).c_str(), EncodeKV, kv, d);
     benchmark::RegisterBenchmark(("Memcpy" + shape).c_str(), Memcpy, kv, d);
+    benchmark::RegisterBenchmark(("MemcpyReused" + shape).c_str(), MemcpyReused, kv, d);
+    benchmark::RegisterBenchmark(("DecodeKV" + shape).c_str(), DecodeKV, kv, d);
+    benchmark::RegisterBenchmark(("DecodeKVF32" + shape).c_str(), DecodeKVF32, kv, d);
+    benchmark::RegisterBenchmark(("DecodeKVRef" + shape).c_str(), DecodeKVRef, kv, d);
   }
   struct Shape {
     int qh, kv;

@@ -874,57 +874,86 @@ absl::Status LayerCache::Decode(std::vector<float>* keys, std::vector<float>* va
 
 absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* keys,
                                 std::vector<float>* values) const {
+  if (from < 0 || to < from || to > tokens_) return DecodeInto(from, to, DType::kF32, nullptr, nullptr);
+  // Every element is written (blocks, sinks, window): no zero-fill pass.
+  const size_t n = static_cast<size_t>(to - from) * opts_.head_dim * kv_heads_;
+  keys->resize(n);
+  values->resize(n);
+  return DecodeInto(from, to, DType::kF32, reinterpret_cast<uint8_t*>(keys->data()),
+                    reinterpret_cast<uint8_t*>(values->data()));
+}
+
+absl::Status LayerCache::DecodeAs(int64_t from, int64_t to, DType dtype, std::vector<uint8_t>* keys,
+                                  std::vector<uint8_t>* values) const {
+  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16)
+    return absl::InvalidArgumentError(absl::StrCat("decode to ", DTypeName(dtype),
+                                                   ": must be f32, f16 or bf16"));
+  if (from < 0 || to < from || to > tokens_) return DecodeInto(from, to, dtype, nullptr, nullptr);
+  const size_t n = static_cast<size_t>(to - from) * opts_.head_dim * kv_heads_ * DTypeSize(dtype);
+  keys->resize(n);
+  values->resize(n);
+  return DecodeInto(from, to, dtype, keys->data(), values->data());
+}
+
+absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8_t* kout_all,
+                                    uint8_t* vout_all) const {
   if (from < 0 || to < from || to > tokens_) {
     return absl::OutOfRangeError(absl::StrCat("decode range [", from, ", ", to,
                                               ") must lie in [0, ", tokens_, "]"));
   }
   const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
   const int64_t n = to - from;
-  const size_t per_head = static_cast<size_t>(n) * d;
-  keys->assign(per_head * kv_heads_, 0.0f);
-  values->assign(per_head * kv_heads_, 0.0f);
-  // Blocks overlapping [from, to): decoded in place when whole, through a scratch group when
-  // the range cuts them. Every block read is verified.
+  const size_t es = DTypeSize(dtype), row_bytes = static_cast<size_t>(d) * es;
+  const bool f32 = dtype == DType::kF32;
+  // fp32 rows [count][d] written as `dtype` at dst.
+  auto emit = [&](const float* src, int64_t count, uint8_t* dst) {
+    if (f32) {
+      std::memcpy(dst, src, count * row_bytes);
+    } else {
+      FromFloat(dtype, src, dst, static_cast<size_t>(count) * d);
+    }
+  };
+  // Blocks overlapping [from, to): fp32 and whole ones are decoded in place, the others
+  // through a scratch group (L1-sized) and converted. Every block read is verified.
   const int64_t b0 = from / G, b1 = (std::min(to, encoded_) + G - 1) / G;
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(true));
-  std::vector<float> kg, vg;
+  thread_local std::vector<float> kg, vg;
+  kg.resize(static_cast<size_t>(G) * d);
+  vg.resize(static_cast<size_t>(G) * d);
   for (int h = 0; h < kv_heads_; ++h) {
     const Head& hd = heads_[h];
-    float* kd = keys->data() + h * per_head;
-    float* vd = values->data() + h * per_head;
+    uint8_t* kd = kout_all + h * n * row_bytes;
+    uint8_t* vd = vout_all + h * n * row_bytes;
     const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = std::max(from, b * G), hi = std::min(to, (b + 1) * G);
-      const bool whole = lo == b * G && hi == (b + 1) * G;
-      float* kout = kd + (lo - from) * d;
-      float* vout = vd + (lo - from) * d;
-      if (!whole) {
-        kg.resize(static_cast<size_t>(G) * d);
-        vg.resize(static_cast<size_t>(G) * d);
-      }
+      const bool direct = f32 && lo == b * G && hi == (b + 1) * G;
+      uint8_t* kout = kd + (lo - from) * row_bytes;
+      uint8_t* vout = vd + (lo - from) * row_bytes;
       ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(KeyBlock(h, b), opts_, true));
-      DecodeKeyBlock(kv, U, opts_.side_sign, whole ? kout : kg.data());
+      DecodeKeyBlock(kv, U, opts_.side_sign, direct ? reinterpret_cast<float*>(kout) : kg.data());
       ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(ValueBlock(h, b), opts_, true));
-      DecodeValueBlock(vv, whole ? vout : vg.data());
-      if (!whole) {
-        const size_t off = static_cast<size_t>(lo - b * G) * d, len = (hi - lo) * d;
-        std::copy_n(kg.data() + off, len, kout);
-        std::copy_n(vg.data() + off, len, vout);
+      DecodeValueBlock(vv, direct ? reinterpret_cast<float*>(vout) : vg.data());
+      if (!direct) {
+        const size_t off = static_cast<size_t>(lo - b * G) * d;
+        emit(kg.data() + off, hi - lo, kout);
+        emit(vg.data() + off, hi - lo, vout);
       }
     }
     for (int64_t t = from; sinks && t < std::min<int64_t>(to, sinks->sinks); ++t) {
-      ToFloat(DType::kF16, sinks->key(h, static_cast<int>(t)), kd + (t - from) * d, d);
-      ToFloat(DType::kF16, sinks->value(h, static_cast<int>(t)), vd + (t - from) * d, d);
+      ToFloat(DType::kF16, sinks->key(h, static_cast<int>(t)), kg.data(), d);
+      ToFloat(DType::kF16, sinks->value(h, static_cast<int>(t)), vg.data(), d);
+      emit(kg.data(), 1, kd + (t - from) * row_bytes);
+      emit(vg.data(), 1, vd + (t - from) * row_bytes);
     }
     if (to > encoded_) {  // window tokens [max(from, encoded_), to)
       const int64_t W = tokens_ - encoded_, lo = std::max(from, encoded_);
-      kg.resize(static_cast<size_t>(W) * d);
-      vg.resize(static_cast<size_t>(W) * d);
-      WindowToFloat(hd, true, kg.data());
-      WindowToFloat(hd, false, vg.data());
-      const size_t off = static_cast<size_t>(lo - encoded_) * d, len = (to - lo) * d;
-      std::copy_n(kg.data() + off, len, kd + (lo - from) * d);
-      std::copy_n(vg.data() + off, len, vd + (lo - from) * d);
+      std::vector<float> kw(static_cast<size_t>(W) * d), vw(kw.size());
+      WindowToFloat(hd, true, kw.data());
+      WindowToFloat(hd, false, vw.data());
+      const size_t off = static_cast<size_t>(lo - encoded_) * d;
+      emit(kw.data() + off, to - lo, kd + (lo - from) * row_bytes);
+      emit(vw.data() + off, to - lo, vd + (lo - from) * row_bytes);
     }
   }
   return absl::OkStatus();

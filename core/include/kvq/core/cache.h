@@ -211,6 +211,12 @@ class LayerCache {
   // the range touches. OUT_OF_RANGE unless 0 <= from <= to <= tokens().
   absl::Status Decode(int64_t from, int64_t to, std::vector<float>* keys,
                       std::vector<float>* values) const;
+  // The same rows in `dtype` (kF32, kF16 or kBF16: what GetBlocks sends), [kv_heads][to -
+  // from][d] elements of DTypeSize(dtype) bytes each, every value the fp32 decode's rounded to
+  // nearest even. Decoded a group at a time through an L1-sized scratch, so that only the
+  // output's own bytes go to memory (half of the fp32 decode's for fp16).
+  absl::Status DecodeAs(int64_t from, int64_t to, DType dtype, std::vector<uint8_t>* keys,
+                        std::vector<uint8_t>* values) const;
   // Verifies every block's checksum (scrub).
   absl::Status VerifyAll() const;
 
@@ -275,6 +281,8 @@ class LayerCache {
                            const std::function<absl::Status()>& validate);
   absl::Status AppendImpl(const TensorView& k, const TensorView& v, int64_t start,
                           const float* probe_weights, const ProbeQueries* probes);
+  // Decode / DecodeAs into kd, vd ([kv_heads][to - from][d] of dtype, sized by the caller).
+  absl::Status DecodeInto(int64_t from, int64_t to, DType dtype, uint8_t* kd, uint8_t* vd) const;
   absl::Status ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
                          float* out) const;
   absl::Status ReadoutHead(int h, const float* p, int rows, float* out) const;
