@@ -930,6 +930,13 @@ absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8
       const bool direct = f32 && lo == b * G && hi == (b + 1) * G;
       uint8_t* kout = kd + (lo - from) * row_bytes;
       uint8_t* vout = vd + (lo - from) * row_bytes;
+      // The output lines are asked for before the block is decoded, so that their misses
+      // overlap the decode instead of stalling the stores after it (a large output does not
+      // stay in cache from call to call).
+      for (size_t off = 0; off < static_cast<size_t>(hi - lo) * row_bytes; off += 64) {
+        __builtin_prefetch(kout + off, 1);
+        __builtin_prefetch(vout + off, 1);
+      }
       ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(KeyBlock(h, b), opts_, true));
       DecodeKeyBlock(kv, U, opts_.side_sign, direct ? reinterpret_cast<float*>(kout) : kg.data());
       ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(ValueBlock(h, b), opts_, true));
