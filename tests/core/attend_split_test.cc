@@ -10,7 +10,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <limits>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -174,6 +178,76 @@ TEST(CacheAttendSplit, MatchesUnsplitWithinRoundingForEveryPartCount) {
       EXPECT_EQ(threaded, got);
     }
   }
+}
+
+// A one-thread FIFO pool, as the server's WorkerPool (drains its queue, then joins).
+class OneWorker {
+ public:
+  OneWorker() : t_([this] { Loop(); }) {}
+  ~OneWorker() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    t_.join();
+  }
+  void Submit(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      q_.push_back(std::move(fn));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      cv_.wait(l, [&] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;
+      auto fn = std::move(q_.front());
+      q_.pop_front();
+      l.unlock();
+      fn();
+      l.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;
+  bool stop_ = false;
+  std::thread t_;
+};
+
+// ClaimingRunParts over an idle pool runs parts on both threads; over a busy one (its worker
+// blocked until after the Attend) the caller runs them all and never waits on the queued
+// helper, which later finds nothing to do. Same bits either way.
+TEST(CacheAttendSplit, ClaimingRunPartsOverIdleAndBusyPools) {
+  const int kv = 2, qh = 8, d = 64;
+  const int64_t T = 32 * 40 + 7;
+  CodecOptions o = Opt(d, 2, 32, 4, 2);
+  const ModelBasis b = RandomBasis({"t", 1, 1, kv, qh, d, 4}, 3);
+  const auto k = Gaussian(kv * T * d, 1), v = Gaussian(kv * T * d, 2), q = Gaussian(qh * d, 3);
+  LayerCache c(o, kv, b.u.data());
+  ASSERT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  AttendOptions ao;
+  ao.observe = false;
+  ao.parts = 5;
+  std::vector<float> inline_out(q.size()), idle(q.size()), busy(q.size());
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, inline_out.data()).ok());
+  OneWorker pool;
+  const RunParts run =
+      ClaimingRunParts([&pool](std::function<void()> fn) { pool.Submit(std::move(fn)); }, 1);
+  ao.run_parts = &run;
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, idle.data()).ok());
+  EXPECT_EQ(idle, inline_out);
+  std::mutex gate;
+  gate.lock();
+  pool.Submit([&gate] { std::lock_guard<std::mutex> l(gate); });  // the worker is busy
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, busy.data()).ok());
+  EXPECT_EQ(busy, inline_out);
+  gate.unlock();  // the stale helper runs now and claims nothing
 }
 
 TEST(CacheAttendSplit, PartBoundsAreWholeGroupsAndDeterministic) {

@@ -70,6 +70,14 @@ struct ProbeQueries {
 // parts of a split Attend through this.
 using RunParts = std::function<void(int n, const std::function<void(int)>& task)>;
 
+// A RunParts over the caller's executor: `submit` hands a closure to other threads (e.g. a
+// worker pool's queue); `helpers` closures are submitted, and they and the calling thread
+// claim parts one at a time until none is left, so the caller waits only for parts already
+// running, never for a helper still queued behind other work (one that starts after the parts
+// ran out returns at once). Safe from a pool's own worker; with every worker busy it costs
+// `helpers` queued no-ops and runs all parts on the calling thread.
+RunParts ClaimingRunParts(std::function<void(std::function<void()>)> submit, int helpers);
+
 struct AttendOptions {
   // Query i sees cached tokens [0, causal_offset + i]; -1: every cached token.
   int64_t causal_offset = -1;
