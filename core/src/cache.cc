@@ -413,7 +413,7 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
     InputRows in{RowPtr(k, h, 0), RowPtr(v, h, 0),
                  k.stride[1] * static_cast<int64_t>(DTypeSize(to)),
                  v.stride[1] * static_cast<int64_t>(DTypeSize(to)), to,
-                 probe_weights ? probe_weights + h * n : nullptr, 0};
+                 probe_weights ? probe_weights + h * n : nullptr, 0, chunk_groups, ready};
     if (building_.empty()) {
       Reserve(&heads_[h].kblocks, ready * kblock_bytes_);
       Reserve(&heads_[h].vblocks, ready * MaxValueBlockBytes(opts_));
@@ -473,6 +473,17 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     const int64_t g0 = input ? input->first_group : 0;
     for (int64_t g = g0; g < g0 + ready; ++g) {
       const int64_t first = g * G;  // window (or input) index of the group's first token
+      if (input && g + input->prefetch_groups < input->prefetch_end) {
+        // Reading the input from memory is what a memcpy of it costs; fetched one chunk
+        // ahead, it overlaps the encoding of this chunk instead of stalling its check.
+        const int64_t next = first + input->prefetch_groups * G;
+        const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(input->dtype);
+        for (int t = 0; t < G; ++t)
+          for (size_t off = 0; off < row_bytes; off += 64) {
+            __builtin_prefetch(krows + (next + t) * kstride + off, 0, 2);
+            __builtin_prefetch(vrows + (next + t) * vstride + off, 0, 2);
+          }
+      }
       RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
       if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
