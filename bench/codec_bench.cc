@@ -27,6 +27,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -299,65 +300,60 @@ void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
   st.SetItemsProcessed(st.iterations() * T);
 }
 
-// The calling thread and one helper thread (started once, as a server's worker): parts with
-// even index run on the caller, odd ones on the helper; Run returns when both are done.
-class TwoThreads {
+// One worker thread with a FIFO queue (as the server's WorkerPool of one), started once.
+class OneWorker {
  public:
-  TwoThreads() : helper_([this] { Loop(); }) {}
-  ~TwoThreads() {
+  OneWorker() : t_([this] { Loop(); }) {}
+  ~OneWorker() {
     {
       std::lock_guard<std::mutex> l(mu_);
       stop_ = true;
     }
     cv_.notify_all();
-    helper_.join();
+    t_.join();
   }
-  void Run(int n, const std::function<void(int)>& task) {
+  void Submit(std::function<void()> fn) {
     {
       std::lock_guard<std::mutex> l(mu_);
-      task_ = &task;
-      n_ = n;
-      pending_ = true;
+      q_.push_back(std::move(fn));
     }
     cv_.notify_all();
-    for (int k = 0; k < n; k += 2) task(k);
-    std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [&] { return !pending_; });
   }
-  RunParts AsRunParts() {
-    return [this](int n, const std::function<void(int)>& task) { Run(n, task); };
+  // The parts on this worker and the calling thread, as a server would run them.
+  RunParts Parts() {
+    return ClaimingRunParts([this](std::function<void()> fn) { Submit(std::move(fn)); }, 1);
   }
 
  private:
   void Loop() {
     std::unique_lock<std::mutex> l(mu_);
     for (;;) {
-      cv_.wait(l, [&] { return stop_ || pending_; });
-      if (stop_) return;
+      cv_.wait(l, [&] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;
+      auto fn = std::move(q_.front());
+      q_.pop_front();
       l.unlock();
-      for (int k = 1; k < n_; k += 2) (*task_)(k);
+      fn();
       l.lock();
-      pending_ = false;
-      cv_.notify_all();
     }
   }
   std::mutex mu_;
   std::condition_variable cv_;
-  const std::function<void(int)>* task_ = nullptr;
-  int n_ = 0;
-  bool pending_ = false, stop_ = false;
-  std::thread helper_;
+  std::deque<std::function<void()>> q_;
+  bool stop_ = false;
+  std::thread t_;
 };
 
-// parts: AttendOptions::parts; threads: 1 (parts run on the caller) or 2 (TwoThreads).
+// parts: AttendOptions::parts; threads: 1 (parts run on the caller) or 2 (the caller and one
+// worker claiming parts: ClaimingRunParts).
 void AttendSplit(benchmark::State& st, int T, int qh, int kv, int d, int parts, int threads) {
   CodesSet set = BuildCodes(T, qh, kv, HeadQOptions(d));
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(qh) * d), out(q.size());
   for (auto& x : q) x = nd(rng);
-  TwoThreads pool;
-  const RunParts run = pool.AsRunParts();
+  OneWorker worker;
+  const RunParts run = worker.Parts();
   AttendOptions ao;
   ao.observe = false;
   ao.parts = parts;
@@ -379,7 +375,8 @@ void StreamRead(benchmark::State& st, int threads) {
   constexpr size_t kBytes = size_t{64} << 20, kSets = 4;
   std::vector<uint64_t> buf(kSets * kBytes / 8);
   for (size_t j = 0; j < buf.size(); ++j) buf[j] = j * 0x9e3779b97f4a7c15ull;
-  TwoThreads pool;
+  OneWorker worker;
+  const RunParts run = worker.Parts();
   uint64_t sums[2] = {0, 0};
   size_t set = 0;
   for (auto _ : st) {
@@ -397,7 +394,7 @@ void StreamRead(benchmark::State& st, int threads) {
       sums[k] = a + b + c + e;
     };
     if (threads > 1) {
-      pool.Run(2, part);
+      run(2, part);
     } else {
       part(0);
     }
