@@ -286,19 +286,23 @@ TEST(CacheAttendSplit, ObservingSplitAttendRecordsTheWindowLikeTheUnsplit) {
   };
   const auto k0 = part(k, 0, T), v0 = part(v, 0, T), k1 = part(k, T, more), v1 = part(v, T, more);
   // Sharp queries: a few window tokens take most of the weight, so widths differ from uniform.
-  const auto q = Gaussian(qh * d, 5, 4.0f);
+  const auto q = Gaussian(qh * d, 5, 4.0f), q3 = Gaussian(qh * 3 * d, 6, 4.0f);
   std::vector<std::vector<uint8_t>> blocks;
   for (int parts : {1, 3}) {
     LayerCache c(o, kv, b.u.data());
     ASSERT_TRUE(c.Append(View3(k0, kv, T, d), View3(v0, kv, T, d), 0).ok());
     AttendOptions ao;
     ao.parts = parts;
-    std::vector<float> out(q.size());
+    std::vector<float> out(q3.size());
     for (int i = 0; i < 3; ++i) ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, out.data()).ok());
+    // Three queries per head with a causal mask inside the window: rows see different spans.
+    ao.causal_offset = T - 40;
+    ASSERT_TRUE(c.Attend(q3.data(), qh, 3, ao, out.data()).ok());
     ASSERT_TRUE(c.Append(View3(k1, kv, more, d), View3(v1, kv, more, d), T).ok());
-    blocks.emplace_back(c.value_blocks(0).begin(), c.value_blocks(0).end());
+    for (int h = 0; h < kv; ++h) blocks.emplace_back(c.value_blocks(h).begin(), c.value_blocks(h).end());
   }
-  EXPECT_EQ(blocks[0], blocks[1]);
+  EXPECT_EQ(blocks[0], blocks[2]);
+  EXPECT_EQ(blocks[1], blocks[3]);
 }
 
 }  // namespace
