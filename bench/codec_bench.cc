@@ -8,14 +8,30 @@
 //                AttendCodesK3V3 the 4-bit-budget calibrated codecs (k3 G128 s8, v3 vg64).
 //                AttendCodesK3G128RotK the lever codec (k3 G128 r4 s4 v2, rotated keys, metric
 //                rounding) next to AttendCodesK3G128, the same codec without the levers.
+//   DecodeKV     LayerCache::DecodeAs fp16 of 4096 tokens (keys as attention sees them,
+//                values: the bytes a GetBlocks of fp16 sends), bytes_per_second of fp16 K+V
+//                written, next to Memcpy of those bytes (MemcpyReused: into one reused
+//                destination, as DecodeKV's outputs are); DecodeKVF32 the fp32 Decode (twice
+//                the bytes written, rated on the same fp16 bytes); DecodeKVRef DecodeKV on
+//                the reference kernels.
+//   AttendSplit  one request's Attend at 32k tokens: the unsplit order on one thread, 2 parts
+//                on one thread (the split's own cost), 2 parts on two threads (flash-decoding);
+//                StreamRead the memory-bandwidth baseline of the same run, one thread reading a
+//                buffer beyond the LLC vs two threads reading half each. Wall-clock times
+//                (UseRealTime: CPU time of the calling thread would hide the helper's).
 // Every iteration touches a different cache (layer) of a set larger than the last-level cache,
 // as in decode, where 30 layers of KV do not fit in cache. Single-threaded; rates and times
 // are per CPU second (Google Benchmark's default), robust to preemption on a shared machine.
 #include <benchmark/benchmark.h>
 
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <random>
 #include <string>
 #include <vector>
@@ -80,6 +96,56 @@ void EncodeKV(benchmark::State& st, int kv, int d) {
   st.SetBytesProcessed(st.iterations() * per * 4);
 }
 
+// Memcpy with DecodeKV's destination policy: the same fp16 bytes from a set beyond the LLC
+// into one reused destination (Memcpy above writes a cold destination too).
+void MemcpyReused(benchmark::State& st, int kv, int d) {
+  const int T = 4096;
+  const size_t per = static_cast<size_t>(kv) * T * d;
+  const int layers = static_cast<int>(std::max<size_t>(2, kWorkingSetBytes / (per * 4) + 1));
+  std::vector<std::vector<uint16_t>> src;
+  for (int l = 0; l < layers; ++l) src.push_back(RandomHalf(2 * per, l));
+  std::vector<uint16_t> dst(2 * per, 0);
+  int l = 0;
+  for (auto _ : st) {
+    std::memcpy(dst.data(), src[l].data(), per * 4);
+    benchmark::ClobberMemory();
+    l = (l + 1) % layers;
+  }
+  st.SetBytesProcessed(st.iterations() * per * 4);
+}
+
+struct CodesSet {
+  std::vector<std::unique_ptr<LayerCache>> caches;
+  size_t bytes_each = 0;
+};
+CodesSet BuildCodes(int T, int qh, int kv, const CodecOptions& o);
+
+// The output vectors are reused from call to call (as GetBlocks reuses its window's).
+// dtype: kF16 (LayerCache::DecodeAs, what GetBlocks sends for fp16) or kF32 (Decode).
+void DecodeKVImpl(benchmark::State& st, int kv, int d, DType dtype, bool reference) {
+  const int T = 4096;
+  CodesSet set = BuildCodes(T, kv, kv, HeadQOptions(d));
+  std::vector<float> keys, values;
+  std::vector<uint8_t> k16, v16;
+  if (reference) kk::SetActive(&kk::Ref());
+  size_t i = 0;
+  for (auto _ : st) {
+    auto s = dtype == DType::kF32 ? set.caches[i]->Decode(0, T, &keys, &values)
+                                  : set.caches[i]->DecodeAs(0, T, dtype, &k16, &v16);
+    if (!s.ok()) st.SkipWithError(s.ToString().c_str());
+    benchmark::DoNotOptimize(keys.data());
+    benchmark::DoNotOptimize(k16.data());
+    i = (i + 1) % set.caches.size();
+  }
+  kk::SetActive(nullptr);
+  st.SetBytesProcessed(st.iterations() * static_cast<int64_t>(kv) * T * d * 4);
+}
+void DecodeKV(benchmark::State& st, int kv, int d) { DecodeKVImpl(st, kv, d, DType::kF16, false); }
+void DecodeKVF32(benchmark::State& st, int kv, int d) {
+  DecodeKVImpl(st, kv, d, DType::kF32, false);
+}
+void DecodeKVRef(benchmark::State& st, int kv, int d) { DecodeKVImpl(st, kv, d, DType::kF16, true); }
+
 void Memcpy(benchmark::State& st, int kv, int d) {
   const int T = 4096;
   const size_t per = static_cast<size_t>(kv) * T * d;
@@ -98,10 +164,6 @@ void Memcpy(benchmark::State& st, int kv, int d) {
   st.SetBytesProcessed(st.iterations() * per * 4);
 }
 
-struct CodesSet {
-  std::vector<std::unique_ptr<LayerCache>> caches;
-  size_t bytes_each = 0;
-};
 
 // The quality frontier's lever codec: k3 G128 r4 s4 v2 with rotated keys and metric
 // rounding (rotated: false gives the same codec without the levers, to isolate their cost).
@@ -238,15 +300,137 @@ void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
   st.SetItemsProcessed(st.iterations() * T);
 }
 
+// One worker thread with a FIFO queue (as the server's WorkerPool of one), started once.
+class OneWorker {
+ public:
+  OneWorker() : t_([this] { Loop(); }) {}
+  ~OneWorker() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    t_.join();
+  }
+  void Submit(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      q_.push_back(std::move(fn));
+    }
+    cv_.notify_all();
+  }
+  // The parts on this worker and the calling thread, as a server would run them.
+  RunParts Parts() {
+    return ClaimingRunParts([this](std::function<void()> fn) { Submit(std::move(fn)); }, 1);
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      cv_.wait(l, [&] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;
+      auto fn = std::move(q_.front());
+      q_.pop_front();
+      l.unlock();
+      fn();
+      l.lock();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;
+  bool stop_ = false;
+  std::thread t_;
+};
+
+// parts: AttendOptions::parts; threads: 1 (parts run on the caller) or 2 (the caller and one
+// worker claiming parts: ClaimingRunParts).
+void AttendSplit(benchmark::State& st, int T, int qh, int kv, int d, int parts, int threads) {
+  CodesSet set = BuildCodes(T, qh, kv, HeadQOptions(d));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> q(static_cast<size_t>(qh) * d), out(q.size());
+  for (auto& x : q) x = nd(rng);
+  OneWorker worker;
+  const RunParts run = worker.Parts();
+  AttendOptions ao;
+  ao.observe = false;
+  ao.parts = parts;
+  ao.run_parts = threads > 1 ? &run : nullptr;
+  size_t i = 0;
+  for (auto _ : st) {
+    auto s = set.caches[i]->Attend(q.data(), qh, 1, ao, out.data());
+    if (!s.ok()) st.SkipWithError(s.ToString().c_str());
+    benchmark::DoNotOptimize(out.data());
+    i = (i + 1) % set.caches.size();
+  }
+  st.SetBytesProcessed(st.iterations() * set.bytes_each);
+  st.SetItemsProcessed(st.iterations() * T);
+}
+
+// Reads 64 MiB (beyond the LLC share of this VM; a different half of a 256 MiB set each
+// iteration) on 1 or 2 threads: the memory bandwidth one request can get from 1 or 2 cores.
+void StreamRead(benchmark::State& st, int threads) {
+  constexpr size_t kBytes = size_t{64} << 20, kSets = 4;
+  std::vector<uint64_t> buf(kSets * kBytes / 8);
+  for (size_t j = 0; j < buf.size(); ++j) buf[j] = j * 0x9e3779b97f4a7c15ull;
+  OneWorker worker;
+  const RunParts run = worker.Parts();
+  uint64_t sums[2] = {0, 0};
+  size_t set = 0;
+  for (auto _ : st) {
+    const uint64_t* base = buf.data() + set * (kBytes / 8);
+    const size_t per = kBytes / 8 / threads;
+    auto part = [&](int k) {
+      const uint64_t* p = base + k * per;
+      uint64_t a = 0, b = 0, c = 0, e = 0;
+      for (size_t j = 0; j < per; j += 4) {
+        a += p[j];
+        b += p[j + 1];
+        c += p[j + 2];
+        e += p[j + 3];
+      }
+      sums[k] = a + b + c + e;
+    };
+    if (threads > 1) {
+      run(2, part);
+    } else {
+      part(0);
+    }
+    benchmark::DoNotOptimize(sums);
+    set = (set + 1) % kSets;
+  }
+  st.SetBytesProcessed(st.iterations() * kBytes);
+}
+
 void RegisterAll() {
   for (auto [kv, d] : {std::pair{3, 64}, std::pair{8, 128}}) {
     const std::string shape = "/kv:" + std::to_string(kv) + "/d:" + std::to_string(d);
     benchmark::RegisterBenchmark(("EncodeKV" + shape).c_str(), EncodeKV, kv, d);
     benchmark::RegisterBenchmark(("Memcpy" + shape).c_str(), Memcpy, kv, d);
+    benchmark::RegisterBenchmark(("MemcpyReused" + shape).c_str(), MemcpyReused, kv, d);
+    benchmark::RegisterBenchmark(("DecodeKV" + shape).c_str(), DecodeKV, kv, d);
+    benchmark::RegisterBenchmark(("DecodeKVF32" + shape).c_str(), DecodeKVF32, kv, d);
+    benchmark::RegisterBenchmark(("DecodeKVRef" + shape).c_str(), DecodeKVRef, kv, d);
   }
   struct Shape {
     int qh, kv;
   };
+  for (int threads : {1, 2})
+    benchmark::RegisterBenchmark(("StreamRead/threads:" + std::to_string(threads)).c_str(),
+                                 StreamRead, threads)
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  for (auto [d, sh] : {std::pair{64, Shape{9, 3}}, std::pair{128, Shape{32, 8}}})
+    for (auto [parts, threads] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+      const std::string name = "AttendSplit/T:32768/d:" + std::to_string(d) + "/q:" +
+                               std::to_string(sh.qh) + "/kv:" + std::to_string(sh.kv) +
+                               "/parts:" + std::to_string(parts) + "/threads:" + std::to_string(threads);
+      benchmark::RegisterBenchmark(name.c_str(), AttendSplit, 32768, sh.qh, sh.kv, d, parts, threads)
+          ->UseRealTime()
+          ->Unit(benchmark::kMicrosecond);
+    }
   for (int T : {1024, 8192, 32768})
     for (int d : {64, 128})
       for (Shape sh : {Shape{9, 3}, Shape{32, 8}}) {

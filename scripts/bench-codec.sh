@@ -3,16 +3,21 @@
 # (EncodeKV / Memcpy throughput, AttendDense / AttendCodes and AttendRef / AttendCodes time,
 # AttendCodesNoVerify / AttendCodes), every ratio from baselines measured in the same run.
 # Times are CPU times of single-threaded iterations (robust to other processes' preemption).
-# Usage: scripts/bench-codec.sh [--help] [--quick] [--out FILE.json]
+# DecodeKV / Memcpy and MemcpyReused; AttendSplit's 2-thread speedup beside StreamRead's (wall
+# clock: these rows use two threads).
+# Usage: scripts/bench-codec.sh [--help] [--quick] [--filter REGEX] [--out FILE.json]
 #   --quick   short runs (0.1 s per benchmark) for a smoke check
+#   --filter  only the benchmarks matching REGEX (Google Benchmark's --benchmark_filter)
 set -euo pipefail
 MIN_TIME=1.0
 OUT=""
+FILTER="."
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --quick) MIN_TIME=0.1; shift ;;
     --out) OUT="$2"; shift 2 ;;
+    --filter) FILTER="$2"; shift 2 ;;
     *) echo "bench-codec: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -20,7 +25,7 @@ cd "$(dirname "$0")/.."
 BIN="${KVQ_BUILD_DIR:-build}/bin/kvq-bench-codec"
 [[ -x "$BIN" ]] || { echo "bench-codec: $BIN not built (run scripts/test.sh or cmake --build build)" >&2; exit 1; }
 JSON="${OUT:-$(mktemp --suffix=.json)}"
-"$BIN" --benchmark_min_time="$MIN_TIME" --benchmark_out="$JSON" --benchmark_out_format=json >&2
+"$BIN" --benchmark_min_time="$MIN_TIME" --benchmark_filter="$FILTER" --benchmark_out="$JSON" --benchmark_out_format=json >&2
 python3 - "$JSON" <<'PY'
 import json, sys, re
 d = json.load(open(sys.argv[1]))
@@ -55,4 +60,35 @@ for name, b in rows.items():
         nvs = f"{t(nv)/c:.2f}x" if nv else "-"
         g1s = f"{dv/t(g1):.2f}x" if g1 else "-"
         print(f"| {shape} | {c:.0f} | {dv:.0f} | {rv:.0f} | {dv/c:.2f}x | {rv/c:.1f}x | {nvs} | {g1s} |")
+def gbs(name):
+    b = rows.get(name)
+    return b["bytes_per_second"] / 1e9 if b else float("nan")
+if any(n.startswith("DecodeKV/") for n in rows):
+    print()
+    print("| shape | DecodeKV (f16) GB/s | DecodeKVF32 | DecodeKVRef | Memcpy | MemcpyReused | Decode/Memcpy | Decode/MemcpyReused |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in rows:
+        if name.startswith("DecodeKV/"):
+            shape = name[len("DecodeKV/"):]
+            dk, mc, mr = gbs(name), gbs("Memcpy/" + shape), gbs("MemcpyReused/" + shape)
+            print(f"| {shape} | {dk:.2f} | {gbs('DecodeKVF32/' + shape):.2f} | {gbs('DecodeKVRef/' + shape):.2f} "
+                  f"| {mc:.2f} | {mr:.2f} | {dk/mc:.2f}x | {dk/mr:.2f}x |")
+def wall(b):  # wall-clock time of the iteration, in microseconds
+    return b["real_time"] if b["time_unit"] == "us" else b["real_time"] / 1e3
+s1, s2 = rows.get("StreamRead/threads:1/real_time"), rows.get("StreamRead/threads:2/real_time")
+if any(n.startswith("AttendSplit/") for n in rows):
+    print()
+    if s1 and s2:
+        print(f"StreamRead: 1 thread {s1['bytes_per_second']/1e9:.2f} GB/s, 2 threads "
+              f"{s2['bytes_per_second']/1e9:.2f} GB/s: {wall(s1)/wall(s2):.2f}x\n")
+    print("| shape | 1 part 1 thread us | 2 parts 1 thread us | 2 parts 2 threads us | speedup (1p1t / 2p2t) | split cost (2p1t / 1p1t) |")
+    print("|---|---|---|---|---|---|")
+    for name in rows:
+        if name.startswith("AttendSplit/") and "/parts:1/threads:1" in name:
+            shape = name[len("AttendSplit/"):name.index("/parts:")]
+            a = wall(rows[name])
+            b1 = rows.get(f"AttendSplit/{shape}/parts:2/threads:1/real_time")
+            b2 = rows.get(f"AttendSplit/{shape}/parts:2/threads:2/real_time")
+            if b1 and b2:
+                print(f"| {shape} | {a:.0f} | {wall(b1):.0f} | {wall(b2):.0f} | {a/wall(b2):.2f}x | {wall(b1)/a:.3f}x |")
 PY

@@ -4,11 +4,13 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <new>
 
 #include <xxhash.h>
 
 #include "absl/strings/str_cat.h"
+#include "kvq/core/partial_attention.h"
 #include "kvq/core/status.h"
 #include "kvq/core/value_policy.h"
 #include "kvq/kernels/kernels.h"
@@ -411,7 +413,7 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
     InputRows in{RowPtr(k, h, 0), RowPtr(v, h, 0),
                  k.stride[1] * static_cast<int64_t>(DTypeSize(to)),
                  v.stride[1] * static_cast<int64_t>(DTypeSize(to)), to,
-                 probe_weights ? probe_weights + h * n : nullptr, 0};
+                 probe_weights ? probe_weights + h * n : nullptr, 0, chunk_groups, ready};
     if (building_.empty()) {
       Reserve(&heads_[h].kblocks, ready * kblock_bytes_);
       Reserve(&heads_[h].vblocks, ready * MaxValueBlockBytes(opts_));
@@ -471,6 +473,17 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     const int64_t g0 = input ? input->first_group : 0;
     for (int64_t g = g0; g < g0 + ready; ++g) {
       const int64_t first = g * G;  // window (or input) index of the group's first token
+      if (input && g + input->prefetch_groups < input->prefetch_end) {
+        // Reading the input from memory is what a memcpy of it costs; fetched one chunk
+        // ahead, it overlaps the encoding of this chunk instead of stalling its check.
+        const int64_t next = first + input->prefetch_groups * G;
+        const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(input->dtype);
+        for (int t = 0; t < G; ++t)
+          for (size_t off = 0; off < row_bytes; off += 64) {
+            __builtin_prefetch(krows + (next + t) * kstride + off, 0, 2);
+            __builtin_prefetch(vrows + (next + t) * vstride + off, 0, 2);
+          }
+      }
       RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
       if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
@@ -559,9 +572,15 @@ absl::Status CheckQueries(int q_heads, int kv_heads, int n_q) {
 // Scores the rows [rows][d] of one KV head's query group into out [rows][T].
 absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
                                    float* out) const {
+  return ScoreRange(h, q, rows, scale, corr_only, 0, encoded_ / opts_.key_group, true, out,
+                    tokens_);
+}
+
+absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale, bool corr_only,
+                                    int64_t b0, int64_t b1, bool window, float* out,
+                                    int64_t T) const {
   const Head& hd = heads_[h];
   const int d = opts_.head_dim, r = opts_.rank, G = opts_.key_group;
-  const int64_t T = tokens_;
   thread_local std::vector<float> uq, win, rq;
   const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
   if (r > 0) {
@@ -572,23 +591,22 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
         for (int j = 0; j < r; ++j) uq[i * r + j] += qc * U[c * r + j];
       }
   }
-  const int64_t nb = encoded_ / G;
   // Rotated keys are scored with H q: rotated here once for every block, not per block.
-  const bool rotate = opts_.rotate_keys && !corr_only && nb > 0;
+  const bool rotate = opts_.rotate_keys && !corr_only && b1 > b0;
   if (rotate) {
     rq.assign(q, q + static_cast<size_t>(rows) * d);
     HadamardRotateRows(rq.data(), d, rows, d);
   }
   const BlockReader reader(opts_, opts_.verify_on_read);
   KeyBlockView kv;
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     RETURN_IF_ERROR(reader.Key(KeyBlock(h, b), &kv));
     ScoreKeyBlock(kv, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr, rows, scale,
-                  opts_.side_sign, out + b * G, T, !corr_only, /*q_rotated=*/rotate);
+                  opts_.side_sign, out + (b - b0) * G, T, !corr_only, /*q_rotated=*/rotate);
   }
   // Verified once per call by Score / Readout / Attend, not once per head.
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
-  if (sinks) {
+  if (sinks && b0 == 0 && b1 > 0) {  // the sinks are the first group's first tokens
     if (corr_only)
       return absl::FailedPreconditionError(
           "corrections_only scores: the codec keeps fp16 sinks, whose blocks hold stand-ins "
@@ -605,37 +623,42 @@ absl::Status LayerCache::ScoreHead(int h, const float* q, int rows, float scale,
       }
     }
   }
-  const int64_t W = T - encoded_;
+  const int64_t W = window ? tokens_ - encoded_ : 0;
+  const int64_t at = (b1 - b0) * G;  // where the window's tokens start in out's rows
   if (W > 0) {
     if (corr_only) {
-      for (int i = 0; i < rows; ++i) std::fill(out + i * T + encoded_, out + (i + 1) * T, 0.0f);
+      for (int i = 0; i < rows; ++i) std::fill_n(out + i * T + at, W, 0.0f);
     } else {
       win.resize(static_cast<size_t>(W) * d);
       WindowToFloat(hd, true, win.data());
       kernels::Active().dense_scores_f32(win.data(), static_cast<int>(W), d, q, rows,
-                                         out + encoded_, T);
+                                         out + at, T);
       for (int i = 0; i < rows; ++i)
-        for (int64_t t = 0; t < W; ++t) out[i * T + encoded_ + t] *= scale;
+        for (int64_t t = 0; t < W; ++t) out[i * T + at + t] *= scale;
     }
   }
   return absl::OkStatus();
 }
 
 absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out) const {
+  return ReadoutRange(h, p, tokens_, rows, 0, encoded_ / opts_.key_group, true, out);
+}
+
+absl::Status LayerCache::ReadoutRange(int h, const float* p, int64_t T, int rows, int64_t b0,
+                                      int64_t b1, bool window, float* out) const {
   const Head& hd = heads_[h];
   const int d = opts_.head_dim, G = opts_.key_group;
-  const int64_t T = tokens_;
   thread_local std::vector<float> win;
   std::fill(out, out + static_cast<size_t>(rows) * d, 0.0f);
-  const int64_t nb = encoded_ / G;
   // Rotated values: the blocks' readouts summed in the rotated coordinates (out starts at
   // zero), then the sum rotated back once instead of each block's partial output.
-  const bool rotated = opts_.rotate_values && nb > 0;
+  const bool rotated = opts_.rotate_values && b1 > b0;
   const BlockReader reader(opts_, opts_.verify_on_read);
   // Verified once per call by Score / Readout / Attend, not once per head.
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
+  if (b0 > 0 || b1 == 0) sinks = nullptr;  // the sinks are the first group's first tokens
   ValueBlockView vv;
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     RETURN_IF_ERROR(reader.Value(ValueBlock(h, b), &vv));
     if (b == 0 && sinks) {  // the stand-ins get no weight: the sinks' rows are added below
       thread_local std::vector<float> p0;
@@ -647,7 +670,7 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
       ReadoutValueBlock(vv, p0.data(), G, rows, out, d, /*out_rotated=*/rotated);
       continue;
     }
-    ReadoutValueBlock(vv, p + b * G, T, rows, out, d, /*out_rotated=*/rotated);
+    ReadoutValueBlock(vv, p + (b - b0) * G, T, rows, out, d, /*out_rotated=*/rotated);
   }
   if (rotated) HadamardRotateRows(out, d, rows, d);
   if (sinks) {
@@ -662,13 +685,14 @@ absl::Status LayerCache::ReadoutHead(int h, const float* p, int rows, float* out
       }
     }
   }
-  const int64_t W = T - encoded_;
+  const int64_t W = window ? tokens_ - encoded_ : 0;
+  const int64_t at = (b1 - b0) * G;  // where the window's weights start in p's rows
   if (W > 0) {
     win.resize(static_cast<size_t>(W) * d);
     WindowToFloat(hd, false, win.data());
     for (int i = 0; i < rows; ++i)
       for (int64_t t = 0; t < W; ++t) {
-        const float pt = p[i * T + encoded_ + t];
+        const float pt = p[i * T + at + t];
         if (pt == 0.0f) continue;
         for (int c = 0; c < d; ++c) out[static_cast<size_t>(i) * d + c] += pt * win[t * d + c];
       }
@@ -709,6 +733,8 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   const int64_t T = tokens_;
   const float scale = ao.scale != 0.0f ? ao.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  if (ao.parts > 1 && encoded_ / opts_.key_group > 1)
+    return AttendSplit(q, q_heads, n_q, ao, scale, out);
   thread_local std::vector<float> s;
   s.resize(static_cast<size_t>(rows) * T);
   const auto& kt = kernels::Active();
@@ -728,6 +754,96 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
         }
     }
     RETURN_IF_ERROR(ReadoutHead(h, s.data(), rows, out + static_cast<size_t>(h) * rows * d));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> LayerCache::AttendPartBounds(int parts) const {
+  const int64_t G = opts_.key_group, nb = encoded_ / G;
+  const int64_t p = std::max<int64_t>(1, std::min<int64_t>(parts, nb));
+  std::vector<int64_t> bounds(p + 1);
+  for (int64_t k = 0; k < p; ++k) bounds[k] = nb * k / p * G;
+  bounds[p] = tokens_;
+  return bounds;
+}
+
+// Part k of a split Attend, for every KV head: logits of tokens [bounds[k], bounds[k + 1]),
+// masked causally, exponentiated against the part's maximum and read out unnormalized
+// (partial_attention.h). m, l: [q_heads * n_q]; o: [q_heads * n_q][d]; window_p (the last
+// part, when observing): the window tokens' exp(s - m), [q_heads * n_q][W].
+absl::Status LayerCache::AttendPart(const float* q, int q_heads, int n_q, const AttendOptions& ao,
+                                    float scale, const std::vector<int64_t>& bounds, int k,
+                                    float* m, float* l, float* o, float* window_p) const {
+  const int d = opts_.head_dim, G = opts_.key_group, rows = q_heads / kv_heads_ * n_q;
+  const int64_t t0 = bounds[k], t1 = bounds[k + 1], len = t1 - t0;
+  const bool last = k + 2 == static_cast<int>(bounds.size());
+  const int64_t b0 = t0 / G, b1 = last ? encoded_ / G : t1 / G;
+  const int64_t W = last ? tokens_ - encoded_ : 0;
+  thread_local std::vector<float> s;
+  s.resize(static_cast<size_t>(rows) * len);
+  const auto& kt = kernels::Active();
+  for (int h = 0; h < kv_heads_; ++h) {
+    const size_t r0 = static_cast<size_t>(h) * rows;  // this head's first query row
+    RETURN_IF_ERROR(ScoreRange(h, q + r0 * d, rows, scale, false, b0, b1, last, s.data(), len));
+    for (int i = 0; i < rows; ++i) {
+      float* si = s.data() + static_cast<size_t>(i) * len;
+      const int64_t vis = ao.causal_offset < 0 ? tokens_
+                                               : std::min<int64_t>(tokens_, ao.causal_offset + i % n_q + 1);
+      const int64_t n = std::clamp<int64_t>(vis - t0, 0, len);
+      if (n == 0) {
+        m[r0 + i] = -std::numeric_limits<float>::infinity();
+        l[r0 + i] = 0.0f;
+      } else {
+        m[r0 + i] = kt.max_value(si, n);
+        l[r0 + i] = kt.exp_sum(si, n, m[r0 + i]);
+      }
+      std::fill(si + n, si + len, 0.0f);
+      if (window_p && W > 0)
+        std::copy_n(si + (len - W), W, window_p + (r0 + i) * W);
+    }
+    RETURN_IF_ERROR(ReadoutRange(h, s.data(), len, rows, b0, b1, last, o + r0 * d));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::AttendSplit(const float* q, int q_heads, int n_q, const AttendOptions& ao,
+                                     float scale, float* out) {
+  const int d = opts_.head_dim, rows = q_heads / kv_heads_ * n_q;
+  const int64_t R = static_cast<int64_t>(q_heads) * n_q, W = tokens_ - encoded_;
+  const std::vector<int64_t> bounds = AttendPartBounds(ao.parts);
+  const int P = static_cast<int>(bounds.size()) - 1;
+  std::vector<float> m(P * R), l(P * R), o(P * R * d), wp(ao.observe ? R * W : 0);
+  std::vector<absl::Status> st(P);
+  const std::function<void(int)> part = [&](int k) {
+    st[k] = AttendPart(q, q_heads, n_q, ao, scale, bounds, k, m.data() + k * R, l.data() + k * R,
+                       o.data() + k * R * d, k == P - 1 && !wp.empty() ? wp.data() : nullptr);
+  };
+  if (ao.run_parts) {
+    (*ao.run_parts)(P, part);
+  } else {
+    for (int k = 0; k < P; ++k) part(k);
+  }
+  for (const absl::Status& s : st) RETURN_IF_ERROR(s);
+  MergePartials(m.data(), l.data(), o.data(), P, R, d, out);
+  if (wp.empty() || W == 0) return absl::OkStatus();
+  // The window tokens' normalized weights, exp(s - m_last) exp(m_last - M) / L, recorded as
+  // an unsplit Attend records its softmax.
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t vis = ao.causal_offset < 0
+                            ? tokens_
+                            : std::min<int64_t>(tokens_, ao.causal_offset + (r % rows) % n_q + 1);
+    if (vis <= encoded_) continue;
+    float mx = -std::numeric_limits<float>::infinity(), denom = 0.0f;
+    for (int k = 0; k < P; ++k) mx = std::max(mx, m[k * R + r]);
+    for (int k = 0; k < P; ++k)
+      if (l[k * R + r] > 0.0f) denom += std::exp(m[k * R + r] - mx) * l[k * R + r];
+    const float f = std::exp(m[(P - 1) * R + r] - mx) / denom;
+    Head& hd = heads_[r / rows];
+    for (int64_t t = encoded_; t < vis; ++t) {
+      const float pt = wp[r * W + (t - encoded_)] * f;
+      hd.a2_sum[t - encoded_] += pt * pt;
+      hd.a2_reads[t - encoded_] += 1;
+    }
   }
   return absl::OkStatus();
 }
@@ -769,57 +885,93 @@ absl::Status LayerCache::Decode(std::vector<float>* keys, std::vector<float>* va
 
 absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* keys,
                                 std::vector<float>* values) const {
+  if (from < 0 || to < from || to > tokens_) return DecodeInto(from, to, DType::kF32, nullptr, nullptr);
+  // Every element is written (blocks, sinks, window): no zero-fill pass.
+  const size_t n = static_cast<size_t>(to - from) * opts_.head_dim * kv_heads_;
+  keys->resize(n);
+  values->resize(n);
+  return DecodeInto(from, to, DType::kF32, reinterpret_cast<uint8_t*>(keys->data()),
+                    reinterpret_cast<uint8_t*>(values->data()));
+}
+
+absl::Status LayerCache::DecodeAs(int64_t from, int64_t to, DType dtype, std::vector<uint8_t>* keys,
+                                  std::vector<uint8_t>* values) const {
+  if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16)
+    return absl::InvalidArgumentError(absl::StrCat("decode to ", DTypeName(dtype),
+                                                   ": must be f32, f16 or bf16"));
+  if (from < 0 || to < from || to > tokens_) return DecodeInto(from, to, dtype, nullptr, nullptr);
+  const size_t n = static_cast<size_t>(to - from) * opts_.head_dim * kv_heads_ * DTypeSize(dtype);
+  keys->resize(n);
+  values->resize(n);
+  return DecodeInto(from, to, dtype, keys->data(), values->data());
+}
+
+absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8_t* kout_all,
+                                    uint8_t* vout_all) const {
   if (from < 0 || to < from || to > tokens_) {
     return absl::OutOfRangeError(absl::StrCat("decode range [", from, ", ", to,
                                               ") must lie in [0, ", tokens_, "]"));
   }
   const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
   const int64_t n = to - from;
-  const size_t per_head = static_cast<size_t>(n) * d;
-  keys->assign(per_head * kv_heads_, 0.0f);
-  values->assign(per_head * kv_heads_, 0.0f);
-  // Blocks overlapping [from, to): decoded in place when whole, through a scratch group when
-  // the range cuts them. Every block read is verified.
+  const size_t es = DTypeSize(dtype), row_bytes = static_cast<size_t>(d) * es;
+  const bool f32 = dtype == DType::kF32;
+  // fp32 rows [count][d] written as `dtype` at dst.
+  auto emit = [&](const float* src, int64_t count, uint8_t* dst) {
+    if (f32) {
+      std::memcpy(dst, src, count * row_bytes);
+    } else {
+      FromFloat(dtype, src, dst, static_cast<size_t>(count) * d);
+    }
+  };
+  // Blocks overlapping [from, to): fp32 and whole ones are decoded in place, the others
+  // through a scratch group (L1-sized) and converted. Every block read is verified.
   const int64_t b0 = from / G, b1 = (std::min(to, encoded_) + G - 1) / G;
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(true));
-  std::vector<float> kg, vg;
+  thread_local std::vector<float> kg, vg;
+  kg.resize(static_cast<size_t>(G) * d);
+  vg.resize(static_cast<size_t>(G) * d);
   for (int h = 0; h < kv_heads_; ++h) {
     const Head& hd = heads_[h];
-    float* kd = keys->data() + h * per_head;
-    float* vd = values->data() + h * per_head;
+    uint8_t* kd = kout_all + h * n * row_bytes;
+    uint8_t* vd = vout_all + h * n * row_bytes;
     const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = std::max(from, b * G), hi = std::min(to, (b + 1) * G);
-      const bool whole = lo == b * G && hi == (b + 1) * G;
-      float* kout = kd + (lo - from) * d;
-      float* vout = vd + (lo - from) * d;
-      if (!whole) {
-        kg.resize(static_cast<size_t>(G) * d);
-        vg.resize(static_cast<size_t>(G) * d);
+      const bool direct = f32 && lo == b * G && hi == (b + 1) * G;
+      uint8_t* kout = kd + (lo - from) * row_bytes;
+      uint8_t* vout = vd + (lo - from) * row_bytes;
+      // The output lines are asked for before the block is decoded, so that their misses
+      // overlap the decode instead of stalling the stores after it (a large output does not
+      // stay in cache from call to call).
+      for (size_t off = 0; off < static_cast<size_t>(hi - lo) * row_bytes; off += 64) {
+        __builtin_prefetch(kout + off, 1);
+        __builtin_prefetch(vout + off, 1);
       }
       ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(KeyBlock(h, b), opts_, true));
-      DecodeKeyBlock(kv, U, opts_.side_sign, whole ? kout : kg.data());
+      DecodeKeyBlock(kv, U, opts_.side_sign, direct ? reinterpret_cast<float*>(kout) : kg.data());
       ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(ValueBlock(h, b), opts_, true));
-      DecodeValueBlock(vv, whole ? vout : vg.data());
-      if (!whole) {
-        const size_t off = static_cast<size_t>(lo - b * G) * d, len = (hi - lo) * d;
-        std::copy_n(kg.data() + off, len, kout);
-        std::copy_n(vg.data() + off, len, vout);
+      DecodeValueBlock(vv, direct ? reinterpret_cast<float*>(vout) : vg.data());
+      if (!direct) {
+        const size_t off = static_cast<size_t>(lo - b * G) * d;
+        emit(kg.data() + off, hi - lo, kout);
+        emit(vg.data() + off, hi - lo, vout);
       }
     }
     for (int64_t t = from; sinks && t < std::min<int64_t>(to, sinks->sinks); ++t) {
-      ToFloat(DType::kF16, sinks->key(h, static_cast<int>(t)), kd + (t - from) * d, d);
-      ToFloat(DType::kF16, sinks->value(h, static_cast<int>(t)), vd + (t - from) * d, d);
+      ToFloat(DType::kF16, sinks->key(h, static_cast<int>(t)), kg.data(), d);
+      ToFloat(DType::kF16, sinks->value(h, static_cast<int>(t)), vg.data(), d);
+      emit(kg.data(), 1, kd + (t - from) * row_bytes);
+      emit(vg.data(), 1, vd + (t - from) * row_bytes);
     }
     if (to > encoded_) {  // window tokens [max(from, encoded_), to)
       const int64_t W = tokens_ - encoded_, lo = std::max(from, encoded_);
-      kg.resize(static_cast<size_t>(W) * d);
-      vg.resize(static_cast<size_t>(W) * d);
-      WindowToFloat(hd, true, kg.data());
-      WindowToFloat(hd, false, vg.data());
-      const size_t off = static_cast<size_t>(lo - encoded_) * d, len = (to - lo) * d;
-      std::copy_n(kg.data() + off, len, kd + (lo - from) * d);
-      std::copy_n(vg.data() + off, len, vd + (lo - from) * d);
+      std::vector<float> kw(static_cast<size_t>(W) * d), vw(kw.size());
+      WindowToFloat(hd, true, kw.data());
+      WindowToFloat(hd, false, vw.data());
+      const size_t off = static_cast<size_t>(lo - encoded_) * d;
+      emit(kw.data() + off, to - lo, kd + (lo - from) * row_bytes);
+      emit(vw.data() + off, to - lo, vd + (lo - from) * row_bytes);
     }
   }
   return absl::OkStatus();

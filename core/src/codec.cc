@@ -106,12 +106,6 @@ absl::StatusOr<Header> ReadHeader(std::span<const uint8_t> b, uint8_t kind, bool
 
 const kernels::KernelTable& K() { return kernels::Active(); }
 
-int CodeAt(const uint8_t* row, int bits, int64_t i) {
-  const int64_t bit = i * bits;
-  uint32_t w = row[bit >> 3] | (bits + (bit & 7) > 8 ? row[(bit >> 3) + 1] << 8 : 0);
-  return static_cast<int>((w >> (bit & 7)) & ((1u << bits) - 1));
-}
-
 // x <- H x for the normalized Walsh-Hadamard matrix H (d a power of two): H is symmetric and
 // orthogonal, so the same call also undoes it. d log2 d additions, one pass of scaling.
 void Rotate(float* x, int d) {
@@ -606,50 +600,21 @@ void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride
 
 void DecodeKeyBase(const KeyBlockView& b, float* out) {
   const int d = b.head_dim, G = b.tokens;
-  const int64_t rb = RowBytes(G, b.bits);
-  for (int c = 0; c < d; ++c) {
-    const float s = HalfToFloat(b.scale[c]), z = HalfToFloat(b.zero[c]);
-    const uint8_t* row = b.codes + c * rb;
-    for (int t = 0; t < G; ++t) out[static_cast<size_t>(t) * d + c] = z + s * CodeAt(row, b.bits, t);
-  }
+  K().dequantize_channels(b.codes, b.bits, d, G, b.scale, b.zero, out, d);
   if (b.rotated)
     for (int t = 0; t < G; ++t) Rotate(out + static_cast<size_t>(t) * d, d);
 }
-
 void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float side_sign, float* out) {
   DecodeKeyBase(b, out);
-  const int d = b.head_dim, G = b.tokens, r = b.rank;
-  if (r == 0 || basis == nullptr) return;
-  const int64_t rb = RowBytes(G, b.side_bits);
-  std::vector<float> z(static_cast<size_t>(r));
-  for (int t = 0; t < G; ++t) {
-    for (int j = 0; j < r; ++j)
-      z[j] = side_sign * (HalfToFloat(b.side_zero[j]) +
-                          HalfToFloat(b.side_scale[j]) * CodeAt(b.side_codes + j * rb, b.side_bits, t));
-    for (int c = 0; c < d; ++c) {
-      float acc = 0;
-      for (int j = 0; j < r; ++j) acc += basis[static_cast<size_t>(c) * r + j] * z[j];
-      out[static_cast<size_t>(t) * d + c] += acc;
-    }
-  }
+  if (b.rank == 0 || basis == nullptr) return;
+  K().add_low_rank(b.side_codes, b.side_bits, b.rank, b.tokens, b.side_scale, b.side_zero,
+                   side_sign, basis, b.head_dim, out, b.head_dim);
 }
-
 void DecodeValueBlock(const ValueBlockView& b, float* out) {
-  const int d = b.head_dim, ng = (d + b.value_group - 1) / b.value_group;
-  const uint8_t* rec = b.payload;
-  // Copied out: a record of odd size puts the next one's fp16 fields at an odd address.
-  uint16_t sz[2 * 64];  // ng <= 64 (CodecOptions::Validate, ParseValueBlock)
-  for (int t = 0; t < b.tokens; ++t) {
-    std::memcpy(sz, rec, 4 * ng);
-    const uint8_t* codes = rec + 4 * ng;
-    for (int c = 0; c < d; ++c) {
-      const int g = c / b.value_group;
-      out[static_cast<size_t>(t) * d + c] =
-          HalfToFloat(sz[ng + g]) + HalfToFloat(sz[g]) * CodeAt(codes, b.token_bits[t], c);
-    }
-    rec += 4 * ng + RowBytes(d, b.token_bits[t]);
-    if (b.rotated) Rotate(out + static_cast<size_t>(t) * d, d);
-  }
+  const int d = b.head_dim;
+  K().dequantize_rows(b.payload, b.token_bits, b.tokens, d, b.value_group, out, d);
+  if (b.rotated)
+    for (int t = 0; t < b.tokens; ++t) Rotate(out + static_cast<size_t>(t) * d, d);
 }
 
 }  // namespace kvq::core

@@ -81,6 +81,25 @@ struct Isa {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
 
+  // v[i] lane j -> v[j] lane i (8 x 8).
+  static void TransposeSquare(F* v) {
+    F t[8], u[8];
+    for (int k = 0; k < 4; ++k) {
+      t[2 * k] = _mm256_unpacklo_ps(v[2 * k], v[2 * k + 1]);
+      t[2 * k + 1] = _mm256_unpackhi_ps(v[2 * k], v[2 * k + 1]);
+    }
+    for (int k = 0; k < 2; ++k) {
+      u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+      v[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+  }
+
   template <int B>
   static F DecodeCodes(const uint8_t* p) {
     if constexpr (B == 8) {

@@ -68,6 +68,30 @@ struct Isa {
   static F TransposeMax(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_max_ps(a, b); }); }
   static F TransposeAdd(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_add_ps(a, b); }); }
   static F CvtI(I v) { return _mm512_cvtepi32_ps(v); }
+  // v[i] lane j -> v[j] lane i (16 x 16): 32 unpacks/shuffles within 128-bit lanes, then 32
+  // 128-bit lane shuffles.
+  static void TransposeSquare(F* v) {
+    F t[16];
+    for (int k = 0; k < 8; ++k) {
+      t[2 * k] = _mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]);
+      t[2 * k + 1] = _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; ++k) {
+      v[4 * k] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      v[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      v[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      v[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 2; ++k)
+      for (int j = 0; j < 4; ++j) {
+        t[8 * k + j] = _mm512_shuffle_f32x4(v[8 * k + j], v[8 * k + 4 + j], 0x88);
+        t[8 * k + 4 + j] = _mm512_shuffle_f32x4(v[8 * k + j], v[8 * k + 4 + j], 0xdd);
+      }
+    for (int j = 0; j < 8; ++j) {
+      v[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+      v[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+  }
   // slot[t][k] (8 fp16 per token) for t < 16 and k < kinds: out[k * stride + t] as floats.
   // Two permutes over 8 slots each and a blend per k (tokens 0-7 from the first pair of
   // vectors, 8-15 from the second).

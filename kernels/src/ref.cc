@@ -169,6 +169,57 @@ void dense_scores_f32_ref(const float* k, int tokens, int d, const float* q, int
     }
 }
 
+float max_value_ref(const float* x, int64_t n) {
+  float mx = x[0];
+  for (int64_t t = 1; t < n; ++t) mx = std::max(mx, x[t]);
+  return mx;
+}
+
+void dequantize_channels_ref(const uint8_t* codes, int bits, int n_ch, int tokens,
+                             const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld) {
+  const int64_t rb = RowBytes(tokens, bits);
+  for (int c = 0; c < n_ch; ++c) {
+    const float s = HalfToFloat(scale[c]), z = HalfToFloat(zero[c]);
+    const uint8_t* row = codes + c * rb;
+    for (int t = 0; t < tokens; ++t)
+      out[t * ld + c] = z + s * static_cast<float>(GetCode(row, bits, t));
+  }
+}
+
+void add_low_rank_ref(const uint8_t* codes, int bits, int r, int tokens, const uint16_t* scale,
+                      const uint16_t* zero, float sign, const float* basis, int d, float* out,
+                      int64_t ld) {
+  const int64_t rb = RowBytes(tokens, bits);
+  std::vector<float> z(r);
+  for (int t = 0; t < tokens; ++t) {
+    for (int j = 0; j < r; ++j)
+      z[j] = sign * (HalfToFloat(zero[j]) +
+                     HalfToFloat(scale[j]) * static_cast<float>(GetCode(codes + j * rb, bits, t)));
+    for (int c = 0; c < d; ++c) {
+      float acc = 0;
+      for (int j = 0; j < r; ++j) acc += basis[static_cast<int64_t>(c) * r + j] * z[j];
+      out[t * ld + c] += acc;
+    }
+  }
+}
+
+void dequantize_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n,
+                         int group, float* out, int64_t ld) {
+  const int ng = (n + group - 1) / group;
+  const uint8_t* rec = rows;
+  std::vector<uint16_t> sz(2 * ng);  // copied out: records may sit at odd addresses
+  for (int t = 0; t < n_rows; ++t) {
+    std::memcpy(sz.data(), rec, 4 * ng);
+    const uint8_t* codes = rec + 4 * ng;
+    for (int c = 0; c < n; ++c) {
+      const int g = c / group;
+      out[t * ld + c] = HalfToFloat(sz[ng + g]) +
+                        HalfToFloat(sz[g]) * static_cast<float>(GetCode(codes, row_bits[t], c));
+    }
+    rec += 4 * ng + RowBytes(n, row_bits[t]);
+  }
+}
+
 }  // namespace
 
 const KernelTable& Ref() {
@@ -184,7 +235,11 @@ const KernelTable& Ref() {
                              xxh3_ref,
                              exp_sum_ref,
                              softmax_ref,
-                             dense_scores_f32_ref};
+                             dense_scores_f32_ref,
+                             max_value_ref,
+                             dequantize_channels_ref,
+                             add_low_rank_ref,
+                             dequantize_rows_ref};
   return t;
 }
 

@@ -698,7 +698,123 @@ void softmax_simd(float* x, int64_t n) {
   for (; t < n; ++t) x[t] *= inv;
 }
 
+float max_value_simd(const float* x, int64_t n) {
+  typename Isa::F m = Isa::Set1(x[0]);
+  int64_t t = 0;
+  for (; t + W <= n; t += W) m = Isa::Max(m, Isa::Load(x + t));
+  float mx = Isa::ReduceMax(m);
+  for (; t < n; ++t) mx = std::max(mx, x[t]);
+  return mx;
+}
+
+// A W x W tile at a time: W channel rows of W tokens decoded and scaled (one vector per
+// channel), transposed in registers, stored as W token rows of W channels.
+template <int B>
+void DequantizeChannelsB(const uint8_t* codes, int n_ch, int tokens, const uint16_t* scale,
+                         const uint16_t* zero, float* out, int64_t ld) {
+  const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
+  for (int c0 = 0; c0 + W <= n_ch; c0 += W) {
+    float sf[W], zf[W];
+    for (int i = 0; i < W; ++i) {
+      sf[i] = internal::HalfToFloat(scale[c0 + i]);
+      zf[i] = internal::HalfToFloat(zero[c0 + i]);
+    }
+    for (int t0 = 0; t0 < tokens; t0 += W) {
+      typename Isa::F v[W];
+      for (int i = 0; i < W; ++i)
+        v[i] = Isa::Add(Isa::Set1(zf[i]),
+                        Isa::Mul(Isa::Set1(sf[i]), Decode<B>(codes + (c0 + i) * rb + t0 * B / 8)));
+      Isa::TransposeSquare(v);
+      for (int j = 0; j < W; ++j) Isa::Store(out + (t0 + j) * ld + c0, v[j]);
+    }
+  }
+}
+
+void dequantize_channels_simd(const uint8_t* codes, int bits, int n_ch, int tokens,
+                              const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld) {
+  if (tokens % W != 0) return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld);
+  switch (bits) {
+    case 1: DequantizeChannelsB<1>(codes, n_ch, tokens, scale, zero, out, ld); break;
+    case 2: DequantizeChannelsB<2>(codes, n_ch, tokens, scale, zero, out, ld); break;
+    case 3: DequantizeChannelsB<3>(codes, n_ch, tokens, scale, zero, out, ld); break;
+    case 4: DequantizeChannelsB<4>(codes, n_ch, tokens, scale, zero, out, ld); break;
+    case 8: DequantizeChannelsB<8>(codes, n_ch, tokens, scale, zero, out, ld); break;
+    default: return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld);
+  }
+  const int c0 = n_ch / W * W;  // channels past the last whole tile: the reference's loop
+  if (c0 < n_ch)
+    Ref().dequantize_channels(codes + c0 * internal::RowBytes(tokens, bits), bits, n_ch - c0,
+                              tokens, scale + c0, zero + c0, out + c0, ld);
+}
+
+void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const uint16_t* scale,
+                       const uint16_t* zero, float sign, const float* basis, int d, float* out,
+                       int64_t ld) {
+  constexpr int kMaxRank = 16;
+  if (d % W != 0 || r > kMaxRank || d > 512)
+    return Ref().add_low_rank(codes, bits, r, tokens, scale, zero, sign, basis, d, out, ld);
+  thread_local std::vector<float> bt;  // the basis transposed, [r][d]
+  bt.resize(static_cast<size_t>(r) * d);
+  for (int c = 0; c < d; ++c)
+    for (int j = 0; j < r; ++j) bt[static_cast<size_t>(j) * d + c] = basis[static_cast<int64_t>(c) * r + j];
+  const int64_t rb = internal::RowBytes(tokens, bits);
+  float sf[kMaxRank], zf[kMaxRank], z[kMaxRank];
+  for (int j = 0; j < r; ++j) {
+    sf[j] = internal::HalfToFloat(scale[j]);
+    zf[j] = internal::HalfToFloat(zero[j]);
+  }
+  for (int t = 0; t < tokens; ++t) {
+    for (int j = 0; j < r; ++j)
+      z[j] = sign * (zf[j] + sf[j] * static_cast<float>(internal::GetCode(codes + j * rb, bits, t)));
+    float* row = out + t * ld;
+    for (int c0 = 0; c0 < d; c0 += W) {
+      typename Isa::F acc = Isa::Zero();
+      for (int j = 0; j < r; ++j)
+        acc = Isa::Add(acc, Isa::Mul(Isa::Load(bt.data() + static_cast<size_t>(j) * d + c0), Isa::Set1(z[j])));
+      Isa::Store(row + c0, Isa::Add(Isa::Load(row + c0), acc));
+    }
+  }
+}
+
+template <int B>
+void DequantizeRowB(const uint8_t* codes, int n, int group, const float* sf, const float* zf,
+                    float* out) {
+  for (int c0 = 0; c0 < n; c0 += W) {
+    const int g = c0 / group;
+    Isa::Store(out + c0, Isa::Add(Isa::Set1(zf[g]), Isa::Mul(Isa::Set1(sf[g]), Decode<B>(codes + c0 * B / 8))));
+  }
+}
+
+void dequantize_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n,
+                          int group, float* out, int64_t ld) {
+  const int ng = (n + group - 1) / group;
+  if (n % W != 0 || group % W != 0 || ng > 64)
+    return Ref().dequantize_rows(rows, row_bits, n_rows, n, group, out, ld);
+  uint16_t sz[2 * 64];  // copied out: records may sit at odd addresses
+  float sf[64], zf[64];
+  const uint8_t* rec = rows;
+  for (int t = 0; t < n_rows; ++t) {
+    std::memcpy(sz, rec, 4 * ng);
+    for (int g = 0; g < ng; ++g) {
+      sf[g] = internal::HalfToFloat(sz[g]);
+      zf[g] = internal::HalfToFloat(sz[ng + g]);
+    }
+    const uint8_t* codes = rec + 4 * ng;
+    float* o = out + t * ld;
+    switch (row_bits[t]) {
+      case 1: DequantizeRowB<1>(codes, n, group, sf, zf, o); break;
+      case 2: DequantizeRowB<2>(codes, n, group, sf, zf, o); break;
+      case 3: DequantizeRowB<3>(codes, n, group, sf, zf, o); break;
+      case 4: DequantizeRowB<4>(codes, n, group, sf, zf, o); break;
+      case 8: DequantizeRowB<8>(codes, n, group, sf, zf, o); break;
+      default: Ref().dequantize_rows(rec, row_bits + t, 1, n, group, o, ld); break;
+    }
+    rec += 4 * ng + internal::RowBytes(n, row_bits[t]);
+  }
+}
+
 const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
                          quantize_rows_simd,  score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
                          dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd,
-                         softmax_simd,        dense_scores_f32_simd};
+                         softmax_simd,        dense_scores_f32_simd, max_value_simd,
+                         dequantize_channels_simd, add_low_rank_simd, dequantize_rows_simd};

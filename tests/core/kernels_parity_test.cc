@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <tuple>
@@ -298,6 +299,111 @@ TEST(KernelParity, DenseAndExp) {
         kt->softmax(m1.data(), 37);
         for (int i = 0; i < 37; ++i) ASSERT_NEAR(m0[i], m1[i], 1e-6f);
       }
+}
+
+// The partial softmax's shift: exact (a max has no rounding), the maximum at every position
+// of odd lengths, -inf entries (masked logits) ignored unless all are.
+TEST(KernelParity, MaxValue) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const KernelTable* kt : Optimized())
+    for (int n : {1, 2, 15, 16, 17, 31, 33, 111, 989}) {
+      auto x = kvq::testing::Gaussian(n, n);
+      for (int at : {0, n / 2, n - 1}) {
+        std::vector<float> y(x);
+        y[at] = 50.0f;
+        EXPECT_EQ(kt->max_value(y.data(), n), 50.0f) << kt->name << " n=" << n << " at=" << at;
+        EXPECT_EQ(kt->max_value(y.data(), n), Ref().max_value(y.data(), n));
+      }
+      std::vector<float> z(n, -inf);
+      z[n - 1] = -3.0f;
+      EXPECT_EQ(kt->max_value(z.data(), n), -3.0f) << kt->name << " n=" << n;
+      z[n - 1] = -inf;
+      EXPECT_EQ(kt->max_value(z.data(), n), -inf) << kt->name << " n=" << n;
+    }
+}
+
+std::vector<uint8_t> RandomBytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> b(n);
+  for (auto& x : b) x = static_cast<uint8_t>(rng());
+  return b;
+}
+std::vector<uint16_t> RandomHalves(size_t n, uint32_t seed) {
+  auto f = kvq::testing::Gaussian(n, seed);
+  std::vector<uint16_t> h(n);
+  for (size_t i = 0; i < n; ++i) h[i] = kvq::core::FloatToHalf(f[i]);
+  return h;
+}
+
+// The decode kernels are bit-identical to the reference (same products and sums in the same
+// order), so the floats are compared exactly; rows are written with a stride (ld > n) and the
+// cells between them must stay untouched.
+TEST(KernelParity, DequantizeChannels) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {1, 2, 3, 4, 8})
+      for (int tokens : {32, 64, 128})
+        for (int n_ch : {4, 19, 64, 80, 111, 128}) {
+          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens
+                                            << " ch=" << n_ch);
+          const int64_t ld = n_ch + 3;
+          auto codes = RandomBytes(RowBytes(tokens, bits) * n_ch, bits * 100 + n_ch);
+          auto sc = RandomHalves(n_ch, 1 + n_ch), ze = RandomHalves(n_ch, 2 + n_ch);
+          std::vector<float> o0(tokens * ld, 7.0f), o1(o0);
+          Ref().dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(), o0.data(), ld);
+          kt->dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(), o1.data(), ld);
+          ASSERT_EQ(o0, o1);
+          EXPECT_EQ(o1[n_ch], 7.0f);  // between rows
+        }
+}
+
+TEST(KernelParity, AddLowRank) {
+  for (const KernelTable* kt : Optimized())
+    for (int bits : {4, 8})
+      for (int r : {1, 4, 8, 17})
+        for (int d : {19, 64, 80, 128})
+          for (float sign : {1.0f, -1.0f}) {
+            SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " r=" << r
+                                              << " d=" << d << " sign=" << sign);
+            const int tokens = r == 4 ? 128 : 32;
+            const int64_t ld = d + 5;
+            auto codes = RandomBytes(RowBytes(tokens, bits) * r, bits + r + d);
+            auto sc = RandomHalves(r, 3 + r), ze = RandomHalves(r, 4 + r);
+            auto basis = kvq::testing::Gaussian(d * r, 5 + d, 0.2f);
+            auto o0 = kvq::testing::Gaussian(tokens * ld, 6 + d), o1 = o0;
+            Ref().add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign, basis.data(), d, o0.data(), ld);
+            kt->add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign, basis.data(), d, o1.data(), ld);
+            ASSERT_EQ(o0, o1);
+          }
+}
+
+TEST(KernelParity, DequantizeRows) {
+  for (const KernelTable* kt : Optimized())
+    for (int n : {19, 64, 80, 128})
+      for (int group : {16, 19, 32, 64, 128})
+        for (int n_rows : {1, 31, 128}) {
+          if (group > n) continue;
+          SCOPED_TRACE(::testing::Message() << kt->name << " n=" << n << " group=" << group
+                                            << " rows=" << n_rows);
+          const int ng = (n + group - 1) / group;
+          std::mt19937 rng(n * 7 + group + n_rows);
+          const int widths[] = {1, 2, 3, 4, 8};
+          std::vector<uint8_t> bits(n_rows), rec;
+          for (int t = 0; t < n_rows; ++t) {
+            bits[t] = static_cast<uint8_t>(widths[rng() % 5]);
+            auto sz = RandomHalves(2 * ng, rng());
+            const size_t at = rec.size();
+            rec.resize(at + 4 * ng);
+            std::memcpy(rec.data() + at, sz.data(), 4 * ng);  // odd record sizes: odd addresses
+            auto codes = RandomBytes(RowBytes(n, bits[t]), rng());
+            rec.insert(rec.end(), codes.begin(), codes.end());
+          }
+          const int64_t ld = n + 1;
+          std::vector<float> o0(n_rows * ld, 7.0f), o1(o0);
+          Ref().dequantize_rows(rec.data(), bits.data(), n_rows, n, group, o0.data(), ld);
+          kt->dequantize_rows(rec.data(), bits.data(), n_rows, n, group, o1.data(), ld);
+          ASSERT_EQ(o0, o1);
+          EXPECT_EQ(o1[n], 7.0f);
+        }
 }
 
 TEST(KernelParity, ChecksumsAgree) {

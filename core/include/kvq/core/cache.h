@@ -65,6 +65,19 @@ struct ProbeQueries {
   int64_t causal_offset = -1;
 };
 
+// Runs task(0), ..., task(n - 1), possibly concurrently on other threads, and returns once
+// every one has finished. Core owns no threads: the caller (the server's worker pool) runs the
+// parts of a split Attend through this.
+using RunParts = std::function<void(int n, const std::function<void(int)>& task)>;
+
+// A RunParts over the caller's executor: `submit` hands a closure to other threads (e.g. a
+// worker pool's queue); `helpers` closures are submitted, and they and the calling thread
+// claim parts one at a time until none is left, so the caller waits only for parts already
+// running, never for a helper still queued behind other work (one that starts after the parts
+// ran out returns at once). Safe from a pool's own worker; with every worker busy it costs
+// `helpers` queued no-ops and runs all parts on the calling thread.
+RunParts ClaimingRunParts(std::function<void(std::function<void()>)> submit, int helpers);
+
 struct AttendOptions {
   // Query i sees cached tokens [0, causal_offset + i]; -1: every cached token.
   int64_t causal_offset = -1;
@@ -73,6 +86,18 @@ struct AttendOptions {
   bool observe = true;
   // Softmax scale; 0 means 1/sqrt(head_dim).
   float scale = 0.0f;
+  // Flash-decoding: the cached tokens split into up to `parts` ranges of whole key groups
+  // (LayerCache::AttendPartBounds), each scored, exponentiated against its own maximum and
+  // read out on its own (an AttendPartial), then merged exactly by log-sum-exp
+  // (MergePartials, partial_attention.h). 1 (the default) or fewer: the unsplit order. The
+  // result depends on the part count only, never on run_parts or the schedule (bit-identical
+  // from run to run); against the unsplit order it differs by fp32 rounding: within
+  // 2e-6 * max|v| per output element in tests/core/attend_split_test.cc. Run on one thread,
+  // 2 parts cost within ~2% of the unsplit order at 32k tokens (kvq-bench-codec AttendSplit).
+  int parts = 1;
+  // Runs the parts (e.g. on idle workers); null: one after another on the calling thread.
+  // Must outlive the call.
+  const RunParts* run_parts = nullptr;
 };
 
 // The exact rows of a sequence's attention sinks (CodecOptions::fp16_sinks): fp16 keys and
@@ -173,8 +198,15 @@ class LayerCache {
                      bool corrections_only = false) const;
   // out[h][i][:] = sum_t p[h][i][t] v_hat_t ; p [q_heads][n_q][tokens()].
   absl::Status Readout(const float* p, int q_heads, int n_q, float* out) const;
-  // Fused score + softmax + readout; out [q_heads][n_q][d].
+  // Fused score + softmax + readout; out [q_heads][n_q][d]. ao.parts > 1 splits the tokens
+  // (see AttendOptions); the parts only read the cache, the A^2 observation (ao.observe) is
+  // recorded by the calling thread after the merge.
   absl::Status Attend(const float* q, int q_heads, int n_q, const AttendOptions& ao, float* out);
+  // The token boundaries a split Attend into `parts` uses: p + 1 ascending values from 0 to
+  // tokens(), p = min(parts, encoded groups) (at least 1); part k reads key groups
+  // [floor(nb k / p), floor(nb (k + 1) / p)) of the nb encoded groups, the last part also
+  // the full-precision window. Depends only on tokens(), the encoded groups and parts.
+  std::vector<int64_t> AttendPartBounds(int parts) const;
 
   // Records attention weights computed elsewhere (a frontend that attends locally over
   // decoded K/V) as A^2 statistics for the window tokens, exactly as an observing Attend does.
@@ -187,6 +219,12 @@ class LayerCache {
   // the range touches. OUT_OF_RANGE unless 0 <= from <= to <= tokens().
   absl::Status Decode(int64_t from, int64_t to, std::vector<float>* keys,
                       std::vector<float>* values) const;
+  // The same rows in `dtype` (kF32, kF16 or kBF16: what GetBlocks sends), [kv_heads][to -
+  // from][d] elements of DTypeSize(dtype) bytes each, every value the fp32 decode's rounded to
+  // nearest even. Decoded a group at a time through an L1-sized scratch, so that only the
+  // output's own bytes go to memory (half of the fp32 decode's for fp16).
+  absl::Status DecodeAs(int64_t from, int64_t to, DType dtype, std::vector<uint8_t>* keys,
+                        std::vector<uint8_t>* values) const;
   // Verifies every block's checksum (scrub).
   absl::Status VerifyAll() const;
 
@@ -240,6 +278,9 @@ class LayerCache {
     DType dtype;
     const float* probe;  // [n] probe weights of this head, or null
     int64_t first_group;  // groups [first_group, first_group + count) of the input
+    // While group g is encoded, group g + prefetch_groups is fetched (when below
+    // prefetch_end), so that the next chunk's rows are in cache when they are checked.
+    int64_t prefetch_groups = 0, prefetch_end = 0;
   };
   // Encodes the `count` oldest whole groups of head h's window, or those of `input` when
   // given (encoded_ is updated by the caller once every head is done).
@@ -251,9 +292,24 @@ class LayerCache {
                            const std::function<absl::Status()>& validate);
   absl::Status AppendImpl(const TensorView& k, const TensorView& v, int64_t start,
                           const float* probe_weights, const ProbeQueries* probes);
+  // Decode / DecodeAs into kd, vd ([kv_heads][to - from][d] of dtype, sized by the caller).
+  absl::Status DecodeInto(int64_t from, int64_t to, DType dtype, uint8_t* kd, uint8_t* vd) const;
   absl::Status ScoreHead(int h, const float* q, int rows, float scale, bool corr_only,
                          float* out) const;
   absl::Status ReadoutHead(int h, const float* p, int rows, float* out) const;
+  // The same over key groups [b0, b1) (the sinks with group 0), plus the window when
+  // `window`: scores into out [rows][stride] from token b0 * G on, readout of p [rows][stride]
+  // (same token order) into out [rows][d].
+  absl::Status ScoreRange(int h, const float* q, int rows, float scale, bool corr_only,
+                          int64_t b0, int64_t b1, bool window, float* out, int64_t stride) const;
+  absl::Status ReadoutRange(int h, const float* p, int64_t stride, int rows, int64_t b0,
+                            int64_t b1, bool window, float* out) const;
+  // One part of a split Attend: tokens [bounds[k], bounds[k + 1]) for every query row.
+  absl::Status AttendPart(const float* q, int q_heads, int n_q, const AttendOptions& ao,
+                          float scale, const std::vector<int64_t>& bounds, int k, float* m,
+                          float* l, float* o, float* window_p) const;
+  absl::Status AttendSplit(const float* q, int q_heads, int n_q, const AttendOptions& ao,
+                           float scale, float* out);
   void WindowToFloat(const Head& hd, bool keys, float* out) const;
   // Key / value block b of head h: the sealed blocks first, then the unsealed ones.
   std::span<const uint8_t> KeyBlock(int h, int64_t b) const;
