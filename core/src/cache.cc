@@ -914,6 +914,7 @@ absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8
   }
   const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
   const int64_t n = to - from;
+  if (n == 0) return absl::OkStatus();  // nothing to write (and the outputs may be null)
   const size_t es = DTypeSize(dtype), row_bytes = static_cast<size_t>(d) * es;
   const bool f32 = dtype == DType::kF32;
   // fp32 rows [count][d] written as `dtype` at dst.

@@ -71,7 +71,8 @@ TEST(PrefixIndexTest, InsertedGroupsAreFoundHeldAndLinkedToTheirParent) {
   const std::vector<uint32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8};
   const std::vector<PrefixKey> keys = InsertChain(index, ids, 2, At(0));
   EXPECT_EQ(index.entries(), 2);
-  EXPECT_EQ(index.Find(KeyOf(ids, 3)), nullptr);
+  const std::vector<uint32_t> longer = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  EXPECT_EQ(index.Find(KeyOf(longer, 3)), nullptr);  // a third group was never inserted
   const PrefixIndex::Entry* first = index.Find(keys[0]);
   const PrefixIndex::Entry* second = index.Find(keys[1]);
   ASSERT_NE(first, nullptr);
