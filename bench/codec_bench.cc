@@ -24,6 +24,8 @@
 // are per CPU second (Google Benchmark's default), robust to preemption on a shared machine.
 #include <benchmark/benchmark.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -32,6 +34,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <random>
 #include <string>
 #include <vector>
@@ -301,9 +304,12 @@ void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
 }
 
 // One worker thread with a FIFO queue (as the server's WorkerPool of one), started once.
+// spin_us > 0: after each task the worker polls its queue that long before it sleeps on the
+// condition variable (waking a sleeping vCPU of this VM takes tens of microseconds, paid per
+// request when the worker sleeps between layers).
 class OneWorker {
  public:
-  OneWorker() : t_([this] { Loop(); }) {}
+  explicit OneWorker(int spin_us = 0) : spin_us_(spin_us), t_([this] { Loop(); }) {}
   ~OneWorker() {
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -316,6 +322,7 @@ class OneWorker {
     {
       std::lock_guard<std::mutex> l(mu_);
       q_.push_back(std::move(fn));
+      queued_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
   }
@@ -328,31 +335,42 @@ class OneWorker {
   void Loop() {
     std::unique_lock<std::mutex> l(mu_);
     for (;;) {
+      if (q_.empty() && !stop_ && spin_us_ > 0) {
+        l.unlock();
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+        while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until)
+          __builtin_ia32_pause();
+        l.lock();
+      }
       cv_.wait(l, [&] { return stop_ || !q_.empty(); });
       if (q_.empty()) return;
       auto fn = std::move(q_.front());
       q_.pop_front();
+      queued_.fetch_sub(1, std::memory_order_relaxed);
       l.unlock();
       fn();
       l.lock();
     }
   }
+  const int spin_us_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> q_;
+  std::atomic<int> queued_{0};
   bool stop_ = false;
   std::thread t_;
 };
 
 // parts: AttendOptions::parts; threads: 1 (parts run on the caller) or 2 (the caller and one
-// worker claiming parts: ClaimingRunParts).
-void AttendSplit(benchmark::State& st, int T, int qh, int kv, int d, int parts, int threads) {
+// worker claiming parts: ClaimingRunParts); spin_us: the worker's (OneWorker).
+void AttendSplit(benchmark::State& st, int T, int qh, int kv, int d, int parts, int threads,
+                 int spin_us) {
   CodesSet set = BuildCodes(T, qh, kv, HeadQOptions(d));
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(qh) * d), out(q.size());
   for (auto& x : q) x = nd(rng);
-  OneWorker worker;
+  OneWorker worker(spin_us);
   const RunParts run = worker.Parts();
   AttendOptions ao;
   ao.observe = false;
@@ -423,11 +441,14 @@ void RegisterAll() {
         ->UseRealTime()
         ->Unit(benchmark::kMicrosecond);
   for (auto [d, sh] : {std::pair{64, Shape{9, 3}}, std::pair{128, Shape{32, 8}}})
-    for (auto [parts, threads] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+    for (auto [parts, threads, spin] :
+         {std::tuple{1, 1, 0}, std::tuple{2, 1, 0}, std::tuple{2, 2, 0}, std::tuple{2, 2, 100}}) {
       const std::string name = "AttendSplit/T:32768/d:" + std::to_string(d) + "/q:" +
                                std::to_string(sh.qh) + "/kv:" + std::to_string(sh.kv) +
-                               "/parts:" + std::to_string(parts) + "/threads:" + std::to_string(threads);
-      benchmark::RegisterBenchmark(name.c_str(), AttendSplit, 32768, sh.qh, sh.kv, d, parts, threads)
+                               "/parts:" + std::to_string(parts) + "/threads:" +
+                               std::to_string(threads) + (spin ? "/spin_us:" + std::to_string(spin) : "");
+      benchmark::RegisterBenchmark(name.c_str(), AttendSplit, 32768, sh.qh, sh.kv, d, parts, threads,
+                                   spin)
           ->UseRealTime()
           ->Unit(benchmark::kMicrosecond);
     }

@@ -81,14 +81,16 @@ if any(n.startswith("AttendSplit/") for n in rows):
     if s1 and s2:
         print(f"StreamRead: 1 thread {s1['bytes_per_second']/1e9:.2f} GB/s, 2 threads "
               f"{s2['bytes_per_second']/1e9:.2f} GB/s: {wall(s1)/wall(s2):.2f}x\n")
-    print("| shape | 1 part 1 thread us | 2 parts 1 thread us | 2 parts 2 threads us | speedup (1p1t / 2p2t) | split cost (2p1t / 1p1t) |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | 1 part 1 thread us | 2 parts 1 thread us | 2 parts 2 threads us | speedup (1p1t / 2p2t) | 2 threads, worker spins 100 us | speedup | split cost (2p1t / 1p1t) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in rows:
         if name.startswith("AttendSplit/") and "/parts:1/threads:1" in name:
             shape = name[len("AttendSplit/"):name.index("/parts:")]
             a = wall(rows[name])
             b1 = rows.get(f"AttendSplit/{shape}/parts:2/threads:1/real_time")
             b2 = rows.get(f"AttendSplit/{shape}/parts:2/threads:2/real_time")
+            b3 = rows.get(f"AttendSplit/{shape}/parts:2/threads:2/spin_us:100/real_time")
+            sp = f"{wall(b3):.0f} | {a/wall(b3):.2f}x" if b3 else "- | -"
             if b1 and b2:
-                print(f"| {shape} | {a:.0f} | {wall(b1):.0f} | {wall(b2):.0f} | {a/wall(b2):.2f}x | {wall(b1)/a:.3f}x |")
+                print(f"| {shape} | {a:.0f} | {wall(b1):.0f} | {wall(b2):.0f} | {a/wall(b2):.2f}x | {sp} | {wall(b1)/a:.3f}x |")
 PY
