@@ -33,10 +33,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <thread>
-#include <tuple>
 #include <random>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 #include "kvq/core/basis.h"
@@ -147,7 +147,9 @@ void DecodeKV(benchmark::State& st, int kv, int d) { DecodeKVImpl(st, kv, d, DTy
 void DecodeKVF32(benchmark::State& st, int kv, int d) {
   DecodeKVImpl(st, kv, d, DType::kF32, false);
 }
-void DecodeKVRef(benchmark::State& st, int kv, int d) { DecodeKVImpl(st, kv, d, DType::kF16, true); }
+void DecodeKVRef(benchmark::State& st, int kv, int d) {
+  DecodeKVImpl(st, kv, d, DType::kF16, true);
+}
 
 void Memcpy(benchmark::State& st, int kv, int d) {
   const int T = 4096;
@@ -166,7 +168,6 @@ void Memcpy(benchmark::State& st, int kv, int d) {
   }
   st.SetBytesProcessed(st.iterations() * per * 4);
 }
-
 
 // The quality frontier's lever codec: k3 G128 r4 s4 v2 with rotated keys and metric
 // rounding (rotated: false gives the same codec without the levers, to isolate their cost).
@@ -338,7 +339,8 @@ class OneWorker {
       if (q_.empty() && !stop_ && spin_us_ > 0) {
         l.unlock();
         const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-        while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until)
+        while (queued_.load(std::memory_order_acquire) == 0 &&
+               std::chrono::steady_clock::now() < until)
           __builtin_ia32_pause();
         l.lock();
       }
@@ -443,12 +445,12 @@ void RegisterAll() {
   for (auto [d, sh] : {std::pair{64, Shape{9, 3}}, std::pair{128, Shape{32, 8}}})
     for (auto [parts, threads, spin] :
          {std::tuple{1, 1, 0}, std::tuple{2, 1, 0}, std::tuple{2, 2, 0}, std::tuple{2, 2, 100}}) {
-      const std::string name = "AttendSplit/T:32768/d:" + std::to_string(d) + "/q:" +
-                               std::to_string(sh.qh) + "/kv:" + std::to_string(sh.kv) +
-                               "/parts:" + std::to_string(parts) + "/threads:" +
-                               std::to_string(threads) + (spin ? "/spin_us:" + std::to_string(spin) : "");
-      benchmark::RegisterBenchmark(name.c_str(), AttendSplit, 32768, sh.qh, sh.kv, d, parts, threads,
-                                   spin)
+      const std::string name =
+          "AttendSplit/T:32768/d:" + std::to_string(d) + "/q:" + std::to_string(sh.qh) +
+          "/kv:" + std::to_string(sh.kv) + "/parts:" + std::to_string(parts) +
+          "/threads:" + std::to_string(threads) + (spin ? "/spin_us:" + std::to_string(spin) : "");
+      benchmark::RegisterBenchmark(name.c_str(), AttendSplit, 32768, sh.qh, sh.kv, d, parts,
+                                   threads, spin)
           ->UseRealTime()
           ->Unit(benchmark::kMicrosecond);
     }
@@ -457,9 +459,11 @@ void RegisterAll() {
       for (Shape sh : {Shape{9, 3}, Shape{32, 8}}) {
         const std::string name = "/T:" + std::to_string(T) + "/d:" + std::to_string(d) +
                                  "/q:" + std::to_string(sh.qh) + "/kv:" + std::to_string(sh.kv);
-        benchmark::RegisterBenchmark(("AttendCodes" + name).c_str(), AttendCodes, T, sh.qh, sh.kv, d)
+        benchmark::RegisterBenchmark(("AttendCodes" + name).c_str(), AttendCodes, T, sh.qh, sh.kv,
+                                     d)
             ->Unit(benchmark::kMicrosecond);
-        benchmark::RegisterBenchmark(("AttendDense" + name).c_str(), AttendDense, T, sh.qh, sh.kv, d)
+        benchmark::RegisterBenchmark(("AttendDense" + name).c_str(), AttendDense, T, sh.qh, sh.kv,
+                                     d)
             ->Unit(benchmark::kMicrosecond);
         benchmark::RegisterBenchmark(("AttendRef" + name).c_str(), AttendRef, T, sh.qh, sh.kv, d)
             ->Unit(benchmark::kMicrosecond);

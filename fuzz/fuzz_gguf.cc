@@ -53,7 +53,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The model loader: its hyperparameters and tensors, checked against each other.
   if (auto model = kvq::frontend::LlamaModel::Load(g); model.ok()) {
     const auto& c = (*model)->config();
-    Check(c.layers >= 1 && c.q_heads >= 1 && c.kv_heads >= 1 && c.head_dim >= 1, "a model without heads");
+    Check(c.layers >= 1 && c.q_heads >= 1 && c.kv_heads >= 1 && c.head_dim >= 1,
+          "a model without heads");
   }
   if (auto tok = kvq::frontend::Tokenizer::FromGguf(g); tok.ok()) {
     const auto ids = (*tok)->Encode("Hello, world 123!\n");

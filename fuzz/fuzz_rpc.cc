@@ -53,12 +53,24 @@ namespace v1 = kvq::v1;
 using kvq::testing::Shape;
 
 enum Method {
-  kRegisterBasis, kListModels, kGetModel, kPutBlocks, kScore, kReadout, kAttend, kGetBlocks,
-  kDeleteSequence, kStats, kEcho, kHealthCheck, kHealthWatch, kMethods
+  kRegisterBasis,
+  kListModels,
+  kGetModel,
+  kPutBlocks,
+  kScore,
+  kReadout,
+  kAttend,
+  kGetBlocks,
+  kDeleteSequence,
+  kStats,
+  kEcho,
+  kHealthCheck,
+  kHealthWatch,
+  kMethods
 };
-const char* const kNames[kMethods] = {"RegisterBasis", "ListModels", "GetModel", "PutBlocks",
-                                      "Score", "Readout", "Attend", "GetBlocks",
-                                      "DeleteSequence", "Stats", "Echo", "Health.Check",
+const char* const kNames[kMethods] = {"RegisterBasis",  "ListModels", "GetModel", "PutBlocks",
+                                      "Score",          "Readout",    "Attend",   "GetBlocks",
+                                      "DeleteSequence", "Stats",      "Echo",     "Health.Check",
                                       "Health.Watch"};
 
 [[noreturn]] void Fail(const std::string& what) {
@@ -131,7 +143,8 @@ std::vector<std::pair<std::string, v1::PutBlocksRequest>> SeedPuts() {
     const auto k = kvq::testing::RandomKV(kv, 40, d, 7), v = kvq::testing::RandomKV(kv, 40, d, 8);
     v1::Append a = kvq::testing::MakeAppend("s2", 0, 0, k, v, kv, 40, d, "tiny");
     *a.mutable_codec() = A2Codec();
-    *a.mutable_probe_weights() = kvq::testing::TensorF32(std::vector<float>(kv * 40, 0.025f), {kv, 40});
+    *a.mutable_probe_weights() =
+        kvq::testing::TensorF32(std::vector<float>(kv * 40, 0.025f), {kv, 40});
     *r.add_appends() = a;
     out.emplace_back("s2", r);
   }
@@ -197,7 +210,8 @@ World& TheWorld() {
     for (const Shape& s : {TinyShape(), PlainShape()}) {
       v1::RegisterBasisResponse r;
       auto ctx = Ctx("");
-      const grpc::Status st = w->stub->RegisterBasis(ctx.get(), kvq::testing::MakeRegister(s, 5), &r);
+      const grpc::Status st =
+          w->stub->RegisterBasis(ctx.get(), kvq::testing::MakeRegister(s, 5), &r);
       if (!st.ok()) Fail("register " + s.model + ": " + st.error_message());
     }
     w->seeds = SeedPuts();
@@ -210,7 +224,8 @@ World& TheWorld() {
 // Codes any call may answer (docs/API.md, "Calls"): auth (off here, so never), a message over
 // the size limit or the server overloaded.
 bool AnyCall(StatusCode c) {
-  return c == StatusCode::OK || c == StatusCode::UNAUTHENTICATED || c == StatusCode::RESOURCE_EXHAUSTED;
+  return c == StatusCode::OK || c == StatusCode::UNAUTHENTICATED ||
+         c == StatusCode::RESOURCE_EXHAUSTED;
 }
 
 bool Documented(Method m, StatusCode c) {
@@ -277,7 +292,8 @@ void CheckBatch(Method m, const grpc::Status& st, int items, const Resp& resp) {
   }
   for (const auto& r : resp.results()) {
     if (kVerbose) {
-      std::fprintf(stderr, "fuzz_rpc:   item -> %d %s\n", r.status().code(), r.status().message().c_str());
+      std::fprintf(stderr, "fuzz_rpc:   item -> %d %s\n", r.status().code(),
+                   r.status().message().c_str());
     }
     if (!DocumentedItem(m, r.status().code())) {
       Fail(std::string(kNames[m]) + " item answered undocumented code " +
@@ -306,7 +322,8 @@ void WriteSeeds(const std::string& dir) {
   other.layers = 1;
   other.basis_rank = 2;
   write("register", kRegisterBasis, kvq::testing::MakeRegister(other, 9, 2).SerializeAsString());
-  write("register_tiny_again", kRegisterBasis, kvq::testing::MakeRegister(TinyShape(), 5).SerializeAsString());
+  write("register_tiny_again", kRegisterBasis,
+        kvq::testing::MakeRegister(TinyShape(), 5).SerializeAsString());
   write("list_models", kListModels, "");
   v1::GetModelRequest gm;
   gm.set_model("tiny");
@@ -315,8 +332,9 @@ void WriteSeeds(const std::string& dir) {
     // Two messages: a new sequence's first 8 tokens with token ids, then the next 2.
     const auto k = kvq::testing::RandomKV(kv, 10, d, 11), v = kvq::testing::RandomKV(kv, 10, d, 12);
     v1::PutBlocksRequest a, b;
-    v1::Append first = kvq::testing::MakeAppend("fz", 0, 0, kvq::testing::Slice(k, kv, 10, d, 0, 8),
-                                                kvq::testing::Slice(v, kv, 10, d, 0, 8), kv, 8, d, "tiny");
+    v1::Append first =
+        kvq::testing::MakeAppend("fz", 0, 0, kvq::testing::Slice(k, kv, 10, d, 0, 8),
+                                 kvq::testing::Slice(v, kv, 10, d, 0, 8), kv, 8, d, "tiny");
     for (int i = 0; i < 8; ++i) first.add_token_ids(1000 + i);
     *a.add_appends() = first;
     *b.add_appends() = kvq::testing::MakeAppend("fz", 0, 8, kvq::testing::Slice(k, kv, 10, d, 8, 2),
@@ -351,7 +369,8 @@ void WriteSeeds(const std::string& dir) {
     v1::ReadoutRequest r;
     auto* it = r.add_items();
     it->set_sequence_id("s1");
-    *it->mutable_weights() = kvq::testing::TensorF32(std::vector<float>(qh * 33, 1.0f / 33), {qh, 1, 33});
+    *it->mutable_weights() =
+        kvq::testing::TensorF32(std::vector<float>(qh * 33, 1.0f / 33), {qh, 1, 33});
     auto* it2 = r.add_items();
     it2->set_sequence_id("p0");
     it2->set_layer(1);
@@ -446,7 +465,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       v1::RegisterBasisRequest req;
       if (!Parse(data, size, &req)) return 0;
       // Another version of a seeded model would change what the seeds pin: not here.
-      if ((req.info().model() == "tiny" || req.info().model() == "plain") && req.info().version() != 1) {
+      if ((req.info().model() == "tiny" || req.info().model() == "plain") &&
+          req.info().version() != 1) {
         return 0;
       }
       v1::RegisterBasisResponse resp;
@@ -509,7 +529,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       v1::AttendRequest req;
       if (!Parse(data, size, &req)) return 0;
       // observe changes a sequence's statistics too: restore every sequence named.
-      for (const auto& it : req.items()) touched.insert({it.sequence_id(), it.append().sequence_id()});
+      for (const auto& it : req.items())
+        touched.insert({it.sequence_id(), it.append().sequence_id()});
       v1::AttendResponse resp;
       CheckBatch(m, stub.Attend(ctx.get(), req, &resp), req.items_size(), resp);
       break;

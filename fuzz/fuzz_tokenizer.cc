@@ -32,10 +32,28 @@ const char* const kPre[4] = {"gpt2", "smollm", "qwen2", "default"};
 
 // A few English merges (U+0120 "Ġ" is the space's symbol) and their tokens; one merge
 // ("e r") has no token, so its symbol falls back to byte tokens.
-const std::vector<std::string> kMerges = {"\xc4\xa0 t", "h e", "\xc4\xa0t he", "i n", "e r",
-                                          "\xc4\xa0 a", "o n", "\xc4\xa0" "a n", "in g", "1 2"};
-const std::vector<std::string> kMergedTokens = {"\xc4\xa0t", "he", "\xc4\xa0the", "in",
-                                                "\xc4\xa0" "a", "on", "\xc4\xa0" "an", "ing", "12"};
+const std::vector<std::string> kMerges = {"\xc4\xa0 t",
+                                          "h e",
+                                          "\xc4\xa0t he",
+                                          "i n",
+                                          "e r",
+                                          "\xc4\xa0 a",
+                                          "o n",
+                                          "\xc4\xa0"
+                                          "a n",
+                                          "in g",
+                                          "1 2"};
+const std::vector<std::string> kMergedTokens = {"\xc4\xa0t",
+                                                "he",
+                                                "\xc4\xa0the",
+                                                "in",
+                                                "\xc4\xa0"
+                                                "a",
+                                                "on",
+                                                "\xc4\xa0"
+                                                "an",
+                                                "ing",
+                                                "12"};
 
 // The fixed tokenizers, built once: [pre][with merges].
 const Tokenizer& Fixed(int pre, bool merges) {
@@ -66,7 +84,8 @@ void Run(const Tokenizer& tok, std::string_view text, bool every_byte_has_a_toke
   for (const auto& p : tok.PreTokenize(text)) joined += p;
   Check(joined == text, "the pre-tokenizer's pieces do not concatenate to the text");
   const std::vector<int32_t> ids = tok.Encode(text);
-  for (int32_t id : ids) Check(id >= 0 && id < tok.vocab_size(), "a token id outside the vocabulary");
+  for (int32_t id : ids)
+    Check(id >= 0 && id < tok.vocab_size(), "a token id outside the vocabulary");
   const std::string back = tok.Decode(ids);
   if (every_byte_has_a_token) Check(back == text, "Decode(Encode(text)) != text");
   // Arbitrary ids: the text's bytes as int32s (negative and too large ones included).
@@ -88,7 +107,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const size_t nul = rest.find('\0');
   const std::string_view table = rest.substr(0, nul);
-  const std::string_view text = nul == std::string_view::npos ? std::string_view() : rest.substr(nul + 1);
+  const std::string_view text =
+      nul == std::string_view::npos ? std::string_view() : rest.substr(nul + 1);
   const bool bytes = !(mode & 0x40);
   std::vector<std::string> vocab = bytes ? Tokenizer::ByteSymbols() : std::vector<std::string>{};
   std::vector<std::string> merges;
@@ -96,8 +116,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     size_t end = table.find('\n', at);
     if (end == std::string_view::npos) end = table.size();
     const std::string line(table.substr(at, end - at));
-    if (line.find(' ') != std::string::npos) merges.push_back(line);
-    else if (!line.empty()) vocab.push_back(line);
+    if (line.find(' ') != std::string::npos)
+      merges.push_back(line);
+    else if (!line.empty())
+      vocab.push_back(line);
     at = end + 1;
   }
   auto tok = Tokenizer::Create(std::move(vocab), merges, kPre[pre]);

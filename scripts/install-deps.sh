@@ -16,7 +16,7 @@ PKGS=(
   prometheus-cpp-dev libssl-dev openssl
   python3 python3-venv gnuplot-nox prometheus docker-compose haproxy
   python3-yaml
-  clang libclang-rt-14-dev
+  clang libclang-rt-14-dev clang-format-14
 )
 missing=()
 for p in "${PKGS[@]}"; do

@@ -56,8 +56,8 @@ absl::StatusOr<Authenticator> Authenticator::Load(const std::string& tokens_file
     auto [first, inserted] = first_line.try_emplace(token, n);
     if (!inserted && a.tenants_[token] != parts[1]) {
       return absl::InvalidArgumentError(absl::StrCat(
-          tokens_file, ":", n, ": the token on this line is already listed on line ",
-          first->second, " for tenant '", a.tenants_[token], "'; a token must name one tenant"));
+          tokens_file, ":", n, ": the token on this line is already listed on line ", first->second,
+          " for tenant '", a.tenants_[token], "'; a token must name one tenant"));
     }
     a.tenants_[token] = std::string(parts[1]);
   }

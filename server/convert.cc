@@ -172,9 +172,8 @@ absl::StatusOr<core::ModelEntry> ModelFromProto(const v1::RegisterBasisRequest& 
                          absl::string_view name, int cols, absl::string_view cols_name,
                          std::vector<float>* to) -> absl::Status {
     if (list.size() != info.layers()) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " holds ", list.size(),
-                                                     " tensors; expected one per layer (",
-                                                     info.layers(), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " holds ", list.size(), " tensors; expected one per layer (", info.layers(), ")"));
     }
     for (int l = 0; l < list.size(); ++l) {
       const std::string field = absl::StrCat(name, "[", l, "]");

@@ -36,8 +36,7 @@ void IdleStreams::Remove(IdleStream* s) {
 
 void IdleStreams::Run() {
   // Streams expire between `timeout` and `timeout + tick` after their last message.
-  const absl::Duration tick =
-      std::clamp(timeout_ / 4, absl::Milliseconds(1), absl::Seconds(1));
+  const absl::Duration tick = std::clamp(timeout_ / 4, absl::Milliseconds(1), absl::Seconds(1));
   for (;;) {
     std::vector<std::pair<IdleStream*, absl::Duration>> expired;
     {

@@ -240,7 +240,8 @@ void Metrics::Refresh(const core::Store& store, const core::Registry& registry, 
   stored_bytes_.Add({{"pool", pool}}).Set(static_cast<double>(u.bytes));
   stored_blocks_.Add({{"pool", pool}}).Set(static_cast<double>(u.blocks));
   capacity_.Add({{"pool", pool}}).Set(static_cast<double>(store.options().capacity_bytes));
-  const core::BytePool* bp = store.options().byte_pool ? store.options().byte_pool : core::HostBytePool();
+  const core::BytePool* bp =
+      store.options().byte_pool ? store.options().byte_pool : core::HostBytePool();
   const core::BytePool::Usage pu = bp->usage();
   for (const auto& [state, v] : {std::pair{"requested", pu.requested_bytes},
                                  {"held", pu.held_bytes},

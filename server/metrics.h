@@ -61,7 +61,7 @@ class Metrics {
   void RecordCall(const std::string& method, int code, double seconds, size_t bytes_in,
                   size_t bytes_out);
   void RecordScrubFailures(int64_t n);
-  void RecordOverload();  // a call refused over --max-inflight
+  void RecordOverload();      // a call refused over --max-inflight
   void SetReady(bool ready);  // also what /healthz answers
   bool ready() const { return serving_.load(std::memory_order_acquire); }
   // Refreshes the store gauges (called periodically).

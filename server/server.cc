@@ -63,9 +63,9 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   RETURN_IF_ERROR(CheckDuration("--scrub-period", o.scrub_period));
   if (o.stream_idle_timeout != absl::ZeroDuration() &&
       (o.stream_idle_timeout < absl::Milliseconds(1) || o.stream_idle_timeout > absl::Hours(24))) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--stream-idle-timeout ", absl::FormatDuration(o.stream_idle_timeout),
-                     " must be 0 (never) or in 1ms..24h"));
+    return absl::InvalidArgumentError(absl::StrCat("--stream-idle-timeout ",
+                                                   absl::FormatDuration(o.stream_idle_timeout),
+                                                   " must be 0 (never) or in 1ms..24h"));
   }
   if (o.housekeeping_period <= absl::ZeroDuration() ||
       o.housekeeping_period == absl::InfiniteDuration()) {

@@ -129,8 +129,8 @@ absl::Status Service::SpecOf(const v1::Append& a, const std::string& at, core::A
     ASSIGN_OR_RETURN(core::TensorView p, ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
     if (p.shape[0] != s.keys.shape[0] || p.shape[1] != s.keys.shape[1]) {
       return absl::InvalidArgumentError(
-          absl::StrCat(at, ".probe_weights.shape must be [kv_heads, n] = [", s.keys.shape[0],
-                       ", ", s.keys.shape[1], "]"));
+          absl::StrCat(at, ".probe_weights.shape must be [kv_heads, n] = [", s.keys.shape[0], ", ",
+                       s.keys.shape[1], "]"));
     }
     probe->resize(p.numel());
     core::ToFloat(p.dtype, p.data, probe->data(), probe->size());
@@ -165,8 +165,7 @@ namespace {
 // which would answer OK and silently drop that message and every later one.
 // A stream that waits longer than --stream-idle-timeout for its next message is failed with
 // DEADLINE_EXCEEDED (IdleStreams), which frees its --max-inflight slot.
-class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
-                               public IdleStream {
+class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>, public IdleStream {
  public:
   PutBlocksReactor(Service* svc, grpc::CallbackServerContext* ctx, grpc::ByteBuffer* resp)
       : svc_(svc), resp_(resp), call_(svc->calls(), "PutBlocks", *ctx, CallKind::kPooled) {
@@ -305,8 +304,8 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
     std::vector<core::AppendSpec> specs(req.appends_size());
     std::vector<std::vector<float>> probes(req.appends_size());
     for (int i = 0; i < req.appends_size(); ++i) {
-      RETURN_IF_ERROR(svc_->SpecOf(req.appends(i), absl::StrCat("appends[", i, "]"), &specs[i],
-                                   &probes[i]));
+      RETURN_IF_ERROR(
+          svc_->SpecOf(req.appends(i), absl::StrCat("appends[", i, "]"), &specs[i], &probes[i]));
     }
     core::AppendOutcome out;
     RETURN_IF_ERROR(svc_->store()->Append(call_.tenant(), specs, &out));
@@ -354,7 +353,7 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
 }  // namespace
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* Service::PutBlocks(grpc::CallbackServerContext* ctx,
-                                                             grpc::ByteBuffer* resp) {
+                                                              grpc::ByteBuffer* resp) {
   return new PutBlocksReactor(this, ctx, resp);
 }
 
@@ -420,10 +419,10 @@ absl::Status Service::ItemAppend(const std::string& tenant, const Item& item,
   // The decode step's new tokens first, exactly as a PutBlocks append of them.
   const v1::Append& ap = item.append();
   if (ap.sequence_id() != item.sequence_id() || ap.layer() != item.layer()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        at, ".append names sequence '", ap.sequence_id(), "' layer ", ap.layer(),
-        "; it must be the item's own (sequence '", item.sequence_id(), "' layer ", item.layer(),
-        ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ".append names sequence '", ap.sequence_id(), "' layer ", ap.layer(),
+                     "; it must be the item's own (sequence '", item.sequence_id(), "' layer ",
+                     item.layer(), ")"));
   }
   core::AppendSpec spec;
   std::vector<float> probe;
@@ -610,9 +609,9 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       chunk_ = req_.max_tokens_per_message() ? req_.max_tokens_per_message() : 4096;
       if (req_.from_token() < 0 || req_.to_token() < 0 ||
           (req_.to_token() > 0 && req_.to_token() < req_.from_token())) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "from_token ", req_.from_token(), " and to_token ", req_.to_token(),
-            " must be >= 0 with from_token <= to_token (to_token 0: to the end)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("from_token ", req_.from_token(), " and to_token ", req_.to_token(),
+                         " must be >= 0 with from_token <= to_token (to_token 0: to the end)"));
       }
       if (req_.dtype() != v1::DTYPE_UNSPECIFIED) {
         RETURN_IF_ERROR(FromProto(req_.dtype(), "dtype").status());

@@ -38,7 +38,7 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   using v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::CallbackService>::PutBlocks;
   // Reads PutBlocksRequest messages, answers a serialized PutBlocksResponse.
   grpc::ServerReadReactor<grpc::ByteBuffer>* PutBlocks(grpc::CallbackServerContext* ctx,
-                                                      grpc::ByteBuffer* resp) override;
+                                                       grpc::ByteBuffer* resp) override;
   grpc::ServerUnaryReactor* Score(grpc::CallbackServerContext* ctx, const v1::ScoreRequest* req,
                                   v1::ScoreResponse* resp) override;
   grpc::ServerUnaryReactor* Readout(grpc::CallbackServerContext* ctx, const v1::ReadoutRequest* req,

@@ -8,8 +8,12 @@
 int main(int argc, char** argv) {
   if (argc == 2 && std::strcmp(argv[1], "race") == 0) {
     int shared = 0;
-    std::thread a([&] { for (int i = 0; i < 1000; ++i) ++shared; });
-    std::thread b([&] { for (int i = 0; i < 1000; ++i) ++shared; });
+    std::thread a([&] {
+      for (int i = 0; i < 1000; ++i) ++shared;
+    });
+    std::thread b([&] {
+      for (int i = 0; i < 1000; ++i) ++shared;
+    });
     a.join();
     b.join();
     std::printf("%d\n", shared);

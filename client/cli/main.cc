@@ -91,7 +91,7 @@ struct Command {
   std::string name;     // "seq put"
   std::string args;     // "ID FILE"
   std::string summary;  // one paragraph
-  int nargs;  // -1: any number
+  int nargs;            // -1: any number
 };
 
 const std::vector<Command>& Commands() {
@@ -465,9 +465,9 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (cmd == nullptr && (words[0] == "models" || words[0] == "seq")) {
-    return Usage(absl::StrCat(
-        "kvq ", words[0], " needs a subcommand: ",
-        words[0] == "models" ? "list, show, register" : "put, get, delete, shard"));
+    return Usage(
+        absl::StrCat("kvq ", words[0], " needs a subcommand: ",
+                     words[0] == "models" ? "list, show, register" : "put, get, delete, shard"));
   }
   if (cmd == nullptr) {
     return Usage(absl::StrCat("unknown command '", absl::StrJoin(words, " "), "'"));

@@ -191,7 +191,8 @@ absl::StatusOr<SeqFile> ReadSeqFile(const std::string& path) {
         !t["data_offsets"][0].is_number_unsigned() || !t["data_offsets"][1].is_number_unsigned()) {
       return bad(absl::StrCat("token_ids must be U32 [", tokens, "] with data_offsets"));
     }
-    const uint64_t b = t["data_offsets"][0].get<uint64_t>(), e = t["data_offsets"][1].get<uint64_t>();
+    const uint64_t b = t["data_offsets"][0].get<uint64_t>(),
+                   e = t["data_offsets"][1].get<uint64_t>();
     if (e < b || e - b != static_cast<uint64_t>(tokens) * 4 || base + e > data.size()) {
       return bad("token_ids: data_offsets do not hold 4 bytes per token inside the file");
     }

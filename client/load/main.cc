@@ -251,8 +251,9 @@ class Worker {
       SetTensor(a->mutable_keys(), dt, {o.kv_heads, n, o.head_dim}, std::move(k));
       SetTensor(a->mutable_values(), dt, {o.kv_heads, n, o.head_dim}, std::move(v));
       for (int64_t t = from[l]; t < to; ++t) {
-        a->add_token_ids(t < o.shared_prefix ? prompt_ids_[t]
-                                             : static_cast<uint32_t>(0x80000000u + salt * 4099u + t));
+        a->add_token_ids(t < o.shared_prefix
+                             ? prompt_ids_[t]
+                             : static_cast<uint32_t>(0x80000000u + salt * 4099u + t));
       }
     }
     return m;
@@ -268,8 +269,7 @@ class Worker {
     absl::Status call;
     std::vector<int> item_codes;
     if (method == "session") {
-      const std::string id =
-          absl::StrCat("kvq-load-{", s_->run_id, "-s", index_, "}-n", sessions_);
+      const std::string id = absl::StrCat("kvq-load-{", s_->run_id, "-s", index_, "}-n", sessions_);
       const uint64_t salt = static_cast<uint64_t>(index_) * 1000003u + ++sessions_;
       // 1. Attach the prompt by its ids, every layer, no data.
       v1::PutBlocksRequest attach;
@@ -485,8 +485,8 @@ absl::Status ParseMix(const std::string& mix, std::vector<std::pair<std::string,
       return absl::InvalidArgumentError(absl::StrCat("--mix: bad weight in '", part, "'"));
     }
     if (std::find(std::begin(kMethods), std::end(kMethods), name) == std::end(kMethods)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--mix: unknown method '", name, "' (put, score, readout, attend, session)"));
+      return absl::InvalidArgumentError(absl::StrCat("--mix: unknown method '", name,
+                                                     "' (put, score, readout, attend, session)"));
     }
     total += w;
     out->emplace_back(name, total);
@@ -608,8 +608,8 @@ int main(int argc, char** argv) {
   Shared s;
   if (absl::Status st = ParseMix(o.mix, &s.mix); !st.ok()) return usage(std::string(st.message()));
   if (o.q_heads % o.kv_heads != 0) return usage("--q-heads must be a multiple of --kv-heads");
-  const bool sessions = std::any_of(s.mix.begin(), s.mix.end(),
-                                    [](const auto& m) { return m.first == "session"; });
+  const bool sessions =
+      std::any_of(s.mix.begin(), s.mix.end(), [](const auto& m) { return m.first == "session"; });
   if (sessions != (o.shared_prefix > 0)) {
     return usage("method 'session' in --mix and --shared-prefix TOKENS go together");
   }
@@ -752,7 +752,8 @@ int main(int argc, char** argv) {
       req.set_max_tokens_per_message(16);
       (void)s.client->GetBlocks(req, [&](const v1::GetBlocksResponse&) {
         ++stalled_open;
-        while (!s.stop && !g_interrupted && absl::Now() < s.end) absl::SleepFor(absl::Milliseconds(20));
+        while (!s.stop && !g_interrupted && absl::Now() < s.end)
+          absl::SleepFor(absl::Milliseconds(20));
         return false;  // then cancel
       });
     });

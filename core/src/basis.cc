@@ -5,6 +5,7 @@
 
 #include <xxhash.h>
 
+#include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -13,8 +14,6 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
-
-#include <Eigen/Dense>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -68,18 +67,18 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b, Env* env) {
   const size_t per_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.rank;
   if (m.layers < 1 || m.kv_heads < 1 || m.head_dim < 1 || m.rank < 1 ||
       b.u.size() != per_layer * m.layers || (b.oblique() && b.encode.size() != b.u.size()) ||
-      (!b.query_moment.empty() &&
-       b.query_moment.size() != static_cast<size_t>(m.layers) * m.kv_heads * m.head_dim * m.head_dim))
+      (!b.query_moment.empty() && b.query_moment.size() != static_cast<size_t>(m.layers) *
+                                                               m.kv_heads * m.head_dim *
+                                                               m.head_dim))
     return Bad(dir, "manifest shape does not match the tensor data");
   b.manifest.fingerprint = BasisFingerprint(b);
   json header;
   const size_t all_u = per_layer * m.layers * 4;
   for (int l = 0; l < m.layers; ++l) {
     const size_t begin = l * per_layer * 4;
-    header[absl::StrCat("layer.", l, ".u")] = {
-        {"dtype", "F32"},
-        {"shape", {m.kv_heads, m.head_dim, m.rank}},
-        {"data_offsets", {begin, begin + per_layer * 4}}};
+    header[absl::StrCat("layer.", l, ".u")] = {{"dtype", "F32"},
+                                               {"shape", {m.kv_heads, m.head_dim, m.rank}},
+                                               {"data_offsets", {begin, begin + per_layer * 4}}};
     if (b.oblique())
       header[absl::StrCat("layer.", l, ".encode")] = {
           {"dtype", "F32"},
@@ -102,7 +101,8 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b, Env* env) {
   std::memcpy(bytes.data(), &n, 8);
   bytes += h;
   bytes.append(reinterpret_cast<const char*>(b.u.data()), b.u.size() * 4);
-  if (b.oblique()) bytes.append(reinterpret_cast<const char*>(b.encode.data()), b.encode.size() * 4);
+  if (b.oblique())
+    bytes.append(reinterpret_cast<const char*>(b.encode.data()), b.encode.size() * 4);
   bytes.append(reinterpret_cast<const char*>(b.query_moment.data()), b.query_moment.size() * 4);
   RETURN_IF_ERROR(env->CreateDirs(dir));
   json mj = {{"format", "kvq-basis"},
@@ -162,7 +162,8 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env) {
   const size_t u_bytes = per_layer * m.layers * 4;
   const size_t moment_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.head_dim;
   const size_t moment_bytes = moment_layer * m.layers * 4;
-  auto ts = env->ReadFile((fs::path(dir) / "basis.safetensors").string(), 2 * u_bytes + moment_bytes + (16 << 20));
+  auto ts = env->ReadFile((fs::path(dir) / "basis.safetensors").string(),
+                          2 * u_bytes + moment_bytes + (16 << 20));
   if (!ts.ok()) return ts.status();
   const std::string& t = *ts;
   if (t.size() < 8) return Bad(dir, "basis.safetensors truncated (no header length)");
@@ -176,8 +177,10 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env) {
   const bool has_moment = hj.contains("layer.0.query_moment");
   const size_t data_bytes = (oblique ? 2 * u_bytes : u_bytes) + (has_moment ? moment_bytes : 0);
   if (t.size() - data0 != data_bytes)
-    return Bad(dir, absl::StrCat("tensor data is ", t.size() - data0, " bytes, the manifest "
-                                 "implies ", data_bytes));
+    return Bad(dir, absl::StrCat("tensor data is ", t.size() - data0,
+                                 " bytes, the manifest "
+                                 "implies ",
+                                 data_bytes));
   auto read_tensor = [&](const std::string& name, float* to, int64_t cols = 0) -> absl::Status {
     if (!hj.contains(name)) return Bad(dir, absl::StrCat("tensor ", name, " missing"));
     const json& e = hj[name];
@@ -227,8 +230,8 @@ absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b) {
     return absl::InvalidArgumentError(absl::StrCat(
         "basis holds ", b.u.size(), " floats; layers*kv_heads*head_dim*rank = ", want));
   if (b.oblique() && b.encode.size() != want)
-    return absl::InvalidArgumentError(absl::StrCat("encode basis holds ", b.encode.size(),
-                                                   " floats; the basis holds ", want));
+    return absl::InvalidArgumentError(
+        absl::StrCat("encode basis holds ", b.encode.size(), " floats; the basis holds ", want));
   if (!b.query_moment.empty() && b.query_moment.size() != heads * d * d)
     return absl::InvalidArgumentError(
         absl::StrCat("query moment holds ", b.query_moment.size(),
@@ -237,8 +240,8 @@ absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b) {
                                 std::pair{&b.query_moment, "query moment"}})
     for (size_t i = 0; i < v->size(); ++i)
       if (!std::isfinite((*v)[i]))
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, " holds a non-finite value (layer ", i / (v->size() / m.layers), ")"));
+        return absl::InvalidArgumentError(absl::StrCat(name, " holds a non-finite value (layer ",
+                                                       i / (v->size() / m.layers), ")"));
   for (int l = 0; l < m.layers; ++l)
     for (int h = 0; h < m.kv_heads; ++h) {
       const size_t at = (static_cast<size_t>(l) * m.kv_heads + h) * d * R;
@@ -252,7 +255,8 @@ absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b) {
             return absl::InvalidArgumentError(
                 b.oblique() ? absl::StrFormat("layer %d head %d: encode column %d and decode "
                                               "column %d are not biorthogonal (A^T B = %.4g, "
-                                              "tolerance 1e-3)", l, h, i, j, dot)
+                                              "tolerance 1e-3)",
+                                              l, h, i, j, dot)
                             : absl::StrFormat("layer %d head %d: columns %d and %d are not "
                                               "orthonormal (dot %.4g, tolerance 1e-3)",
                                               l, h, i, j, dot));
@@ -262,8 +266,9 @@ absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b) {
       double top = 0;
       for (int c = 0; c < d; ++c) {
         if (q[c * d + c] < 0)
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "layer %d head %d: query moment diagonal %d is negative (%.4g)", l, h, c, q[c * d + c]));
+          return absl::InvalidArgumentError(
+              absl::StrFormat("layer %d head %d: query moment diagonal %d is negative (%.4g)", l, h,
+                              c, q[c * d + c]));
         top = std::max(top, double(q[c * d + c]));
       }
       for (int x = 0; x < d; ++x)

@@ -38,7 +38,8 @@ class HostPool final : public BytePool {
   }
   Usage usage() const override {
     Usage u;
-    u.requested_bytes = u.held_bytes = u.reserved_bytes = requested_.load(std::memory_order_relaxed);
+    u.requested_bytes = u.held_bytes = u.reserved_bytes =
+        requested_.load(std::memory_order_relaxed);
     return u;
   }
 

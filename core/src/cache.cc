@@ -1,13 +1,13 @@
 #include "kvq/core/cache.h"
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <new>
-
-#include <xxhash.h>
 
 #include "absl/strings/str_cat.h"
 #include "kvq/core/partial_attention.h"
@@ -83,7 +83,8 @@ std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions&
   for (int h = 0; h < kv_heads; ++h)
     for (int c = 0; c < d; ++c)
       for (int j = 0; j < r; ++j)
-        t->basis_t[(static_cast<size_t>(h) * r + j) * d + c] = enc[(static_cast<size_t>(h) * d + c) * r + j];
+        t->basis_t[(static_cast<size_t>(h) * r + j) * d + c] =
+            enc[(static_cast<size_t>(h) * d + c) * r + j];
   if (o.metric_rounding && query_moment) {
     for (int h = 0; h < kv_heads; ++h) {
       const size_t hb = static_cast<size_t>(h) * d * r;
@@ -127,8 +128,8 @@ void Reserve(Bytes* v, size_t more) {
 
 absl::Status CheckKV(const TensorView& t, absl::string_view name, int kv_heads, int d, int64_t n) {
   if (t.rank != 3)
-    return absl::InvalidArgumentError(absl::StrCat(name, ": rank ", t.rank,
-                                                   ", must be 3 ([kv_heads, tokens, head_dim])"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": rank ", t.rank, ", must be 3 ([kv_heads, tokens, head_dim])"));
   if (t.shape[0] != kv_heads)
     return absl::InvalidArgumentError(
         absl::StrCat(name, ".shape[0] = ", t.shape[0], ": must equal kv_heads = ", kv_heads));
@@ -170,9 +171,9 @@ absl::Status NotStorable(DType t, const uint8_t* row, int c, absl::string_view n
   const std::string at = absl::StrCat(name, "[", h, ", ", j, ", ", c, "]");
   if (!std::isfinite(x))
     return absl::InvalidArgumentError(absl::StrCat(at, " is not finite (in ", DTypeName(t), ")"));
-  return absl::InvalidArgumentError(absl::StrCat(
-      at, " = ", x, ": outside [-", kMaxStorableMagnitude, ", ", kMaxStorableMagnitude,
-      "], the fp16 range of the block format's scales and zero points"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(at, " = ", x, ": outside [-", kMaxStorableMagnitude, ", ", kMaxStorableMagnitude,
+                   "], the fp16 range of the block format's scales and zero points"));
 }
 
 absl::Status CheckQueries(int q_heads, int kv_heads, int n_q);
@@ -235,7 +236,8 @@ void AppendRows(const TensorView& t, int h, int64_t j0, int64_t n, int d, DType 
 // Converts G rows of d elements, `stride` bytes apart, to fp32 [G][d].
 void RowsToFloat(DType dt, const uint8_t* rows, int64_t stride, int G, int d, float* out) {
   const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(dt);
-  if (stride == static_cast<int64_t>(row_bytes)) return ToFloat(dt, rows, out, static_cast<size_t>(G) * d);
+  if (stride == static_cast<int64_t>(row_bytes))
+    return ToFloat(dt, rows, out, static_cast<size_t>(G) * d);
   for (int t = 0; t < G; ++t) ToFloat(dt, rows + t * stride, out + static_cast<size_t>(t) * d, d);
 }
 
@@ -270,8 +272,8 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
                                     const float* probe_weights, const ProbeQueries* probes) {
   RETURN_IF_ERROR(opts_.Validate());
   if (start != tokens_)
-    return absl::InvalidArgumentError(absl::StrCat("start = ", start,
-                                                   ": must equal the cached token count ", tokens_));
+    return absl::InvalidArgumentError(
+        absl::StrCat("start = ", start, ": must equal the cached token count ", tokens_));
   const int d = opts_.head_dim;
   const int64_t n = k.rank == 3 ? k.shape[1] : -1;
   if (n < 0) return CheckKV(k, "keys", kv_heads_, d, 0);
@@ -303,8 +305,8 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
     RETURN_IF_ERROR(CheckQueries(probes->q_heads, kv_heads_, probes->n));
     if (probes->q == nullptr) return absl::InvalidArgumentError("probe queries: no data");
     if (probes->causal_offset < -1)
-      return absl::InvalidArgumentError(absl::StrCat(
-          "probe causal_offset = ", probes->causal_offset, ": must be >= -1"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("probe causal_offset = ", probes->causal_offset, ": must be >= -1"));
   }
   // Sealed groups only lead the cache: once an unsealed block exists, no more sealing.
   building_.clear();
@@ -317,7 +319,8 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
       for (int64_t g = 0; g < ready; ++g) {
         // Sized once: its exact bytes (the largest A^2 value blocks), never regrown.
         auto b = std::make_shared<SealedBlock>(pool_);
-        b->bytes.reserve(static_cast<size_t>(kv_heads_) * (kblock_bytes_ + MaxValueBlockBytes(opts_)));
+        b->bytes.reserve(static_cast<size_t>(kv_heads_) *
+                         (kblock_bytes_ + MaxValueBlockBytes(opts_)));
         b->offsets.reserve(2 * kv_heads_ + 1);
         building_.push_back(std::move(b));
       }
@@ -329,9 +332,9 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
     }
   } catch (const std::bad_alloc&) {
     building_.clear();
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "append of ", n, " tokens: the block pool cannot hold ", ready, " more groups of ",
-        kv_heads_, " heads"));
+    return absl::ResourceExhaustedError(absl::StrCat("append of ", n,
+                                                     " tokens: the block pool cannot hold ", ready,
+                                                     " more groups of ", kv_heads_, " heads"));
   }
   tokens_ += n;
   auto join_window = [&](int h, int64_t j0) {
@@ -358,9 +361,9 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
     RETURN_IF_ERROR(Attend(probes->q, probes->q_heads, probes->n, ao, scratch.data()));
     for (int h = 0; h < kv_heads_; ++h) RETURN_IF_ERROR(EncodeGroups(h, ready));
   } else if (direct) {
-    RETURN_IF_ERROR(EncodeInput(k, v, n, to, ready, probe_weights, [&](int h) {
-      join_window(h, ready * opts_.key_group);
-    }, validate));
+    RETURN_IF_ERROR(EncodeInput(
+        k, v, n, to, ready, probe_weights, [&](int h) { join_window(h, ready * opts_.key_group); },
+        validate));
   } else {
     // Head by head: append to the window and encode what is ready while it is warm in cache.
     for (int h = 0; h < kv_heads_; ++h) {
@@ -384,8 +387,8 @@ void LayerCache::WindowToFloat(const Head& hd, bool keys, float* out) const {
   ToFloat(hd.win_dtype, w.data(), out, w.size() / DTypeSize(hd.win_dtype));
 }
 
-absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, int64_t n,
-                                     DType to, int64_t ready, const float* probe_weights,
+absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, int64_t n, DType to,
+                                     int64_t ready, const float* probe_weights,
                                      const std::function<void(int)>& keep_rest,
                                      const std::function<absl::Status()>& validate) {
   const int G = opts_.key_group, d = opts_.head_dim;
@@ -410,10 +413,15 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
   bool ok = true;
   absl::Status st;
   for (int h = 0; h < kv_heads_ && ok && st.ok(); ++h) {
-    InputRows in{RowPtr(k, h, 0), RowPtr(v, h, 0),
+    InputRows in{RowPtr(k, h, 0),
+                 RowPtr(v, h, 0),
                  k.stride[1] * static_cast<int64_t>(DTypeSize(to)),
-                 v.stride[1] * static_cast<int64_t>(DTypeSize(to)), to,
-                 probe_weights ? probe_weights + h * n : nullptr, 0, chunk_groups, ready};
+                 v.stride[1] * static_cast<int64_t>(DTypeSize(to)),
+                 to,
+                 probe_weights ? probe_weights + h * n : nullptr,
+                 0,
+                 chunk_groups,
+                 ready};
     if (building_.empty()) {
       Reserve(&heads_[h].kblocks, ready * kblock_bytes_);
       Reserve(&heads_[h].vblocks, ready * MaxValueBlockBytes(opts_));
@@ -488,10 +496,10 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
       if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
-      RETURN_IF_ERROR(EncodeKeyBlockT(opts_, kf.data(), d, Ut, seal ? &sb->bytes : &hd.kblocks,
-                                      tables_->rounding.empty()
-                                          ? nullptr
-                                          : tables_->rounding.data() + static_cast<size_t>(h) * d * d));
+      RETURN_IF_ERROR(EncodeKeyBlockT(
+          opts_, kf.data(), d, Ut, seal ? &sb->bytes : &hd.kblocks,
+          tables_->rounding.empty() ? nullptr
+                                    : tables_->rounding.data() + static_cast<size_t>(h) * d * d));
       if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
       const uint8_t* wp = nullptr;
       if (opts_.per_token_value_bits()) {
@@ -631,8 +639,7 @@ absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale
     } else {
       win.resize(static_cast<size_t>(W) * d);
       WindowToFloat(hd, true, win.data());
-      kernels::Active().dense_scores_f32(win.data(), static_cast<int>(W), d, q, rows,
-                                         out + at, T);
+      kernels::Active().dense_scores_f32(win.data(), static_cast<int>(W), d, q, rows, out + at, T);
       for (int i = 0; i < rows; ++i)
         for (int64_t t = 0; t < W; ++t) out[i * T + at + t] *= scale;
     }
@@ -728,8 +735,8 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   RETURN_IF_ERROR(ReadSinks(opts_.verify_on_read).status());
   if (tokens_ == 0) return absl::FailedPreconditionError("attend over an empty cache");
   if (ao.causal_offset < -1)
-    return absl::InvalidArgumentError(absl::StrCat("causal_offset = ", ao.causal_offset,
-                                                   ": must be >= -1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("causal_offset = ", ao.causal_offset, ": must be >= -1"));
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   const int64_t T = tokens_;
   const float scale = ao.scale != 0.0f ? ao.scale : 1.0f / std::sqrt(static_cast<float>(d));
@@ -739,12 +746,14 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   s.resize(static_cast<size_t>(rows) * T);
   const auto& kt = kernels::Active();
   for (int h = 0; h < kv_heads_; ++h) {
-    RETURN_IF_ERROR(ScoreHead(h, q + static_cast<size_t>(h) * rows * d, rows, scale, false, s.data()));
+    RETURN_IF_ERROR(
+        ScoreHead(h, q + static_cast<size_t>(h) * rows * d, rows, scale, false, s.data()));
     Head& hd = heads_[h];
     for (int i = 0; i < rows; ++i) {
       float* si = s.data() + static_cast<size_t>(i) * T;
       const int qi = i % n_q;
-      const int64_t vis = ao.causal_offset < 0 ? T : std::min<int64_t>(T, ao.causal_offset + qi + 1);
+      const int64_t vis =
+          ao.causal_offset < 0 ? T : std::min<int64_t>(T, ao.causal_offset + qi + 1);
       kt.softmax(si, vis);
       std::fill(si + vis, si + T, 0.0f);
       if (ao.observe)
@@ -787,8 +796,9 @@ absl::Status LayerCache::AttendPart(const float* q, int q_heads, int n_q, const 
     RETURN_IF_ERROR(ScoreRange(h, q + r0 * d, rows, scale, false, b0, b1, last, s.data(), len));
     for (int i = 0; i < rows; ++i) {
       float* si = s.data() + static_cast<size_t>(i) * len;
-      const int64_t vis = ao.causal_offset < 0 ? tokens_
-                                               : std::min<int64_t>(tokens_, ao.causal_offset + i % n_q + 1);
+      const int64_t vis = ao.causal_offset < 0
+                              ? tokens_
+                              : std::min<int64_t>(tokens_, ao.causal_offset + i % n_q + 1);
       const int64_t n = std::clamp<int64_t>(vis - t0, 0, len);
       if (n == 0) {
         m[r0 + i] = -std::numeric_limits<float>::infinity();
@@ -798,8 +808,7 @@ absl::Status LayerCache::AttendPart(const float* q, int q_heads, int n_q, const 
         l[r0 + i] = kt.exp_sum(si, n, m[r0 + i]);
       }
       std::fill(si + n, si + len, 0.0f);
-      if (window_p && W > 0)
-        std::copy_n(si + (len - W), W, window_p + (r0 + i) * W);
+      if (window_p && W > 0) std::copy_n(si + (len - W), W, window_p + (r0 + i) * W);
     }
     RETURN_IF_ERROR(ReadoutRange(h, s.data(), len, rows, b0, b1, last, o + r0 * d));
   }
@@ -857,8 +866,8 @@ absl::Status LayerCache::Observe(const float* p, int q_heads, int n_q) {
       const float* pi = p + (static_cast<size_t>(h) * rows + i) * T;
       for (int64_t t = encoded_; t < T; ++t) {
         if (!(pi[t] >= 0.0f && pi[t] <= 1.0f))
-          return absl::InvalidArgumentError(absl::StrCat("p[", h, ", ", i, ", ", t, "] = ", pi[t],
-                                                         ": must be in [0, 1]"));
+          return absl::InvalidArgumentError(
+              absl::StrCat("p[", h, ", ", i, ", ", t, "] = ", pi[t], ": must be in [0, 1]"));
       }
     }
   }
@@ -885,7 +894,8 @@ absl::Status LayerCache::Decode(std::vector<float>* keys, std::vector<float>* va
 
 absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* keys,
                                 std::vector<float>* values) const {
-  if (from < 0 || to < from || to > tokens_) return DecodeInto(from, to, DType::kF32, nullptr, nullptr);
+  if (from < 0 || to < from || to > tokens_)
+    return DecodeInto(from, to, DType::kF32, nullptr, nullptr);
   // Every element is written (blocks, sinks, window): no zero-fill pass.
   const size_t n = static_cast<size_t>(to - from) * opts_.head_dim * kv_heads_;
   keys->resize(n);
@@ -897,8 +907,8 @@ absl::Status LayerCache::Decode(int64_t from, int64_t to, std::vector<float>* ke
 absl::Status LayerCache::DecodeAs(int64_t from, int64_t to, DType dtype, std::vector<uint8_t>* keys,
                                   std::vector<uint8_t>* values) const {
   if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16)
-    return absl::InvalidArgumentError(absl::StrCat("decode to ", DTypeName(dtype),
-                                                   ": must be f32, f16 or bf16"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode to ", DTypeName(dtype), ": must be f32, f16 or bf16"));
   if (from < 0 || to < from || to > tokens_) return DecodeInto(from, to, dtype, nullptr, nullptr);
   const size_t n = static_cast<size_t>(to - from) * opts_.head_dim * kv_heads_ * DTypeSize(dtype);
   keys->resize(n);
@@ -909,8 +919,8 @@ absl::Status LayerCache::DecodeAs(int64_t from, int64_t to, DType dtype, std::ve
 absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8_t* kout_all,
                                     uint8_t* vout_all) const {
   if (from < 0 || to < from || to > tokens_) {
-    return absl::OutOfRangeError(absl::StrCat("decode range [", from, ", ", to,
-                                              ") must lie in [0, ", tokens_, "]"));
+    return absl::OutOfRangeError(
+        absl::StrCat("decode range [", from, ", ", to, ") must lie in [0, ", tokens_, "]"));
   }
   const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
   const int64_t n = to - from;
@@ -1063,8 +1073,7 @@ std::span<const uint8_t> LayerCache::ValueBlock(int h, int64_t b) const {
 }
 
 bool LayerCache::AllSealed() const {
-  return tokens_ == encoded_ &&
-         encoded_ == static_cast<int64_t>(sealed_.size()) * opts_.key_group;
+  return tokens_ == encoded_ && encoded_ == static_cast<int64_t>(sealed_.size()) * opts_.key_group;
 }
 
 absl::Status LayerCache::CheckSinksOf(const SealedBlock& blk, bool first) const {
@@ -1078,18 +1087,18 @@ absl::Status LayerCache::CheckSinksOf(const SealedBlock& blk, bool first) const 
   const size_t rows = static_cast<size_t>(kv_heads_) * S * opts_.head_dim;
   if (!blk.sinks || blk.sinks->sinks != S || blk.sinks->head_dim != opts_.head_dim ||
       blk.sinks->keys.size() != rows || blk.sinks->values.size() != rows)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sealed block: a first group of a codec with fp16_sinks = ", S, " needs its ", S,
-        " sink rows per head"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sealed block: a first group of a codec with fp16_sinks = ", S, " needs its ",
+                     S, " sink rows per head"));
   return absl::OkStatus();
 }
 
 absl::Status LayerCache::CheckSealed(const SealedBlock& blk) const {
   if (blk.offsets.size() != static_cast<size_t>(2 * kv_heads_ + 1) ||
       blk.offsets.back() != blk.bytes.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sealed block: ", blk.offsets.size(), " offsets over ", blk.bytes.size(),
-        " bytes; a layer of ", kv_heads_, " KV heads needs ", 2 * kv_heads_ + 1));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sealed block: ", blk.offsets.size(), " offsets over ", blk.bytes.size(),
+                     " bytes; a layer of ", kv_heads_, " KV heads needs ", 2 * kv_heads_ + 1));
   }
   for (int h = 0; h < kv_heads_; ++h) {
     if (blk.offsets[2 * h] > blk.offsets[2 * h + 1] ||
@@ -1104,9 +1113,9 @@ absl::Status LayerCache::CheckSealed(const SealedBlock& blk) const {
 
 absl::Status LayerCache::AttachSealed(std::span<const SealedBlockPtr> blocks) {
   if (!AllSealed()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sealed blocks attach only to a cache whose every token is sealed (", tokens_,
-        " tokens, ", encoded_, " encoded, ", sealed_.size(), " sealed groups)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("sealed blocks attach only to a cache whose every token is sealed (", tokens_,
+                     " tokens, ", encoded_, " encoded, ", sealed_.size(), " sealed groups)"));
   }
   for (size_t i = 0; i < blocks.size(); ++i) {
     if (!blocks[i]) return absl::InvalidArgumentError("sealed block: null");

@@ -63,14 +63,15 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
   manifest.q_heads = q_heads_;
   manifest.head_dim = d_;
   manifest.rank = rank;
-  manifest.kind = opts.oblique ? "oblique_rrr"
-                 : opts.residual_weighted ? "query_pca_residual_weighted"
-                  : opts.centred         ? "query_pca_centred"
-                                         : "query_pca_uncentred";
+  manifest.kind = opts.oblique             ? "oblique_rrr"
+                  : opts.residual_weighted ? "query_pca_residual_weighted"
+                  : opts.centred           ? "query_pca_centred"
+                                           : "query_pca_uncentred";
   int64_t total = 0;
   b.u.assign(static_cast<size_t>(layers_) * kv_heads_ * d_ * rank, 0.0f);
   if (opts.oblique) b.encode.assign(b.u.size(), 0.0f);
-  if (opts.keep_query_moment) b.query_moment.assign(static_cast<size_t>(layers_) * kv_heads_ * d_ * d_, 0.0f);
+  if (opts.keep_query_moment)
+    b.query_moment.assign(static_cast<size_t>(layers_) * kv_heads_ * d_ * d_, 0.0f);
   for (int l = 0; l < layers_; ++l)
     for (int h = 0; h < kv_heads_; ++h) {
       const size_t hi = static_cast<size_t>(l) * kv_heads_ + h;
@@ -84,7 +85,8 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
         for (int c = a; c < d_; ++c) m(a, c) = m(c, a) = m2_[hi * d_ * d_ + a * d_ + c] / n;
       if (opts.keep_query_moment)
         for (int a = 0; a < d_; ++a)
-          for (int c = 0; c < d_; ++c) b.query_moment[(hi * d_ + a) * d_ + c] = static_cast<float>(m(a, c));
+          for (int c = 0; c < d_; ++c)
+            b.query_moment[(hi * d_ + a) * d_ + c] = static_cast<float>(m(a, c));
       if (opts.centred) {
         Eigen::VectorXd mu(d_);
         for (int a = 0; a < d_; ++a) mu(a) = m1_[hi * d_ + a] / n;
@@ -110,7 +112,8 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
         se += Eigen::MatrixXd::Identity(d_, d_) * (1e-4 * se.trace() / d_ + 1e-20);
         Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> ee(se);
         const Eigen::VectorXd sq = ee.eigenvalues().cwiseSqrt();
-        const Eigen::MatrixXd R = ee.eigenvectors() * sq.asDiagonal() * ee.eigenvectors().transpose();
+        const Eigen::MatrixXd R =
+            ee.eigenvectors() * sq.asDiagonal() * ee.eigenvectors().transpose();
         const Eigen::MatrixXd Rinv =
             ee.eigenvectors() * sq.cwiseInverse().asDiagonal() * ee.eigenvectors().transpose();
         Eigen::SelfAdjointEigenSolver<Eigen::MatrixXd> es(R * m * R);

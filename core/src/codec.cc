@@ -4,9 +4,8 @@
 #include <xxhash.h>
 
 #include <Eigen/Dense>
-
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -37,8 +36,8 @@ uint32_t ChecksumV2(const uint8_t* block, size_t size, uint64_t head) {
 uint32_t BlockChecksum(const uint8_t* block, size_t size, uint8_t version) {
   const uint64_t head = XXH3_64bits(block, 12);
   if (version == 1)
-    return static_cast<uint32_t>(kernels::Active().xxh3(
-        block + kBlockHeaderBytes, size - kBlockHeaderBytes, head));
+    return static_cast<uint32_t>(
+        kernels::Active().xxh3(block + kBlockHeaderBytes, size - kBlockHeaderBytes, head));
   return ChecksumV2(block, size, head);
 }
 
@@ -46,8 +45,8 @@ uint32_t BlockChecksum(const uint8_t* block, size_t size, uint8_t version) {
 // carry flags in its high nibble; only then is the block version 3.
 uint8_t VersionFor(uint8_t kind) { return (kind & 0xF0) != 0 ? kBlockVersionFlags : kBlockVersion; }
 
-void WriteHeaderFields(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens,
-                       int head_dim, int extra) {
+void WriteHeaderFields(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, int head_dim,
+                       int extra) {
   const uint16_t magic = kBlockMagic;
   std::memcpy(p, &magic, 2);
   p[2] = VersionFor(kind);
@@ -73,22 +72,23 @@ struct Header {
 
 absl::StatusOr<Header> ReadHeader(std::span<const uint8_t> b, uint8_t kind, bool verify) {
   if (b.size() < kBlockHeaderBytes)
-    return absl::DataLossError(absl::StrCat("block truncated: ", b.size(),
-                                            " bytes, shorter than the 16-byte header"));
+    return absl::DataLossError(
+        absl::StrCat("block truncated: ", b.size(), " bytes, shorter than the 16-byte header"));
   uint16_t magic;
   std::memcpy(&magic, b.data(), 2);
   if (magic != kBlockMagic)
-    return absl::DataLossError(absl::StrFormat("block magic 0x%04x, expected 0x%04x", magic,
-                                               kBlockMagic));
+    return absl::DataLossError(
+        absl::StrFormat("block magic 0x%04x, expected 0x%04x", magic, kBlockMagic));
   if (b[2] < 1 || b[2] > kBlockVersionFlags)
-    return absl::DataLossError(absl::StrCat("block version ", b[2], " unsupported (this build "
+    return absl::DataLossError(absl::StrCat("block version ", b[2],
+                                            " unsupported (this build "
                                             "reads versions 1 to 3)"));
   const uint8_t flags = b[3] & 0xF0;
   if ((b[3] & 0x0F) != kind)
     return absl::DataLossError(absl::StrCat("block kind ", b[3] & 0x0F, ", expected ", kind));
   if ((b[2] == kBlockVersionFlags) != (flags != 0) || (flags & ~kBlockRotated) != 0)
-    return absl::DataLossError(absl::StrFormat("block flags 0x%02x invalid for version %d", flags,
-                                               b[2]));
+    return absl::DataLossError(
+        absl::StrFormat("block flags 0x%02x invalid for version %d", flags, b[2]));
   Header h{kind, flags, b[4], b[5], 0, 0, 0};
   uint16_t f[3];
   std::memcpy(f, b.data() + 6, 6);
@@ -134,7 +134,8 @@ uint8_t KindByte(uint8_t kind, bool rotated) { return kind | (rotated ? kBlockRo
 
 void SetCode(uint8_t* row, int bits, int64_t i, int code) {
   const int64_t bit = i * bits;
-  const uint32_t mask = ((1u << bits) - 1) << (bit & 7), v = static_cast<uint32_t>(code) << (bit & 7);
+  const uint32_t mask = ((1u << bits) - 1) << (bit & 7), v = static_cast<uint32_t>(code)
+                                                             << (bit & 7);
   row[bit >> 3] = static_cast<uint8_t>((row[bit >> 3] & ~mask) | v);
   if (bits + (bit & 7) > 8)
     row[(bit >> 3) + 1] = static_cast<uint8_t>((row[(bit >> 3) + 1] & ~(mask >> 8)) | (v >> 8));
@@ -181,8 +182,7 @@ absl::Status CodecOptions::Validate() const {
   };
   if (head_dim < 1 || head_dim > 512) return bad("head_dim", head_dim, "must be in [1, 512]");
   if (!OneOf(key_bits, {2, 3, 4, 8})) return bad("key_bits", key_bits, "must be 2, 3, 4 or 8");
-  if (!OneOf(key_group, {32, 64, 128}))
-    return bad("key_group", key_group, "must be 32, 64 or 128");
+  if (!OneOf(key_group, {32, 64, 128})) return bad("key_group", key_group, "must be 32, 64 or 128");
   if (rank < 0 || rank > head_dim) return bad("rank", rank, "must be in [0, head_dim]");
   if (rank > 0 && !OneOf(side_bits, {4, 8})) return bad("side_bits", side_bits, "must be 4 or 8");
   if (!OneOf(value_bits, {1, 2, 3, 4, 8}))
@@ -197,7 +197,8 @@ absl::Status CodecOptions::Validate() const {
   if (fp16_sinks < 0 || fp16_sinks > kMaxFp16Sinks)
     return bad("fp16_sinks", fp16_sinks, absl::StrCat("must be in [0, ", kMaxFp16Sinks, "]"));
   if (window < 0 || window > 65536) return bad("window", window, "must be in [0, 65536]");
-  if (side_sign != 1.0f && side_sign != -1.0f) return bad("side_sign", side_sign, "must be 1 or -1");
+  if (side_sign != 1.0f && side_sign != -1.0f)
+    return bad("side_sign", side_sign, "must be 1 or -1");
   if ((rotate_keys || rotate_values) && (head_dim & (head_dim - 1)) != 0)
     return bad("head_dim", head_dim, "must be a power of two to rotate keys or values");
   return absl::OkStatus();
@@ -327,7 +328,8 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
   uint8_t* rec = p + kBlockHeaderBytes;
   if (per_token) {
     std::memset(rec, 0, (G + 3) / 4);
-    for (int t = 0; t < G; ++t) rec[t / 4] |= static_cast<uint8_t>((bits_per_token[t] - 1) << (2 * (t % 4)));
+    for (int t = 0; t < G; ++t)
+      rec[t / 4] |= static_cast<uint8_t>((bits_per_token[t] - 1) << (2 * (t % 4)));
     rec += (G + 3) / 4;
   }
   if (!per_token) {
@@ -342,17 +344,17 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
       rec += 4 * ng + RowBytes(d, b);
     }
   }
-  WriteHeader(p, KindByte(2, o.rotate_values), per_token ? 0 : o.value_bits, 0, G, d,
-              o.value_group, size);
+  WriteHeader(p, KindByte(2, o.rotate_values), per_token ? 0 : o.value_bits, 0, G, d, o.value_group,
+              size);
   return absl::OkStatus();
 }
 
-#define KVQ_INSTANTIATE_ENCODERS(ByteVec)                                                    \
-  template absl::Status EncodeKeyBlock(const CodecOptions&, const float*, int64_t,          \
-                                       const float*, ByteVec*);                             \
-  template absl::Status EncodeKeyBlockT(const CodecOptions&, const float*, int64_t,         \
-                                        const float*, ByteVec*, const float*);              \
-  template absl::Status EncodeValueBlock(const CodecOptions&, const float*, int64_t,        \
+#define KVQ_INSTANTIATE_ENCODERS(ByteVec)                                                         \
+  template absl::Status EncodeKeyBlock(const CodecOptions&, const float*, int64_t, const float*,  \
+                                       ByteVec*);                                                 \
+  template absl::Status EncodeKeyBlockT(const CodecOptions&, const float*, int64_t, const float*, \
+                                        ByteVec*, const float*);                                  \
+  template absl::Status EncodeValueBlock(const CodecOptions&, const float*, int64_t,              \
                                          const uint8_t*, ByteVec*);
 KVQ_INSTANTIATE_ENCODERS(std::vector<uint8_t>)
 KVQ_INSTANTIATE_ENCODERS(Bytes)
@@ -484,7 +486,8 @@ absl::Status BlockReader::Key(std::span<const uint8_t> b, KeyBlockView* v) const
   v->zero = v->scale + d;
   v->codes = reinterpret_cast<const uint8_t*>(v->zero + d);
   if (r > 0) {
-    v->side_scale = reinterpret_cast<const uint16_t*>(v->codes + d * RowBytes(o_.key_group, v->bits));
+    v->side_scale =
+        reinterpret_cast<const uint16_t*>(v->codes + d * RowBytes(o_.key_group, v->bits));
     v->side_zero = v->side_scale + r;
     v->side_codes = reinterpret_cast<const uint8_t*>(v->side_zero + r);
   }
@@ -544,7 +547,8 @@ std::vector<float> KeyRoundingFactor(const float* moment, int d, const float* de
     Eigen::MatrixXd p = Eigen::MatrixXd::Identity(d, d);
     for (int a = 0; a < d; ++a)
       for (int c = 0; c < d; ++c)
-        for (int j = 0; j < r; ++j) p(a, c) -= double(decode_basis[a * r + j]) * encode_basis[c * r + j];
+        for (int j = 0; j < r; ++j)
+          p(a, c) -= double(decode_basis[a * r + j]) * encode_basis[c * r + j];
     m = p.transpose() * m * p;
   }
   m += damp * Eigen::MatrixXd::Identity(d, d);
@@ -581,7 +585,8 @@ void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n
 
 void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,
                        float* out, int64_t out_stride, bool out_rotated) {
-  if (b.rotated && !out_rotated) {  // sum_t p_t H v_t = H (sum_t p_t v_t): rotate the block's partial output
+  if (b.rotated &&
+      !out_rotated) {  // sum_t p_t H v_t = H (sum_t p_t v_t): rotate the block's partial output
     const int d = b.head_dim;
     thread_local std::vector<float> part;
     part.assign(static_cast<size_t>(n_q) * d, 0.0f);

@@ -46,14 +46,17 @@ absl::Status Env::Sync(const std::string& path) {
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);
-  if (rc != 0) return absl::InternalError(absl::StrCat("cannot fsync ", path, ": ", std::strerror(err)));
+  if (rc != 0)
+    return absl::InternalError(absl::StrCat("cannot fsync ", path, ": ", std::strerror(err)));
   return absl::OkStatus();
 }
 
 absl::Status Env::Rename(const std::string& from, const std::string& to) {
   std::error_code ec;
   fs::rename(from, to, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot rename ", from, " to ", to, ": ", ec.message()));
+  if (ec)
+    return absl::InternalError(
+        absl::StrCat("cannot rename ", from, " to ", to, ": ", ec.message()));
   return absl::OkStatus();
 }
 

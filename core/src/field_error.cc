@@ -20,9 +20,9 @@ std::string ErrorField(const absl::Status& st) {
 absl::Status RenameField(const absl::Status& st, absl::string_view from, absl::string_view to) {
   const std::string field = ErrorField(st);
   // `from` must be the field or a whole part of it (appends[1] is no part of appends[10]).
-  const bool part = absl::StartsWith(field, from) &&
-                    (field.size() == from.size() || field[from.size()] == '.' ||
-                     field[from.size()] == '[');
+  const bool part =
+      absl::StartsWith(field, from) &&
+      (field.size() == from.size() || field[from.size()] == '.' || field[from.size()] == '[');
   if (!part || !absl::StartsWith(st.message(), field)) return st;
   const std::string renamed = absl::StrCat(to, absl::string_view(field).substr(from.size()));
   return FieldError(st.code(), renamed, st.message().substr(field.size()));

@@ -49,10 +49,11 @@ uint16_t FloatToBF16(float f) {
 }
 
 __attribute__((target("f16c,avx"))) static void HalfToFloatF16C(const uint16_t* in, float* out,
-                                                                 size_t n) {
+                                                                size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    _mm256_storeu_ps(out + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
   for (; i < n; ++i) out[i] = HalfToFloat(in[i]);
 }
 
@@ -74,7 +75,7 @@ void HalfToFloatN(const uint16_t* in, float* out, size_t n) {
 }
 
 __attribute__((target("f16c,avx"))) static void FloatToHalfF16C(const float* in, uint16_t* out,
-                                                                 size_t n) {
+                                                                size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),

@@ -21,8 +21,8 @@ absl::Status JsonFields::Mistyped(absl::string_view key, absl::string_view want)
 absl::Status JsonFields::Int64(absl::string_view key, int64_t* out) const {
   const auto it = j_.find(std::string(key));
   if (it == j_.end()) return absl::OkStatus();
-  if (it->is_number_integer() && !(it->is_number_unsigned() &&
-                                   it->get<uint64_t>() > uint64_t{INT64_MAX})) {
+  if (it->is_number_integer() &&
+      !(it->is_number_unsigned() && it->get<uint64_t>() > uint64_t{INT64_MAX})) {
     *out = it->get<int64_t>();
     return absl::OkStatus();
   }

@@ -7,8 +7,7 @@
 
 namespace kvq::core {
 
-absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want,
-                                                  absl::string_view field) {
+absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want, absl::string_view field) {
   std::string why;
   kernels::Pool pool = kernels::Pool::kHost;
   if (want == "auto") {
@@ -33,11 +32,11 @@ absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want,
   MemoryPoolChoice c;
   c.pool = *bytes;
   c.name = kernels::PoolName(c.pool->pool());
-  c.explanation = absl::StrCat(
-      want == "auto" ? "auto -> " : "", c.name, "; ",
-      c.name == "host" ? "encoded blocks and windows in host memory"
-                       : "encoded blocks in pinned memory, windows in host memory",
-      why.empty() ? "" : absl::StrCat(" [", why, "]"));
+  c.explanation =
+      absl::StrCat(want == "auto" ? "auto -> " : "", c.name, "; ",
+                   c.name == "host" ? "encoded blocks and windows in host memory"
+                                    : "encoded blocks in pinned memory, windows in host memory",
+                   why.empty() ? "" : absl::StrCat(" [", why, "]"));
   return c;
 }
 

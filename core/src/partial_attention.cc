@@ -11,8 +11,8 @@
 
 namespace kvq::core {
 
-void MergePartials(const float* m, const float* l, const float* o, int parts, int64_t rows,
-                   int d, float* out) {
+void MergePartials(const float* m, const float* l, const float* o, int parts, int64_t rows, int d,
+                   float* out) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     float* y = out + r * d;

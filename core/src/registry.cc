@@ -1,4 +1,6 @@
 // The model registry: a folder of basis entries, loaded at start and extended atomically.
+#include "kvq/core/registry.h"
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -17,7 +19,6 @@
 #include "kvq/core/codec_json.h"
 #include "kvq/core/json_fields.h"
 #include "kvq/core/status.h"
-#include "kvq/core/registry.h"
 #include "nlohmann/json.hpp"
 
 namespace kvq::core {
@@ -40,9 +41,8 @@ absl::Status CheckIdentifier(absl::string_view field, const std::string& v, size
   bool printable = true;
   for (char ch : v) printable &= ch >= 0x20 && ch <= 0x7e;
   if (v.size() > max || !printable) {
-    return absl::InvalidArgumentError(absl::StrCat(field, " must be at most ", max,
-                                                   " bytes of printable ASCII (got ", v.size(),
-                                                   " bytes)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, " must be at most ", max, " bytes of printable ASCII (got ", v.size(), " bytes)"));
   }
   return absl::OkStatus();
 }
@@ -159,8 +159,8 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
   }
   if (m.calibration_text.size() > kMaxCalibrationText) {
     return absl::InvalidArgumentError(absl::StrCat("calibration_text holds ",
-                                                   m.calibration_text.size(),
-                                                   " bytes; at most ", kMaxCalibrationText));
+                                                   m.calibration_text.size(), " bytes; at most ",
+                                                   kMaxCalibrationText));
   }
   try {  // what the manifest writer will meet: it refuses strings that are not UTF-8
     (void)nlohmann::json(m.calibration_text).dump();

@@ -174,10 +174,10 @@ std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& mod
                                                            const CodecOptions& codec) {
   // What the tables depend on: the entry's tensors (name, version, fingerprint) and the
   // codec fields that shape them.
-  const std::string key = absl::StrCat(model.manifest.model, "/", model.manifest.version, "/",
-                                       model.manifest.fingerprint, "/", layer, "/", codec.head_dim,
-                                       ",", codec.rank, ",", codec.rotate_keys, ",",
-                                       codec.metric_rounding);
+  const std::string key =
+      absl::StrCat(model.manifest.model, "/", model.manifest.version, "/",
+                   model.manifest.fingerprint, "/", layer, "/", codec.head_dim, ",", codec.rank,
+                   ",", codec.rotate_keys, ",", codec.metric_rounding);
   MutexLock l(&tables_mu_);
   if (auto held = tables_[key].lock()) return held;
   std::vector<float> basis = LayerBasis(model, model.basis.u, layer, codec.rank);
@@ -367,8 +367,8 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
 namespace {
 // Layer `layer` of `s`, whose lock the caller holds (null while nothing was appended to it);
 // INVALID_ARGUMENT outside the model's layers.
-absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s, int layer)
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s,
+                                    int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const int layers = s.model->manifest.layers;
   if (layer < 0 || layer >= layers) {
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " must be in 0..", layers - 1));
@@ -383,7 +383,7 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
   if (from < 0) return absl::InvalidArgumentError(absl::StrCat("from ", from, " must be >= 0"));
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   ReaderMutexLock l(&s->mu);
-  ASSIGN_OR_RETURN(LayerCache* cache, LayerAt(*s, layer));
+  ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(*s, layer));
   if (cache == nullptr) {
     *tokens = 0;
     *first = 0;
@@ -403,7 +403,7 @@ absl::Status Store::VerifyLayer(const std::string& tenant, const std::string& se
                                 int layer, int basis_version) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   ReaderMutexLock l(&s->mu);
-  ASSIGN_OR_RETURN(LayerCache* cache, LayerAt(*s, layer));
+  ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(*s, layer));
   return cache == nullptr ? absl::OkStatus() : cache->VerifyAll();
 }
 

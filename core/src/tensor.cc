@@ -10,9 +10,12 @@ namespace kvq::core {
 
 absl::string_view DTypeName(DType t) {
   switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
   }
   return "?";
 }
@@ -28,8 +31,12 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 void ToFloat(DType t, const void* src, float* dst, size_t n) {
   if (n == 0) return;  // empty tensors may come with null pointers
   switch (t) {
-    case DType::kF32: std::memcpy(dst, src, n * 4); return;
-    case DType::kF16: HalfToFloatN(static_cast<const uint16_t*>(src), dst, n); return;
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kF16:
+      HalfToFloatN(static_cast<const uint16_t*>(src), dst, n);
+      return;
     case DType::kBF16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);
       for (size_t i = 0; i < n; ++i) dst[i] = BF16ToFloat(s[i]);
@@ -41,8 +48,12 @@ void ToFloat(DType t, const void* src, float* dst, size_t n) {
 void FromFloat(DType t, const float* src, void* dst, size_t n) {
   if (n == 0) return;  // empty tensors may come with null pointers
   switch (t) {
-    case DType::kF32: std::memcpy(dst, src, n * 4); return;
-    case DType::kF16: FloatToHalfN(src, static_cast<uint16_t*>(dst), n); return;
+    case DType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
+    case DType::kF16:
+      FloatToHalfN(src, static_cast<uint16_t*>(dst), n);
+      return;
     case DType::kBF16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
       for (size_t i = 0; i < n; ++i) d[i] = FloatToBF16(src[i]);

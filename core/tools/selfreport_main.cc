@@ -13,8 +13,9 @@
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i)
     if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
-      std::printf("usage: kvq-selfreport\nEncodes a built-in example (3 KV heads, 9 query heads, "
-                  "head_dim 64, 1000 tokens) and reports bits/element and errors.\n");
+      std::printf(
+          "usage: kvq-selfreport\nEncodes a built-in example (3 KV heads, 9 query heads, "
+          "head_dim 64, 1000 tokens) and reports bits/element and errors.\n");
       return 0;
     }
   using namespace kvq::core;
@@ -49,13 +50,14 @@ int main(int argc, char** argv) {
     kl += AttentionKL(exact.data(), s.data() + h * n, n) / qh;
   }
   SizeReport r = cache.Size();
-  std::printf("kvq codec self-report\n  kernels: %s\n  codec: %s\n  tokens: %lld (%lld encoded, "
-              "%lld in window)\n  K bits/element: %.3f steady, %.3f at this context\n  V "
-              "bits/element: %.3f steady, %.3f at this context\n  bytes stored: %lld (fp16 would "
-              "be %lld)\n  mean attention KL vs exact: %.5f\n",
-              kvq::kernels::Best().name, o.ToString().c_str(), (long long)r.tokens,
-              (long long)r.encoded_tokens, (long long)r.window_tokens, r.k_bits_steady(),
-              r.k_bits_effective(), r.v_bits_steady(), r.v_bits_effective(),
-              (long long)r.total_bytes(), (long long)(2LL * kv * n * d * 2), kl);
+  std::printf(
+      "kvq codec self-report\n  kernels: %s\n  codec: %s\n  tokens: %lld (%lld encoded, "
+      "%lld in window)\n  K bits/element: %.3f steady, %.3f at this context\n  V "
+      "bits/element: %.3f steady, %.3f at this context\n  bytes stored: %lld (fp16 would "
+      "be %lld)\n  mean attention KL vs exact: %.5f\n",
+      kvq::kernels::Best().name, o.ToString().c_str(), (long long)r.tokens,
+      (long long)r.encoded_tokens, (long long)r.window_tokens, r.k_bits_steady(),
+      r.k_bits_effective(), r.v_bits_steady(), r.v_bits_effective(), (long long)r.total_bytes(),
+      (long long)(2LL * kv * n * d * 2), kl);
   return 0;
 }

@@ -11,9 +11,12 @@ namespace kvq::kernels {
 
 const char* PoolName(Pool p) {
   switch (p) {
-    case Pool::kHost: return "host";
-    case Pool::kPinned: return "pinned";
-    case Pool::kGpu: return "gpu";
+    case Pool::kHost:
+      return "host";
+    case Pool::kPinned:
+      return "pinned";
+    case Pool::kGpu:
+      return "gpu";
   }
   return "?";
 }
@@ -45,8 +48,12 @@ void* Allocate(Pool pool, size_t bytes, std::string* err) {
       p = std::malloc(bytes ? bytes : 1);
       if (!p && err) *err = "out of host memory";
       return p;
-    case Pool::kPinned: e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault); break;
-    case Pool::kGpu: e = cudaMalloc(&p, bytes ? bytes : 1); break;
+    case Pool::kPinned:
+      e = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocDefault);
+      break;
+    case Pool::kGpu:
+      e = cudaMalloc(&p, bytes ? bytes : 1);
+      break;
   }
   if (e != cudaSuccess) {
     if (err) *err = std::string(PoolName(pool)) + " allocation failed: " + cudaGetErrorString(e);
@@ -58,9 +65,15 @@ void* Allocate(Pool pool, size_t bytes, std::string* err) {
 void Free(Pool pool, void* p) {
   if (!p) return;
   switch (pool) {
-    case Pool::kHost: std::free(p); return;
-    case Pool::kPinned: cudaFreeHost(p); return;
-    case Pool::kGpu: cudaFree(p); return;
+    case Pool::kHost:
+      std::free(p);
+      return;
+    case Pool::kPinned:
+      cudaFreeHost(p);
+      return;
+    case Pool::kGpu:
+      cudaFree(p);
+      return;
   }
 }
 

@@ -21,8 +21,8 @@ struct Isa {
   using F = __m256;
   using I = __m256i;
   static constexpr bool kPairDot = false;  // internal::*PairDot2 may be called
-  static bool ScoreSide4x8(const uint8_t*, int, const uint16_t*, const uint16_t*, const float*,
-                           int, float, bool, float*, int64_t) {
+  static bool ScoreSide4x8(const uint8_t*, int, const uint16_t*, const uint16_t*, const float*, int,
+                           float, bool, float*, int64_t) {
     return false;  // the generic loops
   }
   struct Words {
@@ -44,9 +44,15 @@ struct Isa {
     a = op(a, _mm_movehl_ps(a, a));
     return op(a, _mm_shuffle_ps(a, a, 1));
   }
-  static float ReduceAdd(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); })); }
-  static float ReduceMin(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_min_ps(a, b); })); }
-  static float ReduceMax(F v) { return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); })); }
+  static float ReduceAdd(F v) {
+    return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); }));
+  }
+  static float ReduceMin(F v) {
+    return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_min_ps(a, b); }));
+  }
+  static float ReduceMax(F v) {
+    return _mm_cvtss_f32(Half4(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); }));
+  }
   // out[j] = the sum of v[j]'s lanes, j < 4 (horizontal adds shared by the four).
   static void ReduceAdd4(const F* v, float* out) {
     const F h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -74,7 +80,8 @@ struct Isa {
     for (int k = 0; k < kinds; ++k) {
       alignas(16) uint16_t h[8];
       for (int t = 0; t < 8; ++t) h[t] = slot[t][k];
-      _mm256_storeu_ps(out + k * stride, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))));
+      _mm256_storeu_ps(out + k * stride,
+                       _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))));
     }
   }
   static F LoadHalf(const uint16_t* p) {
@@ -120,21 +127,23 @@ struct Isa {
     const F levels = _mm256_set1_ps(static_cast<float>((1 << bits) - 1));
     const __m128i zh = _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT);
     const F z = _mm256_cvtph_ps(zh);
-    __m128i sh = _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(hi, z), levels),
-                                 _MM_FROUND_TO_NEAREST_INT);
+    __m128i sh =
+        _mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(hi, z), levels), _MM_FROUND_TO_NEAREST_INT);
     F s = _mm256_cvtph_ps(sh);
-    const F bump = _mm256_and_ps(
-        _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ),
-        _mm256_cmp_ps(_mm256_add_ps(z, _mm256_mul_ps(s, levels)), hi, _CMP_LT_OQ));
+    const F bump =
+        _mm256_and_ps(_mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ),
+                      _mm256_cmp_ps(_mm256_add_ps(z, _mm256_mul_ps(s, levels)), hi, _CMP_LT_OQ));
     // bump lanes are all ones (-1 as int16 after packing): subtracting adds one ulp
     const __m256i bi = _mm256_castps_si256(bump);
-    const __m128i b16 = _mm_packs_epi32(_mm256_castsi256_si128(bi), _mm256_extracti128_si256(bi, 1));
+    const __m128i b16 =
+        _mm_packs_epi32(_mm256_castsi256_si128(bi), _mm256_extracti128_si256(bi, 1));
     sh = _mm_sub_epi16(sh, b16);
     s = _mm256_cvtph_ps(sh);
     const F ok = _mm256_and_ps(_mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ),
                                _mm256_cmp_ps(s, _mm256_set1_ps(INFINITY), _CMP_LT_OQ));
     const __m256i oi = _mm256_castps_si256(ok);
-    sh = _mm_and_si128(sh, _mm_packs_epi32(_mm256_castsi256_si128(oi), _mm256_extracti128_si256(oi, 1)));
+    sh = _mm_and_si128(
+        sh, _mm_packs_epi32(_mm256_castsi256_si128(oi), _mm256_extracti128_si256(oi, 1)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(s16), sh);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(z16), zh);
     *scale = _mm256_and_ps(ok, s);
@@ -142,8 +151,7 @@ struct Isa {
     *inv = _mm256_and_ps(ok, _mm256_div_ps(_mm256_set1_ps(1.0f), s));
   }
 
-  static bool QuantizeChannels4x8(const float*, int64_t, int, int, uint16_t*, uint16_t*,
-                                  uint8_t*) {
+  static bool QuantizeChannels4x8(const float*, int64_t, int, int, uint16_t*, uint16_t*, uint8_t*) {
     return false;
   }
 
@@ -155,8 +163,10 @@ struct Isa {
   static void ClearWords(Words* w) { w->lo = w->hi = _mm256_setzero_si256(); }
   static void OrIntoWords(Words* w, I q, int shift) {
     const __m128i s = _mm_cvtsi32_si128(shift);
-    w->lo = _mm256_or_si256(w->lo, _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(q)), s));
-    w->hi = _mm256_or_si256(w->hi, _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_extracti128_si256(q, 1)), s));
+    w->lo = _mm256_or_si256(w->lo,
+                            _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_castsi256_si128(q)), s));
+    w->hi = _mm256_or_si256(
+        w->hi, _mm256_sll_epi64(_mm256_cvtepu32_epi64(_mm256_extracti128_si256(q, 1)), s));
   }
   static void StoreWords(const Words* w, uint64_t* out) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), w->lo);
@@ -174,9 +184,17 @@ struct Isa {
     uint32_t w = 0;
     for (int j = 0; j < 8; ++j) w |= static_cast<uint32_t>(c[j]) << (j * bits);
     switch (bits) {  // constant sizes: no library call
-      case 1: dst[0] = static_cast<uint8_t>(w); break;
-      case 2: { const uint16_t h = static_cast<uint16_t>(w); std::memcpy(dst, &h, 2); break; }
-      default: std::memcpy(dst, &w, 4); break;
+      case 1:
+        dst[0] = static_cast<uint8_t>(w);
+        break;
+      case 2: {
+        const uint16_t h = static_cast<uint16_t>(w);
+        std::memcpy(dst, &h, 2);
+        break;
+      }
+      default:
+        std::memcpy(dst, &w, 4);
+        break;
     }
   }
 
@@ -197,7 +215,8 @@ struct Isa {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
     F y = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
     return _mm256_andnot_ps(underflow, y);
   }
@@ -207,8 +226,7 @@ struct Isa {
 
 bool CpuHasAvx2() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-         KVQ_CPU_HAS_F16C();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && KVQ_CPU_HAS_F16C();
 }
 
 }  // namespace

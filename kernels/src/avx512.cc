@@ -64,9 +64,15 @@ struct Isa {
         _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
   }
   static void ReduceAdd4(const F* v, float* out) { internal::ReduceAdd4(v, out); }
-  static F TransposeMin(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_min_ps(a, b); }); }
-  static F TransposeMax(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_max_ps(a, b); }); }
-  static F TransposeAdd(const F* v) { return TransposeReduce(v, [](F a, F b) { return _mm512_add_ps(a, b); }); }
+  static F TransposeMin(const F* v) {
+    return TransposeReduce(v, [](F a, F b) { return _mm512_min_ps(a, b); });
+  }
+  static F TransposeMax(const F* v) {
+    return TransposeReduce(v, [](F a, F b) { return _mm512_max_ps(a, b); });
+  }
+  static F TransposeAdd(const F* v) {
+    return TransposeReduce(v, [](F a, F b) { return _mm512_add_ps(a, b); });
+  }
   static F CvtI(I v) { return _mm512_cvtepi32_ps(v); }
   // v[i] lane j -> v[j] lane i (16 x 16): 32 unpacks/shuffles within 128-bit lanes, then 32
   // 128-bit lane shuffles.
@@ -104,8 +110,8 @@ struct Isa {
       const __m512i idx = _mm512_add_epi16(step, _mm512_set1_epi16(static_cast<int16_t>(k)));
       const __m512i lo = _mm512_permutex2var_epi16(a, idx, b);
       const __m512i hi = _mm512_permutex2var_epi16(c, idx, d);
-      const __m256i h = _mm256_mask_blend_epi16(0xff00, _mm512_castsi512_si256(lo),
-                                                _mm512_castsi512_si256(hi));
+      const __m256i h =
+          _mm256_mask_blend_epi16(0xff00, _mm512_castsi512_si256(lo), _mm512_castsi512_si256(hi));
       _mm512_storeu_ps(out + k * stride, _mm512_cvtph_ps(h));
     }
   }
@@ -156,8 +162,8 @@ struct Isa {
     const F levels = _mm512_set1_ps(static_cast<float>((1 << bits) - 1));
     const __m256i zh = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT);
     const F z = _mm512_cvtph_ps(zh);
-    __m256i sh = _mm512_cvtps_ph(_mm512_div_ps(_mm512_sub_ps(hi, z), levels),
-                                 _MM_FROUND_TO_NEAREST_INT);
+    __m256i sh =
+        _mm512_cvtps_ph(_mm512_div_ps(_mm512_sub_ps(hi, z), levels), _MM_FROUND_TO_NEAREST_INT);
     F s = _mm512_cvtph_ps(sh);
     const __mmask16 bump =
         _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_GT_OQ) &
@@ -177,8 +183,8 @@ struct Isa {
   // quantize_channels for 4 channels of 8 bits (the HeadQ side code at rank 4: x [tokens][4])
   // with 4 tokens per vector (lane 4p + c); codes are transposed to channel-major rows.
   // False when the shape is another one.
-  static bool QuantizeChannels4x8(const float* x, int64_t ld, int tokens, int n_ch,
-                                  uint16_t* scale, uint16_t* zero, uint8_t* codes) {
+  static bool QuantizeChannels4x8(const float* x, int64_t ld, int tokens, int n_ch, uint16_t* scale,
+                                  uint16_t* zero, uint8_t* codes) {
     if (n_ch != 4 || ld != 4 || tokens % 4 != 0) return false;
     F lo = Load(x), hi = lo;
     for (int t = 4; t < tokens; t += 4) {
@@ -216,11 +222,14 @@ struct Isa {
                            const uint16_t* zero, const float* q, int n_q, float mult,
                            bool accumulate, float* out, int64_t os) {
     if (tokens % 16 != 0) return false;
-    const __m512 s = _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale))));
-    const __m512 z = _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zero))));
+    const __m512 s = _mm512_broadcast_f32x4(
+        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale))));
+    const __m512 z = _mm512_broadcast_f32x4(
+        _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(zero))));
     for (int i0 = 0; i0 < n_q; i0 += 4) {
       const int n4 = std::min(4, n_q - i0);
-      const __m512 qv = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (4 * n4)) - 1), q + 4 * i0);
+      const __m512 qv =
+          _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (4 * n4)) - 1), q + 4 * i0);
       alignas(64) float w[16], b[16];
       _mm512_store_ps(w, _mm512_mul_ps(_mm512_mul_ps(qv, s), _mm512_set1_ps(mult)));
       F bz = _mm512_mul_ps(qv, z);  // lane 4i: q_i . zero after two in-lane steps
@@ -236,7 +245,8 @@ struct Isa {
           float* o = out + (i0 + i) * os + t0;
           F acc = _mm512_set1_ps(b[4 * i]);
           if (accumulate) acc = _mm512_add_ps(_mm512_loadu_ps(o), acc);
-          for (int c = 0; c < 4; ++c) acc = _mm512_fmadd_ps(_mm512_set1_ps(w[4 * i + c]), v[c], acc);
+          for (int c = 0; c < 4; ++c)
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(w[4 * i + c]), v[c], acc);
           _mm512_storeu_ps(o, acc);
         }
       }
@@ -252,7 +262,8 @@ struct Isa {
   static void ClearWords(Words* w) { w->lo = w->hi = _mm512_setzero_si512(); }
   static void OrIntoWords(Words* w, I q, int shift) {
     const __m128i s = _mm_cvtsi32_si128(shift);
-    w->lo = _mm512_or_si512(w->lo, _mm512_sll_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(q)), s));
+    w->lo = _mm512_or_si512(w->lo,
+                            _mm512_sll_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(q)), s));
     w->hi = _mm512_or_si512(
         w->hi, _mm512_sll_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(q, 1)), s));
   }
@@ -269,7 +280,8 @@ struct Isa {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q));
         return;
       case 4: {
-        __m512i s = _mm512_sllv_epi32(q, _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 2));
+        __m512i s = _mm512_sllv_epi32(
+            q, _mm512_slli_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(7)), 2));
         uint32_t w[2] = {static_cast<uint32_t>(_mm512_mask_reduce_or_epi32(0x00ff, s)),
                          static_cast<uint32_t>(_mm512_mask_reduce_or_epi32(0xff00, s))};
         std::memcpy(dst, w, 8);

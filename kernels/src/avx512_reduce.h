@@ -13,8 +13,10 @@ namespace {
 // four vectors, then one in-lane tree (10 operations instead of four separate reductions).
 template <typename Op>
 inline void Reduce4(const __m512* v, float* out, Op op) {
-  const __m512 a = op(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
-  const __m512 b = op(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+  const __m512 a =
+      op(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+  const __m512 b =
+      op(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
   __m512 c = op(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
   c = op(c, _mm512_shuffle_ps(c, c, _MM_SHUFFLE(1, 0, 3, 2)));
   c = op(c, _mm512_shuffle_ps(c, c, _MM_SHUFFLE(2, 3, 0, 1)));

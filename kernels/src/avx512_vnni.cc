@@ -56,17 +56,18 @@ inline __m512i DecodePair2(const uint8_t* a, const uint8_t* b) {
 // high one), and the multishift control differs per qword by the bit offset 6m mod 8. The
 // rows are read with masked loads: never a byte past their 6.
 inline __m512i DecodePair3(const uint8_t* a, const uint8_t* b) {
-  const __m128i ab = _mm_unpacklo_epi64(_mm_maskz_loadu_epi8(0x3f, a), _mm_maskz_loadu_epi8(0x3f, b));
+  const __m128i ab =
+      _mm_unpacklo_epi64(_mm_maskz_loadu_epi8(0x3f, a), _mm_maskz_loadu_epi8(0x3f, b));
   alignas(64) static constexpr uint8_t kIdx[64] = {
-      0, 1, 2, 3, 8,  9,  10, 11, 0, 1, 2, 3, 8,  9,  10, 11, 1, 2, 3, 4, 9,  10, 11, 12,
-      2, 3, 4, 5, 10, 11, 12, 13, 3, 4, 5, 6, 11, 12, 13, 14, 3, 4, 5, 6, 11, 12, 13, 14,
-      4, 5, 6, 7, 12, 13, 14, 15, 5, 6, 7, 8, 13, 14, 15, 0};
+      0,  1,  2,  3,  8, 9, 10, 11, 0,  1,  2,  3,  8, 9, 10, 11, 1,  2,  3,  4, 9, 10,
+      11, 12, 2,  3,  4, 5, 10, 11, 12, 13, 3,  4,  5, 6, 11, 12, 13, 14, 3,  4, 5, 6,
+      11, 12, 13, 14, 4, 5, 6,  7,  12, 13, 14, 15, 5, 6, 7,  8,  13, 14, 15, 0};
   // qword m: start byte s = 6m / 8, offset o = 6m - 8s; a_2m at o, b_2m at 32 + o, a_2m+1 at
   // o + 3, b_2m+1 at 35 + o.
   alignas(64) static constexpr uint8_t kCtrl[64] = {
-      0, 0, 32, 0, 3, 0, 35, 0, 6, 0, 38, 0, 9, 0, 41, 0, 4, 0, 36, 0, 7, 0, 39, 0,
-      2, 0, 34, 0, 5, 0, 37, 0, 0, 0, 32, 0, 3, 0, 35, 0, 6, 0, 38, 0, 9, 0, 41, 0,
-      4, 0, 36, 0, 7, 0, 39, 0, 2, 0, 34, 0, 5, 0, 37, 0};
+      0,  0, 32, 0, 3,  0, 35, 0, 6,  0, 38, 0, 9,  0, 41, 0, 4,  0, 36, 0, 7,  0,
+      39, 0, 2,  0, 34, 0, 5,  0, 37, 0, 0,  0, 32, 0, 3,  0, 35, 0, 6,  0, 38, 0,
+      9,  0, 41, 0, 4,  0, 36, 0, 7,  0, 39, 0, 2,  0, 34, 0, 5,  0, 37, 0};
   const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(kIdx), _mm512_castsi128_si512(ab));
   return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kCtrl), x),
                           _mm512_set1_epi32(0x00070007));
@@ -110,8 +111,8 @@ struct Shape {
 // Scores of NQ queries over one block of B-bit codes: w = q * scale rounded to int16 on the
 // scale of the query's largest |w|, then token tiles of 16 with two channels per dword.
 template <int B, int NQ, int NCH_, int T_>
-void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const float* q,
-                int64_t qs, float mult, bool accumulate, float* out, int64_t os, Shape rt) {
+void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const float* q, int64_t qs,
+                float mult, bool accumulate, float* out, int64_t os, Shape rt) {
   const int n_ch = NCH_ ? NCH_ : rt.n_ch, tokens = T_ ? T_ : rt.tokens;
   const int nv = (n_ch + 15) / 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (n_ch - (nv - 1) * 16)) - 1);
@@ -176,10 +177,18 @@ void ScorePairS(const uint8_t* codes, const float* sc, const float* ze, const fl
     const float* qi = q + i0 * qs;
     float* o = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ScorePairN<B, 1, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
-      case 2: ScorePairN<B, 2, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
-      case 3: ScorePairN<B, 3, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
-      default: ScorePairN<B, 4, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt); break;
+      case 1:
+        ScorePairN<B, 1, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt);
+        break;
+      case 2:
+        ScorePairN<B, 2, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt);
+        break;
+      case 3:
+        ScorePairN<B, 3, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt);
+        break;
+      default:
+        ScorePairN<B, 4, NCH_, T_>(codes, sc, ze, qi, qs, mult, accumulate, o, os, rt);
+        break;
     }
   }
 }
@@ -248,16 +257,18 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
       for (int i = 0; i < NQ; ++i) {
         const __m512i w0 = _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g0] + t)));
         acc[0][i] = Dot(acc[0][i], v0, w0);
-        acc[1][i] = Dot(acc[1][i], v1,
-                        kPairInGroup ? w0 : _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g1] + t))));
+        acc[1][i] =
+            Dot(acc[1][i], v1,
+                kPairInGroup ? w0 : _mm512_set1_epi32(static_cast<int>(Load32(c16[i][g1] + t))));
       }
     }
     for (int k = 0; k < nc; ++k) {
       const int g = k ? g1 : g0;
       for (int i = 0; i < NQ; ++i) {
         float* o = out + i * os + (ch + k) * 16;
-        const __m512 r = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k][i]), _mm512_set1_ps(ws[i * ng + g]),
-                                         _mm512_set1_ps(zs[i * ng + g]));
+        const __m512 r =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[k][i]), _mm512_set1_ps(ws[i * ng + g]),
+                            _mm512_set1_ps(zs[i * ng + g]));
         _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), r));
       }
     }
@@ -296,18 +307,26 @@ void LoadHeads(const uint8_t* rows, int64_t rec_rt, float (*hz)[128], Shape rt) 
 }
 
 template <int B, int N_, int ROWS_, int NG_>
-void ReadoutPairS(const uint8_t* rows, int64_t rec, int group, const float* p, int64_t ps,
-                  int n_q, float* out, int64_t os, Shape rt) {
+void ReadoutPairS(const uint8_t* rows, int64_t rec, int group, const float* p, int64_t ps, int n_q,
+                  float* out, int64_t os, Shape rt) {
   alignas(64) float hz[8][128];
   LoadHeads<B, N_, ROWS_, NG_>(rows, rec, hz, rt);
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
     float* o = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ReadoutPairN<B, 1, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
-      case 2: ReadoutPairN<B, 2, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
-      case 3: ReadoutPairN<B, 3, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
-      default: ReadoutPairN<B, 4, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt); break;
+      case 1:
+        ReadoutPairN<B, 1, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt);
+        break;
+      case 2:
+        ReadoutPairN<B, 2, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt);
+        break;
+      case 3:
+        ReadoutPairN<B, 3, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt);
+        break;
+      default:
+        ReadoutPairN<B, 4, N_, ROWS_, NG_>(rows, rec, group, hz[0], 128, pi, ps, o, os, rt);
+        break;
     }
   }
 }

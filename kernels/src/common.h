@@ -64,7 +64,10 @@ inline QParams MakeParams(float lo, float hi, int bits, uint16_t* s16, uint16_t*
     *s16 = static_cast<uint16_t>(*s16 + 1);
     s = HalfToFloat(*s16);
   }
-  if (!(s > 0) || !std::isfinite(s)) { *s16 = 0; s = 0; }
+  if (!(s > 0) || !std::isfinite(s)) {
+    *s16 = 0;
+    s = 0;
+  }
   return {s, zero, s > 0 ? 1.0f / s : 0.0f};
 }
 
@@ -94,8 +97,8 @@ inline int64_t RowBytes(int64_t n, int b) { return (n * b + 7) / 8; }
 // function ORs codes into `codes`, which the caller has zeroed.
 void QuantizeChannelRange(const float* x, int64_t ld, int tokens, int n_ch, int c0, int c1,
                           int bits, uint16_t* scale, uint16_t* zero, uint8_t* codes, float* deq);
-void QuantizeRowScalar(const float* x, int n, int group, int bits, uint16_t* scale,
-                       uint16_t* zero, uint8_t* codes);
+void QuantizeRowScalar(const float* x, int n, int group, int bits, uint16_t* scale, uint16_t* zero,
+                       uint8_t* codes);
 
 // 2- and 3-bit codes on int16 dot products (avx512_vnni.cc; only where CpuHasPairDot()): the
 // same contracts as KernelTable::score_codes with bits = 2 or 3 (n_ch <= 512 and even,

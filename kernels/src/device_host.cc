@@ -8,9 +8,12 @@ namespace kvq::kernels {
 
 const char* PoolName(Pool p) {
   switch (p) {
-    case Pool::kHost: return "host";
-    case Pool::kPinned: return "pinned";
-    case Pool::kGpu: return "gpu";
+    case Pool::kHost:
+      return "host";
+    case Pool::kPinned:
+      return "pinned";
+    case Pool::kGpu:
+      return "gpu";
   }
   return "?";
 }

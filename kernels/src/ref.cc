@@ -1,10 +1,10 @@
 // The scalar reference kernels: plain loops that define what every other table computes.
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
-
-#include <xxhash.h>
 
 #include "common.h"
 #include "kvq/kernels/kernels.h"
@@ -60,8 +60,8 @@ void internal::QuantizeRowScalar(const float* x, int n, int group, int bits, uin
 
 namespace {
 
-void quantize_row_ref(const float* x, int n, int group, int bits, uint16_t* scale,
-                      uint16_t* zero, uint8_t* codes) {
+void quantize_row_ref(const float* x, int n, int group, int bits, uint16_t* scale, uint16_t* zero,
+                      uint8_t* codes) {
   QuantizeRowScalar(x, n, group, bits, scale, zero, codes);
 }
 
@@ -108,18 +108,19 @@ void readout_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_rows, 
   }
 }
 
-void dense_scores_f16_ref(const uint16_t* k, int tokens, int d, const float* q, int n_q,
-                          float* out, int64_t out_stride) {
+void dense_scores_f16_ref(const uint16_t* k, int tokens, int d, const float* q, int n_q, float* out,
+                          int64_t out_stride) {
   for (int i = 0; i < n_q; ++i)
     for (int t = 0; t < tokens; ++t) {
       float s = 0;
-      for (int c = 0; c < d; ++c) s += q[i * d + c] * HalfToFloat(k[static_cast<int64_t>(t) * d + c]);
+      for (int c = 0; c < d; ++c)
+        s += q[i * d + c] * HalfToFloat(k[static_cast<int64_t>(t) * d + c]);
       out[i * out_stride + t] = s;
     }
 }
 
-void dense_readout_f16_ref(const uint16_t* v, int tokens, int d, const float* p,
-                           int64_t p_stride, int n_q, float* out, int64_t out_stride) {
+void dense_readout_f16_ref(const uint16_t* v, int tokens, int d, const float* p, int64_t p_stride,
+                           int n_q, float* out, int64_t out_stride) {
   for (int i = 0; i < n_q; ++i)
     for (int t = 0; t < tokens; ++t) {
       const float pt = p[i * p_stride + t];
@@ -203,8 +204,8 @@ void add_low_rank_ref(const uint8_t* codes, int bits, int r, int tokens, const u
   }
 }
 
-void dequantize_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n,
-                         int group, float* out, int64_t ld) {
+void dequantize_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n, int group,
+                         float* out, int64_t ld) {
   const int ng = (n + group - 1) / group;
   const uint8_t* rec = rows;
   std::vector<uint16_t> sz(2 * ng);  // copied out: records may sit at odd addresses

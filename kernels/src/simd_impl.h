@@ -54,10 +54,18 @@ void ScoreB(const uint8_t* codes, int n_ch, int tokens, const float* w, const fl
     const float* wi = w + i0 * n_ch;
     float* oi = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ScoreQ<B, 1>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
-      case 2: ScoreQ<B, 2>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
-      case 3: ScoreQ<B, 3>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
-      default: ScoreQ<B, 4>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os); break;
+      case 1:
+        ScoreQ<B, 1>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os);
+        break;
+      case 2:
+        ScoreQ<B, 2>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os);
+        break;
+      case 3:
+        ScoreQ<B, 3>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os);
+        break;
+      default:
+        ScoreQ<B, 4>(codes, n_ch, tokens, wi, bias + i0, accumulate, oi, os);
+        break;
     }
   }
 }
@@ -65,11 +73,16 @@ void ScoreB(const uint8_t* codes, int n_ch, int tokens, const float* w, const fl
 void ScoreBits(const uint8_t* codes, int bits, int n_ch, int tokens, const float* w,
                const float* bias, int n_q, bool accumulate, float* out, int64_t os) {
   switch (bits) {
-    case 1: return ScoreB<1>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
-    case 2: return ScoreB<2>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
-    case 3: return ScoreB<3>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
-    case 4: return ScoreB<4>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
-    default: return ScoreB<8>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    case 1:
+      return ScoreB<1>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    case 2:
+      return ScoreB<2>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    case 3:
+      return ScoreB<3>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    case 4:
+      return ScoreB<4>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
+    default:
+      return ScoreB<8>(codes, n_ch, tokens, w, bias, n_q, accumulate, out, os);
   }
 }
 
@@ -126,7 +139,8 @@ void score_codes_simd(const uint8_t* codes, int bits, int n_ch, int tokens, cons
   float* w = w_small;
   if (static_cast<int64_t>(n_q) * n_ch > kSmallWeights) {
     thread_local std::vector<float> w_big;  // grown only
-    if (w_big.size() < static_cast<size_t>(n_q) * n_ch) w_big.resize(static_cast<size_t>(n_q) * n_ch);
+    if (w_big.size() < static_cast<size_t>(n_q) * n_ch)
+      w_big.resize(static_cast<size_t>(n_q) * n_ch);
     w = w_big.data();
   }
   float bias[64];
@@ -175,7 +189,7 @@ constexpr int kMaxRows = 128, kMaxGroups = 8;
 
 struct RowTable {
   alignas(64) int32_t rec[kMaxRows];  // byte offset of each token's record (scales first)
-  uint32_t off[kMaxRows];   // byte offset of each token's codes
+  uint32_t off[kMaxRows];             // byte offset of each token's codes
   uint8_t bits[kMaxRows];
   bool uniform;
   // hz[g][t] = scale of group g of token t, hz[ng + g][t] its zero point, as floats: converted
@@ -192,10 +206,18 @@ inline void LoadRowHeaders(const uint8_t* rows, int n_rows, int ng, RowTable* rt
     for (int u = 0; u < n_rows; ++u) {
       const uint8_t* h = rows + rt->rec[u];
       switch (ng) {  // constant sizes: plain moves
-        case 1: std::memcpy(slot[u], h, 4); break;
-        case 2: std::memcpy(slot[u], h, 8); break;
-        case 3: std::memcpy(slot[u], h, 12); break;
-        default: std::memcpy(slot[u], h, 16); break;
+        case 1:
+          std::memcpy(slot[u], h, 4);
+          break;
+        case 2:
+          std::memcpy(slot[u], h, 8);
+          break;
+        case 3:
+          std::memcpy(slot[u], h, 12);
+          break;
+        default:
+          std::memcpy(slot[u], h, 16);
+          break;
       }
     }
     for (; t + W <= n_rows; t += W) Isa::SlotsToFloats(slot + t, 2 * ng, &rt->hz[0][t], kMaxRows);
@@ -228,11 +250,21 @@ inline void ReadoutChunkMixed(const uint8_t* rows, const RowTable& rt, int n_row
     const uint8_t* c = rows + rt.off[t] + ch * W * b / 8;
     typename Isa::F v;
     switch (b) {
-      case 1: v = Decode<1>(c); break;
-      case 2: v = Decode<2>(c); break;
-      case 3: v = Decode<3>(c); break;
-      case 4: v = Decode<4>(c); break;
-      default: v = Decode<8>(c); break;
+      case 1:
+        v = Decode<1>(c);
+        break;
+      case 2:
+        v = Decode<2>(c);
+        break;
+      case 3:
+        v = Decode<3>(c);
+        break;
+      case 4:
+        v = Decode<4>(c);
+        break;
+      default:
+        v = Decode<8>(c);
+        break;
     }
     for (int i = 0; i < NQ; ++i)
       acc[i] = Isa::Fmadd(Isa::Set1(coef[i * kMaxGroups * kMaxRows + t]), v, acc[i]);
@@ -290,26 +322,47 @@ void ReadoutT(const uint8_t* rows, const RowTable& rt, int n_rows, int n, int gr
       ReadoutChunkMixed<NQ>(rows, rt, n_rows, ch, cg[0], acc[0]);
     } else if (pair) {
       switch (rt.bits[0]) {
-        case 1: ReadoutChunkUniform<1, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
-        case 2: ReadoutChunkUniform<2, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
-        case 3: ReadoutChunkUniform<3, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
-        case 4: ReadoutChunkUniform<4, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
-        default: ReadoutChunkUniform<8, NQ, 2>(rows, rt, n_rows, ch, cg, acc); break;
+        case 1:
+          ReadoutChunkUniform<1, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
+          break;
+        case 2:
+          ReadoutChunkUniform<2, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
+          break;
+        case 3:
+          ReadoutChunkUniform<3, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
+          break;
+        case 4:
+          ReadoutChunkUniform<4, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
+          break;
+        default:
+          ReadoutChunkUniform<8, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
+          break;
       }
     } else {
       switch (rt.bits[0]) {
-        case 1: ReadoutChunkUniform<1, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
-        case 2: ReadoutChunkUniform<2, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
-        case 3: ReadoutChunkUniform<3, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
-        case 4: ReadoutChunkUniform<4, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
-        default: ReadoutChunkUniform<8, NQ, 1>(rows, rt, n_rows, ch, cg, acc); break;
+        case 1:
+          ReadoutChunkUniform<1, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
+          break;
+        case 2:
+          ReadoutChunkUniform<2, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
+          break;
+        case 3:
+          ReadoutChunkUniform<3, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
+          break;
+        case 4:
+          ReadoutChunkUniform<4, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
+          break;
+        default:
+          ReadoutChunkUniform<8, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
+          break;
       }
     }
     for (int k = 0; k < nc; ++k) {
       const int g = (ch + k) * W / group;
       for (int i = 0; i < NQ; ++i) {
         float* o = out + i * os + (ch + k) * W;
-        Isa::Store(o, Isa::Add(Isa::Load(o), Isa::Add(acc[k][i], Isa::Set1(zsum[i * kMaxGroups + g]))));
+        Isa::Store(
+            o, Isa::Add(Isa::Load(o), Isa::Add(acc[k][i], Isa::Set1(zsum[i * kMaxGroups + g]))));
       }
     }
     ch += nc;
@@ -353,10 +406,18 @@ void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows,
     const float* pi = p + i0 * ps;
     float* oi = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: ReadoutT<1>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os); break;
-      case 2: ReadoutT<2>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os); break;
-      case 3: ReadoutT<3>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os); break;
-      default: ReadoutT<4>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os); break;
+      case 1:
+        ReadoutT<1>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os);
+        break;
+      case 2:
+        ReadoutT<2>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os);
+        break;
+      case 3:
+        ReadoutT<3>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os);
+        break;
+      default:
+        ReadoutT<4>(rows, rt, n_rows, n, group, ng, pi, ps, oi, os);
+        break;
     }
   }
 }
@@ -392,7 +453,8 @@ void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_
     Isa::ClearWords(&words);
     for (int t = 0; t < tokens; ++t) {
       typename Isa::I q = Isa::QuantizeLanes(Isa::Load(x + t * ld + c0), zv, iv, (1 << B) - 1);
-      if (deq) Isa::Store(deq + static_cast<int64_t>(t) * n_ch + c0, Isa::Fmadd(Isa::CvtI(q), sv, zv));
+      if (deq)
+        Isa::Store(deq + static_cast<int64_t>(t) * n_ch + c0, Isa::Fmadd(Isa::CvtI(q), sv, zv));
       Isa::OrIntoWords(&words, q, (t * B) % 64);
       if (((t + 1) * B) % 64 == 0) {
         alignas(64) uint64_t wv[W];
@@ -416,15 +478,19 @@ void quantize_channels_simd(const float* x, int64_t ld, int tokens, int n_ch, in
     return Ref().quantize_channels(x, ld, tokens, n_ch, bits, scale, zero, codes, deq);
   std::memset(codes, 0, internal::RowBytes(tokens, bits) * n_ch);
   switch (bits) {
-    case 1: return QuantizeChannelsB<1>(x, ld, tokens, n_ch, scale, zero, codes, deq);
-    case 2: return QuantizeChannelsB<2>(x, ld, tokens, n_ch, scale, zero, codes, deq);
-    case 4: return QuantizeChannelsB<4>(x, ld, tokens, n_ch, scale, zero, codes, deq);
-    default: return QuantizeChannelsB<8>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+    case 1:
+      return QuantizeChannelsB<1>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+    case 2:
+      return QuantizeChannelsB<2>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+    case 4:
+      return QuantizeChannelsB<4>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+    default:
+      return QuantizeChannelsB<8>(x, ld, tokens, n_ch, scale, zero, codes, deq);
   }
 }
 
-void quantize_row_simd(const float* x, int n, int group, int bits, uint16_t* scale,
-                       uint16_t* zero, uint8_t* codes) {
+void quantize_row_simd(const float* x, int n, int group, int bits, uint16_t* scale, uint16_t* zero,
+                       uint8_t* codes) {
   if (n % W != 0 || group % W != 0 || bits == 3)
     return internal::QuantizeRowScalar(x, n, group, bits, scale, zero, codes);
   const int ng = (n + group - 1) / group;  // the last group may be shorter (a multiple of W)
@@ -497,7 +563,8 @@ void QuantizeRowsW(const float* x, int64_t ld, int n, int group, int ng, int bit
         typename Isa::I q[4];
         for (int k = 0; k < 4; ++k) {
           const int c = c0 + k * W, g = c / group;
-          q[k] = Isa::QuantizeLanes(Isa::Load(xt + c), Isa::Set1(zf[g][t]), Isa::Set1(invf[g][t]), 3);
+          q[k] =
+              Isa::QuantizeLanes(Isa::Load(xt + c), Isa::Set1(zf[g][t]), Isa::Set1(invf[g][t]), 3);
         }
         Isa::Pack64x2(q, codes + c0 / 4);
       }
@@ -509,9 +576,9 @@ void QuantizeRowsW(const float* x, int64_t ld, int n, int group, int ng, int bit
     uint8_t* codes = rec + t * rec_bytes + 4 * ng;
     for (int c = 0; c < n; c += W) {
       const int g = c / group;
-      Isa::PackRow(Isa::QuantizeLanes(Isa::Load(xt + c), Isa::Set1(zf[g][t]),
-                                      Isa::Set1(invf[g][t]), maxq),
-                   bits, codes + c * bits / 8);
+      Isa::PackRow(
+          Isa::QuantizeLanes(Isa::Load(xt + c), Isa::Set1(zf[g][t]), Isa::Set1(invf[g][t]), maxq),
+          bits, codes + c * bits / 8);
     }
   }
 }
@@ -534,8 +601,10 @@ void quantize_rows_simd(const float* x, int64_t ld, int n_rows, int n, int group
 
 template <typename T>
 inline typename Isa::F LoadRow(const T* p) {
-  if constexpr (sizeof(T) == 2) return Isa::LoadHalf(p);
-  else return Isa::Load(p);
+  if constexpr (sizeof(T) == 2)
+    return Isa::LoadHalf(p);
+  else
+    return Isa::Load(p);
 }
 
 // NQ accumulators in registers (compile-time count; `nq` <= NQ used for the 5..8 case).
@@ -559,11 +628,21 @@ template <typename T>
 void DenseScores(const T* k, int tokens, int d, const float* q, int n_q, float* out, int64_t os) {
   for (int i0 = 0; i0 < n_q; i0 += 8) {
     switch (std::min(8, n_q - i0)) {
-      case 1: DenseScoresT<T, 1>(k, tokens, d, q + i0 * d, out + i0 * os, os); break;
-      case 2: DenseScoresT<T, 2>(k, tokens, d, q + i0 * d, out + i0 * os, os); break;
-      case 3: DenseScoresT<T, 3>(k, tokens, d, q + i0 * d, out + i0 * os, os); break;
-      case 4: DenseScoresT<T, 4>(k, tokens, d, q + i0 * d, out + i0 * os, os); break;
-      default: DenseScoresT<T, 8>(k, tokens, d, q + i0 * d, out + i0 * os, os, std::min(8, n_q - i0)); break;
+      case 1:
+        DenseScoresT<T, 1>(k, tokens, d, q + i0 * d, out + i0 * os, os);
+        break;
+      case 2:
+        DenseScoresT<T, 2>(k, tokens, d, q + i0 * d, out + i0 * os, os);
+        break;
+      case 3:
+        DenseScoresT<T, 3>(k, tokens, d, q + i0 * d, out + i0 * os, os);
+        break;
+      case 4:
+        DenseScoresT<T, 4>(k, tokens, d, q + i0 * d, out + i0 * os, os);
+        break;
+      default:
+        DenseScoresT<T, 8>(k, tokens, d, q + i0 * d, out + i0 * os, os, std::min(8, n_q - i0));
+        break;
     }
   }
 }
@@ -605,10 +684,18 @@ void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p
     const float* pi = p + i0 * ps;
     float* oi = out + i0 * os;
     switch (std::min(4, n_q - i0)) {
-      case 1: DenseReadoutT<1>(v, tokens, d, pi, ps, oi, os); break;
-      case 2: DenseReadoutT<2>(v, tokens, d, pi, ps, oi, os); break;
-      case 3: DenseReadoutT<3>(v, tokens, d, pi, ps, oi, os); break;
-      default: DenseReadoutT<4>(v, tokens, d, pi, ps, oi, os); break;
+      case 1:
+        DenseReadoutT<1>(v, tokens, d, pi, ps, oi, os);
+        break;
+      case 2:
+        DenseReadoutT<2>(v, tokens, d, pi, ps, oi, os);
+        break;
+      case 3:
+        DenseReadoutT<3>(v, tokens, d, pi, ps, oi, os);
+        break;
+      default:
+        DenseReadoutT<4>(v, tokens, d, pi, ps, oi, os);
+        break;
     }
   }
 }
@@ -732,14 +819,26 @@ void DequantizeChannelsB(const uint8_t* codes, int n_ch, int tokens, const uint1
 
 void dequantize_channels_simd(const uint8_t* codes, int bits, int n_ch, int tokens,
                               const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld) {
-  if (tokens % W != 0) return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld);
+  if (tokens % W != 0)
+    return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld);
   switch (bits) {
-    case 1: DequantizeChannelsB<1>(codes, n_ch, tokens, scale, zero, out, ld); break;
-    case 2: DequantizeChannelsB<2>(codes, n_ch, tokens, scale, zero, out, ld); break;
-    case 3: DequantizeChannelsB<3>(codes, n_ch, tokens, scale, zero, out, ld); break;
-    case 4: DequantizeChannelsB<4>(codes, n_ch, tokens, scale, zero, out, ld); break;
-    case 8: DequantizeChannelsB<8>(codes, n_ch, tokens, scale, zero, out, ld); break;
-    default: return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld);
+    case 1:
+      DequantizeChannelsB<1>(codes, n_ch, tokens, scale, zero, out, ld);
+      break;
+    case 2:
+      DequantizeChannelsB<2>(codes, n_ch, tokens, scale, zero, out, ld);
+      break;
+    case 3:
+      DequantizeChannelsB<3>(codes, n_ch, tokens, scale, zero, out, ld);
+      break;
+    case 4:
+      DequantizeChannelsB<4>(codes, n_ch, tokens, scale, zero, out, ld);
+      break;
+    case 8:
+      DequantizeChannelsB<8>(codes, n_ch, tokens, scale, zero, out, ld);
+      break;
+    default:
+      return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld);
   }
   const int c0 = n_ch / W * W;  // channels past the last whole tile: the reference's loop
   if (c0 < n_ch)
@@ -756,7 +855,8 @@ void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const 
   thread_local std::vector<float> bt;  // the basis transposed, [r][d]
   bt.resize(static_cast<size_t>(r) * d);
   for (int c = 0; c < d; ++c)
-    for (int j = 0; j < r; ++j) bt[static_cast<size_t>(j) * d + c] = basis[static_cast<int64_t>(c) * r + j];
+    for (int j = 0; j < r; ++j)
+      bt[static_cast<size_t>(j) * d + c] = basis[static_cast<int64_t>(c) * r + j];
   const int64_t rb = internal::RowBytes(tokens, bits);
   float sf[kMaxRank], zf[kMaxRank], z[kMaxRank];
   for (int j = 0; j < r; ++j) {
@@ -765,12 +865,14 @@ void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const 
   }
   for (int t = 0; t < tokens; ++t) {
     for (int j = 0; j < r; ++j)
-      z[j] = sign * (zf[j] + sf[j] * static_cast<float>(internal::GetCode(codes + j * rb, bits, t)));
+      z[j] =
+          sign * (zf[j] + sf[j] * static_cast<float>(internal::GetCode(codes + j * rb, bits, t)));
     float* row = out + t * ld;
     for (int c0 = 0; c0 < d; c0 += W) {
       typename Isa::F acc = Isa::Zero();
       for (int j = 0; j < r; ++j)
-        acc = Isa::Add(acc, Isa::Mul(Isa::Load(bt.data() + static_cast<size_t>(j) * d + c0), Isa::Set1(z[j])));
+        acc = Isa::Add(
+            acc, Isa::Mul(Isa::Load(bt.data() + static_cast<size_t>(j) * d + c0), Isa::Set1(z[j])));
       Isa::Store(row + c0, Isa::Add(Isa::Load(row + c0), acc));
     }
   }
@@ -781,7 +883,8 @@ void DequantizeRowB(const uint8_t* codes, int n, int group, const float* sf, con
                     float* out) {
   for (int c0 = 0; c0 < n; c0 += W) {
     const int g = c0 / group;
-    Isa::Store(out + c0, Isa::Add(Isa::Set1(zf[g]), Isa::Mul(Isa::Set1(sf[g]), Decode<B>(codes + c0 * B / 8))));
+    Isa::Store(out + c0, Isa::Add(Isa::Set1(zf[g]),
+                                  Isa::Mul(Isa::Set1(sf[g]), Decode<B>(codes + c0 * B / 8))));
   }
 }
 
@@ -802,19 +905,43 @@ void dequantize_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_ro
     const uint8_t* codes = rec + 4 * ng;
     float* o = out + t * ld;
     switch (row_bits[t]) {
-      case 1: DequantizeRowB<1>(codes, n, group, sf, zf, o); break;
-      case 2: DequantizeRowB<2>(codes, n, group, sf, zf, o); break;
-      case 3: DequantizeRowB<3>(codes, n, group, sf, zf, o); break;
-      case 4: DequantizeRowB<4>(codes, n, group, sf, zf, o); break;
-      case 8: DequantizeRowB<8>(codes, n, group, sf, zf, o); break;
-      default: Ref().dequantize_rows(rec, row_bits + t, 1, n, group, o, ld); break;
+      case 1:
+        DequantizeRowB<1>(codes, n, group, sf, zf, o);
+        break;
+      case 2:
+        DequantizeRowB<2>(codes, n, group, sf, zf, o);
+        break;
+      case 3:
+        DequantizeRowB<3>(codes, n, group, sf, zf, o);
+        break;
+      case 4:
+        DequantizeRowB<4>(codes, n, group, sf, zf, o);
+        break;
+      case 8:
+        DequantizeRowB<8>(codes, n, group, sf, zf, o);
+        break;
+      default:
+        Ref().dequantize_rows(rec, row_bits + t, 1, n, group, o, ld);
+        break;
     }
     rec += 4 * ng + internal::RowBytes(n, row_bits[t]);
   }
 }
 
-const KernelTable kTable{Isa::kName,          quantize_channels_simd, quantize_row_simd,
-                         quantize_rows_simd,  score_codes_simd,   readout_rows_simd,      dense_scores_f16_simd,
-                         dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd,
-                         softmax_simd,        dense_scores_f32_simd, max_value_simd,
-                         dequantize_channels_simd, add_low_rank_simd, dequantize_rows_simd};
+const KernelTable kTable{Isa::kName,
+                         quantize_channels_simd,
+                         quantize_row_simd,
+                         quantize_rows_simd,
+                         score_codes_simd,
+                         readout_rows_simd,
+                         dense_scores_f16_simd,
+                         dense_readout_f16_simd,
+                         project_residual_simd,
+                         xxh3_simd,
+                         exp_sum_simd,
+                         softmax_simd,
+                         dense_scores_f32_simd,
+                         max_value_simd,
+                         dequantize_channels_simd,
+                         add_low_rank_simd,
+                         dequantize_rows_simd};

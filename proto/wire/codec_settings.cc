@@ -45,8 +45,7 @@ absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o,
   const google::protobuf::Descriptor* d = c.GetDescriptor();
   for (int i = 0; i < d->field_count(); ++i) {
     const google::protobuf::FieldDescriptor* f = d->field(i);
-    if (!present.is_object() || !present.contains(f->name()))
-      c.GetReflection()->ClearField(&c, f);
+    if (!present.is_object() || !present.contains(f->name())) c.GetReflection()->ClearField(&c, f);
   }
   return c;
 }
@@ -82,9 +81,9 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
   if (s.value_budget() != 0 && !(s.value_budget() >= 1.0f && s.value_budget() <= 4.0f)) {
     return bad("value_budget", s.value_budget(), "0 (the model's default) or in [1, 4]");
   }
-  for (const auto& [name, v] : {std::pair{"rotate_keys", s.rotate_keys()},
-                                std::pair{"rotate_values", s.rotate_values()},
-                                std::pair{"metric_rounding", s.metric_rounding()}}) {
+  for (const auto& [name, v] :
+       {std::pair{"rotate_keys", s.rotate_keys()}, std::pair{"rotate_values", s.rotate_values()},
+        std::pair{"metric_rounding", s.metric_rounding()}}) {
     if (v < -1 || v > 1) return bad(name, v, "0 (the model's default), 1 (on) or -1 (off)");
   }
   core::CodecOptions c = base;

@@ -94,7 +94,7 @@ TEST(HashRing, RemovingAServerMovesOnlyItsKeys) {
 TEST(HashRing, HashTagsKeepSequencesOfOnePromptTogether) {
   EXPECT_EQ(HashRing::HashTag("{sys-7}conv-1"), "sys-7");
   EXPECT_EQ(HashRing::HashTag("a{b}c{d}"), "b");
-  EXPECT_EQ(HashRing::HashTag("{}conv"), "{}conv");   // empty tag: the whole id
+  EXPECT_EQ(HashRing::HashTag("{}conv"), "{}conv");  // empty tag: the whole id
   EXPECT_EQ(HashRing::HashTag("conv{open"), "conv{open");
   EXPECT_EQ(HashRing::HashTag("plain"), "plain");
   HashRing ring({"a:1", "b:1", "c:1", "d:1", "e:1"});
@@ -102,7 +102,8 @@ TEST(HashRing, HashTagsKeepSequencesOfOnePromptTogether) {
   for (int p = 0; p < 50; ++p) {
     const std::string tag = "{prompt-" + std::to_string(p) + "}";
     const int owner = ring.ShardOf("t", tag + "conv-0");
-    for (int c = 1; c < 20; ++c) EXPECT_EQ(ring.ShardOf("t", tag + "conv-" + std::to_string(c)), owner);
+    for (int c = 1; c < 20; ++c)
+      EXPECT_EQ(ring.ShardOf("t", tag + "conv-" + std::to_string(c)), owner);
     tags_spread.insert(owner);
   }
   EXPECT_EQ(tags_spread.size(), 5u);  // different prompts still spread over every server

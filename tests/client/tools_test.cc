@@ -197,7 +197,8 @@ TEST_F(ToolsTest, ModelsRegisterTakesModelJsonAndCodecJson) {
   std::ofstream(entry + "/codec.json") << R"({"value_policy": "a3"})";
   ToolRun policy = Kvq(absl::StrCat("models register ", entry, " ", flags_));
   EXPECT_EQ(policy.code, 1) << policy.err;
-  EXPECT_THAT(policy.err, HasSubstr("field 'value_policy' must be \"uniform\" or \"a2\" (got \"a3\")"));
+  EXPECT_THAT(policy.err,
+              HasSubstr("field 'value_policy' must be \"uniform\" or \"a2\" (got \"a3\")"));
   std::ofstream(entry + "/codec.json") << "{}";
   std::ofstream(entry + "/model.json") << R"({"model": "plain-model", "layers": 4.5})";
   ToolRun shape = Kvq(absl::StrCat("models register ", entry, " ", flags_));
@@ -229,7 +230,8 @@ TEST_F(ToolsTest, ModelsRegisterSendsEncodeBasisQueryMomentsAndCodecSwitches) {
   EXPECT_EQ(js["codec"]["metric_rounding"], 1);
   EXPECT_EQ(js["codec"]["key_group"], 128);
   // The server's copy holds both tensors.
-  absl::StatusOr<core::ModelBasis> kept = core::ReadBasis(server_.registry_dir() + "/cli-levers/v1");
+  absl::StatusOr<core::ModelBasis> kept =
+      core::ReadBasis(server_.registry_dir() + "/cli-levers/v1");
   ASSERT_TRUE(kept.ok()) << kept.status();
   EXPECT_EQ(kept->encode, basis.encode);
   EXPECT_EQ(kept->query_moment, basis.query_moment);
@@ -419,11 +421,12 @@ TEST_F(ToolsTest, LoadSessionsAttachTheSharedPrompt) {
 // layer (its bytes in the report), and each stalled stream got its first message and ended.
 TEST_F(ToolsTest, LoadGetsBlocksBesideStalledReaders) {
   const std::string json = dir_ + "/report.json";
-  ToolRun r = Load(absl::StrCat(flags_,
-                                " --concurrency 2 --duration 1s --context 100 --layers 2 --q-heads 4"
-                                " --kv-heads 2 --head-dim 64 --basis-rank 8 --mix get:1,attend:1"
-                                " --stalled-readers 3 --progress 0 --json ",
-                                json));
+  ToolRun r =
+      Load(absl::StrCat(flags_,
+                        " --concurrency 2 --duration 1s --context 100 --layers 2 --q-heads 4"
+                        " --kv-heads 2 --head-dim 64 --basis-rank 8 --mix get:1,attend:1"
+                        " --stalled-readers 3 --progress 0 --json ",
+                        json));
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_THAT(r.err, HasSubstr("3 of 3 stalled readers got their first message"));
   auto js = nlohmann::json::parse(Slurp(json));

@@ -68,9 +68,11 @@ TEST(CacheMergePartials, EqualsSoftmaxInDouble) {
   s[1 * T + 500] = 40.0f;  // one dominant token: the other parts' weights underflow
   // Row 2 sees only the first 7 tokens (later parts see none of it); row 4 none at all.
   const std::vector<int64_t> vis{T, T, 7, 300, 0};
-  for (const std::vector<int64_t>& cuts :
-       {std::vector<int64_t>{0, T}, {0, 1, T}, {0, 100, 101, 500, 501, T}, {0, 333, 666, T},
-        {0, 0, 64, 64, T, T}}) {
+  for (const std::vector<int64_t>& cuts : {std::vector<int64_t>{0, T},
+                                           {0, 1, T},
+                                           {0, 100, 101, 500, 501, T},
+                                           {0, 333, 666, T},
+                                           {0, 0, 64, 64, T, T}}) {
     SCOPED_TRACE(::testing::Message() << cuts.size() - 1 << " parts");
     const Partials p = MakePartials(s, v, vis, T, d, cuts);
     std::vector<float> out(rows * d, -1.0f);
@@ -82,7 +84,8 @@ TEST(CacheMergePartials, EqualsSoftmaxInDouble) {
       for (int64_t t = 0; t < vis[r]; ++t) sum += std::exp(s[r * T + t] - mx);
       for (int c = 0; c < d; ++c) {
         double want = 0;
-        for (int64_t t = 0; t < vis[r]; ++t) want += std::exp(s[r * T + t] - mx) / sum * v[t * d + c];
+        for (int64_t t = 0; t < vis[r]; ++t)
+          want += std::exp(s[r * T + t] - mx) / sum * v[t * d + c];
         ASSERT_NEAR(out[r * d + c], want, 2e-6) << "row " << r << " c " << c;
       }
     }
@@ -299,7 +302,8 @@ TEST(CacheAttendSplit, ObservingSplitAttendRecordsTheWindowLikeTheUnsplit) {
     ao.causal_offset = T - 40;
     ASSERT_TRUE(c.Attend(q3.data(), qh, 3, ao, out.data()).ok());
     ASSERT_TRUE(c.Append(View3(k1, kv, more, d), View3(v1, kv, more, d), T).ok());
-    for (int h = 0; h < kv; ++h) blocks.emplace_back(c.value_blocks(h).begin(), c.value_blocks(h).end());
+    for (int h = 0; h < kv; ++h)
+      blocks.emplace_back(c.value_blocks(h).begin(), c.value_blocks(h).end());
   }
   EXPECT_EQ(blocks[0], blocks[2]);
   EXPECT_EQ(blocks[1], blocks[3]);

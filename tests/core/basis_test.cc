@@ -1,11 +1,12 @@
 // Basis files: round trip, and every malformed variant rejected with a clear error.
+#include "kvq/core/basis.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "kvq/core/basis.h"
 #include "kvq/core/calibration.h"
 #include "test_util.h"
 
@@ -118,7 +119,8 @@ TEST(Calibration, GroupedQueryHeadsFeedTheirKvHead) {
   ASSERT_TRUE(b.ok());
   EXPECT_NEAR(std::fabs(b->head(0, 0)[2]), 1.0f, 1e-6);
   EXPECT_NEAR(std::fabs(b->head(0, 1)[5]), 1.0f, 1e-6);
-  EXPECT_EQ(st.Basis(0, {}, BasisManifest{"m"}).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.Basis(0, {}, BasisManifest{"m"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(Calibration, CentredDiffersFromUncentredWhenQueriesHaveAMean) {

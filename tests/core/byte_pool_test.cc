@@ -6,13 +6,14 @@
 // The slab pool is tested here on host slabs (the pinned pool is the same code over
 // cudaHostAlloc slabs, which needs a CUDA driver: scripts/device-check.sh runs this test
 // there, where SharedBytePool(kPinned) works).
+#include "kvq/core/byte_pool.h"
+
 #include <algorithm>
 #include <cstring>
 #include <random>
 #include <thread>
 
 #include "gtest/gtest.h"
-#include "kvq/core/byte_pool.h"
 #include "kvq/core/cache.h"
 #include "kvq/kernels/device.h"
 #include "test_util.h"
@@ -197,8 +198,9 @@ TEST(SlabBytePool, LayerCacheBlocksLiveInThePoolAndReadTheSame) {
       for (int h = 0; h < kv; ++h) {
         EXPECT_EQ(std::vector<uint8_t>(in_pool.key_blocks(h).begin(), in_pool.key_blocks(h).end()),
                   std::vector<uint8_t>(on_host.key_blocks(h).begin(), on_host.key_blocks(h).end()));
-        EXPECT_EQ(std::vector<uint8_t>(in_pool.value_blocks(h).begin(), in_pool.value_blocks(h).end()),
-                  std::vector<uint8_t>(on_host.value_blocks(h).begin(), on_host.value_blocks(h).end()));
+        EXPECT_EQ(
+            std::vector<uint8_t>(in_pool.value_blocks(h).begin(), in_pool.value_blocks(h).end()),
+            std::vector<uint8_t>(on_host.value_blocks(h).begin(), on_host.value_blocks(h).end()));
       }
       std::vector<float> a(q_heads * 3 * d), b(q_heads * 3 * d);
       AttendOptions ao;

@@ -20,7 +20,8 @@ using kvq::testing::Gaussian;
 using kvq::testing::View3;
 
 // Keys and values with one outlier channel (what RoPE'd keys and many values look like).
-std::vector<float> WithOutlierChannel(size_t tokens, int d, uint32_t seed, int channel, float size) {
+std::vector<float> WithOutlierChannel(size_t tokens, int d, uint32_t seed, int channel,
+                                      float size) {
   auto x = Gaussian(tokens * d, seed);
   for (size_t t = 0; t < tokens; ++t) x[t * d + channel] += size * (1.0f + 0.1f * (t % 3));
   return x;
@@ -71,8 +72,8 @@ TEST(Rotation, ReadPathsAgreeWithDecodedKeysAndValues) {
   for (bool rk : {false, true})
     for (bool rv : {false, true})
       for (int rank : {0, 4}) {
-        SCOPED_TRACE(::testing::Message() << "rotate_keys=" << rk << " rotate_values=" << rv
-                                          << " rank=" << rank);
+        SCOPED_TRACE(::testing::Message()
+                     << "rotate_keys=" << rk << " rotate_values=" << rv << " rank=" << rank);
         const int kv = 2, gq = 3, qh = kv * gq, d = 64, nq = 2;
         const int64_t T = 75;
         CodecOptions o;
@@ -102,7 +103,8 @@ TEST(Rotation, ReadPathsAgreeWithDecodedKeysAndValues) {
               const float* qi = q.data() + (static_cast<size_t>(h) * nq + i) * d;
               const float* kt = kd.data() + (static_cast<size_t>(h / gq) * T + t) * d;
               for (int c = 0; c < d; ++c) dot += double(qi[c]) * kt[c];
-              ASSERT_NEAR(s[(static_cast<size_t>(h) * nq + i) * T + t], dot, 2e-3 * (1 + std::fabs(dot)));
+              ASSERT_NEAR(s[(static_cast<size_t>(h) * nq + i) * T + t], dot,
+                          2e-3 * (1 + std::fabs(dot)));
             }
       }
 }
@@ -120,11 +122,13 @@ TEST(Rotation, HoistedRotationMatchesThePerBlockPath) {
   o.rotate_values = true;
   auto basis = RandomBasis({"t", 1, 1, kv, qh, d, rank}, 5);
   LayerCache cache(o, kv, basis.u.data());
-  auto k = WithOutlierChannel(kv * T, d, 8, 3, 6.0f), v = WithOutlierChannel(kv * T, d, 9, 11, 4.0f);
+  auto k = WithOutlierChannel(kv * T, d, 8, 3, 6.0f),
+       v = WithOutlierChannel(kv * T, d, 9, 11, 4.0f);
   ASSERT_TRUE(cache.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
   auto q = Gaussian(static_cast<size_t>(qh) * nq * d, 10);
   auto p = Gaussian(static_cast<size_t>(qh) * nq * T, 11, 0.1f, 0.02f);
-  std::vector<float> scores(static_cast<size_t>(qh) * nq * T), outs(static_cast<size_t>(qh) * nq * d);
+  std::vector<float> scores(static_cast<size_t>(qh) * nq * T),
+      outs(static_cast<size_t>(qh) * nq * d);
   ASSERT_TRUE(cache.Score(q.data(), qh, nq, scores.data(), 1.0f).ok());
   ASSERT_TRUE(cache.Readout(p.data(), qh, nq, outs.data()).ok());
   const int rows = gq * nq;
@@ -138,7 +142,8 @@ TEST(Rotation, HoistedRotationMatchesThePerBlockPath) {
     std::vector<float> rq(qh_rows, qh_rows + static_cast<size_t>(rows) * d);
     HadamardRotateRows(rq.data(), d, rows, d);
     std::vector<float> per_block(static_cast<size_t>(rows) * T), pre_rotated(per_block.size());
-    std::vector<float> out_per_block(static_cast<size_t>(rows) * d, 0.0f), out_rotated(out_per_block);
+    std::vector<float> out_per_block(static_cast<size_t>(rows) * d, 0.0f),
+        out_rotated(out_per_block);
     const float* ph = p.data() + static_cast<size_t>(h) * rows * T;
     int64_t voff = 0;
     for (int b = 0; b < T / G; ++b) {
@@ -156,12 +161,14 @@ TEST(Rotation, HoistedRotationMatchesThePerBlockPath) {
       ReadoutValueBlock(*vview, ph + b * G, T, rows, out_rotated.data(), d, /*out_rotated=*/true);
     }
     HadamardRotateRows(out_rotated.data(), d, rows, d);
-    const std::vector<float> got(scores.begin() + h * rows * T, scores.begin() + (h + 1) * rows * T);
+    const std::vector<float> got(scores.begin() + h * rows * T,
+                                 scores.begin() + (h + 1) * rows * T);
     EXPECT_EQ(got, per_block);
     EXPECT_EQ(pre_rotated, per_block);
     for (int i = 0; i < rows * d; ++i) {
       const float cached = outs[static_cast<size_t>(h) * rows * d + i];
-      ASSERT_NEAR(cached, out_per_block[i], 1e-5f * (1 + std::fabs(out_per_block[i]))) << h << " " << i;
+      ASSERT_NEAR(cached, out_per_block[i], 1e-5f * (1 + std::fabs(out_per_block[i])))
+          << h << " " << i;
       ASSERT_NEAR(out_rotated[i], out_per_block[i], 1e-5f * (1 + std::fabs(out_per_block[i])));
     }
   }
@@ -312,7 +319,8 @@ TEST(MetricRounding, LowersTheScoreErrorInTheQueryMetric) {
   // Queries concentrated on a few random directions (like real heads).
   auto dirs = Gaussian(static_cast<size_t>(6) * d, 21);
   auto coef = Gaussian(static_cast<size_t>(n_q) * 6, 22);
-  std::vector<float> q(static_cast<size_t>(n_q) * d, 0.0f), moment(static_cast<size_t>(d) * d, 0.0f);
+  std::vector<float> q(static_cast<size_t>(n_q) * d, 0.0f),
+      moment(static_cast<size_t>(d) * d, 0.0f);
   auto noise = Gaussian(q.size(), 23, 0.05f);
   for (int i = 0; i < n_q; ++i)
     for (int c = 0; c < d; ++c) {
@@ -338,14 +346,16 @@ TEST(MetricRounding, LowersTheScoreErrorInTheQueryMetric) {
         o.rank = rank;
         o.rotate_keys = rotate;
         o.metric_rounding = mr == 1;
-        LayerCache cache(o, 1, rank > 0 ? basis.u.data() : nullptr, nullptr, nullptr, moment.data());
+        LayerCache cache(o, 1, rank > 0 ? basis.u.data() : nullptr, nullptr, nullptr,
+                         moment.data());
         ASSERT_TRUE(cache.Append(View3(k, 1, T, d), View3(k, 1, T, d), 0).ok());
         std::vector<float> kd, vd, s(static_cast<size_t>(n_q) * T);
         ASSERT_TRUE(cache.Decode(&kd, &vd).ok());
         ASSERT_TRUE(cache.Score(q.data(), 1, n_q, s.data(), 1.0f).ok());
         err[mr] = mse[mr] = 0;
         for (int64_t t = 0; t < T; ++t)
-          for (int c = 0; c < d; ++c) mse[mr] += (kd[t * d + c] - k[t * d + c]) * (kd[t * d + c] - k[t * d + c]);
+          for (int c = 0; c < d; ++c)
+            mse[mr] += (kd[t * d + c] - k[t * d + c]) * (kd[t * d + c] - k[t * d + c]);
         for (int i = 0; i < n_q; ++i)
           for (int64_t t = 0; t < T; ++t) {
             double exact = 0, decoded = 0;

@@ -1,4 +1,6 @@
 // Codec behaviour: error budgets, HeadQ's properties, accounting, corruption.
+#include "kvq/core/codec.h"
+
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
@@ -10,7 +12,6 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/calibration.h"
-#include "kvq/core/codec.h"
 #include "kvq/core/half.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/value_policy.h"
@@ -235,19 +236,19 @@ TEST(Codec, DirectAppendRejectsBadInputAnywhereAndKeepsState) {
     bool keys;
     int h, t, c;
   };
-  for (Bad b : {Bad{true, 0, 5, 1}, Bad{false, 1, 300, 7}, Bad{true, 2, 650, 63},
-                Bad{false, 2, 699, 0}}) {
+  for (Bad b :
+       {Bad{true, 0, 5, 1}, Bad{false, 1, 300, 7}, Bad{true, 2, 650, 63}, Bad{false, 2, 699, 0}}) {
     for (bool seal : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << (b.keys ? "keys " : "values ") << b.h << " " << b.t
-                                        << " seal=" << seal);
+      SCOPED_TRACE(::testing::Message()
+                   << (b.keys ? "keys " : "values ") << b.h << " " << b.t << " seal=" << seal);
       auto bk = kh, bv = vh;
       (b.keys ? bk : bv)[(static_cast<size_t>(b.h) * T + b.t) * d + b.c] = 0x7e00;  // NaN
       LayerCache c(o, kv, basis.u.data());
       c.set_sealing(seal);
       auto s = c.Append(half3(bk), half3(bv), 0);
       ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-      EXPECT_NE(s.message().find(absl::StrCat(b.keys ? "keys[" : "values[", b.h, ", ", b.t, ", ",
-                                              b.c, "]")),
+      EXPECT_NE(s.message().find(
+                    absl::StrCat(b.keys ? "keys[" : "values[", b.h, ", ", b.t, ", ", b.c, "]")),
                 std::string::npos)
           << s.message();
       EXPECT_EQ(c.tokens(), 0);
@@ -279,8 +280,8 @@ TEST(Codec, AppendRejectsElementsBeyondTheFp16RangeAndKeepsState) {
   for (DType dt : {DType::kF32, DType::kBF16}) {
     for (Bad b : {Bad{true, 1, 3, 5, 4e6f}, Bad{true, 0, 39, 0, -3e38f},
                   Bad{false, 1, 0, 63, 3e38f}, Bad{false, 0, 20, 9, -70000.0f}}) {
-      SCOPED_TRACE(::testing::Message() << DTypeName(dt) << (b.keys ? " keys " : " values ")
-                                        << b.x);
+      SCOPED_TRACE(::testing::Message()
+                   << DTypeName(dt) << (b.keys ? " keys " : " values ") << b.x);
       auto bk = k, bv = v;
       (b.keys ? bk : bv)[(static_cast<size_t>(b.h) * T + b.t) * d + b.c] = b.x;
       std::vector<uint16_t> hk(bk.size()), hv(bv.size());
@@ -292,8 +293,8 @@ TEST(Codec, AppendRejectsElementsBeyondTheFp16RangeAndKeepsState) {
       LayerCache c(o, kv, basis.u.data());
       const absl::Status s = c.Append(view(bk, hk), view(bv, hv), 0);
       ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
-      EXPECT_NE(s.message().find(absl::StrCat(b.keys ? "keys[" : "values[", b.h, ", ", b.t, ", ",
-                                              b.c, "]")),
+      EXPECT_NE(s.message().find(
+                    absl::StrCat(b.keys ? "keys[" : "values[", b.h, ", ", b.t, ", ", b.c, "]")),
                 std::string::npos)
           << s.message();
       EXPECT_NE(s.message().find("65504"), std::string::npos) << s.message();
@@ -325,7 +326,7 @@ TEST(Codec, SideCodeOfExtremeKeysStaysFinite) {
   std::vector<float> basis(d, 1.0f / 8.0f);  // [d][1], unit norm
   std::vector<float> keys(static_cast<size_t>(G) * d, 100.0f);
   for (int c = 0; c < d; ++c) {
-    keys[c] = -kMaxStorableMagnitude;  // levels -65504, -21824, 21856, 65536:
+    keys[c] = -kMaxStorableMagnitude;     // levels -65504, -21824, 21856, 65536:
     keys[d + c] = kMaxStorableMagnitude;  // 100 rounds to 21856, residual -21756
   }
   std::vector<uint8_t> block;
@@ -492,7 +493,8 @@ TEST(Codec, BitFiguresEqualBytesStored) {
       FloatToHalfN(k.data(), kh.data(), k.size());
       FloatToHalfN(v.data(), vh.data(), v.size());
       ASSERT_TRUE(c.Append(TensorView::Contiguous(kh.data(), DType::kF16, {kv, T, d}),
-                           TensorView::Contiguous(vh.data(), DType::kF16, {kv, T, d}), 0).ok());
+                           TensorView::Contiguous(vh.data(), DType::kF16, {kv, T, d}), 0)
+                      .ok());
       SizeReport s = c.Size();
       const int64_t blocks = s.encoded_tokens / G;
       EXPECT_EQ(s.encoded_tokens + s.window_tokens, T);
@@ -586,7 +588,8 @@ TEST(Codec, Version1BlocksStillRead) {
   auto v1 = v2;
   v1[2] = 1;
   const uint64_t head = XXH3_64bits(v1.data(), 12);
-  const uint32_t sum = static_cast<uint32_t>(XXH3_64bits_withSeed(v1.data() + 16, v1.size() - 16, head));
+  const uint32_t sum =
+      static_cast<uint32_t>(XXH3_64bits_withSeed(v1.data() + 16, v1.size() - 16, head));
   std::memcpy(v1.data() + 12, &sum, 4);
   auto a = ParseKeyBlock(v1, o, true), b = ParseKeyBlock(v2, o, true);
   ASSERT_TRUE(a.ok()) << a.status();
@@ -681,8 +684,10 @@ TEST(ValuePolicy, ProbeWeightsThroughTheCache) {
         const size_t i = (static_cast<size_t>(h) * T + t) * d + ch;
         e += (vd[i] - v[i]) * (vd[i] - v[i]);
       }
-      if (probe[h * T + t] > 0.5f) heavy += e, ++nh;
-      else light += e, ++nl;
+      if (probe[h * T + t] > 0.5f)
+        heavy += e, ++nh;
+      else
+        light += e, ++nl;
     }
   EXPECT_LT(heavy / nh, 0.2 * light / nl);
   // The mean width stays within the budget (plus the 2-bit tags): same bytes as uniform 2-bit.
@@ -710,7 +715,8 @@ TEST(ValuePolicy, ProbeQueriesThroughTheCache) {
   ASSERT_TRUE(c.Decode(&kd, &vd).ok());
   auto err = [&](int t) {
     double e = 0;
-    for (int ch = 0; ch < d; ++ch) e += (vd[t * d + ch] - v[t * d + ch]) * (vd[t * d + ch] - v[t * d + ch]);
+    for (int ch = 0; ch < d; ++ch)
+      e += (vd[t * d + ch] - v[t * d + ch]) * (vd[t * d + ch] - v[t * d + ch]);
     return e;
   };
   double others = 0;
@@ -718,7 +724,7 @@ TEST(ValuePolicy, ProbeQueriesThroughTheCache) {
   for (int t : targets) EXPECT_LT(err(t), 0.2 * others) << t;
   // Bad probes are rejected before anything is stored.
   ProbeQueries bad{q.data(), 2, 1, -1};  // 2 query heads over 1 KV head is fine ...
-  bad.q_heads = 0;                        // ... 0 is not
+  bad.q_heads = 0;                       // ... 0 is not
   EXPECT_EQ(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), T, bad).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(c.tokens(), T);

@@ -48,11 +48,11 @@ TEST(CudaParity, ScoreCodes) {
         ASSERT_EQ(Copy(ds, Pool::kGpu, sc.data(), Pool::kHost, 2 * d), 0);
         ASSERT_EQ(Copy(dz, Pool::kGpu, ze.data(), Pool::kHost, 2 * d), 0);
         ASSERT_EQ(Copy(dq, Pool::kGpu, q.data(), Pool::kHost, 4 * q.size()), 0);
-        ASSERT_EQ(cuda::ScoreCodes(static_cast<uint8_t*>(dc), bits, d, tokens,
-                                   static_cast<uint16_t*>(ds), static_cast<uint16_t*>(dz),
-                                   static_cast<float*>(dq), d, n_q, 0.125f, false,
-                                   static_cast<float*>(dout), tokens, nullptr),
-                  0);
+        ASSERT_EQ(
+            cuda::ScoreCodes(static_cast<uint8_t*>(dc), bits, d, tokens, static_cast<uint16_t*>(ds),
+                             static_cast<uint16_t*>(dz), static_cast<float*>(dq), d, n_q, 0.125f,
+                             false, static_cast<float*>(dout), tokens, nullptr),
+            0);
         ASSERT_EQ(Copy(got.data(), Pool::kHost, dout, Pool::kGpu, 4 * got.size()), 0);
         for (void* p : {dc, ds, dz, dq, dout}) Free(Pool::kGpu, p);
         for (size_t i = 0; i < want.size(); ++i)

@@ -114,7 +114,8 @@ TEST(DecodeRange, DecodeAsIsTheFloatDecodeRounded) {
           const auto want = Slice(*all, kv, T, d, from, to);
           std::vector<uint8_t> bytes(want.size() * DTypeSize(dt));
           FromFloat(dt, want.data(), bytes.data(), want.size());
-          EXPECT_EQ(*got, bytes) << "codec " << ci << " " << DTypeName(dt) << " " << from << ".." << to;
+          EXPECT_EQ(*got, bytes) << "codec " << ci << " " << DTypeName(dt) << " " << from << ".."
+                                 << to;
         }
       }
     }

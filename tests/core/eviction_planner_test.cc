@@ -20,7 +20,8 @@ using ::testing::IsEmpty;
 struct Lru {
   std::vector<EvictionCandidate> c;
   std::deque<std::string> tenants;  // the names the candidates view (a deque: they stay put)
-  void Add(const std::string& tenant, int64_t bytes, std::vector<EvictionCandidate::Block> blocks = {}) {
+  void Add(const std::string& tenant, int64_t bytes,
+           std::vector<EvictionCandidate::Block> blocks = {}) {
     tenants.push_back(tenant);
     EvictionCandidate e;
     e.handle = reinterpret_cast<const void*>(c.size() + 1);

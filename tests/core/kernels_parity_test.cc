@@ -38,20 +38,23 @@ TEST(KernelParity, QuantizeChannels) {
     for (int bits : {1, 2, 3, 4, 8})
       for (int tokens : {32, 64, 128})
         for (int n_ch : {4, 19, 64, 80, 128}) {
-          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens
-                                          << " ch=" << n_ch);
+          SCOPED_TRACE(::testing::Message()
+                       << kt->name << " bits=" << bits << " T=" << tokens << " ch=" << n_ch);
           const int ld = n_ch + 3;  // non-contiguous rows
           auto x = kvq::testing::Gaussian(static_cast<size_t>(tokens) * ld, bits * 1000 + n_ch);
           const size_t cb = RowBytes(tokens, bits) * n_ch;
           std::vector<uint16_t> s0(n_ch), z0(n_ch), s1(n_ch), z1(n_ch);
           std::vector<uint8_t> c0(cb, 0xAA), c1(cb, 0x55);
           std::vector<float> d0(tokens * n_ch), d1(tokens * n_ch);
-          Ref().quantize_channels(x.data(), ld, tokens, n_ch, bits, s0.data(), z0.data(), c0.data(), d0.data());
-          kt->quantize_channels(x.data(), ld, tokens, n_ch, bits, s1.data(), z1.data(), c1.data(), d1.data());
+          Ref().quantize_channels(x.data(), ld, tokens, n_ch, bits, s0.data(), z0.data(), c0.data(),
+                                  d0.data());
+          kt->quantize_channels(x.data(), ld, tokens, n_ch, bits, s1.data(), z1.data(), c1.data(),
+                                d1.data());
           EXPECT_EQ(s0, s1);
           EXPECT_EQ(z0, z1);
           EXPECT_EQ(c0, c1);
-          for (size_t i = 0; i < d0.size(); ++i) ASSERT_NEAR(d0[i], d1[i], 1e-5f * (1 + std::fabs(d0[i])));
+          for (size_t i = 0; i < d0.size(); ++i)
+            ASSERT_NEAR(d0[i], d1[i], 1e-5f * (1 + std::fabs(d0[i])));
         }
 }
 
@@ -60,7 +63,8 @@ TEST(KernelParity, QuantizeRow) {
     for (int bits : {1, 2, 3, 4, 8})
       for (int n : {64, 80, 128})
         for (int group : {16, 32, 64, n}) {
-          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " n=" << n << " g=" << group);
+          SCOPED_TRACE(::testing::Message()
+                       << kt->name << " bits=" << bits << " n=" << n << " g=" << group);
           auto x = kvq::testing::Gaussian(n, bits * 7 + n + group);
           const int ng = (n + group - 1) / group;
           std::vector<uint16_t> s0(ng), z0(ng), s1(ng), z1(ng);
@@ -84,8 +88,10 @@ TEST(KernelParity, QuantizeSideChannels) {
         const size_t cb = RowBytes(tokens, bits) * 4;
         std::vector<uint16_t> s0(4), z0(4), s1(4), z1(4);
         std::vector<uint8_t> c0(cb, 0xAA), c1(cb, 0x55);
-        Ref().quantize_channels(x.data(), 4, tokens, 4, bits, s0.data(), z0.data(), c0.data(), nullptr);
-        kt->quantize_channels(x.data(), 4, tokens, 4, bits, s1.data(), z1.data(), c1.data(), nullptr);
+        Ref().quantize_channels(x.data(), 4, tokens, 4, bits, s0.data(), z0.data(), c0.data(),
+                                nullptr);
+        kt->quantize_channels(x.data(), 4, tokens, 4, bits, s1.data(), z1.data(), c1.data(),
+                              nullptr);
         EXPECT_EQ(s0, s1);
         EXPECT_EQ(z0, z1);
         EXPECT_EQ(c0, c1);
@@ -124,7 +130,8 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
     for (int bits : {1, 2, 3, 4, 8})
       for (int n_q : {1, 3, 8, 131})
         for (int d : {64, 80, 128}) {
-          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " nq=" << n_q << " d=" << d);
+          SCOPED_TRACE(::testing::Message()
+                       << kt->name << " bits=" << bits << " nq=" << n_q << " d=" << d);
           const int tokens = 64;
           std::vector<uint8_t> codes(RowBytes(tokens, bits) * d);
           std::mt19937 rng(bits * 31 + n_q + d);
@@ -148,31 +155,35 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
           // Token rows: fp16 scale/zero per group then codes; varying widths per row, or
           // one width (the int16 path of 2- and 3-bit rows): odd and whole row counts, and
           // the 128-row blocks of G = 128 in groups of 32 and 64 channels.
-          for (auto [group, rows, uniform] : {std::tuple{16, 19, false}, std::tuple{16, 19, true},
-                                               std::tuple{32, 32, true}, std::tuple{16, 37, true},
-                                               std::tuple{32, 128, true}, std::tuple{64, 128, true}}) {
-          SCOPED_TRACE(::testing::Message() << "group=" << group << " rows=" << rows << " uniform=" << uniform);
-          const int ng = (d + group - 1) / group;
-          std::vector<uint8_t> rb(rows), buf;
-          for (int t = 0; t < rows; ++t) {
-            rb[t] = static_cast<uint8_t>(bits == 8 || uniform ? bits : 1 + (t + bits) % 4);
-            std::vector<uint8_t> rec(4 * ng + RowBytes(d, rb[t]));
-            for (int g = 0; g < 2 * ng; ++g) {
-              const uint16_t h = static_cast<uint16_t>(0x3000 + rng() % 0x800);  // modest fp16
-              std::memcpy(rec.data() + 2 * g, &h, 2);
+          for (auto [group, rows, uniform] :
+               {std::tuple{16, 19, false}, std::tuple{16, 19, true}, std::tuple{32, 32, true},
+                std::tuple{16, 37, true}, std::tuple{32, 128, true}, std::tuple{64, 128, true}}) {
+            SCOPED_TRACE(::testing::Message()
+                         << "group=" << group << " rows=" << rows << " uniform=" << uniform);
+            const int ng = (d + group - 1) / group;
+            std::vector<uint8_t> rb(rows), buf;
+            for (int t = 0; t < rows; ++t) {
+              rb[t] = static_cast<uint8_t>(bits == 8 || uniform ? bits : 1 + (t + bits) % 4);
+              std::vector<uint8_t> rec(4 * ng + RowBytes(d, rb[t]));
+              for (int g = 0; g < 2 * ng; ++g) {
+                const uint16_t h = static_cast<uint16_t>(0x3000 + rng() % 0x800);  // modest fp16
+                std::memcpy(rec.data() + 2 * g, &h, 2);
+              }
+              for (size_t j = 4 * ng; j < rec.size(); ++j) rec[j] = static_cast<uint8_t>(rng());
+              buf.insert(buf.end(), rec.begin(), rec.end());
             }
-            for (size_t j = 4 * ng; j < rec.size(); ++j) rec[j] = static_cast<uint8_t>(rng());
-            buf.insert(buf.end(), rec.begin(), rec.end());
-          }
-          auto p = kvq::testing::Gaussian(n_q * rows, 9);
-          std::vector<float> r0(n_q * d, 0.25f), r1(n_q * d, 0.25f);
-          Ref().readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r0.data(), d);
-          kt->readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r1.data(), d);
-          // The int16 paths round each coefficient to 2^-15 of its (query, group) maximum; the
-          // error of a sum of Gaussian weights grows as the square root of the rows summed:
-          // 1e-3 per 32 rows.
-          const float tol = 1e-3f * std::sqrt(std::max(1.0f, rows / 32.0f));
-          for (size_t i = 0; i < r0.size(); ++i) ASSERT_NEAR(r0[i], r1[i], tol * (1 + std::fabs(r0[i])));
+            auto p = kvq::testing::Gaussian(n_q * rows, 9);
+            std::vector<float> r0(n_q * d, 0.25f), r1(n_q * d, 0.25f);
+            Ref().readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q,
+                               r0.data(), d);
+            kt->readout_rows(buf.data(), rb.data(), rows, d, group, p.data(), rows, n_q, r1.data(),
+                             d);
+            // The int16 paths round each coefficient to 2^-15 of its (query, group) maximum; the
+            // error of a sum of Gaussian weights grows as the square root of the rows summed:
+            // 1e-3 per 32 rows.
+            const float tol = 1e-3f * std::sqrt(std::max(1.0f, rows / 32.0f));
+            for (size_t i = 0; i < r0.size(); ++i)
+              ASSERT_NEAR(r0[i], r1[i], tol * (1 + std::fabs(r0[i])));
           }
         }
 }
@@ -190,7 +201,8 @@ TEST(KernelParity, ScoreCodesEveryBlockLength) {
                                               << " d=" << d << " nq=" << n_q);
             std::mt19937 rng(bits * 131 + tokens * 7 + d + n_q);
             auto codes = std::make_unique<uint8_t[]>(RowBytes(tokens, bits) * d);
-            for (int64_t i = 0; i < RowBytes(tokens, bits) * d; ++i) codes[i] = static_cast<uint8_t>(rng());
+            for (int64_t i = 0; i < RowBytes(tokens, bits) * d; ++i)
+              codes[i] = static_cast<uint8_t>(rng());
             auto q = kvq::testing::Gaussian(n_q * d, 3 + d);
             std::vector<uint16_t> sc(d), ze(d);
             for (int c = 0; c < d; ++c) {
@@ -213,11 +225,13 @@ TEST(KernelParity, ScoreSideCode) {
     for (int bits : {4, 8})
       for (int tokens : {32, 64})
         for (int n_q : {1, 3, 8}) {
-          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens << " nq=" << n_q);
+          SCOPED_TRACE(::testing::Message()
+                       << kt->name << " bits=" << bits << " T=" << tokens << " nq=" << n_q);
           std::vector<uint8_t> codes(RowBytes(tokens, bits) * 4);
           std::mt19937 rng(bits + tokens + n_q);
           for (auto& c : codes) c = static_cast<uint8_t>(rng());
-          const std::vector<uint16_t> sc = {0x2c00, 0x2e13, 0x3001, 0x2a7f}, ze = {0xb000, 0xb211, 0x3400, 0xae00};
+          const std::vector<uint16_t> sc = {0x2c00, 0x2e13, 0x3001, 0x2a7f},
+                                      ze = {0xb000, 0xb211, 0x3400, 0xae00};
           auto u = kvq::testing::Gaussian(n_q * 4, 21 + n_q);
           for (bool acc : {false, true}) {
             std::vector<float> o0(n_q * tokens, 0.5f), o1(n_q * tokens, 0.5f);
@@ -275,19 +289,22 @@ TEST(KernelParity, DenseAndExp) {
         std::vector<float> s0(n_q * T), s1(n_q * T);
         Ref().dense_scores_f16(k.data(), T, d, q.data(), n_q, s0.data(), T);
         kt->dense_scores_f16(k.data(), T, d, q.data(), n_q, s1.data(), T);
-        for (size_t i = 0; i < s0.size(); ++i) ASSERT_NEAR(s0[i], s1[i], 1e-3f * (1 + std::fabs(s0[i])));
+        for (size_t i = 0; i < s0.size(); ++i)
+          ASSERT_NEAR(s0[i], s1[i], 1e-3f * (1 + std::fabs(s0[i])));
         std::vector<float> f0(n_q * T), f1(n_q * T);
         Ref().dense_scores_f32(kf.data(), T, d, q.data(), n_q, f0.data(), T);
         kt->dense_scores_f32(kf.data(), T, d, q.data(), n_q, f1.data(), T);
-        for (size_t i = 0; i < f0.size(); ++i) ASSERT_NEAR(f0[i], f1[i], 1e-3f * (1 + std::fabs(f0[i])));
+        for (size_t i = 0; i < f0.size(); ++i)
+          ASSERT_NEAR(f0[i], f1[i], 1e-3f * (1 + std::fabs(f0[i])));
         std::vector<float> o0(n_q * d, 0), o1(n_q * d, 0);
         Ref().dense_readout_f16(k.data(), T, d, s0.data(), T, n_q, o0.data(), d);
         kt->dense_readout_f16(k.data(), T, d, s0.data(), T, n_q, o1.data(), d);
-        for (size_t i = 0; i < o0.size(); ++i) ASSERT_NEAR(o0[i], o1[i], 1e-3f * (1 + std::fabs(o0[i])));
+        for (size_t i = 0; i < o0.size(); ++i)
+          ASSERT_NEAR(o0[i], o1[i], 1e-3f * (1 + std::fabs(o0[i])));
         std::vector<float> e0(s0), e1(s0);
         for (auto& x : e0) x *= 3;
         for (auto& x : e1) x *= 3;
-        e0[5] = e1[5] = -1e30f;  // underflow must give exactly 0
+        e0[5] = e1[5] = -1e30f;                                    // underflow must give exactly 0
         const float mx = *std::max_element(e0.begin(), e0.end());  // softmax's shift
         const float sum0 = Ref().exp_sum(e0.data(), e0.size(), mx);
         const float sum1 = kt->exp_sum(e1.data(), e1.size(), mx);
@@ -343,14 +360,16 @@ TEST(KernelParity, DequantizeChannels) {
     for (int bits : {1, 2, 3, 4, 8})
       for (int tokens : {32, 64, 128})
         for (int n_ch : {4, 19, 64, 80, 111, 128}) {
-          SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens
-                                            << " ch=" << n_ch);
+          SCOPED_TRACE(::testing::Message()
+                       << kt->name << " bits=" << bits << " T=" << tokens << " ch=" << n_ch);
           const int64_t ld = n_ch + 3;
           auto codes = RandomBytes(RowBytes(tokens, bits) * n_ch, bits * 100 + n_ch);
           auto sc = RandomHalves(n_ch, 1 + n_ch), ze = RandomHalves(n_ch, 2 + n_ch);
           std::vector<float> o0(tokens * ld, 7.0f), o1(o0);
-          Ref().dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(), o0.data(), ld);
-          kt->dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(), o1.data(), ld);
+          Ref().dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(),
+                                    o0.data(), ld);
+          kt->dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(), o1.data(),
+                                  ld);
           ASSERT_EQ(o0, o1);
           EXPECT_EQ(o1[n_ch], 7.0f);  // between rows
         }
@@ -370,8 +389,10 @@ TEST(KernelParity, AddLowRank) {
             auto sc = RandomHalves(r, 3 + r), ze = RandomHalves(r, 4 + r);
             auto basis = kvq::testing::Gaussian(d * r, 5 + d, 0.2f);
             auto o0 = kvq::testing::Gaussian(tokens * ld, 6 + d), o1 = o0;
-            Ref().add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign, basis.data(), d, o0.data(), ld);
-            kt->add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign, basis.data(), d, o1.data(), ld);
+            Ref().add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign,
+                               basis.data(), d, o0.data(), ld);
+            kt->add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign,
+                             basis.data(), d, o1.data(), ld);
             ASSERT_EQ(o0, o1);
           }
 }
@@ -382,8 +403,8 @@ TEST(KernelParity, DequantizeRows) {
       for (int group : {16, 19, 32, 64, 128})
         for (int n_rows : {1, 31, 128}) {
           if (group > n) continue;
-          SCOPED_TRACE(::testing::Message() << kt->name << " n=" << n << " group=" << group
-                                            << " rows=" << n_rows);
+          SCOPED_TRACE(::testing::Message()
+                       << kt->name << " n=" << n << " group=" << group << " rows=" << n_rows);
           const int ng = (n + group - 1) / group;
           std::mt19937 rng(n * 7 + group + n_rows);
           const int widths[] = {1, 2, 3, 4, 8};

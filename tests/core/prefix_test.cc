@@ -34,7 +34,8 @@ ModelEntry Entry() {
   // Query moments (E[q q^T] = I), so that sequences may ask for metric rounding.
   e.basis.query_moment.assign(static_cast<size_t>(m.layers) * kKv * kD * kD, 0.0f);
   for (int h = 0; h < m.layers * kKv; ++h)
-    for (int c = 0; c < kD; ++c) e.basis.query_moment[(static_cast<size_t>(h) * kD + c) * kD + c] = 1;
+    for (int c = 0; c < kD; ++c)
+      e.basis.query_moment[(static_cast<size_t>(h) * kD + c) * kD + c] = 1;
   // The legacy default: the token counts below are written around 32-token prefix groups.
   e.codec = Registry::LegacyDefaultCodec(m, true);
   return e;
@@ -112,7 +113,8 @@ class PrefixTest : public ::testing::Test {
     for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * i);
     std::vector<float> out;
     int64_t tokens = 0;
-    absl::Status st = store.Score(tenant, id, layer, 0, q.data(), kQ, 1, kD, 0, false, &out, &tokens);
+    absl::Status st =
+        store.Score(tenant, id, layer, 0, q.data(), kQ, 1, kD, 0, false, &out, &tokens);
     EXPECT_TRUE(st.ok()) << st;
     return out;
   }
@@ -215,8 +217,8 @@ TEST_F(PrefixTest, WindowAndA2PolicyReadTheSameShared) {
   std::vector<AppendSpec> attach = {AttachSpec("d", 0, 0, a.ids), AttachSpec("d", 1, 0, a.ids)};
   ASSERT_TRUE(store.Append("t", with_codec(attach), &out).ok());
   EXPECT_EQ(out.tokens_shared, 2 * 96);
-  ASSERT_TRUE(store.Append("t", with_codec({a.Spec("d", 0, 96, 54), a.Spec("d", 1, 96, 54)}),
-                           &out).ok());
+  ASSERT_TRUE(
+      store.Append("t", with_codec({a.Spec("d", 0, 96, 54), a.Spec("d", 1, 96, 54)}), &out).ok());
   for (int layer = 0; layer < 2; ++layer) {
     EXPECT_EQ(Attention(store, "d", layer), Attention(store, "c", layer));
   }
@@ -252,8 +254,9 @@ TEST_F(PrefixTest, Fp16SinksAreSharedWithTheFirstGroup) {
   std::vector<AppendSpec> attach = {AttachSpec("d", 0, 0, a.ids), AttachSpec("d", 1, 0, a.ids)};
   ASSERT_TRUE(store.Append("t", with_codec(attach, c), &out).ok());
   EXPECT_EQ(out.tokens_shared, 2 * 64);
-  ASSERT_TRUE(store.Append("t", with_codec({a.Spec("d", 0, 64, 16), a.Spec("d", 1, 64, 16)}, c),
-                           &out).ok());
+  ASSERT_TRUE(
+      store.Append("t", with_codec({a.Spec("d", 0, 64, 16), a.Spec("d", 1, 64, 16)}, c), &out)
+          .ok());
   ASSERT_TRUE(store.Append("t", with_codec(a.All("u", /*with_ids=*/false), c), &out).ok());
   for (int layer = 0; layer < 2; ++layer) {
     const LayerCache* la = store.LayerForTest("t", "a", layer);
@@ -342,12 +345,13 @@ TEST_F(PrefixTest, CodecLeversNeverShareBlocksWithOtherCodecs) {
   AppendOutcome out;
   ASSERT_TRUE(store.Append("t", a.All("plain"), &out).ok());
   using Lever = bool CodecOptions::*;
-  for (Lever lever : {&CodecOptions::rotate_keys, &CodecOptions::rotate_values,
-                      &CodecOptions::metric_rounding}) {
+  for (Lever lever :
+       {&CodecOptions::rotate_keys, &CodecOptions::rotate_values, &CodecOptions::metric_rounding}) {
     for (const std::string id : {"first", "second"}) {
-      std::vector<AppendSpec> specs = a.All(id + std::to_string(lever == &CodecOptions::rotate_keys
-                                                                    ? 0
-                                                                    : lever == &CodecOptions::rotate_values ? 1 : 2));
+      std::vector<AppendSpec> specs =
+          a.All(id + std::to_string(lever == &CodecOptions::rotate_keys     ? 0
+                                    : lever == &CodecOptions::rotate_values ? 1
+                                                                            : 2));
       for (auto& s : specs) {
         s.has_codec = true;
         s.codec = Entry().codec;
@@ -367,8 +371,8 @@ TEST_F(PrefixTest, AttachWithoutDataThenContinue) {
   ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
   // A frontend holding the same prompt asks for what is stored, by token ids only.
   std::span<const uint32_t> ids(a.ids);
-  absl::Status st = store.Append(
-      "t", {AttachSpec("d", 0, 0, ids), AttachSpec("d", 1, 0, ids)}, &out);
+  absl::Status st =
+      store.Append("t", {AttachSpec("d", 0, 0, ids), AttachSpec("d", 1, 0, ids)}, &out);
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_EQ(out.tokens_shared, 2 * 96);
   EXPECT_EQ(out.tokens_written, 0);
@@ -469,8 +473,9 @@ TEST_F(PrefixTest, RetainedPrefixesServeLaterSequencesAndGoFirstUnderPressure) {
     // it): attaching the prompt reaches every indexed group.
     AppendOutcome probe_out;
     const std::string id = absl::StrCat("p", i);
-    ASSERT_TRUE(store.Append("t", {AttachSpec(id, 0, 0, a.ids), AttachSpec(id, 1, 0, a.ids)},
-                             &probe_out).ok());
+    ASSERT_TRUE(
+        store.Append("t", {AttachSpec(id, 0, 0, a.ids), AttachSpec(id, 1, 0, a.ids)}, &probe_out)
+            .ok());
     EXPECT_EQ(probe_out.tokens_shared, u.prefix_blocks * 32);
     ASSERT_TRUE(store.Delete("t", id).ok());
   }
@@ -560,8 +565,8 @@ TEST_F(PrefixTest, ScrubDropsCorruptedRetainedGroups) {
   EXPECT_EQ(store.Scrub(), 0);
   EXPECT_EQ(store.RetainedScrubDrops(), 1);
   EXPECT_EQ(store.TotalUsage().prefix_blocks, 4 + 1);  // layer 1 whole, layer 0 group 0
-  ASSERT_TRUE(store.Append("t", {AttachSpec("b", 0, 0, a.ids), AttachSpec("b", 1, 0, a.ids)},
-                           &out).ok());
+  ASSERT_TRUE(
+      store.Append("t", {AttachSpec("b", 0, 0, a.ids), AttachSpec("b", 1, 0, a.ids)}, &out).ok());
   EXPECT_EQ(out.tokens_shared, 32 + 128);
   std::vector<float> k, v;
   int64_t tokens = 0;
@@ -618,7 +623,8 @@ TEST_F(PrefixTest, ConcurrentSharersLeaveExactAccounting) {
               std::vector<AppendSpec> rest;
               for (int layer = 0; layer < 2; ++layer) {
                 const int64_t from = std::get<2>(out.lengths[layer]);
-                if (from < prompt.n()) rest.push_back(prompt.Spec(id, layer, from, prompt.n() - from));
+                if (from < prompt.n())
+                  rest.push_back(prompt.Spec(id, layer, from, prompt.n() - from));
               }
               if (!rest.empty()) st = store.Append("t", rest, &out);
             }

@@ -114,7 +114,8 @@ TEST(RegistryFaults, AFailingWriteSyncRenameOrMkdirLeavesTheRegistryAsItWas) {
       Registry r(dir, &env);
       std::vector<std::string> loaded, skipped;
       ASSERT_TRUE(r.LoadAll(&loaded, &skipped).ok());
-      absl::StatusOr<std::shared_ptr<const ModelEntry>> got = r.Register(Entry("new", basis), nullptr);
+      absl::StatusOr<std::shared_ptr<const ModelEntry>> got =
+          r.Register(Entry("new", basis), nullptr);
       ASSERT_FALSE(got.ok());
       EXPECT_NE(got.status().message().find("injected"), std::string::npos) << got.status();
       EXPECT_EQ(r.Get("new", 0).status().code(), absl::StatusCode::kNotFound);

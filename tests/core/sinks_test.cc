@@ -78,7 +78,8 @@ TEST(Fp16Sinks, ReadsEqualStandInBlocksWithTheExactRowsPutBack) {
       LayerCache sink(o, kKv, basis.u.data()), plain(plain_o, kKv, basis.u.data());
       ASSERT_TRUE(sink.Append(View3(in.k, kKv, in.T, kD), View3(in.v, kKv, in.T, kD), 0).ok());
       const Rows stand = in.StandIns();
-      ASSERT_TRUE(plain.Append(View3(stand.k, kKv, in.T, kD), View3(stand.v, kKv, in.T, kD), 0).ok());
+      ASSERT_TRUE(
+          plain.Append(View3(stand.k, kKv, in.T, kD), View3(stand.v, kKv, in.T, kD), 0).ok());
       std::vector<float> kd, vd, kr, vr;
       ASSERT_TRUE(sink.Decode(&kd, &vd).ok());
       ASSERT_TRUE(plain.Decode(&kr, &vr).ok());
@@ -147,7 +148,8 @@ TEST(Fp16Sinks, AnOutlierSinkNoLongerSpoilsItsGroup) {
       for (int64_t t = kS; t < 32; ++t)  // the first group's ordinary rows
         for (int c2 = 0; c2 < kD; ++c2) {
           const size_t i = (h * in.T + t) * kD + c2;
-          err[sinks > 0] += (kd[i] - in.k[i]) * (kd[i] - in.k[i]) + (vd[i] - in.v[i]) * (vd[i] - in.v[i]);
+          err[sinks > 0] +=
+              (kd[i] - in.k[i]) * (kd[i] - in.k[i]) + (vd[i] - in.v[i]) * (vd[i] - in.v[i]);
         }
   }
   EXPECT_LT(err[1], 0.1 * err[0]) << err[0] << " " << err[1];
@@ -199,7 +201,8 @@ TEST(Fp16Sinks, SealedFirstGroupCarriesItsSinks) {
   EXPECT_EQ(a.sealed()[1]->sinks, nullptr);
   EXPECT_EQ(a.Size().sealed_block_bytes,
             a.sealed()[0]->stored_bytes() + a.sealed()[1]->stored_bytes() -
-                static_cast<int64_t>(4 * (a.sealed()[0]->offsets.size() + a.sealed()[1]->offsets.size())));
+                static_cast<int64_t>(
+                    4 * (a.sealed()[0]->offsets.size() + a.sealed()[1]->offsets.size())));
   EXPECT_TRUE(a.sealed()[0]->Verify().ok());
 
   LayerCache b(Codec(kS), kKv, nullptr);

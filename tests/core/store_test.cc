@@ -171,11 +171,11 @@ TEST(RegistryTest, MistypedGarbageAndMisplacedEntriesAreSkippedNamingTheField) {
         R"("head_dim": 64, "rope_layout": "spiral"})");
   // An impostor: its manifest claims to be plain v1 (it sorts first, so it used to win).
   write("/aaa/v1/model.json", R"({"model": "plain", "version": 1, "layers": 5, "kv_heads": 2, )"
-                               R"("q_heads": 4, "head_dim": 64})");
+                              R"("q_heads": 4, "head_dim": 64})");
   write("/plain/v2/model.json", model("plain", "3"));  // its folder says v2
-  write("/m/v7/codec.json", "{}");                   // an entry without manifest
-  write("/m/latest/model.json", model("m", "8"));     // not a version folder
-  write("/m/v1/extra/model.json", model("m", "9"));   // deeper than an entry
+  write("/m/v7/codec.json", "{}");                     // an entry without manifest
+  write("/m/latest/model.json", model("m", "8"));      // not a version folder
+  write("/m/v1/extra/model.json", model("m", "9"));    // deeper than an entry
 
   Registry again(dir);
   std::vector<std::string> loaded, skipped;
@@ -372,8 +372,12 @@ TEST_F(StoreTest, SequencesOfALayerShareItsCodecTables) {
     }
     return a;
   };
-  ASSERT_TRUE(store.Append("t", {spec("a", 0, false), spec("a", 1, false), spec("b", 0, false),
-                                 spec("c", 0, true), spec("e", 0, true)}, &out).ok());
+  ASSERT_TRUE(store
+                  .Append("t",
+                          {spec("a", 0, false), spec("a", 1, false), spec("b", 0, false),
+                           spec("c", 0, true), spec("e", 0, true)},
+                          &out)
+                  .ok());
   ASSERT_TRUE(store.Append("u", {spec("a", 0, false)}, &out).ok());
   auto tables = [&](const std::string& tenant, const std::string& id, int layer) {
     LayerCache* c = store.LayerForTest(tenant, id, layer);

@@ -19,8 +19,8 @@ inline std::vector<float> Gaussian(size_t n, uint32_t seed, float sigma = 1.0f, 
 
 // Dense attention in double over keys/values [kv][T][d], queries [qh][nq][d].
 inline std::vector<float> DenseAttend(const std::vector<float>& k, const std::vector<float>& v,
-                                      const std::vector<float>& q, int kv, int qh, int nq, int64_t T,
-                                      int d, int64_t causal_offset = -1) {
+                                      const std::vector<float>& q, int kv, int qh, int nq,
+                                      int64_t T, int d, int64_t causal_offset = -1) {
   std::vector<float> out(static_cast<size_t>(qh) * nq * d, 0.0f);
   const int gq = qh / kv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));

@@ -56,9 +56,10 @@ TEST(CalibratedCodecServe, RegisteredEntryServesItsSequencesWithTheCalibratedCod
   ASSERT_NE(core::CodecToJson(want), core::CodecToJson(builtin));
 
   testing::TestServer server;
-  ToolRun reg = RunTool(KVQ_CLI_BIN, absl::StrCat("models register ", entry, " --server ",
-                                                  server.address(), " --timeout 20s"),
-                        dir);
+  ToolRun reg = RunTool(
+      KVQ_CLI_BIN,
+      absl::StrCat("models register ", entry, " --server ", server.address(), " --timeout 20s"),
+      dir);
   ASSERT_EQ(reg.code, 0) << reg.err;
   auto stub = server.Stub();
   v1::GetModelRequest gm;

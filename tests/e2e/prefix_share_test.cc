@@ -29,7 +29,7 @@
 namespace kvq::frontend {
 namespace {
 
-constexpr int kLayers = 30;  // SmolLM2-135M
+constexpr int kLayers = 30;   // SmolLM2-135M
 constexpr int kPrompt = 256;  // |P|: 8 whole groups of G = 32
 constexpr int kNew = 32;      // each request's own continuation
 
@@ -175,18 +175,20 @@ TEST_F(PrefixShare, AttachedPromptGivesTheSameLogitsAndIsStoredOnce) {
   // of P's tokens are the index's; B keeps only those of its own tokens).
   const int64_t b_bytes = after_b.stored_bytes() - after_a.stored_bytes();
   EXPECT_LE(b_bytes, after_a.stored_bytes() - kLayers * (kPrompt / G) * group_bytes);
-  EXPECT_GE(b_bytes, after_a.stored_bytes() - kLayers * (kPrompt / G) * group_bytes - kLayers * 2048);
-  std::printf("plain B stores %lld bytes, A with ids %lld (index overhead %lld); B attaching P "
-              "adds %lld (%.1f%% of plain); one indexed group of one layer is %lld bytes\n",
-              static_cast<long long>(bytes_plain), static_cast<long long>(after_a.stored_bytes()),
-              static_cast<long long>(index_overhead), static_cast<long long>(b_bytes),
-              100.0 * b_bytes / bytes_plain, static_cast<long long>(group_bytes));
+  EXPECT_GE(b_bytes,
+            after_a.stored_bytes() - kLayers * (kPrompt / G) * group_bytes - kLayers * 2048);
+  std::printf(
+      "plain B stores %lld bytes, A with ids %lld (index overhead %lld); B attaching P "
+      "adds %lld (%.1f%% of plain); one indexed group of one layer is %lld bytes\n",
+      static_cast<long long>(bytes_plain), static_cast<long long>(after_a.stored_bytes()),
+      static_cast<long long>(index_overhead), static_cast<long long>(b_bytes),
+      100.0 * b_bytes / bytes_plain, static_cast<long long>(group_bytes));
 
   // B's logits over its continuation: bit for bit those of the self-prefilled B.
   ASSERT_EQ(got.size(), ref.size());
   const double max_diff = MaxDiff(got, ref);
-  std::printf("B's %d continuation rows x %d logits: max |attached - self-prefilled| = %g\n",
-              kNew, vocab, max_diff);
+  std::printf("B's %d continuation rows x %d logits: max |attached - self-prefilled| = %g\n", kNew,
+              vocab, max_diff);
   EXPECT_EQ(std::memcmp(got.data(), ref.data(), got.size() * sizeof(float)), 0)
       << "max |difference| " << max_diff;
 
@@ -243,11 +245,11 @@ TEST_F(PrefixShare, SecondEvalRunAttachesWhatTheFirstLeft) {
   EXPECT_EQ(first.tokens_attached, 0);
   EXPECT_EQ(second.tokens_attached, kWindows * (kLen / 2));  // L/2 = 64: two whole groups
   EXPECT_EQ(second.decode_steps, first.decode_steps - kWindows * (kLen / 2));
-  std::printf("eval with share: run 1 PPL %.9f (%lld tokens computed), run 2 PPL %.9f "
-              "(%lld attached, %lld computed)\n",
-              r1->ppl, static_cast<long long>(first.decode_steps), r2->ppl,
-              static_cast<long long>(second.tokens_attached),
-              static_cast<long long>(second.decode_steps));
+  std::printf(
+      "eval with share: run 1 PPL %.9f (%lld tokens computed), run 2 PPL %.9f "
+      "(%lld attached, %lld computed)\n",
+      r1->ppl, static_cast<long long>(first.decode_steps), r2->ppl,
+      static_cast<long long>(second.tokens_attached), static_cast<long long>(second.decode_steps));
   EXPECT_EQ(r1->nll_sum, r2->nll_sum);  // bit for bit: same chunks from the attach point on
   EXPECT_EQ(r1->scored_tokens, r2->scored_tokens);
 }

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "kvq/client/client.h"
-#include "absl/status/status.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/status.h"
 #include "kvq/frontend/gguf.h"

@@ -1,5 +1,7 @@
 // RemoteCache against the in-process CodecCache on synthetic K/V/Q (no model needed): a
 // real kvq-server in-process on port 0, real gRPC on loopback, the client library.
+#include "kvq/frontend/remote_cache.h"
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -8,7 +10,6 @@
 #include "gtest/gtest.h"
 #include "kvq/client/client.h"
 #include "kvq/frontend/attention_cache.h"
-#include "kvq/frontend/remote_cache.h"
 #include "kvq/wire/codec_settings.h"
 #include "tests/server/test_util.h"
 
@@ -97,8 +98,10 @@ class RemoteCacheTest : public ::testing::Test {
       std::vector<float> out(qrow);
       for (int t = 0; t < kTokens; ++t)
         for (int l = 0; l < shape_.layers; ++l) {
-          EXPECT_TRUE((*cc)->AppendAndAttend(l, &streams[i].k[t * krow], &streams[i].v[t * krow],
-                                             t, 1, &streams[i].q[t * qrow], out.data()).ok());
+          EXPECT_TRUE((*cc)
+                          ->AppendAndAttend(l, &streams[i].k[t * krow], &streams[i].v[t * krow], t,
+                                            1, &streams[i].q[t * qrow], out.data())
+                          .ok());
           ref[i].insert(ref[i].end(), out.begin(), out.end());
         }
     }
@@ -106,8 +109,8 @@ class RemoteCacheTest : public ::testing::Test {
     std::vector<std::unique_ptr<RemoteCache>> caches;
     for (int i = 0; i < n_streams; ++i) {
       RemoteCache::Options ro;
-      ro.sequence_id = "s" + std::to_string(i) + (keys_only ? "k" : "") +
-                       (o.per_token_value_bits() ? "a" : "u");
+      ro.sequence_id =
+          "s" + std::to_string(i) + (keys_only ? "k" : "") + (o.per_token_value_bits() ? "a" : "u");
       ro.model = model_;
       ro.codec = o;
       ro.keys_only = keys_only;
@@ -121,9 +124,9 @@ class RemoteCacheTest : public ::testing::Test {
       std::vector<float> out(qrow);
       for (int t = 0; t < kTokens && status[i].ok(); ++t)
         for (int l = 0; l < shape_.layers && status[i].ok(); ++l) {
-          status[i] = caches[i]->AppendAndAttend(l, &streams[i].k[t * krow],
-                                                 &streams[i].v[t * krow], t, 1,
-                                                 &streams[i].q[t * qrow], out.data());
+          status[i] =
+              caches[i]->AppendAndAttend(l, &streams[i].k[t * krow], &streams[i].v[t * krow], t, 1,
+                                         &streams[i].q[t * qrow], out.data());
           got[i].insert(got[i].end(), out.begin(), out.end());
         }
       caches[i]->Finish(/*delete_sequence=*/false).IgnoreError();
@@ -239,7 +242,8 @@ TEST_F(RemoteCacheTest, LeavingReleasesTheOthersAndFinishDeletes) {
   // "b" leaves from another thread while "a" is parked waiting for it (or before): "a"'s
   // request must still be sent, never hang.
   std::thread t([&] { ASSERT_TRUE(caches[1]->Finish().ok()); });
-  ASSERT_TRUE(caches[0]->AppendAndAttend(0, s.k.data(), s.v.data(), 0, 1, s.q.data(), out.data()).ok());
+  ASSERT_TRUE(
+      caches[0]->AppendAndAttend(0, s.k.data(), s.v.data(), 0, 1, s.q.data(), out.data()).ok());
   t.join();
   // Positions are checked before anything is sent.
   auto bad = caches[0]->AppendAndAttend(0, s.k.data(), s.v.data(), 5, 1, s.q.data(), out.data());
@@ -252,7 +256,8 @@ TEST_F(RemoteCacheTest, LeavingReleasesTheOthersAndFinishDeletes) {
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->sequences(), 0);
   // A finished cache refuses further appends.
-  EXPECT_FALSE(caches[0]->AppendAndAttend(0, s.k.data(), s.v.data(), 1, 1, s.q.data(), out.data()).ok());
+  EXPECT_FALSE(
+      caches[0]->AppendAndAttend(0, s.k.data(), s.v.data(), 1, 1, s.q.data(), out.data()).ok());
 }
 
 TEST_F(RemoteCacheTest, ServerErrorsReachTheCaller) {
@@ -407,9 +412,9 @@ TEST_F(RemoteCacheTest, WindowAttachReadsLikeTheSelfAppendedSequence) {
   // groups encoded and the same window as p at that count, so the same output bit for bit.
   std::vector<float> rest(32 * qrow);
   for (int l = 0; l < shape_.layers; ++l) {
-    ASSERT_TRUE(
-        q->AppendAndAttend(l, &s.k[32 * krow], &s.v[32 * krow], 32, 32, &s.q[32 * qrow], rest.data())
-            .ok());
+    ASSERT_TRUE(q->AppendAndAttend(l, &s.k[32 * krow], &s.v[32 * krow], 32, 32, &s.q[32 * qrow],
+                                   rest.data())
+                    .ok());
   }
   ASSERT_TRUE(step(*q, 0, 64, out.data()).ok());
   EXPECT_EQ(out, self);

@@ -43,7 +43,6 @@ class RemoteDecode : public RealModelServerTest<SmolLM2File> {
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : PerplexityResult{};
   }
-
 };
 
 // In-process, one token per forward call (as the remote token-by-token run decodes).
@@ -88,11 +87,14 @@ TEST_F(RemoteDecode, DecodeFaithfulThroughTheServerEqualsInProcess) {
     ro.batch = kWindows;
     ro.chunks = true;
     RemoteEvalStats rs;
-    auto remote = EvaluatePerplexityRemote(*model_, *ids_, kWindows, kWindowLen, *cfg, &bases, ro, &rs);
+    auto remote =
+        EvaluatePerplexityRemote(*model_, *ids_, kWindows, kWindowLen, *cfg, &bases, ro, &rs);
     ASSERT_TRUE(remote.ok()) << name << ": " << remote.status();
     const double rel = std::abs(remote->ppl - local.ppl) / local.ppl;
-    std::printf("%-20s decode-faithful chunks: in-process PPL %.6f, through the server %.6f, "
-                "rel diff %.2e\n", name, local.ppl, remote->ppl, rel);
+    std::printf(
+        "%-20s decode-faithful chunks: in-process PPL %.6f, through the server %.6f, "
+        "rel diff %.2e\n",
+        name, local.ppl, remote->ppl, rel);
     EXPECT_LT(rel, 1e-4) << name;
     EXPECT_EQ(remote->scored_tokens, local.scored_tokens);
     // G = 32, L = 128: chunks [0,31) [31,63) [63,95) [95,127) [127,128), both windows in
@@ -124,15 +126,17 @@ TEST_F(RemoteDecode, TokenByTokenThroughTheServerEqualsInProcess) {
   ro.client = client_.get();
   ro.batch = kWindows;
   RemoteEvalStats rs;
-  auto remote = EvaluatePerplexityRemote(*model_, *ids_, kWindows, kWindowLen, *cfg, &bases, ro, &rs);
+  auto remote =
+      EvaluatePerplexityRemote(*model_, *ids_, kWindows, kWindowLen, *cfg, &bases, ro, &rs);
   ASSERT_TRUE(remote.ok()) << remote.status();
   const double rel = std::abs(remote->ppl - local_tbt) / local_tbt;
   const PerplexityResult chunked = InProcess(*cfg);
-  std::printf("%-20s token by token: in-process PPL %.6f, through the server %.6f, rel diff "
-              "%.2e; %.1f decode steps/s, RPC share %.1f%% (PutBlocks %.2fs, Attend %.2fs); "
-              "in-process decode-faithful chunks %.6f\n",
-              name, local_tbt, remote->ppl, rel, rs.steps_per_second(), 100 * rs.rpc_share(),
-              rs.rpc.put_seconds, rs.rpc.read_seconds, chunked.ppl);
+  std::printf(
+      "%-20s token by token: in-process PPL %.6f, through the server %.6f, rel diff "
+      "%.2e; %.1f decode steps/s, RPC share %.1f%% (PutBlocks %.2fs, Attend %.2fs); "
+      "in-process decode-faithful chunks %.6f\n",
+      name, local_tbt, remote->ppl, rel, rs.steps_per_second(), 100 * rs.rpc_share(),
+      rs.rpc.put_seconds, rs.rpc.read_seconds, chunked.ppl);
   EXPECT_LT(rel, 1e-4);
   EXPECT_EQ(remote->scored_tokens, kWindows * (kWindowLen / 2 - 1));
   EXPECT_EQ(rs.decode_steps, kWindows * (kWindowLen - 1));

@@ -50,11 +50,14 @@ TEST_F(RemoteQwen, DecodeFaithfulThroughTheServerEqualsInProcess) {
     ro.chunks = true;
     ro.model_name = std::string("qwen-e2e-") + name;
     RemoteEvalStats rs;
-    auto remote = EvaluatePerplexityRemote(*model_, *ids_, kWindows, kWindowLen, *cfg, &bases, ro, &rs);
+    auto remote =
+        EvaluatePerplexityRemote(*model_, *ids_, kWindows, kWindowLen, *cfg, &bases, ro, &rs);
     ASSERT_TRUE(remote.ok()) << name << ": " << remote.status();
     const double rel = std::abs(remote->ppl - local->ppl) / local->ppl;
-    std::printf("%-20s decode-faithful chunks: in-process PPL %.6f, through the server %.6f, "
-                "rel diff %.2e\n", name, local->ppl, remote->ppl, rel);
+    std::printf(
+        "%-20s decode-faithful chunks: in-process PPL %.6f, through the server %.6f, "
+        "rel diff %.2e\n",
+        name, local->ppl, remote->ppl, rel);
     EXPECT_LT(rel, 1e-4) << name;
     EXPECT_EQ(remote->scored_tokens, local->scored_tokens);
     // G = 32, L = 128: 5 chunks per window, both windows in each call, one per layer.

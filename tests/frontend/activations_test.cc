@@ -8,8 +8,8 @@
 // Claims checked (the paper's controls): rank-4 HeadQ cuts the Fisher score error of 2-bit
 // keys against the KIVI-like base (measured: x3.7 on layer 20 but only x1.4 on layer 3, where
 // the top-4 query directions miss much of the score error); a random basis of the same rank
-// removes under 15%; the wrong sign makes it worse than no correction. And Fisher error tracks attention KL
-// better than key MSE does (Spearman over many layer/head/quantizer cases).
+// removes under 15%; the wrong sign makes it worse than no correction. And Fisher error tracks
+// attention KL better than key MSE does (Spearman over many layer/head/quantizer cases).
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -46,7 +46,8 @@ std::map<std::string, Tensor> LoadSafetensors(const std::string& path) {
     const size_t b = v["data_offsets"][0], e = v["data_offsets"][1];
     if (v["dtype"] == "F16") {
       t.data.resize((e - b) / 2);
-      core::HalfToFloatN(reinterpret_cast<const uint16_t*>(body.data() + b), t.data.data(), t.data.size());
+      core::HalfToFloatN(reinterpret_cast<const uint16_t*>(body.data() + b), t.data.data(),
+                         t.data.size());
     } else {
       t.data.resize((e - b) / 4);
       std::memcpy(t.data.data(), body.data() + b, e - b);
@@ -111,8 +112,8 @@ TEST_F(Activations, HeadQCutsFisherErrorAndControlsDoNot) {
       random += m("random", K2(4), rb.u.data());
       wrong += m("wrongsign", K2(4, -1.0f), uh);
     }
-    std::printf("layer %d Fisher: kivi %.4g headq-r4 %.4g (x%.1f) random %.4g wrongsign %.4g\n", layer,
-                kivi, headq, kivi / headq, random, wrong);
+    std::printf("layer %d Fisher: kivi %.4g headq-r4 %.4g (x%.1f) random %.4g wrongsign %.4g\n",
+                layer, kivi, headq, kivi / headq, random, wrong);
     EXPECT_LT(headq, 0.8 * kivi) << "layer " << layer;
     EXPECT_GT(random, 0.85 * kivi) << "layer " << layer;
     EXPECT_GT(random, 1.2 * headq) << "layer " << layer;
@@ -151,7 +152,8 @@ TEST_F(Activations, FisherPredictsKlBetterThanKeyMse) {
     }
   }
   const double rf = core::SpearmanRho(fisher, kl), rm = core::SpearmanRho(mse, kl);
-  std::printf("Spearman over %zu cases: rho(Fisher, KL) %.3f, rho(MSE, KL) %.3f\n", kl.size(), rf, rm);
+  std::printf("Spearman over %zu cases: rho(Fisher, KL) %.3f, rho(MSE, KL) %.3f\n", kl.size(), rf,
+              rm);
   // Bits dominate both (measured rho 0.999 vs 0.936); HeadQ cases, whose key MSE barely moves
   // while their score error drops, are where MSE mis-ranks.
   EXPECT_GT(rf, 0.95);

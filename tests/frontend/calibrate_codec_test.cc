@@ -55,12 +55,15 @@ class CalibrateCodec : public ::testing::Test {
     return Run(KVQ_CALIBRATE_BIN,
                absl::StrCat("--model ", model_, " --text ", text_, " --out ", out,
                             " --tokens 512 --window-len 256 --rank 4 --threads 1"
-                            " --search-windows 2 --search-window-len 256 ", extra));
+                            " --search-windows 2 --search-window-len 256 ",
+                            extra));
   }
   ToolRun Eval(const std::string& basis, const std::string& configs, const std::string& json) {
-    return Run(KVQ_EVAL_BIN, absl::StrCat("--model ", model_, " --text ", text_, " --basis ", basis,
-                                          " --windows 2 --window-len 256 --first-token 512 --threads 1 --configs ",
-                                          configs, json.empty() ? "" : " --json " + json));
+    return Run(
+        KVQ_EVAL_BIN,
+        absl::StrCat("--model ", model_, " --text ", text_, " --basis ", basis,
+                     " --windows 2 --window-len 256 --first-token 512 --threads 1 --configs ",
+                     configs, json.empty() ? "" : " --json " + json));
   }
   static nlohmann::json ReadJson(const std::string& path) {
     std::ifstream in(path);
@@ -115,12 +118,15 @@ class CalibrateCodec : public ::testing::Test {
       const nlohmann::json& r = s["candidates"][i];
       EXPECT_EQ(r["name"], names[i]);
       const double bits = r["bits_per_element"].get<double>();
-      EXPECT_NEAR(bits, (r["k_bits"].get<double>() + r["v_bits"].get<double>()) / 2 +
-                            r["sink_bits"].get<double>(), 1e-9);
+      EXPECT_NEAR(bits,
+                  (r["k_bits"].get<double>() + r["v_bits"].get<double>()) / 2 +
+                      r["sink_bits"].get<double>(),
+                  1e-9);
       // The sinks' 16-bit rows at the search's window length.
       EXPECT_DOUBLE_EQ(r["sink_bits"].get<double>(),
                        names[i].find(kSinkLever) == std::string::npos
-                           ? 0.0 : 16.0 * 4 / s["window_len"].get<double>());
+                           ? 0.0
+                           : 16.0 * 4 / s["window_len"].get<double>());
       if (bits > max_bits) {
         EXPECT_TRUE(r["ppl"].is_null()) << names[i];
         EXPECT_TRUE(r.contains("skipped")) << names[i];
@@ -203,7 +209,8 @@ TEST_F(CalibrateCodec, BitsChoosesTheBestCandidateWithinTheBudgetAndEvalReadsItB
   auto basis = core::ReadBasis(entry);
   ASSERT_TRUE(basis.ok()) << basis.status();
   const std::string reg = dir_ + "/registry";
-  const std::string at = absl::StrCat(reg, "/", basis->manifest.model, "/v", basis->manifest.version);
+  const std::string at =
+      absl::StrCat(reg, "/", basis->manifest.model, "/v", basis->manifest.version);
   fs::create_directories(at);
   fs::copy(entry, at, fs::copy_options::recursive);
   core::Registry registry(reg);

@@ -31,7 +31,8 @@ Data Random(const CacheShape& s, int n, uint64_t seed) {
 
 // Runs n tokens through `c` in chunks of `chunk`, returning outputs [QH][n][d] per chunk
 // concatenated in [chunk][QH][len][d] order.
-std::vector<float> RunChunks(AttentionCache* c, const CacheShape& s, const Data& d, int n, int chunk) {
+std::vector<float> RunChunks(AttentionCache* c, const CacheShape& s, const Data& d, int n,
+                             int chunk) {
   std::vector<float> all;
   const int D = s.head_dim;
   for (int p = 0; p < n; p += chunk) {
@@ -42,7 +43,8 @@ std::vector<float> RunChunks(AttentionCache* c, const CacheShape& s, const Data&
         std::copy_n(d.q.data() + (static_cast<size_t>(p + i) * s.q_heads + h) * D, D,
                     q.data() + (static_cast<size_t>(h) * len + i) * D);
     const size_t kv = static_cast<size_t>(p) * s.kv_heads * D;
-    EXPECT_TRUE(c->AppendAndAttend(0, d.k.data() + kv, d.v.data() + kv, p, len, q.data(), out.data()).ok());
+    EXPECT_TRUE(
+        c->AppendAndAttend(0, d.k.data() + kv, d.v.data() + kv, p, len, q.data(), out.data()).ok());
     all.insert(all.end(), out.begin(), out.end());
   }
   return all;
@@ -65,8 +67,8 @@ TEST(CodecCache, DecodePathMatchesFusedAttend) {
     o.value_bits = 2;
     o.key_group = 32;
     o.window = 0;
-    core::ModelBasis basis = core::RandomBasis({.layers = 1, .kv_heads = 2, .q_heads = 6,
-                                                .head_dim = 64, .rank = 4}, 9);
+    core::ModelBasis basis =
+        core::RandomBasis({.layers = 1, .kv_heads = 2, .q_heads = 6, .head_dim = 64, .rank = 4}, 9);
     for (int chunk : {37, 31, 1}) {
       auto a = CodecCache::Create(s, o, &basis, /*keys_only=*/false, CodecRead::kDecode);
       auto b = CodecCache::Create(s, o, &basis, false, CodecRead::kAttend);

@@ -9,10 +9,11 @@ namespace kvq::frontend {
 namespace {
 
 TEST(EvalConfig, RequiredNamesParse) {
-  for (const char* n : {"dense", "kivi-k2", "headq-k2-r4", "headq-k2-r1", "headq-k2-r2", "headq-k2-r8",
-                        "headq-k2-r4-random", "headq-k2-r4-wrongsign", "kivi-kv2", "headq-kv2-a2",
-                        "kivi-k3", "headq-k3-r4", "kivi-k4", "kivi-kv4", "kivi-k2-g128",
-                        "headq-k2-r4-g64-w128-s4", "headq-k2-r4-resw", "headq-k2-r4-centred"}) {
+  for (const char* n :
+       {"dense", "kivi-k2", "headq-k2-r4", "headq-k2-r1", "headq-k2-r2", "headq-k2-r8",
+        "headq-k2-r4-random", "headq-k2-r4-wrongsign", "kivi-kv2", "headq-kv2-a2", "kivi-k3",
+        "headq-k3-r4", "kivi-k4", "kivi-kv4", "kivi-k2-g128", "headq-k2-r4-g64-w128-s4",
+        "headq-k2-r4-resw", "headq-k2-r4-centred"}) {
     auto c = ParseEvalConfig(n);
     EXPECT_TRUE(c.ok()) << n << ": " << c.status();
   }
@@ -69,7 +70,8 @@ TEST(EvalConfig, FieldsFollowTheName) {
       o.value_bits = static_cast<int>(o.value_budget);
       tags = (o.key_group + 3) / 4;
     }
-    return (static_cast<double>(core::KeyBlockBytes(o)) + core::ValueBlockBytes(o) + tags) / o.key_group;
+    return (static_cast<double>(core::KeyBlockBytes(o)) + core::ValueBlockBytes(o) + tags) /
+           o.key_group;
   };
   EXPECT_LT(per_token(a.codec), per_token(kv.codec));
 }
@@ -93,9 +95,9 @@ TEST(EvalConfig, AdaptiveRanksKeepTheMeanAndFollowEnergy) {
 }
 
 TEST(EvalConfig, BadNamesAreErrors) {
-  for (const char* n : {"", "foo-k2", "kivi", "kivi-x2", "kivi-k2-r4", "kivi-k2-random", "headq-k2-zz",
-                        "headq-k5", "headq-k2-a2", "headq-k2-g33", "headq-k2-v3",
-                        "headq-kv2-a2-v8", "kivi-kv2-v5"}) {
+  for (const char* n :
+       {"", "foo-k2", "kivi", "kivi-x2", "kivi-k2-r4", "kivi-k2-random", "headq-k2-zz", "headq-k5",
+        "headq-k2-a2", "headq-k2-g33", "headq-k2-v3", "headq-kv2-a2-v8", "kivi-kv2-v5"}) {
     EXPECT_FALSE(ParseEvalConfig(n).ok()) << n;
   }
   EXPECT_TRUE(ParseEvalConfigList("dense,kivi-k2").ok());

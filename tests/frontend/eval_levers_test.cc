@@ -93,7 +93,8 @@ TEST(LeverFeed, KeysBeforeRopeComeBackRotated) {
   const int T = 100;  // three groups fed, four rows waiting
   std::vector<float> k = Normal(T * kHeads * kDim, 2), v = Normal(k.size(), 3);
   ASSERT_TRUE(f.Append(lc, k.data(), v.data(), 0, 60).ok());
-  ASSERT_TRUE(f.Append(lc, k.data() + 60 * kHeads * kDim, v.data() + 60 * kHeads * kDim, 60, 40).ok());
+  ASSERT_TRUE(
+      f.Append(lc, k.data() + 60 * kHeads * kDim, v.data() + 60 * kHeads * kDim, 60, 40).ok());
   EXPECT_EQ(lc.Size().encoded_tokens, 96);
   std::vector<float> K, V;
   ASSERT_TRUE(f.Read(lc, &K, &V).ok());
@@ -134,7 +135,8 @@ TEST(LeverFeed, OutliersAreKeptExactAndCounted) {
   // The spikes come back exactly (the fp16 rounding of what was sent).
   EXPECT_EQ(K1[0], 500.0f);
   int exact = 0;
-  for (size_t i = 0; i < wk.size(); ++i) exact += std::abs(wk[i]) > 20 && std::abs(K1[i] - wk[i]) < 0.02f;
+  for (size_t i = 0; i < wk.size(); ++i)
+    exact += std::abs(wk[i]) > 20 && std::abs(K1[i] - wk[i]) < 0.02f;
   EXPECT_GE(exact, 38);
 }
 
@@ -149,7 +151,8 @@ TEST(CodecCache, LeversCountTheWaitingRowsAndTheOutliers) {
   const int n = 70;
   std::vector<float> k = Normal(n * kHeads * kDim, 7), v = Normal(k.size(), 8);
   std::vector<float> q = Normal(static_cast<size_t>(s.q_heads) * n * kDim, 9), out(q.size());
-  for (auto* c : {plain.get(), trimmed.get()}) ASSERT_TRUE(c->AppendAndAttend(0, k.data(), v.data(), 0, n, q.data(), out.data()).ok());
+  for (auto* c : {plain.get(), trimmed.get()})
+    ASSERT_TRUE(c->AppendAndAttend(0, k.data(), v.data(), 0, n, q.data(), out.data()).ok());
   const core::SizeReport a = plain->Size(), b = trimmed->Size();
   EXPECT_EQ(trimmed->tokens(0), n);
   EXPECT_EQ(b.tokens, a.tokens);

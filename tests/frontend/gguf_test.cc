@@ -7,8 +7,8 @@
 
 #include <cmath>
 #include <cstring>
-#include <map>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -20,8 +20,10 @@ namespace kvq::frontend {
 namespace {
 
 std::string WriteTemp(const std::vector<uint8_t>& bytes, const std::string& tag) {
-  std::string path = ::testing::TempDir() + "/gguf_test_" + tag + "_" + std::to_string(::getpid()) + ".gguf";
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  std::string path =
+      ::testing::TempDir() + "/gguf_test_" + tag + "_" + std::to_string(::getpid()) + ".gguf";
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   return path;
 }
 
@@ -81,7 +83,8 @@ TEST(Gguf, ReadsMetadataAndTensorInfos) {
   EXPECT_EQ(toks->size(), 3u);
   EXPECT_EQ((*toks)[2], "\xc4\xa0hello");
   EXPECT_EQ((*f)->GetInt("missing").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ((*f)->GetInt("general.architecture").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ((*f)->GetInt("general.architecture").status().code(),
+            absl::StatusCode::kInvalidArgument);
   ASSERT_EQ((*f)->tensors().size(), 4u);
   const GgufTensorInfo* q = (*f)->FindTensor("q41");
   ASSERT_NE(q, nullptr);
@@ -121,14 +124,16 @@ TEST(Gguf, DequantizesQ6KLikeGgufPy) {
       "8075bf7c2b8302b7f7f099a315d19eded3d66232908c37e375fb00281dfbdf35972268bb5a342a1af14ee745c18d"
       "1ba3e8d200d4ce7bdb05d8fb8c38705a427fa6ed32ca72971f21";
   std::vector<uint8_t> blk;
-  for (size_t i = 0; i < hex.size(); i += 2) blk.push_back(static_cast<uint8_t>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+  for (size_t i = 0; i < hex.size(); i += 2)
+    blk.push_back(static_cast<uint8_t>(std::stoi(hex.substr(i, 2), nullptr, 16)));
   ASSERT_EQ(blk.size(), 210u);
   std::vector<float> out(256);
-  ASSERT_TRUE(DequantizeRow(static_cast<uint32_t>(GgmlType::kQ6_K), blk.data(), 256, out.data()).ok());
+  ASSERT_TRUE(
+      DequantizeRow(static_cast<uint32_t>(GgmlType::kQ6_K), blk.data(), 256, out.data()).ok());
   const std::vector<std::pair<int, float>> want = {
-      {0, -11.102371f}, {1, 7.401581f}, {31, -1.250267f}, {32, 1.200256f}, {63, -0.850182f},
-      {64, 13.922974f}, {100, -3.360718f}, {127, 1.800385f}, {128, 16.503525f}, {200, -2.500534f},
-      {255, 4.200898f}};
+      {0, -11.102371f},  {1, 7.401581f},    {31, -1.250267f},  {32, 1.200256f},
+      {63, -0.850182f},  {64, 13.922974f},  {100, -3.360718f}, {127, 1.800385f},
+      {128, 16.503525f}, {200, -2.500534f}, {255, 4.200898f}};
   for (auto [i, v] : want) EXPECT_NEAR(out[i], v, 1e-4) << i;
 }
 
@@ -138,21 +143,25 @@ TEST(Gguf, DequantizesRealQwenBlocksLikeGgufPy) {
   std::ifstream in(std::string(KVQ_FE_FIXTURES) + "/dequant_qwen.json");
   ASSERT_TRUE(in) << "missing fixture dequant_qwen.json";
   const nlohmann::json j = nlohmann::json::parse(in);
-  std::map<std::string, GgmlType> types = {{"Q5_0", GgmlType::kQ5_0}, {"Q4_K", GgmlType::kQ4_K},
-                                           {"Q6_K", GgmlType::kQ6_K}, {"Q8_0", GgmlType::kQ8_0}};
+  std::map<std::string, GgmlType> types = {{"Q5_0", GgmlType::kQ5_0},
+                                           {"Q4_K", GgmlType::kQ4_K},
+                                           {"Q6_K", GgmlType::kQ6_K},
+                                           {"Q8_0", GgmlType::kQ8_0}};
   ASSERT_EQ(j["cases"].size(), types.size());
   for (const auto& c : j["cases"]) {
     const std::string name = c["type"].get<std::string>();
     ASSERT_TRUE(types.count(name)) << name;
     const std::string hex = c["hex"].get<std::string>();
     std::vector<uint8_t> raw;
-    for (size_t i = 0; i < hex.size(); i += 2) raw.push_back(static_cast<uint8_t>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+    for (size_t i = 0; i < hex.size(); i += 2)
+      raw.push_back(static_cast<uint8_t>(std::stoi(hex.substr(i, 2), nullptr, 16)));
     const auto want = c["values"].get<std::vector<float>>();
     const uint32_t type = static_cast<uint32_t>(types[name]);
     auto [bs, bb] = GgmlBlockLayout(type);
     ASSERT_EQ(raw.size(), want.size() / bs * bb) << name;
     std::vector<float> got(want.size());
-    ASSERT_TRUE(DequantizeRow(type, raw.data(), static_cast<int64_t>(want.size()), got.data()).ok()) << name;
+    ASSERT_TRUE(DequantizeRow(type, raw.data(), static_cast<int64_t>(want.size()), got.data()).ok())
+        << name;
     int bad = 0;
     for (size_t i = 0; i < want.size(); ++i) {
       // Both sides compute in fp32 from the same fp16 scales; allow one rounding step.
@@ -195,7 +204,8 @@ TEST(Gguf, TruncatedFilesAreErrorsAtEveryCut) {
 TEST(Gguf, RejectsBadMagicVersionAndUnsupportedTypes) {
   std::vector<uint8_t> b = Example().Finish();
   b[0] = 'X';
-  EXPECT_EQ(GgufFile::Open(WriteTemp(b, "magic")).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GgufFile::Open(WriteTemp(b, "magic")).status().code(),
+            absl::StatusCode::kInvalidArgument);
   b = Example().Finish();
   b[4] = 9;  // version 9
   EXPECT_EQ(GgufFile::Open(WriteTemp(b, "ver")).status().code(), absl::StatusCode::kUnimplemented);
@@ -246,7 +256,10 @@ TEST(Gguf, RejectsCountsAndOffsetsThatWrapOrOutgrowTheFile) {
   GgufWriter big;
   big.AddTensor("huge", {int64_t{1} << 40, int64_t{1} << 40}, static_cast<uint32_t>(GgmlType::kF32),
                 std::vector<uint8_t>(16, 0));
-  auto h = GgufFile::FromBytes([&] { auto v = big.Finish(); return std::string(v.begin(), v.end()); }());
+  auto h = GgufFile::FromBytes([&] {
+    auto v = big.Finish();
+    return std::string(v.begin(), v.end());
+  }());
   ASSERT_FALSE(h.ok());
   EXPECT_NE(h.status().message().find("tensor huge has over 2^56 elements"), std::string::npos)
       << h.status();
@@ -260,7 +273,8 @@ TEST(Gguf, RejectsCountsAndOffsetsThatWrapOrOutgrowTheFile) {
   auto m = GgufFile::FromBytes(std::string(many.begin(), many.end()));
   ASSERT_FALSE(m.ok());
   EXPECT_NE(m.status().message().find("1000 tensor infos need at least 32 bytes each"),
-            std::string::npos) << m.status();
+            std::string::npos)
+      << m.status();
 
   // An array of 100 u64 (8 bytes each) with 100 bytes left.
   GgufWriter arr;
@@ -274,8 +288,10 @@ TEST(Gguf, RejectsCountsAndOffsetsThatWrapOrOutgrowTheFile) {
   std::memcpy(ab.data() + type_at + 4, &len, 8);
   auto a = GgufFile::FromBytes(std::string(ab.begin(), ab.end()));
   ASSERT_FALSE(a.ok());
-  EXPECT_NE(a.status().message().find("array of 100 elements of type 10 needs at least 8 bytes each"),
-            std::string::npos) << a.status();
+  EXPECT_NE(
+      a.status().message().find("array of 100 elements of type 10 needs at least 8 bytes each"),
+      std::string::npos)
+      << a.status();
 }
 
 TEST(Gguf, ReadsFromMemoryAsFromAFile) {
@@ -286,7 +302,8 @@ TEST(Gguf, ReadsFromMemoryAsFromAFile) {
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ((*f)->tensors().size(), (*g)->tensors().size());
   EXPECT_EQ(*(*f)->Dequantize("q41"), *(*g)->Dequantize("q41"));
-  EXPECT_EQ(*(*f)->GetStringArray("tokenizer.ggml.tokens"), *(*g)->GetStringArray("tokenizer.ggml.tokens"));
+  EXPECT_EQ(*(*f)->GetStringArray("tokenizer.ggml.tokens"),
+            *(*g)->GetStringArray("tokenizer.ggml.tokens"));
 }
 
 }  // namespace

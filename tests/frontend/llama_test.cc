@@ -2,6 +2,8 @@
 // weights): chunked prefill equals one-shot prefill on the dense cache, and with the codec
 // cache ForwardDecodeFaithful equals true token-by-token decoding, while a one-shot prefill
 // does not (it lets queries see keys of their own group already quantized).
+#include "kvq/frontend/llama.h"
+
 #include <unistd.h>
 
 #include <cmath>
@@ -14,7 +16,6 @@
 #include "gtest/gtest.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/gguf.h"
-#include "kvq/frontend/llama.h"
 #include "tiny_model.h"
 
 namespace kvq::frontend {
@@ -29,7 +30,8 @@ std::vector<int32_t> Tokens(int n) {
 double MaxDiff(const std::vector<float>& a, const std::vector<float>& b) {
   EXPECT_EQ(a.size(), b.size());
   double m = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, static_cast<double>(std::abs(a[i] - b[i])));
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    m = std::max(m, static_cast<double>(std::abs(a[i] - b[i])));
   return m;
 }
 
@@ -63,7 +65,8 @@ TEST(Llama, DenseChunkedPrefillEqualsOneShotAndDecode) {
   auto f = TinyModel();
   auto m = *LlamaModel::Load(*f);
   const auto t = Tokens(70);
-  DenseCache a(m->config().cache_shape()), b(m->config().cache_shape()), c(m->config().cache_shape());
+  DenseCache a(m->config().cache_shape()), b(m->config().cache_shape()),
+      c(m->config().cache_shape());
   std::vector<float> one, chunked;
   ASSERT_TRUE(m->Forward(t.data(), 70, 0, &a, 0, &one).ok());
   ASSERT_TRUE(m->ForwardDecodeFaithful(t.data(), 70, 0, &b, 0, &chunked, 13).ok());
@@ -141,10 +144,10 @@ TEST(Llama, BatchedWindowsEqualEachWindowAlone) {
   auto first = *CodecCache::Create(m->config().cache_shape(), o, nullptr);
   o.key_group = 64;
   auto other = *CodecCache::Create(m->config().cache_shape(), o, nullptr);
-  EXPECT_EQ(m->ForwardDecodeFaithfulBatch({toks[0], toks[1]}, 100, 0, {first.get(), other.get()},
-                                          50, &lb)
-                .code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      m->ForwardDecodeFaithfulBatch({toks[0], toks[1]}, 100, 0, {first.get(), other.get()}, 50, &lb)
+          .code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 // qwen2 rotates the two halves of each head; llama adjacent pairs. A qwen2 model and the llama
@@ -204,7 +207,8 @@ TEST(Llama, BiasesAndOutputWeightAreUsed) {
   EXPECT_LT(MaxDiff(l1, lp), 1e-4);
   ASSERT_EQ(l1.size(), l2.size());
   double worst = 0;
-  for (size_t i = 0; i < l1.size(); ++i) worst = std::max(worst, static_cast<double>(std::abs(l2[i] - 2 * l1[i])));
+  for (size_t i = 0; i < l1.size(); ++i)
+    worst = std::max(worst, static_cast<double>(std::abs(l2[i] - 2 * l1[i])));
   EXPECT_LT(worst, 1e-3);
 }
 
@@ -220,13 +224,15 @@ TEST(Llama, UnsupportedArchitectureTensorsAndMetadataAreNamedErrors) {
   auto ft = TinyModel(tensor);
   auto mt = LlamaModel::Load(*ft);
   EXPECT_EQ(mt.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(mt.status().message().find("blk.0.attn_q_norm.weight"), std::string::npos) << mt.status();
+  EXPECT_NE(mt.status().message().find("blk.0.attn_q_norm.weight"), std::string::npos)
+      << mt.status();
   TinyOptions key;
   key.extra_key = "rope.scaling.type";
   auto fk = TinyModel(key);
   auto mk = LlamaModel::Load(*fk);
   EXPECT_EQ(mk.status().code(), absl::StatusCode::kUnimplemented);
-  EXPECT_NE(mk.status().message().find("llama.rope.scaling.type"), std::string::npos) << mk.status();
+  EXPECT_NE(mk.status().message().find("llama.rope.scaling.type"), std::string::npos)
+      << mk.status();
   TinyOptions qwen_no_bias;
   qwen_no_bias.arch = "qwen2";
   auto fq = TinyModel(qwen_no_bias);
@@ -262,11 +268,13 @@ TEST(Llama, CountsOutOfRangeAreNamedErrors) {
     EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << layers;
     EXPECT_NE(m.status().message().find(
                   absl::StrCat("llama.block_count = ", layers, " is outside 1..4096")),
-              std::string::npos) << m.status();
+              std::string::npos)
+        << m.status();
   }
   auto h = LlamaModel::Load(*file(1, 1u << 31));
   EXPECT_NE(h.status().message().find("llama.attention.head_count = 2147483648 is outside 1..4096"),
-            std::string::npos) << h.status();
+            std::string::npos)
+      << h.status();
 }
 
 }  // namespace

@@ -2,9 +2,8 @@
 // basis check every tool makes (its RoPE layout must be the model's).
 #include "kvq/frontend/model_files.h"
 
-#include "kvq/frontend/model_and_text.h"
-
 #include "gtest/gtest.h"
+#include "kvq/frontend/model_and_text.h"
 
 namespace kvq::frontend {
 namespace {

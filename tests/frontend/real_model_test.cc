@@ -76,7 +76,8 @@ TEST_F(RealModel, LogitsMatchLlamaCpp) {
     EXPECT_EQ(tok_->Encode(p["prompt"].get<std::string>()), ids);
     DenseCache cache(model_->config().cache_shape());
     std::vector<float> logits;
-    ASSERT_TRUE(model_->Forward(ids.data(), static_cast<int>(ids.size()), 0, &cache, 0, &logits).ok());
+    ASSERT_TRUE(
+        model_->Forward(ids.data(), static_cast<int>(ids.size()), 0, &cache, 0, &logits).ok());
     for (size_t i = 0; i < ids.size(); ++i) {
       const auto& row = p["rows"][i];
       const float* l = logits.data() + i * V;

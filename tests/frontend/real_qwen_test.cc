@@ -71,7 +71,8 @@ TEST_F(RealQwen, TokenizerMatchesLlamaCpp) {
   EXPECT_EQ(std::string(hex), (*ref_)["test_ids_fnv1a64"].get<std::string>());
   const auto first = Ids((*ref_)["test_first_ids"]);
   ASSERT_GE(ids.size(), first.size());
-  EXPECT_EQ(std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<long>(first.size())), first);
+  EXPECT_EQ(std::vector<int32_t>(ids.begin(), ids.begin() + static_cast<long>(first.size())),
+            first);
 }
 
 TEST_F(RealQwen, LogitsMatchLlamaCpp) {
@@ -84,7 +85,8 @@ TEST_F(RealQwen, LogitsMatchLlamaCpp) {
     EXPECT_EQ(tok_->Encode(p["prompt"].get<std::string>()), ids);
     DenseCache cache(model_->config().cache_shape());
     std::vector<float> logits;
-    ASSERT_TRUE(model_->Forward(ids.data(), static_cast<int>(ids.size()), 0, &cache, 0, &logits).ok());
+    ASSERT_TRUE(
+        model_->Forward(ids.data(), static_cast<int>(ids.size()), 0, &cache, 0, &logits).ok());
     for (size_t i = 0; i < ids.size(); ++i) {
       const auto& row = p["rows"][i];
       const float* l = logits.data() + i * V;
@@ -103,11 +105,14 @@ TEST_F(RealQwen, LogitsMatchLlamaCpp) {
       // A near tie may flip: llama.cpp's own logit of our argmax within 0.1 of its top one
       // (measured: one row of 51, a gap of 0.06 there, -0.02 here).
       bool agree = arg == top[0];
-      for (size_t k = 1; k < top.size() && !agree; ++k) agree = arg == top[k] && tl[0] - tl[k] < 0.1f;
+      for (size_t k = 1; k < top.size() && !agree; ++k)
+        agree = arg == top[k] && tl[0] - tl[k] < 0.1f;
       if (!agree) {
-        std::printf("row %zu of \"%s\": argmax %d (%.4f), llama.cpp top %d (%.4f, ours %.4f), "
-                    "second %d (%.4f)\n", i, p["prompt"].get<std::string>().c_str(), arg, l[arg],
-                    top[0], tl[0], l[top[0]], top[1], tl[1]);
+        std::printf(
+            "row %zu of \"%s\": argmax %d (%.4f), llama.cpp top %d (%.4f, ours %.4f), "
+            "second %d (%.4f)\n",
+            i, p["prompt"].get<std::string>().c_str(), arg, l[arg], top[0], tl[0], l[top[0]],
+            top[1], tl[1]);
       }
       top1_agree += agree;
       ++rows;

@@ -16,9 +16,10 @@ namespace {
 std::string WriteModel(const GgufWriter& w, const std::string& tag) {
   const auto bytes = w.Finish();
   static int seq = 0;
-  const std::string path = ::testing::TempDir() + "/tiny_" + tag + "_" + std::to_string(::getpid()) +
-                           "_" + std::to_string(seq++) + ".gguf";
-  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  const std::string path = ::testing::TempDir() + "/tiny_" + tag + "_" +
+                           std::to_string(::getpid()) + "_" + std::to_string(seq++) + ".gguf";
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   return path;
 }
 
@@ -60,9 +61,8 @@ std::string WriteTinyModel(const TinyOptions& o) {
     for (auto& x : v) x = mean + scale * nd(bias ? bias_rng : rng);
     return v;
   };
-  auto tensor = [&](const std::string& name, std::vector<int64_t> dims, float scale, float mean = 0) {
-    put(name, dims, random(dims, scale, mean));
-  };
+  auto tensor = [&](const std::string& name, std::vector<int64_t> dims, float scale,
+                    float mean = 0) { put(name, dims, random(dims, scale, mean)); };
   // Rows of a Q/K projection (or bias), head by head: row i of a head in halves order goes to
   // 2i (i < 32) or 2(i - 32) + 1 in adjacent-pairs order, so that both layouts rotate the same
   // channel pairs.
@@ -111,6 +111,5 @@ std::unique_ptr<GgufFile> TinyModel(const TinyOptions& o) {
   EXPECT_TRUE(f.ok()) << f.status();
   return f.ok() ? std::move(*f) : nullptr;
 }
-
 
 }  // namespace kvq::frontend

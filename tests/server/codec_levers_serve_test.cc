@@ -113,8 +113,10 @@ TEST(CodecLeversServeTest, BadEncodeBasesAndMomentsAreRefusedNamingWhat) {
   };
   {  // A^T B != I: column 1 of the encode basis of layer 1 scaled.
     core::ModelBasis bad = b;
-    for (int a = 0; a < s.head_dim; ++a) bad.encode[bad.HeadOffset(1, 0) + a * s.basis_rank + 1] *= 2;
-    refused(RegisterOf(bad), "layer 1 head 0: encode column 1 and decode column 1 are not biorthogonal");
+    for (int a = 0; a < s.head_dim; ++a)
+      bad.encode[bad.HeadOffset(1, 0) + a * s.basis_rank + 1] *= 2;
+    refused(RegisterOf(bad),
+            "layer 1 head 0: encode column 1 and decode column 1 are not biorthogonal");
   }
   {  // An encode basis for one layer of two.
     v1::RegisterBasisRequest req = RegisterOf(b);
@@ -357,8 +359,8 @@ TEST(CodecLeversServeTest, SequencesReadAsAnInProcessLeverCache) {
   override_codec.rotate_values = true;
   override_codec.metric_rounding = false;
 
-  for (const auto& [seq, codec] :
-       {std::pair{std::string("model"), model_codec}, std::pair{std::string("over"), override_codec}}) {
+  for (const auto& [seq, codec] : {std::pair{std::string("model"), model_codec},
+                                   std::pair{std::string("over"), override_codec}}) {
     SCOPED_TRACE(seq);
     const int layer = 1;
     auto k = RandomKV(kv, T, d, 5), v = RandomKV(kv, T, d, 6);
@@ -375,8 +377,7 @@ TEST(CodecLeversServeTest, SequencesReadAsAnInProcessLeverCache) {
 
     const std::vector<float> u = LayerBasis(b, layer, codec.rank);
     const std::vector<float> enc = LayerBasis(b, layer, codec.rank, /*encode=*/true);
-    core::LayerCache ref(codec, kv, u.data(), nullptr, enc.data(),
-                         b.query_moment_head(layer, 0));
+    core::LayerCache ref(codec, kv, u.data(), nullptr, enc.data(), b.query_moment_head(layer, 0));
     std::string kb = ToF16Bytes(k), vb = ToF16Bytes(v);
     ASSERT_TRUE(ref.Append(core::TensorView::Contiguous(kb.data(), core::DType::kF16, {kv, T, d}),
                            core::TensorView::Contiguous(vb.data(), core::DType::kF16, {kv, T, d}),

@@ -8,8 +8,8 @@
 #include <limits>
 #include <random>
 
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "google/protobuf/stubs/logging.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "gtest/gtest.h"
 #include "tests/server/test_util.h"
@@ -69,7 +69,8 @@ void MutateField(google::protobuf::Message* m, std::mt19937& rng) {
       const FieldDescriptor* f = d->field(i);
       if (f->cpp_type() == FieldDescriptor::CPPTYPE_MESSAGE) {
         if (f->is_repeated()) {
-          for (int j = 0; j < r->FieldSize(*cur, f); ++j) todo.push_back(r->MutableRepeatedMessage(cur, f, j));
+          for (int j = 0; j < r->FieldSize(*cur, f); ++j)
+            todo.push_back(r->MutableRepeatedMessage(cur, f, j));
         } else if (r->HasField(*cur, f)) {
           todo.push_back(r->MutableMessage(cur, f));
         }
@@ -90,22 +91,39 @@ void MutateField(google::protobuf::Message* m, std::mt19937& rng) {
       return;
     }
     switch (f->cpp_type()) {
-      case FieldDescriptor::CPPTYPE_INT64: r->AddInt64(msg, f, x); break;
-      case FieldDescriptor::CPPTYPE_INT32: r->AddInt32(msg, f, static_cast<int32_t>(x)); break;
-      case FieldDescriptor::CPPTYPE_UINT32: r->AddUInt32(msg, f, static_cast<uint32_t>(x)); break;
-      default: break;
+      case FieldDescriptor::CPPTYPE_INT64:
+        r->AddInt64(msg, f, x);
+        break;
+      case FieldDescriptor::CPPTYPE_INT32:
+        r->AddInt32(msg, f, static_cast<int32_t>(x));
+        break;
+      case FieldDescriptor::CPPTYPE_UINT32:
+        r->AddUInt32(msg, f, static_cast<uint32_t>(x));
+        break;
+      default:
+        break;
     }
     return;
   }
   switch (f->cpp_type()) {
-    case FieldDescriptor::CPPTYPE_INT64: r->SetInt64(msg, f, x); break;
-    case FieldDescriptor::CPPTYPE_INT32: r->SetInt32(msg, f, static_cast<int32_t>(x)); break;
-    case FieldDescriptor::CPPTYPE_UINT32: r->SetUInt32(msg, f, static_cast<uint32_t>(x)); break;
+    case FieldDescriptor::CPPTYPE_INT64:
+      r->SetInt64(msg, f, x);
+      break;
+    case FieldDescriptor::CPPTYPE_INT32:
+      r->SetInt32(msg, f, static_cast<int32_t>(x));
+      break;
+    case FieldDescriptor::CPPTYPE_UINT32:
+      r->SetUInt32(msg, f, static_cast<uint32_t>(x));
+      break;
     case FieldDescriptor::CPPTYPE_FLOAT:
       r->SetFloat(msg, f, rng() % 2 ? std::numeric_limits<float>::quiet_NaN() : -1e30f);
       break;
-    case FieldDescriptor::CPPTYPE_BOOL: r->SetBool(msg, f, !r->GetBool(*msg, f)); break;
-    case FieldDescriptor::CPPTYPE_ENUM: r->SetEnumValue(msg, f, static_cast<int>(x % 7)); break;
+    case FieldDescriptor::CPPTYPE_BOOL:
+      r->SetBool(msg, f, !r->GetBool(*msg, f));
+      break;
+    case FieldDescriptor::CPPTYPE_ENUM:
+      r->SetEnumValue(msg, f, static_cast<int>(x % 7));
+      break;
     case FieldDescriptor::CPPTYPE_STRING: {
       std::string v = r->GetString(*msg, f);
       if (f->type() == FieldDescriptor::TYPE_BYTES && !v.empty()) {
@@ -116,7 +134,8 @@ void MutateField(google::protobuf::Message* m, std::mt19937& rng) {
       r->SetString(msg, f, v);
       break;
     }
-    default: break;
+    default:
+      break;
   }
 }
 
@@ -170,7 +189,10 @@ TEST(ServiceFuzz, DamagedRequestsGetAStatusAndHarmNothing) {
   // Templates: valid requests naming sequence "fz" (never "ref").
   std::vector<std::pair<std::string, std::string>> unary;
   std::vector<std::unique_ptr<google::protobuf::Message>> protos;  // parallel to unary
-  auto keep = [&](const google::protobuf::Message& m) { protos.emplace_back(m.New()); protos.back()->CopyFrom(m); };
+  auto keep = [&](const google::protobuf::Message& m) {
+    protos.emplace_back(m.New());
+    protos.back()->CopyFrom(m);
+  };
   {
     v1::ScoreRequest r;
     auto* it = r.add_items();
@@ -218,8 +240,8 @@ TEST(ServiceFuzz, DamagedRequestsGetAStatusAndHarmNothing) {
   }
   v1::PutBlocksRequest put_fz;
   {
-    v1::Append a = MakeAppend("fz", 0, 0, Slice(k, kv, T, d, 0, 40), Slice(v, kv, T, d, 0, 40),
-                              kv, 40, d, "tiny");
+    v1::Append a = MakeAppend("fz", 0, 0, Slice(k, kv, T, d, 0, 40), Slice(v, kv, T, d, 0, 40), kv,
+                              40, d, "tiny");
     for (int t = 0; t < 40; ++t) a.add_token_ids(100 + t);
     *put_fz.add_appends() = a;
   }
@@ -234,7 +256,8 @@ TEST(ServiceFuzz, DamagedRequestsGetAStatusAndHarmNothing) {
   // KVQ_FUZZ_SEED and KVQ_FUZZ_ITERS run it longer or elsewhere (CI: the defaults).
   const char* seed_env = std::getenv("KVQ_FUZZ_SEED");
   const char* iters_env = std::getenv("KVQ_FUZZ_ITERS");
-  const uint32_t seed = seed_env ? static_cast<uint32_t>(std::strtoul(seed_env, nullptr, 10)) : 20261129u;
+  const uint32_t seed =
+      seed_env ? static_cast<uint32_t>(std::strtoul(seed_env, nullptr, 10)) : 20261129u;
   const int iters = iters_env ? std::atoi(iters_env) : 3000;
   std::mt19937 rng(seed);
   std::map<int, int> codes;

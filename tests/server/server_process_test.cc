@@ -61,10 +61,10 @@ int WaitForPort(Process& p, std::string* log) {
 
 TEST(ServerProcessTest, EnvFlagsDefaultRegistryHealthAndGracefulSigterm) {
   const std::string home = TempDir("kvq-home");
-  Process p = Spawn({KVQ_SERVER_BIN, "--grpc-port", "0"},
-                    {"HOME=" + home, "KVQ_GRPC_ADDRESS=127.0.0.1", "KVQ_METRICS_PORT=-1",
-                     "KVQ_CAPACITY=64M", "KVQ_SHUTDOWN_GRACE=5s", "KVQ_MAX_INFLIGHT=7",
-                     "KVQ_RETAIN_PREFIXES=false"});
+  Process p = Spawn(
+      {KVQ_SERVER_BIN, "--grpc-port", "0"},
+      {"HOME=" + home, "KVQ_GRPC_ADDRESS=127.0.0.1", "KVQ_METRICS_PORT=-1", "KVQ_CAPACITY=64M",
+       "KVQ_SHUTDOWN_GRACE=5s", "KVQ_MAX_INFLIGHT=7", "KVQ_RETAIN_PREFIXES=false"});
   std::string log;
   const int port = WaitForPort(p, &log);
   ASSERT_GT(port, 0) << log;
@@ -147,7 +147,8 @@ bool WaitUntilStopped(pid_t pid) {
     std::string line;
     std::getline(stat, line);
     const size_t paren = line.rfind(')');
-    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T') return true;
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'T')
+      return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   return false;
@@ -248,8 +249,8 @@ TEST(ServerProcessTest, KillStopAndCancelLeaveAWorkingServer) {
     const auto kk = RandomKV(s.kv_heads, 16, s.head_dim, 3);
     for (int i = 0; i < 8; ++i) {
       v1::PutBlocksRequest mi;
-      *mi.add_appends() = MakeAppend("c", 0, 16 * i, kk, kk, s.kv_heads, 16, s.head_dim,
-                                     i == 0 ? "tiny" : "");
+      *mi.add_appends() =
+          MakeAppend("c", 0, 16 * i, kk, kk, s.kv_heads, 16, s.head_dim, i == 0 ? "tiny" : "");
       if (!w->Write(mi)) break;
     }
     ctx.TryCancel();
@@ -340,16 +341,17 @@ TEST(ServerProcessTest, BadFlagsExitNonZeroWithAMessage) {
   // attend in this version), pinned without a CUDA driver.
   for (const char* pool : {"gpu", "pinned"}) {
     if (std::string(pool) == "pinned" && kernels::CudaAvailable()) continue;
-    Process r = Spawn({KVQ_SERVER_BIN, "--memory", pool, "--grpc-port", "0", "--metrics-port",
-                       "-1", "--registry", ""},
+    Process r = Spawn({KVQ_SERVER_BIN, "--memory", pool, "--grpc-port", "0", "--metrics-port", "-1",
+                       "--registry", ""},
                       {});
     log.clear();
     while (std::fgets(line, sizeof line, r.err)) log += line;
     fclose(r.err);
     waitpid(r.pid, &status, 0);
     EXPECT_EQ(WEXITSTATUS(status), 1) << log;
-    EXPECT_NE(log.find(std::string("--memory ") + pool + " is not available: memory pool '" + pool + "'"),
-              std::string::npos)
+    EXPECT_NE(
+        log.find(std::string("--memory ") + pool + " is not available: memory pool '" + pool + "'"),
+        std::string::npos)
         << log;
   }
   Process q = Spawn({KVQ_SERVER_BIN, "--no-such-flag"}, {});
@@ -403,8 +405,9 @@ TEST(ServerProcessTest, OutOfRangeNumericFlagsExit2NamingTheFlagAndTheRange) {
       {{"--tenant-quota", "-1"}, "bad value '-1' for --tenant-quota"},
   };
   for (const auto& [flag, want] : cases) {
-    std::vector<std::string> args = {KVQ_SERVER_BIN, "--grpc-address", "127.0.0.1", "--grpc-port",
-                                     "0", "--metrics-port", "-1", "--registry", ""};
+    std::vector<std::string> args = {
+        KVQ_SERVER_BIN, "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--metrics-port",
+        "-1",           "--registry",     ""};
     args.insert(args.end(), flag.begin(), flag.end());  // the last of a flag wins
     std::string log;
     EXPECT_EQ(RunToExit(args, &log), 2) << flag[0] << " " << flag[1] << "\n" << log;

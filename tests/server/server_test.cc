@@ -23,8 +23,8 @@
 #include "gtest/gtest.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/metrics.h"
-#include "server/auth.h"
 #include "kvq/wire/codec_settings.h"
+#include "server/auth.h"
 #include "server/convert.h"
 #include "tests/server/test_util.h"
 
@@ -548,8 +548,8 @@ TEST(ServiceTest, GetBlocksOfAllLayersIsOneSnapshotDespiteConcurrentAppends) {
   // 256 more tokens on every layer while the read is under way.
   v1::PutBlocksRequest more;
   for (int l = 0; l < s.layers; ++l)
-    *more.add_appends() = MakeAppend("x", l, T, RandomKV(kv, 256, d, 7), RandomKV(kv, 256, d, 8),
-                                     kv, 256, d, "tiny");
+    *more.add_appends() =
+        MakeAppend("x", l, T, RandomKV(kv, 256, d, 7), RandomKV(kv, 256, d, 8), kv, 256, d, "tiny");
   ASSERT_TRUE(Put(*stub, {more}, &pr).ok());
   std::vector<int64_t> seen(s.layers, 0);
   seen[0] = one.keys().shape(1);
@@ -576,8 +576,8 @@ TEST(ServiceTest, GetBlocksOfALongLayerStitchesItsDecodeWindows) {
   const int kv = s.kv_heads, d = s.head_dim;
   const int64_t T = 2600;
   v1::PutBlocksRequest m;
-  *m.add_appends() = MakeAppend("long", 0, 0, RandomKV(kv, T, d, 5), RandomKV(kv, T, d, 6), kv, T,
-                                d, "tiny");
+  *m.add_appends() =
+      MakeAppend("long", 0, 0, RandomKV(kv, T, d, 5), RandomKV(kv, T, d, 6), kv, T, d, "tiny");
   v1::PutBlocksResponse pr;
   ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
   auto read = [&](int64_t from, int chunk) {
@@ -666,12 +666,14 @@ TEST(ServiceTest, GetBlocksRangeIsTheSliceAndReadsOnlyItsBlocks) {
     EXPECT_EQ(msg.layer_tokens(), T);
     const int64_t n = msg.keys().shape(1);
     const auto kf = FloatsOf(msg.keys());
-    for (int h = 0; h < kv; ++h) k[h].insert(k[h].end(), kf.begin() + h * n * d, kf.begin() + (h + 1) * n * d);
+    for (int h = 0; h < kv; ++h)
+      k[h].insert(k[h].end(), kf.begin() + h * n * d, kf.begin() + (h + 1) * n * d);
     next += n;
   }
   EXPECT_EQ(next, 90);
   for (int h = 0; h < kv; ++h) {
-    const std::vector<float> want(whole[0].begin() + (h * T + 40) * d, whole[0].begin() + (h * T + 90) * d);
+    const std::vector<float> want(whole[0].begin() + (h * T + 40) * d,
+                                  whole[0].begin() + (h * T + 90) * d);
     EXPECT_EQ(k[h], want) << "head " << h;
   }
   // Past the end: one empty message saying how long the layer is.
@@ -973,9 +975,8 @@ TEST(ServiceTest, UnparsableStreamMessageFailsTheStreamNamingItsIndex) {
   const int kv = s.kv_heads, d = s.head_dim;
   auto k = RandomKV(kv, 32, d, 1);
   v1::PutBlocksRequest first, third;
-  *first.add_appends() =
-      MakeAppend("s", 0, 0, Slice(k, kv, 32, d, 0, 16), Slice(k, kv, 32, d, 0, 16), kv, 16, d,
-                 "tiny");
+  *first.add_appends() = MakeAppend("s", 0, 0, Slice(k, kv, 32, d, 0, 16),
+                                    Slice(k, kv, 32, d, 0, 16), kv, 16, d, "tiny");
   *third.add_appends() =
       MakeAppend("s", 0, 16, Slice(k, kv, 32, d, 16, 16), Slice(k, kv, 32, d, 16, 16), kv, 16, d);
   // [valid, not a protobuf message (a varint that never ends), valid], sent as raw bytes.
@@ -1459,8 +1460,8 @@ TEST(ServiceTest, EveryReadPathHitsForItsTenantAndMissesForAnother) {
   const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
   const int64_t T = 40;
   v1::PutBlocksRequest m;
-  *m.add_appends() = MakeAppend("secret", 0, 0, RandomKV(kv, T, d, 1), RandomKV(kv, T, d, 2), kv,
-                                T, d, "tiny");
+  *m.add_appends() =
+      MakeAppend("secret", 0, 0, RandomKV(kv, T, d, 1), RandomKV(kv, T, d, 2), kv, T, d, "tiny");
   v1::PutBlocksResponse pr;
   ASSERT_TRUE(Put(*stub, {m}, &pr, "", alpha).ok());
   const auto q = RandomQueries(qh, 1, d, 3);
@@ -1490,8 +1491,10 @@ TEST(ServiceTest, EveryReadPathHitsForItsTenantAndMissesForAnother) {
                     queries);
   };
   paths["Readout"] = [&](const std::string& id, const std::string& token) {
-    return one_item(&v1::Kvq::Stub::Readout, v1::ReadoutRequest(), v1::ReadoutResponse(), id,
-                    token, [&](auto* it) { *it->mutable_weights() = TensorF32(w, {qh, 1, T}); });
+    return one_item(&v1::Kvq::Stub::Readout, v1::ReadoutRequest(), v1::ReadoutResponse(), id, token,
+                    [&](auto* it) {
+                      *it->mutable_weights() = TensorF32(w, {qh, 1, T});
+                    });
   };
   paths["GetBlocks"] = [&](const std::string& id, const std::string& token) {
     v1::GetBlocksRequest req;
@@ -1504,7 +1507,8 @@ TEST(ServiceTest, EveryReadPathHitsForItsTenantAndMissesForAnother) {
     return rpc(r->Finish());
   };
   auto without_id = [](Outcome x, const std::string& id) {
-    for (size_t at; (at = x.second.find(id)) != std::string::npos;) x.second.replace(at, id.size(), "ID");
+    for (size_t at; (at = x.second.find(id)) != std::string::npos;)
+      x.second.replace(at, id.size(), "ID");
     return x;
   };
   for (const auto& [name, call] : paths) {
@@ -1524,7 +1528,8 @@ TEST(ServiceTest, EveryReadPathHitsForItsTenantAndMissesForAnother) {
     out.second += "|" + std::to_string(resp.bytes_freed());
     return out;
   };
-  EXPECT_EQ(without_id(del("secret", beta), "secret"), without_id(del("no-such-sequence", beta), "no-such-sequence"));
+  EXPECT_EQ(without_id(del("secret", beta), "secret"),
+            without_id(del("no-such-sequence", beta), "no-such-sequence"));
   EXPECT_EQ(paths["Score"]("secret", alpha).first, 0);  // beta's Delete freed nothing of alpha's
   const Outcome mine = del("secret", alpha);
   EXPECT_EQ(mine.first, 0) << mine.second;
@@ -1960,8 +1965,9 @@ TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
           ++other;
           std::lock_guard<std::mutex> l(first_other_mu);
           if (first_other.empty())
-            first_other = absl::StrCat("code ", cst.error_code(), ": ", cst.error_message(),
-                                       cst.ok() ? absl::StrCat(" / item ", r.results(0).status().message()) : "");
+            first_other = absl::StrCat(
+                "code ", cst.error_code(), ": ", cst.error_message(),
+                cst.ok() ? absl::StrCat(" / item ", r.results(0).status().message()) : "");
         }
       }
     });
@@ -2092,7 +2098,8 @@ TEST(ServiceTest, AbandonedCallsStopAtTheirDeadline) {
   EXPECT_EQ(sr.results(0).status().code(), 0);
   {
     absl::MutexLock l(&mu);
-    mu.Await(absl::Condition(+[](int* n) { return *n == 10; }, &answered));
+    mu.Await(absl::Condition(
+        +[](int* n) { return *n == 10; }, &answered));
   }
   for (const auto& c : calls) EXPECT_EQ(c->st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   // Only the small call was worked through (besides the timed one); the heavy ones that reached a

@@ -123,7 +123,7 @@ core::CodecOptions CodecOf(const Shape& s, int codec_rank) {
   m.head_dim = s.head_dim;
   m.rank = s.basis_rank;
   core::CodecOptions c = s.legacy_codec ? core::Registry::LegacyDefaultCodec(m, s.basis_rank > 0)
-                                         : core::Registry::DefaultCodec(m, s.basis_rank > 0);
+                                        : core::Registry::DefaultCodec(m, s.basis_rank > 0);
   if (s.basis_rank > 0) c.rank = codec_rank;
   return c;
 }

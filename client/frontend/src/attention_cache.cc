@@ -38,8 +38,8 @@ void LocalAttend(const CacheShape& s_, const float* q, int n, int64_t start, int
       for (int64_t t = 0; t < vis; ++t) si[t] *= inv;
       for (int64_t t = vis; t < T; ++t) si[t] = 0.0f;
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, static_cast<int>(T), 1.0f, s.data(),
-                static_cast<int>(T), V + kh * head_off, static_cast<int>(row), 0.0f,
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, D, static_cast<int>(T), 1.0f,
+                s.data(), static_cast<int>(T), V + kh * head_off, static_cast<int>(row), 0.0f,
                 out + static_cast<size_t>(h) * n * D, D);
   }
 }
@@ -70,19 +70,18 @@ absl::Status DenseCache::AppendAndAttend(int layer, const float* k, const float*
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape& s,
-                                                               const core::CodecOptions& o,
-                                                               const core::ModelBasis* basis,
-                                                               bool keys_only, CodecRead read,
-                                                               const std::vector<int>* layer_ranks,
-                                                               bool probe) {
+absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(
+    const CacheShape& s, const core::CodecOptions& o, const core::ModelBasis* basis, bool keys_only,
+    CodecRead read, const std::vector<int>* layer_ranks, bool probe) {
   RETURN_IF_ERROR(o.Validate());
-  if (o.head_dim != s.head_dim) return absl::InvalidArgumentError("codec head_dim != model head_dim");
+  if (o.head_dim != s.head_dim)
+    return absl::InvalidArgumentError("codec head_dim != model head_dim");
   std::unique_ptr<CodecCache> c(new CodecCache(s, o));
   c->keys_only_ = keys_only;
   c->read_ = read;
   c->probe_ = probe;
-  if (probe && !o.per_token_value_bits()) return absl::InvalidArgumentError("probe needs the A^2 policy");
+  if (probe && !o.per_token_value_bits())
+    return absl::InvalidArgumentError("probe needs the A^2 policy");
   if (keys_only) c->dense_v_.resize(s.layers);
   std::vector<float> u, a;  // U (or the decode basis B) and an oblique pair's A, per layer
   if (layer_ranks && static_cast<int>(layer_ranks->size()) != s.layers)
@@ -126,7 +125,8 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape&
       }
     }
     const float* moment = basis ? basis->query_moment_head(l, 0) : nullptr;
-    c->layers_.push_back(std::make_unique<core::LayerCache>(ol, s.kv_heads, bp, nullptr, ap, moment));
+    c->layers_.push_back(
+        std::make_unique<core::LayerCache>(ol, s.kv_heads, bp, nullptr, ap, moment));
   }
   return c;
 }
@@ -203,7 +203,8 @@ void CodecCache::LocalAttendSplit(const float* q, int n, int64_t start, int64_t 
   std::vector<float> Vt(static_cast<size_t>(s_.kv_heads) * T * D);
   for (int h = 0; h < s_.kv_heads; ++h)
     for (int64_t t = 0; t < T; ++t)
-      std::copy_n(V + (static_cast<size_t>(t) * s_.kv_heads + h) * D, D, Vt.data() + (static_cast<size_t>(h) * T + t) * D);
+      std::copy_n(V + (static_cast<size_t>(t) * s_.kv_heads + h) * D, D,
+                  Vt.data() + (static_cast<size_t>(h) * T + t) * D);
   LocalAttend(s_, q, n, start, T, K, Vt.data(), T * D, D, out);
 }
 
@@ -249,7 +250,8 @@ absl::Status CodecCache::SetLevers(const EvalLevers& levers) {
   if (!levers.any()) return absl::OkStatus();
   RETURN_IF_ERROR(CheckLevers(levers, o_));
   if (read_ != CodecRead::kDecode || probe_) {
-    return absl::InvalidArgumentError("the evaluation levers read by decoding (not fused, not probe)");
+    return absl::InvalidArgumentError(
+        "the evaluation levers read by decoding (not fused, not probe)");
   }
   if (levers.keys_before_rope && levers.rope.inv_freq.empty()) {
     return absl::InvalidArgumentError("pre: the model's RoPE frequencies are missing");
@@ -257,7 +259,8 @@ absl::Status CodecCache::SetLevers(const EvalLevers& levers) {
   if (!feeds_.empty() || (!layers_.empty() && layers_[0]->tokens() > 0)) {
     return absl::FailedPreconditionError("levers are set before the first append");
   }
-  for (size_t l = 0; l < layers_.size(); ++l) feeds_.emplace_back(levers, o_, s_.kv_heads, keys_only_);
+  for (size_t l = 0; l < layers_.size(); ++l)
+    feeds_.emplace_back(levers, o_, s_.kv_heads, keys_only_);
   return absl::OkStatus();
 }
 
@@ -268,7 +271,8 @@ core::SizeReport CodecCache::Size() const {
     if (!feeds_.empty()) {
       // Rows not fed yet wait at fp16, as the codec's own window would hold them.
       const LeverFeed& f = feeds_[i];
-      const int64_t tail = f.tokens() - l.tokens, row = static_cast<int64_t>(s_.kv_heads) * s_.head_dim;
+      const int64_t tail = f.tokens() - l.tokens,
+                    row = static_cast<int64_t>(s_.kv_heads) * s_.head_dim;
       l.tokens += tail;
       l.window_tokens += tail;
       l.elements += tail * row;

@@ -14,7 +14,8 @@ namespace kvq::frontend {
 
 CodecBits SteadyStateBits(const core::CodecOptions& o, int context_tokens) {
   const double elements = static_cast<double>(o.key_group) * o.head_dim;
-  CodecBits b{8.0 * core::KeyBlockBytes(o) / elements, 8.0 * core::MaxValueBlockBytes(o) / elements};
+  CodecBits b{8.0 * core::KeyBlockBytes(o) / elements,
+              8.0 * core::MaxValueBlockBytes(o) / elements};
   // S rows of 16-bit keys and values per head over context_tokens rows: 16 S / T per element.
   if (context_tokens > 0) b.sinks = 16.0 * o.fp16_sinks / context_tokens;
   return b;
@@ -28,33 +29,33 @@ const std::vector<std::string>& CodecSearchCandidates() {
   // RESULTS.md's SmolLM2 tables (kivi-kv2 by headq-kv2-g128, the old G = 32 default
   // headq-kv2 and rank 2 with 8-bit side codes by headq-kv3-g128-s4-v2).
   static const std::vector<std::string> kCandidates = {
-      "kivi-kv2-g128-vg64",           // 2.27, 2.52: 2.39
-      "headq-kv2-g128-s4-vg64",       // 2.53, 2.52: 2.52
-      "kivi-kv2-g128",                // 2.27, 3.02: 2.64
-      "headq-kv2-g128-vg64",          // 2.78, 2.52: 2.65
-      "headq-kv2-g128-s4",            // 2.53, 3.02: 2.77
-      "headq-kv2-g128",               // 2.78, 3.02: 2.90
-      "headq-kv3-g128-s4-v2-vg64",    // 3.53, 2.52: 3.02
-      "kivi-kv3-g128-v2",             // 3.27, 3.02: 3.14
-      "headq-kv3-g128-s4-v2",         // 3.53, 3.02: 3.27
-      "headq-kv3-g128-v2",            // 3.78, 3.02: 3.40
-      "headq-kv2-g128-v3",            // 2.78, 4.02: 3.40
-      "kivi-kv4-g128-v2",             // 4.27, 3.02: 3.64
-      "kivi-kv3-g128",                // 3.27, 4.02: 3.64
-      "headq-kv3-g128-vg64",          // 3.78, 3.52: 3.65
-      "headq-kv3-g128",               // 3.78, 4.02: 3.90
-      "kivi-kv3",                     // 4.06, 4.06: 4.06
-      "headq-kv4-g128-v3",            // 4.78, 4.02: 4.40
-      "kivi-kv4-g128-vg64",           // 4.27, 4.52: 4.39
-      "kivi-kv4-g128",                // 4.27, 5.02: 4.64
-      "headq-kv4-g128",               // 4.78, 5.02: 4.90
-      "kivi-kv4",                     // 5.06, 5.06: 5.06
-      "kivi-kv4-g128-v8-vg64",        // 4.27, 8.52: 6.39
-      "headq-kv4-g128-v8-vg64",       // 4.78, 8.52: 6.65
-      "kivi-kv8-g128-vg64",           // 8.27, 8.52: 8.39
-      "kivi-kv8-g128",                // 8.27, 9.02: 8.64
-      "kivi-kv8-vg64",                // 9.06, 8.56: 8.81
-      "kivi-kv8",                     // 9.06, 9.06: 9.06
+      "kivi-kv2-g128-vg64",         // 2.27, 2.52: 2.39
+      "headq-kv2-g128-s4-vg64",     // 2.53, 2.52: 2.52
+      "kivi-kv2-g128",              // 2.27, 3.02: 2.64
+      "headq-kv2-g128-vg64",        // 2.78, 2.52: 2.65
+      "headq-kv2-g128-s4",          // 2.53, 3.02: 2.77
+      "headq-kv2-g128",             // 2.78, 3.02: 2.90
+      "headq-kv3-g128-s4-v2-vg64",  // 3.53, 2.52: 3.02
+      "kivi-kv3-g128-v2",           // 3.27, 3.02: 3.14
+      "headq-kv3-g128-s4-v2",       // 3.53, 3.02: 3.27
+      "headq-kv3-g128-v2",          // 3.78, 3.02: 3.40
+      "headq-kv2-g128-v3",          // 2.78, 4.02: 3.40
+      "kivi-kv4-g128-v2",           // 4.27, 3.02: 3.64
+      "kivi-kv3-g128",              // 3.27, 4.02: 3.64
+      "headq-kv3-g128-vg64",        // 3.78, 3.52: 3.65
+      "headq-kv3-g128",             // 3.78, 4.02: 3.90
+      "kivi-kv3",                   // 4.06, 4.06: 4.06
+      "headq-kv4-g128-v3",          // 4.78, 4.02: 4.40
+      "kivi-kv4-g128-vg64",         // 4.27, 4.52: 4.39
+      "kivi-kv4-g128",              // 4.27, 5.02: 4.64
+      "headq-kv4-g128",             // 4.78, 5.02: 4.90
+      "kivi-kv4",                   // 5.06, 5.06: 5.06
+      "kivi-kv4-g128-v8-vg64",      // 4.27, 8.52: 6.39
+      "headq-kv4-g128-v8-vg64",     // 4.78, 8.52: 6.65
+      "kivi-kv8-g128-vg64",         // 8.27, 8.52: 8.39
+      "kivi-kv8-g128",              // 8.27, 9.02: 8.64
+      "kivi-kv8-vg64",              // 9.06, 8.56: 8.81
+      "kivi-kv8",                   // 9.06, 9.06: 9.06
   };
   return kCandidates;
 }
@@ -83,8 +84,7 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
     // Only what a registry entry's codec.json can say: the server serves keys and values
     // through the codec with the entry's query basis.
     if (c.keys_only || (c.basis != BasisKind::kQuery && c.basis != BasisKind::kOblique) ||
-        c.adaptive_rank || c.probe || c.fused ||
-        c.codec.side_sign != 1.0f) {
+        c.adaptive_rank || c.probe || c.fused || c.codec.side_sign != 1.0f) {
       return absl::InvalidArgumentError(absl::StrCat(
           "codec search candidate '", name,
           "': must be a full-KV (kv) codec with the query basis or the oblique pair (no basis "
@@ -97,9 +97,8 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
     r.codec.head_dim = head_dim;
     absl::Status valid = r.codec.Validate();
     if (!valid.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("codec search candidate '", name,
-                                                     "' at head_dim ", head_dim, ": ",
-                                                     valid.message()));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "codec search candidate '", name, "' at head_dim ", head_dim, ": ", valid.message()));
     }
     r.bits = SteadyStateBits(r.codec, context_tokens);
     if (r.codec.rank > basis_rank) {
@@ -117,7 +116,8 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
     }
   }
   if (!any) {
-    if (!smallest) return absl::FailedPreconditionError("no codec search candidate fits the basis rank");
+    if (!smallest)
+      return absl::FailedPreconditionError("no codec search candidate fits the basis rank");
     return absl::FailedPreconditionError(absl::StrFormat(
         "--bits %.3f: no codec candidate fits; the smallest, %s, costs %.3f bits per element "
         "(K %.3f, V %.3f)",
@@ -127,10 +127,10 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
   return rows;
 }
 
-absl::StatusOr<int> RunCodecSearch(const LlamaModel& model, const std::vector<int32_t>& tokens,
-                                   int windows, int window_len, BasisSet* bases,
-                                   std::vector<CodecSearchRow>* rows,
-                                   const std::function<void(int64_t, const std::string&)>& on_window) {
+absl::StatusOr<int> RunCodecSearch(
+    const LlamaModel& model, const std::vector<int32_t>& tokens, int windows, int window_len,
+    BasisSet* bases, std::vector<CodecSearchRow>* rows,
+    const std::function<void(int64_t, const std::string&)>& on_window) {
   int chosen = -1;
   int64_t done = 0;
   for (size_t i = 0; i < rows->size(); ++i) {
@@ -181,24 +181,26 @@ nlohmann::json CodecSearchJson(const std::vector<CodecSearchRow>& rows, double m
   js["criterion"] =
       "validation perplexity, llama.cpp's protocol (second half of each window), "
       "decode-faithful, with the entry's basis; ties: fewer bits per element";
-  js["bits"] = "steady state, every byte counted: 8 * block bytes / (G * head_dim), "
-               "A^2 value blocks at their largest; per element = (K + V) / 2, plus the fp16 "
-               "sinks' rows counted at window_len tokens (16 * sinks / window_len)";
+  js["bits"] =
+      "steady state, every byte counted: 8 * block bytes / (G * head_dim), "
+      "A^2 value blocks at their largest; per element = (K + V) / 2, plus the fp16 "
+      "sinks' rows counted at window_len tokens (16 * sinks / window_len)";
   js["text"] = text;
   js["windows"] = windows;
   js["window_len"] = window_len;
   js["candidates"] = nlohmann::json::array();
   for (const auto& r : rows) {
-    nlohmann::json row = {{"name", r.name},
-                          {"codec", r.codec.ToString()},
-                          {"settings", core::CodecToJson(r.codec)},
-                          {"bits_per_element", r.bits.per_element()},
-                          {"k_bits", r.bits.k},
-                          {"v_bits", r.bits.v},
-                          {"sink_bits", r.bits.sinks},
-                          {"oblique_basis", r.oblique},
-                          {"ppl", r.skipped.empty() ? nlohmann::json(r.ppl) : nlohmann::json(nullptr)},
-                          {"chosen", r.chosen}};
+    nlohmann::json row = {
+        {"name", r.name},
+        {"codec", r.codec.ToString()},
+        {"settings", core::CodecToJson(r.codec)},
+        {"bits_per_element", r.bits.per_element()},
+        {"k_bits", r.bits.k},
+        {"v_bits", r.bits.v},
+        {"sink_bits", r.bits.sinks},
+        {"oblique_basis", r.oblique},
+        {"ppl", r.skipped.empty() ? nlohmann::json(r.ppl) : nlohmann::json(nullptr)},
+        {"chosen", r.chosen}};
     if (!r.skipped.empty()) row["skipped"] = r.skipped;
     js["candidates"].push_back(std::move(row));
   }
@@ -214,7 +216,7 @@ std::string CodecSearchTable(const std::vector<CodecSearchRow>& rows) {
     const std::string ppl = r.skipped.empty() ? absl::StrFormat("%.4f", r.ppl) : "-";
     absl::StrAppendFormat(&out, "%-28s %7.3f %7.3f %7.3f %10s  %s%s\n", r.name,
                           r.bits.per_element(), r.bits.k, r.bits.v, ppl, r.codec.ToString(),
-                          r.chosen ? "  <- chosen"
+                          r.chosen            ? "  <- chosen"
                           : r.skipped.empty() ? ""
                                               : absl::StrCat("  (skipped: ", r.skipped, ")"));
   }

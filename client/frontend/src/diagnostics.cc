@@ -16,7 +16,8 @@ absl::StatusOr<KeyDistortion> MeasureKeyDistortion(const KeyQuantizer& qz, const
   o.head_dim = d;
   o.window = 0;
   RETURN_IF_ERROR(o.Validate());
-  if (o.rank > 0 && !qz.basis) return absl::InvalidArgumentError(qz.name + ": rank > 0 needs a basis");
+  if (o.rank > 0 && !qz.basis)
+    return absl::InvalidArgumentError(qz.name + ": rank > 0 needs a basis");
   if (min_pos >= n) return absl::InvalidArgumentError("min_pos >= n");
   core::LayerCache cache(o, 1, o.rank > 0 ? qz.basis : nullptr, nullptr,
                          o.rank > 0 ? qz.encode_basis : nullptr, qz.query_moment);

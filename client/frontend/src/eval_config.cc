@@ -30,8 +30,8 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   }
   std::vector<std::string> parts = absl::StrSplit(name, '-');
   auto bad = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat("config '", name, "': ", why,
-                                                   " (see kvq-eval --help for the grammar)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("config '", name, "': ", why, " (see kvq-eval --help for the grammar)"));
   };
   if (parts.size() < 2) return bad("expected <family>-<target><bits>");
   c.family = parts[0];
@@ -126,7 +126,8 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   }
   if (!a2) o.value_bits = value_bits;
   if (c.probe && !a2) return bad("probe needs the a2 value policy");
-  if (c.family == "kivi" && (c.basis != BasisKind::kQuery || o.side_sign != 1.0f || c.adaptive_rank)) {
+  if (c.family == "kivi" &&
+      (c.basis != BasisKind::kQuery || o.side_sign != 1.0f || c.adaptive_rank)) {
     return bad("basis controls apply to headq only");
   }
   if (c.keys_only) o.value_bits = 8;  // unused: values are read dense
@@ -140,12 +141,12 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
 absl::StatusOr<EvalConfig> EvalConfigFromCodec(const std::string& name,
                                                const core::CodecOptions& codec) {
   if (codec.side_sign != 1.0f) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("config '", name, "': side_sign ", codec.side_sign,
-                     " is a control, not a codec setting"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config '", name, "': side_sign ", codec.side_sign, " is a control, not a codec setting"));
   }
   absl::Status s = codec.Validate();
-  if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("config '", name, "': ", s.message()));
+  if (!s.ok())
+    return absl::InvalidArgumentError(absl::StrCat("config '", name, "': ", s.message()));
   EvalConfig c;
   c.name = name;
   c.codec = codec;

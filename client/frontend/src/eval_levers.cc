@@ -18,12 +18,16 @@ absl::Status CheckLevers(const EvalLevers& l, const core::CodecOptions& o) {
   }
   if (!l.any()) return absl::OkStatus();
   if (o.window != 0) return no("the evaluation levers (spk, spv, pre) need window 0");
-  if (o.per_token_value_bits()) return no("the evaluation levers do not run with a2 (read by decoding)");
-  if (l.key_outliers_permille > 0 && o.rotate_keys) return no("spk trims keys before a rotation spreads them: not with rotk");
+  if (o.per_token_value_bits())
+    return no("the evaluation levers do not run with a2 (read by decoding)");
+  if (l.key_outliers_permille > 0 && o.rotate_keys)
+    return no("spk trims keys before a rotation spreads them: not with rotk");
   if (l.value_outliers_permille > 0 && o.rotate_values) return no("spv: not with rotv");
   if (l.keys_before_rope) {
-    if (o.rank > 0) return no("pre: the side code's basis is fitted to post-RoPE queries (kivi only)");
-    if (o.metric_rounding) return no("pre: metric rounding's query moment is post-RoPE (not with mr)");
+    if (o.rank > 0)
+      return no("pre: the side code's basis is fitted to post-RoPE queries (kivi only)");
+    if (o.metric_rounding)
+      return no("pre: metric rounding's query moment is post-RoPE (not with mr)");
   }
   return absl::OkStatus();
 }
@@ -95,10 +99,11 @@ LeverFeed::LeverFeed(const EvalLevers& levers, const core::CodecOptions& o, int 
                      bool keys_only)
     : levers_(levers), o_(o), kv_heads_(kv_heads), keys_only_(keys_only) {}
 
-absl::Status LeverFeed::Append(core::LayerCache& lc, const float* k, const float* v,
-                               int64_t start, int n) {
+absl::Status LeverFeed::Append(core::LayerCache& lc, const float* k, const float* v, int64_t start,
+                               int n) {
   if (start != tokens_) {
-    return absl::InvalidArgumentError(absl::StrCat("lever feed: append at ", start, ", holds ", tokens_));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lever feed: append at ", start, ", holds ", tokens_));
   }
   const size_t row = static_cast<size_t>(kv_heads_) * o_.head_dim, cnt = row * n;
   const size_t old = keys_sent_.size();
@@ -153,7 +158,8 @@ absl::Status LeverFeed::FeedGroup(core::LayerCache& lc) {
   const std::vector<float>& fed = levers_.keys_before_rope ? keys_before_rope_ : keys_sent_;
   std::vector<float> kg(fed.begin() + t0 * row, fed.begin() + (t0 + G) * row);
   std::vector<float> vg(values_.begin() + t0 * row, values_.begin() + (t0 + G) * row);
-  if (levers_.key_outliers_permille > 0) Trim(&kg, levers_.key_outliers_permille, true, t0, &key_exact_);
+  if (levers_.key_outliers_permille > 0)
+    Trim(&kg, levers_.key_outliers_permille, true, t0, &key_exact_);
   if (levers_.value_outliers_permille > 0 && !keys_only_)
     Trim(&vg, levers_.value_outliers_permille, false, t0, &value_exact_);
   std::vector<uint16_t> kh(kg.size()), vh(vg.size());
@@ -192,7 +198,8 @@ absl::Status LeverFeed::Read(const core::LayerCache& lc, std::vector<float>* key
   }
   for (const Exact& e : key_exact_) (*keys)[at(e.head, e.t) + e.channel] = e.value;
   if (levers_.keys_before_rope) {
-    for (int h = 0; h < KVH; ++h) RotateRows(levers_.rope, 0, static_cast<int>(F), 1, D, keys->data() + at(h, 0), false);
+    for (int h = 0; h < KVH; ++h)
+      RotateRows(levers_.rope, 0, static_cast<int>(F), 1, D, keys->data() + at(h, 0), false);
   }
   for (int h = 0; h < KVH; ++h)
     for (int64_t t = F; t < T; ++t) std::copy_n(sent(keys_sent_, t, h), D, keys->data() + at(h, t));

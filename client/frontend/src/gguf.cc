@@ -16,7 +16,19 @@ namespace {
 
 constexpr uint32_t kGgufMagic = 0x46554747;  // "GGUF"
 enum : uint32_t {
-  kU8 = 0, kI8, kU16, kI16, kU32, kI32, kF32v, kBool, kString, kArray, kU64, kI64, kF64v
+  kU8 = 0,
+  kI8,
+  kU16,
+  kI16,
+  kU32,
+  kI32,
+  kF32v,
+  kBool,
+  kString,
+  kArray,
+  kU64,
+  kI64,
+  kF64v
 };
 
 // A bounds-checked cursor over the mapped file.
@@ -58,11 +70,24 @@ class Cursor {
 // arrays (not allowed as elements) and unknown types.
 size_t MinValueBytes(uint32_t type) {
   switch (type) {
-    case kU8: case kI8: case kBool: return 1;
-    case kU16: case kI16: return 2;
-    case kU32: case kI32: case kF32v: return 4;
-    case kU64: case kI64: case kF64v: case kString: return 8;
-    default: return 0;
+    case kU8:
+    case kI8:
+    case kBool:
+      return 1;
+    case kU16:
+    case kI16:
+      return 2;
+    case kU32:
+    case kI32:
+    case kF32v:
+      return 4;
+    case kU64:
+    case kI64:
+    case kF64v:
+    case kString:
+      return 8;
+    default:
+      return 0;
   }
 }
 
@@ -76,18 +101,66 @@ absl::StatusOr<GgufValue> ReadValue(Cursor& c, uint32_t type, int depth) {
   GgufValue out;
   out.type = type;
   switch (type) {
-    case kU8: { ASSIGN_OR_RETURN(auto v, c.Read<uint8_t>("u8")); out.v = uint64_t{v}; break; }
-    case kI8: { ASSIGN_OR_RETURN(auto v, c.Read<int8_t>("i8")); out.v = int64_t{v}; break; }
-    case kU16: { ASSIGN_OR_RETURN(auto v, c.Read<uint16_t>("u16")); out.v = uint64_t{v}; break; }
-    case kI16: { ASSIGN_OR_RETURN(auto v, c.Read<int16_t>("i16")); out.v = int64_t{v}; break; }
-    case kU32: { ASSIGN_OR_RETURN(auto v, c.Read<uint32_t>("u32")); out.v = uint64_t{v}; break; }
-    case kI32: { ASSIGN_OR_RETURN(auto v, c.Read<int32_t>("i32")); out.v = int64_t{v}; break; }
-    case kU64: { ASSIGN_OR_RETURN(auto v, c.Read<uint64_t>("u64")); out.v = v; break; }
-    case kI64: { ASSIGN_OR_RETURN(auto v, c.Read<int64_t>("i64")); out.v = v; break; }
-    case kF32v: { ASSIGN_OR_RETURN(auto v, c.Read<float>("f32")); out.v = double{v}; break; }
-    case kF64v: { ASSIGN_OR_RETURN(auto v, c.Read<double>("f64")); out.v = v; break; }
-    case kBool: { ASSIGN_OR_RETURN(auto v, c.Read<uint8_t>("bool")); out.v = v != 0; break; }
-    case kString: { ASSIGN_OR_RETURN(auto s, c.ReadString("string")); out.v = std::move(s); break; }
+    case kU8: {
+      ASSIGN_OR_RETURN(auto v, c.Read<uint8_t>("u8"));
+      out.v = uint64_t{v};
+      break;
+    }
+    case kI8: {
+      ASSIGN_OR_RETURN(auto v, c.Read<int8_t>("i8"));
+      out.v = int64_t{v};
+      break;
+    }
+    case kU16: {
+      ASSIGN_OR_RETURN(auto v, c.Read<uint16_t>("u16"));
+      out.v = uint64_t{v};
+      break;
+    }
+    case kI16: {
+      ASSIGN_OR_RETURN(auto v, c.Read<int16_t>("i16"));
+      out.v = int64_t{v};
+      break;
+    }
+    case kU32: {
+      ASSIGN_OR_RETURN(auto v, c.Read<uint32_t>("u32"));
+      out.v = uint64_t{v};
+      break;
+    }
+    case kI32: {
+      ASSIGN_OR_RETURN(auto v, c.Read<int32_t>("i32"));
+      out.v = int64_t{v};
+      break;
+    }
+    case kU64: {
+      ASSIGN_OR_RETURN(auto v, c.Read<uint64_t>("u64"));
+      out.v = v;
+      break;
+    }
+    case kI64: {
+      ASSIGN_OR_RETURN(auto v, c.Read<int64_t>("i64"));
+      out.v = v;
+      break;
+    }
+    case kF32v: {
+      ASSIGN_OR_RETURN(auto v, c.Read<float>("f32"));
+      out.v = double{v};
+      break;
+    }
+    case kF64v: {
+      ASSIGN_OR_RETURN(auto v, c.Read<double>("f64"));
+      out.v = v;
+      break;
+    }
+    case kBool: {
+      ASSIGN_OR_RETURN(auto v, c.Read<uint8_t>("bool"));
+      out.v = v != 0;
+      break;
+    }
+    case kString: {
+      ASSIGN_OR_RETURN(auto s, c.ReadString("string"));
+      out.v = std::move(s);
+      break;
+    }
     case kArray: {
       if (depth > 0) return absl::InvalidArgumentError("GGUF: nested arrays are not supported");
       ASSIGN_OR_RETURN(uint32_t et, c.Read<uint32_t>("array type"));
@@ -96,7 +169,8 @@ absl::StatusOr<GgufValue> ReadValue(Cursor& c, uint32_t type, int depth) {
       // encoding) before reserving room for them.
       if (n > 0) {
         const size_t min_bytes = MinValueBytes(et);
-        if (et == kArray) return absl::InvalidArgumentError("GGUF: nested arrays are not supported");
+        if (et == kArray)
+          return absl::InvalidArgumentError("GGUF: nested arrays are not supported");
         if (min_bytes == 0) {
           return absl::InvalidArgumentError(absl::StrCat("GGUF: unknown metadata value type ", et));
         }
@@ -125,37 +199,62 @@ absl::StatusOr<GgufValue> ReadValue(Cursor& c, uint32_t type, int depth) {
 
 const char* GgmlTypeName(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {
-    case GgmlType::kF32: return "F32";
-    case GgmlType::kF16: return "F16";
-    case GgmlType::kQ4_0: return "Q4_0";
-    case GgmlType::kQ4_1: return "Q4_1";
-    case GgmlType::kQ5_0: return "Q5_0";
-    case GgmlType::kQ5_1: return "Q5_1";
-    case GgmlType::kQ8_0: return "Q8_0";
-    case GgmlType::kQ8_1: return "Q8_1";
-    case GgmlType::kQ2_K: return "Q2_K";
-    case GgmlType::kQ3_K: return "Q3_K";
-    case GgmlType::kQ4_K: return "Q4_K";
-    case GgmlType::kQ5_K: return "Q5_K";
-    case GgmlType::kQ6_K: return "Q6_K";
-    case GgmlType::kQ8_K: return "Q8_K";
-    case GgmlType::kBF16: return "BF16";
+    case GgmlType::kF32:
+      return "F32";
+    case GgmlType::kF16:
+      return "F16";
+    case GgmlType::kQ4_0:
+      return "Q4_0";
+    case GgmlType::kQ4_1:
+      return "Q4_1";
+    case GgmlType::kQ5_0:
+      return "Q5_0";
+    case GgmlType::kQ5_1:
+      return "Q5_1";
+    case GgmlType::kQ8_0:
+      return "Q8_0";
+    case GgmlType::kQ8_1:
+      return "Q8_1";
+    case GgmlType::kQ2_K:
+      return "Q2_K";
+    case GgmlType::kQ3_K:
+      return "Q3_K";
+    case GgmlType::kQ4_K:
+      return "Q4_K";
+    case GgmlType::kQ5_K:
+      return "Q5_K";
+    case GgmlType::kQ6_K:
+      return "Q6_K";
+    case GgmlType::kQ8_K:
+      return "Q8_K";
+    case GgmlType::kBF16:
+      return "BF16";
   }
   return "unknown";
 }
 
 std::pair<int64_t, int64_t> GgmlBlockLayout(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {
-    case GgmlType::kF32: return {1, 4};
-    case GgmlType::kF16: return {1, 2};
-    case GgmlType::kBF16: return {1, 2};
-    case GgmlType::kQ4_0: return {32, 18};
-    case GgmlType::kQ4_1: return {32, 20};
-    case GgmlType::kQ5_0: return {32, 22};
-    case GgmlType::kQ8_0: return {32, 34};
-    case GgmlType::kQ4_K: return {256, 144};
-    case GgmlType::kQ6_K: return {256, 210};
-    default: return {0, 0};
+    case GgmlType::kF32:
+      return {1, 4};
+    case GgmlType::kF16:
+      return {1, 2};
+    case GgmlType::kBF16:
+      return {1, 2};
+    case GgmlType::kQ4_0:
+      return {32, 18};
+    case GgmlType::kQ4_1:
+      return {32, 20};
+    case GgmlType::kQ5_0:
+      return {32, 22};
+    case GgmlType::kQ8_0:
+      return {32, 34};
+    case GgmlType::kQ4_K:
+      return {256, 144};
+    case GgmlType::kQ6_K:
+      return {256, 210};
+    default:
+      return {0, 0};
   }
 }
 
@@ -255,7 +354,8 @@ absl::Status DequantizeRow(uint32_t type, const uint8_t* src, int64_t n, float* 
     case GgmlType::kQ8_0:
       for (int64_t b = 0; b < nb; ++b, src += bb, dst += 32) {
         const float d = half(src);
-        for (int j = 0; j < 32; ++j) dst[j] = d * static_cast<float>(static_cast<int8_t>(src[2 + j]));
+        for (int j = 0; j < 32; ++j)
+          dst[j] = d * static_cast<float>(static_cast<int8_t>(src[2 + j]));
       }
       return absl::OkStatus();
     case GgmlType::kQ6_K:
@@ -304,7 +404,9 @@ uint64_t GgufTensorInfo::bytes() const {
 
 absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat("GGUF: cannot open ", path, ": ", std::strerror(errno)));
+  if (fd < 0)
+    return absl::NotFoundError(
+        absl::StrCat("GGUF: cannot open ", path, ": ", std::strerror(errno)));
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
@@ -329,7 +431,7 @@ absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::Open(const std::string& path
 }
 
 absl::StatusOr<std::unique_ptr<GgufFile>> GgufFile::FromBytes(std::string bytes,
-                                                             const std::string& name) {
+                                                              const std::string& name) {
   std::unique_ptr<GgufFile> f(new GgufFile());
   f->path_ = name;
   f->owned_ = std::move(bytes);
@@ -350,11 +452,13 @@ absl::Status GgufFile::Parse() {
   if (magic != kGgufMagic) return absl::InvalidArgumentError("not a GGUF file (bad magic)");
   ASSIGN_OR_RETURN(version_, c.Read<uint32_t>("version"));
   if (version_ < 2 || version_ > 3) {
-    return absl::UnimplementedError(absl::StrCat("GGUF version ", version_, " is not supported (2, 3)"));
+    return absl::UnimplementedError(
+        absl::StrCat("GGUF version ", version_, " is not supported (2, 3)"));
   }
   ASSIGN_OR_RETURN(uint64_t n_tensors, c.Read<uint64_t>("tensor count"));
   ASSIGN_OR_RETURN(uint64_t n_kv, c.Read<uint64_t>("metadata count"));
-  if (n_tensors > size_ || n_kv > size_) return absl::InvalidArgumentError("GGUF: implausible counts");
+  if (n_tensors > size_ || n_kv > size_)
+    return absl::InvalidArgumentError("GGUF: implausible counts");
   for (uint64_t i = 0; i < n_kv; ++i) {
     ASSIGN_OR_RETURN(std::string key, c.ReadString("metadata key"));
     ASSIGN_OR_RETURN(uint32_t type, c.Read<uint32_t>("metadata type"));
@@ -363,7 +467,8 @@ absl::Status GgufFile::Parse() {
   }
   if (auto a = GetInt("general.alignment"); a.ok()) {
     if (*a <= 0 || (*a & (*a - 1)) != 0) {
-      return absl::InvalidArgumentError(absl::StrCat("GGUF: alignment ", *a, " is not a power of two"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("GGUF: alignment ", *a, " is not a power of two"));
     }
     alignment_ = static_cast<uint64_t>(*a);
   }
@@ -380,7 +485,8 @@ absl::Status GgufFile::Parse() {
     ASSIGN_OR_RETURN(t.name, c.ReadString("tensor name"));
     ASSIGN_OR_RETURN(uint32_t nd, c.Read<uint32_t>("tensor n_dims"));
     if (nd == 0 || nd > 4) {
-      return absl::InvalidArgumentError(absl::StrCat("GGUF: tensor ", t.name, " has ", nd, " dims"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("GGUF: tensor ", t.name, " has ", nd, " dims"));
     }
     int64_t numel = 1;
     for (uint32_t d = 0; d < nd; ++d) {
@@ -390,8 +496,8 @@ absl::Status GgufFile::Parse() {
       }
       t.dims.push_back(static_cast<int64_t>(ne));
       if (static_cast<int64_t>(ne) > kMaxTensorElements / numel) {
-        return absl::InvalidArgumentError(absl::StrCat("GGUF: tensor ", t.name,
-                                                       " has over 2^56 elements"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("GGUF: tensor ", t.name, " has over 2^56 elements"));
       }
       numel *= static_cast<int64_t>(ne);
     }
@@ -413,7 +519,8 @@ absl::Status GgufFile::Parse() {
                                                      " is not a multiple of block ", bs));
     }
     // (Each term is checked against the file size alone first: no sum can wrap around.)
-    if (data_start > size_ || t.offset > size_ - data_start || nbytes > size_ - data_start - t.offset) {
+    if (data_start > size_ || t.offset > size_ - data_start ||
+        nbytes > size_ - data_start - t.offset) {
       return absl::InvalidArgumentError(
           absl::StrCat("GGUF truncated: tensor ", t.name, " needs bytes [", data_start + t.offset,
                        ", ", data_start + t.offset + nbytes, "), file has ", size_));
@@ -465,12 +572,14 @@ absl::StatusOr<std::vector<std::string>> GgufFile::GetStringArray(const std::str
   auto it = meta_.find(key);
   if (it == meta_.end()) return absl::NotFoundError(absl::StrCat("GGUF: no metadata ", key));
   auto* a = std::get_if<std::shared_ptr<GgufValue::Array>>(&it->second.v);
-  if (!a) return absl::InvalidArgumentError(absl::StrCat("GGUF: metadata ", key, " is not an array"));
+  if (!a)
+    return absl::InvalidArgumentError(absl::StrCat("GGUF: metadata ", key, " is not an array"));
   std::vector<std::string> out;
   out.reserve((*a)->size());
   for (const auto& e : **a) {
     auto* s = std::get_if<std::string>(&e.v);
-    if (!s) return absl::InvalidArgumentError(absl::StrCat("GGUF: ", key, " is not a string array"));
+    if (!s)
+      return absl::InvalidArgumentError(absl::StrCat("GGUF: ", key, " is not a string array"));
     out.push_back(*s);
   }
   return out;
@@ -480,13 +589,17 @@ absl::StatusOr<std::vector<int64_t>> GgufFile::GetIntArray(const std::string& ke
   auto it = meta_.find(key);
   if (it == meta_.end()) return absl::NotFoundError(absl::StrCat("GGUF: no metadata ", key));
   auto* a = std::get_if<std::shared_ptr<GgufValue::Array>>(&it->second.v);
-  if (!a) return absl::InvalidArgumentError(absl::StrCat("GGUF: metadata ", key, " is not an array"));
+  if (!a)
+    return absl::InvalidArgumentError(absl::StrCat("GGUF: metadata ", key, " is not an array"));
   std::vector<int64_t> out;
   out.reserve((*a)->size());
   for (const auto& e : **a) {
-    if (auto* u = std::get_if<uint64_t>(&e.v)) out.push_back(static_cast<int64_t>(*u));
-    else if (auto* i = std::get_if<int64_t>(&e.v)) out.push_back(*i);
-    else return absl::InvalidArgumentError(absl::StrCat("GGUF: ", key, " is not an integer array"));
+    if (auto* u = std::get_if<uint64_t>(&e.v))
+      out.push_back(static_cast<int64_t>(*u));
+    else if (auto* i = std::get_if<int64_t>(&e.v))
+      out.push_back(*i);
+    else
+      return absl::InvalidArgumentError(absl::StrCat("GGUF: ", key, " is not an integer array"));
   }
   return out;
 }
@@ -506,8 +619,12 @@ absl::StatusOr<std::vector<float>> GgufFile::Dequantize(const std::string& name)
 // ---- writer ----
 
 namespace {
-void PutU32(std::vector<uint8_t>& b, uint32_t v) { b.insert(b.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 4); }
-void PutU64(std::vector<uint8_t>& b, uint64_t v) { b.insert(b.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 8); }
+void PutU32(std::vector<uint8_t>& b, uint32_t v) {
+  b.insert(b.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 4);
+}
+void PutU64(std::vector<uint8_t>& b, uint64_t v) {
+  b.insert(b.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 8);
+}
 void PutStr(std::vector<uint8_t>& b, const std::string& s) {
   PutU64(b, s.size());
   b.insert(b.end(), s.begin(), s.end());
@@ -515,18 +632,30 @@ void PutStr(std::vector<uint8_t>& b, const std::string& s) {
 }  // namespace
 
 void GgufWriter::AddString(const std::string& key, const std::string& value) {
-  PutStr(kv_, key); PutU32(kv_, kString); PutStr(kv_, value); ++n_kv_;
+  PutStr(kv_, key);
+  PutU32(kv_, kString);
+  PutStr(kv_, value);
+  ++n_kv_;
 }
 void GgufWriter::AddUint32(const std::string& key, uint32_t value) {
-  PutStr(kv_, key); PutU32(kv_, kU32); PutU32(kv_, value); ++n_kv_;
+  PutStr(kv_, key);
+  PutU32(kv_, kU32);
+  PutU32(kv_, value);
+  ++n_kv_;
 }
 void GgufWriter::AddFloat32(const std::string& key, float value) {
   uint32_t u;
   std::memcpy(&u, &value, 4);
-  PutStr(kv_, key); PutU32(kv_, kF32v); PutU32(kv_, u); ++n_kv_;
+  PutStr(kv_, key);
+  PutU32(kv_, kF32v);
+  PutU32(kv_, u);
+  ++n_kv_;
 }
 void GgufWriter::AddStringArray(const std::string& key, const std::vector<std::string>& values) {
-  PutStr(kv_, key); PutU32(kv_, kArray); PutU32(kv_, kString); PutU64(kv_, values.size());
+  PutStr(kv_, key);
+  PutU32(kv_, kArray);
+  PutU32(kv_, kString);
+  PutU64(kv_, values.size());
   for (const auto& s : values) PutStr(kv_, s);
   ++n_kv_;
 }

@@ -56,11 +56,18 @@ void AddBias(const std::vector<float>& b, int n, float* y) {
 // other key there may change the computation (rope scaling, sliding windows, logit caps...),
 // so it is an error rather than silently ignored.
 const std::set<std::string>& KnownArchKeys() {
-  static const std::set<std::string> k = {
-      "block_count", "context_length", "embedding_length", "feed_forward_length",
-      "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
-      "rope.freq_base", "rope.dimension_count", "vocab_size", "attention.key_length",
-      "attention.value_length"};
+  static const std::set<std::string> k = {"block_count",
+                                          "context_length",
+                                          "embedding_length",
+                                          "feed_forward_length",
+                                          "attention.head_count",
+                                          "attention.head_count_kv",
+                                          "attention.layer_norm_rms_epsilon",
+                                          "rope.freq_base",
+                                          "rope.dimension_count",
+                                          "vocab_size",
+                                          "attention.key_length",
+                                          "attention.value_length"};
   return k;
 }
 
@@ -93,8 +100,8 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
       auto t = f.GetString(key);
       if (t.ok() && (*t == "none" || t->empty())) continue;
     }
-    return absl::UnimplementedError(absl::StrCat("model: metadata ", key,
-                                                 " is not supported by the ", arch, " forward pass"));
+    return absl::UnimplementedError(
+        absl::StrCat("model: metadata ", key, " is not supported by the ", arch, " forward pass"));
   }
   auto geti = [&](const std::string& k) { return f.GetInt(arch + "." + k); };
   ASSIGN_OR_RETURN(int64_t layers, geti("block_count"));
@@ -109,11 +116,12 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
   // Each count in range before anything is sized by it: a corrupt block_count of -1 (or 2^32
   // - 1, an int of -1) resized the layers to 2^64 - 1 (an abort), and a billion made a
   // billion layers' tensor names. The bounds are far beyond any real model's.
-  for (const auto& [k, v, hi] : {std::tuple<const char*, int64_t, int64_t>{"block_count", layers, 4096},
-                                 {"embedding_length", hidden, int64_t{1} << 20},
-                                 {"attention.head_count", heads, 4096},
-                                 {"attention.head_count_kv", kv, 4096},
-                                 {"feed_forward_length", ffn, int64_t{1} << 22}}) {
+  for (const auto& [k, v, hi] :
+       {std::tuple<const char*, int64_t, int64_t>{"block_count", layers, 4096},
+        {"embedding_length", hidden, int64_t{1} << 20},
+        {"attention.head_count", heads, 4096},
+        {"attention.head_count_kv", kv, 4096},
+        {"feed_forward_length", ffn, int64_t{1} << 22}}) {
     if (v < 1 || v > hi) {
       return absl::InvalidArgumentError(
           absl::StrCat("model: ", arch, ".", k, " = ", v, " is outside 1..", hi));
@@ -139,12 +147,13 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
   int64_t rope_dims = c.head_dim;
   if (auto v = geti("rope.dimension_count"); v.ok()) rope_dims = *v;
   if (rope_dims <= 0 || rope_dims > c.head_dim || rope_dims % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("model: ", arch, ".rope.dimension_count = ",
-                                                   rope_dims, " for head_dim ", c.head_dim));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: ", arch, ".rope.dimension_count = ", rope_dims, " for head_dim ", c.head_dim));
   }
   c.rope_dims = static_cast<int>(rope_dims);
   if (auto v = geti("context_length"); v.ok()) c.context_length = *v;
-  if (auto v = f.GetStringArray("tokenizer.ggml.tokens"); v.ok()) c.vocab = static_cast<int>(v->size());
+  if (auto v = f.GetStringArray("tokenizer.ggml.tokens"); v.ok())
+    c.vocab = static_cast<int>(v->size());
   const GgufTensorInfo* emb = f.FindTensor("token_embd.weight");
   if (!emb || emb->dims.size() != 2) return absl::NotFoundError("model: no token_embd.weight");
   c.vocab = static_cast<int>(emb->dims[1]);
@@ -152,10 +161,10 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
   // attention output bias, rope_freqs...) would change the model's output.
   std::set<std::string> used = {"token_embd.weight", "output_norm.weight", "output.weight"};
   for (int l = 0; l < c.layers; ++l) {
-    for (const char* t : {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                          "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight",
-                          "ffn_up.weight", "ffn_down.weight", "attn_q.bias", "attn_k.bias",
-                          "attn_v.bias"}) {
+    for (const char* t :
+         {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+          "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+          "ffn_down.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias"}) {
       used.insert(absl::StrCat("blk.", l, ".", t));
     }
   }
@@ -185,7 +194,11 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
     ASSIGN_OR_RETURN(L.wup, kvq::frontend::Load(f, p + "ffn_up.weight", {H, c.ffn}));
     ASSIGN_OR_RETURN(L.wdown, kvq::frontend::Load(f, p + "ffn_down.weight", {c.ffn, H}));
     // Projection biases (qwen2 has them; a llama file may too).
-    struct Bias { const char* name; int64_t n; std::vector<float>* dst; };
+    struct Bias {
+      const char* name;
+      int64_t n;
+      std::vector<float>* dst;
+    };
     for (Bias b : {Bias{"attn_q.bias", H, &L.bq}, Bias{"attn_k.bias", KV, &L.bk},
                    Bias{"attn_v.bias", KV, &L.bv}}) {
       if (f.FindTensor(p + b.name)) {
@@ -193,13 +206,14 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
       }
     }
     if (arch == "qwen2" && (L.bq.empty() || L.bk.empty() || L.bv.empty())) {
-      return absl::InvalidArgumentError(absl::StrCat("model: qwen2 layer ", l, " lacks a Q/K/V bias"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: qwen2 layer ", l, " lacks a Q/K/V bias"));
     }
   }
   // RoPE frequencies, theta_i = pos * base^(-2i/n) for pair i (either layout).
   for (int i = 0; i < c.rope_dims / 2; ++i) {
-    m->inv_freq_.push_back(static_cast<float>(std::pow(static_cast<double>(c.rope_base),
-                                                       -2.0 * i / c.rope_dims)));
+    m->inv_freq_.push_back(
+        static_cast<float>(std::pow(static_cast<double>(c.rope_base), -2.0 * i / c.rope_dims)));
   }
   return m;
 }
@@ -208,7 +222,8 @@ absl::Status LlamaModel::Forward(const int32_t* tokens, int n, int64_t start, At
                                  int logits_from, std::vector<float>* logits,
                                  const ActivationHook& hook) const {
   std::vector<std::vector<float>> out;
-  RETURN_IF_ERROR(ForwardBatch({tokens}, n, start, {cache}, logits_from, logits ? &out : nullptr, hook));
+  RETURN_IF_ERROR(
+      ForwardBatch({tokens}, n, start, {cache}, logits_from, logits ? &out : nullptr, hook));
   if (logits) *logits = std::move(out[0]);
   return absl::OkStatus();
 }
@@ -221,8 +236,8 @@ absl::Status LlamaModel::ForwardBatch(const std::vector<const int32_t*>& tokens,
   const int H = c.hidden, D = c.head_dim, QH = c.q_heads, KVH = c.kv_heads, F = c.ffn;
   const int S = static_cast<int>(tokens.size());
   if (caches.size() != tokens.size() || S == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("ForwardBatch: ", S, " token rows for ",
-                                                   caches.size(), " caches"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ForwardBatch: ", S, " token rows for ", caches.size(), " caches"));
   }
   if (logits) logits->assign(S, {});
   if (n <= 0) return absl::OkStatus();
@@ -279,8 +294,8 @@ absl::Status LlamaModel::ForwardBatch(const std::vector<const int32_t*>& tokens,
                       qts + (static_cast<size_t>(hh) * n + i) * D);
       if (hook) hook(l, start, n, qts, k.data() + s * ks, v.data() + s * ks);
       float* as = att.data() + s * qs;
-      RETURN_IF_ERROR(caches[s]->AppendAndAttend(l, k.data() + s * ks, v.data() + s * ks, start, n,
-                                                 qts, as));
+      RETURN_IF_ERROR(
+          caches[s]->AppendAndAttend(l, k.data() + s * ks, v.data() + s * ks, start, n, qts, as));
       float* atts = attt.data() + s * qs;
       for (int hh = 0; hh < QH; ++hh)
         for (int i = 0; i < n; ++i)
@@ -327,12 +342,10 @@ absl::Status LlamaModel::ForwardDecodeFaithful(const int32_t* tokens, int n, int
   return absl::OkStatus();
 }
 
-absl::Status LlamaModel::ForwardDecodeFaithfulBatch(const std::vector<const int32_t*>& tokens,
-                                                    int n, int64_t start,
-                                                    const std::vector<AttentionCache*>& caches,
-                                                    int logits_from,
-                                                    std::vector<std::vector<float>>* logits,
-                                                    int max_chunk, const ActivationHook& hook) const {
+absl::Status LlamaModel::ForwardDecodeFaithfulBatch(
+    const std::vector<const int32_t*>& tokens, int n, int64_t start,
+    const std::vector<AttentionCache*>& caches, int logits_from,
+    std::vector<std::vector<float>>* logits, int max_chunk, const ActivationHook& hook) const {
   const size_t S = tokens.size();
   if (caches.size() != S || S == 0) {
     return absl::InvalidArgumentError(absl::StrCat("ForwardDecodeFaithfulBatch: ", S,

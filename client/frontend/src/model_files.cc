@@ -41,7 +41,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 std::string ModelNameFromPath(const std::string& gguf_path) {
   std::string name = gguf_path.substr(gguf_path.find_last_of('/') + 1);
   for (char& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  if (name.size() > 5 && name.compare(name.size() - 5, 5, ".gguf") == 0) name.resize(name.size() - 5);
+  if (name.size() > 5 && name.compare(name.size() - 5, 5, ".gguf") == 0)
+    name.resize(name.size() - 5);
   // llama.cpp's file types: q4_0, q4_k_m, iq4_nl, f16, bf16, ... after a '.' or '-'.
   static const std::regex kQuantTag(R"([.-](i?q[0-9][a-z0-9_]*|f16|f32|bf16)$)");
   return std::regex_replace(name, kQuantTag, "");

@@ -32,7 +32,8 @@ absl::StatusOr<std::vector<std::vector<double>>> MeasureColumnEnergy(
   };
   for (size_t s = 0; s + window_len <= tokens.size(); s += window_len) {
     DenseCache cache(c.cache_shape());
-    RETURN_IF_ERROR(model.Forward(tokens.data() + s, window_len, 0, &cache, window_len, nullptr, hook));
+    RETURN_IF_ERROR(
+        model.Forward(tokens.data() + s, window_len, 0, &cache, window_len, nullptr, hook));
   }
   for (int l = 0; l < c.layers; ++l) {
     if (den[l] <= 0) return absl::InvalidArgumentError("no tokens for the rank allocation");
@@ -64,9 +65,9 @@ double TokenNll(const float* logits, int vocab, int32_t target) {
 }
 
 absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
-                                                    const std::vector<int32_t>& tokens,
-                                                    int windows, int window_len,
-                                                    const EvalConfig& config, BasisSet* bases,
+                                                    const std::vector<int32_t>& tokens, int windows,
+                                                    int window_len, const EvalConfig& config,
+                                                    BasisSet* bases,
                                                     const std::function<void(int)>& on_window) {
   const auto t0 = std::chrono::steady_clock::now();
   const LlamaConfig& mc = model.config();
@@ -78,26 +79,39 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
   const core::ModelBasis* basis = nullptr;
   if (!config.dense && (config.codec.rank > 0 || config.codec.metric_rounding)) {
     switch (config.basis) {
-      case BasisKind::kQuery: basis = bases->query; break;
-      case BasisKind::kCentred: basis = bases->centred; break;
-      case BasisKind::kResidualWeighted: basis = bases->residual_weighted; break;
-      case BasisKind::kOblique: basis = bases->oblique; break;
+      case BasisKind::kQuery:
+        basis = bases->query;
+        break;
+      case BasisKind::kCentred:
+        basis = bases->centred;
+        break;
+      case BasisKind::kResidualWeighted:
+        basis = bases->residual_weighted;
+        break;
+      case BasisKind::kOblique:
+        basis = bases->oblique;
+        break;
       case BasisKind::kOracle:
-        return absl::InvalidArgumentError(config.name + ": the oracle basis exists only in --diagnostics");
+        return absl::InvalidArgumentError(config.name +
+                                          ": the oracle basis exists only in --diagnostics");
       case BasisKind::kRandom:
         if (!bases->query) break;
-        if (bases->random.u.empty()) bases->random = core::RandomBasis(bases->query->manifest, 1234);
+        if (bases->random.u.empty())
+          bases->random = core::RandomBasis(bases->query->manifest, 1234);
         basis = &bases->random;
         break;
     }
-    if (!basis) return absl::FailedPreconditionError(absl::StrCat(config.name, ": no basis of that kind loaded (--basis)"));
+    if (!basis)
+      return absl::FailedPreconditionError(
+          absl::StrCat(config.name, ": no basis of that kind loaded (--basis)"));
   }
   PerplexityResult r;
   const int first = window_len / 2;
   std::vector<int> ranks;
   if (!config.dense && config.adaptive_rank) {
     if (bases->column_energy.empty() || !basis)
-      return absl::FailedPreconditionError(config.name + ": no per-layer query energy (kvq-eval measures it from --calib-text)");
+      return absl::FailedPreconditionError(
+          config.name + ": no per-layer query energy (kvq-eval measures it from --calib-text)");
     ranks = AllocateRanks(bases->column_energy, config.codec.rank, basis->manifest.rank);
     std::string s;
     for (int rk : ranks) absl::StrAppend(&s, rk, " ");
@@ -109,9 +123,10 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     o.head_dim = mc.head_dim;
     // Checksums guard storage, not arithmetic; the store's scrub covers them in serving.
     o.verify_on_read = false;
-    ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
-                                                  config.fused ? CodecRead::kAttend : CodecRead::kDecode,
-                                                  config.adaptive_rank ? &ranks : nullptr, config.probe));
+    ASSIGN_OR_RETURN(auto cc,
+                     CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
+                                        config.fused ? CodecRead::kAttend : CodecRead::kDecode,
+                                        config.adaptive_rank ? &ranks : nullptr, config.probe));
     EvalLevers levers = config.levers;
     levers.rope = model.rope();
     RETURN_IF_ERROR(cc->SetLevers(levers));

@@ -7,7 +7,9 @@
 namespace kvq::frontend {
 
 ProgressBar::ProgressBar(std::string label, int64_t total)
-    : label_(std::move(label)), total_(total > 0 ? total : 1), tty_(isatty(2) != 0),
+    : label_(std::move(label)),
+      total_(total > 0 ? total : 1),
+      tty_(isatty(2) != 0),
       t0_(std::chrono::steady_clock::now()) {}
 
 void ProgressBar::Update(int64_t done, const std::string& note) {

@@ -26,7 +26,8 @@ void SetShape(v1::Tensor* t, v1::DType dt, std::initializer_list<int64_t> shape)
 
 absl::Status ItemError(const v1::ItemStatus& s, const std::string& what) {
   if (s.code() == 0) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.code()), absl::StrCat(what, ": ", s.message()));
+  return absl::Status(static_cast<absl::StatusCode>(s.code()),
+                      absl::StrCat(what, ": ", s.message()));
 }
 
 }  // namespace
@@ -43,18 +44,18 @@ absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const Ca
   if (basis) {
     const core::BasisManifest& m = basis->manifest;
     if (m.layers != s.layers || m.kv_heads != s.kv_heads || m.head_dim != s.head_dim) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "basis shape (layers ", m.layers, ", kv_heads ", m.kv_heads, ", head_dim ", m.head_dim,
-          ") does not fit the model"));
+      return absl::InvalidArgumentError(absl::StrCat("basis shape (layers ", m.layers,
+                                                     ", kv_heads ", m.kv_heads, ", head_dim ",
+                                                     m.head_dim, ") does not fit the model"));
     }
     client::FillBasisRequest(*basis, &req);
     info->set_model(name.empty() ? m.model : name);
     info->set_version(std::max(1, m.version));
     info->set_q_heads(s.q_heads);
   } else {
-    info->set_model(name.empty() ? absl::StrCat("kvq-frontend-", s.layers, "x", s.kv_heads, "x",
-                                                s.head_dim)
-                                 : name);
+    info->set_model(name.empty()
+                        ? absl::StrCat("kvq-frontend-", s.layers, "x", s.kv_heads, "x", s.head_dim)
+                        : name);
     info->set_version(1);
     info->set_basis_rank(0);
   }
@@ -142,7 +143,8 @@ void RemoteBatcher::FlushLocked() {
       ++stats_.attend_rpcs;
       for (size_t i = 0; i < att.size(); ++i) {
         if (!ar.ok()) {
-          att[i]->status = absl::Status(ar.status().code(), absl::StrCat("Attend: ", ar.status().message()));
+          att[i]->status =
+              absl::Status(ar.status().code(), absl::StrCat("Attend: ", ar.status().message()));
         } else if (i >= static_cast<size_t>(ar->results_size())) {
           att[i]->status = absl::InternalError("Attend: missing result");
         } else {
@@ -160,7 +162,8 @@ void RemoteBatcher::FlushLocked() {
       ++stats_.score_rpcs;
       for (size_t i = 0; i < sco.size(); ++i) {
         if (!sr.ok()) {
-          sco[i]->status = absl::Status(sr.status().code(), absl::StrCat("Score: ", sr.status().message()));
+          sco[i]->status =
+              absl::Status(sr.status().code(), absl::StrCat("Score: ", sr.status().message()));
         } else if (i >= static_cast<size_t>(sr->results_size())) {
           sco[i]->status = absl::InternalError("Score: missing result");
         } else {
@@ -182,7 +185,8 @@ absl::StatusOr<std::unique_ptr<RemoteCache>> RemoteCache::Create(client::Client*
                                                                  const CacheShape& shape,
                                                                  Options options) {
   if (!client) return absl::InvalidArgumentError("remote cache: no client");
-  if (options.sequence_id.empty()) return absl::InvalidArgumentError("remote cache: no sequence id");
+  if (options.sequence_id.empty())
+    return absl::InvalidArgumentError("remote cache: no sequence id");
   if (options.codec.head_dim != shape.head_dim) {
     return absl::InvalidArgumentError("remote cache: codec head_dim != model head_dim");
   }
@@ -232,7 +236,8 @@ absl::StatusOr<int64_t> RemoteCache::AttachPrefix(int64_t max_tokens) {
         "attach brings none");
   }
   for (int64_t t : tokens_) {
-    if (t != 0) return absl::FailedPreconditionError("remote cache: attach only to an empty sequence");
+    if (t != 0)
+      return absl::FailedPreconditionError("remote cache: attach only to an empty sequence");
   }
   const int64_t G = o_.codec.key_group;
   int64_t limit = max_tokens < 0 ? token_ids_given() : std::min(max_tokens, token_ids_given());
@@ -254,7 +259,8 @@ absl::StatusOr<int64_t> RemoteCache::AttachPrefix(int64_t max_tokens) {
     created_ = true;
     absl::StatusOr<v1::PutBlocksResponse> r = client_->PutBlocks({m});
     if (!r.ok()) {
-      return absl::Status(r.status().code(), absl::StrCat("PutBlocks (attach): ", r.status().message()));
+      return absl::Status(r.status().code(),
+                          absl::StrCat("PutBlocks (attach): ", r.status().message()));
     }
     std::vector<int64_t> got(s_.layers, 0);
     for (const auto& len : r->lengths()) {
@@ -262,8 +268,7 @@ absl::StatusOr<int64_t> RemoteCache::AttachPrefix(int64_t max_tokens) {
         got[len.layer()] = len.tokens();
     }
     const auto [lo, hi] = std::minmax_element(got.begin(), got.end());
-    batcher_->RecordAttach(Since(t0), static_cast<int64_t>(m.ByteSizeLong()),
-                           *lo == *hi ? *lo : 0);
+    batcher_->RecordAttach(Since(t0), static_cast<int64_t>(m.ByteSizeLong()), *lo == *hi ? *lo : 0);
     if (*lo == *hi) {
       tokens_.assign(s_.layers, *lo);
       return *lo;
@@ -281,16 +286,16 @@ int64_t RemoteCache::NextEncodeBoundary(int64_t tokens) const {
   return encoded + R + G;
 }
 
-absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float* v,
-                                          int64_t start, int n, const float* q, float* out) {
+absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float* v, int64_t start,
+                                          int n, const float* q, float* out) {
   if (!joined_) return absl::FailedPreconditionError("remote cache: finished");
   if (layer < 0 || layer >= s_.layers) return absl::InvalidArgumentError("remote cache: bad layer");
   // Rows the layer already holds (attached from the prefix index, see AttachPrefix) are not
   // sent again; their queries still attend.
   const int64_t held = tokens_[layer] - start;
   if (held < 0 || (held > 0 && o_.keys_only)) {
-    return absl::InvalidArgumentError(absl::StrCat("remote cache: append at ", start,
-                                                   " but layer ", layer, " holds ", tokens_[layer]));
+    return absl::InvalidArgumentError(absl::StrCat("remote cache: append at ", start, " but layer ",
+                                                   layer, " holds ", tokens_[layer]));
   }
   const int skip = static_cast<int>(std::min<int64_t>(held, n));
   const int m = n - skip;  // rows sent
@@ -300,9 +305,9 @@ absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float
   req.has_append = m > 0;
   v1::Append& a = req.append;
   if (o_.share && at + m > token_ids_given()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "remote cache: share needs the token ids of tokens [", at, ", ", at + m, "); ",
-        token_ids_given(), " given (SetTokenIds)"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("remote cache: share needs the token ids of tokens [", at, ", ", at + m, "); ",
+                     token_ids_given(), " given (SetTokenIds)"));
   }
   const size_t cnt = static_cast<size_t>(m) * KVH * D;
   if (m > 0) {
@@ -368,8 +373,8 @@ absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float
   const v1::Tensor& r = req.result;
   if (!o_.keys_only) {
     if (r.dtype() != v1::DTYPE_F32 || r.data().size() != qbytes) {
-      return absl::InternalError(absl::StrCat("Attend: outputs of ", r.data().size(),
-                                              " bytes, expected ", qbytes));
+      return absl::InternalError(
+          absl::StrCat("Attend: outputs of ", r.data().size(), " bytes, expected ", qbytes));
     }
     std::memcpy(out, r.data().data(), qbytes);
     return absl::OkStatus();

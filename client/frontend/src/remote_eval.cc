@@ -40,7 +40,8 @@ absl::StatusOr<RemotePrefill> PrefillRemote(const LlamaModel& model, RemoteCache
                                             const int32_t* tokens, int n, int logits_from,
                                             std::vector<float>* logits, bool attach) {
   if (n < 1 || logits_from < 0 || logits_from > n) {
-    return absl::InvalidArgumentError(absl::StrCat("prefill: ", n, " tokens, logits from ", logits_from));
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefill: ", n, " tokens, logits from ", logits_from));
   }
   RemotePrefill r;
   cache->SetTokenIds(tokens, n);
@@ -54,7 +55,8 @@ absl::StatusOr<RemotePrefill> PrefillRemote(const LlamaModel& model, RemoteCache
   // computes it in, so the logits are the same bits.
   const int s = static_cast<int>(ChunkStartAtOrBefore(*cache, r.attached));
   const auto t1 = std::chrono::steady_clock::now();
-  RETURN_IF_ERROR(model.ForwardDecodeFaithful(tokens + s, n - s, s, cache, logits_from - s, logits));
+  RETURN_IF_ERROR(
+      model.ForwardDecodeFaithful(tokens + s, n - s, s, cache, logits_from - s, logits));
   r.forward_seconds = Since(t1);
   return r;
 }
@@ -80,21 +82,28 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
   const core::ModelBasis* basis = nullptr;
   std::string suffix;
   switch (config.basis) {
-    case BasisKind::kQuery: basis = bases ? bases->query : nullptr; break;
-    case BasisKind::kCentred: basis = bases ? bases->centred : nullptr; suffix = "-centred"; break;
+    case BasisKind::kQuery:
+      basis = bases ? bases->query : nullptr;
+      break;
+    case BasisKind::kCentred:
+      basis = bases ? bases->centred : nullptr;
+      suffix = "-centred";
+      break;
     case BasisKind::kResidualWeighted:
       basis = bases ? bases->residual_weighted : nullptr;
       suffix = "-resw";
       break;
     case BasisKind::kRandom:
       if (bases && bases->query) {
-        if (bases->random.u.empty()) bases->random = core::RandomBasis(bases->query->manifest, 1234);
+        if (bases->random.u.empty())
+          bases->random = core::RandomBasis(bases->query->manifest, 1234);
         basis = &bases->random;
       }
       suffix = "-random";
       break;
     case BasisKind::kOracle:
-      return absl::InvalidArgumentError(config.name + ": the oracle basis exists only in --diagnostics");
+      return absl::InvalidArgumentError(config.name +
+                                        ": the oracle basis exists only in --diagnostics");
     case BasisKind::kOblique:
       basis = bases ? bases->oblique : nullptr;
       suffix = "-obl";
@@ -108,7 +117,8 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
   if (basis && (!name.empty() || !suffix.empty())) {
     name = (name.empty() ? basis->manifest.model : name) + suffix;
   }
-  ASSIGN_OR_RETURN(RemoteModel rm, RegisterRemoteModel(*options.client, mc.cache_shape(), basis, name));
+  ASSIGN_OR_RETURN(RemoteModel rm,
+                   RegisterRemoteModel(*options.client, mc.cache_shape(), basis, name));
 
   core::CodecOptions o = config.codec;
   o.head_dim = mc.head_dim;
@@ -137,7 +147,8 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
       co.codec = o;
       co.keys_only = config.keys_only;
       co.share = options.share;
-      ASSIGN_OR_RETURN(caches[b], RemoteCache::Create(options.client, &batcher, mc.cache_shape(), co));
+      ASSIGN_OR_RETURN(caches[b],
+                       RemoteCache::Create(options.client, &batcher, mc.cache_shape(), co));
     }
     std::vector<absl::Status> status(nb);
     std::vector<int64_t> attached(nb, 0);

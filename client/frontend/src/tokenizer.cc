@@ -38,13 +38,14 @@ class Pattern {
   static absl::StatusOr<std::unique_ptr<Pattern>> Compile(const std::string& re) {
     int err = 0;
     PCRE2_SIZE off = 0;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(re.data()), re.size(),
-                                     PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &off, nullptr);
+    pcre2_code* code =
+        pcre2_compile(reinterpret_cast<PCRE2_SPTR>(re.data()), re.size(),
+                      PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK, &err, &off, nullptr);
     if (!code) {
       PCRE2_UCHAR buf[256];
       pcre2_get_error_message(err, buf, sizeof(buf));
-      return absl::InvalidArgumentError(absl::StrCat("PCRE2 compile of ", re, " at ", off, ": ",
-                                                     reinterpret_cast<char*>(buf)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("PCRE2 compile of ", re, " at ", off, ": ", reinterpret_cast<char*>(buf)));
     }
     pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // best effort: interpreted if JIT is absent
     auto p = std::make_unique<Pattern>();
@@ -61,7 +62,8 @@ class Pattern {
     // (repeating it per match made splitting quadratic in the text length).
     uint32_t options = 0;
     while (pos < s.size()) {
-      int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, options, md, nullptr);
+      int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), pos, options,
+                           md, nullptr);
       if (rc < 0) break;
       options = PCRE2_NO_UTF_CHECK;
       PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
@@ -95,7 +97,8 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Create(std::vector<std::st
                                                              const std::string& pre) {
   std::unique_ptr<Tokenizer> t(new Tokenizer());
   t->tokens_ = std::move(tokens);
-  for (size_t i = 0; i < t->tokens_.size(); ++i) t->token_id_.emplace(t->tokens_[i], static_cast<int32_t>(i));
+  for (size_t i = 0; i < t->tokens_.size(); ++i)
+    t->token_id_.emplace(t->tokens_[i], static_cast<int32_t>(i));
   for (size_t r = 0; r < merges.size(); ++r) {
     const std::string& m = merges[r];
     // Merges are "left right"; a token never contains a raw space (it is mapped to U+0120).
@@ -128,7 +131,8 @@ std::vector<std::string> Tokenizer::ByteSymbols() {
   std::vector<std::string> out(256);
   int n = 0;
   for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    const bool printable =
+        (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
     AppendUtf8(printable ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + n++), &out[b]);
   }
   return out;
@@ -157,8 +161,8 @@ absl::Status Tokenizer::Init(const std::string& pre) {
   } else if (pre == "qwen2") {
     stages = {qwen2};
   } else {
-    return absl::UnimplementedError(absl::StrCat("tokenizer.ggml.pre ", pre,
-                                                 " is not supported (smollm, gpt2, default, qwen2)"));
+    return absl::UnimplementedError(absl::StrCat(
+        "tokenizer.ggml.pre ", pre, " is not supported (smollm, gpt2, default, qwen2)"));
   }
   re_ = std::make_unique<Regexes>();
   for (const auto& s : stages) {
@@ -237,8 +241,10 @@ std::string Tokenizer::Decode(const std::vector<int32_t>& ids) const {
     for (size_t i = 0; i < t.size();) {
       size_t l = Utf8Len(static_cast<unsigned char>(t[i]));
       auto b = unicode_to_byte_.find(t.substr(i, l));
-      if (b != unicode_to_byte_.end()) out.push_back(static_cast<char>(b->second));
-      else out.append(t, i, l);  // control tokens such as <|im_start|> decode as themselves
+      if (b != unicode_to_byte_.end())
+        out.push_back(static_cast<char>(b->second));
+      else
+        out.append(t, i, l);  // control tokens such as <|im_start|> decode as themselves
       i += l;
     }
   }

@@ -16,13 +16,13 @@
 #include "kvq/core/calibration.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/codec_json.h"
-#include "kvq/frontend/blas_kernels.h"
 #include "kvq/core/status.h"
-#include "kvq/frontend/codec_search.h"
-#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/attention_cache.h"
+#include "kvq/frontend/blas_kernels.h"
+#include "kvq/frontend/codec_search.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
+#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/model_files.h"
 #include "kvq/frontend/progress.h"
 #include "kvq/frontend/tokenizer.h"
@@ -30,7 +30,8 @@
 namespace kvq::frontend {
 namespace {
 
-constexpr char kHelp[] = R"(kvq-calibrate: HeadQ query-PCA calibration of a GGUF model (llama or qwen2).
+constexpr char kHelp[] =
+    R"(kvq-calibrate: HeadQ query-PCA calibration of a GGUF model (llama or qwen2).
 
 Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank R]
                      [--window-len L] [--variants] [--model-name NAME] [--threads T]
@@ -112,8 +113,8 @@ absl::Status WriteFile(const std::string& path, const std::string& text) {
 // --bits: chooses the codec for the basis in --out and writes codec.json and
 // codec-search.json next to it.
 int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
-                const std::vector<double>& budgets,
-                int windows, int window_len, const Flags& flags) {
+                const std::vector<double>& budgets, int windows, int window_len,
+                const Flags& flags) {
   const std::string dir = flags.Get("out");
   auto main_basis = ReadBasisFor(model.config(), dir);
   if (!main_basis.ok()) return Fail(main_basis.status());
@@ -129,24 +130,28 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
   // of the same text), so that no token the basis was fitted to also chooses the codec.
   const int64_t skip = query.manifest.calibration_tokens;
   if (static_cast<int64_t>(ids.size()) < skip + static_cast<int64_t>(windows) * window_len) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-        "--text has ", ids.size(), " tokens; the search needs the basis's ", skip,
-        " calibration tokens + --search-windows ", windows, " x --search-window-len ", window_len)));
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--text has ", ids.size(), " tokens; the search needs the basis's ", skip,
+                     " calibration tokens + --search-windows ", windows, " x --search-window-len ",
+                     window_len)));
   }
   const std::vector<int32_t> held_out(ids.begin() + skip, ids.end());
   BasisSet bases;
   bases.query = &query;
   if (!oblique.u.empty()) bases.oblique = &oblique;
   const int d = model.config().head_dim, rank = query.manifest.rank;
-  auto search = [&](const std::vector<std::string>& names, double budget, const char* what)
-      -> absl::StatusOr<std::pair<std::vector<CodecSearchRow>, int>> {
+  auto search =
+      [&](const std::vector<std::string>& names, double budget,
+          const char* what) -> absl::StatusOr<std::pair<std::vector<CodecSearchRow>, int>> {
     ASSIGN_OR_RETURN(std::vector<CodecSearchRow> rows,
                      PlanCodecSearch(names, d, rank, budget, window_len));
     int64_t evaluated = 0;
     for (const auto& r : rows) evaluated += r.skipped.empty();
-    std::fprintf(stderr, "kvq-calibrate: %s: %lld of %zu candidates, each on %d x %d tokens of %s "
-                 "after its first %lld\n", what, static_cast<long long>(evaluated), rows.size(),
-                 windows, window_len, flags.Get("text").c_str(), static_cast<long long>(skip));
+    std::fprintf(stderr,
+                 "kvq-calibrate: %s: %lld of %zu candidates, each on %d x %d tokens of %s "
+                 "after its first %lld\n",
+                 what, static_cast<long long>(evaluated), rows.size(), windows, window_len,
+                 flags.Get("text").c_str(), static_cast<long long>(skip));
     ProgressBar bar(absl::StrCat("kvq-calibrate ", what), evaluated * windows);
     ASSIGN_OR_RETURN(int chosen, RunCodecSearch(model, held_out, windows, window_len, &bases, &rows,
                                                 [&](int64_t done, const std::string& name) {
@@ -187,13 +192,16 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
   nlohmann::json per_budget = nlohmann::json::array();
   for (double b : budgets) {
     const int i = ChooseWithin(rows, b);
-    per_budget.push_back({{"max_bits_per_element", b},
-                          {"chosen", i < 0 ? nlohmann::json(nullptr) : nlohmann::json(rows[i].name)},
-                          {"bits_per_element", i < 0 ? 0.0 : rows[i].bits.per_element()},
-                          {"ppl", i < 0 ? nlohmann::json(nullptr) : nlohmann::json(rows[i].ppl)}});
+    per_budget.push_back(
+        {{"max_bits_per_element", b},
+         {"chosen", i < 0 ? nlohmann::json(nullptr) : nlohmann::json(rows[i].name)},
+         {"bits_per_element", i < 0 ? 0.0 : rows[i].bits.per_element()},
+         {"ppl", i < 0 ? nlohmann::json(nullptr) : nlohmann::json(rows[i].ppl)}});
     if (i >= 0)
-      std::fprintf(stderr, "kvq-calibrate: within %.3f bits per element: %s (%.3f bits, validation PPL %.4f)\n",
-                   b, rows[i].name.c_str(), rows[i].bits.per_element(), rows[i].ppl);
+      std::fprintf(
+          stderr,
+          "kvq-calibrate: within %.3f bits per element: %s (%.3f bits, validation PPL %.4f)\n", b,
+          rows[i].name.c_str(), rows[i].bits.per_element(), rows[i].ppl);
   }
   const int first = ChooseWithin(rows, max_bits);
   if (first < 0) {
@@ -215,17 +223,21 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
     js["key_lever"] = lever;
     js["first_token"] = skip;  // the windows start after the calibration tokens
     js["budgets"] = per_budget;
-    js["key_lever_search"] = CodecSearchJson(stage1->first, 1e9, flags.Get("text"), windows, window_len);
+    js["key_lever_search"] =
+        CodecSearchJson(stage1->first, 1e9, flags.Get("text"), windows, window_len);
     js["sink_lever"] = sinks ? kSinkLever : "";
     js["sink_lever_search"] =
         CodecSearchJson(sink_probe->first, 1e9, flags.Get("text"), windows, window_len);
-    js["basis"] = best.oblique ? "oblique_rrr (DIR; the query PCA in DIR/query-pca)" : "query PCA (DIR)";
+    js["basis"] =
+        best.oblique ? "oblique_rrr (DIR; the query PCA in DIR/query-pca)" : "query PCA (DIR)";
     st = WriteFile(dir + "/codec-search.json", js.dump(2) + "\n");
   }
   if (!st.ok()) return Fail(st);
-  std::fprintf(stderr, "kvq-calibrate: chose %s (%s, %.3f bits per element, validation PPL %.4f): "
-               "wrote %s/codec.json and %s/codec-search.json\n", best.name.c_str(),
-               best.codec.ToString().c_str(), best.bits.per_element(), best.ppl, dir.c_str(), dir.c_str());
+  std::fprintf(stderr,
+               "kvq-calibrate: chose %s (%s, %.3f bits per element, validation PPL %.4f): "
+               "wrote %s/codec.json and %s/codec-search.json\n",
+               best.name.c_str(), best.codec.ToString().c_str(), best.bits.per_element(), best.ppl,
+               dir.c_str(), dir.c_str());
   return 0;
 }
 
@@ -268,15 +280,16 @@ int Main(int argc, char** argv) {
   const int search_windows = static_cast<int>(flags.GetInt("search-windows"));
   const int search_len = static_cast<int>(flags.GetInt("search-window-len"));
   if (search && (search_windows < 1 || search_len < 4)) {
-    return Fail(absl::InvalidArgumentError(
-        "--search-windows must be >= 1 and --search-window-len >= 4"));
+    return Fail(
+        absl::InvalidArgumentError("--search-windows must be >= 1 and --search-window-len >= 4"));
   }
   SetBlasThreads(static_cast<int>(flags.GetInt("threads")));
   auto loaded = LoadModelAndText(flags.Get("model"), flags.Get("text"));
   if (!loaded.ok()) return Fail(loaded.status());
   const LlamaModel& model = *loaded->model;
   std::vector<int32_t> ids = std::move(loaded->ids);
-  if (search && static_cast<int64_t>(ids.size()) < static_cast<int64_t>(search_windows) * search_len) {
+  if (search &&
+      static_cast<int64_t>(ids.size()) < static_cast<int64_t>(search_windows) * search_len) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--text has ", ids.size(), " tokens; the search needs --search-windows ",
                      search_windows, " x --search-window-len ", search_len)));
@@ -291,7 +304,8 @@ int Main(int argc, char** argv) {
   const int64_t want = flags.GetInt("tokens");
   const int L = static_cast<int>(flags.GetInt("window-len"));
   if (static_cast<int64_t>(ids.size()) < want) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat("text has ", ids.size(), " tokens, --tokens ", want)));
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("text has ", ids.size(), " tokens, --tokens ", want)));
   }
   const LlamaConfig& c = model.config();
   const bool variants = flags.GetBool("variants");
@@ -307,7 +321,8 @@ int Main(int argc, char** argv) {
   std::vector<uint8_t> block;
   std::vector<float> kh, kb;
   auto hook = [&](int layer, int64_t start, int n, const float* q, const float* k, const float*) {
-    for (int h = 0; h < c.q_heads; ++h) stats.Add(layer, h, q + static_cast<size_t>(h) * n * c.head_dim, n);
+    for (int h = 0; h < c.q_heads; ++h)
+      stats.Add(layer, h, q + static_cast<size_t>(h) * n * c.head_dim, n);
     if (!residuals) return;
     const int G = kivi.key_group, D = c.head_dim;
     for (int h = 0; h < c.kv_heads; ++h) {
@@ -347,7 +362,10 @@ int Main(int argc, char** argv) {
   m.rope_layout = RopeLayoutName(c.rope_layout);
   m.channel_order = "gguf";
   const int rank = static_cast<int>(flags.GetInt("rank"));
-  struct Out { std::string dir; core::CalibrationOptions opts; };
+  struct Out {
+    std::string dir;
+    core::CalibrationOptions opts;
+  };
   std::vector<Out> outs = {{flags.Get("out"), {}}};
   if (search && !variants) {
     core::CalibrationOptions obl;

@@ -13,11 +13,11 @@
 #include "flags.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/half.h"
-#include "kvq/frontend/blas_kernels.h"
-#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/attention_cache.h"
+#include "kvq/frontend/blas_kernels.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
+#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/model_files.h"
 #include "kvq/frontend/tokenizer.h"
 #include "nlohmann/json.hpp"
@@ -25,7 +25,8 @@
 namespace kvq::frontend {
 namespace {
 
-constexpr char kHelp[] = R"(kvq-dump-activations: post-RoPE Q/K/V of some layers as fp16 safetensors.
+constexpr char kHelp[] =
+    R"(kvq-dump-activations: post-RoPE Q/K/V of some layers as fp16 safetensors.
 
 Usage: kvq-dump-activations --out FILE [--model GGUF] [--text FILE] [--skip-tokens S]
                             [--tokens N] [--layers 3,20] [--basis DIR] [--rank R]
@@ -61,7 +62,8 @@ int Main(int argc, char** argv) {
   std::vector<int32_t> ids = std::move(loaded->ids);
   const int64_t skip = flags.GetInt("skip-tokens");
   const int n = static_cast<int>(flags.GetInt("tokens"));
-  if (static_cast<int64_t>(ids.size()) < skip + n) return Fail(absl::InvalidArgumentError("text too short"));
+  if (static_cast<int64_t>(ids.size()) < skip + n)
+    return Fail(absl::InvalidArgumentError("text too short"));
   std::vector<int> layers;
   for (absl::string_view s : absl::StrSplit(flags.Get("layers"), ',')) {
     int l;
@@ -81,8 +83,10 @@ int Main(int argc, char** argv) {
     for (int h = 0; h < c.kv_heads; ++h)
       for (int t = 0; t < m; ++t)
         for (int j = 0; j < D; ++j) {
-          K[(static_cast<size_t>(h) * m + t) * D + j] = kk[(static_cast<size_t>(t) * c.kv_heads + h) * D + j];
-          V[(static_cast<size_t>(h) * m + t) * D + j] = vv[(static_cast<size_t>(t) * c.kv_heads + h) * D + j];
+          K[(static_cast<size_t>(h) * m + t) * D + j] =
+              kk[(static_cast<size_t>(t) * c.kv_heads + h) * D + j];
+          V[(static_cast<size_t>(h) * m + t) * D + j] =
+              vv[(static_cast<size_t>(t) * c.kv_heads + h) * D + j];
         }
   };
   DenseCache cache(c.cache_shape());
@@ -98,7 +102,8 @@ int Main(int argc, char** argv) {
   }
   nlohmann::json header;
   std::string data;
-  auto add = [&](const std::string& name, const std::vector<float>& x, std::vector<int64_t> shape, bool f16) {
+  auto add = [&](const std::string& name, const std::vector<float>& x, std::vector<int64_t> shape,
+                 bool f16) {
     const size_t begin = data.size();
     if (f16) {
       std::vector<uint16_t> h(x.size());
@@ -107,7 +112,8 @@ int Main(int argc, char** argv) {
     } else {
       data.append(reinterpret_cast<const char*>(x.data()), x.size() * 4);
     }
-    header[name] = {{"dtype", f16 ? "F16" : "F32"}, {"shape", shape}, {"data_offsets", {begin, data.size()}}};
+    header[name] = {
+        {"dtype", f16 ? "F16" : "F32"}, {"shape", shape}, {"data_offsets", {begin, data.size()}}};
   };
   for (int l : layers) {
     add(absl::StrCat("layer.", l, ".q"), q[l], {c.q_heads, n, D}, true);
@@ -118,16 +124,18 @@ int Main(int argc, char** argv) {
       for (int h = 0; h < c.kv_heads; ++h)
         for (int i = 0; i < D; ++i)
           for (int r = 0; r < R; ++r)
-            u[(static_cast<size_t>(h) * D + i) * R + r] = basis.head(l, h)[i * basis.manifest.rank + r];
+            u[(static_cast<size_t>(h) * D + i) * R + r] =
+                basis.head(l, h)[i * basis.manifest.rank + r];
       add(absl::StrCat("layer.", l, ".u"), u, {c.kv_heads, D, R}, false);
     }
   }
-  header["__metadata__"] = {{"model", flags.Get("model").substr(flags.Get("model").rfind('/') + 1)},
-                            {"text", flags.Get("text").substr(flags.Get("text").rfind('/') + 1)},
-                            {"skip_tokens", std::to_string(skip)},
-                            {"tokens", std::to_string(n)},
-                            {"basis_kind", basis.u.empty() ? "" : basis.manifest.kind},
-                            {"basis_calibration_tokens", std::to_string(basis.manifest.calibration_tokens)}};
+  header["__metadata__"] = {
+      {"model", flags.Get("model").substr(flags.Get("model").rfind('/') + 1)},
+      {"text", flags.Get("text").substr(flags.Get("text").rfind('/') + 1)},
+      {"skip_tokens", std::to_string(skip)},
+      {"tokens", std::to_string(n)},
+      {"basis_kind", basis.u.empty() ? "" : basis.manifest.kind},
+      {"basis_calibration_tokens", std::to_string(basis.manifest.calibration_tokens)}};
   std::string h = header.dump();
   while (h.size() % 8) h.push_back(' ');
   std::ofstream out(flags.Get("out"), std::ios::binary);
@@ -135,7 +143,8 @@ int Main(int argc, char** argv) {
   out.write(reinterpret_cast<const char*>(&hl), 8);
   out << h << data;
   if (!out) return Fail(absl::InternalError("write failed"));
-  std::fprintf(stderr, "kvq-dump-activations: wrote %s (%zu bytes of tensors)\n", flags.Get("out").c_str(), data.size());
+  std::fprintf(stderr, "kvq-dump-activations: wrote %s (%zu bytes of tensors)\n",
+               flags.Get("out").c_str(), data.size());
   return 0;
 }
 

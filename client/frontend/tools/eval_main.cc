@@ -35,7 +35,8 @@
 namespace kvq::frontend {
 namespace {
 
-constexpr char kHelp[] = R"(kvq-eval: perplexity of a GGUF model (llama or qwen2) whose KV cache is held by kvq configurations.
+constexpr char kHelp[] =
+    R"(kvq-eval: perplexity of a GGUF model (llama or qwen2) whose KV cache is held by kvq configurations.
 
 Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--window-len L]
                 [--configs LIST] [--json FILE] [--threads T] [--dump-tokens FILE]
@@ -157,8 +158,13 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
   DenseCache dense(c.cache_shape());
   absl::Status st = model.Forward(ids.data(), n, 0, &dense, n, nullptr, hook);
   if (!st.ok()) return Fail(st);
-  if (bases.query && bases.random.u.empty()) bases.random = core::RandomBasis(bases.query->manifest, 1234);
-  struct Case { std::string q; int layer, head; KeyDistortion r; };
+  if (bases.query && bases.random.u.empty())
+    bases.random = core::RandomBasis(bases.query->manifest, 1234);
+  struct Case {
+    std::string q;
+    int layer, head;
+    KeyDistortion r;
+  };
   std::vector<Case> cases;
   ProgressBar bar("kvq-eval diagnostics", static_cast<int64_t>(c.layers) * c.kv_heads);
   for (int l = 0; l < c.layers; ++l) {
@@ -177,12 +183,13 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
           u = ob->u;
           qz.basis = u.data();
         } else if (cfg.codec.rank > 0) {
-          const core::ModelBasis* b = cfg.basis == BasisKind::kQuery ? bases.query
-                                      : cfg.basis == BasisKind::kRandom ? &bases.random
+          const core::ModelBasis* b = cfg.basis == BasisKind::kQuery     ? bases.query
+                                      : cfg.basis == BasisKind::kRandom  ? &bases.random
                                       : cfg.basis == BasisKind::kCentred ? bases.centred
                                       : cfg.basis == BasisKind::kOblique ? bases.oblique
                                                                          : bases.residual_weighted;
-          if (!b || b->u.empty()) return Fail(absl::FailedPreconditionError(cfg.name + ": no such basis (--basis)"));
+          if (!b || b->u.empty())
+            return Fail(absl::FailedPreconditionError(cfg.name + ": no such basis (--basis)"));
           u = HeadBasis(*b, l, h, cfg.codec.rank);
           qz.basis = u.data();
           if (b->oblique()) {
@@ -191,10 +198,12 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
           }
         }
         if (cfg.codec.metric_rounding) {
-          const core::ModelBasis* mb = cfg.basis == BasisKind::kOblique ? bases.oblique : bases.query;
+          const core::ModelBasis* mb =
+              cfg.basis == BasisKind::kOblique ? bases.oblique : bases.query;
           if (!mb || mb->query_moment.empty())
-            return Fail(absl::FailedPreconditionError(
-                cfg.name + ": metric rounding needs a basis with query moments (kvq-calibrate --query-moment)"));
+            return Fail(absl::FailedPreconditionError(cfg.name +
+                                                      ": metric rounding needs a basis with query "
+                                                      "moments (kvq-calibrate --query-moment)"));
           qz.query_moment = mb->query_moment_head(l, h);
         }
         auto r = MeasureKeyDistortion(qz, qh, gq, kh, n, D, 32);
@@ -222,19 +231,23 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
   js["text"] = flags.Get("text");
   js["tokens"] = n;
   js["cases"] = cases.size();
-  std::printf("key distortion over %d layers x %d KV heads, %d tokens (means over heads)\n", c.layers,
-              c.kv_heads, n);
+  std::printf("key distortion over %d layers x %d KV heads, %d tokens (means over heads)\n",
+              c.layers, c.kv_heads, n);
   std::printf("%-24s %7s %12s %12s %12s\n", "quantizer", "k_bits", "key_mse", "fisher", "kl");
   for (const auto& cfg : *configs) {
     auto& m = mean[cfg.name];
     if (m[4] == 0) continue;
     std::printf("%-24s %7.3f %12.5g %12.5g %12.5g\n", cfg.name.c_str(), m[3] / m[4], m[0] / m[4],
                 m[1] / m[4], m[2] / m[4]);
-    js["quantizers"].push_back({{"name", cfg.name}, {"k_bits", m[3] / m[4]}, {"key_mse", m[0] / m[4]},
-                                {"fisher", m[1] / m[4]}, {"kl", m[2] / m[4]}});
+    js["quantizers"].push_back({{"name", cfg.name},
+                                {"k_bits", m[3] / m[4]},
+                                {"key_mse", m[0] / m[4]},
+                                {"fisher", m[1] / m[4]},
+                                {"kl", m[2] / m[4]}});
   }
   const double rf = core::SpearmanRho(fisher, kl), rm = core::SpearmanRho(mse, kl);
-  std::printf("Spearman over %zu cases: rho(Fisher, KL) = %.3f, rho(MSE, KL) = %.3f\n", cases.size(), rf, rm);
+  std::printf("Spearman over %zu cases: rho(Fisher, KL) = %.3f, rho(MSE, KL) = %.3f\n",
+              cases.size(), rf, rm);
   js["rho_fisher_kl"] = rf;
   js["rho_mse_kl"] = rm;
   // Same-budget counterexamples: same (layer, head), key bits within 0.15, lower MSE, higher KL.
@@ -247,9 +260,11 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
       if (a.r.key_mse < b.r.key_mse && a.r.kl > b.r.kl * 1.1) {
         ++total;
         if (shown++ < 5)
-          std::printf("counterexample: layer %d head %d: %s (%.3f bits, MSE %.4g, KL %.4g) vs %s (%.3f bits, MSE %.4g, KL %.4g)\n",
-                      a.layer, a.head, a.q.c_str(), a.r.k_bits, a.r.key_mse, a.r.kl, b.q.c_str(), b.r.k_bits,
-                      b.r.key_mse, b.r.kl);
+          std::printf(
+              "counterexample: layer %d head %d: %s (%.3f bits, MSE %.4g, KL %.4g) vs %s (%.3f "
+              "bits, MSE %.4g, KL %.4g)\n",
+              a.layer, a.head, a.q.c_str(), a.r.k_bits, a.r.key_mse, a.r.kl, b.q.c_str(),
+              b.r.k_bits, b.r.key_mse, b.r.kl);
       }
     }
   std::printf("same-budget counterexamples (lower MSE, >10%% higher KL): %d\n", total);
@@ -287,16 +302,15 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
 absl::StatusOr<core::CodecOptions> ReadCalibratedCodec(const core::ModelBasis& basis,
                                                        const std::string& file) {
   if (!std::filesystem::exists(file)) {
-    return absl::NotFoundError(absl::StrCat(
-        "--configs calibrated: ", file, " does not exist; kvq-calibrate --bits B --search-only "
-        "--out DIR writes it for an existing basis"));
+    return absl::NotFoundError(absl::StrCat("--configs calibrated: ", file,
+                                            " does not exist; kvq-calibrate --bits B --search-only "
+                                            "--out DIR writes it for an existing basis"));
   }
   core::CodecOptions c = core::Registry::DefaultCodec(basis.manifest, /*has_basis=*/true);
   RETURN_IF_ERROR(core::ReadCodecJson(file, &c));
   if (c.rank > basis.manifest.rank) {
-    return absl::InvalidArgumentError(absl::StrCat(file, ": rank ", c.rank,
-                                                   " exceeds the basis rank ",
-                                                   basis.manifest.rank));
+    return absl::InvalidArgumentError(
+        absl::StrCat(file, ": rank ", c.rank, " exceeds the basis rank ", basis.manifest.rank));
   }
   absl::Status st = c.Validate();
   if (!st.ok()) return absl::InvalidArgumentError(absl::StrCat(file, ": ", st.message()));
@@ -364,8 +378,8 @@ int Main(int argc, char** argv) {
   // calibration tokens; this reproduces its windows).
   const int64_t first = flags.GetInt("first-token");
   if (first < 0 || first >= static_cast<int64_t>(ids.size())) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-        "--first-token ", first, " must be in 0..", ids.size() - 1, " (the text's tokens)")));
+    return Fail(absl::InvalidArgumentError(absl::StrCat("--first-token ", first, " must be in 0..",
+                                                        ids.size() - 1, " (the text's tokens)")));
   }
   ids.erase(ids.begin(), ids.begin() + first);
   auto model = LlamaModel::Load(**file);
@@ -404,7 +418,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "kvq-eval: calibrated = %s (%s)\n", calibrated_codec.ToString().c_str(),
                  codec_file.c_str());
   }
-  auto configs = ParseEvalConfigList(flags.Get("configs"), calibrated ? &calibrated_codec : nullptr);
+  auto configs =
+      ParseEvalConfigList(flags.Get("configs"), calibrated ? &calibrated_codec : nullptr);
   if (!configs.ok()) return Fail(configs.status());
   bool any_adapt = false;
   for (const auto& c : *configs) any_adapt |= c.adaptive_rank;
@@ -481,23 +496,23 @@ int Main(int argc, char** argv) {
                                {"put_rpcs", rs.rpc.put_rpcs},
                                {"appends_in_attend", rs.rpc.appends_in_attend},
                                {"bytes_sent", rs.rpc.bytes_sent}};
-        std::fprintf(stderr,
-                     "kvq-eval: %s through %s: %lld decode steps in %.2fs = %.1f steps/s "
-                     "(%d windows batched), RPC %.1f%% of the time (PutBlocks %.1f%%, %s %.1f%%), "
-                     "%lld batched calls (%lld PutBlocks, %lld appends carried by Attend)\n",
-                     c.name.c_str(), kv_servers.c_str(), static_cast<long long>(rs.decode_steps),
-                     rs.decode_seconds, rs.steps_per_second(),
-                     std::min(windows, std::max(1, ro.batch)), 100 * rs.rpc_share(),
-                     100 * rs.rpc.put_seconds / std::max(1e-12, rs.decode_seconds),
-                     c.keys_only ? "Score" : "Attend",
-                     100 * rs.rpc.read_seconds / std::max(1e-12, rs.decode_seconds),
-                     static_cast<long long>(rs.rpc.batches),
-                     static_cast<long long>(rs.rpc.put_rpcs),
-                     static_cast<long long>(rs.rpc.appends_in_attend));
+        std::fprintf(
+            stderr,
+            "kvq-eval: %s through %s: %lld decode steps in %.2fs = %.1f steps/s "
+            "(%d windows batched), RPC %.1f%% of the time (PutBlocks %.1f%%, %s %.1f%%), "
+            "%lld batched calls (%lld PutBlocks, %lld appends carried by Attend)\n",
+            c.name.c_str(), kv_servers.c_str(), static_cast<long long>(rs.decode_steps),
+            rs.decode_seconds, rs.steps_per_second(), std::min(windows, std::max(1, ro.batch)),
+            100 * rs.rpc_share(), 100 * rs.rpc.put_seconds / std::max(1e-12, rs.decode_seconds),
+            c.keys_only ? "Score" : "Attend",
+            100 * rs.rpc.read_seconds / std::max(1e-12, rs.decode_seconds),
+            static_cast<long long>(rs.rpc.batches), static_cast<long long>(rs.rpc.put_rpcs),
+            static_cast<long long>(rs.rpc.appends_in_attend));
         if (kv_share) {
-          std::fprintf(stderr, "kvq-eval: %s: share: %lld tokens per layer attached from the "
-                       "prefix index (%lld attach calls)\n", c.name.c_str(),
-                       static_cast<long long>(rs.tokens_attached),
+          std::fprintf(stderr,
+                       "kvq-eval: %s: share: %lld tokens per layer attached from the "
+                       "prefix index (%lld attach calls)\n",
+                       c.name.c_str(), static_cast<long long>(rs.tokens_attached),
                        static_cast<long long>(rs.rpc.attach_rpcs));
         }
       }
@@ -539,17 +554,18 @@ int Main(int argc, char** argv) {
     std::printf("%-28s %10.4f %9s %7.3f %7.3f %9.3f %9.3f %8.1f%s\n", c.name.c_str(), r.ppl,
                 ex.c_str(), r.k_bits, r.v_bits, r.k_bits_ctx, r.v_bits_ctx, r.seconds,
                 c.name == kCalibratedConfig ? absl::StrCat("  ", c.codec.ToString()).c_str() : "");
-    js["rows"].push_back({{"config", c.name},
-                          {"ppl", r.ppl},
-                          {"excess_removed", exj},
-                          {"baseline", base.empty() ? nlohmann::json(nullptr) : nlohmann::json(base)},
-                          {"k_bits", r.k_bits},
-                          {"v_bits", r.v_bits},
-                          {"k_bits_ctx", r.k_bits_ctx},
-                          {"v_bits_ctx", r.v_bits_ctx},
-                          {"tokens", r.scored_tokens},
-                          {"seconds", r.seconds},
-                          {"codec", c.dense ? "dense" : c.codec.ToString()}});
+    js["rows"].push_back(
+        {{"config", c.name},
+         {"ppl", r.ppl},
+         {"excess_removed", exj},
+         {"baseline", base.empty() ? nlohmann::json(nullptr) : nlohmann::json(base)},
+         {"k_bits", r.k_bits},
+         {"v_bits", r.v_bits},
+         {"k_bits_ctx", r.k_bits_ctx},
+         {"v_bits_ctx", r.v_bits_ctx},
+         {"tokens", r.scored_tokens},
+         {"seconds", r.seconds},
+         {"codec", c.dense ? "dense" : c.codec.ToString()}});
     if (c.name == kCalibratedConfig) {
       js["rows"].back()["codec_file"] = codec_file;
       js["rows"].back()["codec_settings"] = core::CodecToJson(c.codec);

@@ -15,10 +15,10 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/status.h"
 #include "kvq/frontend/blas_kernels.h"
-#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/gguf.h"
 #include "kvq/frontend/llama.h"
+#include "kvq/frontend/model_and_text.h"
 #include "kvq/frontend/model_files.h"
 #include "kvq/frontend/progress.h"
 #include "kvq/frontend/remote_eval.h"
@@ -28,7 +28,8 @@
 namespace kvq::frontend {
 namespace {
 
-constexpr char kHelp[] = R"(kvq-prefix-bench: time to first token and bytes stored per request, with and
+constexpr char kHelp[] =
+    R"(kvq-prefix-bench: time to first token and bytes stored per request, with and
 without prefix sharing, the real model's KV cache held by a kvq server.
 
 Usage: kvq-prefix-bench --server ADDR [--basis DIR] [--shared 128,512,1024] [--new 32]
@@ -78,7 +79,9 @@ int Fail(const absl::Status& s) {
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  return v.empty()      ? 0
+         : v.size() % 2 ? v[v.size() / 2]
+                        : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
 struct Run {
@@ -114,12 +117,14 @@ int Main(int argc, char** argv) {
   }
   const int fresh = static_cast<int>(flags.GetInt("new"));
   const int reps = static_cast<int>(flags.GetInt("reps"));
-  if (fresh < 1 || reps < 1) return Fail(absl::InvalidArgumentError("--new and --reps must be >= 1"));
+  if (fresh < 1 || reps < 1)
+    return Fail(absl::InvalidArgumentError("--new and --reps must be >= 1"));
   auto cfg = ParseEvalConfig(flags.Get("config"));
   if (!cfg.ok()) return Fail(cfg.status());
   if (cfg->dense || cfg->keys_only) {
-    return Fail(absl::InvalidArgumentError("--config: a kv configuration (the server encodes "
-                                           "keys and values; keys-only cannot attach)"));
+    return Fail(
+        absl::InvalidArgumentError("--config: a kv configuration (the server encodes "
+                                   "keys and values; keys-only cannot attach)"));
   }
   SetBlasThreads(static_cast<int>(flags.GetInt("threads")));
   auto loaded = LoadModelAndText(flags.Get("model"), flags.Get("text"));
@@ -142,7 +147,8 @@ int Main(int argc, char** argv) {
   const int64_t cont0 = need;
   need += static_cast<int64_t>(reps + 1) * fresh;
   if (static_cast<int64_t>(ids.size()) < need) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat("text has ", ids.size(), " tokens, need ", need)));
+    return Fail(
+        absl::InvalidArgumentError(absl::StrCat("text has ", ids.size(), " tokens, need ", need)));
   }
 
   client::ClientOptions co;
@@ -243,27 +249,34 @@ int Main(int argc, char** argv) {
         diff = std::max(diff, static_cast<double>(std::abs(a.last[i] - b.last[i])));
     }
     if (auto st = first->second->Finish(true); !st.ok()) return Fail(st);
-    table.push_back({S, Median(tp), Median(ta), Median(tc), bp.back(), ba.back(), attached, same, diff});
+    table.push_back(
+        {S, Median(tp), Median(ta), Median(tc), bp.back(), ba.back(), attached, same, diff});
   }
   bar.Finish();
-  std::printf("kvq-prefix-bench: %s, %d new tokens per request, %d requests per row (medians), "
-              "server %s\n", cfg->name.c_str(), fresh, reps, flags.Get("server").c_str());
+  std::printf(
+      "kvq-prefix-bench: %s, %d new tokens per request, %d requests per row (medians), "
+      "server %s\n",
+      cfg->name.c_str(), fresh, reps, flags.Get("server").c_str());
   std::printf("%7s %9s %12s %13s %9s %8s %13s %13s %7s %11s %10s\n", "shared", "attached",
-              "ttft_plain_s", "ttft_attach_s", "attach_s", "speedup", "bytes_plain",
-              "bytes_attach", "ratio", "same_token", "max_dlogit");
+              "ttft_plain_s", "ttft_attach_s", "attach_s", "speedup", "bytes_plain", "bytes_attach",
+              "ratio", "same_token", "max_dlogit");
   for (const Row& r : table) {
-    std::printf("%7d %9lld %12.3f %13.3f %9.4f %7.2fx %13lld %13lld %7.3f %11s %10.3g\n",
-                r.shared, static_cast<long long>(r.attached), r.ttft_plain, r.ttft_attach,
-                r.attach_call,
+    std::printf("%7d %9lld %12.3f %13.3f %9.4f %7.2fx %13lld %13lld %7.3f %11s %10.3g\n", r.shared,
+                static_cast<long long>(r.attached), r.ttft_plain, r.ttft_attach, r.attach_call,
                 r.ttft_attach > 0 ? r.ttft_plain / r.ttft_attach : 0.0,
                 static_cast<long long>(r.bytes_plain), static_cast<long long>(r.bytes_attach),
                 r.bytes_plain ? static_cast<double>(r.bytes_attach) / r.bytes_plain : 0.0,
                 r.same_first_token ? "yes" : "NO", r.max_logit_diff);
-    rows.push_back({{"shared", r.shared}, {"new", fresh}, {"attached", r.attached},
-                    {"ttft_plain_s", r.ttft_plain}, {"ttft_attach_s", r.ttft_attach},
+    rows.push_back({{"shared", r.shared},
+                    {"new", fresh},
+                    {"attached", r.attached},
+                    {"ttft_plain_s", r.ttft_plain},
+                    {"ttft_attach_s", r.ttft_attach},
                     {"attach_call_s", r.attach_call},
-                    {"bytes_plain", r.bytes_plain}, {"bytes_attach", r.bytes_attach},
-                    {"same_first_token", r.same_first_token}, {"max_logit_diff", r.max_logit_diff}});
+                    {"bytes_plain", r.bytes_plain},
+                    {"bytes_attach", r.bytes_attach},
+                    {"same_first_token", r.same_first_token},
+                    {"max_logit_diff", r.max_logit_diff}});
   }
   if (!flags.Get("json").empty()) {
     std::ofstream out(flags.Get("json"));

@@ -4,8 +4,9 @@
 // "layer.{l}.u" of shape [kv_heads, head_dim, rank], U row-major per head with orthonormal
 // columns) and manifest.json (the fields of BasisManifest). An oblique basis adds
 // "layer.{l}.encode" of the same shape (the encode basis A, stored after every layer's U):
-// then U is the decode basis B, need not be orthonormal, and A^T B = I per head. The reader validates every field,
-// the tensor table, sizes and orthonormality, and that the fingerprint matches the tensors.
+// then U is the decode basis B, need not be orthonormal, and A^T B = I per head. The reader
+// validates every field, the tensor table, sizes and orthonormality, and that the fingerprint
+// matches the tensors.
 #pragma once
 
 #include <cstdint>
@@ -18,19 +19,19 @@
 namespace kvq::core {
 
 struct BasisManifest {
-  std::string model;            // e.g. "smollm2-135m-instruct"
-  int version = 1;              // basis version (>= 1); a sequence is pinned to one
+  std::string model;  // e.g. "smollm2-135m-instruct"
+  int version = 1;    // basis version (>= 1); a sequence is pinned to one
   int layers = 0;
   int kv_heads = 0;
-  int q_heads = 0;              // multiple of kv_heads (grouped-query attention)
+  int q_heads = 0;  // multiple of kv_heads (grouped-query attention)
   int head_dim = 0;
-  int rank = 0;                 // 1..head_dim
+  int rank = 0;                                // 1..head_dim
   std::string rope_layout = "adjacent_pairs";  // or "halves"; keys and queries must agree
   std::string channel_order = "gguf";          // channel order of keys/queries the basis expects
   std::string kind = "query_pca_uncentred";    // query_pca_uncentred|query_pca_centred|random|...
   int64_t calibration_tokens = 0;
   std::string calibration_text;
-  std::string fingerprint;      // hex XXH3-64 of the tensor bytes (filled by WriteBasis)
+  std::string fingerprint;  // hex XXH3-64 of the tensor bytes (filled by WriteBasis)
 };
 
 struct ModelBasis {

@@ -111,7 +111,9 @@ class PoolAllocator {
   BytePool* pool() const noexcept { return pool_; }
 
   template <class U>
-  bool operator==(const PoolAllocator<U>& o) const noexcept { return pool_ == o.pool(); }
+  bool operator==(const PoolAllocator<U>& o) const noexcept {
+    return pool_ == o.pool();
+  }
 
  private:
   BytePool* pool_;

@@ -28,9 +28,9 @@ namespace kvq::core {
 absl::Status CheckStorable(const TensorView& t, absl::string_view name);
 
 struct SizeReport {
-  int64_t tokens = 0;          // cached tokens per head
-  int64_t encoded_tokens = 0;  // tokens in encoded blocks
-  int64_t window_tokens = 0;   // tokens held at arrival precision
+  int64_t tokens = 0;              // cached tokens per head
+  int64_t encoded_tokens = 0;      // tokens in encoded blocks
+  int64_t window_tokens = 0;       // tokens held at arrival precision
   int64_t elements_per_token = 0;  // kv_heads * head_dim (of the first shape summed)
   // Element counts (tokens x kv_heads x head_dim), which stay right when reports of
   // different shapes are summed: the bit figures divide by these.
@@ -111,8 +111,12 @@ struct SinkRows {
   uint64_t Hash() const;
   absl::Status Verify() const;  // DATA_LOSS on a checksum mismatch
   int64_t bytes() const { return 2 * static_cast<int64_t>(keys.size() + values.size()); }
-  const uint16_t* key(int h, int t) const { return keys.data() + (static_cast<size_t>(h) * sinks + t) * head_dim; }
-  const uint16_t* value(int h, int t) const { return values.data() + (static_cast<size_t>(h) * sinks + t) * head_dim; }
+  const uint16_t* key(int h, int t) const {
+    return keys.data() + (static_cast<size_t>(h) * sinks + t) * head_dim;
+  }
+  const uint16_t* value(int h, int t) const {
+    return values.data() + (static_cast<size_t>(h) * sinks + t) * head_dim;
+  }
 };
 
 // One encoded group of G tokens for every KV head, immutable once made: the unit of prefix
@@ -260,14 +264,15 @@ class LayerCache {
 
  private:
   struct Head {
-    explicit Head(BytePool* pool) : kblocks(PoolAllocator<uint8_t>(pool)), vblocks(kblocks.get_allocator()) {}
-    Bytes kblocks, vblocks;                   // concatenated blocks
-    std::vector<size_t> voffsets;             // start of each value block (variable size)
-    std::vector<uint8_t> kwin, vwin;          // window tokens at arrival dtype
+    explicit Head(BytePool* pool)
+        : kblocks(PoolAllocator<uint8_t>(pool)), vblocks(kblocks.get_allocator()) {}
+    Bytes kblocks, vblocks;           // concatenated blocks
+    std::vector<size_t> voffsets;     // start of each value block (variable size)
+    std::vector<uint8_t> kwin, vwin;  // window tokens at arrival dtype
     DType win_dtype = DType::kF32;
-    std::vector<float> a2_sum;                // per window token: sum of p^2 observed
-    std::vector<int32_t> a2_reads;            // per window token: number of observations
-    std::vector<float> probe;                 // per window token: probe weight (or -1)
+    std::vector<float> a2_sum;      // per window token: sum of p^2 observed
+    std::vector<int32_t> a2_reads;  // per window token: number of observations
+    std::vector<float> probe;       // per window token: probe weight (or -1)
   };
   // Rows to encode that have not joined the window: an append into an empty window whose
   // input is stored as is encodes its whole groups straight from the caller's rows.
@@ -276,7 +281,7 @@ class LayerCache {
     const uint8_t* v;
     int64_t kstride, vstride;  // bytes between rows
     DType dtype;
-    const float* probe;  // [n] probe weights of this head, or null
+    const float* probe;   // [n] probe weights of this head, or null
     int64_t first_group;  // groups [first_group, first_group + count) of the input
     // While group g is encoded, group g + prefetch_groups is fetched (when below
     // prefetch_end), so that the next chunk's rows are in cache when they are checked.
@@ -300,10 +305,10 @@ class LayerCache {
   // The same over key groups [b0, b1) (the sinks with group 0), plus the window when
   // `window`: scores into out [rows][stride] from token b0 * G on, readout of p [rows][stride]
   // (same token order) into out [rows][d].
-  absl::Status ScoreRange(int h, const float* q, int rows, float scale, bool corr_only,
-                          int64_t b0, int64_t b1, bool window, float* out, int64_t stride) const;
-  absl::Status ReadoutRange(int h, const float* p, int64_t stride, int rows, int64_t b0,
-                            int64_t b1, bool window, float* out) const;
+  absl::Status ScoreRange(int h, const float* q, int rows, float scale, bool corr_only, int64_t b0,
+                          int64_t b1, bool window, float* out, int64_t stride) const;
+  absl::Status ReadoutRange(int h, const float* p, int64_t stride, int rows, int64_t b0, int64_t b1,
+                            bool window, float* out) const;
   // One part of a split Attend: tokens [bounds[k], bounds[k + 1]) for every query row.
   absl::Status AttendPart(const float* q, int q_heads, int n_q, const AttendOptions& ao,
                           float scale, const std::vector<int64_t>& bounds, int k, float* m,
@@ -322,7 +327,7 @@ class LayerCache {
   std::shared_ptr<const LayerCodecTables> tables_;  // never null
   std::vector<Head> heads_;
   int64_t tokens_ = 0;
-  int64_t encoded_ = 0;  // tokens per head in blocks
+  int64_t encoded_ = 0;                 // tokens per head in blocks
   std::vector<SealedBlockPtr> sealed_;  // the leading encoded groups, when sealed
   bool sealing_ = false;
   // Groups being sealed by the current append (filled head by head).

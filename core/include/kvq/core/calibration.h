@@ -43,11 +43,11 @@ class QueryStats {
 
  private:
   int layers_, q_heads_, kv_heads_, d_;
-  std::vector<double> m2_;    // [layers][kv][d][d]
-  std::vector<double> m1_;    // [layers][kv][d]
-  std::vector<double> res2_;  // [layers][kv][d]
+  std::vector<double> m2_;      // [layers][kv][d][d]
+  std::vector<double> m1_;      // [layers][kv][d]
+  std::vector<double> res2_;    // [layers][kv][d]
   std::vector<double> res_m2_;  // [layers][kv][d][d] (upper triangle)
-  std::vector<int64_t> n_;    // [layers][kv]
+  std::vector<int64_t> n_;      // [layers][kv]
   std::vector<int64_t> nres_;
 };
 

@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "kvq/core/byte_pool.h"
 #include "absl/status/statusor.h"
+#include "kvq/core/byte_pool.h"
 
 namespace kvq::core {
 
@@ -152,7 +152,7 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
 // A parsed, validated block. Pointers point into the caller's bytes.
 struct KeyBlockView {
   int bits = 0, side_bits = 0, tokens = 0, head_dim = 0, rank = 0;
-  bool rotated = false;  // keys stored as H k (see CodecOptions::rotate_keys)
+  bool rotated = false;             // keys stored as H k (see CodecOptions::rotate_keys)
   const uint16_t* scale = nullptr;  // [d] fp16
   const uint16_t* zero = nullptr;   // [d] fp16
   const uint8_t* codes = nullptr;   // [d][tokens*bits/8]
@@ -164,7 +164,7 @@ struct KeyBlockView {
 struct ValueBlockView {
   int bits = 0;  // 0: per-token widths
   int tokens = 0, head_dim = 0, value_group = 0;
-  bool rotated = false;  // values stored as H v (see CodecOptions::rotate_values)
+  bool rotated = false;              // values stored as H v (see CodecOptions::rotate_values)
   const uint8_t* payload = nullptr;  // first token record: fp16 scale[ng] | zero[ng] | codes
   uint8_t token_bits[128] = {};      // width of each token (<= 128 tokens per block)
 };
@@ -211,9 +211,9 @@ absl::Status VerifyBlock(std::span<const uint8_t> block);
 // q_rotated: q is already H q (HadamardRotateRows) for a rotated block, so that a caller
 // scoring many blocks rotates its queries once instead of once per block; ignored for a
 // block that is not rotated. uq stays U^T q of the unrotated queries either way.
-void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q,
-                   float scale, float side_sign, float* out, int64_t out_stride,
-                   bool include_base = true, bool q_rotated = false);
+void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q, float scale,
+                   float side_sign, float* out, int64_t out_stride, bool include_base = true,
+                   bool q_rotated = false);
 
 // out[i*out_stride + c] += sum_t p[i*p_stride + t] * v_hat_t[c]
 // out_rotated: for a rotated block, accumulate in the rotated coordinates instead,

@@ -24,13 +24,13 @@ namespace kvq::core {
 struct EvictionCandidate {
   const void* handle = nullptr;  // the store's sequence; unique among candidates
   std::string_view tenant;
-  int64_t bytes = 0;             // its own counted bytes
+  int64_t bytes = 0;  // its own counted bytes
   struct Block {
-    const void* key = nullptr;   // unique among the blocks of every candidate
+    const void* key = nullptr;  // unique among the blocks of every candidate
     int64_t bytes = 0;
-    int64_t holders = 0;         // sequences holding it now
+    int64_t holders = 0;  // sequences holding it now
   };
-  std::vector<Block> blocks;     // the shared prefix blocks it holds
+  std::vector<Block> blocks;  // the shared prefix blocks it holds
 };
 
 struct EvictionRequest {

@@ -19,8 +19,7 @@ namespace kvq::core {
 class JsonFields {
  public:
   // `file` names the object in error messages (e.g. ".../v1/codec.json").
-  JsonFields(const nlohmann::json& object, std::string file)
-      : j_(object), file_(std::move(file)) {}
+  JsonFields(const nlohmann::json& object, std::string file) : j_(object), file_(std::move(file)) {}
 
   absl::Status Int(absl::string_view key, int* out) const;
   absl::Status Int64(absl::string_view key, int64_t* out) const;

@@ -15,7 +15,7 @@ namespace kvq::core {
 
 // m, l: [parts][rows]; o: [parts][rows][d]; out: [rows][d]. Parts are summed in index order,
 // so the result depends on the partition only. A row no part saw is written as zeros.
-void MergePartials(const float* m, const float* l, const float* o, int parts, int64_t rows,
-                   int d, float* out);
+void MergePartials(const float* m, const float* l, const float* o, int parts, int64_t rows, int d,
+                   float* out);
 
 }  // namespace kvq::core

@@ -8,10 +8,10 @@
 #define KVQ_CONCAT_INNER_(a, b) a##b
 #define KVQ_CONCAT_(a, b) KVQ_CONCAT_INNER_(a, b)
 
-#define RETURN_IF_ERROR(expr)                         \
-  do {                                                \
-    ::absl::Status kvq_status_ = (expr);              \
-    if (!kvq_status_.ok()) return kvq_status_;        \
+#define RETURN_IF_ERROR(expr)                  \
+  do {                                         \
+    ::absl::Status kvq_status_ = (expr);       \
+    if (!kvq_status_.ok()) return kvq_status_; \
   } while (0)
 
 #define ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

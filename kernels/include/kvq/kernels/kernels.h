@@ -25,8 +25,8 @@ struct KernelTable {
 
   // Asymmetric quantization of one token row of n values in groups of `group` channels.
   // Writes fp16 scale[ng], zero[ng] and codes[ceil(n*bits/8)].
-  void (*quantize_row)(const float* x, int n, int group, int bits, uint16_t* scale,
-                       uint16_t* zero, uint8_t* codes);
+  void (*quantize_row)(const float* x, int n, int group, int bits, uint16_t* scale, uint16_t* zero,
+                       uint8_t* codes);
 
   // quantize_row over n_rows rows of x [n_rows][ld] with one width: row t's record at
   // rec + t * rec_bytes receives fp16 scale[ng] | fp16 zero[ng] | codes[ceil(n*bits/8)].
@@ -37,23 +37,22 @@ struct KernelTable {
   //   out[i*os + t] = (accumulate ? out[i*os + t] : 0)
   //                   + mult * sum_c q[i*qs + c] * (scale_c * code(c, t) + zero_c)
   // for t < tokens (a multiple of 32), c < n_ch, i < n_q; scale/zero are fp16 [n_ch].
-  void (*score_codes)(const uint8_t* codes, int bits, int n_ch, int tokens,
-                      const uint16_t* scale, const uint16_t* zero, const float* q, int64_t qs,
-                      int n_q, float mult, bool accumulate, float* out, int64_t os);
+  void (*score_codes)(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
+                      const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
+                      bool accumulate, float* out, int64_t os);
 
   // Readout over token rows: out[i*out_stride + c] += sum_t p[i*p_stride + t] * v_hat_t[c].
   // rows: n_rows consecutive records, each fp16 scale[ng] | fp16 zero[ng] | codes of
   // row_bits[t] bits for n channels (ng = ceil(n / group)); v_hat = scale_g * code + zero_g.
-  void (*readout_rows)(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n,
-                       int group, const float* p, int64_t p_stride, int n_q, float* out,
-                       int64_t out_stride);
+  void (*readout_rows)(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n, int group,
+                       const float* p, int64_t p_stride, int n_q, float* out, int64_t out_stride);
 
   // Dense baselines over fp16 data: out[i*os + t] = sum_c q[i*d + c] * k[t*d + c] and
   // out[i*os + c] += sum_t p[i*ps + t] * v[t*d + c].
   void (*dense_scores_f16)(const uint16_t* k, int tokens, int d, const float* q, int n_q,
                            float* out, int64_t out_stride);
-  void (*dense_readout_f16)(const uint16_t* v, int tokens, int d, const float* p,
-                            int64_t p_stride, int n_q, float* out, int64_t out_stride);
+  void (*dense_readout_f16)(const uint16_t* v, int tokens, int d, const float* p, int64_t p_stride,
+                            int n_q, float* out, int64_t out_stride);
 
   // HeadQ side coefficients: out[t*r + j] = sum_c (x[t*ld + c] - deq[t*d + c]) * ut[j*d + c]
   // (the residual of the base code projected on U, given transposed as ut [r][d]).
@@ -71,8 +70,8 @@ struct KernelTable {
   void (*softmax)(float* x, int64_t n);
 
   // dense_scores_f16 over fp32 rows (the full-precision window, converted).
-  void (*dense_scores_f32)(const float* k, int tokens, int d, const float* q, int n_q,
-                           float* out, int64_t out_stride);
+  void (*dense_scores_f32)(const float* k, int tokens, int d, const float* q, int n_q, float* out,
+                           int64_t out_stride);
 
   // max_t x[t] over n >= 1 values (the shift of a partial softmax, partial_attention.h).
   float (*max_value)(const float* x, int64_t n);
@@ -82,8 +81,7 @@ struct KernelTable {
   // channel-major codes [n_ch][tokens*bits/8] to token rows,
   //   out[t*ld + c] = zero_c + scale_c * code(c, t)   (t < tokens, a multiple of 32);
   void (*dequantize_channels)(const uint8_t* codes, int bits, int n_ch, int tokens,
-                              const uint16_t* scale, const uint16_t* zero, float* out,
-                              int64_t ld);
+                              const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld);
   // a low-rank term added to token rows (HeadQ's side code times the basis [d][r]):
   //   z_j(t) = sign * (zero_j + scale_j * code(j, t)),
   //   out[t*ld + c] += sum_{j = 0..r-1, in order} basis[c*r + j] * z_j(t);

@@ -2,8 +2,9 @@
 // layer. The forward pass appends the post-RoPE keys and values of a chunk of tokens to a
 // layer and immediately attends the chunk's queries over everything cached so far (causal).
 //
-// Implementations: DenseCache (fp16-rounded keys and values, exact attention), CodecCache (in-process kvq codec:
-// kvq::core::LayerCache per layer) and, later, a remote cache over the kvq gRPC client.
+// Implementations: DenseCache (fp16-rounded keys and values, exact attention), CodecCache
+// (in-process kvq codec: kvq::core::LayerCache per layer) and, later, a remote cache over the kvq
+// gRPC client.
 //
 // Layouts (fp32, contiguous): k, v [n][kv_heads][head_dim] (the projection output rows);
 // q and out [q_heads][n][head_dim]. Query i of the chunk sits at position start + i and sees
@@ -61,8 +62,8 @@ class DenseCache : public AttentionCache {
 };
 
 // One kvq::core::LayerCache per layer. layer_ranks (optional): a HeadQ rank per layer (each
-// <= the basis rank) instead of o.rank everywhere. basis: the model's basis (rank >= o.rank; the first
-// o.rank columns are used) or null for rank 0. Keys and values are sent as fp16, as a serving
+// <= the basis rank) instead of o.rank everywhere. basis: the model's basis (rank >= o.rank; the
+// first o.rank columns are used) or null for rank 0. Keys and values are sent as fp16, as a serving
 // frontend would, so the full-precision window holds fp16 and is counted at 16 bits. The A^2
 // value policy sees only what LayerCache records itself: attention of queries at positions up
 // to the newest token (earlier readouts), never later queries.
@@ -75,13 +76,10 @@ enum class CodecRead { kDecode, kAttend };
 
 class CodecCache : public AttentionCache {
  public:
-  static absl::StatusOr<std::unique_ptr<CodecCache>> Create(const CacheShape& s,
-                                                             const core::CodecOptions& o,
-                                                             const core::ModelBasis* basis,
-                                                             bool keys_only = false,
-                                                             CodecRead read = CodecRead::kDecode,
-                                                             const std::vector<int>* layer_ranks = nullptr,
-                                                             bool probe = false);
+  static absl::StatusOr<std::unique_ptr<CodecCache>> Create(
+      const CacheShape& s, const core::CodecOptions& o, const core::ModelBasis* basis,
+      bool keys_only = false, CodecRead read = CodecRead::kDecode,
+      const std::vector<int>* layer_ranks = nullptr, bool probe = false);
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
   int64_t tokens(int layer) const override {

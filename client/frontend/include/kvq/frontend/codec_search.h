@@ -62,10 +62,10 @@ struct CodecSearchRow {
 };
 
 // The rows of `names` at `head_dim`: each parsed (a name that is not a full-KV codec with
-// the query basis or the oblique pair is an error naming it), its bits counted, and skipped when its bits per
-// element exceed max_bits or its rank the basis rank. FAILED_PRECONDITION when none is left,
-// naming the smallest candidate's bits.
-// context_tokens: where the fp16 sinks are counted (SteadyStateBits).
+// the query basis or the oblique pair is an error naming it), its bits counted, and skipped when
+// its bits per element exceed max_bits or its rank the basis rank. FAILED_PRECONDITION when none is
+// left, naming the smallest candidate's bits. context_tokens: where the fp16 sinks are counted
+// (SteadyStateBits).
 absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<std::string>& names,
                                                             int head_dim, int basis_rank,
                                                             double max_bits,
@@ -75,10 +75,10 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
 // of `tokens` (llama.cpp's protocol, decode-faithful: EvaluatePerplexity) with `basis`, and
 // marks the lowest as chosen (ties: fewer bits per element, then the earlier row). Returns
 // the chosen row's index. on_window(windows done over all rows, row name) reports progress.
-absl::StatusOr<int> RunCodecSearch(const LlamaModel& model, const std::vector<int32_t>& tokens,
-                                   int windows, int window_len, BasisSet* bases,
-                                   std::vector<CodecSearchRow>* rows,
-                                   const std::function<void(int64_t, const std::string&)>& on_window = nullptr);
+absl::StatusOr<int> RunCodecSearch(
+    const LlamaModel& model, const std::vector<int32_t>& tokens, int windows, int window_len,
+    BasisSet* bases, std::vector<CodecSearchRow>* rows,
+    const std::function<void(int64_t, const std::string&)>& on_window = nullptr);
 
 // Among the evaluated rows, the one with the lowest finite perplexity at <= budget bits per
 // element (ties: fewer bits, then the earlier row); -1 when none. RunCodecSearch's choice is

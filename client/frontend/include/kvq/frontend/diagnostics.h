@@ -15,18 +15,18 @@ namespace kvq::frontend {
 
 struct KeyQuantizer {
   std::string name;
-  core::CodecOptions codec;  // rank > 0 needs `basis`
-  const float* basis = nullptr;  // U [d][codec.rank] row-major, or null
+  core::CodecOptions codec;             // rank > 0 needs `basis`
+  const float* basis = nullptr;         // U [d][codec.rank] row-major, or null
   const float* encode_basis = nullptr;  // an oblique pair's A (same layout), or null: A = U
   const float* query_moment = nullptr;  // [d][d] for codec.metric_rounding, or null
 };
 
 struct KeyDistortion {
   std::string quantizer;
-  double key_mse = 0;    // mean squared key error per element
-  double fisher = 0;     // mean over queries of 1/2 Var_p(ds)
-  double kl = 0;         // mean over queries of KL(p || p_hat)
-  double k_bits = 0;     // steady-state key bits per element
+  double key_mse = 0;  // mean squared key error per element
+  double fisher = 0;   // mean over queries of 1/2 Var_p(ds)
+  double kl = 0;       // mean over queries of KL(p || p_hat)
+  double k_bits = 0;   // steady-state key bits per element
 };
 
 // q: [gq][n][d] queries of the gq query heads reading this KV head, position i = row i.

@@ -62,14 +62,14 @@ enum class BasisKind { kQuery, kRandom, kCentred, kResidualWeighted, kOracle, kO
 struct EvalConfig {
   std::string name;
   bool dense = false;
-  bool keys_only = false;       // values stay fp16 (dense readout)
+  bool keys_only = false;  // values stay fp16 (dense readout)
   core::CodecOptions codec;
   BasisKind basis = BasisKind::kQuery;
-  std::string family;           // "dense", "kivi", "headq"
-  bool fused = false;           // CodecRead::kAttend
-  bool adaptive_rank = false;   // per-layer ranks from BasisSet::layer_ranks
-  bool probe = false;           // A^2 probe queries with each append
-  EvalLevers levers;            // evaluation-only: spk<N>, spv<N>, pre (eval_levers.h)
+  std::string family;          // "dense", "kivi", "headq"
+  bool fused = false;          // CodecRead::kAttend
+  bool adaptive_rank = false;  // per-layer ranks from BasisSet::layer_ranks
+  bool probe = false;          // A^2 probe queries with each append
+  EvalLevers levers;           // evaluation-only: spk<N>, spv<N>, pre (eval_levers.h)
 };
 
 // The name of the config that evaluates the basis folder's codec.json.

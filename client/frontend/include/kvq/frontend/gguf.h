@@ -23,8 +23,21 @@ namespace kvq::frontend {
 
 // GGML tensor type ids as stored in GGUF tensor infos.
 enum class GgmlType : uint32_t {
-  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ8_1 = 9,
-  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kQ8_K = 15, kBF16 = 30,
+  kF32 = 0,
+  kF16 = 1,
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
+  kQ8_0 = 8,
+  kQ8_1 = 9,
+  kQ2_K = 10,
+  kQ3_K = 11,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+  kQ8_K = 15,
+  kBF16 = 30,
 };
 const char* GgmlTypeName(uint32_t type);
 
@@ -39,7 +52,7 @@ struct GgufTensorInfo {
   std::string name;
   std::vector<int64_t> dims;  // ne[0] is the innermost (contiguous) dimension
   uint32_t type = 0;
-  uint64_t offset = 0;        // relative to the data section
+  uint64_t offset = 0;  // relative to the data section
   int64_t numel() const;
   // Bytes of the tensor's data, for the supported types; 0 when the type is unknown.
   uint64_t bytes() const;
@@ -76,8 +89,8 @@ class GgufFile {
   GgufFile() = default;
   absl::Status Parse();
   std::string path_;
-  std::string owned_;     // FromBytes: the bytes (base_ points into them; nothing mapped)
-  bool mapped_ = false;   // Open: base_ is an mmap of size_ bytes
+  std::string owned_;    // FromBytes: the bytes (base_ points into them; nothing mapped)
+  bool mapped_ = false;  // Open: base_ is an mmap of size_ bytes
   const uint8_t* base_ = nullptr;
   size_t size_ = 0;
   uint32_t version_ = 0;
@@ -106,7 +119,12 @@ class GgufWriter {
  private:
   std::vector<uint8_t> kv_;
   uint64_t n_kv_ = 0;
-  struct T { std::string name; std::vector<int64_t> dims; uint32_t type; std::vector<uint8_t> bytes; };
+  struct T {
+    std::string name;
+    std::vector<int64_t> dims;
+    uint32_t type;
+    std::vector<uint8_t> bytes;
+  };
   std::vector<T> tensors_;
 };
 

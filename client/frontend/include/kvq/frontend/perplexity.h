@@ -51,8 +51,8 @@ absl::StatusOr<std::vector<std::vector<double>>> MeasureColumnEnergy(
 
 // Per-layer ranks with sum = mean_rank * layers, each in [1, max_rank], chosen greedily by
 // the largest next-column energy (optimal for decreasing marginals).
-std::vector<int> AllocateRanks(const std::vector<std::vector<double>>& column_energy,
-                               int mean_rank, int max_rank);
+std::vector<int> AllocateRanks(const std::vector<std::vector<double>>& column_energy, int mean_rank,
+                               int max_rank);
 
 absl::StatusOr<PerplexityResult> EvaluatePerplexity(
     const LlamaModel& model, const std::vector<int32_t>& tokens, int windows, int window_len,

@@ -71,14 +71,14 @@ struct RemoteStats {
   // flushes: one read call each (an Attend, or for keys-only a Score, whose items carry
   // their appends)
   int64_t batches = 0;
-  int64_t attach_rpcs = 0;   // AttachPrefix PutBlocks calls (retries included)
+  int64_t attach_rpcs = 0;      // AttachPrefix PutBlocks calls (retries included)
   int64_t tokens_attached = 0;  // per layer, summed over the caches' AttachPrefix calls
-  int64_t items = 0;         // (sequence, layer) items sent
+  int64_t items = 0;            // (sequence, layer) items sent
   int64_t put_rpcs = 0, attend_rpcs = 0, score_rpcs = 0;
   int64_t appends_in_attend = 0;  // appends carried by Attend / Score items (no PutBlocks)
-  double put_seconds = 0;    // wall time inside PutBlocks calls
-  double read_seconds = 0;   // wall time inside Attend / Score calls
-  int64_t bytes_sent = 0;    // serialized request bytes
+  double put_seconds = 0;         // wall time inside PutBlocks calls
+  double read_seconds = 0;        // wall time inside Attend / Score calls
+  int64_t bytes_sent = 0;         // serialized request bytes
   double rpc_seconds() const { return put_seconds + read_seconds; }
 };
 
@@ -98,7 +98,7 @@ class RemoteBatcher {
     bool score = false;  // keys-only: Score instead of Attend
     v1::AttendItem attend;
     v1::ScoreItem score_item;
-    v1::Tensor result;   // Attend outputs or Score logits
+    v1::Tensor result;  // Attend outputs or Score logits
     absl::Status status;
   };
   void Join();
@@ -130,9 +130,9 @@ class RemoteCache : public AttentionCache {
   // batcher: shared with the other caches decoded in lockstep, or null (a private one).
   // The cache joins the batcher now and leaves it in Finish() or its destructor.
   static absl::StatusOr<std::unique_ptr<RemoteCache>> Create(client::Client* client,
-                                                              RemoteBatcher* batcher,
-                                                              const CacheShape& shape,
-                                                              Options options);
+                                                             RemoteBatcher* batcher,
+                                                             const CacheShape& shape,
+                                                             Options options);
   ~RemoteCache() override;
 
   // Unlike the other caches, start may lie before tokens(layer) when the rows from start on
@@ -185,7 +185,7 @@ class RemoteCache : public AttentionCache {
   bool joined_ = false, finished_ = false;
   bool created_ = false;  // an append or attach reached the server (Finish deletes it)
   std::vector<int64_t> tokens_;
-  std::vector<uint32_t> ids_;  // share: token ids from position 0
+  std::vector<uint32_t> ids_;                // share: token ids from position 0
   std::vector<std::vector<float>> dense_v_;  // keys_only: per layer [tokens][kv_heads][d]
 };
 

@@ -51,11 +51,11 @@ struct RemoteEvalOptions {
 };
 
 struct RemoteEvalStats {
-  int64_t decode_steps = 0;   // tokens decoded (one forward call of one token), all windows
+  int64_t decode_steps = 0;     // tokens decoded (one forward call of one token), all windows
   int64_t tokens_attached = 0;  // share: tokens per layer taken from the prefix index
-  int64_t lockstep_steps = 0; // batched steps (one token of every window in the batch)
-  double decode_seconds = 0;  // wall time of the decoding loops
-  RemoteStats rpc;            // summed over batches
+  int64_t lockstep_steps = 0;   // batched steps (one token of every window in the batch)
+  double decode_seconds = 0;    // wall time of the decoding loops
+  RemoteStats rpc;              // summed over batches
   double k_bits_server = 0, v_bits_server = 0;  // effective bits the server reported (Stats)
   RemoteModel model;
   double steps_per_second() const { return decode_seconds > 0 ? decode_steps / decode_seconds : 0; }

@@ -1,8 +1,9 @@
 // Byte-level BPE tokenizer as described by a GGUF file's metadata (tokenizer.ggml.model =
 // "gpt2"): GPT-2 byte-to-unicode mapping, merges applied by rank (lowest first), and the
 // pre-tokenizer named by tokenizer.ggml.pre ("smollm": every digit on its own, then the GPT-2
-// pattern; "gpt2"; "qwen2": llama.cpp's Qwen2 pattern), run with PCRE2 in UTF + UCP mode. Special (control) tokens in the text are not
-// parsed: text is tokenized as plain text, like llama.cpp's tokenize with parse_special off.
+// pattern; "gpt2"; "qwen2": llama.cpp's Qwen2 pattern), run with PCRE2 in UTF + UCP mode. Special
+// (control) tokens in the text are not parsed: text is tokenized as plain text, like llama.cpp's
+// tokenize with parse_special off.
 #pragma once
 
 #include <cstdint>
