@@ -518,6 +518,25 @@ int64_t Store::Sweep() {
   return n;
 }
 
+Store::Dropped Store::DropAll() {
+  Dropped d;
+  // Destroyed once the store's lock is released, not under it (as evicted sequences are).
+  std::vector<std::shared_ptr<Sequence>> gone;
+  {
+    MutexLock l(&mu_);
+    const int64_t before = used_bytes_;
+    for (auto& [name, t] : tenants_) {
+      for (const auto& [id, s] : t->seqs) gone.push_back(s);
+    }
+    // drop=true: the groups only they held go with them; what is left is retained.
+    for (const auto& s : gone) UnlinkLocked(s.get(), /*drop=*/true);
+    for (auto& [name, t] : tenants_) DropRetainedLocked(*t, 0);
+    d.sequences = static_cast<int64_t>(gone.size());
+    d.bytes = before - used_bytes_;
+  }
+  return d;
+}
+
 int64_t Store::Scrub() {
   std::vector<std::shared_ptr<Sequence>> all;
   {

@@ -401,6 +401,49 @@ TEST_F(PrefixTest, AttachWithoutDataThenContinue) {
   EXPECT_EQ(out.tokens_shared, 0);
 }
 
+// DropAll (a shard that may hold stale copies, kvq-server --drop-after-probe-gap): no
+// sequence of any tenant is left, no prefix group either (held or retained), the bytes all
+// come back, and the store serves as if it had restarted: the same prompt attaches nothing.
+TEST_F(PrefixTest, DropAllLeavesNoSequenceAndNoPrefixGroup) {
+  Store store({}, &registry_);
+  Tokens a(Ids(100, 21), 4), b(Ids(70, 500), 9);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  ASSERT_TRUE(store.Append("u", a.All("a"), &out).ok());
+  ASSERT_TRUE(store.Append("u", b.All("b"), &out).ok());
+  ASSERT_TRUE(store.Append("t", b.All("gone"), &out).ok());
+  ASSERT_TRUE(store.Delete("t", "gone").ok());  // its groups stay retained
+  const std::vector<float> before = Scores(store, "t", "a", 1);
+  UsageStats u = store.TotalUsage();
+  ASSERT_EQ(u.sequences, 3);
+  ASSERT_GT(u.retained_bytes, 0);
+  ASSERT_GT(u.prefix_blocks, 0);
+
+  const Store::Dropped d = store.DropAll();
+  EXPECT_EQ(d.sequences, 3);
+  EXPECT_EQ(d.bytes, u.bytes);
+  u = store.TotalUsage();
+  EXPECT_EQ(u.sequences, 0);
+  EXPECT_EQ(u.bytes, 0);
+  EXPECT_EQ(u.prefix_blocks, 0);
+  EXPECT_EQ(u.evictions, 0);
+  EXPECT_EQ(u.expirations, 0);
+  for (const auto& [tenant, id] : {std::pair{"t", "a"}, {"u", "a"}, {"u", "b"}}) {
+    EXPECT_EQ(store.Describe(tenant, id).status().code(), absl::StatusCode::kNotFound) << id;
+  }
+  EXPECT_EQ(store.TenantUsage("u").bytes, 0);
+  EXPECT_EQ(store.DropAll().sequences, 0);  // nothing left to drop
+
+  // The same prompt attaches nothing now; written again, it reads as before.
+  std::span<const uint32_t> ids(a.ids);
+  ASSERT_TRUE(store.Append("t", {AttachSpec("c", 0, 0, ids)}, &out).ok());
+  EXPECT_EQ(out.tokens_shared, 0);
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  EXPECT_EQ(out.tokens_shared, 0);
+  EXPECT_EQ(out.tokens_written, 2 * a.n());
+  EXPECT_EQ(Scores(store, "t", "a", 1), before);
+}
+
 TEST_F(PrefixTest, BadPrefixRequestsNameTheField) {
   Store store({}, &registry_);
   Tokens a(Ids(40, 1), 1);

@@ -206,6 +206,18 @@ class Store {
 
   // Drops sequences idle longer than the TTL; returns how many.
   int64_t Sweep();
+  // What DropAll took away.
+  struct Dropped {
+    int64_t sequences = 0;
+    int64_t bytes = 0;  // sequences and prefix index together
+  };
+  // Drops every sequence of every tenant and every prefix-index group (held or retained), as
+  // if the store had restarted: afterwards reads of any sequence are NOT_FOUND and no append
+  // can attach an old prefix. For a shard that has been cut off and may hold stale copies
+  // (kvq-server --drop-after-probe-gap). Counted apart from evictions and expirations.
+  // A write in flight meanwhile finishes on its unlinked sequence (as after a Delete); one
+  // that starts after the drop creates a new sequence.
+  Dropped DropAll();
   // Verifies every stored block's checksum; returns the number of sequences that failed
   // (they are kept: reads of them fail with DATA_LOSS). Retained prefix groups that fail are
   // dropped (with their extensions) and counted in RetainedScrubDrops().
