@@ -94,6 +94,11 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
   flags->Add("admin-tenants", "LIST",
              "tenants allowed to RegisterBasis with auth on (default: all)",
              str(&o->admin_tenants));
+  flags->Add("drop-after-probe-gap", "DURATION",
+             "router tier: drop every sequence when a router's /healthz probe (x-kvq-probe) "
+             "comes this long after its previous one, e.g. 2250ms (default 0: off; "
+             "docs/ROUTER.md)",
+             duration(&o->drop_after_probe_gap));
   flags->Add("shutdown-grace", "DURATION", "time in-flight calls get at shutdown (default 10s)",
              duration(&o->shutdown_grace));
   flags->Add("scrub-period", "DURATION", "checksum scrub period (default 10m; 0 off)",

@@ -41,11 +41,19 @@ int HealthzRequest(mg_connection* conn) {
   const bool head =
       info->request_method != nullptr && std::strcmp(info->request_method, "HEAD") == 0;
   const bool get = info->request_method != nullptr && std::strcmp(info->request_method, "GET") == 0;
-  bool serving = false;
+  const Metrics* metrics = nullptr;
   {
     absl::MutexLock l(&health_mu);
     auto it = HealthByPort().find(info->server_port);
-    serving = it != HealthByPort().end() && it->second->ready();
+    if (it != HealthByPort().end()) metrics = it->second;
+  }
+  // Outside health_mu: the hook may drop the whole store. The Metrics outlives this call (its
+  // destructor stops civetweb, which waits for this thread, before its members go).
+  bool serving = metrics != nullptr && metrics->ready();
+  const char* probe = mg_get_header(conn, "X-Kvq-Probe");
+  if (metrics != nullptr && probe != nullptr && (get || head) &&
+      metrics->OnProbe(absl::StrCat(info->remote_addr, " ", probe))) {
+    serving = false;
   }
   const char* body = !get && !head ? "method not allowed\n"
                      : serving     ? "SERVING\n"
@@ -182,7 +190,18 @@ Metrics::Metrics()
                              .Name("kvq_rejected_total")
                              .Help("Calls refused before any work, by reason")
                              .Register(*registry_)
-                             .Add({{"reason", "overload"}})) {}
+                             .Add({{"reason", "overload"}})),
+      probe_gap_drops_(BuildCounter()
+                           .Name("kvq_probe_gap_drops_total")
+                           .Help("Times every sequence was dropped because a router's health "
+                                 "probe came after a gap over --drop-after-probe-gap")
+                           .Register(*registry_)
+                           .Add({})),
+      probe_gap_dropped_sequences_(BuildCounter()
+                                       .Name("kvq_probe_gap_dropped_sequences_total")
+                                       .Help("Sequences dropped after gaps in a router's probes")
+                                       .Register(*registry_)
+                                       .Add({})) {}
 
 int Metrics::Expose(const std::string& address, int port) {
   // civetweb gives each connection a worker thread until its request arrives, for as long as
@@ -229,6 +248,11 @@ void Metrics::RecordCall(const std::string& method, int code, double seconds, si
 void Metrics::RecordScrubFailures(int64_t n) { scrub_failures_.Increment(static_cast<double>(n)); }
 
 void Metrics::RecordOverload() { rejected_overload_.Increment(); }
+
+void Metrics::RecordProbeGapDrop(int64_t sequences) {
+  probe_gap_drops_.Increment();
+  probe_gap_dropped_sequences_.Increment(static_cast<double>(sequences));
+}
 
 void Metrics::SetReady(bool ready) {
   serving_.store(ready, std::memory_order_release);

@@ -26,14 +26,21 @@
 //   kvq_ready                                  gauge     1 once the registry is loaded
 //   kvq_rejected_total{reason}                 counter   calls refused before any work;
 //                                                        reason="overload": over --max-inflight
+//   kvq_probe_gap_drops_total                  counter   times every sequence was dropped
+//                                                        after a gap in a router's probes
+//                                                        (--drop-after-probe-gap)
+//   kvq_probe_gap_dropped_sequences_total      counter   the sequences those drops took
 //
 // The same port also answers GET (or HEAD) /healthz: 200 "SERVING" while SetReady(true) holds
 // (the registry is loaded and the server is not shutting down), 503 "NOT_SERVING" otherwise.
 // A plain HTTP check for proxies and load balancers that cannot speak grpc.health.v1
-// (HAProxy's `option httpchk`, deploy/haproxy/haproxy.cfg).
+// (HAProxy's `option httpchk`, deploy/haproxy/haproxy.cfg). A check carrying the header
+// `x-kvq-probe: NAME` is a router's probe: it also goes to the probe hook (SetProbeHook), which
+// may have it answered 503.
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -61,7 +68,16 @@ class Metrics {
   void RecordCall(const std::string& method, int code, double seconds, size_t bytes_in,
                   size_t bytes_out);
   void RecordScrubFailures(int64_t n);
-  void RecordOverload();      // a call refused over --max-inflight
+  void RecordOverload();  // a call refused over --max-inflight
+  void RecordProbeGapDrop(int64_t sequences);
+
+  // Called for every GET or HEAD /healthz that carries x-kvq-probe, with the prober's identity
+  // ("<remote address> <header value>"); true has the probe answered 503 NOT_SERVING. Set it
+  // before Expose (civetweb's threads read it unguarded); it runs on one of them.
+  using ProbeHook = std::function<bool(const std::string& prober)>;
+  void SetProbeHook(ProbeHook hook) { probe_hook_ = std::move(hook); }
+  // For the /healthz handler (metrics.cc).
+  bool OnProbe(const std::string& prober) const { return probe_hook_ && probe_hook_(prober); }
   void SetReady(bool ready);  // also what /healthz answers
   bool ready() const { return serving_.load(std::memory_order_acquire); }
   // Refreshes the store gauges (called periodically).
@@ -74,6 +90,7 @@ class Metrics {
   std::unique_ptr<prometheus::Exposer> exposer_;
   int exposed_port_ = -1;  // the port /healthz is registered under (see metrics.cc)
   std::atomic<bool> serving_{false};
+  ProbeHook probe_hook_;
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& latency_;
   prometheus::Family<prometheus::Counter>& bytes_in_;
@@ -100,6 +117,8 @@ class Metrics {
   prometheus::Gauge& models_;
   prometheus::Gauge& ready_;
   prometheus::Counter& rejected_overload_;
+  prometheus::Counter& probe_gap_drops_;
+  prometheus::Counter& probe_gap_dropped_sequences_;
   absl::Mutex mu_;
   int64_t seen_evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t seen_expirations_ ABSL_GUARDED_BY(mu_) = 0;

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -19,6 +20,7 @@
 #include "server/auth.h"
 #include "server/health.h"
 #include "server/metrics.h"
+#include "server/probe_gap.h"
 #include "server/service.h"
 #include "server/worker_pool.h"
 
@@ -67,6 +69,13 @@ absl::Status ValidateOptions(const ServerOptions& o) {
                                                    absl::FormatDuration(o.stream_idle_timeout),
                                                    " must be 0 (never) or in 1ms..24h"));
   }
+  if (o.drop_after_probe_gap != absl::ZeroDuration() &&
+      (o.drop_after_probe_gap < absl::Milliseconds(10) ||
+       o.drop_after_probe_gap > absl::Hours(1))) {
+    return absl::InvalidArgumentError(absl::StrCat("--drop-after-probe-gap ",
+                                                   absl::FormatDuration(o.drop_after_probe_gap),
+                                                   " must be 0 (off) or in 10ms..1h"));
+  }
   if (o.housekeeping_period <= absl::ZeroDuration() ||
       o.housekeeping_period == absl::InfiniteDuration()) {
     return absl::InvalidArgumentError("the housekeeping period must be finite and > 0");
@@ -81,6 +90,7 @@ struct KvqServer::Impl {
   std::unique_ptr<core::Store> store;
   Authenticator auth;
   std::unique_ptr<Metrics> metrics;
+  std::unique_ptr<ProbeGapWatch> probe_gap;  // with --drop-after-probe-gap
   std::unique_ptr<WorkerPool> pool;
   std::unique_ptr<Service> service;
   std::unique_ptr<HealthService> health;
@@ -94,6 +104,8 @@ struct KvqServer::Impl {
 
   absl::Status Start();
   void Housekeeping();
+  // A router's probe (metrics.h); true: the store was dropped, answer 503.
+  bool RouterProbe(const std::string& prober);
 };
 
 absl::Status KvqServer::Impl::Start() {
@@ -120,6 +132,10 @@ absl::Status KvqServer::Impl::Start() {
       opts.workers > 0 ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
   pool = std::make_unique<WorkerPool>(workers);
   metrics = std::make_unique<Metrics>();
+  if (opts.drop_after_probe_gap > absl::ZeroDuration()) {
+    probe_gap = std::make_unique<ProbeGapWatch>(opts.drop_after_probe_gap, opts.now);
+    metrics->SetProbeHook([this](const std::string& prober) { return RouterProbe(prober); });
+  }
   if (opts.metrics_port >= 0) {
     try {
       metrics_port = metrics->Expose(opts.metrics_address, opts.metrics_port);
@@ -217,6 +233,21 @@ absl::Status KvqServer::Impl::Start() {
                        : std::string("off")));
   housekeeping = std::thread([this] { Housekeeping(); });
   return absl::OkStatus();
+}
+
+bool KvqServer::Impl::RouterProbe(const std::string& prober) {
+  const std::optional<absl::Duration> gap = probe_gap->Probe(prober);
+  if (!gap) return false;
+  const core::Store::Dropped d = store->DropAll();
+  metrics->RecordProbeGapDrop(d.sequences);
+  Log(absl::StrCat("router probe from ", prober, " after ", absl::FormatDuration(*gap),
+                   " without one (--drop-after-probe-gap ",
+                   absl::FormatDuration(opts.drop_after_probe_gap),
+                   "): the router may have moved this shard's keys meanwhile; dropped every "
+                   "sequence (",
+                   d.sequences, ", ", d.bytes,
+                   " bytes with the prefix groups, all tenants) and answered the probe 503"));
+  return true;
 }
 
 void KvqServer::Impl::Housekeeping() {

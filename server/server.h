@@ -70,6 +70,16 @@ struct ServerOptions : core::StoreOptions {
   // With auth on: comma-separated tenants allowed to RegisterBasis (the registry is shared by
   // all tenants). Empty = every authenticated tenant may register.
   std::string admin_tenants;
+  // Router tier (docs/ROUTER.md): when a router's probe (GET /healthz on the metrics port with
+  // an x-kvq-probe header, as deploy/haproxy sends it) arrives more than this long after the
+  // same router's previous one, the router may have marked this shard down meanwhile and sent
+  // its keys to other shards, where they were re-put and appended to: every sequence of every
+  // tenant is dropped (prefix groups too; core::Store::DropAll), counted
+  // (kvq_probe_gap_drops_total), logged, and that probe is answered 503, so that the router
+  // counts its `rise` checks from after the drop. Set it above the router's check interval and
+  // below the shortest time in which it can mark a shard down (haproxy.cfg). Zero = off (the
+  // default: without a router no probe gap means anything). Uses StoreOptions::now.
+  absl::Duration drop_after_probe_gap = absl::ZeroDuration();
   // In-flight calls get this long to finish at shutdown before they are cancelled.
   absl::Duration shutdown_grace = absl::Seconds(10);
   // Seconds between metric refreshes, TTL sweeps and the checksum scrub (0: no scrub).
@@ -87,7 +97,8 @@ struct ServerOptions : core::StoreOptions {
 //   --grpc-port 0..65535; --metrics-port -1..65535; --workers 0..1024;
 //   --max-inflight 0..1000000; --max-message-bytes 64K..2147483647 (gRPC's limit);
 //   --capacity, --tenant-quota >= 0; --sequence-ttl, --shutdown-grace, --scrub-period
-//   finite and >= 0; --stream-idle-timeout 0 or 1ms..24h; the housekeeping period > 0.
+//   finite and >= 0; --stream-idle-timeout 0 or 1ms..24h; --drop-after-probe-gap 0 or
+//   10ms..1h; the housekeeping period > 0.
 absl::Status ValidateOptions(const ServerOptions& opts);
 
 class KvqServer {

@@ -401,6 +401,9 @@ TEST(ServerProcessTest, OutOfRangeNumericFlagsExit2NamingTheFlagAndTheRange) {
       {{"--scrub-period", "-1m"}, "--scrub-period -1m must be finite and >= 0"},
       {{"--stream-idle-timeout", "-1s"}, "--stream-idle-timeout -1s must be 0 (never) or in 1ms.."},
       {{"--stream-idle-timeout", "25h"}, "--stream-idle-timeout 25h must be 0 (never) or in 1ms.."},
+      {{"--drop-after-probe-gap", "5ms"},
+       "--drop-after-probe-gap 5ms must be 0 (off) or in 10ms.."},
+      {{"--drop-after-probe-gap", "2h"}, "--drop-after-probe-gap 2h must be 0 (off) or in 10ms.."},
       {{"--capacity", "99999999999T"}, "bad value '99999999999T' for --capacity"},
       {{"--tenant-quota", "-1"}, "bad value '-1' for --tenant-quota"},
   };

@@ -1817,42 +1817,12 @@ TEST(ServiceTest, RandomlyDamagedRequestsAreRejectedCleanly) {
   EXPECT_GT(ok_count, 0);
 }
 
-// Scrapes /metrics over a plain socket.
 // Options with /metrics on a free port of 127.0.0.1.
 server::ServerOptions WithLocalMetrics() {
   server::ServerOptions o;
   o.metrics_port = 0;
   o.metrics_address = "127.0.0.1";
   return o;
-}
-
-// A TCP connection to 127.0.0.1:port (-1 when refused).
-int ConnectLocal(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(port);
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-// The whole HTTP answer, or what came before `timeout_s` passed without a byte.
-std::string HttpGet(int port, const std::string& path, int timeout_s = 30) {
-  const int fd = ConnectLocal(port);
-  if (fd < 0) return "";
-  timeval tv{timeout_s, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\nConnection: close\r\n\r\n";
-  (void)!write(fd, req.data(), req.size());
-  std::string out;
-  char buf[65536];
-  for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) out.append(buf, n);
-  close(fd);
-  return out;
 }
 
 TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {

@@ -1,5 +1,9 @@
 #include "tests/server/test_util.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -315,6 +319,35 @@ grpc::Status Put(v1::Kvq::Stub& stub, const std::vector<v1::PutBlocksRequest>& m
   }
   w->WritesDone();
   return w->Finish();
+}
+
+int ConnectLocal(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+std::string HttpGet(int port, const std::string& path, int timeout_s,
+                    const std::string& extra_headers) {
+  const int fd = ConnectLocal(port);
+  if (fd < 0) return "";
+  timeval tv{timeout_s, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n" + extra_headers +
+                          "Connection: close\r\n\r\n";
+  (void)!write(fd, req.data(), req.size());
+  std::string out;
+  char buf[65536];
+  for (ssize_t n; (n = read(fd, buf, sizeof buf)) > 0;) out.append(buf, n);
+  close(fd);
+  return out;
 }
 
 }  // namespace kvq::testing

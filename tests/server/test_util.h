@@ -102,4 +102,11 @@ grpc::Status Put(v1::Kvq::Stub& stub, const std::vector<v1::PutBlocksRequest>& m
                  v1::PutBlocksResponse* resp, const std::string& tenant = "",
                  const std::string& token = "");
 
+// A TCP connection to 127.0.0.1:port (-1 when refused).
+int ConnectLocal(int port);
+// GET path over HTTP/1.0 from 127.0.0.1:port (the metrics port): the whole answer, or what
+// came before `timeout_s` passed without a byte. extra_headers: "Name: value\r\n" lines.
+std::string HttpGet(int port, const std::string& path, int timeout_s = 30,
+                    const std::string& extra_headers = "");
+
 }  // namespace kvq::testing
