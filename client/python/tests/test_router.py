@@ -12,7 +12,12 @@ the Python client in router mode (and by the C++ CLI with --router).
 * the shard restarted (empty: kvq keeps sequences in memory): once HAProxy marks it up its
   keys move back, reads find nothing there (NOT_FOUND, never the copies the other shards
   took over) until the frontend re-puts them; no read ever returns another sequence's data
-  or a stale version.
+  or a stale version;
+* another shard frozen (SIGSTOP), not killed: marked down, its sequences re-put on the
+  shards that took its keys and appended to there; thawed (SIGCONT), it drops its copies on
+  the router's first probe after the gap (--drop-after-probe-gap) and answers it 503, so
+  that once HAProxy marks it up again a read of those sequences returns the new data or
+  NOT_FOUND, never the copy it held before it froze.
 
 Every sequence's data says who it is and which version it is: its tokens (1..10, +10 per
 re-put) and the constant its values hold; Attend over equal keys returns that constant.
@@ -43,7 +48,13 @@ N = 10_000
 D = 64
 TENANT = "acme"
 # Check settings of the test (the shipped defaults are slower: 2s/500ms/2/3, 1s timeout).
-INTER, FASTINTER, FALL, RISE, CHECK_TIMEOUT = 0.2, 0.1, 2, 2, 0.3
+INTER, FASTINTER, FALL, RISE, CHECK_TIMEOUT = 0.5, 0.5, 2, 2, 0.3
+# --drop-after-probe-gap of the shards: above INTER (the gap between probes while a shard
+# is up), below INTER + (FALL - 1) * FASTINTER (the shortest gap after which HAProxy can have
+# marked a running shard down), with 0.25 s of margin either way for a loaded test machine.
+PROBE_GAP = INTER + (FALL - 1) * FASTINTER / 2
+assert INTER < PROBE_GAP < INTER + (FALL - 1) * FASTINTER
+DROP_FLAG = ("--drop-after-probe-gap", f"{int(PROBE_GAP * 1000)}ms")
 # When a killed shard's port refuses connections, it is marked down at most
 # INTER + (FALL - 1) * FASTINTER after the kill (a check times out only on a silent peer:
 # FALL * CHECK_TIMEOUT more). The slack covers a loaded test machine.
@@ -70,6 +81,16 @@ def sid(i: int) -> str:
     return f"conv-{i}"
 
 
+def more(ids: List[int], version: int, n: int) -> List[kvq.Append]:
+    """n more tokens of each sequence's value, after the tokens of `version`."""
+    out = []
+    for i in ids:
+        k = np.zeros((1, n, D), np.float16)
+        v = np.full((1, n, D), value_of(i), np.float16)
+        out.append(kvq.Append(sid(i), 0, tokens_of(i, version), k, v))
+    return out
+
+
 def appends(ids: List[int], version: int) -> List[kvq.Append]:
     out = []
     for i in ids:
@@ -88,12 +109,13 @@ def read(client: kvq.Client, ids: List[int]) -> List[kvq.ItemResult]:
                          check=False)
 
 
-def check_data(ids: List[int], results: List[kvq.ItemResult], version_of) -> None:
-    """Every OK result is its own sequence's data at the version expected."""
+def check_data(ids: List[int], results: List[kvq.ItemResult], version_of, more_of=None) -> None:
+    """Every OK result is its own sequence's data at the version expected (plus more_of(i)
+    tokens appended to it)."""
     for i, r in zip(ids, results):
         if not r.ok:
             continue
-        want_tokens = tokens_of(i, version_of(i))
+        want_tokens = tokens_of(i, version_of(i)) + (more_of(i) if more_of else 0)
         assert r.tokens == want_tokens, f"{sid(i)}: {r.tokens} tokens, expected {want_tokens}"
         assert np.allclose(r.outputs, value_of(i), atol=1e-2), f"{sid(i)}: another's data"
 
@@ -171,8 +193,8 @@ class Router:
 def cluster(kvq_server_factory, tmp_path):
     """Three shards with /healthz on fixed metrics ports (kept across a restart), the model
     registered on each directly, and the router in front of them."""
-    shards = [kvq_server_factory("--metrics-port", str(free_port()), name=f"shard{n}",
-                                 metrics=True) for n in range(3)]
+    shards = [kvq_server_factory("--metrics-port", str(free_port()), *DROP_FLAG,
+                                 name=f"shard{n}", metrics=True) for n in range(3)]
     with kvq.Client([s.address for s in shards], tenant=TENANT, deadline=10) as direct:
         register_tiny(direct, layers=1, kv_heads=1, q_heads=1, head_dim=D)
     router = Router(tmp_path, shards)
@@ -315,8 +337,72 @@ def test_router_affinity_failover_and_return(cluster, kvq_build_dir, tmp_path):
                   f"{orphans} copies of version 2 left on the other shards, never read "
                   f"(sequence TTL drops them); total {time.monotonic() - t_start:.1f}s")
             assert orphans == len(lost)
+            frozen_phase(rc, shards, router, owner, version)
+            print(f"router: whole test {time.monotonic() - t_start:.1f}s")
         finally:
             restarted.stop()
+
+
+def probe_gap_drops(shard: ServerProcess) -> int:
+    url = f"http://127.0.0.1:{shard.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return int(float(next(line.split()[1] for line in text.splitlines()
+                          if line.startswith("kvq_probe_gap_drops_total "))))
+
+
+def frozen_phase(rc: kvq.Client, shards: List[ServerProcess], router: Router,
+                 owner: Dict[int, int], version: Dict[int, int]) -> None:
+    """A shard frozen (SIGSTOP), not killed, keeps its copies while HAProxy sends its keys
+    elsewhere; thawed, it must never serve them again."""
+    frozen = 2
+    name = f"kvq-{frozen}"
+    moved = [i for i in version if owner[i] == frozen]
+    assert moved and all(version[i] == 1 for i in moved)
+    assert [probe_gap_drops(s) for s in shards] == [0, 0, 0], "a drop without a gap"
+    proc = shards[frozen].proc
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        t_stop = time.monotonic()
+        t_down = router.wait(lambda st: st[name].startswith("DOWN"), f"{name} DOWN")
+        # Its keys are elsewhere now: NOT_FOUND there; re-put (version 4) and appended to
+        # (5 tokens more), as a frontend would go on with the conversation.
+        res = read(rc, moved)
+        assert all(r.code == grpc.StatusCode.NOT_FOUND for r in res), \
+            [(r.code, r.tokens) for r in res if r.code != grpc.StatusCode.NOT_FOUND][:5]
+        rc.put_blocks(appends(moved, 4))
+        rc.put_blocks(more(moved, 4, 5))
+        for i in moved:
+            version[i] = 4
+        res = read(rc, moved)
+        assert all(r.ok for r in res)
+        check_data(moved, res, version.get, lambda i: 5)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    t_cont = time.monotonic()
+    t_up = router.wait(lambda st: st[name] == "UP", f"{name} UP again")
+    # Its keys are back on it. A read gets the new data (had some router still sent it to
+    # the shard that took it over) or NOT_FOUND (the shard dropped its copies), never the
+    # copy of version 1 it held when it froze (check_data: the token count tells).
+    res = read(rc, moved)
+    check_data(moved, res, version.get, lambda i: 5)
+    codes = {r.code for r in res}
+    assert codes <= {grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND}, codes
+    drops = [probe_gap_drops(s) for s in shards]
+    print(f"router: shard {frozen} frozen; DOWN {t_down - t_stop:.2f}s after SIGSTOP; thawed, "
+          f"UP {t_up - t_cont:.2f}s after SIGCONT; reads of its {len(moved)} moved sequences: "
+          f"{sum(r.ok for r in res)} new data, "
+          f"{sum(r.code == grpc.StatusCode.NOT_FOUND for r in res)} NOT_FOUND, 0 stale; "
+          f"probe-gap drops per shard {drops}")
+    assert drops == [0 if n != frozen else 1 for n in range(3)], drops
+    # The frontend re-puts what was not found (version 5): every sequence reads back right.
+    lost = [i for i, r in zip(moved, res) if not r.ok]
+    if lost:
+        rc.put_blocks(appends(lost, 5))
+    for i in lost:
+        version[i] = 5
+    res = read(rc, list(version))
+    assert all(r.ok for r in res)
+    check_data(list(version), res, version.get, lambda i: 5 if version[i] == 4 else 0)
 
 
 def restart(old: ServerProcess) -> ServerProcess:
@@ -324,6 +410,6 @@ def restart(old: ServerProcess) -> ServerProcess:
     workdir = old.log_path.parent / "restarted"
     binary = Path(old.args[0])
     s = start_server(binary, workdir, "--metrics-port", str(old.metrics_port), "--registry",
-                     str(old.registry), metrics=True, port=old.port)
+                     str(old.registry), *DROP_FLAG, metrics=True, port=old.port)
     assert s.port == old.port and s.metrics_port == old.metrics_port
     return s
