@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (fuzz/fuzz_*.cc) with clang, ASan and UBSan in build-fuzz/ and
 # runs each for N seconds (default 20), or for N inputs from seed 1 (--runs: repeatable, what
-# CI runs; fuzz_rpc, whose inputs are gRPC calls, N/10), over its committed seeds
-# (fuzz/corpus/<target>, read only) plus a scratch corpus (build-fuzz/corpus/<target>). A
-# crash exits 1 and leaves its input in build-fuzz/found/. fuzz_rpc needs gRPC (else skipped).
+# CI runs; N/10 for fuzz_rpc and fuzz_registry, whose inputs are gRPC calls and folders), over
+# its seeds (fuzz/corpus/<target>, read only) plus a scratch corpus (build-fuzz/corpus/<target>).
+# A crash exits 1 and leaves its input in build-fuzz/found/. fuzz_rpc needs gRPC (else skipped).
 # Usage: scripts/fuzz.sh [--help] [--seconds N | --runs N] [TARGET...]   (default: every target)
 set -euo pipefail
 if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,7p' "$0" | sed 's/^# //'; exit 0; fi
@@ -37,8 +37,9 @@ if ! ninja -C build-fuzz "${targets[@]}" > build-fuzz/build.log; then
 fi
 for t in "${targets[@]}"; do
   limit=("${LIMIT[@]}")
-  # fuzz_rpc's inputs are gRPC calls (about a thousand a second): a tenth of the runs.
-  if [[ "$t" == fuzz_rpc && "${LIMIT[0]}" == -runs=* ]]; then
+  # fuzz_rpc's inputs are gRPC calls, fuzz_registry's folders of files loaded into a registry
+  # (each about a thousand a second): a tenth of the runs.
+  if [[ ( "$t" == fuzz_rpc || "$t" == fuzz_registry ) && "${LIMIT[0]}" == -runs=* ]]; then
     limit=(-runs=$(( ${LIMIT[0]#-runs=} / 10 )) -seed=1)
   fi
   seeds="fuzz/corpus/${t#fuzz_}"

@@ -36,7 +36,7 @@ absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, Cod
   if (policy != "uniform" && policy != "a2") {
     return absl::InvalidArgumentError(
         absl::StrCat(file, ": field 'value_policy' must be \"uniform\" or \"a2\" (got \"",
-                     policy.substr(0, 64), "\")"));
+                     Excerpt(policy), "\")"));
   }
   c->value_policy = policy == "a2" ? ValuePolicy::kA2 : ValuePolicy::kUniform;
   RETURN_IF_ERROR(f.Float("value_budget", &c->value_budget));

@@ -5,10 +5,18 @@
 #include <fstream>
 #include <limits>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
 
 namespace kvq::core {
+
+std::string Excerpt(absl::string_view s) {
+  constexpr size_t kMax = 64;
+  std::string out = absl::CHexEscape(s.substr(0, kMax));
+  if (s.size() > kMax) out += "...";
+  return out;
+}
 
 absl::Status JsonFields::Mistyped(absl::string_view key, absl::string_view want) const {
   const auto it = j_.find(std::string(key));

@@ -127,7 +127,8 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
   const BasisManifest& m = e.manifest;
   if (!ValidModelName(m.model)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("model name '", m.model, "' must be 1..128 characters of [A-Za-z0-9._-]"));
+        absl::StrCat("model name '", Excerpt(m.model), "' (", m.model.size(),
+                     " bytes) must be 1..128 characters of [A-Za-z0-9._-]"));
   }
   if (m.version < 1 || m.version > 1000000) {
     return absl::InvalidArgumentError(
@@ -147,9 +148,8 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
     return absl::InvalidArgumentError(absl::StrCat("head_dim ", m.head_dim, " must be in 1..512"));
   }
   if (m.rope_layout != "adjacent_pairs" && m.rope_layout != "halves") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rope_layout must be 'adjacent_pairs' or 'halves' (got '",
-                     m.rope_layout.substr(0, 64), "')"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rope_layout must be 'adjacent_pairs' or 'halves' (got '", Excerpt(m.rope_layout), "')"));
   }
   RETURN_IF_ERROR(CheckIdentifier("channel_order", m.channel_order, kMaxManifestString));
   RETURN_IF_ERROR(CheckIdentifier("kind", m.kind, kMaxManifestString));

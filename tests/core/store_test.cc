@@ -274,6 +274,11 @@ TEST(RegistryTest, RegisterRefusesWhatLoadingWouldAndConflictingMetadata) {
   const std::vector<std::pair<Mutation, std::string>> invalid = {
       {[](ModelEntry& e) { e.manifest.rope_layout = "spiral"; },
        "rope_layout must be 'adjacent_pairs' or 'halves'"},
+      // What a message quotes of a bad string is one bounded line (fuzz_registry).
+      {[](ModelEntry& e) { e.manifest.rope_layout = "halves\x01\n" + std::string(100, 'x'); },
+       "(got 'halves\\x01\\n" + std::string(56, 'x') + "...')"},
+      {[](ModelEntry& e) { e.manifest.model = "a\nb" + std::string(1 << 20, 'c'); },
+       "model name 'a\\nb" + std::string(61, 'c') + "...' (1048579 bytes) must be 1..128"},
       {[](ModelEntry& e) { e.manifest.kind = std::string(1 << 20, 'k'); },
        "kind must be at most 256 bytes"},
       {[](ModelEntry& e) { e.manifest.kind = std::string(257, 'k'); },

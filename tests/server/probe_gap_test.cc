@@ -2,13 +2,14 @@
 // that comes after a longer gap than the option since the same router's previous one drops
 // every sequence and is answered 503; probes within it, other routers' probes and checks
 // without the header change nothing. Time is a fake clock: no test here sleeps.
+#include "server/probe_gap.h"
+
 #include <atomic>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/probe_gap.h"
 #include "tests/server/test_util.h"
 
 namespace kvq::testing {
@@ -109,10 +110,8 @@ TEST_F(ProbeGapServerTest, AProbeAfterAGapDropsEverySequenceAndIsAnswered503) {
   EXPECT_THAT(dropped, HasSubstr("HTTP/1.1 503"));
   EXPECT_THAT(dropped, HasSubstr("NOT_SERVING"));
   EXPECT_EQ(Held(), 0);
-  EXPECT_EQ(ts_->server().store().Describe("t1", "x").status().code(),
-            absl::StatusCode::kNotFound);
-  EXPECT_EQ(ts_->server().store().Describe("t2", "y").status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(ts_->server().store().Describe("t1", "x").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ts_->server().store().Describe("t2", "y").status().code(), absl::StatusCode::kNotFound);
   const std::string metrics = HttpGet(port_, "/metrics", 5);
   EXPECT_THAT(metrics, HasSubstr("kvq_probe_gap_drops_total 1\n"));
   EXPECT_THAT(metrics, HasSubstr("kvq_probe_gap_dropped_sequences_total 2\n"));

@@ -35,6 +35,11 @@ class JsonFields {
   std::string file_;
 };
 
+// A string read from a file or a call, as an error message may quote it: at most its first 64
+// bytes, control and non-ASCII bytes escaped (\n, \x01), "..." after a cut. Keeps every
+// message one bounded line.
+std::string Excerpt(absl::string_view s);
+
 // A registry file as a JSON object, at most 1 MiB (never an exception: a garbage or
 // truncated file is INVALID_ARGUMENT naming it, a missing one NOT_FOUND).
 absl::StatusOr<nlohmann::json> ReadJsonObject(const std::string& path, Env* env = nullptr);
