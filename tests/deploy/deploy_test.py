@@ -180,6 +180,19 @@ def check_manifests():
                 f".svc.$(KVQ_CLUSTER_DOMAIN):{ports['grpc']}")
         if env.get(f"KVQ_SHARD_{i}") != want:
             fail(f"kvq-router KVQ_SHARD_{i} is {env.get(f'KVQ_SHARD_{i}')}, expected {want}")
+    names = [e for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]
+             if e["name"] == "KVQ_ROUTER_NAME"]
+    if not names or names[0].get("valueFrom") != {"fieldRef": {"fieldPath": "metadata.name"}}:
+        fail("kvq-router must set KVQ_ROUTER_NAME to the pod's name (each replica's probes "
+             "are watched apart)")
+    check_probe_gap(maps["kvq-server"].get("KVQ_DROP_AFTER_PROBE_GAP"),
+                    "deploy/k8s/configmap.yaml KVQ_DROP_AFTER_PROBE_GAP")
+    compose = open(os.path.join(DEPLOY, "docker-compose.yml")).read()
+    gaps = re.findall(r"KVQ_DROP_AFTER_PROBE_GAP: \$\{KVQ_DROP_AFTER_PROBE_GAP:-(\S+)\}", compose)
+    if len(gaps) != 2:  # kvq-server and the shards' anchor
+        fail(f"docker-compose.yml sets KVQ_DROP_AFTER_PROBE_GAP {len(gaps)} times, expected 2")
+    for g in gaps:
+        check_probe_gap(g, "docker-compose.yml KVQ_DROP_AFTER_PROBE_GAP")
     kust = open(os.path.join(DEPLOY, "k8s", "kustomization.yaml")).read()
     if "router.yaml" not in kust:
         fail("kustomization.yaml does not apply router.yaml")
@@ -204,6 +217,34 @@ def check_manifests():
     if "/var/lib/grafana/dashboards" not in prov:
         fail("the dashboard provider does not point at the mounted folder")
     print("manifests: OK")
+
+
+def seconds(duration):
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s)", duration or "")
+    if not m:
+        fail(f"cannot read the duration {duration!r}")
+    return float(m.group(1)) / (1000 if m.group(2) == "ms" else 1)
+
+
+def check_probe_gap(value, where):
+    """The shards' --drop-after-probe-gap must lie between the router's check interval and
+    the shortest time in which it can mark a running shard down (docs/ROUTER.md), with the
+    defaults of haproxy.cfg, and the router's checks must say who sends them."""
+    cfg = open(os.path.join(DEPLOY, "haproxy", "haproxy.cfg")).read()
+    if not re.search(r"^\s*http-check send .*hdr x-kvq-probe ", cfg, re.M):
+        fail("haproxy.cfg: the checks must carry x-kvq-probe (http-check send ... hdr)")
+
+    def default(name):
+        m = re.search(r'"\$\{KVQ_ROUTER_CHECK_' + name + r'-([^}]+)\}"', cfg)
+        if not m:
+            fail(f"haproxy.cfg: no default for KVQ_ROUTER_CHECK_{name}")
+        return m.group(1)
+    inter, fastinter = seconds(default("INTER")), seconds(default("FASTINTER"))
+    fall = int(default("FALL"))
+    gap = seconds(value)
+    if not inter < gap < inter + (fall - 1) * fastinter:
+        fail(f"{where} {value} must lie between haproxy.cfg's inter ({inter}s) and inter + "
+             f"(fall - 1) x fastinter ({inter + (fall - 1) * fastinter}s)")
 
 
 # ---------------------------------------------------------------------------------------------
