@@ -4,13 +4,16 @@
 # CI runs; N/10 for fuzz_rpc and fuzz_registry, whose inputs are gRPC calls and folders), over
 # its seeds (fuzz/corpus/<target>, read only) plus a scratch corpus (build-fuzz/corpus/<target>).
 # A crash exits 1 and leaves its input in build-fuzz/found/. fuzz_rpc needs gRPC (else skipped).
-# Usage: scripts/fuzz.sh [--help] [--seconds N | --runs N] [TARGET...]   (default: every target)
+# --long: the long run by hand, 10^7 inputs or one hour per target, whichever comes first.
+# Usage: scripts/fuzz.sh [--help] [--seconds N | --runs N | --long] [TARGET...]   (default: all)
 set -euo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,7p' "$0" | sed 's/^# //'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,8p' "$0" | sed 's/^# //'; exit 0; fi
 cd "$(dirname "$0")/.."
 LIMIT=(-max_total_time=20)
 if [[ "${1:-}" == "--seconds" ]]; then LIMIT=(-max_total_time="$2"); shift 2; fi
 if [[ "${1:-}" == "--runs" ]]; then LIMIT=(-runs="$2" -seed=1); shift 2; fi
+# (the time limit first: the tenth below applies to --runs only)
+if [[ "${1:-}" == "--long" ]]; then LIMIT=(-max_total_time=3600 -runs=10000000); shift; fi
 SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 mkdir -p build-fuzz
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -51,7 +54,7 @@ for t in "${targets[@]}"; do
   mkdir -p build-fuzz/found/old
   mv build-fuzz/found/"$t"-* build-fuzz/found/old/ 2>/dev/null || true
   (cd build-fuzz && "bin/$t" "${limit[@]}" -print_final_stats=1 -artifact_prefix="found/$t-" \
-      "../$work" "../$seeds" 2>&1 | grep -E "^(stat::number_of_executed_units|stat::peak_rss_mb|==|SUMMARY|fuzz_)" || true)
+      "../$work" "../$seeds" 2>&1 | grep -E "^(stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb|==|SUMMARY|fuzz_|Done )" || true)
   if ls build-fuzz/found/"$t"-* >/dev/null 2>&1; then
     echo "fuzz: $t failed on $(ls build-fuzz/found/"$t"-*)"
     exit 1

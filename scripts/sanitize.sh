@@ -4,9 +4,13 @@
 # frontend's model tests are left to the Release run), and core's tests with ThreadSanitizer
 # (build-tsan/, clang; core has no gRPC, and core::Mutex announces absl::Mutex to TSan, so no
 # suppressions). A sanitizer report fails its test. Prints each part's wall time.
-# Usage: scripts/sanitize.sh [--help] [asan|tsan]...   (default: both)   Environment: KVQ_JOBS.
+# tsan-server (by hand, not in the default run): the server tests under ThreadSanitizer
+# (build-tsan-server/), with tests/tsan-server.supp for Debian's uninstrumented gRPC, protobuf
+# and Abseil; prints how often each suppression matched (docs/SANITIZERS.md).
+# Usage: scripts/sanitize.sh [--help] [asan|tsan|tsan-server]...   (default: asan tsan)
+# Environment: KVQ_JOBS.
 set -euo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,7p' "$0" | sed 's/^# //'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,11p' "$0" | sed 's/^# //'; exit 0; fi
 cd "$(dirname "$0")/.."
 JOBS="${KVQ_JOBS:-$(nproc)}"
 parts=("$@")
@@ -35,7 +39,14 @@ for part in "${parts[@]}"; do
         -DCMAKE_EXE_LINKER_FLAGS="$SAN" > /dev/null
       export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
       dir=build-tsan; canary=(race "WARNING: ThreadSanitizer: data race"); cxx=clang++ ;;
-    *) echo "sanitize: unknown part '$part' (asan or tsan)" >&2; exit 2 ;;
+    tsan-server)
+      SAN="-fsanitize=thread"
+      cmake -S . -B build-tsan-server "${COMMON[@]}" -DCMAKE_C_COMPILER=clang \
+        -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS="$SAN" -DCMAKE_C_FLAGS="$SAN" \
+        -DCMAKE_EXE_LINKER_FLAGS="$SAN" > /dev/null
+      export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 print_suppressions=1 suppressions=$PWD/tests/tsan-server.supp"
+      dir=build-tsan-server; canary=(race "WARNING: ThreadSanitizer: data race"); cxx=clang++ ;;
+    *) echo "sanitize: unknown part '$part' (asan, tsan or tsan-server)" >&2; exit 2 ;;
   esac
   cmake --build "$dir" -j "$JOBS" > "$dir/build.log" 2>&1 || { tail -30 "$dir/build.log"; exit 1; }
   # The canary: this build's flags must catch a planted bug, or its clean run means nothing.
@@ -45,7 +56,19 @@ for part in "${parts[@]}"; do
   fi
   built=$(date +%s)
   rc=0
-  ctest --test-dir "$dir" --output-on-failure -j "$JOBS" --timeout 900 > "$dir/ctest.log" 2>&1 || rc=$?
+  if [[ $part == tsan-server ]]; then
+    # Server tests only (core's run in the tsan part); each process's reports and suppression
+    # counts go to its own file, summed below.
+    rm -rf "$dir/tsan-logs" && mkdir -p "$dir/tsan-logs"
+    TSAN_OPTIONS="$TSAN_OPTIONS log_path=$PWD/$dir/tsan-logs/tsan" \
+      ctest --test-dir "$dir/tests/server" --output-on-failure -j "$JOBS" --timeout 900 \
+      > "$dir/ctest.log" 2>&1 || rc=$?
+    cat "$dir"/tsan-logs/tsan.* 2>/dev/null >> "$dir/ctest.log" || true
+    grep -hE "^ *[0-9]+ +[a-z_]+:" "$dir"/tsan-logs/tsan.* 2>/dev/null |
+      awk '{n[$2]+=$1} END {for (k in n) print "sanitize: suppressed " n[k] " x " k}' | sort || true
+  else
+    ctest --test-dir "$dir" --output-on-failure -j "$JOBS" --timeout 900 > "$dir/ctest.log" 2>&1 || rc=$?
+  fi
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Subprocess" "$dir/ctest.log" || true
   [[ $rc -ne 0 ]] && { grep -B2 -A30 -E "ERROR: (Address|Thread|Leak)Sanitizer|WARNING: ThreadSanitizer|runtime error" "$dir/ctest.log" | head -80; status=1; }
   echo "sanitize: $part built in $((built - start)) s, tests in $(( $(date +%s) - built )) s, exit $rc"

@@ -2000,7 +2000,7 @@ TEST(ServiceTest, IdleStreamsTimeOutAndFreeTheirSlot) {
 // A call whose deadline passed is dropped when a worker takes it up, and a batch stops between
 // its items: ten heavy Attends abandoned by their callers must not keep the only worker from
 // a small call. Counted on the server: none of the heavy calls is answered OK.
-TEST(ServiceTest, AbandonedCallsStopAtTheirDeadline) {
+TEST(ServiceTest, AbandonedCallsStopAtTheirDeadlineOrCancel) {
   server::ServerOptions o = WithLocalMetrics();
   o.workers = 1;
   TestServer ts(o);
@@ -2081,6 +2081,38 @@ TEST(ServiceTest, AbandonedCallsStopAtTheirDeadline) {
   EXPECT_THAT(text, AnyOf(HasSubstr("{code=\"DEADLINE_EXCEEDED\",method=\"Attend\"}"),
                           HasSubstr("{code=\"CANCELLED\",method=\"Attend\"}")));
   EXPECT_LT(took, absl::Seconds(30));
+
+  // A heavy call the client cancels a quarter of the way in stops on the server too: it ends
+  // CANCELLED at its next item, where worked through it would be counted OK.
+  auto attend_count = [&](const char* code) {
+    const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
+    const std::string key =
+        absl::StrCat("kvq_requests_total{code=\"", code, "\",method=\"Attend\"} ");
+    const size_t at = text.find(key);
+    return at == std::string::npos ? 0 : std::atoi(text.c_str() + at + key.size());
+  };
+  const int ok_before = attend_count("OK"), cancelled_before = attend_count("CANCELLED");
+  Call cancelled;
+  cancelled.ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  bool done = false;
+  stub->async()->Attend(&cancelled.ctx, &heavy, &cancelled.resp, [&](grpc::Status st) {
+    absl::MutexLock l(&mu);
+    cancelled.st = std::move(st);
+    done = true;
+  });
+  absl::SleepFor(heavy_takes / 4);
+  cancelled.ctx.TryCancel();
+  {
+    absl::MutexLock l(&mu);
+    mu.Await(absl::Condition(&done));
+  }
+  EXPECT_EQ(cancelled.st.error_code(), grpc::StatusCode::CANCELLED);
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (attend_count("CANCELLED") == cancelled_before && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_EQ(attend_count("CANCELLED"), cancelled_before + 1);
+  EXPECT_EQ(attend_count("OK"), ok_before);
 }
 
 // Silent TCP peers on the metrics port (one connected and quiet, one with half a request)
