@@ -1925,7 +1925,9 @@ TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
     threads.emplace_back([&] {
       for (int i = 0; i < 25; ++i) {
         grpc::Status cst;
-        v1::ScoreResponse r = ScoreOne(*stub, "o", 0, q, s.q_heads, 1, s.head_dim, "", &cst);
+        // (held's members by name: clang 14 cannot capture structured bindings)
+        v1::ScoreResponse r =
+            ScoreOne(*held.stub, "o", 0, held.q, held.s.q_heads, 1, held.s.head_dim, "", &cst);
         if (cst.ok() && r.results(0).status().code() == 0) {
           ++ok;
         } else if (cst.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
