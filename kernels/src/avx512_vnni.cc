@@ -345,8 +345,10 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
     _mm512_store_ps(ze + 16 * k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zero + 16 * k)));
   }
   const Shape rt{n_ch, tokens, 0};
-  // The served shapes get constants: 2-bit keys in groups of 32 (the old default) and 3-bit
-  // keys in groups of 128 (the default codec, docs/CODEC.md), head_dim 64 or 128.
+  // head_dim 64 and 128 get the channel count as a constant (the per-block weights stay in
+  // registers) for every group length of the frontier's codecs (32, 64, 128 tokens); the
+  // served shapes also get the token count: 2-bit keys in groups of 32 (the old default) and
+  // 3-bit keys in groups of 128 (the default codec, docs/CODEC.md).
   auto run = [&](auto bits_c) {
     constexpr int kB = decltype(bits_c)::value;
     constexpr int kT = kB == 2 ? 32 : 128;
@@ -354,6 +356,10 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
       ScorePairS<kB, 64, kT>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
     else if (tokens == kT && n_ch == 128)
       ScorePairS<kB, 128, kT>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (n_ch == 64)
+      ScorePairS<kB, 64, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (n_ch == 128)
+      ScorePairS<kB, 128, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
     else
       ScorePairS<kB, 0, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
   };
@@ -366,21 +372,32 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
 void ReadoutPairDot(const uint8_t* rows, int bits, int64_t rec, int n_rows, int n, int group,
                     const float* p, int64_t ps, int n_q, float* out, int64_t os) {
   const Shape rt{n, n_rows, (n + group - 1) / group};
-  // The fixed shapes must keep group == N_ / NG_ (ReadoutPairN's kGroup): 32- and 128-token
-  // blocks (G of the legacy and today's default codec) in groups of 32 channels, 2-bit rows;
-  // 3-bit rows in groups of 64 channels (the calibrated 4-bit-budget codecs) at d = 64.
+  // Fixed shapes for the frontier's codecs: blocks of 32, 64 or 128 tokens (G), head_dim 64 or
+  // 128, groups of 32 or 64 channels (they keep group == N_ / NG_, ReadoutPairN's kGroup).
+  auto fixed = [&](auto bits_c, auto n_c, auto rows_c) {
+    constexpr int kB = decltype(bits_c)::value, kN = decltype(n_c)::value,
+                  kRows = decltype(rows_c)::value;
+    if (group == 32)
+      ReadoutPairS<kB, kN, kRows, kN / 32>(rows, rec, group, p, ps, n_q, out, os, rt);
+    else
+      ReadoutPairS<kB, kN, kRows, kN / 64>(rows, rec, group, p, ps, n_q, out, os, rt);
+  };
+  auto by_rows = [&](auto bits_c, auto n_c) {
+    if (n_rows == 32)
+      fixed(bits_c, n_c, std::integral_constant<int, 32>{});
+    else if (n_rows == 64)
+      fixed(bits_c, n_c, std::integral_constant<int, 64>{});
+    else if (n_rows == 128)
+      fixed(bits_c, n_c, std::integral_constant<int, 128>{});
+    else
+      ReadoutPairS<decltype(bits_c)::value, 0, 0, 0>(rows, rec, group, p, ps, n_q, out, os, rt);
+  };
   auto run = [&](auto bits_c) {
     constexpr int kB = decltype(bits_c)::value;
-    if (kB == 2 && n_rows == 32 && n == 64 && group == 32)
-      ReadoutPairS<kB, 64, 32, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
-    else if (kB == 2 && n_rows == 32 && n == 128 && group == 32)
-      ReadoutPairS<kB, 128, 32, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
-    else if (n_rows == 128 && n == 64 && group == 32)
-      ReadoutPairS<kB, 64, 128, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
-    else if (n_rows == 128 && n == 128 && group == 32)
-      ReadoutPairS<kB, 128, 128, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
-    else if (kB == 3 && n_rows == 128 && n == 64 && group == 64)
-      ReadoutPairS<kB, 64, 128, 1>(rows, rec, group, p, ps, n_q, out, os, rt);
+    if ((group == 32 || group == 64) && n == 64)
+      by_rows(bits_c, std::integral_constant<int, 64>{});
+    else if ((group == 32 || group == 64) && n == 128)
+      by_rows(bits_c, std::integral_constant<int, 128>{});
     else
       ReadoutPairS<kB, 0, 0, 0>(rows, rec, group, p, ps, n_q, out, os, rt);
   };
