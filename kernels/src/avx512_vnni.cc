@@ -346,9 +346,10 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
   }
   const Shape rt{n_ch, tokens, 0};
   // head_dim 64 and 128 get the channel count as a constant (the per-block weights stay in
-  // registers) for every group length of the frontier's codecs (32, 64, 128 tokens); the
-  // served shapes also get the token count: 2-bit keys in groups of 32 (the old default) and
-  // 3-bit keys in groups of 128 (the default codec, docs/CODEC.md).
+  // registers) for every group length of the frontier's codecs (32, 64, 128 tokens), and the
+  // token count for 2-bit keys in groups of 32 (the old default), 3-bit keys in groups of 128
+  // (the default codec, docs/CODEC.md) and groups of 64 (G = 64 at d = 128: 6% less time
+  // than with the token count at run time, docs/BENCHMARKS.md).
   auto run = [&](auto bits_c) {
     constexpr int kB = decltype(bits_c)::value;
     constexpr int kT = kB == 2 ? 32 : 128;
@@ -356,6 +357,10 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
       ScorePairS<kB, 64, kT>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
     else if (tokens == kT && n_ch == 128)
       ScorePairS<kB, 128, kT>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (tokens == 64 && n_ch == 64)
+      ScorePairS<kB, 64, 64>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (tokens == 64 && n_ch == 128)
+      ScorePairS<kB, 128, 64>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
     else if (n_ch == 64)
       ScorePairS<kB, 64, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
     else if (n_ch == 128)
