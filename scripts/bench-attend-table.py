@@ -49,7 +49,10 @@ def rounds_of(paths):
     """Yields one {name: benchmark} dict per round: a file, or a repetition within it."""
     for path in paths:
         with open(path) as f:
-            data = json.load(f)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:  # e.g. a run still writing it
+                sys.exit(f"bench-attend-table: {path} is not complete benchmark JSON ({e})")
         by_rep = {}
         for b in data["benchmarks"]:
             if b.get("run_type", "iteration") != "iteration" or b.get("error_occurred"):

@@ -348,8 +348,8 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
   // head_dim 64 and 128 get the channel count as a constant (the per-block weights stay in
   // registers) for every group length of the frontier's codecs (32, 64, 128 tokens), and the
   // token count for 2-bit keys in groups of 32 (the old default), 3-bit keys in groups of 128
-  // (the default codec, docs/CODEC.md) and groups of 64 (G = 64 at d = 128: 6% less time
-  // than with the token count at run time, docs/BENCHMARKS.md).
+  // (the default codec, docs/CODEC.md) and groups of 64 (G = 64 at d = 128: about 7% less
+  // time than with the token count at run time, docs/BENCHMARKS.md).
   auto run = [&](auto bits_c) {
     constexpr int kB = decltype(bits_c)::value;
     constexpr int kT = kB == 2 ? 32 : 128;
