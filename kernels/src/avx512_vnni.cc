@@ -145,12 +145,15 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
   constexpr int TILES = 2;  // tokens % 32 == 0 here; 16-token blocks take the 1-tile path
   const int64_t rb = tokens * B / 8;
   const int tiles = tokens % 32 == 0 ? TILES : 1;
+  PrefetchAhead& ahead_ref = Ahead();
+  PrefetchAhead ahead = ahead_ref;  // in registers for the loop
   for (int t0 = 0; t0 < tokens; t0 += 16 * tiles) {
     __m512i acc[TILES][NQ];
     for (int k = 0; k < TILES; ++k)
       for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
     const uint8_t* base = codes + t0 * B / 8;
     for (int c = 0; c < n_ch; c += 2) {
+      ahead.Some(1);
       __m512i v[TILES];
       for (int k = 0; k < tiles; ++k)
         v[k] = DecodePair<B>(base + c * rb + 2 * B * k, base + (c + 1) * rb + 2 * B * k);
@@ -168,6 +171,7 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
         _mm512_storeu_ps(o, r);
       }
   }
+  ahead_ref = ahead;
 }
 
 template <int B, int NCH_, int T_>
@@ -242,6 +246,8 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
         _mm256_store_si256(reinterpret_cast<__m256i*>(c16[j][g] + 16 * v),
                            ToI16(cf[j][g][v], inv[j * ng + g]));
   const int chunks = n / 16;
+  PrefetchAhead& ahead_ref = Ahead();
+  PrefetchAhead ahead = ahead_ref;  // in registers for the loop
   for (int ch = 0; ch < chunks; ch += 2) {
     const int nc = kPairInGroup || ch + 1 < chunks ? 2 : 1;
     const int g0 = ch * 16 / group, g1 = (ch + nc - 1) * 16 / group;
@@ -250,6 +256,7 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
       for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
     const uint8_t* codes = rows + 4 * ng + ch * 2 * B;
     for (int t = 0; t < pairs; t += 2) {
+      ahead.Some(1);
       const uint8_t* r0 = codes + t * rec;
       const uint8_t* r1 = t + 1 < n_rows ? r0 + rec : r0;  // an odd count's pad (weight 0)
       const __m512i v0 = DecodePair<B>(r0, r1);
@@ -273,6 +280,7 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
       }
     }
   }
+  ahead_ref = ahead;
 }
 
 // The records' fp16 scales and zero points as floats, hz[k][t] (k < 2 * ng), 16 tokens at a
