@@ -8,6 +8,9 @@
 //                AttendCodesK3V3 the 4-bit-budget calibrated codecs (k3 G128 s8, v3 vg64).
 //                AttendCodesK3G128RotK the lever codec (k3 G128 r4 s4 v2, rotated keys, metric
 //                rounding) next to AttendCodesK3G128, the same codec without the levers.
+//   AttendCodec  one row per codec setting of the quality frontier at 32k tokens (FrontierCodecs),
+//                each attend row with its bytes-moved counters (SetByteCounters);
+//                scripts/bench-attend-table.py sets them against AttendDense and StreamRead.
 //   DecodeKV     LayerCache::DecodeAs fp16 of 4096 tokens (keys as attention sees them,
 //                values: the bytes a GetBlocks of fp16 sends), bytes_per_second of fp16 K+V
 //                written, next to Memcpy of those bytes (MemcpyReused: into one reused
@@ -28,9 +31,12 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -58,6 +64,16 @@ std::vector<uint16_t> RandomHalf(size_t n, uint32_t seed) {
   std::vector<uint16_t> h(n);
   FloatToHalfN(f.data(), h.data(), n);
   return h;
+}
+
+// The same inputs for every row (and every call of a row's function: Google Benchmark calls
+// it once per iteration-count trial and repetition), generated once: drawing 10^8 normals
+// takes seconds on this machine, longer than measuring an attend.
+const std::vector<uint16_t>& SharedRandomHalf(size_t n, uint32_t seed) {
+  static std::map<std::pair<size_t, uint32_t>, std::vector<uint16_t>> made;
+  auto it = made.find({n, seed});
+  if (it == made.end()) it = made.emplace(std::pair{n, seed}, RandomHalf(n, seed)).first;
+  return it->second;
 }
 
 CodecOptions HeadQOptions(int d, int group = 32) {
@@ -185,7 +201,7 @@ CodesSet BuildCodes(int T, int qh, int kv, const CodecOptions& o) {
   const int d = o.head_dim;
   const ModelBasis b = Basis(kv, qh, d, o.rank);
   const size_t per = static_cast<size_t>(kv) * T * d;
-  auto k = RandomHalf(per, 11), v = RandomHalf(per, 12);
+  const auto &k = SharedRandomHalf(per, 11), &v = SharedRandomHalf(per, 12);
   // Metric rounding's query moment (encoder only: it changes which codes are stored, not what
   // reading them costs): E[q q^T] = I + 1 1^T / d per head.
   std::vector<float> moment;
@@ -196,14 +212,34 @@ CodesSet BuildCodes(int T, int qh, int kv, const CodecOptions& o) {
   }
   auto first = std::make_unique<LayerCache>(o, kv, b.u.data(), nullptr, nullptr,
                                             moment.empty() ? nullptr : moment.data());
-  (void)first->Append(TensorView::Contiguous(k.data(), DType::kF16, {kv, T, d}),
-                      TensorView::Contiguous(v.data(), DType::kF16, {kv, T, d}), 0);
+  const absl::Status s =
+      first->Append(TensorView::Contiguous(k.data(), DType::kF16, {kv, T, d}),
+                    TensorView::Contiguous(v.data(), DType::kF16, {kv, T, d}), 0);
+  if (!s.ok()) {  // a row over no codes would measure nothing
+    std::fprintf(stderr, "kvq-bench-codec: encoding %s failed: %s\n", o.ToString().c_str(),
+                 s.ToString().c_str());
+    std::exit(1);
+  }
   CodesSet set;
   set.bytes_each = first->Size().total_bytes();
   const size_t n = std::max<size_t>(2, kWorkingSetBytes / set.bytes_each + 1);
   set.caches.push_back(std::move(first));
   while (set.caches.size() < n) set.caches.push_back(std::make_unique<LayerCache>(*set.caches[0]));
   return set;
+}
+
+// fp16 bytes of a layer's K and V: what AttendDense reads per call.
+double FpBytes(int T, int kv, int d) { return 4.0 * kv * T * d; }
+
+// The bytes-moved view of an attend row (scripts/bench-attend-table.py turns it into a table
+// against AttendDense and StreamRead of the same run): code_bytes read per call (every block,
+// header and fp16 sink row of the layer), bits_per_elem of K and V together, and
+// target_x_dense = 0.6 x (fp16 bytes / code bytes), the speed-up over fp16 attention that
+// issue 15 asks of a codec reading that many bytes. GB/s of code bytes is bytes_per_second.
+void SetByteCounters(benchmark::State& st, double code_bytes, double fp16_bytes) {
+  st.counters["code_bytes"] = code_bytes;
+  st.counters["bits_per_elem"] = 16.0 * code_bytes / fp16_bytes;
+  st.counters["target_x_dense"] = 0.6 * fp16_bytes / code_bytes;
 }
 
 void AttendCodesWith(benchmark::State& st, int T, int qh, int kv, const CodecOptions& o,
@@ -227,7 +263,7 @@ void AttendCodesWith(benchmark::State& st, int T, int qh, int kv, const CodecOpt
   kk::SetActive(nullptr);
   st.SetBytesProcessed(st.iterations() * set.bytes_each);
   st.SetItemsProcessed(st.iterations() * T);
-  st.counters["cache_bytes"] = static_cast<double>(set.bytes_each);
+  SetByteCounters(st, static_cast<double>(set.bytes_each), FpBytes(T, kv, d));
 }
 
 void AttendCodesImpl(benchmark::State& st, int T, int qh, int kv, int d, bool reference,
@@ -269,15 +305,79 @@ void AttendCodesK3V3(benchmark::State& st, int T, int qh, int kv, int d) {
   AttendCodesWith(st, T, qh, kv, o, false);
 }
 
+// The codec settings of the quality frontier (docs/RESULTS.md, "The quality frontier"; names
+// as kvq-eval spells them, "a2b<B>": the A^2 per-token value widths at a budget of B bits).
+// One lever at a time off the service's default (k3 G128 r4 s4 v2 g32), then the points the
+// calibration chose and the other frontier rows. Metric rounding and the oblique pair are
+// left out: they change which codes an encoder writes, not what reading them costs.
+struct CodecRow {
+  std::string name;
+  CodecOptions o;
+};
+std::vector<CodecRow> FrontierCodecs(int d) {
+  auto with = [d](int key_bits, int group, int rank, int side_bits, int value_bits,
+                  int value_group) {
+    return CodecOptions{.head_dim = d,
+                        .key_bits = key_bits,
+                        .key_group = group,
+                        .rank = rank,
+                        .side_bits = side_bits,
+                        .value_bits = value_bits,
+                        .value_group = value_group};
+  };
+  auto a2 = [](CodecOptions o, float budget) {
+    o.value_policy = ValuePolicy::kA2;
+    o.value_budget = budget;
+    return o;
+  };
+  auto levers = [](CodecOptions o, bool rotk, int sinks) {
+    o.rotate_keys = rotk;
+    o.fp16_sinks = sinks;
+    return o;
+  };
+  const CodecOptions base = with(3, 128, 4, 4, 2, 32);
+  return {
+      {"k3g128-r4s4-v2", base},  // the default codec
+      {"k3g64-r4s4-v2", with(3, 64, 4, 4, 2, 32)},
+      {"k3g32-r4s4-v2", with(3, 32, 4, 4, 2, 32)},
+      {"k2g128-r4s4-v2", with(2, 128, 4, 4, 2, 32)},
+      {"k4g128-r4s4-v2", with(4, 128, 4, 4, 2, 32)},
+      {"k3g128-r4s8-v2", with(3, 128, 4, 8, 2, 32)},
+      {"k3g128-r2s4-v2", with(3, 128, 2, 4, 2, 32)},
+      {"k3g128-r2s8-v2", with(3, 128, 2, 8, 2, 32)},
+      {"k3g128-r0-v2", with(3, 128, 0, 4, 2, 32)},
+      {"k3g128-r4s4-v3", with(3, 128, 4, 4, 3, 32)},
+      {"k3g128-r4s4-v2g64", with(3, 128, 4, 4, 2, 64)},
+      {"k3g128-r4s4-a2b2", a2(base, 2.0f)},
+      {"k3g128-r4s4-a2b3", a2(base, 3.0f)},
+      {"k3g128-r4s4-v2-rotk", levers(base, true, 0)},
+      {"k3g128-r4s4-v2-sink4", levers(base, false, 4)},
+      // SmolLM2's and Qwen2.5's choices at 3 and 4 bits (kvq-calibrate --bits), the 2.4-bit
+      // KIVI-like point, the 4.6-bit one, the A^2 rows and the legacy default.
+      {"k2g128-r4s4-v2-rotk-sink4", levers(with(2, 128, 4, 4, 2, 32), true, 4)},
+      {"k2g128-r4s8-v2g64-sink4", levers(with(2, 128, 4, 8, 2, 64), false, 4)},
+      {"k3g128-r4s8-v3g64-rotk-sink4", levers(with(3, 128, 4, 8, 3, 64), true, 4)},
+      {"k3g128-r4s8-v3g64", with(3, 128, 4, 8, 3, 64)},
+      {"k2g128-r0-v2g64-rotk", levers(with(2, 128, 0, 4, 2, 64), true, 0)},
+      {"k4g128-r0-v4-rotk", levers(with(4, 128, 0, 4, 4, 32), true, 0)},
+      {"k2g128-r4s8-a2b2", a2(with(2, 128, 4, 8, 2, 32), 2.0f)},
+      {"k2g32-r4s8-v2", HeadQOptions(d)},  // the legacy default (AttendCodes)
+  };
+}
+
+void AttendCodec(benchmark::State& st, int T, int qh, int kv, const CodecOptions& o) {
+  AttendCodesWith(st, T, qh, kv, o, false);
+}
+
 // Dense fp16 attention with the same structure: per KV head, scores of its query group,
 // softmax, readout.
 void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
   const size_t per = static_cast<size_t>(kv) * T * d;
   const size_t n = std::max<size_t>(2, kWorkingSetBytes / (per * 4) + 1);
-  std::vector<std::vector<uint16_t>> ks, vs;
+  std::vector<const std::vector<uint16_t>*> ks, vs;
   for (size_t l = 0; l < n; ++l) {
-    ks.push_back(RandomHalf(per, 3 * l));
-    vs.push_back(RandomHalf(per, 3 * l + 1));
+    ks.push_back(&SharedRandomHalf(per, 3 * l));
+    vs.push_back(&SharedRandomHalf(per, 3 * l + 1));
   }
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
@@ -289,8 +389,8 @@ void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
   size_t l = 0;
   for (auto _ : st) {
     for (int h = 0; h < kv; ++h) {
-      const uint16_t* kh = ks[l].data() + static_cast<size_t>(h) * T * d;
-      const uint16_t* vh = vs[l].data() + static_cast<size_t>(h) * T * d;
+      const uint16_t* kh = ks[l]->data() + static_cast<size_t>(h) * T * d;
+      const uint16_t* vh = vs[l]->data() + static_cast<size_t>(h) * T * d;
       kt.dense_scores_f16(kh, T, d, q.data() + static_cast<size_t>(h) * gq * d, gq, s.data(), T);
       for (int i = 0; i < gq; ++i) kt.softmax(s.data() + static_cast<size_t>(i) * T, T);
       float* o = out.data() + static_cast<size_t>(h) * gq * d;
@@ -302,6 +402,7 @@ void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
   }
   st.SetBytesProcessed(st.iterations() * per * 4);
   st.SetItemsProcessed(st.iterations() * T);
+  SetByteCounters(st, FpBytes(T, kv, d), FpBytes(T, kv, d));
 }
 
 // One worker thread with a FIFO queue (as the server's WorkerPool of one), started once.
@@ -485,6 +586,15 @@ void RegisterAll() {
               ->Unit(benchmark::kMicrosecond);
         }
       }
+  // Issue 15's shapes (the evaluation models' head_dim 64 with 9:3 heads, and 128 with 32:8):
+  // one row per frontier codec beside AttendDense and StreamRead/threads:1 of the same run.
+  for (auto [d, sh] : {std::pair{64, Shape{9, 3}}, std::pair{128, Shape{32, 8}}})
+    for (const CodecRow& row : FrontierCodecs(d)) {
+      const std::string name = "AttendCodec/" + row.name + "/T:32768/d:" + std::to_string(d) +
+                               "/q:" + std::to_string(sh.qh) + "/kv:" + std::to_string(sh.kv);
+      benchmark::RegisterBenchmark(name.c_str(), AttendCodec, 32768, sh.qh, sh.kv, row.o)
+          ->Unit(benchmark::kMicrosecond);
+    }
 }
 
 }  // namespace

@@ -145,12 +145,15 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
   constexpr int TILES = 2;  // tokens % 32 == 0 here; 16-token blocks take the 1-tile path
   const int64_t rb = tokens * B / 8;
   const int tiles = tokens % 32 == 0 ? TILES : 1;
+  PrefetchAhead& ahead_ref = Ahead();
+  PrefetchAhead ahead = ahead_ref;  // in registers for the loop
   for (int t0 = 0; t0 < tokens; t0 += 16 * tiles) {
     __m512i acc[TILES][NQ];
     for (int k = 0; k < TILES; ++k)
       for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
     const uint8_t* base = codes + t0 * B / 8;
     for (int c = 0; c < n_ch; c += 2) {
+      ahead.Some(1);
       __m512i v[TILES];
       for (int k = 0; k < tiles; ++k)
         v[k] = DecodePair<B>(base + c * rb + 2 * B * k, base + (c + 1) * rb + 2 * B * k);
@@ -168,6 +171,7 @@ void ScorePairN(const uint8_t* codes, const float* sc, const float* ze, const fl
         _mm512_storeu_ps(o, r);
       }
   }
+  ahead_ref = ahead;
 }
 
 template <int B, int NCH_, int T_>
@@ -242,6 +246,8 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
         _mm256_store_si256(reinterpret_cast<__m256i*>(c16[j][g] + 16 * v),
                            ToI16(cf[j][g][v], inv[j * ng + g]));
   const int chunks = n / 16;
+  PrefetchAhead& ahead_ref = Ahead();
+  PrefetchAhead ahead = ahead_ref;  // in registers for the loop
   for (int ch = 0; ch < chunks; ch += 2) {
     const int nc = kPairInGroup || ch + 1 < chunks ? 2 : 1;
     const int g0 = ch * 16 / group, g1 = (ch + nc - 1) * 16 / group;
@@ -250,6 +256,7 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
       for (int i = 0; i < NQ; ++i) acc[k][i] = _mm512_setzero_si512();
     const uint8_t* codes = rows + 4 * ng + ch * 2 * B;
     for (int t = 0; t < pairs; t += 2) {
+      ahead.Some(1);
       const uint8_t* r0 = codes + t * rec;
       const uint8_t* r1 = t + 1 < n_rows ? r0 + rec : r0;  // an odd count's pad (weight 0)
       const __m512i v0 = DecodePair<B>(r0, r1);
@@ -273,6 +280,7 @@ void ReadoutPairN(const uint8_t* rows, int64_t rec, int group, const float* hz, 
       }
     }
   }
+  ahead_ref = ahead;
 }
 
 // The records' fp16 scales and zero points as floats, hz[k][t] (k < 2 * ng), 16 tokens at a
@@ -345,8 +353,11 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
     _mm512_store_ps(ze + 16 * k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, zero + 16 * k)));
   }
   const Shape rt{n_ch, tokens, 0};
-  // The served shapes get constants: 2-bit keys in groups of 32 (the old default) and 3-bit
-  // keys in groups of 128 (the default codec, docs/CODEC.md), head_dim 64 or 128.
+  // head_dim 64 and 128 get the channel count as a constant (the per-block weights stay in
+  // registers) for every group length of the frontier's codecs (32, 64, 128 tokens), and the
+  // token count for 2-bit keys in groups of 32 (the old default), 3-bit keys in groups of 128
+  // (the default codec, docs/CODEC.md) and groups of 64 (G = 64 at d = 128: about 7% less
+  // time than with the token count at run time, docs/BENCHMARKS.md).
   auto run = [&](auto bits_c) {
     constexpr int kB = decltype(bits_c)::value;
     constexpr int kT = kB == 2 ? 32 : 128;
@@ -354,6 +365,14 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
       ScorePairS<kB, 64, kT>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
     else if (tokens == kT && n_ch == 128)
       ScorePairS<kB, 128, kT>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (tokens == 64 && n_ch == 64)
+      ScorePairS<kB, 64, 64>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (tokens == 64 && n_ch == 128)
+      ScorePairS<kB, 128, 64>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (n_ch == 64)
+      ScorePairS<kB, 64, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
+    else if (n_ch == 128)
+      ScorePairS<kB, 128, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
     else
       ScorePairS<kB, 0, 0>(codes, sc, ze, q, qs, n_q, mult, accumulate, out, os, rt);
   };
@@ -366,21 +385,32 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
 void ReadoutPairDot(const uint8_t* rows, int bits, int64_t rec, int n_rows, int n, int group,
                     const float* p, int64_t ps, int n_q, float* out, int64_t os) {
   const Shape rt{n, n_rows, (n + group - 1) / group};
-  // The fixed shapes must keep group == N_ / NG_ (ReadoutPairN's kGroup): 32- and 128-token
-  // blocks (G of the legacy and today's default codec) in groups of 32 channels, 2-bit rows;
-  // 3-bit rows in groups of 64 channels (the calibrated 4-bit-budget codecs) at d = 64.
+  // Fixed shapes for the frontier's codecs: blocks of 32, 64 or 128 tokens (G), head_dim 64 or
+  // 128, groups of 32 or 64 channels (they keep group == N_ / NG_, ReadoutPairN's kGroup).
+  auto fixed = [&](auto bits_c, auto n_c, auto rows_c) {
+    constexpr int kB = decltype(bits_c)::value, kN = decltype(n_c)::value,
+                  kRows = decltype(rows_c)::value;
+    if (group == 32)
+      ReadoutPairS<kB, kN, kRows, kN / 32>(rows, rec, group, p, ps, n_q, out, os, rt);
+    else
+      ReadoutPairS<kB, kN, kRows, kN / 64>(rows, rec, group, p, ps, n_q, out, os, rt);
+  };
+  auto by_rows = [&](auto bits_c, auto n_c) {
+    if (n_rows == 32)
+      fixed(bits_c, n_c, std::integral_constant<int, 32>{});
+    else if (n_rows == 64)
+      fixed(bits_c, n_c, std::integral_constant<int, 64>{});
+    else if (n_rows == 128)
+      fixed(bits_c, n_c, std::integral_constant<int, 128>{});
+    else
+      ReadoutPairS<decltype(bits_c)::value, 0, 0, 0>(rows, rec, group, p, ps, n_q, out, os, rt);
+  };
   auto run = [&](auto bits_c) {
     constexpr int kB = decltype(bits_c)::value;
-    if (kB == 2 && n_rows == 32 && n == 64 && group == 32)
-      ReadoutPairS<kB, 64, 32, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
-    else if (kB == 2 && n_rows == 32 && n == 128 && group == 32)
-      ReadoutPairS<kB, 128, 32, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
-    else if (n_rows == 128 && n == 64 && group == 32)
-      ReadoutPairS<kB, 64, 128, 2>(rows, rec, group, p, ps, n_q, out, os, rt);
-    else if (n_rows == 128 && n == 128 && group == 32)
-      ReadoutPairS<kB, 128, 128, 4>(rows, rec, group, p, ps, n_q, out, os, rt);
-    else if (kB == 3 && n_rows == 128 && n == 64 && group == 64)
-      ReadoutPairS<kB, 64, 128, 1>(rows, rec, group, p, ps, n_q, out, os, rt);
+    if ((group == 32 || group == 64) && n == 64)
+      by_rows(bits_c, std::integral_constant<int, 64>{});
+    else if ((group == 32 || group == 64) && n == 128)
+      by_rows(bits_c, std::integral_constant<int, 128>{});
     else
       ReadoutPairS<kB, 0, 0, 0>(rows, rec, group, p, ps, n_q, out, os, rt);
   };

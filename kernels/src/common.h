@@ -112,4 +112,18 @@ void ScorePairDot(const uint8_t* codes, int bits, int n_ch, int tokens, const ui
 void ReadoutPairDot(const uint8_t* rows, int bits, int64_t rec, int n_rows, int n, int group,
                     const float* p, int64_t ps, int n_q, float* out, int64_t os);
 
+// The block a read will verify two blocks from now (xxh3_simd asks for it ahead of time): its
+// cache lines are requested a few at a time from the int16 kernels' loops, so that they arrive
+// while this block is computed; a burst of ~100 prefetches stalls the core until the fill
+// buffers drain, which puts memory time and compute in series. Per thread; a range the kernels
+// did not finish is requested whole by the next checksum.
+struct PrefetchAhead {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  void Some(int lines) {
+    for (; lines > 0 && next < end; --lines, next += 64) __builtin_prefetch(next, 0, 3);
+  }
+};
+PrefetchAhead& Ahead();
+
 }  // namespace kvq::kernels::internal

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common.h"
 #include "kvq/kernels/kernels.h"
 
 namespace kvq::kernels {
@@ -29,5 +30,11 @@ const KernelTable& Active() {
 }
 
 void SetActive(const KernelTable* table) { g_active.store(table, std::memory_order_relaxed); }
+
+// Here, compiled for every CPU: the AVX2 and AVX-512 tables' checksums both use it.
+internal::PrefetchAhead& internal::Ahead() {
+  thread_local PrefetchAhead ahead;
+  return ahead;
+}
 
 }  // namespace kvq::kernels

@@ -750,9 +750,13 @@ uint64_t xxh3_simd(const void* data, size_t len, uint64_t seed) {
   // Reads verify a block just before scoring it, block after block: ask for the block after
   // the next one (same-size blocks of a sequence, usually) while this one is hashed; the next
   // one was asked for by the previous call. One block ahead left ~10% of AttendCodes at d=64
-  // waiting on memory.
-  const char* next = static_cast<const char*>(data) + 2 * len;
-  for (size_t off = 0; off < len; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+  // waiting on memory. The int16 kernels request most of its lines (internal::PrefetchAhead);
+  // what they left of the previous request is asked for here.
+  internal::PrefetchAhead& ahead = internal::Ahead();
+  ahead.Some(1 << 30);
+  ahead.next = static_cast<const char*>(data) + 2 * len;
+  ahead.end = ahead.next + len;
+  ahead.Some(8);
   return XXH3_64bits_withSeed(data, len, seed);  // inlined with this unit's vector width
 }
 

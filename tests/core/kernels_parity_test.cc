@@ -154,10 +154,12 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
 
           // Token rows: fp16 scale/zero per group then codes; varying widths per row, or
           // one width (the int16 path of 2- and 3-bit rows): odd and whole row counts, and
-          // the 128-row blocks of G = 128 in groups of 32 and 64 channels.
+          // the blocks of G = 32, 64 and 128 in groups of 32 and 64 channels (the fixed shapes
+          // at d = 64 and 128, the run-time shape at d = 80).
           for (auto [group, rows, uniform] :
                {std::tuple{16, 19, false}, std::tuple{16, 19, true}, std::tuple{32, 32, true},
-                std::tuple{16, 37, true}, std::tuple{32, 128, true}, std::tuple{64, 128, true}}) {
+                std::tuple{16, 37, true}, std::tuple{32, 128, true}, std::tuple{64, 128, true},
+                std::tuple{64, 32, true}, std::tuple{32, 64, true}, std::tuple{64, 64, true}}) {
             SCOPED_TRACE(::testing::Message()
                          << "group=" << group << " rows=" << rows << " uniform=" << uniform);
             const int ng = (d + group - 1) / group;
@@ -189,12 +191,12 @@ TEST(KernelParity, ScoreCodesAndReadoutRows) {
 }
 
 // The int16 paths of 2- and 3-bit keys over every block length they take (16-token tiles,
-// pairs of tiles, the constant shapes G = 32 and G = 128 at d = 64 / 128): the codes are the
+// pairs of tiles, the constant shapes G = 32, 64 and 128 at d = 64 / 128): the codes are the
 // last bytes of their buffer, so a read past a row's end shows under a sanitizer.
 TEST(KernelParity, ScoreCodesEveryBlockLength) {
   for (const KernelTable* kt : Optimized())
     for (int bits : {2, 3})
-      for (int tokens : {16, 32, 48, 128})
+      for (int tokens : {16, 32, 48, 64, 128})
         for (int d : {2, 64, 80, 128})
           for (int n_q : {1, 4, 9}) {
             SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens
@@ -245,35 +247,41 @@ TEST(KernelParity, ScoreSideCode) {
         }
 }
 
-// A non-finite query or weight must not come out finite from any table (the int16 path of
-// 2-bit codes rounds weights on a per-block scale: an infinite or NaN scale makes NaN).
+// A non-finite query or weight must not come out finite from any table (the int16 paths
+// round weights on a per-block scale: an infinite or NaN scale makes NaN), in each of their
+// shapes: fixed (d = 64 / 128, G = 32 / 64 / 128, groups of 32 / 64) and run-time (d = 80).
 TEST(KernelParity, NonFiniteInputsStayNonFinite) {
   for (const KernelTable* kt : Optimized())
-    for (float bad : {NAN, INFINITY}) {
-      SCOPED_TRACE(::testing::Message() << kt->name << " bad=" << bad);
-      const int d = 64, tokens = 32, n_q = 3;
-      std::vector<uint8_t> codes(RowBytes(tokens, 2) * d, 0x6c);
-      std::vector<uint16_t> sc(d, 0x2c00), ze(d, 0xb000);
-      auto q = kvq::testing::Gaussian(n_q * d, 4);
-      q[d + 7] = bad;  // query 1
-      std::vector<float> o(n_q * tokens);
-      kt->score_codes(codes.data(), 2, d, tokens, sc.data(), ze.data(), q.data(), d, n_q, 0.125f,
-                      false, o.data(), tokens);
-      for (int t = 0; t < tokens; ++t) {
-        EXPECT_TRUE(std::isfinite(o[t])) << t;
-        EXPECT_FALSE(std::isfinite(o[tokens + t])) << t;
+    for (auto [bits, d, tokens, group] :
+         {std::tuple{2, 64, 32, 32}, std::tuple{2, 128, 128, 64}, std::tuple{3, 64, 64, 32},
+          std::tuple{3, 128, 64, 64}, std::tuple{2, 64, 128, 64}, std::tuple{3, 80, 48, 16}})
+      for (float bad : {NAN, INFINITY}) {
+        SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " d=" << d << " T="
+                                          << tokens << " group=" << group << " bad=" << bad);
+        const int n_q = 3;
+        std::vector<uint8_t> codes(RowBytes(tokens, bits) * d, 0x6c);
+        std::vector<uint16_t> sc(d, 0x2c00), ze(d, 0xb000);
+        auto q = kvq::testing::Gaussian(n_q * d, 4);
+        q[d + 7] = bad;  // query 1
+        std::vector<float> o(n_q * tokens);
+        kt->score_codes(codes.data(), bits, d, tokens, sc.data(), ze.data(), q.data(), d, n_q,
+                        0.125f, false, o.data(), tokens);
+        for (int t = 0; t < tokens; ++t) {
+          EXPECT_TRUE(std::isfinite(o[t])) << t;
+          EXPECT_FALSE(std::isfinite(o[tokens + t])) << t;
+        }
+        const int ng = (d + group - 1) / group, rec = 4 * ng + RowBytes(d, bits);
+        std::vector<uint8_t> rows(tokens * rec, 0x39);
+        std::vector<uint8_t> rb(tokens, bits);
+        std::vector<float> p(n_q * tokens, 0.03f), r(n_q * d, 0.0f);
+        p[tokens + 5] = bad;
+        kt->readout_rows(rows.data(), rb.data(), tokens, d, group, p.data(), tokens, n_q, r.data(),
+                         d);
+        for (int c = 0; c < d; ++c) {
+          EXPECT_TRUE(std::isfinite(r[c])) << c;
+          EXPECT_FALSE(std::isfinite(r[d + c])) << c;
+        }
       }
-      const int ng = 2, rec = 4 * ng + d / 4;
-      std::vector<uint8_t> rows(tokens * rec, 0x39);
-      std::vector<uint8_t> rb(tokens, 2);
-      std::vector<float> p(n_q * tokens, 0.03f), r(n_q * d, 0.0f);
-      p[tokens + 5] = bad;
-      kt->readout_rows(rows.data(), rb.data(), tokens, d, 32, p.data(), tokens, n_q, r.data(), d);
-      for (int c = 0; c < d; ++c) {
-        EXPECT_TRUE(std::isfinite(r[c])) << c;
-        EXPECT_FALSE(std::isfinite(r[d + c])) << c;
-      }
-    }
 }
 
 TEST(KernelParity, DenseAndExp) {
