@@ -14,13 +14,13 @@
 #include "kvq/core/memory_pool.h"
 #include "kvq/core/status.h"
 #include "kvq/core/store.h"
+#include "kvq/core/worker_pool.h"
 #include "kvq/kernels/device.h"
 #include "kvq/kernels/kernels.h"
 #include "server/auth.h"
 #include "server/health.h"
 #include "server/metrics.h"
 #include "server/service.h"
-#include "server/worker_pool.h"
 
 namespace kvq::server {
 namespace {
@@ -81,7 +81,7 @@ struct KvqServer::Impl {
   std::unique_ptr<core::Store> store;
   Authenticator auth;
   std::unique_ptr<Metrics> metrics;
-  std::unique_ptr<WorkerPool> pool;
+  std::unique_ptr<core::WorkerPool> pool;
   std::unique_ptr<Service> service;
   std::unique_ptr<HealthService> health;
   std::unique_ptr<grpc::Server> server;
@@ -118,7 +118,7 @@ absl::Status KvqServer::Impl::Start() {
   store = std::make_unique<core::Store>(so, registry.get());
   const int workers =
       opts.workers > 0 ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
-  pool = std::make_unique<WorkerPool>(workers);
+  pool = std::make_unique<core::WorkerPool>(workers);
   metrics = std::make_unique<Metrics>();
   if (opts.metrics_port >= 0) {
     try {

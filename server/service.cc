@@ -39,7 +39,7 @@ absl::Status Prefix(const absl::Status& st, absl::string_view prefix) {
 
 }  // namespace
 
-Service::Service(core::Store* store, core::Registry* registry, WorkerPool* pool,
+Service::Service(core::Store* store, core::Registry* registry, core::WorkerPool* pool,
                  CallGate::Options calls, std::string pool_name, std::string backend_name)
     : store_(store),
       registry_(registry),
@@ -367,7 +367,7 @@ namespace {
 // Items must be independent: callers pass serial = true when two items name one sequence
 // (observing Attends on one sequence must keep their order). An item reached after the call
 // stopped being wanted is skipped, and the call answers why (Call::StillWanted).
-absl::Status ForEachItem(WorkerPool* pool, const Call& call, int n, bool serial,
+absl::Status ForEachItem(core::WorkerPool* pool, const Call& call, int n, bool serial,
                          const std::function<void(int)>& fn) {
   struct State {
     const Call* call;

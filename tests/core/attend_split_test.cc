@@ -10,8 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -21,6 +19,7 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/partial_attention.h"
+#include "kvq/core/worker_pool.h"
 #include "test_util.h"
 
 namespace kvq::core {
@@ -183,46 +182,6 @@ TEST(CacheAttendSplit, MatchesUnsplitWithinRoundingForEveryPartCount) {
   }
 }
 
-// A one-thread FIFO pool, as the server's WorkerPool (drains its queue, then joins).
-class OneWorker {
- public:
-  OneWorker() : t_([this] { Loop(); }) {}
-  ~OneWorker() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    t_.join();
-  }
-  void Submit(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      q_.push_back(std::move(fn));
-    }
-    cv_.notify_all();
-  }
-
- private:
-  void Loop() {
-    std::unique_lock<std::mutex> l(mu_);
-    for (;;) {
-      cv_.wait(l, [&] { return stop_ || !q_.empty(); });
-      if (q_.empty()) return;
-      auto fn = std::move(q_.front());
-      q_.pop_front();
-      l.unlock();
-      fn();
-      l.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> q_;
-  bool stop_ = false;
-  std::thread t_;
-};
-
 // ClaimingRunParts over an idle pool runs parts on both threads; over a busy one (its worker
 // blocked until after the Attend) the caller runs them all and never waits on the queued
 // helper, which later finds nothing to do. Same bits either way.
@@ -239,9 +198,8 @@ TEST(CacheAttendSplit, ClaimingRunPartsOverIdleAndBusyPools) {
   ao.parts = 5;
   std::vector<float> inline_out(q.size()), idle(q.size()), busy(q.size());
   ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, inline_out.data()).ok());
-  OneWorker pool;
-  const RunParts run =
-      ClaimingRunParts([&pool](std::function<void()> fn) { pool.Submit(std::move(fn)); }, 1);
+  WorkerPool pool(1);
+  const RunParts run = ClaimingRunParts(&pool, 1);
   ao.run_parts = &run;
   ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, idle.data()).ok());
   EXPECT_EQ(idle, inline_out);

@@ -77,6 +77,9 @@ using RunParts = std::function<void(int n, const std::function<void(int)>& task)
 // ran out returns at once). Safe from a pool's own worker; with every worker busy it costs
 // `helpers` queued no-ops and runs all parts on the calling thread.
 RunParts ClaimingRunParts(std::function<void(std::function<void()>)> submit, int helpers);
+// The same over a WorkerPool's queue (kvq/core/worker_pool.h), which must outlive the result.
+class WorkerPool;
+RunParts ClaimingRunParts(WorkerPool* pool, int helpers);
 
 struct AttendOptions {
   // Query i sees cached tokens [0, causal_offset + i]; -1: every cached token.
