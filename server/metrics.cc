@@ -182,7 +182,12 @@ Metrics::Metrics()
                              .Name("kvq_rejected_total")
                              .Help("Calls refused before any work, by reason")
                              .Register(*registry_)
-                             .Add({{"reason", "overload"}})) {}
+                             .Add({{"reason", "overload"}})),
+      attend_split_(BuildCounter()
+                        .Name("kvq_attend_split_total")
+                        .Help("Attend items split across idle workers (--split-attend-min-tokens)")
+                        .Register(*registry_)
+                        .Add({})) {}
 
 int Metrics::Expose(const std::string& address, int port) {
   // civetweb gives each connection a worker thread until its request arrives, for as long as
@@ -229,6 +234,8 @@ void Metrics::RecordCall(const std::string& method, int code, double seconds, si
 void Metrics::RecordScrubFailures(int64_t n) { scrub_failures_.Increment(static_cast<double>(n)); }
 
 void Metrics::RecordOverload() { rejected_overload_.Increment(); }
+
+void Metrics::RecordAttendSplit() { attend_split_.Increment(); }
 
 void Metrics::SetReady(bool ready) {
   serving_.store(ready, std::memory_order_release);

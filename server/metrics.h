@@ -26,6 +26,9 @@
 //   kvq_ready                                  gauge     1 once the registry is loaded
 //   kvq_rejected_total{reason}                 counter   calls refused before any work;
 //                                                        reason="overload": over --max-inflight
+//   kvq_attend_split_total                     counter   Attend items whose tokens were split
+//                                                        across idle workers (server.h,
+//                                                        split_attend_min_tokens)
 //
 // The same port also answers GET (or HEAD) /healthz: 200 "SERVING" while SetReady(true) holds
 // (the registry is loaded and the server is not shutting down), 503 "NOT_SERVING" otherwise.
@@ -62,6 +65,7 @@ class Metrics {
                   size_t bytes_out);
   void RecordScrubFailures(int64_t n);
   void RecordOverload();      // a call refused over --max-inflight
+  void RecordAttendSplit();   // an Attend item run in parts on idle workers
   void SetReady(bool ready);  // also what /healthz answers
   bool ready() const { return serving_.load(std::memory_order_acquire); }
   // Refreshes the store gauges (called periodically).
@@ -100,6 +104,7 @@ class Metrics {
   prometheus::Gauge& models_;
   prometheus::Gauge& ready_;
   prometheus::Counter& rejected_overload_;
+  prometheus::Counter& attend_split_;
   absl::Mutex mu_;
   int64_t seen_evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t seen_expirations_ ABSL_GUARDED_BY(mu_) = 0;

@@ -53,6 +53,7 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   RETURN_IF_ERROR(CheckRange("--grpc-port", o.grpc_port, 0, 65535));
   RETURN_IF_ERROR(CheckRange("--metrics-port", o.metrics_port, -1, 65535));
   RETURN_IF_ERROR(CheckRange("--workers", o.workers, 0, 1024));
+  RETURN_IF_ERROR(CheckRange("--split-attend-min-tokens", o.split_attend_min_tokens, 0, kMax));
   RETURN_IF_ERROR(CheckRange("--max-inflight", o.max_inflight, 0, 1000000));
   // Below 64 KiB hardly a registration or a prefill fits; gRPC's limit is an int.
   RETURN_IF_ERROR(CheckRange("--max-message-bytes", o.max_message_bytes, 64 << 10, INT32_MAX));
@@ -138,6 +139,7 @@ absl::Status KvqServer::Impl::Start() {
   service =
       std::make_unique<Service>(store.get(), registry.get(), pool.get(), calls, pool_name, backend);
   service->set_stream_idle_timeout(opts.stream_idle_timeout);
+  service->set_split_attend(opts.split_attend_min_tokens, metrics.get());
 
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (!opts.tls_cert.empty() || !opts.tls_key.empty()) {
@@ -196,7 +198,10 @@ absl::Status KvqServer::Impl::Start() {
                    ", ", loaded.size(), " entries",
                    loaded.empty() ? "" : absl::StrCat(": ", absl::StrJoin(loaded, ", "))));
   Log(absl::StrCat(
-      "compute backend: ", backend, "; workers: ", workers,
+      "compute backend: ", backend, "; workers: ", workers, "; split attend: ",
+      opts.split_attend_min_tokens > 0
+          ? absl::StrCat("layers >= ", opts.split_attend_min_tokens, " tokens on idle workers")
+          : "off",
       "; max in flight: ", opts.max_inflight ? absl::StrCat(opts.max_inflight) : "unlimited",
       "; capacity: ", so.capacity_bytes, " bytes",
       opts.capacity_bytes > 0 ? "" : " (auto: half the physical memory)",

@@ -541,6 +541,20 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
         ao.causal_offset = item.has_causal_offset() ? item.causal_offset() : -1;
         ao.observe = item.has_observe() ? item.observe() : true;
         ao.scale = item.scale();
+        // Split policy (ServerOptions::split_attend_min_tokens): decided as the item starts,
+        // from the workers idle then; the store applies it only to a layer that long.
+        core::RunParts run_parts;
+        ao.parts = core::AttendSplitParts(split_min_tokens_, pool_->idle(),
+                                          static_cast<int>(pool_->size()));
+        if (ao.parts > 1) {
+          ao.split_min_tokens = split_min_tokens_;
+          run_parts = [this, claim = core::ClaimingRunParts(pool_, ao.parts - 1)](
+                          int n, const std::function<void(int)>& task) {
+            if (split_metrics_ != nullptr) split_metrics_->RecordAttendSplit();
+            claim(n, task);
+          };
+          ao.run_parts = &run_parts;
+        }
         st = Prefix(store_->Attend(tenant, item.sequence_id(), item.layer(), item.basis_version(),
                                    q.data(), q_heads, n_q, d, ao, &out, &tokens),
                     at);

@@ -75,6 +75,13 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   // never). Set before serving.
   void set_stream_idle_timeout(absl::Duration d) { idle_ = std::make_unique<IdleStreams>(d); }
   IdleStreams* idle_streams() { return idle_.get(); }
+  // Attend items over layers of at least min_tokens split across idle workers (0: never;
+  // ServerOptions::split_attend_min_tokens), each split counted in `metrics` (null: not
+  // counted). Set before serving.
+  void set_split_attend(int64_t min_tokens, Metrics* metrics) {
+    split_min_tokens_ = min_tokens;
+    split_metrics_ = metrics;
+  }
 
  private:
   // A unary call under the wrapper (server/call.h): body(const Call&) -> absl::Status.
@@ -90,6 +97,8 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   std::string pool_name_, backend_name_;
   absl::Time started_;
   CallGate calls_;
+  int64_t split_min_tokens_ = 0;
+  Metrics* split_metrics_ = nullptr;
   std::unique_ptr<IdleStreams> idle_ = std::make_unique<IdleStreams>(absl::ZeroDuration());
 };
 

@@ -45,8 +45,8 @@ void WorkerPool::Submit(std::function<void()> fn) {
 }
 
 int WorkerPool::idle() const {
-  return std::max(0, waiting_.load(std::memory_order_acquire) -
-                         queued_.load(std::memory_order_acquire));
+  return std::max(
+      0, waiting_.load(std::memory_order_acquire) - queued_.load(std::memory_order_acquire));
 }
 
 void WorkerPool::Run() {

@@ -211,6 +211,46 @@ TEST(CacheAttendSplit, ClaimingRunPartsOverIdleAndBusyPools) {
   gate.unlock();  // the stale helper runs now and claims nothing
 }
 
+// split_min_tokens: a layer shorter than it runs the unsplit order (bit-identical, run_parts
+// never called); at exactly that length it splits.
+TEST(CacheAttendSplit, LayersBelowSplitMinTokensRunUnsplit) {
+  const int kv = 2, qh = 4, d = 64;
+  const int64_t T = 32 * 12 + 5;
+  CodecOptions o = Opt(d, 2, 32, 0, 2);
+  LayerCache c(o, kv, nullptr);
+  const auto k = Gaussian(kv * T * d, 21), v = Gaussian(kv * T * d, 22), q = Gaussian(qh * d, 23);
+  ASSERT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  AttendOptions ao;
+  ao.observe = false;
+  std::vector<float> unsplit(q.size()), out(q.size());
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, unsplit.data()).ok());
+  int calls = 0;
+  const RunParts counting = [&calls](int n, const std::function<void(int)>& task) {
+    ++calls;
+    for (int i = 0; i < n; ++i) task(i);
+  };
+  ao.parts = 3;
+  ao.run_parts = &counting;
+  ao.split_min_tokens = T + 1;
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, out.data()).ok());
+  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(out, unsplit);
+  ao.split_min_tokens = T;
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, out.data()).ok());
+  EXPECT_EQ(calls, 1);
+  EXPECT_NE(out, unsplit);  // a different fp32 order (within kSplitTolerance, tested above)
+}
+
+// The server's policy: one part per idle worker plus the caller, capped; off at 0 tokens.
+TEST(CacheAttendSplit, SplitPartsFollowIdleWorkers) {
+  EXPECT_EQ(AttendSplitParts(8192, 0, 2), 1);  // none idle: no split
+  EXPECT_EQ(AttendSplitParts(8192, 1, 2), 2);  // the other worker idle
+  EXPECT_EQ(AttendSplitParts(0, 1, 2), 1);     // splitting off
+  EXPECT_EQ(AttendSplitParts(8192, 7, 8), kMaxAttendParts);
+  EXPECT_EQ(AttendSplitParts(8192, 5, 3), 3);  // never more than the pool's workers
+  EXPECT_EQ(AttendSplitParts(8192, 2, 16), 3);
+}
+
 TEST(CacheAttendSplit, PartBoundsAreWholeGroupsAndDeterministic) {
   CodecOptions o = Opt(64, 2, 32, 0, 2);
   o.window = 8;

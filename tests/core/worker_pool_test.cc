@@ -73,8 +73,7 @@ TEST_P(WorkerPoolTest, IdleCountsWaitingWorkersLessQueuedClosures) {
   b.Open();
   // Both workers come back to waiting once the queue drained (liveness: bounded, not timed).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (pool.idle() != 2 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::yield();
+  while (pool.idle() != 2 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
   EXPECT_TRUE(ran);
   EXPECT_EQ(pool.idle(), 2);
 }

@@ -392,6 +392,8 @@ TEST(ServerProcessTest, OutOfRangeNumericFlagsExit2NamingTheFlagAndTheRange) {
       {{"--workers", "-3"}, "--workers -3 must be in 0..1024"},
       {{"--workers", "100000"}, "--workers 100000 must be in 0..1024"},
       {{"--max-inflight", "-1"}, "--max-inflight -1 must be in 0..1000000"},
+      {{"--split-attend-min-tokens", "-1"},
+       "--split-attend-min-tokens -1 must be in 0..9223372036854775807"},
       {{"--max-message-bytes", "0"}, "--max-message-bytes 0 must be in 65536..2147483647"},
       {{"--max-message-bytes", "100"}, "--max-message-bytes 100 must be in 65536..2147483647"},
       {{"--max-message-bytes", "3G"}, "--max-message-bytes 3221225472 must be in"},

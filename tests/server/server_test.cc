@@ -1899,6 +1899,74 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
     EXPECT_THAT(text, HasSubstr(want));
   }
 }
+// The value of an unlabelled metric in a /metrics text; -1 when absent.
+double MetricValue(const std::string& text, const std::string& name) {
+  const std::string key = "\n" + name + " ";
+  const size_t at = text.find(key);
+  return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
+}
+
+// A long layer's Attend splits across idle workers (ServerOptions::split_attend_min_tokens):
+// the answer equals the store's own unsplit Attend within the split tolerance (2e-6 * max|v|,
+// core/cache.h AttendOptions::parts) and kvq_attend_split_total counts it. A layer below the
+// threshold, or the threshold 0 (off), runs the unsplit order (bit-identical) and counts
+// nothing. Four workers: the Attend's own is busy, at most the previous calls' are still
+// returning, so at least one is idle whenever the Attend starts.
+TEST(ServiceTest, LongAttendSplitsAcrossIdleWorkersWithinTolerance) {
+  const int64_t kThreshold = 2048, kLong = kThreshold + 45, kShort = kThreshold - 1;
+  for (const int64_t min_tokens : {kThreshold, int64_t{0}}) {
+    SCOPED_TRACE(::testing::Message() << "split_attend_min_tokens " << min_tokens);
+    server::ServerOptions o = WithLocalMetrics();
+    o.workers = 4;
+    o.split_attend_min_tokens = min_tokens;
+    TestServer ts(o);
+    auto stub = ts.Stub();
+    const Shape s;
+    const int kv = s.kv_heads, qh = s.q_heads, d = s.head_dim;
+    Register(*stub, MakeRegister(s, kBasisSeed));
+    const std::vector<float> q = RandomQueries(qh, 1, d, 9);
+    for (const auto& [seq, T] :
+         {std::pair<std::string, int64_t>{"long", kLong}, {"short", kShort}}) {
+      SCOPED_TRACE(seq);
+      auto k = RandomKV(kv, T, d, 1), v = RandomKV(kv, T, d, 2);
+      v1::PutBlocksRequest m;
+      *m.add_appends() = MakeAppend(seq, 0, 0, k, v, kv, T, d, "tiny");
+      v1::PutBlocksResponse pr;
+      ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+      v1::AttendRequest areq;
+      auto* it = areq.add_items();
+      it->set_sequence_id(seq);
+      it->set_observe(false);
+      *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+      v1::AttendResponse aresp;
+      auto ctx = Ctx();
+      ASSERT_TRUE(stub->Attend(ctx.get(), areq, &aresp).ok());
+      ASSERT_EQ(aresp.results(0).status().code(), 0) << aresp.results(0).status().message();
+      const std::vector<float> got = FloatsOf(aresp.results(0).outputs());
+      core::AttendOptions unsplit;
+      unsplit.observe = false;
+      std::vector<float> want, dk, dv;
+      int64_t tokens = 0;
+      ASSERT_TRUE(ts.server()
+                      .store()
+                      .Attend("default", seq, 0, 0, q.data(), qh, 1, d, unsplit, &want, &tokens)
+                      .ok());
+      ASSERT_EQ(tokens, T);
+      ASSERT_TRUE(ts.server().store().Decode("default", seq, 0, 0, &dk, &dv, &tokens).ok());
+      float vmax = 0.0f;
+      for (float x : dv) vmax = std::max(vmax, std::fabs(x));
+      ASSERT_EQ(got.size(), want.size());
+      const bool split = min_tokens > 0 && T >= min_tokens;
+      if (split) {
+        for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-6f * vmax) << i;
+      } else {
+        EXPECT_EQ(got, want);
+      }
+    }
+    const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
+    EXPECT_EQ(MetricValue(text, "kvq_attend_split_total"), min_tokens > 0 ? 1 : 0);
+  }
+}
 
 // A server with options `o` and model "tiny" registered; Open() leaves a PutBlocks stream open
 // on sequence "o" (OpenStream). q: one query for it.
