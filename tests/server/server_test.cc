@@ -564,22 +564,27 @@ TEST(ServiceTest, GetBlocksOfAllLayersIsOneSnapshotDespiteConcurrentAppends) {
   EXPECT_EQ(GetAll(*stub, "x", 1, kv, d)[0].size(), static_cast<size_t>(kv) * (T + 256) * d);
 }
 
+// Registers model "tiny" of shape s and stores layer 0 of sequence "long", T random tokens.
+void RegisterAndPutLong(v1::Kvq::Stub& stub, const Shape& s, int64_t T) {
+  Register(stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  v1::PutBlocksRequest m;
+  *m.add_appends() =
+      MakeAppend("long", 0, 0, RandomKV(kv, T, d, 5), RandomKV(kv, T, d, 6), kv, T, d, "tiny");
+  v1::PutBlocksResponse pr;
+  ASSERT_TRUE(Put(stub, {m}, &pr).ok());
+}
+
 // A layer longer than GetBlocks' decode window (1024 tokens) is decoded a window at a time, so
 // that a stream holds a bounded copy however slowly it is read: small messages over several
 // windows concatenate to exactly what one message of the whole layer carries, from any start.
 TEST(ServiceTest, GetBlocksOfALongLayerStitchesItsDecodeWindows) {
   TestServer ts;
   auto stub = ts.Stub();
-  Fixture f(LegacyShape());
-  const Shape& s = f.shape;
-  Register(*stub, MakeRegister(s, kBasisSeed));
+  const Shape s = LegacyShape();
   const int kv = s.kv_heads, d = s.head_dim;
   const int64_t T = 2600;
-  v1::PutBlocksRequest m;
-  *m.add_appends() =
-      MakeAppend("long", 0, 0, RandomKV(kv, T, d, 5), RandomKV(kv, T, d, 6), kv, T, d, "tiny");
-  v1::PutBlocksResponse pr;
-  ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+  RegisterAndPutLong(*stub, s, T);
   auto read = [&](int64_t from, int chunk) {
     v1::GetBlocksRequest req;
     req.set_sequence_id("long");
@@ -618,6 +623,54 @@ TEST(ServiceTest, GetBlocksOfALongLayerStitchesItsDecodeWindows) {
   for (int h = 0; h < kv; ++h) {
     EXPECT_EQ(k_tail[h], std::vector<float>(k_whole[h].begin() + 1000 * d, k_whole[h].end()));
     EXPECT_EQ(v_tail[h], std::vector<float>(v_whole[h].begin() + 1000 * d, v_whole[h].end()));
+  }
+}
+
+// GetBlocks decodes straight into the requested dtype (Store::DecodeAs): in f32 (also when
+// unspecified), f16 and bf16, over several decode windows and from a start inside one, every
+// message's bytes are the store's fp32 decode of its range rounded to nearest even.
+TEST(ServiceTest, GetBlocksInEachDtypeIsTheFloatDecodeRounded) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  const Shape s;
+  const int64_t T = 2600;
+  RegisterAndPutLong(*stub, s, T);
+  for (const v1::DType dtype :
+       {v1::DTYPE_UNSPECIFIED, v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16}) {
+    const v1::DType want_dtype = dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : dtype;
+    const core::DType dt = *server::FromProto(want_dtype, "");
+    for (const int64_t from : {int64_t{0}, int64_t{1000}}) {
+      SCOPED_TRACE(::testing::Message() << "dtype " << dtype << " from " << from);
+      v1::GetBlocksRequest req;
+      req.set_sequence_id("long");
+      req.add_layers(0);
+      req.set_from_token(from);
+      req.set_dtype(dtype);
+      req.set_max_tokens_per_message(700);  // messages across the 1024-token decode windows
+      auto ctx = Ctx();
+      auto r = stub->GetBlocks(ctx.get(), req);
+      v1::GetBlocksResponse one;
+      int64_t next = from;
+      while (r->Read(&one)) {
+        ASSERT_EQ(one.start(), next);
+        const int64_t n = one.keys().shape(1);
+        std::vector<float> k, v;
+        int64_t tokens = 0, first = 0;
+        ASSERT_TRUE(ts.server()
+                        .store()
+                        .Decode("default", "long", 0, 0, next, next + n, &k, &v, &tokens, &first)
+                        .ok());
+        for (const auto& [t, want] : {std::pair{&one.keys(), &k}, {&one.values(), &v}}) {
+          EXPECT_EQ(t->dtype(), want_dtype);
+          std::string bytes(want->size() * core::DTypeSize(dt), '\0');
+          core::FromFloat(dt, want->data(), bytes.data(), want->size());
+          EXPECT_TRUE(t->data() == bytes);
+        }
+        next += n;
+      }
+      EXPECT_TRUE(r->Finish().ok());
+      EXPECT_EQ(next, T);
+    }
   }
 }
 
