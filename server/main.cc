@@ -78,6 +78,10 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
              "(min(idle + 1, 4, --workers) parts; none idle: unsplit; a batch's items take idle "
              "workers first; results within 2e-6 * max|v| of unsplit) (default 8192; 0 never)",
              int64(&o->split_attend_min_tokens));
+  flags->Add("worker-poll-us", "N",
+             "an idle worker polls for work this many microseconds before it sleeps: faster "
+             "split Attends, at the cost of that much CPU per idle spell (default 0)",
+             integer(&o->worker_poll_us));
   flags->Add("max-inflight", "N",
              "calls queued or running on the workers before new ones get RESOURCE_EXHAUSTED "
              "(default 4096; 0 no limit)",

@@ -54,6 +54,7 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   RETURN_IF_ERROR(CheckRange("--metrics-port", o.metrics_port, -1, 65535));
   RETURN_IF_ERROR(CheckRange("--workers", o.workers, 0, 1024));
   RETURN_IF_ERROR(CheckRange("--split-attend-min-tokens", o.split_attend_min_tokens, 0, kMax));
+  RETURN_IF_ERROR(CheckRange("--worker-poll-us", o.worker_poll_us, 0, 10000));
   RETURN_IF_ERROR(CheckRange("--max-inflight", o.max_inflight, 0, 1000000));
   // Below 64 KiB hardly a registration or a prefill fits; gRPC's limit is an int.
   RETURN_IF_ERROR(CheckRange("--max-message-bytes", o.max_message_bytes, 64 << 10, INT32_MAX));
@@ -119,7 +120,7 @@ absl::Status KvqServer::Impl::Start() {
   store = std::make_unique<core::Store>(so, registry.get());
   const int workers =
       opts.workers > 0 ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
-  pool = std::make_unique<core::WorkerPool>(workers);
+  pool = std::make_unique<core::WorkerPool>(workers, opts.worker_poll_us);
   metrics = std::make_unique<Metrics>();
   if (opts.metrics_port >= 0) {
     try {
@@ -198,7 +199,9 @@ absl::Status KvqServer::Impl::Start() {
                    ", ", loaded.size(), " entries",
                    loaded.empty() ? "" : absl::StrCat(": ", absl::StrJoin(loaded, ", "))));
   Log(absl::StrCat(
-      "compute backend: ", backend, "; workers: ", workers, "; split attend: ",
+      "compute backend: ", backend, "; workers: ", workers,
+      opts.worker_poll_us > 0 ? absl::StrCat(" (polling ", opts.worker_poll_us, " us)") : "",
+      "; split attend: ",
       opts.split_attend_min_tokens > 0
           ? absl::StrCat("layers >= ", opts.split_attend_min_tokens, " tokens on idle workers")
           : "off",

@@ -51,6 +51,11 @@ struct ServerOptions : core::StoreOptions {
   // request 1.6-2x faster (docs/BENCHMARKS.md); short layers gain too little to pay the
   // helper's wake-up.
   int64_t split_attend_min_tokens = 8192;
+  // A worker that runs out of work polls the queue this many microseconds before it sleeps
+  // (core::WorkerPool's spin_us), so that a split Attend's helper or the next call starts
+  // without the tens of microseconds a sleeping vCPU takes to wake; it burns that much CPU per
+  // idle spell, so leave it 0 where cores are shared. 0 = sleep at once.
+  int worker_poll_us = 0;
   // Overload shedding: calls queued or running on the worker pool at once (every call but
   // Echo, ListModels, GetModel and Stats; an open stream counts until it ends). One more is
   // refused at once with RESOURCE_EXHAUSTED ("server overloaded: N calls in flight, limit M")
@@ -96,7 +101,7 @@ struct ServerOptions : core::StoreOptions {
 // Range checks of every numeric option, each error naming its flag and the allowed range
 // (kvq-server exits 2 on one, as on any usage error; Start checks them too):
 //   --grpc-port 0..65535; --metrics-port -1..65535; --workers 0..1024;
-//   --split-attend-min-tokens >= 0;
+//   --split-attend-min-tokens >= 0; --worker-poll-us 0..10000;
 //   --max-inflight 0..1000000; --max-message-bytes 64K..2147483647 (gRPC's limit);
 //   --capacity, --tenant-quota >= 0; --sequence-ttl, --shutdown-grace, --scrub-period
 //   finite and >= 0; --stream-idle-timeout 0 or 1ms..24h; the housekeeping period > 0.

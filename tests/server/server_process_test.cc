@@ -394,6 +394,7 @@ TEST(ServerProcessTest, OutOfRangeNumericFlagsExit2NamingTheFlagAndTheRange) {
       {{"--max-inflight", "-1"}, "--max-inflight -1 must be in 0..1000000"},
       {{"--split-attend-min-tokens", "-1"},
        "--split-attend-min-tokens -1 must be in 0..9223372036854775807"},
+      {{"--worker-poll-us", "20000"}, "--worker-poll-us 20000 must be in 0..10000"},
       {{"--max-message-bytes", "0"}, "--max-message-bytes 0 must be in 65536..2147483647"},
       {{"--max-message-bytes", "100"}, "--max-message-bytes 100 must be in 65536..2147483647"},
       {{"--max-message-bytes", "3G"}, "--max-message-bytes 3221225472 must be in"},
