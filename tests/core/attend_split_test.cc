@@ -237,8 +237,7 @@ TEST(CacheAttendSplit, LayersBelowSplitMinTokensRunUnsplit) {
   EXPECT_EQ(out, unsplit);
   ao.split_min_tokens = T;
   ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, out.data()).ok());
-  EXPECT_EQ(calls, 1);
-  EXPECT_NE(out, unsplit);  // a different fp32 order (within kSplitTolerance, tested above)
+  EXPECT_EQ(calls, 1);  // split (its results: MatchesUnsplitWithinRounding...)
 }
 
 // The server's policy: one part per idle worker plus the caller, capped; off at 0 tokens.
