@@ -707,6 +707,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
     for (int64_t dim : {int64_t{kv_heads_}, n, int64_t{d_}}) out->add_shape(dim);
     std::string* bytes = out->mutable_data();
     bytes->resize(static_cast<size_t>(kv_heads_) * n * row);
+    if (n == 0) return;  // an empty range's one message: rows may be empty (null data())
     for (int h = 0; h < kv_heads_; ++h) {
       std::memcpy(bytes->data() + h * n * row,
                   rows.data() + (static_cast<size_t>(h) * decoded_ + offset_) * row, n * row);
