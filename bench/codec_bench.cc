@@ -27,27 +27,22 @@
 // are per CPU second (Google Benchmark's default), robust to preemption on a shared machine.
 #include <benchmark/benchmark.h>
 
-#include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/half.h"
+#include "kvq/core/worker_pool.h"
 #include "kvq/kernels/kernels.h"
 
 namespace {
@@ -405,67 +400,10 @@ void AttendDense(benchmark::State& st, int T, int qh, int kv, int d) {
   SetByteCounters(st, FpBytes(T, kv, d), FpBytes(T, kv, d));
 }
 
-// One worker thread with a FIFO queue (as the server's WorkerPool of one), started once.
-// spin_us > 0: after each task the worker polls its queue that long before it sleeps on the
-// condition variable (waking a sleeping vCPU of this VM takes tens of microseconds, paid per
-// request when the worker sleeps between layers).
-class OneWorker {
- public:
-  explicit OneWorker(int spin_us = 0) : spin_us_(spin_us), t_([this] { Loop(); }) {}
-  ~OneWorker() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    t_.join();
-  }
-  void Submit(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      q_.push_back(std::move(fn));
-      queued_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
-  }
-  // The parts on this worker and the calling thread, as a server would run them.
-  RunParts Parts() {
-    return ClaimingRunParts([this](std::function<void()> fn) { Submit(std::move(fn)); }, 1);
-  }
-
- private:
-  void Loop() {
-    std::unique_lock<std::mutex> l(mu_);
-    for (;;) {
-      if (q_.empty() && !stop_ && spin_us_ > 0) {
-        l.unlock();
-        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
-        while (queued_.load(std::memory_order_acquire) == 0 &&
-               std::chrono::steady_clock::now() < until)
-          __builtin_ia32_pause();
-        l.lock();
-      }
-      cv_.wait(l, [&] { return stop_ || !q_.empty(); });
-      if (q_.empty()) return;
-      auto fn = std::move(q_.front());
-      q_.pop_front();
-      queued_.fetch_sub(1, std::memory_order_relaxed);
-      l.unlock();
-      fn();
-      l.lock();
-    }
-  }
-  const int spin_us_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> q_;
-  std::atomic<int> queued_{0};
-  bool stop_ = false;
-  std::thread t_;
-};
-
 // parts: AttendOptions::parts; threads: 1 (parts run on the caller) or 2 (the caller and one
-// worker claiming parts: ClaimingRunParts); spin_us: the worker's (OneWorker).
+// worker claiming parts: ClaimingRunParts); spin_us: the worker's poll before it sleeps
+// (WorkerPool: waking a sleeping vCPU of this VM takes tens of microseconds, paid per request
+// when the worker sleeps between layers).
 void AttendSplit(benchmark::State& st, int T, int qh, int kv, int d, int parts, int threads,
                  int spin_us) {
   CodesSet set = BuildCodes(T, qh, kv, HeadQOptions(d));
@@ -473,8 +411,8 @@ void AttendSplit(benchmark::State& st, int T, int qh, int kv, int d, int parts, 
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(qh) * d), out(q.size());
   for (auto& x : q) x = nd(rng);
-  OneWorker worker(spin_us);
-  const RunParts run = worker.Parts();
+  WorkerPool worker(1, spin_us);
+  const RunParts run = ClaimingRunParts(&worker, 1);
   AttendOptions ao;
   ao.observe = false;
   ao.parts = parts;
@@ -496,8 +434,8 @@ void StreamRead(benchmark::State& st, int threads) {
   constexpr size_t kBytes = size_t{64} << 20, kSets = 4;
   std::vector<uint64_t> buf(kSets * kBytes / 8);
   for (size_t j = 0; j < buf.size(); ++j) buf[j] = j * 0x9e3779b97f4a7c15ull;
-  OneWorker worker;
-  const RunParts run = worker.Parts();
+  WorkerPool worker(1);
+  const RunParts run = ClaimingRunParts(&worker, 1);
   uint64_t sums[2] = {0, 0};
   size_t set = 0;
   for (auto _ : st) {

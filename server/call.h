@@ -32,10 +32,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "kvq/core/worker_pool.h"
 #include "server/auth.h"
 #include "server/convert.h"
 #include "server/metrics.h"
-#include "server/worker_pool.h"
 
 namespace kvq::server {
 
@@ -109,9 +109,9 @@ class Call {
 // on the gRPC thread (kProbe, kInline) or on `pool` (kPooled) once admitted and still wanted. Bytes
 // in and out are the request's and (on success) the response's sizes.
 template <typename Req, typename Resp, typename Body>
-grpc::ServerUnaryReactor* Unary(CallGate* gate, WorkerPool* pool, const char* method, CallKind kind,
-                                grpc::CallbackServerContext* ctx, const Req* req, Resp* resp,
-                                Body body) {
+grpc::ServerUnaryReactor* Unary(CallGate* gate, core::WorkerPool* pool, const char* method,
+                                CallKind kind, grpc::CallbackServerContext* ctx, const Req* req,
+                                Resp* resp, Body body) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto finish = [reactor, req, resp](Call& call, const absl::Status& st) {
     reactor->Finish(call.End(st, req->ByteSizeLong(), st.ok() ? resp->ByteSizeLong() : 0));

@@ -45,6 +45,9 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
   auto integer = [](int* p) {
     return [p](const std::string& v) { return kvq::common::ParseIntFlag(v, p); };
   };
+  auto int64 = [](int64_t* p) {
+    return [p](const std::string& v) { return kvq::common::ParseInt64Flag(v, p); };
+  };
   auto bytes = [](int64_t* p) { return [p](const std::string& v) { return ParseBytes(v, p); }; };
   auto duration = [](absl::Duration* p) {
     return [p](const std::string& v) { return absl::ParseDuration(v, p); };
@@ -70,6 +73,15 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
                  "needed (default true)",
                  &o->retain_prefixes);
   flags->Add("workers", "N", "worker threads (default 0: one per core)", integer(&o->workers));
+  flags->Add("split-attend-min-tokens", "N",
+             "split one Attend item over a layer of at least N tokens across idle workers "
+             "(min(idle + 1, 4, --workers) parts; none idle: unsplit; a batch's items take idle "
+             "workers first; results within 2e-6 * max|v| of unsplit) (default 8192; 0 never)",
+             int64(&o->split_attend_min_tokens));
+  flags->Add("worker-poll-us", "N",
+             "an idle worker polls for work this many microseconds before it sleeps: faster "
+             "split Attends, at the cost of that much CPU per idle spell (default 0)",
+             integer(&o->worker_poll_us));
   flags->Add("max-inflight", "N",
              "calls queued or running on the workers before new ones get RESOURCE_EXHAUSTED "
              "(default 4096; 0 no limit)",

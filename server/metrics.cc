@@ -201,7 +201,12 @@ Metrics::Metrics()
                                        .Name("kvq_probe_gap_dropped_sequences_total")
                                        .Help("Sequences dropped after gaps in a router's probes")
                                        .Register(*registry_)
-                                       .Add({})) {}
+                                       .Add({})),
+      attend_split_(BuildCounter()
+                        .Name("kvq_attend_split_total")
+                        .Help("Attend items split across idle workers (--split-attend-min-tokens)")
+                        .Register(*registry_)
+                        .Add({})) {}
 
 int Metrics::Expose(const std::string& address, int port) {
   // civetweb gives each connection a worker thread until its request arrives, for as long as
@@ -253,6 +258,7 @@ void Metrics::RecordProbeGapDrop(int64_t sequences) {
   probe_gap_drops_.Increment();
   probe_gap_dropped_sequences_.Increment(static_cast<double>(sequences));
 }
+void Metrics::RecordAttendSplit() { attend_split_.Increment(); }
 
 void Metrics::SetReady(bool ready) {
   serving_.store(ready, std::memory_order_release);

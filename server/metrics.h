@@ -30,6 +30,9 @@
 //                                                        after a gap in a router's probes
 //                                                        (--drop-after-probe-gap)
 //   kvq_probe_gap_dropped_sequences_total      counter   the sequences those drops took
+//   kvq_attend_split_total                     counter   Attend items whose tokens were split
+//                                                        across idle workers (server.h,
+//                                                        split_attend_min_tokens)
 //
 // The same port also answers GET (or HEAD) /healthz: 200 "SERVING" while SetReady(true) holds
 // (the registry is loaded and the server is not shutting down), 503 "NOT_SERVING" otherwise.
@@ -68,7 +71,8 @@ class Metrics {
   void RecordCall(const std::string& method, int code, double seconds, size_t bytes_in,
                   size_t bytes_out);
   void RecordScrubFailures(int64_t n);
-  void RecordOverload();  // a call refused over --max-inflight
+  void RecordOverload();     // a call refused over --max-inflight
+  void RecordAttendSplit();  // an Attend item run in parts on idle workers
   void RecordProbeGapDrop(int64_t sequences);
 
   // Called for every GET or HEAD /healthz that carries x-kvq-probe, with the prober's identity
@@ -119,6 +123,7 @@ class Metrics {
   prometheus::Counter& rejected_overload_;
   prometheus::Counter& probe_gap_drops_;
   prometheus::Counter& probe_gap_dropped_sequences_;
+  prometheus::Counter& attend_split_;
   absl::Mutex mu_;
   int64_t seen_evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t seen_expirations_ ABSL_GUARDED_BY(mu_) = 0;

@@ -15,6 +15,7 @@
 #include "kvq/core/memory_pool.h"
 #include "kvq/core/status.h"
 #include "kvq/core/store.h"
+#include "kvq/core/worker_pool.h"
 #include "kvq/kernels/device.h"
 #include "kvq/kernels/kernels.h"
 #include "server/auth.h"
@@ -22,7 +23,6 @@
 #include "server/metrics.h"
 #include "server/probe_gap.h"
 #include "server/service.h"
-#include "server/worker_pool.h"
 
 namespace kvq::server {
 namespace {
@@ -55,6 +55,8 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   RETURN_IF_ERROR(CheckRange("--grpc-port", o.grpc_port, 0, 65535));
   RETURN_IF_ERROR(CheckRange("--metrics-port", o.metrics_port, -1, 65535));
   RETURN_IF_ERROR(CheckRange("--workers", o.workers, 0, 1024));
+  RETURN_IF_ERROR(CheckRange("--split-attend-min-tokens", o.split_attend_min_tokens, 0, kMax));
+  RETURN_IF_ERROR(CheckRange("--worker-poll-us", o.worker_poll_us, 0, 10000));
   RETURN_IF_ERROR(CheckRange("--max-inflight", o.max_inflight, 0, 1000000));
   // Below 64 KiB hardly a registration or a prefill fits; gRPC's limit is an int.
   RETURN_IF_ERROR(CheckRange("--max-message-bytes", o.max_message_bytes, 64 << 10, INT32_MAX));
@@ -91,7 +93,7 @@ struct KvqServer::Impl {
   Authenticator auth;
   std::unique_ptr<Metrics> metrics;
   std::unique_ptr<ProbeGapWatch> probe_gap;  // with --drop-after-probe-gap
-  std::unique_ptr<WorkerPool> pool;
+  std::unique_ptr<core::WorkerPool> pool;
   std::unique_ptr<Service> service;
   std::unique_ptr<HealthService> health;
   std::unique_ptr<grpc::Server> server;
@@ -130,7 +132,7 @@ absl::Status KvqServer::Impl::Start() {
   store = std::make_unique<core::Store>(so, registry.get());
   const int workers =
       opts.workers > 0 ? opts.workers : std::max(1u, std::thread::hardware_concurrency());
-  pool = std::make_unique<WorkerPool>(workers);
+  pool = std::make_unique<core::WorkerPool>(workers, opts.worker_poll_us);
   metrics = std::make_unique<Metrics>();
   if (opts.drop_after_probe_gap > absl::ZeroDuration()) {
     probe_gap = std::make_unique<ProbeGapWatch>(opts.drop_after_probe_gap, opts.now);
@@ -154,6 +156,7 @@ absl::Status KvqServer::Impl::Start() {
   service =
       std::make_unique<Service>(store.get(), registry.get(), pool.get(), calls, pool_name, backend);
   service->set_stream_idle_timeout(opts.stream_idle_timeout);
+  service->set_split_attend(opts.split_attend_min_tokens, metrics.get());
 
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (!opts.tls_cert.empty() || !opts.tls_key.empty()) {
@@ -213,6 +216,11 @@ absl::Status KvqServer::Impl::Start() {
                    loaded.empty() ? "" : absl::StrCat(": ", absl::StrJoin(loaded, ", "))));
   Log(absl::StrCat(
       "compute backend: ", backend, "; workers: ", workers,
+      opts.worker_poll_us > 0 ? absl::StrCat(" (polling ", opts.worker_poll_us, " us)") : "",
+      "; split attend: ",
+      opts.split_attend_min_tokens > 0
+          ? absl::StrCat("layers >= ", opts.split_attend_min_tokens, " tokens on idle workers")
+          : "off",
       "; max in flight: ", opts.max_inflight ? absl::StrCat(opts.max_inflight) : "unlimited",
       "; capacity: ", so.capacity_bytes, " bytes",
       opts.capacity_bytes > 0 ? "" : " (auto: half the physical memory)",

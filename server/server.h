@@ -40,6 +40,22 @@ struct ServerOptions : core::StoreOptions {
   std::string memory = "auto";
   // Worker threads for encode/score/attend; 0 = the number of CPU cores.
   int workers = 0;
+  // Split Attend (flash-decoding, core::AttendOptions::parts): an Attend item over a layer of
+  // at least this many tokens, started while some workers are idle, runs its tokens in
+  // core::AttendSplitParts(idle, workers) parts = min(idle + 1, 4, workers) on the calling
+  // worker and the idle ones; with none idle it runs unsplit, submitting nothing. Each item
+  // of a batch decides when it starts: a batch's items are handed to idle workers first
+  // (one item per worker), so a batch splits only with workers left over. Results differ
+  // from the unsplit order by fp32 rounding, within 2e-6 * max|v| per element. Counted in
+  // kvq_attend_split_total. 0 = never split. 8192: at 32k tokens two workers answer one
+  // request 1.6-2x faster (docs/BENCHMARKS.md); short layers gain too little to pay the
+  // helper's wake-up.
+  int64_t split_attend_min_tokens = 8192;
+  // A worker that runs out of work polls the queue this many microseconds before it sleeps
+  // (core::WorkerPool's spin_us), so that a split Attend's helper or the next call starts
+  // without the tens of microseconds a sleeping vCPU takes to wake; it burns that much CPU per
+  // idle spell, so leave it 0 where cores are shared. 0 = sleep at once.
+  int worker_poll_us = 0;
   // Overload shedding: calls queued or running on the worker pool at once (every call but
   // Echo, ListModels, GetModel and Stats; an open stream counts until it ends). One more is
   // refused at once with RESOURCE_EXHAUSTED ("server overloaded: N calls in flight, limit M")
@@ -95,6 +111,7 @@ struct ServerOptions : core::StoreOptions {
 // Range checks of every numeric option, each error naming its flag and the allowed range
 // (kvq-server exits 2 on one, as on any usage error; Start checks them too):
 //   --grpc-port 0..65535; --metrics-port -1..65535; --workers 0..1024;
+//   --split-attend-min-tokens >= 0; --worker-poll-us 0..10000;
 //   --max-inflight 0..1000000; --max-message-bytes 64K..2147483647 (gRPC's limit);
 //   --capacity, --tenant-quota >= 0; --sequence-ttl, --shutdown-grace, --scrub-period
 //   finite and >= 0; --stream-idle-timeout 0 or 1ms..24h; --drop-after-probe-gap 0 or

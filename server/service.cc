@@ -1,5 +1,6 @@
 #include "server/service.h"
 
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <map>
@@ -39,7 +40,7 @@ absl::Status Prefix(const absl::Status& st, absl::string_view prefix) {
 
 }  // namespace
 
-Service::Service(core::Store* store, core::Registry* registry, WorkerPool* pool,
+Service::Service(core::Store* store, core::Registry* registry, core::WorkerPool* pool,
                  CallGate::Options calls, std::string pool_name, std::string backend_name)
     : store_(store),
       registry_(registry),
@@ -367,7 +368,7 @@ namespace {
 // Items must be independent: callers pass serial = true when two items name one sequence
 // (observing Attends on one sequence must keep their order). An item reached after the call
 // stopped being wanted is skipped, and the call answers why (Call::StillWanted).
-absl::Status ForEachItem(WorkerPool* pool, const Call& call, int n, bool serial,
+absl::Status ForEachItem(core::WorkerPool* pool, const Call& call, int n, bool serial,
                          const std::function<void(int)>& fn) {
   struct State {
     const Call* call;
@@ -541,6 +542,20 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
         ao.causal_offset = item.has_causal_offset() ? item.causal_offset() : -1;
         ao.observe = item.has_observe() ? item.observe() : true;
         ao.scale = item.scale();
+        // Split policy (ServerOptions::split_attend_min_tokens): decided as the item starts,
+        // from the workers idle then; the store applies it only to a layer that long.
+        core::RunParts run_parts;
+        ao.parts = core::AttendSplitParts(split_min_tokens_, pool_->idle(),
+                                          static_cast<int>(pool_->size()));
+        if (ao.parts > 1) {
+          ao.split_min_tokens = split_min_tokens_;
+          run_parts = [this, claim = core::ClaimingRunParts(pool_, ao.parts - 1)](
+                          int n, const std::function<void(int)>& task) {
+            if (split_metrics_ != nullptr) split_metrics_->RecordAttendSplit();
+            claim(n, task);
+          };
+          ao.run_parts = &run_parts;
+        }
         st = Prefix(store_->Attend(tenant, item.sequence_id(), item.layer(), item.basis_version(),
                                    q.data(), q_heads, n_q, d, ao, &out, &tokens),
                     at);
@@ -613,9 +628,9 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
             absl::StrCat("from_token ", req_.from_token(), " and to_token ", req_.to_token(),
                          " must be >= 0 with from_token <= to_token (to_token 0: to the end)"));
       }
-      if (req_.dtype() != v1::DTYPE_UNSPECIFIED) {
-        RETURN_IF_ERROR(FromProto(req_.dtype(), "dtype").status());
-      }
+      // Decoded straight into the wire dtype (unspecified: fp32).
+      wire_dtype_ = req_.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : req_.dtype();
+      ASSIGN_OR_RETURN(dtype_, FromProto(wire_dtype_, "dtype"));
       ASSIGN_OR_RETURN(core::SequenceInfo info,
                        svc_->store()->Describe(call_.tenant(), req_.sequence_id()));
       if (req_.basis_version() != 0 && req_.basis_version() != info.model->manifest.version) {
@@ -673,22 +688,30 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
     }
     layer_sent_ = true;
     const int64_t n = std::min<int64_t>(chunk_, decoded_ - offset_);
-    std::vector<float> kbuf(static_cast<size_t>(kv_heads_) * n * d_), vbuf(kbuf.size());
-    for (int h = 0; h < kv_heads_; ++h) {
-      const size_t src = (static_cast<size_t>(h) * decoded_ + offset_) * d_;
-      const size_t dst = static_cast<size_t>(h) * n * d_;
-      std::copy_n(keys_.data() + src, n * d_, kbuf.data() + dst);
-      std::copy_n(values_.data() + src, n * d_, vbuf.data() + dst);
-    }
     msg_.Clear();
     msg_.set_layer(layer_);
     msg_.set_start(first_ + offset_);
     msg_.set_layer_tokens(tokens_);
     msg_.set_basis_version(version_);
-    FillTensor(kbuf.data(), {kv_heads_, n, d_}, req_.dtype(), msg_.mutable_keys());
-    FillTensor(vbuf.data(), {kv_heads_, n, d_}, req_.dtype(), msg_.mutable_values());
+    CopyRows(keys_, n, msg_.mutable_keys());
+    CopyRows(values_, n, msg_.mutable_values());
     offset_ += n;
     return absl::OkStatus();
+  }
+
+  // Tokens [offset_, offset_ + n) of every head of the decoded window `rows` ([kv][decoded_][d]
+  // elements of dtype_) as a [kv][n][d] tensor: the bytes as decoded, one copy per head.
+  void CopyRows(const std::vector<uint8_t>& rows, int64_t n, v1::Tensor* out) const {
+    const size_t row = static_cast<size_t>(d_) * core::DTypeSize(dtype_);
+    out->set_dtype(wire_dtype_);
+    for (int64_t dim : {int64_t{kv_heads_}, n, int64_t{d_}}) out->add_shape(dim);
+    std::string* bytes = out->mutable_data();
+    bytes->resize(static_cast<size_t>(kv_heads_) * n * row);
+    if (n == 0) return;  // an empty range's one message: rows may be empty (null data())
+    for (int h = 0; h < kv_heads_; ++h) {
+      std::memcpy(bytes->data() + h * n * row,
+                  rows.data() + (static_cast<size_t>(h) * decoded_ + offset_) * row, n * row);
+    }
   }
 
   // Decodes tokens [from, min(end_, from + window)) of the current layer into keys_/values_
@@ -696,11 +719,12 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   absl::Status DecodeWindow(int64_t from) {
     // Whole messages per window: only the range's last message is short.
     const int64_t window = std::max<int64_t>(chunk_, kDecodeWindow / chunk_ * chunk_);
-    RETURN_IF_ERROR(svc_->store()->Decode(
+    RETURN_IF_ERROR(svc_->store()->DecodeAs(
         call_.tenant(), req_.sequence_id(), layer_, req_.basis_version(), from,
-        std::min<int64_t>(end_, from + window), &keys_, &values_, &tokens_, &first_));
+        std::min<int64_t>(end_, from + window), dtype_, &keys_, &values_, &tokens_, &first_));
     tokens_ = std::min(tokens_, length_);  // appends after the call started are not seen
-    decoded_ = static_cast<int64_t>(keys_.size()) / (int64_t{kv_heads_} * d_);
+    decoded_ =
+        static_cast<int64_t>(keys_.size() / core::DTypeSize(dtype_)) / (int64_t{kv_heads_} * d_);
     offset_ = 0;
     return absl::OkStatus();
   }
@@ -725,7 +749,9 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   static constexpr int64_t kDecodeWindow = 1024;
   int64_t offset_ = 0, tokens_ = 0, first_ = 0, decoded_ = 0, end_ = 0, length_ = 0;
   bool layer_open_ = false, layer_sent_ = true;
-  std::vector<float> keys_, values_;
+  v1::DType wire_dtype_ = v1::DTYPE_F32;
+  core::DType dtype_ = core::DType::kF32;
+  std::vector<uint8_t> keys_, values_;  // the window, [kv][decoded_][d] of dtype_
   v1::GetBlocksResponse msg_;
 };
 

@@ -8,11 +8,11 @@
 #include <string>
 
 #include "kvq/core/store.h"
+#include "kvq/core/worker_pool.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "server/auth.h"
 #include "server/call.h"
 #include "server/idle_streams.h"
-#include "server/worker_pool.h"
 
 namespace kvq::server {
 
@@ -22,8 +22,8 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
  public:
   // `calls` configures the wrapper every call goes through (authentication, readiness,
   // --max-inflight, metrics, logging: server/call.h).
-  Service(core::Store* store, core::Registry* registry, WorkerPool* pool, CallGate::Options calls,
-          std::string pool_name, std::string backend_name);
+  Service(core::Store* store, core::Registry* registry, core::WorkerPool* pool,
+          CallGate::Options calls, std::string pool_name, std::string backend_name);
 
   grpc::ServerUnaryReactor* RegisterBasis(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterBasisRequest* req,
@@ -65,7 +65,7 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   absl::Status ItemAppend(const std::string& tenant, const Item& item, const std::string& at);
   core::Store* store() { return store_; }
   core::Registry* registry() { return registry_; }
-  WorkerPool* pool() { return pool_; }
+  core::WorkerPool* pool() { return pool_; }
   // The call wrapper's shared state (server/call.h): stream reactors start their Call on it.
   CallGate* calls() { return &calls_; }
   // Refuses new calls (UNAVAILABLE) and waits for those in flight to end, at most `grace`;
@@ -75,6 +75,13 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   // never). Set before serving.
   void set_stream_idle_timeout(absl::Duration d) { idle_ = std::make_unique<IdleStreams>(d); }
   IdleStreams* idle_streams() { return idle_.get(); }
+  // Attend items over layers of at least min_tokens split across idle workers (0: never;
+  // ServerOptions::split_attend_min_tokens), each split counted in `metrics` (null: not
+  // counted). Set before serving.
+  void set_split_attend(int64_t min_tokens, Metrics* metrics) {
+    split_min_tokens_ = min_tokens;
+    split_metrics_ = metrics;
+  }
 
  private:
   // A unary call under the wrapper (server/call.h): body(const Call&) -> absl::Status.
@@ -86,10 +93,12 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   core::Store* store_;
   core::Registry* registry_;
   const Authenticator* auth_;
-  WorkerPool* pool_;
+  core::WorkerPool* pool_;
   std::string pool_name_, backend_name_;
   absl::Time started_;
   CallGate calls_;
+  int64_t split_min_tokens_ = 0;
+  Metrics* split_metrics_ = nullptr;
   std::unique_ptr<IdleStreams> idle_ = std::make_unique<IdleStreams>(absl::ZeroDuration());
 };
 

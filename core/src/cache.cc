@@ -740,7 +740,7 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   const int64_t T = tokens_;
   const float scale = ao.scale != 0.0f ? ao.scale : 1.0f / std::sqrt(static_cast<float>(d));
-  if (ao.parts > 1 && encoded_ / opts_.key_group > 1)
+  if (ao.parts > 1 && T >= ao.split_min_tokens && encoded_ / opts_.key_group > 1)
     return AttendSplit(q, q_heads, n_q, ao, scale, out);
   thread_local std::vector<float> s;
   s.resize(static_cast<size_t>(rows) * T);

@@ -68,4 +68,9 @@ RunParts ClaimingRunParts(std::function<void(std::function<void()>)> submit, int
   };
 }
 
+int AttendSplitParts(int64_t min_tokens, int idle, int workers) {
+  if (min_tokens <= 0 || idle <= 0) return 1;
+  return std::max(1, std::min({idle + 1, kMaxAttendParts, workers}));
+}
+
 }  // namespace kvq::core

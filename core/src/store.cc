@@ -377,9 +377,10 @@ absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s,
 }
 }  // namespace
 
-absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
-                           std::vector<float>* values, int64_t* tokens, int64_t* first) {
+absl::Status Store::ReadRange(
+    const std::string& tenant, const std::string& sequence_id, int layer, int basis_version,
+    int64_t from, int64_t to, int64_t* tokens, int64_t* first,
+    const std::function<absl::Status(const LayerCache* cache, int64_t from, int64_t end)>& read) {
   if (from < 0) return absl::InvalidArgumentError(absl::StrCat("from ", from, " must be >= 0"));
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   ReaderMutexLock l(&s->mu);
@@ -387,16 +388,39 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
   if (cache == nullptr) {
     *tokens = 0;
     *first = 0;
-    keys->clear();
-    values->clear();
-    return absl::OkStatus();
+    return read(nullptr, 0, 0);
   }
   const int64_t T = cache->tokens();
   *tokens = T;
   const int64_t end = to < 0 ? T : std::min(to, T);
   *first = std::min(from, end);
   if (*first == 0 && end == T) RETURN_IF_ERROR(cache->VerifyAll());  // all before any
-  return cache->Decode(*first, end, keys, values);  // verifies every block it reads
+  return read(cache, *first, end);  // verifies every block it reads
+}
+
+absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
+                           std::vector<float>* values, int64_t* tokens, int64_t* first) {
+  return ReadRange(tenant, sequence_id, layer, basis_version, from, to, tokens, first,
+                   [&](const LayerCache* cache, int64_t a, int64_t b) {
+                     if (cache != nullptr) return cache->Decode(a, b, keys, values);
+                     keys->clear();
+                     values->clear();
+                     return absl::OkStatus();
+                   });
+}
+
+absl::Status Store::DecodeAs(const std::string& tenant, const std::string& sequence_id, int layer,
+                             int basis_version, int64_t from, int64_t to, DType dtype,
+                             std::vector<uint8_t>* keys, std::vector<uint8_t>* values,
+                             int64_t* tokens, int64_t* first) {
+  return ReadRange(tenant, sequence_id, layer, basis_version, from, to, tokens, first,
+                   [&](const LayerCache* cache, int64_t a, int64_t b) {
+                     if (cache != nullptr) return cache->DecodeAs(a, b, dtype, keys, values);
+                     keys->clear();
+                     values->clear();
+                     return absl::OkStatus();
+                   });
 }
 
 absl::Status Store::VerifyLayer(const std::string& tenant, const std::string& sequence_id,

@@ -10,8 +10,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -21,6 +19,7 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/partial_attention.h"
+#include "kvq/core/worker_pool.h"
 #include "test_util.h"
 
 namespace kvq::core {
@@ -183,46 +182,6 @@ TEST(CacheAttendSplit, MatchesUnsplitWithinRoundingForEveryPartCount) {
   }
 }
 
-// A one-thread FIFO pool, as the server's WorkerPool (drains its queue, then joins).
-class OneWorker {
- public:
-  OneWorker() : t_([this] { Loop(); }) {}
-  ~OneWorker() {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    t_.join();
-  }
-  void Submit(std::function<void()> fn) {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      q_.push_back(std::move(fn));
-    }
-    cv_.notify_all();
-  }
-
- private:
-  void Loop() {
-    std::unique_lock<std::mutex> l(mu_);
-    for (;;) {
-      cv_.wait(l, [&] { return stop_ || !q_.empty(); });
-      if (q_.empty()) return;
-      auto fn = std::move(q_.front());
-      q_.pop_front();
-      l.unlock();
-      fn();
-      l.lock();
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> q_;
-  bool stop_ = false;
-  std::thread t_;
-};
-
 // ClaimingRunParts over an idle pool runs parts on both threads; over a busy one (its worker
 // blocked until after the Attend) the caller runs them all and never waits on the queued
 // helper, which later finds nothing to do. Same bits either way.
@@ -239,9 +198,8 @@ TEST(CacheAttendSplit, ClaimingRunPartsOverIdleAndBusyPools) {
   ao.parts = 5;
   std::vector<float> inline_out(q.size()), idle(q.size()), busy(q.size());
   ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, inline_out.data()).ok());
-  OneWorker pool;
-  const RunParts run =
-      ClaimingRunParts([&pool](std::function<void()> fn) { pool.Submit(std::move(fn)); }, 1);
+  WorkerPool pool(1);
+  const RunParts run = ClaimingRunParts(&pool, 1);
   ao.run_parts = &run;
   ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, idle.data()).ok());
   EXPECT_EQ(idle, inline_out);
@@ -251,6 +209,45 @@ TEST(CacheAttendSplit, ClaimingRunPartsOverIdleAndBusyPools) {
   ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, busy.data()).ok());
   EXPECT_EQ(busy, inline_out);
   gate.unlock();  // the stale helper runs now and claims nothing
+}
+
+// split_min_tokens: a layer shorter than it runs the unsplit order (bit-identical, run_parts
+// never called); at exactly that length it splits.
+TEST(CacheAttendSplit, LayersBelowSplitMinTokensRunUnsplit) {
+  const int kv = 2, qh = 4, d = 64;
+  const int64_t T = 32 * 12 + 5;
+  CodecOptions o = Opt(d, 2, 32, 0, 2);
+  LayerCache c(o, kv, nullptr);
+  const auto k = Gaussian(kv * T * d, 21), v = Gaussian(kv * T * d, 22), q = Gaussian(qh * d, 23);
+  ASSERT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+  AttendOptions ao;
+  ao.observe = false;
+  std::vector<float> unsplit(q.size()), out(q.size());
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, unsplit.data()).ok());
+  int calls = 0;
+  const RunParts counting = [&calls](int n, const std::function<void(int)>& task) {
+    ++calls;
+    for (int i = 0; i < n; ++i) task(i);
+  };
+  ao.parts = 3;
+  ao.run_parts = &counting;
+  ao.split_min_tokens = T + 1;
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, out.data()).ok());
+  EXPECT_EQ(calls, 0);
+  EXPECT_EQ(out, unsplit);
+  ao.split_min_tokens = T;
+  ASSERT_TRUE(c.Attend(q.data(), qh, 1, ao, out.data()).ok());
+  EXPECT_EQ(calls, 1);  // split (its results: MatchesUnsplitWithinRounding...)
+}
+
+// The server's policy: one part per idle worker plus the caller, capped; off at 0 tokens.
+TEST(CacheAttendSplit, SplitPartsFollowIdleWorkers) {
+  EXPECT_EQ(AttendSplitParts(8192, 0, 2), 1);  // none idle: no split
+  EXPECT_EQ(AttendSplitParts(8192, 1, 2), 2);  // the other worker idle
+  EXPECT_EQ(AttendSplitParts(0, 1, 2), 1);     // splitting off
+  EXPECT_EQ(AttendSplitParts(8192, 7, 8), kMaxAttendParts);
+  EXPECT_EQ(AttendSplitParts(8192, 5, 3), 3);  // never more than the pool's workers
+  EXPECT_EQ(AttendSplitParts(8192, 2, 16), 3);
 }
 
 TEST(CacheAttendSplit, PartBoundsAreWholeGroupsAndDeterministic) {

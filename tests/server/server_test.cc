@@ -564,22 +564,27 @@ TEST(ServiceTest, GetBlocksOfAllLayersIsOneSnapshotDespiteConcurrentAppends) {
   EXPECT_EQ(GetAll(*stub, "x", 1, kv, d)[0].size(), static_cast<size_t>(kv) * (T + 256) * d);
 }
 
+// Registers model "tiny" of shape s and stores layer 0 of sequence "long", T random tokens.
+void RegisterAndPutLong(v1::Kvq::Stub& stub, const Shape& s, int64_t T) {
+  Register(stub, MakeRegister(s, kBasisSeed));
+  const int kv = s.kv_heads, d = s.head_dim;
+  v1::PutBlocksRequest m;
+  *m.add_appends() =
+      MakeAppend("long", 0, 0, RandomKV(kv, T, d, 5), RandomKV(kv, T, d, 6), kv, T, d, "tiny");
+  v1::PutBlocksResponse pr;
+  ASSERT_TRUE(Put(stub, {m}, &pr).ok());
+}
+
 // A layer longer than GetBlocks' decode window (1024 tokens) is decoded a window at a time, so
 // that a stream holds a bounded copy however slowly it is read: small messages over several
 // windows concatenate to exactly what one message of the whole layer carries, from any start.
 TEST(ServiceTest, GetBlocksOfALongLayerStitchesItsDecodeWindows) {
   TestServer ts;
   auto stub = ts.Stub();
-  Fixture f(LegacyShape());
-  const Shape& s = f.shape;
-  Register(*stub, MakeRegister(s, kBasisSeed));
+  const Shape s = LegacyShape();
   const int kv = s.kv_heads, d = s.head_dim;
   const int64_t T = 2600;
-  v1::PutBlocksRequest m;
-  *m.add_appends() =
-      MakeAppend("long", 0, 0, RandomKV(kv, T, d, 5), RandomKV(kv, T, d, 6), kv, T, d, "tiny");
-  v1::PutBlocksResponse pr;
-  ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+  RegisterAndPutLong(*stub, s, T);
   auto read = [&](int64_t from, int chunk) {
     v1::GetBlocksRequest req;
     req.set_sequence_id("long");
@@ -618,6 +623,54 @@ TEST(ServiceTest, GetBlocksOfALongLayerStitchesItsDecodeWindows) {
   for (int h = 0; h < kv; ++h) {
     EXPECT_EQ(k_tail[h], std::vector<float>(k_whole[h].begin() + 1000 * d, k_whole[h].end()));
     EXPECT_EQ(v_tail[h], std::vector<float>(v_whole[h].begin() + 1000 * d, v_whole[h].end()));
+  }
+}
+
+// GetBlocks decodes straight into the requested dtype (Store::DecodeAs): in f32 (also when
+// unspecified), f16 and bf16, over several decode windows and from a start inside one, every
+// message's bytes are the store's fp32 decode of its range rounded to nearest even.
+TEST(ServiceTest, GetBlocksInEachDtypeIsTheFloatDecodeRounded) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  const Shape s;
+  const int64_t T = 2600;
+  RegisterAndPutLong(*stub, s, T);
+  for (const v1::DType dtype :
+       {v1::DTYPE_UNSPECIFIED, v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16}) {
+    const v1::DType want_dtype = dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : dtype;
+    const core::DType dt = *server::FromProto(want_dtype, "");
+    for (const int64_t from : {int64_t{0}, int64_t{1000}}) {
+      SCOPED_TRACE(::testing::Message() << "dtype " << dtype << " from " << from);
+      v1::GetBlocksRequest req;
+      req.set_sequence_id("long");
+      req.add_layers(0);
+      req.set_from_token(from);
+      req.set_dtype(dtype);
+      req.set_max_tokens_per_message(700);  // messages across the 1024-token decode windows
+      auto ctx = Ctx();
+      auto r = stub->GetBlocks(ctx.get(), req);
+      v1::GetBlocksResponse one;
+      int64_t next = from;
+      while (r->Read(&one)) {
+        ASSERT_EQ(one.start(), next);
+        const int64_t n = one.keys().shape(1);
+        std::vector<float> k, v;
+        int64_t tokens = 0, first = 0;
+        ASSERT_TRUE(ts.server()
+                        .store()
+                        .Decode("default", "long", 0, 0, next, next + n, &k, &v, &tokens, &first)
+                        .ok());
+        for (const auto& [t, want] : {std::pair{&one.keys(), &k}, {&one.values(), &v}}) {
+          EXPECT_EQ(t->dtype(), want_dtype);
+          std::string bytes(want->size() * core::DTypeSize(dt), '\0');
+          core::FromFloat(dt, want->data(), bytes.data(), want->size());
+          EXPECT_TRUE(t->data() == bytes);
+        }
+        next += n;
+      }
+      EXPECT_TRUE(r->Finish().ok());
+      EXPECT_EQ(next, T);
+    }
   }
 }
 
@@ -1867,6 +1920,74 @@ TEST(ServiceTest, PrometheusMetricsOnTheirOwnPort) {
         "kvq_memory_pool_bytes{pool=\"host\",state=\"requested\"}",
         "kvq_memory_pool_bytes{pool=\"host\",state=\"fallback\"} 0"}) {
     EXPECT_THAT(text, HasSubstr(want));
+  }
+}
+// The value of an unlabelled metric in a /metrics text; -1 when absent.
+double MetricValue(const std::string& text, const std::string& name) {
+  const std::string key = "\n" + name + " ";
+  const size_t at = text.find(key);
+  return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
+}
+
+// A long layer's Attend splits across idle workers (ServerOptions::split_attend_min_tokens):
+// the answer equals the store's own unsplit Attend within the split tolerance (2e-6 * max|v|,
+// core/cache.h AttendOptions::parts) and kvq_attend_split_total counts it. A layer below the
+// threshold, or the threshold 0 (off), runs the unsplit order (bit-identical) and counts
+// nothing. Four workers: the Attend's own is busy, at most the previous calls' are still
+// returning, so at least one is idle whenever the Attend starts.
+TEST(ServiceTest, LongAttendSplitsAcrossIdleWorkersWithinTolerance) {
+  const int64_t kThreshold = 2048, kLong = kThreshold + 45, kShort = kThreshold - 1;
+  for (const int64_t min_tokens : {kThreshold, int64_t{0}}) {
+    SCOPED_TRACE(::testing::Message() << "split_attend_min_tokens " << min_tokens);
+    server::ServerOptions o = WithLocalMetrics();
+    o.workers = 4;
+    o.split_attend_min_tokens = min_tokens;
+    TestServer ts(o);
+    auto stub = ts.Stub();
+    const Shape s;
+    const int kv = s.kv_heads, qh = s.q_heads, d = s.head_dim;
+    Register(*stub, MakeRegister(s, kBasisSeed));
+    const std::vector<float> q = RandomQueries(qh, 1, d, 9);
+    for (const auto& [seq, T] :
+         {std::pair<std::string, int64_t>{"long", kLong}, {"short", kShort}}) {
+      SCOPED_TRACE(seq);
+      auto k = RandomKV(kv, T, d, 1), v = RandomKV(kv, T, d, 2);
+      v1::PutBlocksRequest m;
+      *m.add_appends() = MakeAppend(seq, 0, 0, k, v, kv, T, d, "tiny");
+      v1::PutBlocksResponse pr;
+      ASSERT_TRUE(Put(*stub, {m}, &pr).ok());
+      v1::AttendRequest areq;
+      auto* it = areq.add_items();
+      it->set_sequence_id(seq);
+      it->set_observe(false);
+      *it->mutable_queries() = TensorF32(q, {qh, 1, d});
+      v1::AttendResponse aresp;
+      auto ctx = Ctx();
+      ASSERT_TRUE(stub->Attend(ctx.get(), areq, &aresp).ok());
+      ASSERT_EQ(aresp.results(0).status().code(), 0) << aresp.results(0).status().message();
+      const std::vector<float> got = FloatsOf(aresp.results(0).outputs());
+      core::AttendOptions unsplit;
+      unsplit.observe = false;
+      std::vector<float> want, dk, dv;
+      int64_t tokens = 0;
+      ASSERT_TRUE(ts.server()
+                      .store()
+                      .Attend("default", seq, 0, 0, q.data(), qh, 1, d, unsplit, &want, &tokens)
+                      .ok());
+      ASSERT_EQ(tokens, T);
+      ASSERT_TRUE(ts.server().store().Decode("default", seq, 0, 0, &dk, &dv, &tokens).ok());
+      float vmax = 0.0f;
+      for (float x : dv) vmax = std::max(vmax, std::fabs(x));
+      ASSERT_EQ(got.size(), want.size());
+      const bool split = min_tokens > 0 && T >= min_tokens;
+      if (split) {
+        for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-6f * vmax) << i;
+      } else {
+        EXPECT_EQ(got, want);
+      }
+    }
+    const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
+    EXPECT_EQ(MetricValue(text, "kvq_attend_split_total"), min_tokens > 0 ? 1 : 0);
   }
 }
 

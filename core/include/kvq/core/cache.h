@@ -77,6 +77,18 @@ using RunParts = std::function<void(int n, const std::function<void(int)>& task)
 // ran out returns at once). Safe from a pool's own worker; with every worker busy it costs
 // `helpers` queued no-ops and runs all parts on the calling thread.
 RunParts ClaimingRunParts(std::function<void(std::function<void()>)> submit, int helpers);
+// The same over a WorkerPool's queue (kvq/core/worker_pool.h), which must outlive the result.
+class WorkerPool;
+RunParts ClaimingRunParts(WorkerPool* pool, int helpers);
+
+// A server's split policy for one Attend: the parts it asks for (AttendOptions::parts) when
+// `idle` of its `workers` have nothing to do, the calling worker being busy with this call.
+// One part per idle worker plus the caller's own, at most kMaxAttendParts and `workers`;
+// 1 (no split) when none is idle or min_tokens is 0 (splitting off). Whether the layer is
+// long enough (min_tokens) is decided under the store's lock: AttendOptions::split_min_tokens.
+// The cap: past 4 parts at 32k tokens a part is too short to repay its own wake-up and merge.
+inline constexpr int kMaxAttendParts = 4;
+int AttendSplitParts(int64_t min_tokens, int idle, int workers);
 
 struct AttendOptions {
   // Query i sees cached tokens [0, causal_offset + i]; -1: every cached token.
@@ -95,6 +107,9 @@ struct AttendOptions {
   // 2e-6 * max|v| per output element in tests/core/attend_split_test.cc. Run on one thread,
   // 2 parts cost within ~2% of the unsplit order at 32k tokens (kvq-bench-codec AttendSplit).
   int parts = 1;
+  // parts > 1 applies only to a layer holding at least this many tokens; a shorter one runs
+  // unsplit (and never calls run_parts). 0: any length.
+  int64_t split_min_tokens = 0;
   // Runs the parts (e.g. on idle workers); null: one after another on the calling thread.
   // Must outlive the call.
   const RunParts* run_parts = nullptr;

@@ -188,6 +188,13 @@ class Store {
   absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
                       int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
                       std::vector<float>* values, int64_t* tokens, int64_t* first);
+  // The same range in `dtype` (kF32, kF16 or kBF16), each value the fp32 decode's rounded to
+  // nearest even (LayerCache::DecodeAs): decoded straight into the bytes GetBlocks sends, with
+  // no fp32 copy of the range in between.
+  absl::Status DecodeAs(const std::string& tenant, const std::string& sequence_id, int layer,
+                        int basis_version, int64_t from, int64_t to, DType dtype,
+                        std::vector<uint8_t>* keys, std::vector<uint8_t>* values, int64_t* tokens,
+                        int64_t* first);
   // Every block of the layer's checksum (DATA_LOSS on a mismatch), reading none out: what a
   // reader that will take the whole layer in parts checks before sending the first.
   absl::Status VerifyLayer(const std::string& tenant, const std::string& sequence_id, int layer,
@@ -244,6 +251,13 @@ class Store {
 
   absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant, const std::string& id,
                                                  int basis_version);
+  // The range reads' common part: finds the layer, resolves [from, to) against its length
+  // under the sequence's reader lock (verifying every block first when the range is the whole
+  // layer) and calls read(cache, first, end) there; cache is null for a layer never appended.
+  absl::Status ReadRange(
+      const std::string& tenant, const std::string& sequence_id, int layer, int basis_version,
+      int64_t from, int64_t to, int64_t* tokens, int64_t* first,
+      const std::function<absl::Status(const LayerCache* cache, int64_t from, int64_t end)>& read);
   // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`; the
   // evicted sequences go into *evicted (when given) so that the caller destroys them after
   // releasing mu_.
