@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Builds and runs the tests under sanitizers: every core, server and client test with
 # AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/, gcc like the gRPC it links; the
-# frontend's model tests are left to the Release run), and core's tests with ThreadSanitizer
+# frontend's model tests are left to the Release run), core's tests with ThreadSanitizer
 # (build-tsan/, clang; core has no gRPC, and core::Mutex announces absl::Mutex to TSan, so no
-# suppressions). A sanitizer report fails its test. Prints each part's wall time.
-# tsan-server (by hand, not in the default run): the server tests under ThreadSanitizer
-# (build-tsan-server/), with tests/tsan-server.supp for Debian's uninstrumented gRPC, protobuf
-# and Abseil; prints how often each suppression matched (docs/SANITIZERS.md).
-# Usage: scripts/sanitize.sh [--help] [asan|tsan|tsan-server]...   (default: asan tsan)
+# suppressions), and the server's tests with ThreadSanitizer (below). A sanitizer report fails
+# its test. Prints each part's wall time.
+# tsan-server: the server tests under ThreadSanitizer (build-tsan-server/, clang), with
+# tests/tsan-server.supp for Debian's uninstrumented gRPC, protobuf, Abseil and OpenSSL; prints
+# how often each suppression matched (docs/SANITIZERS.md).
+# Usage: scripts/sanitize.sh [--help] [asan|tsan|tsan-server]...   (default: all three)
 # Environment: KVQ_JOBS.
 set -euo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,11p' "$0" | sed 's/^# //'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,12p' "$0" | sed 's/^# //'; exit 0; fi
 cd "$(dirname "$0")/.."
 JOBS="${KVQ_JOBS:-$(nproc)}"
 parts=("$@")
-[[ ${#parts[@]} -eq 0 ]] && parts=(asan tsan)
+[[ ${#parts[@]} -eq 0 ]] && parts=(asan tsan tsan-server)
 # Line tables for the reports' stacks, -O1 so that the suites stay quick.
 COMMON=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g1"
         -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DKVQ_ENABLE_CUDA=OFF -DKVQ_BUILD_FRONTEND=OFF

@@ -3,10 +3,11 @@
 # build/) and runs the whole test suite: C++ (ctest),
 # then Python (scripts/test-python.sh: a venv outside the clone, pytest against the built server),
 # then the fuzz targets for a fixed 100,000 inputs each, fuzz_rpc 10,000 (scripts/fuzz.sh, clang + ASan/UBSan),
-# then the core, server and client tests under ASan + UBSan and core's under TSan (scripts/sanitize.sh).
+# then the core, server and client tests under ASan + UBSan, core's and the server's under TSan
+# (scripts/sanitize.sh).
 # Usage: scripts/test.sh [--help]   Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS, KVQ_VENV.
 set -euo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,7p' "$0" | sed 's/^# //'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,8p' "$0" | sed 's/^# //'; exit 0; fi
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 BUILD="${KVQ_BUILD_DIR:-build}"
