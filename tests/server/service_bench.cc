@@ -45,6 +45,23 @@ double Ms(Clock::time_point a, Clock::time_point b) {
 int Main(int argc, char** argv) {
   std::string server;
   int context = 4096, layers = 4, iters = 1000, kv = 3, qh = 9, d = 64, workers = 0, reps = 7;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf(
+          "kvq-bench-service: PutBlocks ingest and Score / Attend latency over loopback gRPC, each "
+          "next to Echo of the same bytes.\n"
+          "  kvq-bench-service [--server ADDR] [--context 4096] [--layers 4] [--iters 1000]\n"
+          "                    [--kv-heads 3] [--q-heads 9] [--head-dim 64] [--workers 0] "
+          "[--reps 7]\n"
+          "Without --server an in-process server on 127.0.0.1:0 is started. docs/BENCHMARKS.md "
+          "(Service).\n");
+      return 0;
+    }
+  }
+  if (argc % 2 == 0) {
+    std::fprintf(stderr, "%s needs a value (--help)\n", argv[argc - 1]);
+    return 2;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string f = argv[i], v = argv[i + 1];
     auto num = [&](int* p) {
