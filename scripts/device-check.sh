@@ -1,24 +1,40 @@
 #!/usr/bin/env bash
-# The GPU machine's check, in one run: builds core/ and kernels/ (no gRPC, no frontend) with
-# CUDA for sm_90, runs the CUDA parity tests against the CPU reference, the block pool on
-# real pinned memory (byte_pool_test) and a short codec benchmark, and copies
-# the logs to $OUT (when set).
-# Usage: scripts/device-check.sh [--help]
-set -euo pipefail
+# The GPU machine's check, in one run, on binaries built here by scripts/device-bundle.sh
+# (carried as .devbin/): the CUDA parity tests against the CPU reference, the block pool on
+# real pinned memory, the kernels' CPU parity, then the CUDA benchmark (kvq-bench-cuda) and a
+# short CPU codec benchmark. Logs go to $OUT (at most 8 files come back), or /tmp/kvq-device-check.
+# Usage: scripts/device-check.sh [--help] [--tests-only]
+set -uo pipefail
 if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-/tmp/kvq-device-check}"
 mkdir -p "$OUTDIR"
-nvidia-smi > "$OUTDIR/nvidia-smi.txt" 2>&1 || true
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVQ_ENABLE_CUDA=ON \
-  -DKVQ_BUILD_SERVER=OFF -DKVQ_BUILD_FRONTEND=OFF > "$OUTDIR/configure.log" 2>&1
-cmake --build build-gpu -j "$(nproc)" --target cuda_parity_test kernels_parity_test codec_test \
-  byte_pool_test kvq-bench-codec > "$OUTDIR/build.log" 2>&1
+if [[ ! -d .devbin/bin ]]; then
+  echo "device-check: no .devbin/ (run scripts/device-bundle.sh here and carry .devbin)" >&2; exit 2
+fi
+export LD_LIBRARY_PATH="$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+bin=.devbin/bin
+{ echo "bundle of $(cat .devbin/commit 2>/dev/null)"; nvidia-smi; } > "$OUTDIR/nvidia-smi.txt" 2>&1
 status=0
-for t in cuda_parity_test kernels_parity_test codec_test byte_pool_test; do
-  build-gpu/bin/$t > "$OUTDIR/$t.log" 2>&1 || status=1
-  tail -3 "$OUTDIR/$t.log"
+log="$OUTDIR/tests.log"
+: > "$log"
+for t in cuda_math_test cuda_parity_test byte_pool_test kernels_parity_test; do
+  [[ -x $bin/$t ]] || { echo "device-check: $t not in the bundle" | tee -a "$log"; continue; }
+  start=$SECONDS
+  timeout 120 "$bin/$t" --gtest_brief=1 >> "$log" 2>&1
+  rc=$?
+  echo "device-check: $t exit $rc in $((SECONDS - start)) s" | tee -a "$log"
+  [[ $rc -eq 0 ]] || status=1
 done
-build-gpu/bin/kvq-bench-codec --benchmark_filter='Attend(Codes|Dense)/T:32768' \
-  --benchmark_min_time=0.2 > "$OUTDIR/bench.log" 2>&1 || status=1
+[[ "${1:-}" == "--tests-only" ]] && exit $status
+if [[ -x $bin/kvq-bench-cuda ]]; then
+  start=$SECONDS
+  timeout 180 "$bin/kvq-bench-cuda" --benchmark_out="$OUTDIR/bench-cuda.json" \
+    --benchmark_out_format=json > "$OUTDIR/bench-cuda.txt" 2>&1 || status=1
+  echo "device-check: kvq-bench-cuda in $((SECONDS - start)) s"; tail -40 "$OUTDIR/bench-cuda.txt"
+fi
+if [[ -x $bin/kvq-bench-codec ]]; then
+  timeout 60 "$bin/kvq-bench-codec" --benchmark_filter='Attend(Codes|Dense)/T:32768' \
+    --benchmark_min_time=0.2 > "$OUTDIR/bench-codec.txt" 2>&1 || status=1
+fi
 exit $status
