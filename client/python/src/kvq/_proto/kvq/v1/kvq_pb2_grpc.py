@@ -166,7 +166,8 @@ class KvqServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def DeleteSequence(self, request, context):
-        """Drops a sequence and frees its memory. Errors: NOT_FOUND.
+        """Drops a sequence and frees its memory. Errors: NOT_FOUND, INVALID_ARGUMENT (a
+        sequence_id empty or over 256 bytes).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
