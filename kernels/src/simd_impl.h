@@ -242,6 +242,25 @@ inline void ReadoutChunkUniform(const uint8_t* rows, const RowTable& rt, int n_r
   }
 }
 
+// ReadoutChunkUniform with the code width given at run time (1, 2, 3, 4; anything else 8).
+template <int NQ, int CH>
+inline void ReadoutChunkUniformOfWidth(int bits, const uint8_t* rows, const RowTable& rt,
+                                       int n_rows, int ch, const float* const* coef,
+                                       typename Isa::F (*acc)[NQ]) {
+  switch (bits) {
+    case 1:
+      return ReadoutChunkUniform<1, NQ, CH>(rows, rt, n_rows, ch, coef, acc);
+    case 2:
+      return ReadoutChunkUniform<2, NQ, CH>(rows, rt, n_rows, ch, coef, acc);
+    case 3:
+      return ReadoutChunkUniform<3, NQ, CH>(rows, rt, n_rows, ch, coef, acc);
+    case 4:
+      return ReadoutChunkUniform<4, NQ, CH>(rows, rt, n_rows, ch, coef, acc);
+    default:
+      return ReadoutChunkUniform<8, NQ, CH>(rows, rt, n_rows, ch, coef, acc);
+  }
+}
+
 template <int NQ>
 inline void ReadoutChunkMixed(const uint8_t* rows, const RowTable& rt, int n_rows, int ch,
                               const float* coef, typename Isa::F* acc) {
@@ -321,41 +340,9 @@ void ReadoutT(const uint8_t* rows, const RowTable& rt, int n_rows, int n, int gr
     if (!rt.uniform) {
       ReadoutChunkMixed<NQ>(rows, rt, n_rows, ch, cg[0], acc[0]);
     } else if (pair) {
-      switch (rt.bits[0]) {
-        case 1:
-          ReadoutChunkUniform<1, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
-          break;
-        case 2:
-          ReadoutChunkUniform<2, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
-          break;
-        case 3:
-          ReadoutChunkUniform<3, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
-          break;
-        case 4:
-          ReadoutChunkUniform<4, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
-          break;
-        default:
-          ReadoutChunkUniform<8, NQ, 2>(rows, rt, n_rows, ch, cg, acc);
-          break;
-      }
+      ReadoutChunkUniformOfWidth<NQ, 2>(rt.bits[0], rows, rt, n_rows, ch, cg, acc);
     } else {
-      switch (rt.bits[0]) {
-        case 1:
-          ReadoutChunkUniform<1, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
-          break;
-        case 2:
-          ReadoutChunkUniform<2, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
-          break;
-        case 3:
-          ReadoutChunkUniform<3, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
-          break;
-        case 4:
-          ReadoutChunkUniform<4, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
-          break;
-        default:
-          ReadoutChunkUniform<8, NQ, 1>(rows, rt, n_rows, ch, cg, acc);
-          break;
-      }
+      ReadoutChunkUniformOfWidth<NQ, 1>(rt.bits[0], rows, rt, n_rows, ch, cg, acc);
     }
     for (int k = 0; k < nc; ++k) {
       const int g = (ch + k) * W / group;
