@@ -1,0 +1,289 @@
+// kvq-bench-cuda: the fused decode attend on the GPU against two baselines measured in the
+// same run, on the same bytes or the same tokens.
+//
+//   Attend/<codec>/d<d>/t<tokens>  one launch of kernels::cuda::Attend over `items` KV heads
+//       (independent sequences) of `tokens` tokens each, 4 query rows per KV head (GQA 4:1, as
+//       Llama-3-8B; SmolLM2 has 3, Qwen2.5-0.5B 7), items chosen so that the codes of one
+//       launch are >= 1 GiB (far beyond the 60 MB L2: every byte comes from HBM). Time per
+//       launch by CUDA events (manual time), attend and merge included. Counters:
+//         attend_GBps    code bytes (key + value blocks) / attend time
+//         stream_GBps    the same bytes read by StreamRead (16-byte loads, XOR-reduced)
+//         frac_of_stream stream time / attend time (the goal: >= 0.6)
+//         dense_GBps     fp16 K+V bytes of the same tokens / DenseAttend time
+//         dense_speedup  DenseAttend time / attend time (same tokens, same rows)
+//   Codecs: k3g128-r4s4-v2 (the server's default, docs/CODEC.md) and k2g32-r4s8-v2 (the
+//   legacy default; G=32 is the frontier's most finely grouped point).
+// The blocks are real encodings (LayerCache, a random basis) of 64 distinct groups per head,
+// tiled over the launch's working set; timing does not depend on the values.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvq/core/basis.h"
+#include "kvq/core/cache.h"
+#include "kvq/kernels/cuda.h"
+#include "kvq/kernels/device.h"
+
+namespace {
+using namespace kvq::core;
+namespace kc = kvq::kernels::cuda;
+
+constexpr size_t kLaunchBytes = size_t{1} << 30;  // codes per launch, >> 60 MB L2
+constexpr int kRows = 4;                          // query rows per KV head
+constexpr int kUniqueBlocks = 64;                 // distinct encoded groups, tiled
+
+CodecOptions Codec(int d, int kb, int G, int r, int sb, int vb, int vg) {
+  CodecOptions o;
+  o.head_dim = d;
+  o.key_bits = kb;
+  o.key_group = G;
+  o.rank = r;
+  o.side_bits = sb;
+  o.value_bits = vb;
+  o.value_group = vg;
+  return o;
+}
+
+struct NamedCodec {
+  const char* name;
+  int kb, G, r, sb, vb, vg;
+};
+const NamedCodec kCodecs[] = {{"k3g128-r4s4-v2", 3, 128, 4, 4, 2, 32},
+                              {"k2g32-r4s8-v2", 2, 32, 4, 8, 2, 32}};
+
+// kUniqueBlocks (key, value) block pairs of one head, back to back: [key | value] per group.
+struct Unit {
+  std::vector<uint8_t> bytes;
+  size_t key_bytes = 0, value_bytes = 0;
+};
+const Unit& UnitFor(const CodecOptions& o) {
+  static std::map<std::string, Unit> units;
+  Unit& u = units[o.ToString() + "/" + std::to_string(o.head_dim)];
+  if (!u.bytes.empty()) return u;
+  const int d = o.head_dim;
+  const int64_t T = static_cast<int64_t>(kUniqueBlocks) * o.key_group;
+  const ModelBasis b = RandomBasis({"t", 1, 1, 1, kRows, d, std::max(o.rank, 1)}, 3);
+  LayerCache cache(o, 1, o.rank > 0 ? b.u.data() : nullptr);
+  cache.set_sealing(true);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(T * d), v(T * d);
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  const auto view = [&](const std::vector<float>& x) {
+    return TensorView::Contiguous(x.data(), DType::kF32, {1, T, d});
+  };
+  if (!cache.Append(view(k), view(v), 0).ok()) return u;
+  for (const auto& blk : cache.sealed()) {
+    u.key_bytes = blk->key(0).size();
+    u.value_bytes = blk->value(0).size();
+    u.bytes.insert(u.bytes.end(), blk->key(0).begin(), blk->key(0).end());
+    u.bytes.insert(u.bytes.end(), blk->value(0).begin(), blk->value(0).end());
+  }
+  return u;
+}
+
+// Device memory released at scope exit.
+struct Device {
+  std::vector<void*> held;
+  ~Device() {
+    for (void* p : held) cudaFree(p);
+  }
+  template <class T>
+  T* Alloc(size_t count) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, std::max<size_t>(16, count * sizeof(T))) != cudaSuccess) return nullptr;
+    held.push_back(p);
+    return static_cast<T*>(p);
+  }
+};
+
+float Elapsed(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0.0f;
+  cudaEventElapsedTime(&ms, a, b);
+  return ms / 1e3f;
+}
+
+void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
+  const CodecOptions o = Codec(d, nc.kb, nc.G, nc.r, nc.sb, nc.vb, nc.vg);
+  const Unit& unit = UnitFor(o);
+  if (unit.bytes.empty()) return state.SkipWithError("encoding the unit blocks failed");
+  const int nb = static_cast<int>(tokens / o.key_group);
+  const size_t pair = unit.key_bytes + unit.value_bytes, item_bytes = pair * nb;
+  const int items =
+      static_cast<int>(std::min<size_t>(65535, (kLaunchBytes + item_bytes - 1) / item_bytes));
+  const size_t code_bytes = item_bytes * items;
+  Device dev;
+  uint8_t* codes = dev.Alloc<uint8_t>(code_bytes);
+  if (!codes) return state.SkipWithError("cudaMalloc of the codes failed");
+  // The unit uploaded once, then tiled device to device.
+  if (cudaMemcpy(codes, unit.bytes.data(), unit.bytes.size(), cudaMemcpyHostToDevice) !=
+      cudaSuccess)
+    return state.SkipWithError("upload failed");
+  for (size_t at = unit.bytes.size(); at < code_bytes;) {
+    const size_t n = std::min(at, code_bytes - at);
+    cudaMemcpy(codes + at, codes, n, cudaMemcpyDeviceToDevice);
+    at += n;
+  }
+  std::vector<const uint8_t*> kp(static_cast<size_t>(items) * nb), vp(kp.size());
+  for (size_t i = 0; i < kp.size(); ++i) {
+    kp[i] = codes + i * pair;
+    vp[i] = kp[i] + unit.key_bytes;
+  }
+  auto** dkp = dev.Alloc<const uint8_t*>(kp.size());
+  auto** dvp = dev.Alloc<const uint8_t*>(vp.size());
+  const size_t R = static_cast<size_t>(items) * kRows;
+  std::vector<float> q(R * d), uq(R * std::max(o.rank, 1));
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : uq) x = nd(rng);
+  float *dq = dev.Alloc<float>(q.size()), *duq = dev.Alloc<float>(uq.size());
+  float *dout = dev.Alloc<float>(R * d), *dmx = dev.Alloc<float>(R), *dsum = dev.Alloc<float>(R);
+  uint32_t* sink = dev.Alloc<uint32_t>(1);
+  if (!dkp || !dvp || !dq || !duq || !dout || !dmx || !dsum || !sink)
+    return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dkp, kp.data(), kp.size() * sizeof(kp[0]), cudaMemcpyHostToDevice);
+  cudaMemcpy(dvp, vp.data(), vp.size() * sizeof(vp[0]), cudaMemcpyHostToDevice);
+  cudaMemcpy(dq, q.data(), q.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(duq, uq.data(), uq.size() * 4, cudaMemcpyHostToDevice);
+
+  kc::AttendParams p;
+  p.head_dim = d;
+  p.key_group = o.key_group;
+  p.key_bits = o.key_bits;
+  p.rank = o.rank;
+  p.side_bits = o.side_bits;
+  p.value_bits = o.value_bits;
+  p.value_group = o.value_group;
+  p.items = items;
+  p.rows = kRows;
+  p.blocks = nb;
+  p.key_blocks = dkp;
+  p.value_blocks = dvp;
+  p.block_stride = nb;
+  p.q = dq;
+  p.uq = duq;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.out = dout;
+  p.out_max = dmx;
+  p.out_sum = dsum;
+  p.workspace_bytes = kc::AttendWorkspaceBytes(p);
+  p.workspace = dev.Alloc<uint8_t>(p.workspace_bytes);
+
+  // Dense fp16 K and V of the same tokens (constant values: the time does not depend on them).
+  kc::DenseAttendParams dp;
+  dp.head_dim = d;
+  dp.items = items;
+  dp.rows = kRows;
+  dp.tokens = static_cast<int64_t>(nb) * o.key_group;
+  const size_t kv_elems = static_cast<size_t>(items) * dp.tokens * d;
+  uint16_t* dk = dev.Alloc<uint16_t>(kv_elems);
+  uint16_t* dv = dev.Alloc<uint16_t>(kv_elems);
+  if (!p.workspace || !dk || !dv) return state.SkipWithError("cudaMalloc (dense) failed");
+  cudaMemset(dk, 0x3c, kv_elems * 2);  // 0x3c3c: 1.06 in fp16
+  cudaMemset(dv, 0x3c, kv_elems * 2);
+  dp.k = dk;
+  dp.v = dv;
+  dp.q = dq;
+  dp.scale = p.scale;
+  dp.out = dout;
+  dp.workspace_bytes = kc::DenseAttendWorkspaceBytes(dp);
+  dp.workspace = dev.Alloc<uint8_t>(dp.workspace_bytes);
+  if (!dp.workspace) return state.SkipWithError("cudaMalloc (dense workspace) failed");
+
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  auto timed = [&](auto&& launch) -> float {
+    cudaEventRecord(e0);
+    const int err = launch();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    return err == 0 ? Elapsed(e0, e1) : -1.0f;
+  };
+  auto attend = [&] { return kc::Attend(p, nullptr); };
+  auto stream = [&] { return kc::StreamRead(codes, code_bytes, sink, nullptr); };
+  auto dense = [&] { return kc::DenseAttend(dp, nullptr); };
+  for (int w = 0; w < 2; ++w)
+    if (timed(attend) < 0 || timed(stream) < 0 || timed(dense) < 0)
+      return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
+  double attend_s = 0, stream_s = 0, dense_s = 0;
+  for (auto _ : state) {
+    const float a = timed(attend);
+    if (a < 0) return state.SkipWithError("Attend failed");
+    state.SetIterationTime(a);
+    attend_s += a;
+    stream_s += timed(stream);
+    dense_s += timed(dense);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  if (cudaDeviceSynchronize() != cudaSuccess)
+    return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
+  const double n = static_cast<double>(state.iterations());
+  const double dense_bytes = 2.0 * kv_elems * 2;
+  state.counters["items"] = items;
+  state.counters["splits"] = kc::AttendSplits(p);
+  state.counters["code_MB"] = code_bytes / 1e6;
+  state.counters["attend_GBps"] = code_bytes / (attend_s / n) / 1e9;
+  state.counters["stream_GBps"] = code_bytes / (stream_s / n) / 1e9;
+  state.counters["frac_of_stream"] = stream_s / attend_s;
+  state.counters["dense_GBps"] = dense_bytes / (dense_s / n) / 1e9;
+  state.counters["dense_speedup"] = dense_s / attend_s;
+}
+
+void RegisterAll() {
+  for (const NamedCodec& nc : kCodecs)
+    for (int d : {64, 128})
+      for (int64_t tokens : {4096, 32768, 131072}) {
+        const std::string name = std::string("Attend/") + nc.name + "/d" + std::to_string(d) +
+                                 "/t" + std::to_string(tokens);
+        benchmark::RegisterBenchmark(name.c_str(), BM_Attend, nc, d, tokens)
+            ->UseManualTime()
+            ->Iterations(20)
+            ->Unit(benchmark::kMicrosecond);
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool listing = false;
+  for (int i = 1; i < argc; ++i) {
+    listing = listing || std::strncmp(argv[i], "--benchmark_list_tests", 22) == 0;
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf(
+          "kvq-bench-cuda: the fused decode attend over HeadQ codes on the GPU, against a\n"
+          "streaming read of the same bytes and dense fp16 attention over the same tokens\n"
+          "(bench/cuda_bench.cc says what each counter means). Needs a CUDA device.\n"
+          "Google Benchmark flags, e.g. --benchmark_filter=REGEX, --benchmark_format=json,\n"
+          "--benchmark_out=FILE.\n");
+      return 0;
+    }
+  }
+  RegisterAll();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  if (!listing && !kvq::kernels::CudaAvailable()) {
+    std::fprintf(stderr, "kvq-bench-cuda: no CUDA device answers on this machine\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
+    benchmark::AddCustomContext("device", prop.name);
+    benchmark::AddCustomContext("sm_count", std::to_string(prop.multiProcessorCount));
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
