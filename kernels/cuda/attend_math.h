@@ -103,7 +103,7 @@ struct Geometry {
   int value_bytes_max;  // the largest value block
   int threads, slices, key_slices;
   int sm_q, sm_uq, sm_kscale, sm_kzero, sm_sscale, sm_szero, sm_vscale, sm_vzero, sm_width, sm_off,
-      sm_part, sm_p, sm_m, sm_l, sm_corr, sm_kstage, sm_vstage, sm_red, sm_bytes;
+      sm_part, sm_p, sm_m, sm_lred, sm_corr, sm_kstage, sm_vstage, sm_red, sm_bytes;
 };
 
 KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
@@ -153,7 +153,7 @@ KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
   g.sm_part = take(4 * g.key_slices * g.rows * g.G);
   g.sm_p = take(4 * g.rows * g.G);
   g.sm_m = take(4 * g.rows);
-  g.sm_l = take(4 * g.rows);
+  g.sm_lred = take(4 * g.slices * g.rows);
   g.sm_corr = take(4 * g.rows);
   g.sm_kstage = take(g.key_bytes + 32);  // + the 16-byte alignment slack either side
   g.sm_vstage = take(g.value_bytes_max + 32);
@@ -225,26 +225,25 @@ KVQ_HD void KeySlicePart(const Geometry& g, const uint8_t* kb, const float* qs, 
   }
 }
 
-// Online softmax over one block for row i: s [G] holds the block's logits (-inf: no weight)
-// and becomes exp(s - m_new); m, l are the row's running max and sum, corr the factor the
-// row's running output is multiplied by (exp(m_old - m_new); 0 before the first token).
-KVQ_HD void SoftmaxUpdate(float* s, int n, float* m, float* l, float* corr) {
+// Online softmax, phase 1 for row i (thread i < rows): the block's logits s [rows][n] (-inf:
+// no weight) raise the row's running max m; corr = exp(m_old - m_new) rescales what the row
+// has summed so far (0 before its first token, whose sums are still 0).
+KVQ_HD void RowMaxPhase(int tid, int rows, int n, const float* s, float* m, float* corr) {
+  if (tid >= rows) return;
   float bm = kNegInf;
-  for (int t = 0; t < n; ++t) bm = Max(bm, s[t]);
-  const float mo = *m, mn = Max(mo, bm);
-  if (mn == kNegInf) {  // nothing seen yet, this block included
-    for (int t = 0; t < n; ++t) s[t] = 0.0f;
-    *corr = 1.0f;
-    return;
+  for (int t = 0; t < n; ++t) bm = Max(bm, s[tid * n + t]);
+  const float mo = m[tid], mn = Max(mo, bm);
+  corr[tid] = mo == kNegInf ? 0.0f : Exp(mo - mn);
+  m[tid] = mn;
+}
+
+// Phase 2, element w of [rows][n]: the weight exp(s - m) of a token (0 while a row has seen
+// nothing but masked tokens).
+KVQ_HD void WeightsPhase(int tid, int threads, int rows, int n, float* s, const float* m) {
+  for (int w = tid; w < rows * n; w += threads) {
+    const float mi = m[w / n];
+    s[w] = mi == kNegInf ? 0.0f : Exp(s[w] - mi);
   }
-  float sum = 0.0f;
-  for (int t = 0; t < n; ++t) {
-    s[t] = Exp(s[t] - mn);
-    sum += s[t];
-  }
-  *corr = mo == kNegInf ? 0.0f : Exp(mo - mn);
-  *l = *l * *corr + sum;
-  *m = mn;
 }
 
 // The merge of one output element over `parts` partials (core::MergePartials, in part order):
@@ -285,24 +284,59 @@ KVQ_HD Partials PartialsIn(void* workspace, int items, int splits, int rows) {
 template <int MaxRows>
 struct ThreadState {
   float acc[MaxRows];  // this thread's channel, summed over its slice of the tokens
+  float sum[MaxRows];  // the softmax denominators over the slice (threads of channel 0)
 };
 
-// Per-thread work shared by both programs after the scores: phases 3 (softmax, one thread per
-// row), 4 (rescale), and the end (reduce over slices, write the partial).
-KVQ_HD void RowSoftmaxPhase(int tid, int rows, int G, float* p, float* m, float* l, float* corr) {
-  if (tid < rows) SoftmaxUpdate(p + tid * G, G, m + tid, l + tid, corr + tid);
+// Rescales a thread's sums by the rows' corr (RowMaxPhase) before a block is added.
+template <int MaxRows>
+KVQ_HD void RescaleSums(ThreadState<MaxRows>& st, int rows, const float* corr) {
+  KVQ_UNROLL
+  for (int i = 0; i < MaxRows; ++i)
+    if (i < rows) {
+      st.acc[i] *= corr[i];
+      st.sum[i] *= corr[i];
+    }
 }
 
+// The denominators: the channel-0 thread of each slice adds the weights of its tokens.
+template <int MaxRows>
+KVQ_HD void AddWeights(ThreadState<MaxRows>& st, int rows, int c, int sl, int slices, int n,
+                       int stride, const float* pr) {
+  if (c != 0) return;
+  for (int t = sl; t < n; t += slices) {
+    KVQ_UNROLL
+    for (int i = 0; i < MaxRows; ++i)
+      if (i < rows) st.sum[i] += pr[i * stride + t];
+  }
+}
+
+// The end of a thread block: every thread's sums to shared memory (red [slices][rows][d],
+// lred [slices][rows]), ...
+template <int MaxRows>
+KVQ_HD void ReduceSumsPhase(int tid, int rows, int d, const ThreadState<MaxRows>& st, float* red,
+                            float* lred) {
+  const int c = tid % d, sl = tid / d;
+  KVQ_UNROLL
+  for (int i = 0; i < MaxRows; ++i)
+    if (i < rows) {
+      red[(sl * rows + i) * d + c] = st.acc[i];
+      if (c == 0) lred[sl * rows + i] = st.sum[i];
+    }
+}
+
+// ... then summed over the slices into the range's partial (m, l, o).
 KVQ_HD void WritePartialPhase(int tid, int threads, int rows, int d, int slices, const float* red,
-                              const float* m, const float* l, float* pm, float* pl, float* po) {
+                              const float* lred, const float* m, float* pm, float* pl, float* po) {
   for (int w = tid; w < rows * d; w += threads) {
     float o = 0.0f;
     for (int sl = 0; sl < slices; ++sl) o += red[sl * rows * d + w];
     po[w] = o;
   }
   if (tid < rows) {
+    float l = 0.0f;
+    for (int sl = 0; sl < slices; ++sl) l += lred[sl * rows + tid];
     pm[tid] = m[tid];
-    pl[tid] = l[tid];
+    pl[tid] = l;
   }
 }
 
@@ -326,7 +360,7 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
   float* part = reinterpret_cast<float*>(sm + g.sm_part);
   float* pr = reinterpret_cast<float*>(sm + g.sm_p);
   float* m = reinterpret_cast<float*>(sm + g.sm_m);
-  float* l = reinterpret_cast<float*>(sm + g.sm_l);
+  float* lred = reinterpret_cast<float*>(sm + g.sm_lred);
   float* corr = reinterpret_cast<float*>(sm + g.sm_corr);
   uint8_t* kstage = sm + g.sm_kstage;
   uint8_t* vstage = sm + g.sm_vstage;
@@ -341,16 +375,13 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
   cta.Phase([&](int tid, State& st) {
     for (int w = tid; w < rows * d; w += T) qs[w] = q[w];
     for (int w = tid; w < rows * g.rank; w += T) uqs[w] = p.side_sign * uq[w];
-    if (tid < rows) {
-      m[tid] = kNegInf;
-      l[tid] = 0.0f;
-    }
+    if (tid < rows) m[tid] = kNegInf;
     for (int t = tid; g.value_bits != 0 && t <= G; t += T) {  // uniform widths: fixed records
       if (t < G) width[t] = g.value_bits;
       off[t] = kHeaderBytes + t * g.value_rec;  // off[G]: the block's size
     }
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i) st.acc[i] = 0.0f;
+    for (int i = 0; i < MaxRows; ++i) st.acc[i] = st.sum[i] = 0.0f;
   });
 
   for (int b = b0; b < b1; ++b) {
@@ -422,14 +453,14 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
         pr[w] = b == 0 && t < p.masked_prefix ? kNegInf : p.scale * s;
       }
     });
-    cta.Phase([&](int tid, State&) { RowSoftmaxPhase(tid, rows, G, pr, m, l, corr); });
+    cta.Phase([&](int tid, State&) { RowMaxPhase(tid, rows, G, pr, m, corr); });
+    cta.Phase([&](int tid, State&) { WeightsPhase(tid, T, rows, G, pr, m); });
     // Readout: thread (channel c, slice sl) over tokens sl, sl + slices, ...
     cta.Phase([&](int tid, State& st) {
       const uint8_t* vb = vstage + (reinterpret_cast<uintptr_t>(vg) & 15u);
       const int c = tid % d, sl = tid / d, gr = c / g.value_group;
-      KVQ_UNROLL
-      for (int i = 0; i < MaxRows; ++i)
-        if (i < rows) st.acc[i] *= corr[i];
+      RescaleSums<MaxRows>(st, rows, corr);
+      AddWeights<MaxRows>(st, rows, c, sl, g.slices, G, G, pr);
       for (int t = sl; t < G; t += g.slices) {
         const float v =
             vze[t * g.ng + gr] +
@@ -440,16 +471,11 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
       }
     });
   }
-  cta.Phase([&](int tid, State& st) {
-    const int c = tid % d, sl = tid / d;
-    KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i)
-      if (i < rows) red[(sl * rows + i) * d + c] = st.acc[i];
-  });
+  cta.Phase([&](int tid, State& st) { ReduceSumsPhase<MaxRows>(tid, rows, d, st, red, lred); });
   const Partials pt = PartialsIn(p.workspace, p.items, splits, rows);
   const int64_t at = (static_cast<int64_t>(item) * splits + split) * rows;
   cta.Phase([&](int tid, State&) {
-    WritePartialPhase(tid, T, rows, d, g.slices, red, m, l, pt.m + at, pt.l + at, pt.o + at * d);
+    WritePartialPhase(tid, T, rows, d, g.slices, red, lred, m, pt.m + at, pt.l + at, pt.o + at * d);
   });
 }
 
@@ -472,7 +498,7 @@ KVQ_HD void MergeOne(void* workspace, int items, int rows, int d, int splits, in
 // The dense fp16 baseline's thread block: the same program over chunks of 32 fp16 tokens.
 struct DenseGeometry {
   int d, rows, threads, slices, key_slices;
-  int sm_q, sm_part, sm_p, sm_m, sm_l, sm_corr, sm_k, sm_v, sm_red, sm_bytes;
+  int sm_q, sm_part, sm_p, sm_m, sm_lred, sm_corr, sm_k, sm_v, sm_red, sm_bytes;
 };
 inline constexpr int kDenseChunk = 32;
 
@@ -493,7 +519,7 @@ KVQ_HD DenseGeometry MakeDenseGeometry(const DenseAttendParams& p) {
   g.sm_part = take(4 * g.key_slices * g.rows * kDenseChunk);
   g.sm_p = take(4 * g.rows * kDenseChunk);
   g.sm_m = take(4 * g.rows);
-  g.sm_l = take(4 * g.rows);
+  g.sm_lred = take(4 * g.slices * g.rows);
   g.sm_corr = take(4 * g.rows);
   g.sm_k = take(2 * kDenseChunk * g.d);
   g.sm_v = take(2 * kDenseChunk * g.d);
@@ -511,7 +537,7 @@ KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& 
   float* part = reinterpret_cast<float*>(sm + g.sm_part);
   float* pr = reinterpret_cast<float*>(sm + g.sm_p);
   float* m = reinterpret_cast<float*>(sm + g.sm_m);
-  float* l = reinterpret_cast<float*>(sm + g.sm_l);
+  float* lred = reinterpret_cast<float*>(sm + g.sm_lred);
   float* corr = reinterpret_cast<float*>(sm + g.sm_corr);
   const uint16_t* ks = reinterpret_cast<const uint16_t*>(sm + g.sm_k);
   const uint16_t* vs = reinterpret_cast<const uint16_t*>(sm + g.sm_v);
@@ -524,12 +550,9 @@ KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& 
   const uint16_t* vh = p.v + static_cast<int64_t>(item) * p.tokens * d;
   cta.Phase([&](int tid, State& st) {
     for (int w = tid; w < rows * d; w += T) qs[w] = q[w];
-    if (tid < rows) {
-      m[tid] = kNegInf;
-      l[tid] = 0.0f;
-    }
+    if (tid < rows) m[tid] = kNegInf;
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i) st.acc[i] = 0.0f;
+    for (int i = 0; i < MaxRows; ++i) st.acc[i] = st.sum[i] = 0.0f;
   });
   for (int ch = c0; ch < c1; ++ch) {
     const int64_t t0 = static_cast<int64_t>(ch) * C;
@@ -564,12 +587,12 @@ KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& 
         pr[w] = t < n ? p.scale * s : kNegInf;
       }
     });
-    cta.Phase([&](int tid, State&) { RowSoftmaxPhase(tid, rows, C, pr, m, l, corr); });
+    cta.Phase([&](int tid, State&) { RowMaxPhase(tid, rows, C, pr, m, corr); });
+    cta.Phase([&](int tid, State&) { WeightsPhase(tid, T, rows, C, pr, m); });
     cta.Phase([&](int tid, State& st) {
       const int c = tid % d, sl = tid / d;
-      KVQ_UNROLL
-      for (int i = 0; i < MaxRows; ++i)
-        if (i < rows) st.acc[i] *= corr[i];
+      RescaleSums<MaxRows>(st, rows, corr);
+      AddWeights<MaxRows>(st, rows, c, sl, g.slices, n, C, pr);
       for (int t = sl; t < n; t += g.slices) {
         const float v = HalfToFloat(vs[t * d + c]);
         KVQ_UNROLL
@@ -578,16 +601,11 @@ KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& 
       }
     });
   }
-  cta.Phase([&](int tid, State& st) {
-    const int c = tid % d, sl = tid / d;
-    KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i)
-      if (i < rows) red[(sl * rows + i) * d + c] = st.acc[i];
-  });
+  cta.Phase([&](int tid, State& st) { ReduceSumsPhase<MaxRows>(tid, rows, d, st, red, lred); });
   const Partials pt = PartialsIn(p.workspace, p.items, splits, rows);
   const int64_t at = (static_cast<int64_t>(item) * splits + split) * rows;
   cta.Phase([&](int tid, State&) {
-    WritePartialPhase(tid, T, rows, d, g.slices, red, m, l, pt.m + at, pt.l + at, pt.o + at * d);
+    WritePartialPhase(tid, T, rows, d, g.slices, red, lred, m, pt.m + at, pt.l + at, pt.o + at * d);
   });
 }
 
