@@ -390,7 +390,7 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
     const uint8_t* vg = p.value_blocks[at];
     if (g.value_bits == 0) {  // per-token widths: record offsets by a prefix sum of the tags
       cta.Phase([&](int tid, State&) {
-        if (tid < G) width[tid] = TokenWidth(vg + kHeaderBytes, tid);
+        for (int t = tid; t < G; t += T) width[t] = TokenWidth(vg + kHeaderBytes, t);
       });
       cta.Phase([&](int tid, State&) {
         for (int t = tid; t <= G; t += T) {

@@ -71,6 +71,8 @@ inline std::vector<AttendCase> AttendCases() {
       {"k2g128-r0-v2g64-rotk-rotv d64", lever(Codec(64, 2, 128, 0, 4, 2, 64), true, true, 0), 2, 3,
        3, 0},
       {"k4g64-r0-v4 d96", Codec(96, 4, 64, 0, 4, 4, 32), 2, 4, 7, 9},
+      // d 96: 96 threads, fewer than the 128 tokens of a block.
+      {"a2 k3g128-r4s4-a2b2 d96", a2(Codec(96, 3, 128, 4, 4, 2, 32), 2.0f), 2, 3, 3, 0},
       {"k8g32-r8s8-v8g64 d256", Codec(256, 8, 32, 8, 8, 8, 64), 1, 2, 5, 2},
       {"k2g32-r2s4-v1g16 d32", Codec(32, 2, 32, 2, 4, 1, 16), 2, 5, 3, 31},
   };
