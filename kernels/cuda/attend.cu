@@ -16,9 +16,9 @@ namespace am = attend_math;
 namespace {
 
 // Runs a phase on every thread of the block, then waits for all of them.
-template <int MaxRows>
+template <class State>
 struct DeviceCta {
-  am::ThreadState<MaxRows> state;
+  State state;
   template <class F>
   __device__ __forceinline__ void Phase(F&& f) {
     f(static_cast<int>(threadIdx.x), state);
@@ -29,7 +29,7 @@ struct DeviceCta {
 template <int MaxRows>
 __global__ void AttendKernel(AttendParams p, am::Geometry g, int splits) {
   extern __shared__ __align__(16) uint8_t smem[];
-  DeviceCta<MaxRows> cta;
+  DeviceCta<am::AttendState<MaxRows>> cta;
   am::AttendCta<MaxRows>(cta, p, g, smem, static_cast<int>(blockIdx.y),
                          static_cast<int>(blockIdx.x), splits);
 }
@@ -37,7 +37,7 @@ __global__ void AttendKernel(AttendParams p, am::Geometry g, int splits) {
 template <int MaxRows>
 __global__ void DenseKernel(DenseAttendParams p, am::DenseGeometry g, int splits) {
   extern __shared__ __align__(16) uint8_t smem[];
-  DeviceCta<MaxRows> cta;
+  DeviceCta<am::DenseState<MaxRows>> cta;
   am::DenseCta<MaxRows>(cta, p, g, smem, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x),
                         splits);
 }

@@ -29,6 +29,10 @@
 namespace kvq::kernels::cuda::attend_math {
 
 inline constexpr int kHeaderBytes = 16;
+// The attend's readout: each thread sums 4 adjacent channels (one load of their codes); its
+// scores: each thread scores 4 adjacent tokens (one load of their codes, q read once).
+inline constexpr int kChannelsPerThread = 4;
+inline constexpr int kTokensPerThread = 4;
 inline constexpr float kNegInf = -__builtin_huge_valf();
 
 // 16 bytes, the unit of every global load of the staging phases.
@@ -56,6 +60,21 @@ KVQ_HD float HalfToFloat(uint16_t h) {
   }
   if (exp == 31) return BitsToFloat(sign | 0x7f800000u | (mant << 13));
   return BitsToFloat(sign | ((exp + 112) << 23) | (mant << 13));
+}
+
+// The 32 bits from byte address p on (little-endian), by two aligned 4-byte loads: p lies in a
+// 4-aligned staging buffer that may be read up to 8 bytes past p.
+KVQ_HD uint32_t Window32(const uint8_t* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t base = a & ~static_cast<uintptr_t>(3);
+#ifdef __CUDA_ARCH__
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(base);
+  const uint64_t v = (static_cast<uint64_t>(w[1]) << 32) | w[0];
+#else
+  uint64_t v;
+  std::memcpy(&v, reinterpret_cast<const void*>(base), 8);  // little-endian hosts
+#endif
+  return static_cast<uint32_t>(v >> (8 * (a & 3)));
 }
 
 // Little-endian u16 at any byte address (records of odd size sit at odd addresses).
@@ -101,6 +120,8 @@ struct Geometry {
   int value_tags;       // bytes of per-token width tags (0: uniform widths)
   int value_rec;        // bytes of one token record with uniform widths
   int value_bytes_max;  // the largest value block
+  // threads; readout: slices of the tokens per channel quad; scores: slices of the channels
+  // per token quad.
   int threads, slices, key_slices;
   int sm_q, sm_uq, sm_kscale, sm_kzero, sm_sscale, sm_szero, sm_vscale, sm_vzero, sm_width, sm_off,
       sm_part, sm_p, sm_m, sm_lred, sm_corr, sm_kstage, sm_vstage, sm_red, sm_bytes;
@@ -132,8 +153,8 @@ KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
                           ? kHeaderBytes + g.value_tags + g.G * (4 * g.ng + RowBytes(g.d, 4))
                           : kHeaderBytes + g.G * g.value_rec;
   g.threads = ThreadsFor(g.d);
-  g.slices = g.threads / g.d;
-  g.key_slices = g.threads >= g.G ? g.threads / g.G : 1;
+  g.slices = g.threads / (g.d / kChannelsPerThread);
+  g.key_slices = g.threads / (g.G / kTokensPerThread);
   int at = 0;
   auto take = [&at](int bytes) {
     const int o = at;
@@ -157,7 +178,9 @@ KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
   g.sm_corr = take(4 * g.rows);
   g.sm_kstage = take(g.key_bytes + 32);  // + the 16-byte alignment slack either side
   g.sm_vstage = take(g.value_bytes_max + 32);
-  g.sm_red = take(4 * g.slices * g.rows * g.d);
+  // The slices' sums, needed only after the last block: in the staging buffers when they fit.
+  const int red = 4 * g.slices * g.rows * g.d;
+  g.sm_red = red <= at - g.sm_kstage ? g.sm_kstage : take(red);
   g.sm_bytes = at;
   return g;
 }
@@ -175,7 +198,7 @@ KVQ_HD const uint8_t* StageBytes(const uint8_t* src, int n, uint8_t* dst, int ti
 #ifdef __CUDA_ARCH__
     reinterpret_cast<uint4*>(to)[i] = __ldg(reinterpret_cast<const uint4*>(from) + i);
 #else
-    to[i] = from[i];
+    std::memcpy(&to[i], &from[i], sizeof(Vec16));
 #endif
   }
   return dst + lead;
@@ -197,32 +220,48 @@ KVQ_HD int TokenWidth(const uint8_t* tags, int t) {
   return ((tags[t >> 2] >> (2 * (t & 3))) & 3) + 1;
 }
 
-// Part of token t's base + side score over key slice ks (channels [ks d / KS, (ks+1) d / KS),
-// side coefficients [ks r / KS, (ks+1) r / KS)), for every row:
-//   part[i] = sum_c q_ic (z_c + s_c code(c, t)) + sum_j sign uq_ij (sz_j + ss_j code_j(t)).
+// Part of the scores of tokens 4 tq .. 4 tq + 3 over key slice ks (channels
+// [ks d / KS, (ks+1) d / KS), side coefficients [ks r / KS, (ks+1) r / KS)), for every row:
+//   part[j][i] = sum_c q_ic (z_c + s_c code(c, t_j)) + sum_c sign uq_ic (sz_c + ss_c code_c(t_j)).
 // qs [rows][d], uqs [rows][r] (side_sign folded in), scales/zeros fp32; kb the staged block.
 template <int MaxRows>
-KVQ_HD void KeySlicePart(const Geometry& g, const uint8_t* kb, const float* qs, const float* uqs,
-                         const float* ksc, const float* kze, const float* ssc, const float* sze,
-                         int t, int ks, float* part) {
-  KVQ_UNROLL
-  for (int i = 0; i < MaxRows; ++i) part[i] = 0.0f;
-  const int c0 = g.d * ks / g.key_slices, c1 = g.d * (ks + 1) / g.key_slices;
+KVQ_HD void ChannelQuadTerms(const uint8_t* rows0, int row_bytes, int bits, int c0, int c1, int tq,
+                             const float* q, int ld, int rows, const float* sc, const float* ze,
+                             float (&part)[kTokensPerThread][MaxRows]) {
+  const int bit = kTokensPerThread * tq * bits, sh = bit & 7;
+  const uint32_t mask = (1u << bits) - 1u;
   for (int c = c0; c < c1; ++c) {
-    const float k =
-        kze[c] + ksc[c] * static_cast<float>(Code(kb + g.k_codes + c * g.key_row, g.key_bits, t));
+    const uint32_t w = Window32(rows0 + c * row_bytes + (bit >> 3)) >> sh;
+    const float s = sc[c], z = ze[c];
+    float k[kTokensPerThread];
+    KVQ_UNROLL
+    for (int j = 0; j < kTokensPerThread; ++j)
+      k[j] = z + s * static_cast<float>((w >> (j * bits)) & mask);
     KVQ_UNROLL
     for (int i = 0; i < MaxRows; ++i)
-      if (i < g.rows) part[i] += qs[i * g.d + c] * k;
+      if (i < rows) {
+        const float qi = q[i * ld + c];
+        KVQ_UNROLL
+        for (int j = 0; j < kTokensPerThread; ++j) part[j][i] += qi * k[j];
+      }
   }
-  const int j0 = g.rank * ks / g.key_slices, j1 = g.rank * (ks + 1) / g.key_slices;
-  for (int j = j0; j < j1; ++j) {
-    const float z =
-        sze[j] + ssc[j] * static_cast<float>(Code(kb + g.s_codes + j * g.side_row, g.side_bits, t));
+}
+
+template <int MaxRows>
+KVQ_HD void KeyQuadPart(const Geometry& g, const uint8_t* kb, const float* qs, const float* uqs,
+                        const float* ksc, const float* kze, const float* ssc, const float* sze,
+                        int tq, int ks, float (&part)[kTokensPerThread][MaxRows]) {
+  KVQ_UNROLL
+  for (int j = 0; j < kTokensPerThread; ++j) {
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i)
-      if (i < g.rows) part[i] += uqs[i * g.rank + j] * z;
+    for (int i = 0; i < MaxRows; ++i) part[j][i] = 0.0f;
   }
+  ChannelQuadTerms<MaxRows>(kb + g.k_codes, g.key_row, g.key_bits, g.d * ks / g.key_slices,
+                            g.d * (ks + 1) / g.key_slices, tq, qs, g.d, g.rows, ksc, kze, part);
+  if (g.rank > 0)
+    ChannelQuadTerms<MaxRows>(kb + g.s_codes, g.side_row, g.side_bits, g.rank * ks / g.key_slices,
+                              g.rank * (ks + 1) / g.key_slices, tq, uqs, g.rank, g.rows, ssc, sze,
+                              part);
 }
 
 // Online softmax, phase 1 for row i (thread i < rows): the block's logits s [rows][n] (-inf:
@@ -281,28 +320,35 @@ KVQ_HD Partials PartialsIn(void* workspace, int items, int splits, int rows) {
   return {w, w + n, w + 2 * n};
 }
 
-template <int MaxRows>
+template <int MaxRows, int Cpt>
 struct ThreadState {
-  float acc[MaxRows];  // this thread's channel, summed over its slice of the tokens
-  float sum[MaxRows];  // the softmax denominators over the slice (threads of channel 0)
+  float acc[Cpt][MaxRows];  // this thread's Cpt channels, summed over its slice of the tokens
+  float sum[MaxRows];       // the softmax denominators over the slice (threads of channel 0)
 };
 
-// Rescales a thread's sums by the rows' corr (RowMaxPhase) before a block is added.
+// The registers of a thread of each program (its Cta runs phases with them).
 template <int MaxRows>
-KVQ_HD void RescaleSums(ThreadState<MaxRows>& st, int rows, const float* corr) {
+using AttendState = ThreadState<MaxRows, kChannelsPerThread>;
+template <int MaxRows>
+using DenseState = ThreadState<MaxRows, 1>;
+
+// Rescales a thread's sums by the rows' corr (RowMaxPhase) before a block is added.
+template <int MaxRows, int Cpt>
+KVQ_HD void RescaleSums(ThreadState<MaxRows, Cpt>& st, int rows, const float* corr) {
   KVQ_UNROLL
   for (int i = 0; i < MaxRows; ++i)
     if (i < rows) {
-      st.acc[i] *= corr[i];
+      KVQ_UNROLL
+      for (int j = 0; j < Cpt; ++j) st.acc[j][i] *= corr[i];
       st.sum[i] *= corr[i];
     }
 }
 
-// The denominators: the channel-0 thread of each slice adds the weights of its tokens.
-template <int MaxRows>
-KVQ_HD void AddWeights(ThreadState<MaxRows>& st, int rows, int c, int sl, int slices, int n,
+// The denominators: the first channel's thread of each slice adds the weights of its tokens.
+template <int MaxRows, int Cpt>
+KVQ_HD void AddWeights(ThreadState<MaxRows, Cpt>& st, int rows, int cq, int sl, int slices, int n,
                        int stride, const float* pr) {
-  if (c != 0) return;
+  if (cq != 0) return;
   for (int t = sl; t < n; t += slices) {
     KVQ_UNROLL
     for (int i = 0; i < MaxRows; ++i)
@@ -312,15 +358,16 @@ KVQ_HD void AddWeights(ThreadState<MaxRows>& st, int rows, int c, int sl, int sl
 
 // The end of a thread block: every thread's sums to shared memory (red [slices][rows][d],
 // lred [slices][rows]), ...
-template <int MaxRows>
-KVQ_HD void ReduceSumsPhase(int tid, int rows, int d, const ThreadState<MaxRows>& st, float* red,
-                            float* lred) {
-  const int c = tid % d, sl = tid / d;
+template <int MaxRows, int Cpt>
+KVQ_HD void ReduceSumsPhase(int tid, int rows, int d, const ThreadState<MaxRows, Cpt>& st,
+                            float* red, float* lred) {
+  const int cq = tid % (d / Cpt), sl = tid / (d / Cpt);
   KVQ_UNROLL
   for (int i = 0; i < MaxRows; ++i)
     if (i < rows) {
-      red[(sl * rows + i) * d + c] = st.acc[i];
-      if (c == 0) lred[sl * rows + i] = st.sum[i];
+      KVQ_UNROLL
+      for (int j = 0; j < Cpt; ++j) red[(sl * rows + i) * d + cq * Cpt + j] = st.acc[j][i];
+      if (cq == 0) lred[sl * rows + i] = st.sum[i];
     }
 }
 
@@ -340,12 +387,50 @@ KVQ_HD void WritePartialPhase(int tid, int threads, int rows, int d, int slices,
   }
 }
 
+// The readout of one block by thread (channel quad cq, token slice sl): for tokens
+// t = sl, sl + slices, ... and channels c = 4 cq .. 4 cq + 3,
+//   acc[c][i] += p_it (z_tg + s_tg code_t(c)),  g = c / value_group,
+// from the staged block vb (off, width: each token record's offset and code width).
+template <int MaxRows>
+KVQ_HD void ValueQuadSums(const Geometry& g, const uint8_t* vb, const int* off, const int* width,
+                          const float* vsc, const float* vze, const float* pr, int cq, int sl,
+                          ThreadState<MaxRows, kChannelsPerThread>& st) {
+  constexpr int Q = kChannelsPerThread;
+  const int c = Q * cq, g0 = c / g.value_group, g3 = (c + Q - 1) / g.value_group;
+  for (int t = sl; t < g.G; t += g.slices) {
+    const int bits = width[t], bit = c * bits;
+    const uint32_t w = Window32(vb + off[t] + 4 * g.ng + (bit >> 3)) >> (bit & 7);
+    const uint32_t mask = (1u << bits) - 1u;
+    const float* ts = vsc + t * g.ng;
+    const float* tz = vze + t * g.ng;
+    float v[Q];
+    if (g0 == g3) {  // the quad within one scale group (value_group a multiple of 4)
+      const float sc = ts[g0], ze = tz[g0];
+      KVQ_UNROLL
+      for (int j = 0; j < Q; ++j) v[j] = ze + sc * static_cast<float>((w >> (j * bits)) & mask);
+    } else {
+      KVQ_UNROLL
+      for (int j = 0; j < Q; ++j) {
+        const int gj = (c + j) / g.value_group;
+        v[j] = tz[gj] + ts[gj] * static_cast<float>((w >> (j * bits)) & mask);
+      }
+    }
+    KVQ_UNROLL
+    for (int i = 0; i < MaxRows; ++i)
+      if (i < g.rows) {
+        const float p = pr[i * g.G + t];
+        KVQ_UNROLL
+        for (int j = 0; j < Q; ++j) st.acc[j][i] += p * v[j];
+      }
+  }
+}
+
 // One thread block of the attend: item `item`, blocks of range `split` of `splits`. `sm`: the
 // thread block's shared memory (g.sm_bytes, 16-aligned).
 template <int MaxRows, class Cta>
 KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_t* sm, int item,
                       int split, int splits) {
-  using State = ThreadState<MaxRows>;
+  using State = AttendState<MaxRows>;
   const int d = g.d, G = g.G, rows = g.rows, T = g.threads;
   float* qs = reinterpret_cast<float*>(sm + g.sm_q);
   float* uqs = reinterpret_cast<float*>(sm + g.sm_uq);
@@ -381,7 +466,11 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
       off[t] = kHeaderBytes + t * g.value_rec;  // off[G]: the block's size
     }
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i) st.acc[i] = st.sum[i] = 0.0f;
+    for (int i = 0; i < MaxRows; ++i) {
+      st.sum[i] = 0.0f;
+      KVQ_UNROLL
+      for (int j = 0; j < kChannelsPerThread; ++j) st.acc[j][i] = 0.0f;
+    }
   });
 
   for (int b = b0; b < b1; ++b) {
@@ -436,13 +525,18 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
 #endif
         }
       }
-      for (int w = tid; w < G * g.key_slices; w += T) {
-        const int t = w % G, ks = w / G;
-        float s[MaxRows];
-        KeySlicePart<MaxRows>(g, kb, qs, uqs, ksc, kze, ssc, sze, t, ks, s);
+      const int quads = G / kTokensPerThread;
+      for (int w = tid; w < quads * g.key_slices; w += T) {
+        const int tq = w % quads, ks = w / quads;
+        float s[kTokensPerThread][MaxRows];
+        KeyQuadPart<MaxRows>(g, kb, qs, uqs, ksc, kze, ssc, sze, tq, ks, s);
         KVQ_UNROLL
         for (int i = 0; i < MaxRows; ++i)
-          if (i < rows) part[(ks * rows + i) * G + t] = s[i];
+          if (i < rows) {
+            KVQ_UNROLL
+            for (int j = 0; j < kTokensPerThread; ++j)
+              part[(ks * rows + i) * G + kTokensPerThread * tq + j] = s[j][i];
+          }
       }
     });
     cta.Phase([&](int tid, State&) {
@@ -455,20 +549,13 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
     });
     cta.Phase([&](int tid, State&) { RowMaxPhase(tid, rows, G, pr, m, corr); });
     cta.Phase([&](int tid, State&) { WeightsPhase(tid, T, rows, G, pr, m); });
-    // Readout: thread (channel c, slice sl) over tokens sl, sl + slices, ...
+    // Readout: thread (channel quad cq, slice sl) over tokens sl, sl + slices, ...
     cta.Phase([&](int tid, State& st) {
       const uint8_t* vb = vstage + (reinterpret_cast<uintptr_t>(vg) & 15u);
-      const int c = tid % d, sl = tid / d, gr = c / g.value_group;
+      const int cq = tid % (d / kChannelsPerThread), sl = tid / (d / kChannelsPerThread);
       RescaleSums<MaxRows>(st, rows, corr);
-      AddWeights<MaxRows>(st, rows, c, sl, g.slices, G, G, pr);
-      for (int t = sl; t < G; t += g.slices) {
-        const float v =
-            vze[t * g.ng + gr] +
-            vsc[t * g.ng + gr] * static_cast<float>(Code(vb + off[t] + 4 * g.ng, width[t], c));
-        KVQ_UNROLL
-        for (int i = 0; i < MaxRows; ++i)
-          if (i < rows) st.acc[i] += pr[i * G + t] * v;
-      }
+      AddWeights<MaxRows>(st, rows, cq, sl, g.slices, G, G, pr);
+      ValueQuadSums<MaxRows>(g, vb, off, width, vsc, vze, pr, cq, sl, st);
     });
   }
   cta.Phase([&](int tid, State& st) { ReduceSumsPhase<MaxRows>(tid, rows, d, st, red, lred); });
@@ -531,7 +618,7 @@ KVQ_HD DenseGeometry MakeDenseGeometry(const DenseAttendParams& p) {
 template <int MaxRows, class Cta>
 KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& g, uint8_t* sm,
                      int item, int split, int splits) {
-  using State = ThreadState<MaxRows>;
+  using State = DenseState<MaxRows>;
   const int d = g.d, rows = g.rows, T = g.threads, C = kDenseChunk;
   float* qs = reinterpret_cast<float*>(sm + g.sm_q);
   float* part = reinterpret_cast<float*>(sm + g.sm_part);
@@ -552,7 +639,7 @@ KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& 
     for (int w = tid; w < rows * d; w += T) qs[w] = q[w];
     if (tid < rows) m[tid] = kNegInf;
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i) st.acc[i] = st.sum[i] = 0.0f;
+    for (int i = 0; i < MaxRows; ++i) st.acc[0][i] = st.sum[i] = 0.0f;
   });
   for (int ch = c0; ch < c1; ++ch) {
     const int64_t t0 = static_cast<int64_t>(ch) * C;
@@ -597,7 +684,7 @@ KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& 
         const float v = HalfToFloat(vs[t * d + c]);
         KVQ_UNROLL
         for (int i = 0; i < MaxRows; ++i)
-          if (i < rows) st.acc[i] += pr[i * C + t] * v;
+          if (i < rows) st.acc[0][i] += pr[i * C + t] * v;
       }
     });
   }

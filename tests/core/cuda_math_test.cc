@@ -23,10 +23,10 @@ using kernels::cuda::AttendParams;
 
 // A thread block on the CPU: a phase runs for thread 0, 1, ... in turn, each with its own
 // registers (the phases never read what another thread writes in the same phase).
-template <int MaxRows>
+template <class State>
 struct HostCta {
   explicit HostCta(int threads) : state(threads) {}
-  std::vector<am::ThreadState<MaxRows>> state;
+  std::vector<State> state;
   template <class F>
   void Phase(F&& f) {
     for (int tid = 0; tid < static_cast<int>(state.size()); ++tid) f(tid, state[tid]);
@@ -47,7 +47,7 @@ void RunGrid(const AttendParams& p, int splits) {
   for (int item = 0; item < p.items; ++item)
     for (int split = 0; split < splits; ++split) {
       auto sm = GarbageSmem(g.sm_bytes);
-      HostCta<MaxRows> cta(g.threads);
+      HostCta<am::AttendState<MaxRows>> cta(g.threads);
       am::AttendCta<MaxRows>(cta, p, g, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
     }
   for (int64_t w = 0; w < static_cast<int64_t>(p.items) * p.rows * p.head_dim; ++w)
@@ -238,7 +238,7 @@ TEST(CudaAttendMath, DenseBaselineMatchesDenseAttention) {
         for (int item = 0; item < items; ++item)
           for (int k = 0; k < s; ++k) {
             auto sm = GarbageSmem(g.sm_bytes);
-            HostCta<4> cta(g.threads);
+            HostCta<am::DenseState<4>> cta(g.threads);
             am::DenseCta<4>(cta, p, g, reinterpret_cast<uint8_t*>(sm.data()), item, k, s);
           }
         for (int64_t w = 0; w < static_cast<int64_t>(items) * rows * d; ++w)
