@@ -16,6 +16,10 @@
 #include "kvq/kernels/cuda.h"
 
 #ifdef __CUDACC__
+#include <cuda_fp16.h>
+#endif
+
+#ifdef __CUDACC__
 #define KVQ_HD __host__ __device__ inline
 #else
 #define KVQ_HD inline
@@ -50,8 +54,12 @@ KVQ_HD float BitsToFloat(uint32_t u) {
 #endif
 }
 
-// IEEE fp16 bits to fp32 (exact), the same on both sides.
+// IEEE fp16 bits to fp32 (exact, so the same on both sides): the GPU's conversion, or bit
+// manipulation on the host.
 KVQ_HD float HalfToFloat(uint16_t h) {
+#ifdef __CUDA_ARCH__
+  return __half2float(__ushort_as_half(h));
+#else
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
   if (exp == 0) {  // zero or subnormal: mant * 2^-24
@@ -60,10 +68,16 @@ KVQ_HD float HalfToFloat(uint16_t h) {
   }
   if (exp == 31) return BitsToFloat(sign | 0x7f800000u | (mant << 13));
   return BitsToFloat(sign | ((exp + 112) << 23) | (mant << 13));
+#endif
 }
 
+// Little-endian u16 at any byte address (records of odd size sit at odd addresses).
+KVQ_HD uint32_t LoadU16(const uint8_t* p) { return p[0] | (static_cast<uint32_t>(p[1]) << 8); }
+KVQ_HD float LoadHalf(const uint8_t* p) { return HalfToFloat(static_cast<uint16_t>(LoadU16(p))); }
+
 // The 32 bits from byte address p on (little-endian), by two aligned 4-byte loads: p lies in a
-// 4-aligned staging buffer that may be read up to 8 bytes past p.
+// 4-aligned staging buffer that may be read up to 8 bytes past p. Codes are unpacked from it
+// by shifts: code i of b bits (LSB-first, codec.h) starts at bit i*b of its row.
 KVQ_HD uint32_t Window32(const uint8_t* p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   const uintptr_t base = a & ~static_cast<uintptr_t>(3);
@@ -77,18 +91,9 @@ KVQ_HD uint32_t Window32(const uint8_t* p) {
   return static_cast<uint32_t>(v >> (8 * (a & 3)));
 }
 
-// Little-endian u16 at any byte address (records of odd size sit at odd addresses).
-KVQ_HD uint32_t LoadU16(const uint8_t* p) { return p[0] | (static_cast<uint32_t>(p[1]) << 8); }
-KVQ_HD float LoadHalf(const uint8_t* p) { return HalfToFloat(static_cast<uint16_t>(LoadU16(p))); }
-
-// Code i of `bits` bits in an LSB-first packed row (codec.h): bits [i*bits, i*bits + bits).
-KVQ_HD uint32_t Code(const uint8_t* row, int bits, int i) {
-  const int bit = i * bits;
-  const uint8_t* p = row + (bit >> 3);
-  const int sh = bit & 7;
-  const uint32_t w = p[0] | (sh + bits > 8 ? static_cast<uint32_t>(p[1]) << 8 : 0u);
-  return (w >> sh) & ((1u << bits) - 1u);
-}
+// A code (< 2^23) as a float without an int-to-float conversion (a quarter-rate instruction
+// or slower on GPUs): 2^23 + code has the code as its mantissa; subtracting 2^23 is exact.
+KVQ_HD float CodeToFloat(uint32_t code) { return BitsToFloat(0x4B000000u | code) - 8388608.0f; }
 
 KVQ_HD int RowBytes(int n, int bits) { return (n * bits + 7) / 8; }
 KVQ_HD float Max(float a, float b) { return a > b ? a : b; }
@@ -235,8 +240,7 @@ KVQ_HD void ChannelQuadTerms(const uint8_t* rows0, int row_bytes, int bits, int 
     const float s = sc[c], z = ze[c];
     float k[kTokensPerThread];
     KVQ_UNROLL
-    for (int j = 0; j < kTokensPerThread; ++j)
-      k[j] = z + s * static_cast<float>((w >> (j * bits)) & mask);
+    for (int j = 0; j < kTokensPerThread; ++j) k[j] = z + s * CodeToFloat((w >> (j * bits)) & mask);
     KVQ_UNROLL
     for (int i = 0; i < MaxRows; ++i)
       if (i < rows) {
@@ -407,12 +411,12 @@ KVQ_HD void ValueQuadSums(const Geometry& g, const uint8_t* vb, const int* off, 
     if (g0 == g3) {  // the quad within one scale group (value_group a multiple of 4)
       const float sc = ts[g0], ze = tz[g0];
       KVQ_UNROLL
-      for (int j = 0; j < Q; ++j) v[j] = ze + sc * static_cast<float>((w >> (j * bits)) & mask);
+      for (int j = 0; j < Q; ++j) v[j] = ze + sc * CodeToFloat((w >> (j * bits)) & mask);
     } else {
       KVQ_UNROLL
       for (int j = 0; j < Q; ++j) {
         const int gj = (c + j) / g.value_group;
-        v[j] = tz[gj] + ts[gj] * static_cast<float>((w >> (j * bits)) & mask);
+        v[j] = tz[gj] + ts[gj] * CodeToFloat((w >> (j * bits)) & mask);
       }
     }
     KVQ_UNROLL
