@@ -190,23 +190,56 @@ KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
   return g;
 }
 
-// Copies bytes [src, src + n) into shared memory with aligned 16-byte loads (src at any
-// address: the 16-byte words that cover it, so it lands at dst + (src & 15)). Thread tid's
-// share; returns where the copy starts.
-KVQ_HD const uint8_t* StageBytes(const uint8_t* src, int n, uint8_t* dst, int tid, int threads) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(src);
-  const int lead = static_cast<int>(a & 15u);
-  const int words = (lead + n + 15) >> 4;
-  const Vec16* from = reinterpret_cast<const Vec16*>(a - lead);
-  Vec16* to = reinterpret_cast<Vec16*>(dst);
-  for (int i = tid; i < words; i += threads) {
+KVQ_HD Vec16 Load16(const Vec16* p) {
 #ifdef __CUDA_ARCH__
-    reinterpret_cast<uint4*>(to)[i] = __ldg(reinterpret_cast<const uint4*>(from) + i);
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  return {{v.x, v.y, v.z, v.w}};
 #else
-    std::memcpy(&to[i], &from[i], sizeof(Vec16));
+  Vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 #endif
+}
+
+// 16-byte loads each thread keeps in flight while staging (8 x 128 threads: 16 KiB a block).
+inline constexpr int kStageBatch = 8;
+
+// Copies bytes [a, a + na) and [b, b + nb) into shared memory at da and db with aligned
+// 16-byte loads (sources at any address: the 16-byte words that cover them, so that byte x
+// lands at da + (x - a) + (a & 15)). Thread tid's share: it issues up to kStageBatch loads, runs
+// `while_loading` (work that needs none of them) once, then stores them, and so on.
+template <class F>
+KVQ_HD void StageTwo(const uint8_t* a, int na, uint8_t* da, const uint8_t* b, int nb, uint8_t* db,
+                     int tid, int threads, F&& while_loading) {
+  const uintptr_t ua = reinterpret_cast<uintptr_t>(a), ub = reinterpret_cast<uintptr_t>(b);
+  const int wa = (static_cast<int>(ua & 15u) + na + 15) >> 4;
+  const int wb = (static_cast<int>(ub & 15u) + nb + 15) >> 4;
+  const Vec16* fa = reinterpret_cast<const Vec16*>(ua & ~static_cast<uintptr_t>(15));
+  const Vec16* fb = reinterpret_cast<const Vec16*>(ub & ~static_cast<uintptr_t>(15));
+  Vec16* ta = reinterpret_cast<Vec16*>(da);
+  Vec16* tb = reinterpret_cast<Vec16*>(db);
+  const int total = wa + wb;
+  bool first = true;
+  for (int i0 = tid; i0 < total || first; i0 += threads * kStageBatch) {
+    Vec16 r[kStageBatch] = {};
+    KVQ_UNROLL
+    for (int k = 0; k < kStageBatch; ++k) {
+      const int i = i0 + k * threads;
+      if (i < total) r[k] = Load16(i < wa ? fa + i : fb + (i - wa));
+    }
+    if (first) {
+      while_loading();
+      first = false;
+    }
+    KVQ_UNROLL
+    for (int k = 0; k < kStageBatch; ++k) {
+      const int i = i0 + k * threads;
+      if (i < wa)
+        ta[i] = r[k];
+      else if (i < total)
+        tb[i - wa] = r[k];
+    }
   }
-  return dst + lead;
 }
 
 // A key or value block header against the params (codec.h): magic, a readable version, kind,
@@ -493,25 +526,25 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
         }
       });
     }
-    // Stage both blocks; fp32 scales and zero points (read from global memory, as the copies
-    // are in flight).
+    // Stage both blocks; while the copies are in flight, fp32 scales and zero points (read
+    // from global memory).
     cta.Phase([&](int tid, State&) {
-      StageBytes(kg, g.key_bytes, kstage, tid, T);
-      StageBytes(vg, off[G], vstage, tid, T);
-      for (int c = tid; c < d; c += T) {
-        ksc[c] = LoadHalf(kg + g.k_scale + 2 * c);
-        kze[c] = LoadHalf(kg + g.k_zero + 2 * c);
-      }
-      for (int j = tid; j < g.rank; j += T) {
-        ssc[j] = LoadHalf(kg + g.s_scale + 2 * j);
-        sze[j] = LoadHalf(kg + g.s_zero + 2 * j);
-      }
-      for (int w = tid; w < G * g.ng; w += T) {
-        const int t = w / g.ng, gr = w % g.ng;
-        const uint8_t* rec = vg + off[t];
-        vsc[w] = LoadHalf(rec + 2 * gr);
-        vze[w] = LoadHalf(rec + 2 * (g.ng + gr));
-      }
+      StageTwo(kg, g.key_bytes, kstage, vg, off[G], vstage, tid, T, [&] {
+        for (int c = tid; c < d; c += T) {
+          ksc[c] = LoadHalf(kg + g.k_scale + 2 * c);
+          kze[c] = LoadHalf(kg + g.k_zero + 2 * c);
+        }
+        for (int j = tid; j < g.rank; j += T) {
+          ssc[j] = LoadHalf(kg + g.s_scale + 2 * j);
+          sze[j] = LoadHalf(kg + g.s_zero + 2 * j);
+        }
+        for (int w = tid; w < G * g.ng; w += T) {
+          const int t = w / g.ng, gr = w % g.ng;
+          const uint8_t* rec = vg + off[t];
+          vsc[w] = LoadHalf(rec + 2 * gr);
+          vze[w] = LoadHalf(rec + 2 * (g.ng + gr));
+        }
+      });
     });
     // Scores, a slice of the channels per thread; header checks.
     cta.Phase([&](int tid, State&) {
@@ -649,8 +682,9 @@ KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& 
     const int64_t t0 = static_cast<int64_t>(ch) * C;
     const int n = static_cast<int>(p.tokens - t0 < C ? p.tokens - t0 : C);
     cta.Phase([&](int tid, State&) {
-      StageBytes(reinterpret_cast<const uint8_t*>(kh + t0 * d), 2 * n * d, sm + g.sm_k, tid, T);
-      StageBytes(reinterpret_cast<const uint8_t*>(vh + t0 * d), 2 * n * d, sm + g.sm_v, tid, T);
+      StageTwo(reinterpret_cast<const uint8_t*>(kh + t0 * d), 2 * n * d, sm + g.sm_k,
+               reinterpret_cast<const uint8_t*>(vh + t0 * d), 2 * n * d, sm + g.sm_v, tid, T,
+               [] {});
     });
     cta.Phase([&](int tid, State&) {
       for (int w = tid; w < C * g.key_slices; w += T) {
