@@ -233,6 +233,12 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   cudaEventDestroy(e1);
   if (cudaDeviceSynchronize() != cudaSuccess)
     return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
+  // A launch that ran but produced garbage would time nothing real: every row's softmax sum must
+  // be positive and finite.
+  std::vector<float> sums(R);
+  cudaMemcpy(sums.data(), dsum, R * 4, cudaMemcpyDeviceToHost);
+  for (float x : sums)
+    if (!(x > 0.0f && std::isfinite(x))) return state.SkipWithError("attend sums not finite");
   const double n = static_cast<double>(state.iterations());
   const double dense_bytes = 2.0 * kv_elems * 2;
   state.counters["items"] = items;
