@@ -55,7 +55,9 @@ struct AttendParams {
   int blocks = 0;  // blocks of every item, or the most any item has when item_blocks is given
   const int* item_blocks = nullptr;  // device [items]: each item's block count (<= blocks)
   // Device arrays of device pointers, [items][block_stride]: item i's block b at
-  // key_blocks[i * block_stride + b]. Blocks may sit at any byte address.
+  // key_blocks[i * block_stride + b]. Blocks may sit at any byte address; the kernel reads the
+  // aligned 16-byte words that cover each, so memory must be readable up to the 16-byte
+  // boundary after a block's end (an allocation ending within a block's last word needs slack).
   const uint8_t* const* key_blocks = nullptr;
   const uint8_t* const* value_blocks = nullptr;
   int64_t block_stride = 0;   // >= blocks
