@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kvq/kernels/device.h"
 #include "kvq/kernels/kernels.h"
 #include "tests/core/cuda_attend_cases.h"
@@ -68,82 +69,80 @@ void ScoreCodesRows(std::vector<Row>* rows) {
   for (int bits : {1, 2, 3, 4, 8})
     for (int d : {64, 80, 128})
       for (int n_q : {1, 3, 8})
-        rows->push_back(
-            {"score_codes",
-             "b" + std::to_string(bits) + " d" + std::to_string(d) + " nq" + std::to_string(n_q),
-             [=](float* worst, float* tol) {
-               std::mt19937 rng(1);
-               std::normal_distribution<float> nd;
-               const int tokens = 64;
-               std::vector<uint8_t> codes(static_cast<size_t>(tokens) * bits / 8 * d);
-               for (auto& c : codes) c = static_cast<uint8_t>(rng());
-               std::vector<uint16_t> sc(d), ze(d);
-               for (int c = 0; c < d; ++c) {
-                 sc[c] = static_cast<uint16_t>(0x2c00 + rng() % 0x800);
-                 ze[c] = static_cast<uint16_t>(0xb000 + rng() % 0x800);
-               }
-               std::vector<float> q(n_q * d), want(n_q * tokens);
-               for (auto& x : q) x = nd(rng);
-               Ref().score_codes(codes.data(), bits, d, tokens, sc.data(), ze.data(), q.data(), d,
-                                 n_q, 0.125f, false, want.data(), tokens);
-               DeviceBuffers dev;
-               uint8_t* dc = dev.Upload(codes);
-               uint16_t *ds = dev.Upload(sc), *dz = dev.Upload(ze);
-               float *dq = dev.Upload(q), *dout = dev.Alloc<float>(want.size());
-               ASSERT_TRUE(dc && ds && dz && dq && dout) << dev.err;
-               ASSERT_EQ(cuda::ScoreCodes(dc, bits, d, tokens, ds, dz, dq, d, n_q, 0.125f, false,
-                                          dout, tokens, nullptr),
-                         0);
-               const auto got = dev.Download(dout, want.size());
-               *worst = 0.0f;
-               for (size_t i = 0; i < want.size(); ++i)
-                 *worst = std::max(*worst, std::fabs(got[i] - want[i]) / (1 + std::fabs(want[i])));
-               *tol = 1e-3f;
-             }});
+        rows->push_back({"score_codes", absl::StrCat("b", bits, " d", d, " nq", n_q),
+                         [=](float* worst, float* tol) {
+                           std::mt19937 rng(1);
+                           std::normal_distribution<float> nd;
+                           const int tokens = 64;
+                           std::vector<uint8_t> codes(static_cast<size_t>(tokens) * bits / 8 * d);
+                           for (auto& c : codes) c = static_cast<uint8_t>(rng());
+                           std::vector<uint16_t> sc(d), ze(d);
+                           for (int c = 0; c < d; ++c) {
+                             sc[c] = static_cast<uint16_t>(0x2c00 + rng() % 0x800);
+                             ze[c] = static_cast<uint16_t>(0xb000 + rng() % 0x800);
+                           }
+                           std::vector<float> q(n_q * d), want(n_q * tokens);
+                           for (auto& x : q) x = nd(rng);
+                           Ref().score_codes(codes.data(), bits, d, tokens, sc.data(), ze.data(),
+                                             q.data(), d, n_q, 0.125f, false, want.data(), tokens);
+                           DeviceBuffers dev;
+                           uint8_t* dc = dev.Upload(codes);
+                           uint16_t *ds = dev.Upload(sc), *dz = dev.Upload(ze);
+                           float *dq = dev.Upload(q), *dout = dev.Alloc<float>(want.size());
+                           ASSERT_TRUE(dc && ds && dz && dq && dout) << dev.err;
+                           ASSERT_EQ(cuda::ScoreCodes(dc, bits, d, tokens, ds, dz, dq, d, n_q,
+                                                      0.125f, false, dout, tokens, nullptr),
+                                     0);
+                           const auto got = dev.Download(dout, want.size());
+                           *worst = 0.0f;
+                           for (size_t i = 0; i < want.size(); ++i)
+                             *worst = std::max(
+                                 *worst, std::fabs(got[i] - want[i]) / (1 + std::fabs(want[i])));
+                           *tol = 1e-3f;
+                         }});
 }
 
 void AttendRows(std::vector<Row>* rows) {
   for (const testing::AttendCase& cs : testing::AttendCases())
     for (int splits : {1, 3, 0}) {
-      rows->push_back({"attend", cs.name + " splits " + (splits ? std::to_string(splits) : "auto"),
-                       [cs, splits](float* worst, float* tol) {
-                         const testing::PreparedAttend pa = testing::Prepare(cs);
-                         ASSERT_FALSE(pa.want.empty());
-                         DeviceBuffers dev;
-                         const uint8_t* pool = dev.Upload(pa.pool);
-                         ASSERT_TRUE(pool) << dev.err;
-                         std::vector<const uint8_t*> kp(pa.key_at.size()), vp(pa.value_at.size());
-                         for (size_t i = 0; i < kp.size(); ++i) {
-                           kp[i] = pool + pa.key_at[i];
-                           vp[i] = pool + pa.value_at[i];
-                         }
-                         const size_t R = static_cast<size_t>(cs.kv) * cs.gq, d = cs.o.head_dim;
-                         auto** dkp = dev.Upload(kp);
-                         auto** dvp = dev.Upload(vp);
-                         float *dq = dev.Upload(pa.q_base), *duq = dev.Upload(pa.uq);
-                         float *dout = dev.Alloc<float>(R * d), *dmx = dev.Alloc<float>(R),
-                               *dsum = dev.Alloc<float>(R);
-                         int* flags = dev.Upload(std::vector<int>{0});
-                         ASSERT_TRUE(dkp && dvp && dq && duq && dout && dmx && dsum && flags)
-                             << dev.err;
-                         cuda::AttendParams p =
-                             testing::ParamsFor(pa, dkp, dvp, dq, duq, dout, dmx, dsum);
-                         p.splits = splits;
-                         p.error_flags = flags;
-                         ASSERT_EQ(cuda::AttendUnsupported(p), nullptr);
-                         p.workspace_bytes = cuda::AttendWorkspaceBytes(p);
-                         p.workspace = dev.Alloc<uint8_t>(p.workspace_bytes);
-                         ASSERT_TRUE(p.workspace) << dev.err;
-                         ASSERT_EQ(cuda::Attend(p, nullptr), 0);
-                         const auto out = dev.Download(dout, R * d), mx = dev.Download(dmx, R),
-                                    sum = dev.Download(dsum, R);
-                         EXPECT_EQ(dev.Download(flags, 1).at(0), 0) << "a header check failed";
-                         const auto got = testing::CompleteOnCpu(pa, out, mx, sum);
-                         *worst = testing::WorstError(got, pa.want) / pa.vmax;
-                         // FMA contraction and the device's expf against the host's: a few times
-                         // the CPU program's 7e-7 (cuda_math_test).
-                         *tol = 2e-5f;
-                       }});
+      rows->push_back(
+          {"attend", absl::StrCat(cs.name, " splits ", splits ? absl::StrCat(splits) : "auto"),
+           [cs, splits](float* worst, float* tol) {
+             const testing::PreparedAttend pa = testing::Prepare(cs);
+             ASSERT_FALSE(pa.want.empty());
+             DeviceBuffers dev;
+             const uint8_t* pool = dev.Upload(pa.pool);
+             ASSERT_TRUE(pool) << dev.err;
+             std::vector<const uint8_t*> kp(pa.key_at.size()), vp(pa.value_at.size());
+             for (size_t i = 0; i < kp.size(); ++i) {
+               kp[i] = pool + pa.key_at[i];
+               vp[i] = pool + pa.value_at[i];
+             }
+             const size_t R = static_cast<size_t>(cs.kv) * cs.gq, d = cs.o.head_dim;
+             auto** dkp = dev.Upload(kp);
+             auto** dvp = dev.Upload(vp);
+             float *dq = dev.Upload(pa.q_base), *duq = dev.Upload(pa.uq);
+             float *dout = dev.Alloc<float>(R * d), *dmx = dev.Alloc<float>(R),
+                   *dsum = dev.Alloc<float>(R);
+             int* flags = dev.Upload(std::vector<int>{0});
+             ASSERT_TRUE(dkp && dvp && dq && duq && dout && dmx && dsum && flags) << dev.err;
+             cuda::AttendParams p = testing::ParamsFor(pa, dkp, dvp, dq, duq, dout, dmx, dsum);
+             p.splits = splits;
+             p.error_flags = flags;
+             ASSERT_EQ(cuda::AttendUnsupported(p), nullptr);
+             p.workspace_bytes = cuda::AttendWorkspaceBytes(p);
+             p.workspace = dev.Alloc<uint8_t>(p.workspace_bytes);
+             ASSERT_TRUE(p.workspace) << dev.err;
+             ASSERT_EQ(cuda::Attend(p, nullptr), 0);
+             const auto out = dev.Download(dout, R * d), mx = dev.Download(dmx, R),
+                        sum = dev.Download(dsum, R);
+             EXPECT_EQ(dev.Download(flags, 1).at(0), 0) << "a header check failed";
+             const auto got = testing::CompleteOnCpu(pa, out, mx, sum);
+             *worst = testing::WorstError(got, pa.want) / pa.vmax;
+             // FMA contraction and the device's expf against the host's: a few times
+             // the CPU program's 7e-7 (cuda_math_test).
+             *tol = 2e-5f;
+           }});
     }
 }
 
@@ -151,9 +150,7 @@ void DenseRows(std::vector<Row>* rows) {
   for (int d : {64, 128})
     for (int64_t tokens : {1, 45, 1000, 4133})
       for (int splits : {1, 4, 0})
-        rows->push_back({"dense_attend",
-                         "d" + std::to_string(d) + " t" + std::to_string(tokens) + " s" +
-                             std::to_string(splits),
+        rows->push_back({"dense_attend", absl::StrCat("d", d, " t", tokens, " s", splits),
                          [=](float* worst, float* tol) {
                            const int items = 3, rows_per = 4;
                            auto kf = testing::Gaussian(items * tokens * d, 1),
