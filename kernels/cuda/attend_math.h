@@ -112,8 +112,9 @@ KVQ_HD void SplitRange(int n, int splits, int k, int* b0, int* b1) {
   *b1 = static_cast<int>(static_cast<int64_t>(n) * (k + 1) / splits);
 }
 
-// Threads per thread block for head_dim d: 128 when d divides it (d/128 "slices" of tokens per
-// channel), else d (one thread per channel).
+// Threads per thread block for head_dim d: 128 when d divides it, else d (d a multiple of 32);
+// either way a multiple of d / 4 (the readout's channel quads) and of G / 4 (the scores'
+// token quads).
 KVQ_HD int ThreadsFor(int d) { return d <= 128 && 128 % d == 0 ? 128 : d; }
 
 // Where everything sits: block byte offsets (codec.h) and the thread block's shared memory
