@@ -207,7 +207,7 @@ TEST(CudaAttendMath, MergeElementIsCoresMerge) {
 // rows, odd token counts (a partial last chunk) and several split counts.
 TEST(CudaAttendMath, DenseBaselineMatchesDenseAttention) {
   for (int d : {64, 128})
-    for (int64_t tokens : {1, 45, 1000})
+    for (int64_t tokens : {1, 45, 1000, 4133})
       for (int splits : {1, 4}) {
         SCOPED_TRACE(::testing::Message() << d << " " << tokens << " " << splits);
         const int items = 2, rows = 3;
@@ -243,7 +243,7 @@ TEST(CudaAttendMath, DenseBaselineMatchesDenseAttention) {
           }
         for (int64_t w = 0; w < static_cast<int64_t>(items) * rows * d; ++w)
           am::MergeOne(ws.data(), items, rows, d, s, w, out.data(), nullptr, nullptr);
-        EXPECT_LE(WorstError(out, want), 2e-5f);
+        EXPECT_LE(WorstError(out, want), 2e-6f);  // observed below 4.2e-7
       }
 }
 
