@@ -306,7 +306,9 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   if (!listing && !kvq::kernels::CudaAvailable()) {
-    std::fprintf(stderr, "kvq-bench-cuda: no CUDA device answers on this machine\n");
+    std::string why;
+    kvq::kernels::BestPool(&why);
+    std::fprintf(stderr, "kvq-bench-cuda: needs a CUDA device: %s\n", why.c_str());
     return 1;
   }
   cudaDeviceProp prop{};

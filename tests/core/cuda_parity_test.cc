@@ -1,6 +1,7 @@
 // CUDA kernels against the CPU (the ggml test-backend-ops habit): one table of (op, shape,
 // codec, split count) rows, each with its op's tolerance. Skips, saying why, where no CUDA
-// device answers (this machine and CI build it, nvcc present); runs on a GPU machine.
+// device answers (this machine and CI build it, nvcc present), unless KVQ_REQUIRE_CUDA is set
+// (the GPU machine's check: a missing device is then a failure); runs on a GPU machine.
 //
 //   score_codes   the kernel table's op against its scalar reference, random codes.
 //   attend        the fused decode attend over real blocks (tests/core/cuda_attend_cases.h:
@@ -13,6 +14,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <random>
 #include <string>
@@ -189,7 +191,13 @@ TEST(CudaParity, EveryOpShapeAndCodec) {
 #ifndef KVQ_HAVE_CUDA
   GTEST_SKIP() << "built without CUDA";
 #else
-  if (!CudaAvailable()) GTEST_SKIP() << "no CUDA device on this machine";
+  if (!CudaAvailable()) {
+    std::string why;
+    BestPool(&why);  // says what the runtime answered
+    // On the GPU machine a skip would hide a broken driver or runtime: KVQ_REQUIRE_CUDA=1 there.
+    if (std::getenv("KVQ_REQUIRE_CUDA") != nullptr) FAIL() << "KVQ_REQUIRE_CUDA set; " << why;
+    GTEST_SKIP() << why;
+  }
   std::vector<Row> rows;
   ScoreCodesRows(&rows);
   AttendRows(&rows);
