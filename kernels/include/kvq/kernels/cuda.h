@@ -1,7 +1,10 @@
-// CUDA launchers with the contracts of kernels.h, on device pointers and a stream. Each
-// returns a cudaError_t value (0 on success). Declared only in CUDA builds (KVQ_HAVE_CUDA).
+// CUDA launchers of the kernel ops: raw device pointers, sizes, strides and a stream (a
+// cudaStream_t passed as void*, null: the default stream). Each returns a cudaError_t value
+// (0 on success). Declared only in CUDA builds (KVQ_HAVE_CUDA); the header itself includes no
+// CUDA header, so that host code (and the CPU tests of attend_math.h) can name the params.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kvq::kernels::cuda {
@@ -11,5 +14,111 @@ namespace kvq::kernels::cuda {
 int ScoreCodes(const uint8_t* codes, int bits, int n_ch, int tokens, const uint16_t* scale,
                const uint16_t* zero, const float* q, int64_t qs, int n_q, float mult,
                bool accumulate, float* out, int64_t os, void* stream);
+
+// The fused decode attend over encoded HeadQ blocks (core/include/kvq/core/codec.h layout),
+// flash-decoding style. One launch serves `items` independent (sequence, KV head) pairs, each
+// with `rows` query rows (the query heads that share the KV head, times their queries, all
+// seeing every token: a decode step) and its own run of key and value blocks. Each item's
+// blocks are split into `splits` ranges of whole blocks (range k: blocks
+// [floor(n k / S), floor(n (k + 1) / S)), LayerCache::AttendPartBounds' rule), each range
+// computes a partial (max, sum, unnormalized output; core/partial_attention.h) in one thread
+// block, and a second kernel merges the partials by log-sum-exp in range order.
+//
+// Results per (item, row): out the normalized attention output over the item's blocks, out_max
+// and out_sum the merged partial's m and l, so that the unnormalized partial (m, l, out * l)
+// merges with the CPU's over the full-precision window and the fp16 sinks by MergePartials.
+// A row that saw no token (every item's block count 0) gets m = -inf, l = 0, out = 0.
+//
+// Scores: scale * (q . k_base + side_sign * uq . z_hat), k_base and z_hat dequantized from the
+// codes (fp16 scale and zero point, codes LSB-first), exactly the terms of ScoreKeyBlock.
+// Rotated blocks (CodecOptions::rotate_keys / rotate_values) cost the kernel nothing: the
+// caller passes q = H q for rotated keys (uq stays U^T q of the unrotated query) and rotates
+// the merged output back (HadamardRotateRows) for rotated values; the header flags must
+// match keys_rotated / values_rotated.
+//
+// Checksums are not verified here (the fused path reads each byte once; a store that wants
+// verify_on_read verifies on the CPU or on a scrub). Headers are checked against the params
+// when error_flags is given: a block whose header disagrees sets kAttendHeaderMismatch.
+struct AttendParams {
+  // The codec of every block (core's CodecOptions fields).
+  int head_dim = 0;     // d: a multiple of 32, at most 256
+  int key_group = 0;    // G, tokens per block: 32, 64 or 128
+  int key_bits = 0;     // 2, 3, 4 or 8
+  int rank = 0;         // HeadQ rank r, 0..d
+  int side_bits = 0;    // 4 or 8 (when rank > 0)
+  int value_bits = 0;   // 1, 2, 3, 4 or 8; 0: per-token widths (the A^2 policy)
+  int value_group = 0;  // channels per value scale group, 1..d, at most 64 groups
+  bool keys_rotated = false, values_rotated = false;
+
+  int items = 0;   // (sequence, KV head) pairs in this launch, >= 1
+  int rows = 0;    // query rows per item, 1..16
+  int blocks = 0;  // blocks of every item, or the most any item has when item_blocks is given
+  const int* item_blocks = nullptr;  // device [items]: each item's block count (<= blocks)
+  // Device arrays of device pointers, [items][block_stride]: item i's block b at
+  // key_blocks[i * block_stride + b]. Blocks may sit at any byte address; the kernel reads the
+  // aligned 16-byte words that cover each, so memory must be readable up to the 16-byte
+  // boundary after a block's end (an allocation ending within a block's last word needs slack).
+  const uint8_t* const* key_blocks = nullptr;
+  const uint8_t* const* value_blocks = nullptr;
+  int64_t block_stride = 0;   // >= blocks
+  const float* q = nullptr;   // device [items][rows][d]
+  const float* uq = nullptr;  // device [items][rows][rank] = U^T q; null when rank == 0
+  float scale = 0.0f;         // softmax scale, e.g. 1/sqrt(d)
+  float side_sign = 1.0f;     // CodecOptions::side_sign
+  // Tokens [0, masked_prefix) of each item's first block get no weight: the stand-ins of fp16
+  // sinks (CodecOptions::fp16_sinks), whose exact rows the CPU attends to. 0..G-1.
+  int masked_prefix = 0;
+
+  // Ranges per item; 0: enough to fill the GPU (AttendSplits). At most `blocks` are used.
+  int splits = 0;
+  // Device scratch for the partials, at least AttendWorkspaceBytes(*this) bytes.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+
+  float* out = nullptr;        // device [items][rows][d]
+  float* out_max = nullptr;    // device [items][rows]
+  float* out_sum = nullptr;    // device [items][rows]
+  int* error_flags = nullptr;  // device int, OR-ed with kAttend* flags; null: no header checks
+};
+inline constexpr int kAttendHeaderMismatch = 1;
+inline constexpr int kAttendMaxRows = 16;
+
+// Why the params are outside what the kernel supports (naming the field and its limit), or
+// null when they are supported. Checks sizes and pointers only, never device memory.
+const char* AttendUnsupported(const AttendParams& p);
+// The ranges per item a launch uses: p.splits when given, else enough thread blocks to fill
+// the current device (at least two waves), each range at least 4 blocks; clamped to
+// [1, max(1, blocks)].
+int AttendSplits(const AttendParams& p);
+// Workspace bytes a launch with these params needs: 4 * items * splits * rows * (d + 2).
+size_t AttendWorkspaceBytes(const AttendParams& p);
+// Launches the attend and the merge on `stream`. cudaErrorInvalidValue (1) when
+// AttendUnsupported names a reason or the workspace is too small.
+int Attend(const AttendParams& p, void* stream);
+
+// Baseline: reads `bytes` bytes at `data` (16-byte aligned) with 16-byte loads, XOR-reducing
+// them into sink[0] (device uint32) so that no load can be dropped: the memory bandwidth a
+// kernel reading the same bytes could reach.
+int StreamRead(const void* data, size_t bytes, uint32_t* sink, void* stream);
+
+// Baseline: dense fp16 decode attention over the same tokens, flash-decoding with splits.
+// k, v: device fp16 [items][tokens][d] (d a multiple of 8, at most 256); q: [items][rows][d]
+// fp32; out [items][rows][d] normalized; workspace as Attend's
+// (DenseAttendWorkspaceBytes). splits 0: as AttendSplits would choose for tokens / 32 blocks.
+struct DenseAttendParams {
+  int head_dim = 0, items = 0, rows = 0;
+  int64_t tokens = 0;
+  const uint16_t* k = nullptr;
+  const uint16_t* v = nullptr;
+  const float* q = nullptr;
+  float scale = 0.0f;
+  int splits = 0;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  float* out = nullptr;
+};
+int DenseAttendSplits(const DenseAttendParams& p);
+size_t DenseAttendWorkspaceBytes(const DenseAttendParams& p);
+int DenseAttend(const DenseAttendParams& p, void* stream);
 
 }  // namespace kvq::kernels::cuda

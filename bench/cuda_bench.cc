@@ -1,0 +1,322 @@
+// kvq-bench-cuda: the fused decode attend on the GPU against two baselines measured in the
+// same run, on the same bytes or the same tokens.
+//
+//   Attend/<codec>/d<d>/t<tokens>  one launch of kernels::cuda::Attend over `items` KV heads
+//       (independent sequences) of `tokens` tokens each, 4 query rows per KV head (GQA 4:1, as
+//       Llama-3-8B; SmolLM2 has 3, Qwen2.5-0.5B 7), items chosen so that the codes of one
+//       launch are >= 1 GiB (far beyond the 60 MB L2: every byte comes from HBM). Time per
+//       launch by CUDA events (manual time), attend and merge included. Counters:
+//         attend_GBps    code bytes the attend reads (key + value blocks) / attend time
+//         stream_GBps    the buffer holding them read by StreamRead (16-byte loads,
+//                        XOR-reduced; at most 64 blocks more than the attend reads)
+//         frac_of_stream attend_GBps / stream_GBps (the goal: >= 0.6)
+//         dense_GBps     fp16 K+V bytes of the same tokens / DenseAttend time
+//         dense_speedup  DenseAttend time / attend time (same tokens, same rows)
+//   Codecs: k3g128-r4s4-v2 (the server's default, docs/CODEC.md), k2g32-r4s8-v2 (the legacy
+//   default; G=32 is the frontier's most finely grouped point) and k2g128-r4s8-a2b2 (the
+//   frontier's A^2 row: per-token value widths, each block's record offsets by a prefix sum).
+// The blocks are real encodings (LayerCache, a random basis) of 64 distinct groups per head,
+// tiled over the launch's working set; timing does not depend on the values.
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kvq/core/basis.h"
+#include "kvq/core/cache.h"
+#include "kvq/kernels/cuda.h"
+#include "kvq/kernels/device.h"
+
+namespace {
+using namespace kvq::core;
+namespace kc = kvq::kernels::cuda;
+
+constexpr size_t kLaunchBytes = size_t{1} << 30;  // codes per launch, >> 60 MB L2
+constexpr int kRows = 4;                          // query rows per KV head
+constexpr int kUniqueBlocks = 64;                 // distinct encoded groups, tiled
+
+CodecOptions Codec(int d, int kb, int G, int r, int sb, int vb, int vg) {
+  CodecOptions o;
+  o.head_dim = d;
+  o.key_bits = kb;
+  o.key_group = G;
+  o.rank = r;
+  o.side_bits = sb;
+  o.value_bits = vb;
+  o.value_group = vg;
+  return o;
+}
+
+struct NamedCodec {
+  const char* name;
+  int kb, G, r, sb, vb, vg;
+  float a2_budget;  // > 0: the A^2 policy (per-token value widths) at this budget
+};
+const NamedCodec kCodecs[] = {{"k3g128-r4s4-v2", 3, 128, 4, 4, 2, 32, 0.0f},
+                              {"k2g32-r4s8-v2", 2, 32, 4, 8, 2, 32, 0.0f},
+                              {"k2g128-r4s8-a2b2", 2, 128, 4, 8, 2, 32, 2.0f}};
+
+// kUniqueBlocks (key, value) block pairs of one head, back to back: [key | value] per group
+// (A^2 value blocks differ in size: each block's offsets).
+struct Unit {
+  std::vector<uint8_t> bytes;
+  std::vector<size_t> key_at, value_at;
+};
+const Unit& UnitFor(const CodecOptions& o) {
+  static std::map<std::string, Unit> units;
+  Unit& u = units[o.ToString() + "/" + std::to_string(o.head_dim)];
+  if (!u.bytes.empty()) return u;
+  const int d = o.head_dim;
+  const int64_t T = static_cast<int64_t>(kUniqueBlocks) * o.key_group;
+  const ModelBasis b = RandomBasis({"t", 1, 1, 1, kRows, d, std::max(o.rank, 1)}, 3);
+  LayerCache cache(o, 1, o.rank > 0 ? b.u.data() : nullptr);
+  cache.set_sealing(true);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  std::vector<float> k(T * d), v(T * d);
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  const auto view = [&](const std::vector<float>& x) {
+    return TensorView::Contiguous(x.data(), DType::kF32, {1, T, d});
+  };
+  if (!cache.Append(view(k), view(v), 0).ok()) return u;
+  for (const auto& blk : cache.sealed()) {
+    u.key_at.push_back(u.bytes.size());
+    u.bytes.insert(u.bytes.end(), blk->key(0).begin(), blk->key(0).end());
+    u.value_at.push_back(u.bytes.size());
+    u.bytes.insert(u.bytes.end(), blk->value(0).begin(), blk->value(0).end());
+  }
+  u.key_at.push_back(u.bytes.size());  // the end of the last block
+  if (u.value_at.size() != static_cast<size_t>(kUniqueBlocks)) u.bytes.clear();
+  return u;
+}
+
+// Device memory released at scope exit.
+struct Device {
+  std::vector<void*> held;
+  ~Device() {
+    for (void* p : held) cudaFree(p);
+  }
+  template <class T>
+  T* Alloc(size_t count) {
+    void* p = nullptr;
+    // + 16: the attend reads whole 16-byte words, the last one past the last block's end.
+    if (cudaMalloc(&p, count * sizeof(T) + 16) != cudaSuccess) return nullptr;
+    held.push_back(p);
+    return static_cast<T*>(p);
+  }
+};
+
+float Elapsed(cudaEvent_t a, cudaEvent_t b) {
+  float ms = 0.0f;
+  cudaEventElapsedTime(&ms, a, b);
+  return ms / 1e3f;
+}
+
+void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
+  CodecOptions o = Codec(d, nc.kb, nc.G, nc.r, nc.sb, nc.vb, nc.vg);
+  if (nc.a2_budget > 0) {
+    o.value_policy = ValuePolicy::kA2;
+    o.value_budget = nc.a2_budget;
+  }
+  const Unit& unit = UnitFor(o);
+  if (unit.bytes.empty()) return state.SkipWithError("encoding the unit blocks failed");
+  const int nb = static_cast<int>(tokens / o.key_group);
+  // Block g of the launch (item g / nb, block g % nb) is the unit's block g % kUniqueBlocks in
+  // copy g / kUniqueBlocks of the unit.
+  const size_t unit_bytes = unit.bytes.size();
+  const size_t item_bytes = unit_bytes * nb / kUniqueBlocks;
+  const int items =
+      static_cast<int>(std::min<size_t>(65535, (kLaunchBytes + item_bytes - 1) / item_bytes));
+  const size_t blocks = static_cast<size_t>(items) * nb;
+  const size_t code_bytes = (blocks + kUniqueBlocks - 1) / kUniqueBlocks * unit_bytes;
+  size_t attended_bytes = 0;  // the blocks the attend reads (the last copy may be partial)
+  for (size_t g = 0; g < blocks; ++g)
+    attended_bytes += unit.key_at[g % kUniqueBlocks + 1] - unit.key_at[g % kUniqueBlocks];
+  Device dev;
+  uint8_t* codes = dev.Alloc<uint8_t>(code_bytes);
+  if (!codes) return state.SkipWithError("cudaMalloc of the codes failed");
+  // The unit uploaded once, then tiled device to device.
+  if (cudaMemcpy(codes, unit.bytes.data(), unit.bytes.size(), cudaMemcpyHostToDevice) !=
+      cudaSuccess)
+    return state.SkipWithError("upload failed");
+  for (size_t at = unit.bytes.size(); at < code_bytes;) {
+    const size_t n = std::min(at, code_bytes - at);
+    cudaMemcpy(codes + at, codes, n, cudaMemcpyDeviceToDevice);
+    at += n;
+  }
+  std::vector<const uint8_t*> kp(static_cast<size_t>(items) * nb), vp(kp.size());
+  for (size_t i = 0; i < kp.size(); ++i) {
+    const uint8_t* copy = codes + i / kUniqueBlocks * unit_bytes;
+    kp[i] = copy + unit.key_at[i % kUniqueBlocks];
+    vp[i] = copy + unit.value_at[i % kUniqueBlocks];
+  }
+  auto** dkp = dev.Alloc<const uint8_t*>(kp.size());
+  auto** dvp = dev.Alloc<const uint8_t*>(vp.size());
+  const size_t R = static_cast<size_t>(items) * kRows;
+  std::vector<float> q(R * d), uq(R * std::max(o.rank, 1));
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  for (auto& x : q) x = nd(rng);
+  for (auto& x : uq) x = nd(rng);
+  float *dq = dev.Alloc<float>(q.size()), *duq = dev.Alloc<float>(uq.size());
+  float *dout = dev.Alloc<float>(R * d), *dmx = dev.Alloc<float>(R), *dsum = dev.Alloc<float>(R);
+  uint32_t* sink = dev.Alloc<uint32_t>(1);
+  if (!dkp || !dvp || !dq || !duq || !dout || !dmx || !dsum || !sink)
+    return state.SkipWithError("cudaMalloc failed");
+  cudaMemcpy(dkp, kp.data(), kp.size() * sizeof(kp[0]), cudaMemcpyHostToDevice);
+  cudaMemcpy(dvp, vp.data(), vp.size() * sizeof(vp[0]), cudaMemcpyHostToDevice);
+  cudaMemcpy(dq, q.data(), q.size() * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(duq, uq.data(), uq.size() * 4, cudaMemcpyHostToDevice);
+
+  kc::AttendParams p;
+  p.head_dim = d;
+  p.key_group = o.key_group;
+  p.key_bits = o.key_bits;
+  p.rank = o.rank;
+  p.side_bits = o.side_bits;
+  p.value_bits = o.per_token_value_bits() ? 0 : o.value_bits;
+  p.value_group = o.value_group;
+  p.items = items;
+  p.rows = kRows;
+  p.blocks = nb;
+  p.key_blocks = dkp;
+  p.value_blocks = dvp;
+  p.block_stride = nb;
+  p.q = dq;
+  p.uq = duq;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.out = dout;
+  p.out_max = dmx;
+  p.out_sum = dsum;
+  // Split counts fixed once, so that the timed launches make no occupancy queries.
+  p.splits = kc::AttendSplits(p);
+  p.workspace_bytes = kc::AttendWorkspaceBytes(p);
+  p.workspace = dev.Alloc<uint8_t>(p.workspace_bytes);
+
+  // Dense fp16 K and V of the same tokens (constant values: the time does not depend on them).
+  kc::DenseAttendParams dp;
+  dp.head_dim = d;
+  dp.items = items;
+  dp.rows = kRows;
+  dp.tokens = static_cast<int64_t>(nb) * o.key_group;
+  const size_t kv_elems = static_cast<size_t>(items) * dp.tokens * d;
+  uint16_t* dk = dev.Alloc<uint16_t>(kv_elems);
+  uint16_t* dv = dev.Alloc<uint16_t>(kv_elems);
+  if (!p.workspace || !dk || !dv) return state.SkipWithError("cudaMalloc (dense) failed");
+  cudaMemset(dk, 0x3c, kv_elems * 2);  // 0x3c3c: 1.06 in fp16
+  cudaMemset(dv, 0x3c, kv_elems * 2);
+  dp.k = dk;
+  dp.v = dv;
+  dp.q = dq;
+  dp.scale = p.scale;
+  dp.out = dout;
+  dp.splits = kc::DenseAttendSplits(dp);
+  dp.workspace_bytes = kc::DenseAttendWorkspaceBytes(dp);
+  dp.workspace = dev.Alloc<uint8_t>(dp.workspace_bytes);
+  if (!dp.workspace) return state.SkipWithError("cudaMalloc (dense workspace) failed");
+
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  auto timed = [&](auto&& launch) -> float {
+    cudaEventRecord(e0);
+    const int err = launch();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    return err == 0 ? Elapsed(e0, e1) : -1.0f;
+  };
+  auto attend = [&] { return kc::Attend(p, nullptr); };
+  auto stream = [&] { return kc::StreamRead(codes, code_bytes, sink, nullptr); };
+  auto dense = [&] { return kc::DenseAttend(dp, nullptr); };
+  for (int w = 0; w < 2; ++w)
+    if (timed(attend) < 0 || timed(stream) < 0 || timed(dense) < 0)
+      return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
+  double attend_s = 0, stream_s = 0, dense_s = 0;
+  for (auto _ : state) {
+    const float a = timed(attend);
+    if (a < 0) return state.SkipWithError("Attend failed");
+    state.SetIterationTime(a);
+    attend_s += a;
+    stream_s += timed(stream);
+    dense_s += timed(dense);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  if (cudaDeviceSynchronize() != cudaSuccess)
+    return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
+  // A launch that ran but produced garbage would time nothing real: every row's softmax sum must
+  // be positive and finite.
+  std::vector<float> sums(R);
+  cudaMemcpy(sums.data(), dsum, R * 4, cudaMemcpyDeviceToHost);
+  for (float x : sums)
+    if (!(x > 0.0f && std::isfinite(x))) return state.SkipWithError("attend sums not finite");
+  const double n = static_cast<double>(state.iterations());
+  const double dense_bytes = 2.0 * kv_elems * 2;
+  state.counters["items"] = items;
+  state.counters["splits"] = p.splits;
+  state.counters["code_MB"] = code_bytes / 1e6;
+  const double attend_rate = attended_bytes / (attend_s / n),
+               stream_rate = code_bytes / (stream_s / n);
+  state.counters["attend_GBps"] = attend_rate / 1e9;
+  state.counters["stream_GBps"] = stream_rate / 1e9;
+  state.counters["frac_of_stream"] = attend_rate / stream_rate;
+  state.counters["dense_GBps"] = dense_bytes / (dense_s / n) / 1e9;
+  state.counters["dense_speedup"] = dense_s / attend_s;
+}
+
+void RegisterAll() {
+  for (const NamedCodec& nc : kCodecs)
+    for (int d : {64, 128})
+      for (int64_t tokens : {4096, 32768, 131072}) {
+        const std::string name = std::string("Attend/") + nc.name + "/d" + std::to_string(d) +
+                                 "/t" + std::to_string(tokens);
+        benchmark::RegisterBenchmark(name.c_str(), BM_Attend, nc, d, tokens)
+            ->UseManualTime()
+            ->Iterations(20)
+            ->Unit(benchmark::kMicrosecond);
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool listing = false;
+  for (int i = 1; i < argc; ++i) {
+    listing = listing || std::strncmp(argv[i], "--benchmark_list_tests", 22) == 0;
+    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf(
+          "kvq-bench-cuda: the fused decode attend over HeadQ codes on the GPU, against a\n"
+          "streaming read of the same bytes and dense fp16 attention over the same tokens\n"
+          "(bench/cuda_bench.cc says what each counter means). Needs a CUDA device.\n"
+          "Google Benchmark flags, e.g. --benchmark_filter=REGEX, --benchmark_format=json,\n"
+          "--benchmark_out=FILE.\n");
+      return 0;
+    }
+  }
+  RegisterAll();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  if (!listing && !kvq::kernels::CudaAvailable()) {
+    std::string why;
+    kvq::kernels::BestPool(&why);
+    std::fprintf(stderr, "kvq-bench-cuda: needs a CUDA device: %s\n", why.c_str());
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
+    benchmark::AddCustomContext("device", prop.name);
+    benchmark::AddCustomContext("sm_count", std::to_string(prop.multiProcessorCount));
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
