@@ -12,6 +12,8 @@ mkdir -p "$OUTDIR"
 if [[ ! -d .devbin/bin ]]; then
   echo "device-check: no .devbin/ (run scripts/device-bundle.sh here and carry .devbin)" >&2; exit 2
 fi
+# A device the runtime cannot use must fail the CUDA tests, not skip them.
+export KVQ_REQUIRE_CUDA=1
 export LD_LIBRARY_PATH="$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 bin=.devbin/bin
 { echo "bundle of $(cat .devbin/commit 2>/dev/null)"; nvidia-smi; } > "$OUTDIR/nvidia-smi.txt" 2>&1
