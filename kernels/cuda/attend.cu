@@ -215,12 +215,15 @@ const char* DenseUnsupported(const DenseAttendParams& p) {
   if (p.items < 1 || p.items > 65535) return "items: must be in [1, 65535]";
   if (p.rows < 1 || p.rows > kAttendMaxRows) return "rows: must be in [1, 16]";
   if (p.tokens < 0 || !p.k || !p.v || !p.q || !p.out) return "tokens, k, v, q, out";
+  if (reinterpret_cast<uintptr_t>(p.k) % 16 != 0 || reinterpret_cast<uintptr_t>(p.v) % 16 != 0)
+    return "k, v: must be 16-byte aligned";
   return nullptr;
 }
 }  // namespace
 
 int DenseAttendSplits(const DenseAttendParams& p) {
-  const int chunks = static_cast<int>((p.tokens + am::kDenseChunk - 1) / am::kDenseChunk);
+  const int chunk = am::DenseChunk(p.head_dim);
+  const int chunks = static_cast<int>((p.tokens + chunk - 1) / chunk);
   if (p.splits > 0) return std::max(1, std::min(p.splits, std::max(1, chunks)));
   const am::DenseGeometry g = am::MakeDenseGeometry(p);
   return ChooseSplits(p.items, chunks, ResidentPerSm(DenseKernel<16>, g.threads, g.sm_bytes));

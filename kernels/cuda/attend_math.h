@@ -76,19 +76,22 @@ KVQ_HD uint32_t LoadU16(const uint8_t* p) { return p[0] | (static_cast<uint32_t>
 KVQ_HD float LoadHalf(const uint8_t* p) { return HalfToFloat(static_cast<uint16_t>(LoadU16(p))); }
 
 // The 32 bits from byte address p on (little-endian), by two aligned 4-byte loads: p lies in a
-// 4-aligned staging buffer that may be read up to 8 bytes past p. Codes are unpacked from it
-// by shifts: code i of b bits (LSB-first, codec.h) starts at bit i*b of its row.
+// staging buffer (or a block) that may be read in the aligned 8 bytes that cover [p, p + 4). Codes
+// are unpacked from it by shifts: code i of b bits (LSB-first, codec.h) starts at bit i*b of its
+// row.
 KVQ_HD uint32_t Window32(const uint8_t* p) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  const uintptr_t base = a & ~static_cast<uintptr_t>(3);
+  // The aligned base by pointer arithmetic, so that the compiler keeps the address space
+  // (shared-memory loads, not generic ones).
+  const int lo = static_cast<int>(reinterpret_cast<uintptr_t>(p) & 3u);
+  const uint8_t* base = p - lo;
 #ifdef __CUDA_ARCH__
   const uint32_t* w = reinterpret_cast<const uint32_t*>(base);
   const uint64_t v = (static_cast<uint64_t>(w[1]) << 32) | w[0];
 #else
   uint64_t v;
-  std::memcpy(&v, reinterpret_cast<const void*>(base), 8);  // little-endian hosts
+  std::memcpy(&v, base, 8);  // little-endian hosts
 #endif
-  return static_cast<uint32_t>(v >> (8 * (a & 3)));
+  return static_cast<uint32_t>(v >> (8 * lo));
 }
 
 // A code (< 2^23) as a float without an int-to-float conversion (a quarter-rate instruction
@@ -117,10 +120,16 @@ KVQ_HD void SplitRange(int n, int splits, int k, int* b0, int* b1) {
 // token quads).
 KVQ_HD int ThreadsFor(int d) { return d <= 128 && 128 % d == 0 ? 128 : d; }
 
+// The kernels' row counts (template MaxRows): rows up to 4, 8 or 16. A thread's loops run over
+// all MaxRows rows without a branch per row; the rows beyond `rows` hold zero queries and
+// weights, and their sums are never written.
+KVQ_HD int RowsPad(int rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : 16; }
+
 // Where everything sits: block byte offsets (codec.h) and the thread block's shared memory
 // (byte offsets, each 16-aligned).
 struct Geometry {
   int d, G, rows, rank, key_bits, side_bits, value_bits, value_group, ng;
+  int rows_pad;           // rows rounded up to the kernel's MaxRows (4, 8 or 16): register arrays
   int key_row, side_row;  // bytes of one channel's codes over the G tokens
   int k_scale, k_zero, k_codes, s_scale, s_zero, s_codes, key_bytes;
   int value_tags;       // bytes of per-token width tags (0: uniform widths)
@@ -130,7 +139,10 @@ struct Geometry {
   // per token quad.
   int threads, slices, key_slices;
   int sm_q, sm_uq, sm_kscale, sm_kzero, sm_sscale, sm_szero, sm_vscale, sm_vzero, sm_width, sm_off,
-      sm_part, sm_p, sm_m, sm_lred, sm_corr, sm_kstage, sm_vstage, sm_red, sm_bytes;
+      sm_part, sm_p, sm_w, sm_pmax, sm_m, sm_lred, sm_corr, sm_red, sm_bytes;
+  // Two staging buffers (block b in buffer b & 1 while b + 1 arrives in the other), each a key
+  // block then a value block, with the 16-byte alignment slack either side.
+  int sm_stage, stage_bytes, stage_value;
 };
 
 KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
@@ -138,6 +150,7 @@ KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
   g.d = p.head_dim;
   g.G = p.key_group;
   g.rows = p.rows;
+  g.rows_pad = RowsPad(p.rows);
   g.rank = p.rank;
   g.key_bits = p.key_bits;
   g.side_bits = p.rank > 0 ? p.side_bits : 0;
@@ -167,8 +180,8 @@ KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
     at += RoundUp16(bytes);
     return o;
   };
-  g.sm_q = take(4 * g.rows * g.d);
-  g.sm_uq = take(4 * g.rows * g.rank);
+  g.sm_q = take(4 * g.rows_pad * g.d);  // [d][rows_pad], rows beyond `rows` zero
+  g.sm_uq = take(4 * g.rows_pad * g.rank);
   g.sm_kscale = take(4 * g.d);
   g.sm_kzero = take(4 * g.d);
   g.sm_sscale = take(4 * g.rank);
@@ -179,14 +192,17 @@ KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
   g.sm_off = take(4 * (g.G + 1));  // + the block's total size
   g.sm_part = take(4 * g.key_slices * g.rows * g.G);
   g.sm_p = take(4 * g.rows * g.G);
+  g.sm_w = take(4 * g.G * g.rows_pad);  // the weights [G][rows_pad]
+  g.sm_pmax = take(4 * g.threads);      // [rows][threads / rows]
   g.sm_m = take(4 * g.rows);
   g.sm_lred = take(4 * g.slices * g.rows);
   g.sm_corr = take(4 * g.rows);
-  g.sm_kstage = take(g.key_bytes + 32);  // + the 16-byte alignment slack either side
-  g.sm_vstage = take(g.value_bytes_max + 32);
+  g.stage_value = RoundUp16(g.key_bytes + 32);
+  g.stage_bytes = g.stage_value + RoundUp16(g.value_bytes_max + 32);
+  g.sm_stage = take(2 * g.stage_bytes);
   // The slices' sums, needed only after the last block: in the staging buffers when they fit.
   const int red = 4 * g.slices * g.rows * g.d;
-  g.sm_red = red <= at - g.sm_kstage ? g.sm_kstage : take(red);
+  g.sm_red = red <= at - g.sm_stage ? g.sm_stage : take(red);
   g.sm_bytes = at;
   return g;
 }
@@ -202,45 +218,55 @@ KVQ_HD Vec16 Load16(const Vec16* p) {
 #endif
 }
 
-// 16-byte loads each thread keeps in flight while staging (8 x 128 threads: 16 KiB a block).
-inline constexpr int kStageBatch = 8;
+// Asynchronous staging (cp.async on the GPU: global to shared memory without registers, so
+// that a block's bytes are in flight while the thread block computes on the previous one; on
+// the CPU a plain copy). A thread waits for its own copies (WaitStaged) and the barrier after
+// that phase makes every thread's copies visible.
+KVQ_HD void CopyAsync16(Vec16* dst, const Vec16* src) {
+#ifdef __CUDA_ARCH__
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+#else
+  std::memcpy(dst, src, sizeof(Vec16));
+#endif
+}
 
-// Copies bytes [a, a + na) and [b, b + nb) into shared memory at da and db with aligned
-// 16-byte loads (sources at any address: the 16-byte words that cover them, so that byte x
-// lands at da + (x - a) + (a & 15)). Thread tid's share: it issues up to kStageBatch loads, runs
-// `while_loading` (work that needs none of them) once, then stores them, and so on.
-template <class F>
-KVQ_HD void StageTwo(const uint8_t* a, int na, uint8_t* da, const uint8_t* b, int nb, uint8_t* db,
-                     int tid, int threads, F&& while_loading) {
-  const uintptr_t ua = reinterpret_cast<uintptr_t>(a), ub = reinterpret_cast<uintptr_t>(b);
-  const int wa = (static_cast<int>(ua & 15u) + na + 15) >> 4;
-  const int wb = (static_cast<int>(ub & 15u) + nb + 15) >> 4;
-  const Vec16* fa = reinterpret_cast<const Vec16*>(ua & ~static_cast<uintptr_t>(15));
-  const Vec16* fb = reinterpret_cast<const Vec16*>(ub & ~static_cast<uintptr_t>(15));
-  Vec16* ta = reinterpret_cast<Vec16*>(da);
-  Vec16* tb = reinterpret_cast<Vec16*>(db);
-  const int total = wa + wb;
-  bool first = true;
-  for (int i0 = tid; i0 < total || first; i0 += threads * kStageBatch) {
-    Vec16 r[kStageBatch] = {};
-    KVQ_UNROLL
-    for (int k = 0; k < kStageBatch; ++k) {
-      const int i = i0 + k * threads;
-      if (i < total) r[k] = Load16(i < wa ? fa + i : fb + (i - wa));
-    }
-    if (first) {
-      while_loading();
-      first = false;
-    }
-    KVQ_UNROLL
-    for (int k = 0; k < kStageBatch; ++k) {
-      const int i = i0 + k * threads;
-      if (i < wa)
-        ta[i] = r[k];
-      else if (i < total)
-        tb[i - wa] = r[k];
-    }
+KVQ_HD void WaitStaged() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// Thread tid's share of copying bytes [a, a + na) into shared memory at da (16-aligned) by
+// aligned 16-byte words (the source at any address: the words that cover it, so that byte x
+// lands at da + (x - a) + (a & 15)).
+KVQ_HD void StageAsync(const uint8_t* a, int na, uint8_t* da, int tid, int threads) {
+  const uintptr_t ua = reinterpret_cast<uintptr_t>(a);
+  const int words = (static_cast<int>(ua & 15u) + na + 15) >> 4;
+  const Vec16* from = reinterpret_cast<const Vec16*>(ua & ~static_cast<uintptr_t>(15));
+  Vec16* to = reinterpret_cast<Vec16*>(da);
+  for (int i = tid; i < words; i += threads) CopyAsync16(to + i, from + i);
+}
+
+KVQ_HD int PopCount(uint32_t x) {
+#ifdef __CUDA_ARCH__
+  return __popc(x);
+#else
+  return __builtin_popcount(x);
+#endif
+}
+
+// Sum of the 2-bit width tags (width - 1) of tokens [0, n) of a per-token value block (tags at
+// any address, in global or shared memory): 16 tags per 32-bit word, by popcounts.
+KVQ_HD int TagSum(const uint8_t* tags, int n) {
+  int s = 0;
+  for (int k = 0; 16 * k < n; ++k) {
+    uint32_t w = Window32(tags + 4 * k);
+    const int left = n - 16 * k;
+    if (left < 16) w &= (1u << (2 * left)) - 1u;
+    s += PopCount(w & 0x55555555u) + 2 * PopCount(w & 0xAAAAAAAAu);
   }
+  return s;
 }
 
 // A key or value block header against the params (codec.h): magic, a readable version, kind,
@@ -259,13 +285,26 @@ KVQ_HD int TokenWidth(const uint8_t* tags, int t) {
   return ((tags[t >> 2] >> (2 * (t & 3))) & 3) + 1;
 }
 
+// MaxRows floats at p (16-aligned) by 16-byte loads.
+template <int MaxRows>
+KVQ_HD void LoadRows(const float* p, float (&x)[MaxRows]) {
+  const Vec16* v = reinterpret_cast<const Vec16*>(p);
+  KVQ_UNROLL
+  for (int k = 0; k < MaxRows / 4; ++k) {
+    const Vec16 w = v[k];
+    KVQ_UNROLL
+    for (int j = 0; j < 4; ++j) x[4 * k + j] = BitsToFloat(w.w[j]);
+  }
+}
+
 // Part of the scores of tokens 4 tq .. 4 tq + 3 over key slice ks (channels
 // [ks d / KS, (ks+1) d / KS), side coefficients [ks r / KS, (ks+1) r / KS)), for every row:
 //   part[j][i] = sum_c q_ic (z_c + s_c code(c, t_j)) + sum_c sign uq_ic (sz_c + ss_c code_c(t_j)).
-// qs [rows][d], uqs [rows][r] (side_sign folded in), scales/zeros fp32; kb the staged block.
+// qs [d][MaxRows], uqs [r][MaxRows] (side_sign folded in), scales/zeros fp32; kb the staged
+// block.
 template <int MaxRows>
 KVQ_HD void ChannelQuadTerms(const uint8_t* rows0, int row_bytes, int bits, int c0, int c1, int tq,
-                             const float* q, int ld, int rows, const float* sc, const float* ze,
+                             const float* q, const float* sc, const float* ze,
                              float (&part)[kTokensPerThread][MaxRows]) {
   const int bit = kTokensPerThread * tq * bits, sh = bit & 7;
   const uint32_t mask = (1u << bits) - 1u;
@@ -275,13 +314,13 @@ KVQ_HD void ChannelQuadTerms(const uint8_t* rows0, int row_bytes, int bits, int 
     float k[kTokensPerThread];
     KVQ_UNROLL
     for (int j = 0; j < kTokensPerThread; ++j) k[j] = z + s * CodeToFloat((w >> (j * bits)) & mask);
+    float qc[MaxRows];
+    LoadRows<MaxRows>(q + c * MaxRows, qc);
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i)
-      if (i < rows) {
-        const float qi = q[i * ld + c];
-        KVQ_UNROLL
-        for (int j = 0; j < kTokensPerThread; ++j) part[j][i] += qi * k[j];
-      }
+    for (int i = 0; i < MaxRows; ++i) {
+      KVQ_UNROLL
+      for (int j = 0; j < kTokensPerThread; ++j) part[j][i] += qc[i] * k[j];
+    }
   }
 }
 
@@ -295,16 +334,44 @@ KVQ_HD void KeyQuadPart(const Geometry& g, const uint8_t* kb, const float* qs, c
     for (int i = 0; i < MaxRows; ++i) part[j][i] = 0.0f;
   }
   ChannelQuadTerms<MaxRows>(kb + g.k_codes, g.key_row, g.key_bits, g.d * ks / g.key_slices,
-                            g.d * (ks + 1) / g.key_slices, tq, qs, g.d, g.rows, ksc, kze, part);
+                            g.d * (ks + 1) / g.key_slices, tq, qs, ksc, kze, part);
   if (g.rank > 0)
     ChannelQuadTerms<MaxRows>(kb + g.s_codes, g.side_row, g.side_bits, g.rank * ks / g.key_slices,
-                              g.rank * (ks + 1) / g.key_slices, tq, uqs, g.rank, g.rows, ssc, sze,
-                              part);
+                              g.rank * (ks + 1) / g.key_slices, tq, uqs, ssc, sze, part);
 }
 
-// Online softmax, phase 1 for row i (thread i < rows): the block's logits s [rows][n] (-inf:
-// no weight) raise the row's running max m; corr = exp(m_old - m_new) rescales what the row
-// has summed so far (0 before its first token, whose sums are still 0).
+// The logits of a block of n tokens (of `stride`; the rest get -inf): thread (row i, slice j)
+// of rows x spr (spr = threads / rows) sums the `parts` partial scores of tokens j, j + spr, ...
+// (part [t][rows][parts] at `ts` floats a token, or [parts][rows][stride] when ts is 0), masks
+// tokens below `masked`, and leaves their maximum in pmax [rows][spr] for RowMaxPhase.
+KVQ_HD void LogitsPhase(int tid, int threads, int rows, int n, int stride, int parts,
+                        const float* part, int ts, float scale, int masked, float* s, float* pmax) {
+  const int spr = threads / rows;
+  if (tid >= rows * spr) return;
+  const int i = tid / spr, j = tid % spr;
+  float mx = kNegInf;
+  for (int t = j; t < stride; t += spr) {
+    float v = kNegInf;
+    if (t < n && t >= masked) {
+      float a = 0.0f;
+      if (ts > 0) {
+        const float* pt = part + t * ts + i * parts;
+        for (int k = 0; k < parts; ++k) a += pt[k];
+      } else {
+        for (int k = 0; k < parts; ++k) a += part[(k * rows + i) * stride + t];
+      }
+      v = scale * a;
+    }
+    s[i * stride + t] = v;
+    mx = Max(mx, v);
+  }
+  pmax[i * spr + j] = mx;
+}
+
+// Online softmax, phase 1 for row i (thread i < rows): the block's partial maxima pmax
+// [rows][n] (LogitsPhase; -inf: no weight) raise the row's running max m; corr =
+// exp(m_old - m_new) rescales what the row has summed so far (0 before its first token, whose
+// sums are still 0).
 KVQ_HD void RowMaxPhase(int tid, int rows, int n, const float* s, float* m, float* corr) {
   if (tid >= rows) return;
   float bm = kNegInf;
@@ -314,12 +381,16 @@ KVQ_HD void RowMaxPhase(int tid, int rows, int n, const float* s, float* m, floa
   m[tid] = mn;
 }
 
-// Phase 2, element w of [rows][n]: the weight exp(s - m) of a token (0 while a row has seen
-// nothing but masked tokens).
-KVQ_HD void WeightsPhase(int tid, int threads, int rows, int n, float* s, const float* m) {
-  for (int w = tid; w < rows * n; w += threads) {
-    const float mi = m[w / n];
-    s[w] = mi == kNegInf ? 0.0f : Exp(s[w] - mi);
+// Phase 2, element w of [n][rows_pad]: the weight exp(s - m) of token t for row i (s [rows][n])
+// into pw [n][rows_pad] (0 while a row has seen nothing but masked tokens, and for the padding
+// rows i >= rows), so that a thread reads a token's weights for all rows in one load.
+KVQ_HD void WeightsPhase(int tid, int threads, int rows, int rows_pad, int n, const float* s,
+                         const float* m, float* pw) {
+  for (int w = tid; w < rows_pad * n; w += threads) {
+    const int t = w / rows_pad, i = w % rows_pad;
+    float x = 0.0f;
+    if (i < rows && m[i] != kNegInf) x = Exp(s[i * n + t] - m[i]);
+    pw[w] = x;
   }
 }
 
@@ -367,8 +438,6 @@ struct ThreadState {
 // The registers of a thread of each program (its Cta runs phases with them).
 template <int MaxRows>
 using AttendState = ThreadState<MaxRows, kChannelsPerThread>;
-template <int MaxRows>
-using DenseState = ThreadState<MaxRows, 1>;
 
 // Rescales a thread's sums by the rows' corr (RowMaxPhase) before a block is added.
 template <int MaxRows, int Cpt>
@@ -383,14 +452,16 @@ KVQ_HD void RescaleSums(ThreadState<MaxRows, Cpt>& st, int rows, const float* co
 }
 
 // The denominators: the first channel's thread of each slice adds the weights of its tokens.
+// pw: the weights [n][MaxRows] (WeightsPhase).
 template <int MaxRows, int Cpt>
-KVQ_HD void AddWeights(ThreadState<MaxRows, Cpt>& st, int rows, int cq, int sl, int slices, int n,
-                       int stride, const float* pr) {
+KVQ_HD void AddWeights(ThreadState<MaxRows, Cpt>& st, int cq, int sl, int slices, int n,
+                       const float* pw) {
   if (cq != 0) return;
   for (int t = sl; t < n; t += slices) {
+    float p[MaxRows];
+    LoadRows<MaxRows>(pw + t * MaxRows, p);
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i)
-      if (i < rows) st.sum[i] += pr[i * stride + t];
+    for (int i = 0; i < MaxRows; ++i) st.sum[i] += p[i];
   }
 }
 
@@ -428,10 +499,11 @@ KVQ_HD void WritePartialPhase(int tid, int threads, int rows, int d, int slices,
 // The readout of one block by thread (channel quad cq, token slice sl): for tokens
 // t = sl, sl + slices, ... and channels c = 4 cq .. 4 cq + 3,
 //   acc[c][i] += p_it (z_tg + s_tg code_t(c)),  g = c / value_group,
-// from the staged block vb (off, width: each token record's offset and code width).
+// from the staged block vb (off, width: each token record's offset and code width), pw the
+// weights [G][MaxRows].
 template <int MaxRows>
 KVQ_HD void ValueQuadSums(const Geometry& g, const uint8_t* vb, const int* off, const int* width,
-                          const float* vsc, const float* vze, const float* pr, int cq, int sl,
+                          const float* vsc, const float* vze, const float* pw, int cq, int sl,
                           ThreadState<MaxRows, kChannelsPerThread>& st) {
   constexpr int Q = kChannelsPerThread;
   const int c = Q * cq, g0 = c / g.value_group, g3 = (c + Q - 1) / g.value_group;
@@ -453,18 +525,30 @@ KVQ_HD void ValueQuadSums(const Geometry& g, const uint8_t* vb, const int* off, 
         v[j] = tz[gj] + ts[gj] * CodeToFloat((w >> (j * bits)) & mask);
       }
     }
+    float p[MaxRows];
+    LoadRows<MaxRows>(pw + t * MaxRows, p);
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i)
-      if (i < g.rows) {
-        const float p = pr[i * g.G + t];
-        KVQ_UNROLL
-        for (int j = 0; j < Q; ++j) st.acc[j][i] += p * v[j];
-      }
+    for (int i = 0; i < MaxRows; ++i) {
+      KVQ_UNROLL
+      for (int j = 0; j < Q; ++j) st.acc[j][i] += p[i] * v[j];
+    }
   }
 }
 
+// Bytes of the value block at v: fixed records, or (per-token widths) the records' sizes from
+// the width tags (head_dim a multiple of 32, AttendUnsupported: a record's codes are d w / 8).
+KVQ_HD int ValueBlockBytes(const Geometry& g, const uint8_t* v) {
+  if (g.value_bits != 0) return kHeaderBytes + g.G * g.value_rec;
+  return kHeaderBytes + g.value_tags + g.G * 4 * g.ng +
+         g.d / 8 * (g.G + TagSum(v + kHeaderBytes, g.G));
+}
+
 // One thread block of the attend: item `item`, blocks of range `split` of `splits`. `sm`: the
-// thread block's shared memory (g.sm_bytes, 16-aligned).
+// thread block's shared memory (g.sm_bytes, 16-aligned). Block b + 1 is staged (cp.async)
+// while block b is scored and read out, so that a thread block's loads overlap its arithmetic;
+// per block: Prep (issue the next block's copies; the block's scales to fp32 and, for
+// per-token widths, its record offsets), Scores, Logits, RowMax, Weights, Readout (then wait
+// for the next block's copies).
 template <int MaxRows, class Cta>
 KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_t* sm, int item,
                       int split, int splits) {
@@ -482,11 +566,11 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
   int* off = reinterpret_cast<int*>(sm + g.sm_off);
   float* part = reinterpret_cast<float*>(sm + g.sm_part);
   float* pr = reinterpret_cast<float*>(sm + g.sm_p);
+  float* pw = reinterpret_cast<float*>(sm + g.sm_w);
+  float* pmax = reinterpret_cast<float*>(sm + g.sm_pmax);
   float* m = reinterpret_cast<float*>(sm + g.sm_m);
   float* lred = reinterpret_cast<float*>(sm + g.sm_lred);
   float* corr = reinterpret_cast<float*>(sm + g.sm_corr);
-  uint8_t* kstage = sm + g.sm_kstage;
-  uint8_t* vstage = sm + g.sm_vstage;
   float* red = reinterpret_cast<float*>(sm + g.sm_red);
 
   const int nb = p.item_blocks ? p.item_blocks[item] : p.blocks;
@@ -494,10 +578,36 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
   SplitRange(nb, splits, split, &b0, &b1);
   const float* q = p.q + static_cast<int64_t>(item) * rows * d;
   const float* uq = g.rank > 0 ? p.uq + static_cast<int64_t>(item) * rows * g.rank : nullptr;
+  const uint8_t* const* kblocks = p.key_blocks + static_cast<int64_t>(item) * p.block_stride;
+  const uint8_t* const* vblocks = p.value_blocks + static_cast<int64_t>(item) * p.block_stride;
+  // Where block b's key and value bytes sit in its staging buffer.
+  auto staged_key = [&](int b) {
+    return sm + g.sm_stage + ((b - b0) & 1) * g.stage_bytes +
+           (reinterpret_cast<uintptr_t>(kblocks[b]) & 15u);
+  };
+  auto staged_value = [&](int b) {
+    return sm + g.sm_stage + ((b - b0) & 1) * g.stage_bytes + g.stage_value +
+           (reinterpret_cast<uintptr_t>(vblocks[b]) & 15u);
+  };
+  auto stage = [&](int b, int tid) {
+    const uint8_t* kg = kblocks[b];
+    const uint8_t* vg = vblocks[b];
+    uint8_t* buf = sm + g.sm_stage + ((b - b0) & 1) * g.stage_bytes;
+    StageAsync(kg, g.key_bytes, buf, tid, T);
+    StageAsync(vg, ValueBlockBytes(g, vg), buf + g.stage_value, tid, T);
+  };
 
   cta.Phase([&](int tid, State& st) {
-    for (int w = tid; w < rows * d; w += T) qs[w] = q[w];
-    for (int w = tid; w < rows * g.rank; w += T) uqs[w] = p.side_sign * uq[w];
+    if (b0 < b1) stage(b0, tid);
+    // q and uq transposed to [channel][MaxRows], the padding rows zero.
+    for (int w = tid; w < MaxRows * d; w += T) {
+      const int c = w / MaxRows, i = w % MaxRows;
+      qs[w] = i < rows ? q[i * d + c] : 0.0f;
+    }
+    for (int w = tid; w < MaxRows * g.rank; w += T) {
+      const int c = w / MaxRows, i = w % MaxRows;
+      uqs[w] = i < rows ? p.side_sign * uq[i * g.rank + c] : 0.0f;
+    }
     if (tid < rows) m[tid] = kNegInf;
     for (int t = tid; g.value_bits != 0 && t <= G; t += T) {  // uniform widths: fixed records
       if (t < G) width[t] = g.value_bits;
@@ -509,49 +619,33 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
       KVQ_UNROLL
       for (int j = 0; j < kChannelsPerThread; ++j) st.acc[j][i] = 0.0f;
     }
+    WaitStaged();
   });
 
   for (int b = b0; b < b1; ++b) {
-    const int64_t at = static_cast<int64_t>(item) * p.block_stride + b;
-    const uint8_t* kg = p.key_blocks[at];
-    const uint8_t* vg = p.value_blocks[at];
-    if (g.value_bits == 0) {  // per-token widths: record offsets by a prefix sum of the tags
-      cta.Phase([&](int tid, State&) {
-        for (int t = tid; t < G; t += T) width[t] = TokenWidth(vg + kHeaderBytes, t);
-      });
-      cta.Phase([&](int tid, State&) {
-        for (int t = tid; t <= G; t += T) {
-          int o = kHeaderBytes + g.value_tags;
-          for (int u = 0; u < t; ++u) o += 4 * g.ng + RowBytes(d, width[u]);
-          off[t] = o;  // off[G]: the block's size
-        }
-      });
-    }
-    // Stage both blocks; while the copies are in flight, fp32 scales and zero points (read
-    // from global memory).
+    const uint8_t* kb = staged_key(b);
+    const uint8_t* vb = staged_value(b);
+    // The next block's copies; this block's key scales and zero points to fp32, and (per-token
+    // widths) its record widths and offsets from the staged tags.
     cta.Phase([&](int tid, State&) {
-      StageTwo(kg, g.key_bytes, kstage, vg, off[G], vstage, tid, T, [&] {
-        for (int c = tid; c < d; c += T) {
-          ksc[c] = LoadHalf(kg + g.k_scale + 2 * c);
-          kze[c] = LoadHalf(kg + g.k_zero + 2 * c);
-        }
-        for (int j = tid; j < g.rank; j += T) {
-          ssc[j] = LoadHalf(kg + g.s_scale + 2 * j);
-          sze[j] = LoadHalf(kg + g.s_zero + 2 * j);
-        }
-        for (int w = tid; w < G * g.ng; w += T) {
-          const int t = w / g.ng, gr = w % g.ng;
-          const uint8_t* rec = vg + off[t];
-          vsc[w] = LoadHalf(rec + 2 * gr);
-          vze[w] = LoadHalf(rec + 2 * (g.ng + gr));
-        }
-      });
+      if (b + 1 < b1) stage(b + 1, tid);
+      for (int c = tid; c < d; c += T) {
+        ksc[c] = LoadHalf(kb + g.k_scale + 2 * c);
+        kze[c] = LoadHalf(kb + g.k_zero + 2 * c);
+      }
+      for (int j = tid; j < g.rank; j += T) {
+        ssc[j] = LoadHalf(kb + g.s_scale + 2 * j);
+        sze[j] = LoadHalf(kb + g.s_zero + 2 * j);
+      }
+      for (int t = tid; g.value_bits == 0 && t <= G; t += T) {
+        if (t < G) width[t] = TokenWidth(vb + kHeaderBytes, t);
+        off[t] = kHeaderBytes + g.value_tags + t * 4 * g.ng +
+                 d / 8 * (t + TagSum(vb + kHeaderBytes, t));  // off[G]: the block's size
+      }
     });
-    // Scores, a slice of the channels per thread; header checks.
+    // Scores, a slice of the channels per thread; the value scales to fp32; header checks.
     cta.Phase([&](int tid, State&) {
-      const uint8_t* kb = kstage + (reinterpret_cast<uintptr_t>(kg) & 15u);
       if (tid == 0 && p.error_flags) {
-        const uint8_t* vb = vstage + (reinterpret_cast<uintptr_t>(vg) & 15u);
         const bool ok =
             HeaderMatches(kb, 1, p.keys_rotated, g.key_bits, g.side_bits, G, d, g.rank) &&
             HeaderMatches(vb, 2, p.values_rotated, g.value_bits, 0, G, d, g.value_group);
@@ -562,6 +656,12 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
           *p.error_flags |= kAttendHeaderMismatch;
 #endif
         }
+      }
+      for (int w = tid; w < G * g.ng; w += T) {
+        const int t = w / g.ng, gr = w % g.ng;
+        const uint8_t* rec = vb + off[t];
+        vsc[w] = LoadHalf(rec + 2 * gr);
+        vze[w] = LoadHalf(rec + 2 * (g.ng + gr));
       }
       const int quads = G / kTokensPerThread;
       for (int w = tid; w < quads * g.key_slices; w += T) {
@@ -577,23 +677,20 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
           }
       }
     });
+    const int masked = b == 0 ? p.masked_prefix : 0;
     cta.Phase([&](int tid, State&) {
-      for (int w = tid; w < rows * G; w += T) {
-        const int i = w / G, t = w % G;
-        float s = 0.0f;
-        for (int ks = 0; ks < g.key_slices; ++ks) s += part[(ks * rows + i) * G + t];
-        pr[w] = b == 0 && t < p.masked_prefix ? kNegInf : p.scale * s;
-      }
+      LogitsPhase(tid, T, rows, G, G, g.key_slices, part, 0, p.scale, masked, pr, pmax);
     });
-    cta.Phase([&](int tid, State&) { RowMaxPhase(tid, rows, G, pr, m, corr); });
-    cta.Phase([&](int tid, State&) { WeightsPhase(tid, T, rows, G, pr, m); });
-    // Readout: thread (channel quad cq, slice sl) over tokens sl, sl + slices, ...
+    cta.Phase([&](int tid, State&) { RowMaxPhase(tid, rows, T / rows, pmax, m, corr); });
+    cta.Phase([&](int tid, State&) { WeightsPhase(tid, T, rows, MaxRows, G, pr, m, pw); });
+    // Readout: thread (channel quad cq, slice sl) over tokens sl, sl + slices, ...; then the
+    // next block's copies must have landed before the barrier.
     cta.Phase([&](int tid, State& st) {
-      const uint8_t* vb = vstage + (reinterpret_cast<uintptr_t>(vg) & 15u);
       const int cq = tid % (d / kChannelsPerThread), sl = tid / (d / kChannelsPerThread);
       RescaleSums<MaxRows>(st, rows, corr);
-      AddWeights<MaxRows>(st, rows, cq, sl, g.slices, G, G, pr);
-      ValueQuadSums<MaxRows>(g, vb, off, width, vsc, vze, pr, cq, sl, st);
+      AddWeights<MaxRows>(st, cq, sl, g.slices, G, pw);
+      ValueQuadSums<MaxRows>(g, vb, off, width, vsc, vze, pw, cq, sl, st);
+      WaitStaged();
     });
   }
   cta.Phase([&](int tid, State& st) { ReduceSumsPhase<MaxRows>(tid, rows, d, st, red, lred); });
@@ -620,52 +717,90 @@ KVQ_HD void MergeOne(void* workspace, int items, int rows, int d, int splits, in
   if (c == 0 && sum_out) sum_out[row] = sum;
 }
 
-// The dense fp16 baseline's thread block: the same program over chunks of 32 fp16 tokens.
-struct DenseGeometry {
-  int d, rows, threads, slices, key_slices;
-  int sm_q, sm_part, sm_p, sm_m, sm_lred, sm_corr, sm_k, sm_v, sm_red, sm_bytes;
+// The dense fp16 baseline's thread block: the same online-softmax program over chunks of
+// tokens, built to run at memory bandwidth: a chunk's K and V rows (16 KiB) are staged by
+// cp.async into one of two buffers while the previous chunk is computed; every thread reads 8
+// channels (16 bytes) of a row at a time, lanes along the channels, so that a quarter warp
+// reads 128 contiguous bytes (no bank conflicts); fp32 arithmetic throughout.
+inline constexpr int kDenseLane = 8;  // channels a thread reads at once: 16 bytes of fp16
+
+// A thread's registers: its sums, and the queries of its 8 channels for every row (a thread
+// keeps one lane of the rows, so the scores read no query from shared memory).
+template <int MaxRows>
+struct DenseState : ThreadState<MaxRows, kDenseLane> {
+  float q[kDenseLane][MaxRows];
 };
-inline constexpr int kDenseChunk = 32;
+
+struct DenseGeometry {
+  int d, rows, threads, chunk, lanes, slices;  // lanes: threads across a row (d / 8)
+  int part_stride;
+  int sm_part, sm_p, sm_w, sm_pmax, sm_m, sm_lred, sm_corr, sm_stage, stage_bytes, sm_red, sm_bytes;
+};
+
+// Tokens of a chunk: 16 KiB of K and V rows (at least one token).
+KVQ_HD int DenseChunk(int d) { return d >= 4096 ? 1 : 4096 / d; }
 
 KVQ_HD DenseGeometry MakeDenseGeometry(const DenseAttendParams& p) {
   DenseGeometry g{};
   g.d = p.head_dim;
   g.rows = p.rows;
   g.threads = ThreadsFor(g.d);
-  g.slices = g.threads / g.d;
-  g.key_slices = g.threads / kDenseChunk;
+  g.chunk = DenseChunk(g.d);
+  g.lanes = g.d / kDenseLane;
+  g.slices = g.threads / g.lanes;
   int at = 0;
   auto take = [&at](int bytes) {
     const int o = at;
     at += RoundUp16(bytes);
     return o;
   };
-  g.sm_q = take(4 * g.rows * g.d);
-  g.sm_part = take(4 * g.key_slices * g.rows * kDenseChunk);
-  g.sm_p = take(4 * g.rows * kDenseChunk);
+  // [t][rows][lanes], a token's scores padded by one float so that LogitsPhase's threads (one
+  // token each) read different banks.
+  g.part_stride = g.rows * g.lanes + 1;
+  g.sm_part = take(4 * g.chunk * g.part_stride);
+  g.sm_p = take(4 * g.rows * g.chunk);
+  g.sm_w = take(4 * g.chunk * RowsPad(g.rows));  // the weights [chunk][MaxRows]
+  g.sm_pmax = take(4 * g.threads);
   g.sm_m = take(4 * g.rows);
   g.sm_lred = take(4 * g.slices * g.rows);
   g.sm_corr = take(4 * g.rows);
-  g.sm_k = take(2 * kDenseChunk * g.d);
-  g.sm_v = take(2 * kDenseChunk * g.d);
-  g.sm_red = take(4 * g.slices * g.rows * g.d);
+  g.stage_bytes = RoundUp16(2 * 2 * g.chunk * g.d);  // K rows, then V rows
+  g.sm_stage = take(2 * g.stage_bytes);
+  const int red = 4 * g.slices * g.rows * g.d;
+  g.sm_red = red <= at - g.sm_stage ? g.sm_stage : take(red);
   g.sm_bytes = at;
   return g;
 }
 
+// 8 fp16 values (16 bytes) to fp32.
+KVQ_HD void HalvesToFloats(const Vec16& v, float (&f)[kDenseLane]) {
+  KVQ_UNROLL
+  for (int k = 0; k < 4; ++k) {
+#ifdef __CUDA_ARCH__
+    const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&v.w[k]));
+    f[2 * k] = x.x;
+    f[2 * k + 1] = x.y;
+#else
+    f[2 * k] = HalfToFloat(static_cast<uint16_t>(v.w[k] & 0xffffu));
+    f[2 * k + 1] = HalfToFloat(static_cast<uint16_t>(v.w[k] >> 16));
+#endif
+  }
+}
+
+// k, v must be 16-byte aligned (DenseAttend checks): a chunk's rows are then whole 16-byte
+// words, staged at the start of the buffer.
 template <int MaxRows, class Cta>
 KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& g, uint8_t* sm,
                      int item, int split, int splits) {
   using State = DenseState<MaxRows>;
-  const int d = g.d, rows = g.rows, T = g.threads, C = kDenseChunk;
-  float* qs = reinterpret_cast<float*>(sm + g.sm_q);
+  const int d = g.d, rows = g.rows, T = g.threads, C = g.chunk, L = g.lanes;
   float* part = reinterpret_cast<float*>(sm + g.sm_part);
   float* pr = reinterpret_cast<float*>(sm + g.sm_p);
+  float* pw = reinterpret_cast<float*>(sm + g.sm_w);
+  float* pmax = reinterpret_cast<float*>(sm + g.sm_pmax);
   float* m = reinterpret_cast<float*>(sm + g.sm_m);
   float* lred = reinterpret_cast<float*>(sm + g.sm_lred);
   float* corr = reinterpret_cast<float*>(sm + g.sm_corr);
-  const uint16_t* ks = reinterpret_cast<const uint16_t*>(sm + g.sm_k);
-  const uint16_t* vs = reinterpret_cast<const uint16_t*>(sm + g.sm_v);
   float* red = reinterpret_cast<float*>(sm + g.sm_red);
   const int chunks = static_cast<int>((p.tokens + C - 1) / C);
   int c0, c1;
@@ -673,58 +808,81 @@ KVQ_HD void DenseCta(Cta& cta, const DenseAttendParams& p, const DenseGeometry& 
   const float* q = p.q + static_cast<int64_t>(item) * rows * d;
   const uint16_t* kh = p.k + static_cast<int64_t>(item) * p.tokens * d;
   const uint16_t* vh = p.v + static_cast<int64_t>(item) * p.tokens * d;
+  auto tokens_in = [&](int ch) {
+    const int64_t t0 = static_cast<int64_t>(ch) * C;
+    return static_cast<int>(p.tokens - t0 < C ? p.tokens - t0 : C);
+  };
+  auto buffer = [&](int ch) { return sm + g.sm_stage + ((ch - c0) & 1) * g.stage_bytes; };
+  auto stage = [&](int ch, int tid) {
+    const int64_t t0 = static_cast<int64_t>(ch) * C;
+    const int bytes = 2 * tokens_in(ch) * d;
+    StageAsync(reinterpret_cast<const uint8_t*>(kh + t0 * d), bytes, buffer(ch), tid, T);
+    StageAsync(reinterpret_cast<const uint8_t*>(vh + t0 * d), bytes, buffer(ch) + 2 * C * d, tid,
+               T);
+  };
   cta.Phase([&](int tid, State& st) {
-    for (int w = tid; w < rows * d; w += T) qs[w] = q[w];
-    if (tid < rows) m[tid] = kNegInf;
+    if (c0 < c1) stage(c0, tid);
+    // This thread's lane of every row's query (threads is a multiple of the lanes, so a
+    // thread's lane is the same in every phase), the padding rows zero.
+    const int l = tid % L;
     KVQ_UNROLL
-    for (int i = 0; i < MaxRows; ++i) st.acc[0][i] = st.sum[i] = 0.0f;
+    for (int i = 0; i < MaxRows; ++i) {
+      st.sum[i] = 0.0f;
+      KVQ_UNROLL
+      for (int j = 0; j < kDenseLane; ++j) {
+        st.acc[j][i] = 0.0f;
+        st.q[j][i] = i < rows ? q[i * d + kDenseLane * l + j] : 0.0f;
+      }
+    }
+    if (tid < rows) m[tid] = kNegInf;
+    WaitStaged();
   });
   for (int ch = c0; ch < c1; ++ch) {
-    const int64_t t0 = static_cast<int64_t>(ch) * C;
-    const int n = static_cast<int>(p.tokens - t0 < C ? p.tokens - t0 : C);
-    cta.Phase([&](int tid, State&) {
-      StageTwo(reinterpret_cast<const uint8_t*>(kh + t0 * d), 2 * n * d, sm + g.sm_k,
-               reinterpret_cast<const uint8_t*>(vh + t0 * d), 2 * n * d, sm + g.sm_v, tid, T,
-               [] {});
-    });
-    cta.Phase([&](int tid, State&) {
-      for (int w = tid; w < C * g.key_slices; w += T) {
-        const int t = w % C, kslice = w / C;
-        const int a = d * kslice / g.key_slices, e = d * (kslice + 1) / g.key_slices;
+    const int n = tokens_in(ch);
+    const Vec16* ks = reinterpret_cast<const Vec16*>(buffer(ch));
+    const Vec16* vs = reinterpret_cast<const Vec16*>(buffer(ch) + 2 * C * d);
+    // The next chunk's copies; partial scores: thread (lane l, token t) over channels
+    // 8 l .. 8 l + 7.
+    cta.Phase([&](int tid, State& st) {
+      if (ch + 1 < c1) stage(ch + 1, tid);
+      for (int w = tid; w < n * L; w += T) {
+        const int l = w % L, t = w / L;
+        float k[kDenseLane];
+        HalvesToFloats(ks[t * L + l], k);
         float s[MaxRows];
         KVQ_UNROLL
-        for (int i = 0; i < MaxRows; ++i) s[i] = 0.0f;
-        for (int c = a; t < n && c < e; ++c) {
-          const float k = HalfToFloat(ks[t * d + c]);
+        for (int i = 0; i < MaxRows; ++i) {
+          s[i] = 0.0f;
           KVQ_UNROLL
-          for (int i = 0; i < MaxRows; ++i)
-            if (i < rows) s[i] += qs[i * d + c] * k;
+          for (int j = 0; j < kDenseLane; ++j) s[i] += st.q[j][i] * k[j];
         }
         KVQ_UNROLL
         for (int i = 0; i < MaxRows; ++i)
-          if (i < rows) part[(kslice * rows + i) * C + t] = s[i];
+          if (i < rows) part[t * g.part_stride + i * L + l] = s[i];
       }
     });
     cta.Phase([&](int tid, State&) {
-      for (int w = tid; w < rows * C; w += T) {
-        const int i = w / C, t = w % C;
-        float s = 0.0f;
-        for (int k = 0; k < g.key_slices; ++k) s += part[(k * rows + i) * C + t];
-        pr[w] = t < n ? p.scale * s : kNegInf;
-      }
+      LogitsPhase(tid, T, rows, n, C, L, part, g.part_stride, p.scale, 0, pr, pmax);
     });
-    cta.Phase([&](int tid, State&) { RowMaxPhase(tid, rows, C, pr, m, corr); });
-    cta.Phase([&](int tid, State&) { WeightsPhase(tid, T, rows, C, pr, m); });
+    cta.Phase([&](int tid, State&) { RowMaxPhase(tid, rows, T / rows, pmax, m, corr); });
+    cta.Phase([&](int tid, State&) { WeightsPhase(tid, T, rows, MaxRows, C, pr, m, pw); });
+    // Readout: thread (lane l, slice sl) over tokens sl, sl + slices, ...; then the next
+    // chunk's copies must have landed before the barrier.
     cta.Phase([&](int tid, State& st) {
-      const int c = tid % d, sl = tid / d;
+      const int l = tid % L, sl = tid / L;
       RescaleSums<MaxRows>(st, rows, corr);
-      AddWeights<MaxRows>(st, rows, c, sl, g.slices, n, C, pr);
+      AddWeights<MaxRows>(st, l, sl, g.slices, n, pw);
       for (int t = sl; t < n; t += g.slices) {
-        const float v = HalfToFloat(vs[t * d + c]);
+        float v[kDenseLane], w[MaxRows];
+        HalvesToFloats(vs[t * L + l], v);
+        LoadRows<MaxRows>(pw + t * MaxRows, w);
         KVQ_UNROLL
-        for (int i = 0; i < MaxRows; ++i)
-          if (i < rows) st.acc[0][i] += pr[i * C + t] * v;
+        for (int i = 0; i < MaxRows; ++i) {
+          KVQ_UNROLL
+          for (int j = 0; j < kDenseLane; ++j) st.acc[j][i] += w[i] * v[j];
+        }
       }
+      WaitStaged();
     });
   }
   cta.Phase([&](int tid, State& st) { ReduceSumsPhase<MaxRows>(tid, rows, d, st, red, lred); });

@@ -228,7 +228,8 @@ TEST(CudaAttendMath, DenseBaselineMatchesDenseAttention) {
         p.v = vh.data();
         p.q = q.data();
         p.scale = 1.0f / std::sqrt(static_cast<float>(d));
-        const int chunks = static_cast<int>((tokens + am::kDenseChunk - 1) / am::kDenseChunk);
+        const int chunk = am::DenseChunk(d);
+        const int chunks = static_cast<int>((tokens + chunk - 1) / chunk);
         const int s = std::min(splits, chunks);
         std::vector<float> ws(static_cast<size_t>(items) * s * rows * (d + 2));
         std::vector<float> out(static_cast<size_t>(items) * rows * d, std::nanf(""));

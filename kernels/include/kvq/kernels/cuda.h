@@ -102,9 +102,10 @@ int Attend(const AttendParams& p, void* stream);
 int StreamRead(const void* data, size_t bytes, uint32_t* sink, void* stream);
 
 // Baseline: dense fp16 decode attention over the same tokens, flash-decoding with splits.
-// k, v: device fp16 [items][tokens][d] (d a multiple of 8, at most 256); q: [items][rows][d]
-// fp32; out [items][rows][d] normalized; workspace as Attend's
-// (DenseAttendWorkspaceBytes). splits 0: as AttendSplits would choose for tokens / 32 blocks.
+// k, v: device fp16 [items][tokens][d], 16-byte aligned (d a multiple of 32, at most 256);
+// q: [items][rows][d] fp32; out [items][rows][d] normalized; workspace as Attend's
+// (DenseAttendWorkspaceBytes). Tokens go in chunks of 4096 / d (16 KiB of K and V); splits
+// 0: as AttendSplits would choose for that many blocks.
 struct DenseAttendParams {
   int head_dim = 0, items = 0, rows = 0;
   int64_t tokens = 0;
