@@ -39,6 +39,10 @@ inline constexpr int kChannelsPerThread = 4;
 inline constexpr int kTokensPerThread = 4;
 inline constexpr float kNegInf = -__builtin_huge_valf();
 
+// Bias slices: the zero-point terms of a block's scores are summed by kBiasSlices threads a
+// row (channels j, j + kBiasSlices, ...) and added to the logits.
+inline constexpr int kBiasSlices = 8;
+
 // 16 bytes, the unit of every global load of the staging phases.
 struct alignas(16) Vec16 {
   uint32_t w[4];
@@ -73,7 +77,19 @@ KVQ_HD float HalfToFloat(uint16_t h) {
 
 // Little-endian u16 at any byte address (records of odd size sit at odd addresses).
 KVQ_HD uint32_t LoadU16(const uint8_t* p) { return p[0] | (static_cast<uint32_t>(p[1]) << 8); }
-KVQ_HD float LoadHalf(const uint8_t* p) { return HalfToFloat(static_cast<uint16_t>(LoadU16(p))); }
+// One 2-byte load where p is even (a block's fields are, when the block is), else two bytes.
+KVQ_HD float LoadHalf(const uint8_t* p) {
+  if ((reinterpret_cast<uintptr_t>(p) & 1u) == 0) {
+#ifdef __CUDA_ARCH__
+    return HalfToFloat(*reinterpret_cast<const uint16_t*>(p));
+#else
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return HalfToFloat(h);
+#endif
+  }
+  return HalfToFloat(static_cast<uint16_t>(LoadU16(p)));
+}
 
 // The 32 bits from byte address p on (little-endian), by two aligned 4-byte loads: p lies in a
 // staging buffer (or a block) that may be read in the aligned 8 bytes that cover [p, p + 4). Codes
@@ -94,9 +110,22 @@ KVQ_HD uint32_t Window32(const uint8_t* p) {
   return static_cast<uint32_t>(v >> (8 * lo));
 }
 
-// A code (< 2^23) as a float without an int-to-float conversion (a quarter-rate instruction
-// or slower on GPUs): 2^23 + code has the code as its mantissa; subtracting 2^23 is exact.
-KVQ_HD float CodeToFloat(uint32_t code) { return BitsToFloat(0x4B000000u | code) - 8388608.0f; }
+// Codes as floats without an int-to-float conversion (a quarter-rate instruction or slower on
+// GPUs) and without a subtraction: code j of b bits in w (at bit j b) as 1 + code / 2^b, the
+// float whose mantissa's top b bits are the code (one funnel shift and one LOP3 a code). The
+// kernels fold the scale and zero point around it: z + s code = (s 2^b) f + (z - s 2^b).
+struct CodeUnpacker {
+  uint64_t wide;  // w << (23 - b): code j at bits [23 - b + j b, 23 + j b)
+  uint32_t mask;  // the code's bits at [23 - b, 23)
+  int bits;
+  KVQ_HD CodeUnpacker(uint32_t w, int b)
+      : wide(static_cast<uint64_t>(w) << (23 - b)), mask(((1u << b) - 1u) << (23 - b)), bits(b) {}
+  KVQ_HD float operator()(int j) const {
+    return BitsToFloat(0x3F800000u | (static_cast<uint32_t>(wide >> (j * bits)) & mask));
+  }
+};
+// 2^b as a float (b <= 8).
+KVQ_HD float Pow2(int b) { return static_cast<float>(1u << b); }
 
 KVQ_HD int RowBytes(int n, int bits) { return (n * bits + 7) / 8; }
 KVQ_HD float Max(float a, float b) { return a > b ? a : b; }
@@ -138,8 +167,8 @@ struct Geometry {
   // threads; readout: slices of the tokens per channel quad; scores: slices of the channels
   // per token quad.
   int threads, slices, key_slices;
-  int sm_q, sm_uq, sm_kscale, sm_kzero, sm_sscale, sm_szero, sm_vscale, sm_vzero, sm_width, sm_off,
-      sm_part, sm_p, sm_w, sm_pmax, sm_m, sm_lred, sm_corr, sm_red, sm_bytes;
+  int sm_q, sm_uq, sm_qk, sm_uk, sm_zpart, sm_vscale, sm_vzero, sm_width, sm_off, sm_part, sm_p,
+      sm_w, sm_pmax, sm_m, sm_lred, sm_corr, sm_red, sm_bytes;
   // Two staging buffers (block b in buffer b & 1 while b + 1 arrives in the other), each a key
   // block then a value block, with the 16-byte alignment slack either side.
   int sm_stage, stage_bytes, stage_value;
@@ -182,10 +211,9 @@ KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
   };
   g.sm_q = take(4 * g.rows_pad * g.d);  // [d][rows_pad], rows beyond `rows` zero
   g.sm_uq = take(4 * g.rows_pad * g.rank);
-  g.sm_kscale = take(4 * g.d);
-  g.sm_kzero = take(4 * g.d);
-  g.sm_sscale = take(4 * g.rank);
-  g.sm_szero = take(4 * g.rank);
+  g.sm_qk = take(4 * g.rows_pad * g.d);  // KeyPrepPhase's folded queries and bias
+  g.sm_uk = take(4 * g.rows_pad * g.rank);
+  g.sm_zpart = take(4 * g.rows_pad * kBiasSlices);
   g.sm_vscale = take(4 * g.G * g.ng);
   g.sm_vzero = take(4 * g.G * g.ng);
   g.sm_width = take(4 * g.G);
@@ -298,24 +326,22 @@ KVQ_HD void LoadRows(const float* p, float (&x)[MaxRows]) {
 }
 
 // Part of the scores of tokens 4 tq .. 4 tq + 3 over key slice ks (channels
-// [ks d / KS, (ks+1) d / KS), side coefficients [ks r / KS, (ks+1) r / KS)), for every row:
-//   part[j][i] = sum_c q_ic (z_c + s_c code(c, t_j)) + sum_c sign uq_ic (sz_c + ss_c code_c(t_j)).
-// qs [d][MaxRows], uqs [r][MaxRows] (side_sign folded in), scales/zeros fp32; kb the staged
-// block.
+// [ks d / KS, (ks+1) d / KS), side coefficients [ks r / KS, (ks+1) r / KS)), for every row,
+// without the zero points (KeyBiasPhase):
+//   part[j][i] = sum_c qk_ic f(c, t_j) + sum_c uk_ic f_c(t_j),   f = 1 + code / 2^b,
+// qk [d][MaxRows] = q_ic s_c 2^b and uk [r][MaxRows] = sign uq_ic ss_c 2^sb (KeyPrepPhase); kb
+// the staged block.
 template <int MaxRows>
 KVQ_HD void ChannelQuadTerms(const uint8_t* rows0, int row_bytes, int bits, int c0, int c1, int tq,
-                             const float* q, const float* sc, const float* ze,
-                             float (&part)[kTokensPerThread][MaxRows]) {
+                             const float* qk, float (&part)[kTokensPerThread][MaxRows]) {
   const int bit = kTokensPerThread * tq * bits, sh = bit & 7;
-  const uint32_t mask = (1u << bits) - 1u;
   for (int c = c0; c < c1; ++c) {
-    const uint32_t w = Window32(rows0 + c * row_bytes + (bit >> 3)) >> sh;
-    const float s = sc[c], z = ze[c];
+    const CodeUnpacker code(Window32(rows0 + c * row_bytes + (bit >> 3)) >> sh, bits);
     float k[kTokensPerThread];
     KVQ_UNROLL
-    for (int j = 0; j < kTokensPerThread; ++j) k[j] = z + s * CodeToFloat((w >> (j * bits)) & mask);
+    for (int j = 0; j < kTokensPerThread; ++j) k[j] = code(j);
     float qc[MaxRows];
-    LoadRows<MaxRows>(q + c * MaxRows, qc);
+    LoadRows<MaxRows>(qk + c * MaxRows, qc);
     KVQ_UNROLL
     for (int i = 0; i < MaxRows; ++i) {
       KVQ_UNROLL
@@ -325,8 +351,7 @@ KVQ_HD void ChannelQuadTerms(const uint8_t* rows0, int row_bytes, int bits, int 
 }
 
 template <int MaxRows>
-KVQ_HD void KeyQuadPart(const Geometry& g, const uint8_t* kb, const float* qs, const float* uqs,
-                        const float* ksc, const float* kze, const float* ssc, const float* sze,
+KVQ_HD void KeyQuadPart(const Geometry& g, const uint8_t* kb, const float* qk, const float* uk,
                         int tq, int ks, float (&part)[kTokensPerThread][MaxRows]) {
   KVQ_UNROLL
   for (int j = 0; j < kTokensPerThread; ++j) {
@@ -334,21 +359,50 @@ KVQ_HD void KeyQuadPart(const Geometry& g, const uint8_t* kb, const float* qs, c
     for (int i = 0; i < MaxRows; ++i) part[j][i] = 0.0f;
   }
   ChannelQuadTerms<MaxRows>(kb + g.k_codes, g.key_row, g.key_bits, g.d * ks / g.key_slices,
-                            g.d * (ks + 1) / g.key_slices, tq, qs, ksc, kze, part);
+                            g.d * (ks + 1) / g.key_slices, tq, qk, part);
   if (g.rank > 0)
     ChannelQuadTerms<MaxRows>(kb + g.s_codes, g.side_row, g.side_bits, g.rank * ks / g.key_slices,
-                              g.rank * (ks + 1) / g.key_slices, tq, uqs, ssc, sze, part);
+                              g.rank * (ks + 1) / g.key_slices, tq, uk, part);
+}
+
+// The block's folded queries and score bias (kb staged; qs [d][MaxRows], uqs [r][MaxRows]):
+//   qk_ic = q_ic s_c 2^b,  uk_ij = sign uq_ij ss_j 2^sb,
+//   zpart[sl][i] = sum_{c = sl mod kBiasSlices} q_ic (z_c - s_c 2^b) + (side terms alike),
+// so that score_it = sum_c qk_ic f(c, t) + ... + sum_sl zpart[sl][i] = q . (z + s code) + ...
+template <int MaxRows>
+KVQ_HD void KeyPrepPhase(int tid, int threads, const Geometry& g, const uint8_t* kb,
+                         const float* qs, const float* uqs, float* qk, float* uk, float* zpart) {
+  const float kp = Pow2(g.key_bits), sp = Pow2(g.side_bits);
+  for (int w = tid; w < MaxRows * g.d; w += threads)
+    qk[w] = qs[w] * (LoadHalf(kb + g.k_scale + 2 * (w / MaxRows)) * kp);
+  for (int w = tid; w < MaxRows * g.rank; w += threads)
+    uk[w] = uqs[w] * (LoadHalf(kb + g.s_scale + 2 * (w / MaxRows)) * sp);
+  for (int w = tid; w < MaxRows * kBiasSlices; w += threads) {
+    const int i = w % MaxRows, sl = w / MaxRows;
+    float a = 0.0f;
+    for (int c = sl; c < g.d; c += kBiasSlices)
+      a += qs[c * MaxRows + i] *
+           (LoadHalf(kb + g.k_zero + 2 * c) - LoadHalf(kb + g.k_scale + 2 * c) * kp);
+    for (int c = sl; c < g.rank; c += kBiasSlices)
+      a += uqs[c * MaxRows + i] *
+           (LoadHalf(kb + g.s_zero + 2 * c) - LoadHalf(kb + g.s_scale + 2 * c) * sp);
+    zpart[w] = a;
+  }
 }
 
 // The logits of a block of n tokens (of `stride`; the rest get -inf): thread (row i, slice j)
 // of rows x spr (spr = threads / rows) sums the `parts` partial scores of tokens j, j + spr, ...
 // (part [t][rows][parts] at `ts` floats a token, or [parts][rows][stride] when ts is 0), masks
 // tokens below `masked`, and leaves their maximum in pmax [rows][spr] for RowMaxPhase.
+// A row's bias (zpart [kBiasSlices][bias_stride], KeyPrepPhase; null: none) adds to its sums.
 KVQ_HD void LogitsPhase(int tid, int threads, int rows, int n, int stride, int parts,
-                        const float* part, int ts, float scale, int masked, float* s, float* pmax) {
+                        const float* part, int ts, float scale, int masked, float* s, float* pmax,
+                        const float* zpart = nullptr, int bias_stride = 0) {
   const int spr = threads / rows;
   if (tid >= rows * spr) return;
   const int i = tid / spr, j = tid % spr;
+  float bias = 0.0f;
+  for (int k = 0; zpart && k < kBiasSlices; ++k) bias += zpart[k * bias_stride + i];
   float mx = kNegInf;
   for (int t = j; t < stride; t += spr) {
     float v = kNegInf;
@@ -360,7 +414,7 @@ KVQ_HD void LogitsPhase(int tid, int threads, int rows, int n, int stride, int p
       } else {
         for (int k = 0; k < parts; ++k) a += part[(k * rows + i) * stride + t];
       }
-      v = scale * a;
+      v = scale * (a + bias);
     }
     s[i * stride + t] = v;
     mx = Max(mx, v);
@@ -436,8 +490,12 @@ struct ThreadState {
 };
 
 // The registers of a thread of each program (its Cta runs phases with them).
+// The attend's: also the zero-point terms of its channel quad (one value group), the same for
+// the quad's four channels, added to them at the end.
 template <int MaxRows>
-using AttendState = ThreadState<MaxRows, kChannelsPerThread>;
+struct AttendState : ThreadState<MaxRows, kChannelsPerThread> {
+  float zacc[MaxRows];
+};
 
 // Rescales a thread's sums by the rows' corr (RowMaxPhase) before a block is added.
 template <int MaxRows, int Cpt>
@@ -500,33 +558,64 @@ KVQ_HD void WritePartialPhase(int tid, int threads, int rows, int d, int slices,
 // t = sl, sl + slices, ... and channels c = 4 cq .. 4 cq + 3,
 //   acc[c][i] += p_it (z_tg + s_tg code_t(c)),  g = c / value_group,
 // from the staged block vb (off, width: each token record's offset and code width), pw the
-// weights [G][MaxRows].
+// weights [G][MaxRows], vsc = s 2^b and vze = z - s 2^b per token and group (the fold of
+// CodeUnpacker). When the quad lies in one group: acc[c][i] += (p_it vsc_t) f_t(c), and
+// zacc[i] += p_it vze_t once for the four channels.
+// Token t's codes of the quad c .. c + 3 as CodeUnpacker floats (Uniform: every record
+// `bits` wide at a fixed stride, so that the loop keeps the unpacking constants in registers;
+// else the record's width and offset from width, off).
+template <bool Uniform>
+KVQ_HD void UnpackQuad(const Geometry& g, const uint8_t* vb, const int* off, const int* width,
+                       int c, int t, float (&f)[kChannelsPerThread]) {
+  const int bits = Uniform ? g.value_bits : width[t], bit = c * bits;
+  const int at = Uniform ? kHeaderBytes + t * g.value_rec : off[t];
+  const CodeUnpacker code(Window32(vb + at + 4 * g.ng + (bit >> 3)) >> (bit & 7), bits);
+  KVQ_UNROLL
+  for (int j = 0; j < kChannelsPerThread; ++j) f[j] = code(j);
+}
+
+// The quad within scale group g0: acc[c][i] += (p_it vsc_t) f_t(c), zacc[i] += p_it vze_t.
+template <bool Uniform, int MaxRows>
+KVQ_HD void ValueQuadGroupSums(const Geometry& g, const uint8_t* vb, const int* off,
+                               const int* width, const float* vsc, const float* vze,
+                               const float* pw, int c, int g0, int sl, AttendState<MaxRows>& st) {
+  for (int t = sl; t < g.G; t += g.slices) {
+    float f[kChannelsPerThread], p[MaxRows];
+    UnpackQuad<Uniform>(g, vb, off, width, c, t, f);
+    LoadRows<MaxRows>(pw + t * MaxRows, p);
+    const float sc = vsc[t * g.ng + g0], ze = vze[t * g.ng + g0];
+    KVQ_UNROLL
+    for (int i = 0; i < MaxRows; ++i) {
+      const float ps = p[i] * sc;
+      st.zacc[i] += p[i] * ze;
+      KVQ_UNROLL
+      for (int j = 0; j < kChannelsPerThread; ++j) st.acc[j][i] += ps * f[j];
+    }
+  }
+}
+
 template <int MaxRows>
 KVQ_HD void ValueQuadSums(const Geometry& g, const uint8_t* vb, const int* off, const int* width,
                           const float* vsc, const float* vze, const float* pw, int cq, int sl,
-                          ThreadState<MaxRows, kChannelsPerThread>& st) {
+                          AttendState<MaxRows>& st) {
   constexpr int Q = kChannelsPerThread;
   const int c = Q * cq, g0 = c / g.value_group, g3 = (c + Q - 1) / g.value_group;
+  if (g0 == g3) {  // the quad within one scale group (value_group a multiple of 4)
+    if (g.value_bits != 0)
+      ValueQuadGroupSums<true, MaxRows>(g, vb, off, width, vsc, vze, pw, c, g0, sl, st);
+    else
+      ValueQuadGroupSums<false, MaxRows>(g, vb, off, width, vsc, vze, pw, c, g0, sl, st);
+    return;
+  }
   for (int t = sl; t < g.G; t += g.slices) {
-    const int bits = width[t], bit = c * bits;
-    const uint32_t w = Window32(vb + off[t] + 4 * g.ng + (bit >> 3)) >> (bit & 7);
-    const uint32_t mask = (1u << bits) - 1u;
-    const float* ts = vsc + t * g.ng;
-    const float* tz = vze + t * g.ng;
-    float v[Q];
-    if (g0 == g3) {  // the quad within one scale group (value_group a multiple of 4)
-      const float sc = ts[g0], ze = tz[g0];
-      KVQ_UNROLL
-      for (int j = 0; j < Q; ++j) v[j] = ze + sc * CodeToFloat((w >> (j * bits)) & mask);
-    } else {
-      KVQ_UNROLL
-      for (int j = 0; j < Q; ++j) {
-        const int gj = (c + j) / g.value_group;
-        v[j] = tz[gj] + ts[gj] * CodeToFloat((w >> (j * bits)) & mask);
-      }
-    }
-    float p[MaxRows];
+    float f[Q], p[MaxRows], v[Q];
+    UnpackQuad<false>(g, vb, off, width, c, t, f);
     LoadRows<MaxRows>(pw + t * MaxRows, p);
+    KVQ_UNROLL
+    for (int j = 0; j < Q; ++j) {
+      const int gj = (c + j) / g.value_group;
+      v[j] = vze[t * g.ng + gj] + vsc[t * g.ng + gj] * f[j];
+    }
     KVQ_UNROLL
     for (int i = 0; i < MaxRows; ++i) {
       KVQ_UNROLL
@@ -556,10 +645,9 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
   const int d = g.d, G = g.G, rows = g.rows, T = g.threads;
   float* qs = reinterpret_cast<float*>(sm + g.sm_q);
   float* uqs = reinterpret_cast<float*>(sm + g.sm_uq);
-  float* ksc = reinterpret_cast<float*>(sm + g.sm_kscale);
-  float* kze = reinterpret_cast<float*>(sm + g.sm_kzero);
-  float* ssc = reinterpret_cast<float*>(sm + g.sm_sscale);
-  float* sze = reinterpret_cast<float*>(sm + g.sm_szero);
+  float* qk = reinterpret_cast<float*>(sm + g.sm_qk);
+  float* uk = reinterpret_cast<float*>(sm + g.sm_uk);
+  float* zpart = reinterpret_cast<float*>(sm + g.sm_zpart);
   float* vsc = reinterpret_cast<float*>(sm + g.sm_vscale);
   float* vze = reinterpret_cast<float*>(sm + g.sm_vzero);
   int* width = reinterpret_cast<int*>(sm + g.sm_width);
@@ -615,7 +703,7 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
     }
     KVQ_UNROLL
     for (int i = 0; i < MaxRows; ++i) {
-      st.sum[i] = 0.0f;
+      st.sum[i] = st.zacc[i] = 0.0f;
       KVQ_UNROLL
       for (int j = 0; j < kChannelsPerThread; ++j) st.acc[j][i] = 0.0f;
     }
@@ -625,18 +713,11 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
   for (int b = b0; b < b1; ++b) {
     const uint8_t* kb = staged_key(b);
     const uint8_t* vb = staged_value(b);
-    // The next block's copies; this block's key scales and zero points to fp32, and (per-token
+    // The next block's copies; this block's folded queries and score bias, and (per-token
     // widths) its record widths and offsets from the staged tags.
     cta.Phase([&](int tid, State&) {
       if (b + 1 < b1) stage(b + 1, tid);
-      for (int c = tid; c < d; c += T) {
-        ksc[c] = LoadHalf(kb + g.k_scale + 2 * c);
-        kze[c] = LoadHalf(kb + g.k_zero + 2 * c);
-      }
-      for (int j = tid; j < g.rank; j += T) {
-        ssc[j] = LoadHalf(kb + g.s_scale + 2 * j);
-        sze[j] = LoadHalf(kb + g.s_zero + 2 * j);
-      }
+      KeyPrepPhase<MaxRows>(tid, T, g, kb, qs, uqs, qk, uk, zpart);
       for (int t = tid; g.value_bits == 0 && t <= G; t += T) {
         if (t < G) width[t] = TokenWidth(vb + kHeaderBytes, t);
         off[t] = kHeaderBytes + g.value_tags + t * 4 * g.ng +
@@ -660,14 +741,15 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
       for (int w = tid; w < G * g.ng; w += T) {
         const int t = w / g.ng, gr = w % g.ng;
         const uint8_t* rec = vb + off[t];
-        vsc[w] = LoadHalf(rec + 2 * gr);
-        vze[w] = LoadHalf(rec + 2 * (g.ng + gr));
+        const float sc = LoadHalf(rec + 2 * gr) * Pow2(width[t]);
+        vsc[w] = sc;
+        vze[w] = LoadHalf(rec + 2 * (g.ng + gr)) - sc;
       }
       const int quads = G / kTokensPerThread;
       for (int w = tid; w < quads * g.key_slices; w += T) {
         const int tq = w % quads, ks = w / quads;
         float s[kTokensPerThread][MaxRows];
-        KeyQuadPart<MaxRows>(g, kb, qs, uqs, ksc, kze, ssc, sze, tq, ks, s);
+        KeyQuadPart<MaxRows>(g, kb, qk, uk, tq, ks, s);
         KVQ_UNROLL
         for (int i = 0; i < MaxRows; ++i)
           if (i < rows) {
@@ -679,7 +761,8 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
     });
     const int masked = b == 0 ? p.masked_prefix : 0;
     cta.Phase([&](int tid, State&) {
-      LogitsPhase(tid, T, rows, G, G, g.key_slices, part, 0, p.scale, masked, pr, pmax);
+      LogitsPhase(tid, T, rows, G, G, g.key_slices, part, 0, p.scale, masked, pr, pmax, zpart,
+                  MaxRows);
     });
     cta.Phase([&](int tid, State&) { RowMaxPhase(tid, rows, T / rows, pmax, m, corr); });
     cta.Phase([&](int tid, State&) { WeightsPhase(tid, T, rows, MaxRows, G, pr, m, pw); });
@@ -688,12 +771,22 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
     cta.Phase([&](int tid, State& st) {
       const int cq = tid % (d / kChannelsPerThread), sl = tid / (d / kChannelsPerThread);
       RescaleSums<MaxRows>(st, rows, corr);
+      KVQ_UNROLL
+      for (int i = 0; i < MaxRows; ++i)
+        if (i < rows) st.zacc[i] *= corr[i];
       AddWeights<MaxRows>(st, cq, sl, g.slices, G, pw);
       ValueQuadSums<MaxRows>(g, vb, off, width, vsc, vze, pw, cq, sl, st);
       WaitStaged();
     });
   }
-  cta.Phase([&](int tid, State& st) { ReduceSumsPhase<MaxRows>(tid, rows, d, st, red, lred); });
+  cta.Phase([&](int tid, State& st) {
+    KVQ_UNROLL
+    for (int i = 0; i < MaxRows; ++i) {
+      KVQ_UNROLL
+      for (int j = 0; j < kChannelsPerThread; ++j) st.acc[j][i] += st.zacc[i];
+    }
+    ReduceSumsPhase<MaxRows>(tid, rows, d, st, red, lred);
+  });
   const Partials pt = PartialsIn(p.workspace, p.items, splits, rows);
   const int64_t at = (static_cast<int64_t>(item) * splits + split) * rows;
   cta.Phase([&](int tid, State&) {
