@@ -11,7 +11,10 @@
 //                        XOR-reduced; at most 64 blocks more than the attend reads)
 //         frac_of_stream attend_GBps / stream_GBps (the goal: >= 0.6)
 //         dense_GBps     fp16 K+V bytes of the same tokens / DenseAttend time
+//         dense_frac_of_stream  dense_GBps / stream_GBps: how close the baseline comes to
+//                        the memory bandwidth (a fair fp16 decode kernel is near 1)
 //         dense_speedup  DenseAttend time / attend time (same tokens, same rows)
+//         attend_us, dense_us, stream_us  the three mean times per launch
 //   Codecs: k3g128-r4s4-v2 (the server's default, docs/CODEC.md), k2g32-r4s8-v2 (the legacy
 //   default; G=32 is the frontier's most finely grouped point) and k2g128-r4s8-a2b2 (the
 //   frontier's A^2 row: per-token value widths, each block's record offsets by a prefix sum).
@@ -269,8 +272,13 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   state.counters["attend_GBps"] = attend_rate / 1e9;
   state.counters["stream_GBps"] = stream_rate / 1e9;
   state.counters["frac_of_stream"] = attend_rate / stream_rate;
-  state.counters["dense_GBps"] = dense_bytes / (dense_s / n) / 1e9;
+  const double dense_rate = dense_bytes / (dense_s / n);
+  state.counters["dense_GBps"] = dense_rate / 1e9;
+  state.counters["dense_frac_of_stream"] = dense_rate / stream_rate;
   state.counters["dense_speedup"] = dense_s / attend_s;
+  state.counters["attend_us"] = attend_s / n * 1e6;
+  state.counters["dense_us"] = dense_s / n * 1e6;
+  state.counters["stream_us"] = stream_s / n * 1e6;
 }
 
 void RegisterAll() {

@@ -428,8 +428,20 @@ KVQ_HD void LogitsPhase(int tid, int threads, int rows, int n, int stride, int p
 // sums are still 0).
 KVQ_HD void RowMaxPhase(int tid, int rows, int n, const float* s, float* m, float* corr) {
   if (tid >= rows) return;
-  float bm = kNegInf;
-  for (int t = 0; t < n; ++t) bm = Max(bm, s[tid * n + t]);
+  // Four independent maxima (16-byte loads when n is a multiple of 4), so that the loads
+  // overlap rather than wait for one another.
+  float b4[4] = {kNegInf, kNegInf, kNegInf, kNegInf};
+  int t = 0;
+  if (n % 4 == 0) {
+    const Vec16* v = reinterpret_cast<const Vec16*>(s + tid * n);
+    for (; t < n; t += 4) {
+      const Vec16 w = v[t / 4];
+      KVQ_UNROLL
+      for (int k = 0; k < 4; ++k) b4[k] = Max(b4[k], BitsToFloat(w.w[k]));
+    }
+  }
+  for (; t < n; ++t) b4[t % 4] = Max(b4[t % 4], s[tid * n + t]);
+  const float bm = Max(Max(b4[0], b4[1]), Max(b4[2], b4[3]));
   const float mo = m[tid], mn = Max(mo, bm);
   corr[tid] = mo == kNegInf ? 0.0f : Exp(mo - mn);
   m[tid] = mn;
