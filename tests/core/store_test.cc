@@ -265,6 +265,59 @@ TEST(RegistryTest, CodecJsonCarriesRotationAndMetricRounding) {
   fs::remove_all(dir);
 }
 
+// value_metric_rounding lives in codec.json too (written only when set, so every other
+// entry's file stays as it was), needs the basis's value metric, and a mistyped one skips
+// the entry naming the field.
+TEST(RegistryTest, CodecJsonCarriesValueMetricRounding) {
+  const std::string dir = TempDir();
+  {
+    Registry r(dir);
+    ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
+    ModelEntry e = Entry("vmr", 1, 1);
+    e.codec.value_metric_rounding = true;
+    ASSERT_THAT(std::string(r.Register(e, nullptr).status().message()),
+                ::testing::HasSubstr("value_metric_rounding"));
+    e.basis.value_metric.assign(2 * 2 * 64 * 64, 0.0f);
+    for (int h = 0; h < 4; ++h)
+      for (int a = 0; a < 64; ++a) e.basis.value_metric[(h * 64 + a) * 64 + a] = 1.0f;
+    ASSERT_TRUE(r.Register(e, nullptr).ok());
+    ModelEntry plain = Entry("plain", 1, 2);
+    ASSERT_TRUE(r.Register(plain, nullptr).ok());
+  }
+  std::ifstream plain_json(dir + "/plain/v1/codec.json");
+  const std::string plain_text{std::istreambuf_iterator<char>(plain_json), {}};
+  EXPECT_EQ(plain_text.find("value_metric_rounding"), std::string::npos) << plain_text;
+  auto write = [&](const std::string& path, const std::string& text) {
+    fs::create_directories(fs::path(dir + path).parent_path());
+    std::ofstream(dir + path) << text;
+  };
+  const std::string model = R"({"model": "%s", "version": 1, "layers": 2, "kv_heads": 2, )"
+                            R"("q_heads": 4, "head_dim": 64})";
+  auto named = [&](const std::string& name) {
+    std::string s = model;
+    return s.replace(s.find("%s"), 2, name);
+  };
+  write("/vmrstr/v1/model.json", named("vmrstr"));
+  write("/vmrstr/v1/codec.json", R"({"value_metric_rounding": "yes"})");
+  write("/vmrnone/v1/model.json", named("vmrnone"));  // no basis, so no value metric
+  write("/vmrnone/v1/codec.json", R"({"value_metric_rounding": true})");
+  Registry again(dir);
+  std::vector<std::string> loaded, skipped;
+  ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("vmr v1", "plain v1"));
+  EXPECT_THAT(SkipReason(skipped, "vmrstr/v1"),
+              ::testing::HasSubstr("field 'value_metric_rounding' is mistyped"));
+  EXPECT_THAT(SkipReason(skipped, "vmrnone/v1"), ::testing::HasSubstr("value_metric_rounding"));
+  auto vmr = again.Get("vmr", 1);
+  ASSERT_TRUE(vmr.ok());
+  EXPECT_TRUE((*vmr)->codec.value_metric_rounding);
+  EXPECT_EQ((*vmr)->basis.value_metric.size(), 2u * 2 * 64 * 64);
+  auto plain = again.Get("plain", 1);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE((*plain)->codec.value_metric_rounding);
+  fs::remove_all(dir);
+}
+
 TEST(RegistryTest, RegisterRefusesWhatLoadingWouldAndConflictingMetadata) {
   const std::string dir = TempDir();
   Registry r(dir);
