@@ -51,6 +51,9 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
   --query-moment B  store each head's E[q q^T] in the basis (default true): the metric of the
                     codec's metric rounding (keys rounded so that the score error is small);
                     false writes U alone (a smaller file, nearest rounding only)
+  --value-metric B  also store each KV head's value metric (sum of W_o,q^T W_o,q over its
+                    query heads, from the weights; default false): the metric of the codec's
+                    value metric rounding (kvq-eval computes it itself when a basis has none)
   --model-name NAME manifest model name (default: the model's file name, lower case, without
                     .gguf and its quantization tag: SmolLM2-135M-Instruct.Q4_1.gguf ->
                     smollm2-135m-instruct)
@@ -251,6 +254,7 @@ int Main(int argc, char** argv) {
                {"window-len", "512"},
                {"variants", "false"},
                {"query-moment", "true"},
+               {"value-metric", "false"},
                {"model-name", ""},
                {"threads", "2"},
                {"bits", ""},
@@ -381,10 +385,13 @@ int Main(int argc, char** argv) {
     outs.push_back({flags.Get("out") + "/resw", rw});
     outs.push_back({flags.Get("out") + "/oblique", obl});
   }
+  std::vector<float> value_metric;
+  if (flags.GetBool("value-metric")) value_metric = model.OutputProjectionMetric();
   for (auto& o : outs) {
     o.opts.keep_query_moment = flags.GetBool("query-moment");
     auto b = stats.Basis(rank, o.opts, m);
     if (!b.ok()) return Fail(b.status());
+    b->value_metric = value_metric;
     absl::Status ws = core::WriteBasis(o.dir, *b);
     if (!ws.ok()) return Fail(ws);
     std::vector<double> e = stats.CapturedEnergy(*b);

@@ -104,6 +104,7 @@ Configuration grammar:
             obl (the oblique reduced-rank-regression pair kvq-calibrate --variants writes),
             rotk | rotv | rot (keys / values / both rotated by a Hadamard matrix),
             mr (key codes chosen in the query metric), sink<N> (first N positions at fp16),
+            vmr (value codes chosen in the output projection's metric; kv targets),
             evaluation-only levers (not codec settings; window 0, read by decoding):
             spk<N> | spv<N> (N / 1000 of key / value elements kept exact, 32 bits each),
             pre (keys quantized before RoPE; kivi only, not with mr),
@@ -404,6 +405,14 @@ int Main(int argc, char** argv) {
       oblique = std::move(*c);
       bases.oblique = &oblique;
     }
+  }
+  // Value metric rounding's metric is a function of the output projection alone: a basis
+  // written before kvq-calibrate stored it gets it from the model here.
+  std::vector<float> value_metric;
+  for (core::ModelBasis* b : {&query, &centred, &resw, &oblique}) {
+    if (b->u.empty() || !b->value_metric.empty()) continue;
+    if (value_metric.empty()) value_metric = (*model)->OutputProjectionMetric();
+    b->value_metric = value_metric;
   }
   if (flags.GetBool("diagnostics")) {
     return Diagnostics(**model, ids, bases, flags);
