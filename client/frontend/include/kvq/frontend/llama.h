@@ -62,7 +62,9 @@ class LlamaModel {
   // columns that read query head q's attention output. A value error dv of one token reaches
   // the layer output as sum_q p_q W_o,q dv; M is its mean square for uncorrelated, equally
   // weighted attention of the group's heads (ModelBasis::value_metric). No text needed.
-  std::vector<float> OutputProjectionMetric() const;
+  // heads_together: the other extreme, every head of the group attending alike:
+  // M = (sum_q W_o,q)^T (sum_q W_o,q) (an evaluation variant).
+  std::vector<float> OutputProjectionMetric(bool heads_together = false) const;
 
   // Forward in chunks cut at the cache's encode boundaries (decode-faithful: each query sees
   // exactly the encoded/full-precision split it would see when decoding token by token),
