@@ -452,6 +452,43 @@ TEST_F(StoreTest, SequencesOfALayerShareItsCodecTables) {
   EXPECT_FALSE(tables("t", "a", 0)->basis.empty());
 }
 
+// Value metric rounding through the store: a sequence that asks for it gets the entry's
+// value metric factors in its layer tables and values encoded in that metric (other codes
+// than nearest rounding's, the same layout), and an entry without value metrics refuses it.
+TEST_F(StoreTest, ValueMetricRoundingUsesTheEntrysValueMetric) {
+  ModelEntry vm = Entry("vm", 1, 3);
+  const int kv = vm.manifest.kv_heads, d = vm.manifest.head_dim;
+  vm.basis.value_metric.assign(static_cast<size_t>(vm.manifest.layers) * kv * d * d, 0.5f);
+  for (int h = 0; h < vm.manifest.layers * kv; ++h)
+    for (int c = 0; c < d; ++c) vm.basis.value_metric[(static_cast<size_t>(h) * d + c) * d + c] = 1;
+  ASSERT_TRUE(registry_.Register(vm, nullptr).ok());
+  Store store({}, &registry_);
+  Data data(256, 5);  // two groups of the default codec's 128 tokens encoded
+  auto spec = [&](const std::string& id, const std::string& model, bool vmr) {
+    AppendSpec a = Spec(id, 0, 0, data, model);
+    a.has_codec = true;
+    a.codec = Registry::DefaultCodec(vm.manifest, true);
+    a.codec.value_metric_rounding = vmr;
+    return a;
+  };
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", {spec("near", "vm", false), spec("vmr", "vm", true)}, &out).ok());
+  LayerCache* near = store.LayerForTest("t", "near", 0);
+  LayerCache* vmr = store.LayerForTest("t", "vmr", 0);
+  ASSERT_NE(near, nullptr);
+  ASSERT_NE(vmr, nullptr);
+  EXPECT_TRUE(near->tables()->value_rounding.empty());
+  EXPECT_EQ(vmr->tables()->value_rounding.size(), static_cast<size_t>(kv) * d * d);
+  std::vector<float> k0, v0, k1, v1;
+  ASSERT_TRUE(near->Decode(&k0, &v0).ok());
+  ASSERT_TRUE(vmr->Decode(&k1, &v1).ok());
+  EXPECT_EQ(k0, k1);  // keys untouched
+  EXPECT_NE(v0, v1);
+  const absl::Status refused = store.Append("t", {spec("x", "m", true)}, &out);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("value_metric_rounding"));
+}
+
 // Memory a workload of many tiny sequences takes on the heap, against what the store counts
 // (capacity and quota are enforced on the count).
 // glibc's heap statistics: meaningless under a sanitizer's allocator.
