@@ -174,10 +174,12 @@ std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& mod
                                                            const CodecOptions& codec) {
   // What the tables depend on: the entry's tensors (name, version, fingerprint) and the
   // codec fields that shape them.
-  const std::string key = absl::StrCat(
-      model.manifest.model, "/", model.manifest.version, "/", model.manifest.fingerprint, "/",
-      layer, "/", codec.head_dim, ",", codec.rank, ",", codec.rotate_keys, ",",
-      codec.metric_rounding, ",", codec.rotate_values, ",", codec.value_metric_rounding);
+  const std::string key =
+      absl::StrCat(model.manifest.model, "/", model.manifest.version, "/",
+                   model.manifest.fingerprint, "/", layer, "/", codec.head_dim, ",", codec.rank,
+                   ",", codec.rotate_keys, ",", codec.metric_rounding, ",",
+                   // the value factors: none (0), or of M (1) or H M H (2, values rotated)
+                   codec.value_metric_rounding ? (codec.rotate_values ? 2 : 1) : 0);
   MutexLock l(&tables_mu_);
   if (auto held = tables_[key].lock()) return held;
   std::vector<float> basis = LayerBasis(model, model.basis.u, layer, codec.rank);
