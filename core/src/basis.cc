@@ -38,6 +38,8 @@ std::string BasisFingerprint(const ModelBasis& b) {
   if (b.oblique()) h = XXH3_64bits_withSeed(b.encode.data(), b.encode.size() * sizeof(float), h);
   if (!b.query_moment.empty())
     h = XXH3_64bits_withSeed(b.query_moment.data(), b.query_moment.size() * sizeof(float), h);
+  if (!b.value_metric.empty())
+    h = XXH3_64bits_withSeed(b.value_metric.data(), b.value_metric.size() * sizeof(float), h);
   return absl::StrFormat("%016x", h);
 }
 
@@ -57,6 +59,7 @@ ModelBasis ModelBasis::Truncated(int r) const {
   keep_first(u, &out.u);
   if (oblique()) keep_first(encode, &out.encode);
   out.query_moment = query_moment;
+  out.value_metric = value_metric;
   out.manifest.fingerprint = BasisFingerprint(out);
   return out;
 }
@@ -68,6 +71,9 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b, Env* env) {
   if (m.layers < 1 || m.kv_heads < 1 || m.head_dim < 1 || m.rank < 1 ||
       b.u.size() != per_layer * m.layers || (b.oblique() && b.encode.size() != b.u.size()) ||
       (!b.query_moment.empty() && b.query_moment.size() != static_cast<size_t>(m.layers) *
+                                                               m.kv_heads * m.head_dim *
+                                                               m.head_dim) ||
+      (!b.value_metric.empty() && b.value_metric.size() != static_cast<size_t>(m.layers) *
                                                                m.kv_heads * m.head_dim *
                                                                m.head_dim))
     return Bad(dir, "manifest shape does not match the tensor data");
@@ -93,6 +99,13 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b, Env* env) {
           {"dtype", "F32"},
           {"shape", {m.kv_heads, m.head_dim, m.head_dim}},
           {"data_offsets", {moment0 + l * moment_layer, moment0 + (l + 1) * moment_layer}}};
+  const size_t metric0 = moment0 + b.query_moment.size() * 4;
+  if (!b.value_metric.empty())
+    for (int l = 0; l < m.layers; ++l)
+      header[absl::StrCat("layer.", l, ".value_metric")] = {
+          {"dtype", "F32"},
+          {"shape", {m.kv_heads, m.head_dim, m.head_dim}},
+          {"data_offsets", {metric0 + l * moment_layer, metric0 + (l + 1) * moment_layer}}};
   header["__metadata__"] = {{"format", "kvq-basis"}, {"fingerprint", b.manifest.fingerprint}};
   std::string h = header.dump();
   while (h.size() % 8) h.push_back(' ');
@@ -104,9 +117,10 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& b, Env* env) {
   if (b.oblique())
     bytes.append(reinterpret_cast<const char*>(b.encode.data()), b.encode.size() * 4);
   bytes.append(reinterpret_cast<const char*>(b.query_moment.data()), b.query_moment.size() * 4);
+  bytes.append(reinterpret_cast<const char*>(b.value_metric.data()), b.value_metric.size() * 4);
   RETURN_IF_ERROR(env->CreateDirs(dir));
   json mj = {{"format", "kvq-basis"},
-             {"format_version", 1},
+             {"format_version", b.value_metric.empty() ? 1 : 2},  // 2: value metrics
              {"model", m.model},
              {"version", m.version},
              {"layers", m.layers},
@@ -163,7 +177,7 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env) {
   const size_t moment_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * m.head_dim;
   const size_t moment_bytes = moment_layer * m.layers * 4;
   auto ts = env->ReadFile((fs::path(dir) / "basis.safetensors").string(),
-                          2 * u_bytes + moment_bytes + (16 << 20));
+                          2 * u_bytes + 2 * moment_bytes + (16 << 20));
   if (!ts.ok()) return ts.status();
   const std::string& t = *ts;
   if (t.size() < 8) return Bad(dir, "basis.safetensors truncated (no header length)");
@@ -175,7 +189,9 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env) {
   const size_t data0 = 8 + hn;
   const bool oblique = hj.contains("layer.0.encode");
   const bool has_moment = hj.contains("layer.0.query_moment");
-  const size_t data_bytes = (oblique ? 2 * u_bytes : u_bytes) + (has_moment ? moment_bytes : 0);
+  const bool has_value_metric = hj.contains("layer.0.value_metric");
+  const size_t data_bytes = (oblique ? 2 * u_bytes : u_bytes) + (has_moment ? moment_bytes : 0) +
+                            (has_value_metric ? moment_bytes : 0);
   if (t.size() - data0 != data_bytes)
     return Bad(dir, absl::StrCat("tensor data is ", t.size() - data0,
                                  " bytes, the manifest "
@@ -215,6 +231,12 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env) {
       RETURN_IF_ERROR(read_tensor(absl::StrCat("layer.", l, ".query_moment"),
                                   b.query_moment.data() + l * moment_layer, m.head_dim));
   }
+  if (has_value_metric) {
+    b.value_metric.resize(moment_layer * m.layers);
+    for (int l = 0; l < m.layers; ++l)
+      RETURN_IF_ERROR(read_tensor(absl::StrCat("layer.", l, ".value_metric"),
+                                  b.value_metric.data() + l * moment_layer, m.head_dim));
+  }
   if (BasisFingerprint(b) != m.fingerprint)
     return absl::DataLossError(absl::StrCat("basis ", dir, ": fingerprint ", BasisFingerprint(b),
                                             " does not match the manifest's ", m.fingerprint));
@@ -232,12 +254,15 @@ absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b) {
   if (b.oblique() && b.encode.size() != want)
     return absl::InvalidArgumentError(
         absl::StrCat("encode basis holds ", b.encode.size(), " floats; the basis holds ", want));
-  if (!b.query_moment.empty() && b.query_moment.size() != heads * d * d)
-    return absl::InvalidArgumentError(
-        absl::StrCat("query moment holds ", b.query_moment.size(),
-                     " floats; layers*kv_heads*head_dim*head_dim = ", heads * d * d));
-  for (const auto& [v, name] : {std::pair{&b.u, "basis"}, std::pair{&b.encode, "encode basis"},
-                                std::pair{&b.query_moment, "query moment"}})
+  for (const auto& [v, name] :
+       {std::pair{&b.query_moment, "query moment"}, std::pair{&b.value_metric, "value metric"}})
+    if (!v->empty() && v->size() != heads * d * d)
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " holds ", v->size(),
+                       " floats; layers*kv_heads*head_dim*head_dim = ", heads * d * d));
+  for (const auto& [v, name] :
+       {std::pair{&b.u, "basis"}, std::pair{&b.encode, "encode basis"},
+        std::pair{&b.query_moment, "query moment"}, std::pair{&b.value_metric, "value metric"}})
     for (size_t i = 0; i < v->size(); ++i)
       if (!std::isfinite((*v)[i]))
         return absl::InvalidArgumentError(absl::StrCat(name, " holds a non-finite value (layer ",
@@ -261,21 +286,24 @@ absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b) {
                                               "orthonormal (dot %.4g, tolerance 1e-3)",
                                               l, h, i, j, dot));
         }
-      if (b.query_moment.empty()) continue;
-      const float* q = b.query_moment.data() + (static_cast<size_t>(l) * m.kv_heads + h) * d * d;
-      double top = 0;
-      for (int c = 0; c < d; ++c) {
-        if (q[c * d + c] < 0)
-          return absl::InvalidArgumentError(
-              absl::StrFormat("layer %d head %d: query moment diagonal %d is negative (%.4g)", l, h,
-                              c, q[c * d + c]));
-        top = std::max(top, double(q[c * d + c]));
+      for (const auto& [v, name] : {std::pair{&b.query_moment, "query moment"},
+                                    std::pair{&b.value_metric, "value metric"}}) {
+        if (v->empty()) continue;
+        const float* q = v->data() + (static_cast<size_t>(l) * m.kv_heads + h) * d * d;
+        double top = 0;
+        for (int c = 0; c < d; ++c) {
+          if (q[c * d + c] < 0)
+            return absl::InvalidArgumentError(
+                absl::StrFormat("layer %d head %d: %s diagonal %d is negative (%.4g)", l, h, name,
+                                c, q[c * d + c]));
+          top = std::max(top, double(q[c * d + c]));
+        }
+        for (int x = 0; x < d; ++x)
+          for (int y = x + 1; y < d; ++y)
+            if (std::fabs(double(q[x * d + y]) - q[y * d + x]) > 1e-4 * top + 1e-30)
+              return absl::InvalidArgumentError(absl::StrFormat(
+                  "layer %d head %d: %s is not symmetric at (%d, %d)", l, h, name, x, y));
       }
-      for (int x = 0; x < d; ++x)
-        for (int y = x + 1; y < d; ++y)
-          if (std::fabs(double(q[x * d + y]) - q[y * d + x]) > 1e-4 * top + 1e-30)
-            return absl::InvalidArgumentError(absl::StrFormat(
-                "layer %d head %d: query moment is not symmetric at (%d, %d)", l, h, x, y));
     }
   return absl::OkStatus();
 }

@@ -73,7 +73,8 @@ int64_t SealedBlock::stored_bytes() const {
 std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions& o, int kv_heads,
                                                              const float* basis,
                                                              const float* encode_basis,
-                                                             const float* query_moment) {
+                                                             const float* query_moment,
+                                                             const float* value_metric) {
   auto t = std::make_shared<LayerCodecTables>();
   const int d = o.head_dim, r = basis ? o.rank : 0;
   if (r > 0) t->basis.assign(basis, basis + static_cast<size_t>(kv_heads) * d * r);
@@ -94,12 +95,21 @@ std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions&
       t->rounding.insert(t->rounding.end(), f.begin(), f.end());
     }
   }
+  if (o.value_metric_rounding && value_metric) {
+    for (int h = 0; h < kv_heads; ++h) {
+      std::vector<float> f =
+          ValueRoundingFactor(value_metric + static_cast<size_t>(h) * d * d, d, o.rotate_values);
+      t->value_rounding.insert(t->value_rounding.end(), f.begin(), f.end());
+    }
+  }
   return t;
 }
 
 LayerCache::LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool,
-                       const float* encode_basis, const float* query_moment)
-    : LayerCache(o, kv_heads, MakeLayerCodecTables(o, kv_heads, basis, encode_basis, query_moment),
+                       const float* encode_basis, const float* query_moment,
+                       const float* value_metric)
+    : LayerCache(o, kv_heads,
+                 MakeLayerCodecTables(o, kv_heads, basis, encode_basis, query_moment, value_metric),
                  pool) {}
 
 LayerCache::LayerCache(const CodecOptions& o, int kv_heads,
@@ -521,13 +531,16 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
                         widths.data());
         wp = widths.data();
       }
+      const float* vround = tables_->value_rounding.empty()
+                                ? nullptr
+                                : tables_->value_rounding.data() + static_cast<size_t>(h) * d * d;
       if (seal) {
-        RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &sb->bytes));
+        RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &sb->bytes, vround));
         sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
         continue;
       }
       hd.voffsets.push_back(hd.vblocks.size());
-      RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &hd.vblocks));
+      RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &hd.vblocks, vround));
     }
     if (input) return absl::OkStatus();  // the window never held these rows
     // Drop the encoded tokens from the window once (not per group: prefill stays linear).

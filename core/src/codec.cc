@@ -174,6 +174,32 @@ void MetricRound(const float* keys, int64_t ld, int G, int d, int bits, const ui
   }
 }
 
+// Re-chooses the codes of one value token record (fp16 scale[ng] | zero[ng] | codes, as the
+// kernels wrote it) by the same rule as MetricRound, along the token's channels: channel c is
+// rounded to its group's grid and its error, scaled by the factor U (upper Cholesky factor of
+// M^-1), is fed into the channels after it, so that the token's error is small in the metric
+// M rather than per channel. The level is computed as QuantizeOne does ((x - zero) * (1 /
+// scale)), so with a diagonal M (no feedback) the codes are exactly nearest rounding's.
+// rec: the record's first byte (fp16 scale[ng], fp16 zero[ng], codes), possibly unaligned.
+void ValueMetricRound(const float* x, int d, int group, int bits, const float* U, uint8_t* rec) {
+  const int maxq = (1 << bits) - 1, ng = (d + group - 1) / group;
+  uint8_t* codes = rec + 4 * ng;
+  thread_local std::vector<float> w;
+  w.assign(x, x + d);
+  for (int c = 0; c < d; ++c) {
+    const int g = c / group;
+    uint16_t s16, z16;
+    std::memcpy(&s16, rec + 2 * g, 2);  // records of odd sizes: unaligned
+    std::memcpy(&z16, rec + 2 * (ng + g), 2);
+    const float s = HalfToFloat(s16), z = HalfToFloat(z16), inv = s > 0 ? 1.0f / s : 0.0f;
+    const int q = std::clamp(static_cast<int>(std::nearbyint((w[c] - z) * inv)), 0, maxq);
+    SetCode(codes, bits, c, q);
+    const float err = (w[c] - (z + s * static_cast<float>(q))) / U[static_cast<size_t>(c) * d + c];
+    const float* row = U + static_cast<size_t>(c) * d;
+    for (int j = c + 1; j < d; ++j) w[j] -= err * row[j];
+  }
+}
+
 }  // namespace
 
 absl::Status CodecOptions::Validate() const {
@@ -216,6 +242,7 @@ std::string CodecOptions::ToString() const {
   if (rotate_keys) s += " rotk";
   if (rotate_values) s += " rotv";
   if (metric_rounding) s += " mr";  // encoder only, but a different codec's blocks
+  if (value_metric_rounding) s += " vmr";
   if (side_sign < 0) s += " wrongsign";
   return s;
 }
@@ -300,7 +327,7 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
 
 template <class ByteVec>
 absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_t ld,
-                              const uint8_t* bits_per_token, ByteVec* out) {
+                              const uint8_t* bits_per_token, ByteVec* out, const float* rounding) {
   const int d = o.head_dim, G = o.key_group, ng = o.value_groups();
   const bool per_token = o.per_token_value_bits();
   if (per_token && bits_per_token == nullptr)
@@ -333,14 +360,19 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
     rec += (G + 3) / 4;
   }
   if (!per_token) {
-    K().quantize_rows(values, ld, G, d, o.value_group, o.value_bits, rec,
-                      4 * ng + RowBytes(d, o.value_bits));
+    const int64_t rec_bytes = 4 * ng + RowBytes(d, o.value_bits);
+    K().quantize_rows(values, ld, G, d, o.value_group, o.value_bits, rec, rec_bytes);
+    if (rounding)
+      for (int t = 0; t < G; ++t)
+        ValueMetricRound(values + t * ld, d, o.value_group, o.value_bits, rounding,
+                         rec + t * rec_bytes);
   } else {
     uint16_t sz[2 * 64];  // an aligned copy (odd-sized records); ng <= 64 (Validate)
     for (int t = 0; t < G; ++t) {
       const int b = bits_per_token[t];
       K().quantize_row(values + t * ld, d, o.value_group, b, sz, sz + ng, rec + 4 * ng);
       std::memcpy(rec, sz, 4 * ng);
+      if (rounding) ValueMetricRound(values + t * ld, d, o.value_group, b, rounding, rec);
       rec += 4 * ng + RowBytes(d, b);
     }
   }
@@ -355,7 +387,7 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
   template absl::Status EncodeKeyBlockT(const CodecOptions&, const float*, int64_t, const float*, \
                                         ByteVec*, const float*);                                  \
   template absl::Status EncodeValueBlock(const CodecOptions&, const float*, int64_t,              \
-                                         const uint8_t*, ByteVec*);
+                                         const uint8_t*, ByteVec*, const float*);
 KVQ_INSTANTIATE_ENCODERS(std::vector<uint8_t>)
 KVQ_INSTANTIATE_ENCODERS(Bytes)
 #undef KVQ_INSTANTIATE_ENCODERS
@@ -558,6 +590,12 @@ std::vector<float> KeyRoundingFactor(const float* moment, int d, const float* de
   for (int a = 0; a < d; ++a)
     for (int c = 0; c < d; ++c) out[static_cast<size_t>(a) * d + c] = static_cast<float>(u(a, c));
   return out;
+}
+
+std::vector<float> ValueRoundingFactor(const float* metric, int d, bool rotated) {
+  // The key factor without a side code (P = I) is exactly this: H M H when rotated, GPTQ's
+  // damping, the upper Cholesky factor of the inverse.
+  return KeyRoundingFactor(metric, d, nullptr, nullptr, 0, rotated);
 }
 
 void HadamardRotateRows(float* x, int64_t ld, int n, int d) {

@@ -7,20 +7,24 @@
 namespace kvq::core {
 
 nlohmann::json CodecToJson(const CodecOptions& c) {
-  return {{"key_bits", c.key_bits},
-          {"key_group", c.key_group},
-          {"rank", c.rank},
-          {"side_bits", c.side_bits},
-          {"value_bits", c.value_bits},
-          {"value_group", c.value_group},
-          {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
-          {"value_budget", c.value_budget},
-          {"sink_tokens", c.sink_tokens},
-          {"fp16_sinks", c.fp16_sinks},
-          {"window", c.window},
-          {"rotate_keys", c.rotate_keys},
-          {"rotate_values", c.rotate_values},
-          {"metric_rounding", c.metric_rounding}};
+  nlohmann::json j = {{"key_bits", c.key_bits},
+                      {"key_group", c.key_group},
+                      {"rank", c.rank},
+                      {"side_bits", c.side_bits},
+                      {"value_bits", c.value_bits},
+                      {"value_group", c.value_group},
+                      {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
+                      {"value_budget", c.value_budget},
+                      {"sink_tokens", c.sink_tokens},
+                      {"fp16_sinks", c.fp16_sinks},
+                      {"window", c.window},
+                      {"rotate_keys", c.rotate_keys},
+                      {"rotate_values", c.rotate_values},
+                      {"metric_rounding", c.metric_rounding}};
+  // Written only when set, so that every codec.json written before the field existed (and
+  // what this build writes for those codecs) stays byte for byte the same.
+  if (c.value_metric_rounding) j["value_metric_rounding"] = true;
+  return j;
 }
 
 absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, CodecOptions* c) {
@@ -46,6 +50,7 @@ absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, Cod
   RETURN_IF_ERROR(f.Bool("rotate_keys", &c->rotate_keys));
   RETURN_IF_ERROR(f.Bool("rotate_values", &c->rotate_values));
   RETURN_IF_ERROR(f.Bool("metric_rounding", &c->metric_rounding));
+  RETURN_IF_ERROR(f.Bool("value_metric_rounding", &c->value_metric_rounding));
   return absl::OkStatus();
 }
 

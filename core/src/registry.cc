@@ -175,8 +175,9 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
   }
   if (e.has_basis) {
     RETURN_IF_ERROR(CheckBasisTensors(m, e.basis));
-  } else if (e.basis.oblique() || !e.basis.query_moment.empty()) {
-    return absl::InvalidArgumentError("an encode basis or query moment needs a basis");
+  } else if (e.basis.oblique() || !e.basis.query_moment.empty() || !e.basis.value_metric.empty()) {
+    return absl::InvalidArgumentError(
+        "an encode basis, query moment or value metric needs a basis");
   }
   CodecOptions c = e.codec;
   if (c.head_dim != m.head_dim) {
@@ -191,6 +192,10 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
   if (c.metric_rounding && e.basis.query_moment.empty()) {
     return absl::InvalidArgumentError(
         "codec metric_rounding needs the basis's query moment (kvq-calibrate --query-moment)");
+  }
+  if (c.value_metric_rounding && e.basis.value_metric.empty()) {
+    return absl::InvalidArgumentError(
+        "codec value_metric_rounding needs the basis's value metric (kvq-calibrate writes it)");
   }
   return absl::OkStatus();
 }

@@ -177,7 +177,9 @@ std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& mod
   const std::string key =
       absl::StrCat(model.manifest.model, "/", model.manifest.version, "/",
                    model.manifest.fingerprint, "/", layer, "/", codec.head_dim, ",", codec.rank,
-                   ",", codec.rotate_keys, ",", codec.metric_rounding);
+                   ",", codec.rotate_keys, ",", codec.metric_rounding, ",",
+                   // the value factors: none (0), or of M (1) or H M H (2, values rotated)
+                   codec.value_metric_rounding ? (codec.rotate_values ? 2 : 1) : 0);
   MutexLock l(&tables_mu_);
   if (auto held = tables_[key].lock()) return held;
   std::vector<float> basis = LayerBasis(model, model.basis.u, layer, codec.rank);
@@ -185,7 +187,8 @@ std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& mod
   const float* moment = model.basis.query_moment_head(layer, 0);
   std::shared_ptr<const LayerCodecTables> t = MakeLayerCodecTables(
       codec, model.manifest.kv_heads, basis.empty() ? nullptr : basis.data(),
-      encode.empty() ? nullptr : encode.data(), codec.metric_rounding ? moment : nullptr);
+      encode.empty() ? nullptr : encode.data(), codec.metric_rounding ? moment : nullptr,
+      codec.value_metric_rounding ? model.basis.value_metric_head(layer, 0) : nullptr);
   tables_[key] = t;
   // Forget the tables no cache holds any more (retired versions, finished codecs).
   absl::erase_if(tables_, [](const auto& kv) { return kv.second.expired(); });

@@ -133,6 +133,11 @@ absl::StatusOr<std::shared_ptr<Store::Sequence>> NewSequence(
                        ".codec.metric_rounding needs query moments, which model '", a.model,
                        "' version ", (*m)->manifest.version, " was registered without");
   }
+  if (s->codec.value_metric_rounding && (*m)->basis.value_metric.empty()) {
+    return AppendError(absl::StatusCode::kFailedPrecondition, i,
+                       ".codec.value_metric_rounding needs value metrics, which model '", a.model,
+                       "' version ", (*m)->manifest.version, " was registered without");
+  }
   const int layers = (*m)->manifest.layers;
   s->layers.resize(layers);
   s->hashes.resize(layers);

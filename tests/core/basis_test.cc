@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -52,6 +54,72 @@ TEST_F(BasisFiles, RoundTrip) {
   auto t = b->Truncated(2);
   EXPECT_EQ(t.u.size(), basis_.u.size() / 2);
   EXPECT_EQ(t.head(1, 1)[3 * 2 + 1], basis_.head(1, 1)[3 * 4 + 1]);
+}
+
+// The value metric (value metric rounding's [layers][kv][d][d] tensor, stored after the query
+// moments) round-trips beside them, enters the fingerprint, and a malformed one is refused
+// naming it.
+TEST_F(BasisFiles, ValueMetricRoundTripsAndIsChecked) {
+  const int d = basis_.manifest.head_dim;
+  const size_t n = static_cast<size_t>(basis_.manifest.layers) * basis_.manifest.kv_heads * d * d;
+  auto g = kvq::testing::Gaussian(n, 41);
+  ModelBasis b = basis_;
+  b.query_moment.assign(n, 0.0f);
+  b.value_metric.assign(n, 0.0f);
+  for (size_t h = 0; h < n / (d * d); ++h)
+    for (int a = 0; a < d; ++a)
+      for (int c = 0; c < d; ++c) {
+        b.query_moment[(h * d + a) * d + c] = a == c ? 1.0f : 0.0f;
+        // A Gram-like matrix: symmetric, positive diagonal, and unlike the query moment.
+        const float x = g[(h * d + std::min(a, c)) * d + std::max(a, c)];
+        b.value_metric[(h * d + a) * d + c] = a == c ? 2.0f + x * x : 0.1f * x;
+      }
+  const std::string fp_without = BasisFingerprint(basis_);
+  ASSERT_TRUE(WriteBasis(dir_.string(), b).ok());
+  EXPECT_NE(b.manifest.fingerprint, fp_without);
+  EXPECT_EQ(nlohmann::json::parse(Slurp("manifest.json"))["format_version"], 2);
+  auto r = ReadBasis(dir_.string());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->value_metric, b.value_metric);
+  EXPECT_EQ(r->query_moment, b.query_moment);
+  EXPECT_EQ(r->value_metric_head(2, 1), r->value_metric.data() + (2 * 2 + 1) * d * d);
+  EXPECT_EQ(r->Truncated(2).value_metric, b.value_metric);
+  // Only the value metric changed on disk: the fingerprint catches a flipped byte of it
+  // (the last tensor in the file).
+  const std::string good = Slurp("basis.safetensors");
+  std::string flipped = good;
+  flipped[flipped.size() - 5] ^= 0x40;
+  Spit("basis.safetensors", flipped);
+  EXPECT_EQ(ReadBasis(dir_.string()).status().code(), absl::StatusCode::kDataLoss);
+  // The checks name the tensor, its layer and head.
+  ModelBasis bad = b;
+  bad.value_metric[(1 * 2 + 0) * d * d + 0 * d + 1] += 1.0f;  // layer 1 head 0 not symmetric
+  absl::Status st = CheckBasisTensors(bad.manifest, bad);
+  EXPECT_NE(st.message().find("layer 1 head 0: value metric is not symmetric"), std::string::npos)
+      << st;
+  bad = b;
+  bad.value_metric[(2 * 2 + 1) * d * d + 3 * d + 3] = -1.0f;
+  st = CheckBasisTensors(bad.manifest, bad);
+  EXPECT_NE(st.message().find("layer 2 head 1: value metric diagonal 3 is negative"),
+            std::string::npos)
+      << st;
+  bad = b;
+  bad.value_metric.resize(n - d);
+  st = CheckBasisTensors(bad.manifest, bad);
+  EXPECT_NE(st.message().find("value metric holds"), std::string::npos) << st;
+  // A header whose value metric tensor has the wrong shape is refused naming it.
+  uint64_t hn;
+  std::memcpy(&hn, good.data(), 8);
+  auto hj = nlohmann::json::parse(good.substr(8, hn));
+  hj["layer.1.value_metric"]["shape"] = {2, d, 4};
+  std::string h = hj.dump();
+  h.resize(hn, ' ');
+  ASSERT_EQ(h.size(), hn);
+  Spit("basis.safetensors", good.substr(0, 8) + h + good.substr(8 + hn));
+  auto shaped = ReadBasis(dir_.string());
+  ASSERT_FALSE(shaped.ok());
+  EXPECT_NE(shaped.status().message().find("layer.1.value_metric: shape"), std::string::npos)
+      << shaped.status();
 }
 
 TEST_F(BasisFiles, RejectsMalformedManifest) {

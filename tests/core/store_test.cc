@@ -265,6 +265,59 @@ TEST(RegistryTest, CodecJsonCarriesRotationAndMetricRounding) {
   fs::remove_all(dir);
 }
 
+// value_metric_rounding lives in codec.json too (written only when set, so every other
+// entry's file stays as it was), needs the basis's value metric, and a mistyped one skips
+// the entry naming the field.
+TEST(RegistryTest, CodecJsonCarriesValueMetricRounding) {
+  const std::string dir = TempDir();
+  {
+    Registry r(dir);
+    ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
+    ModelEntry e = Entry("vmr", 1, 1);
+    e.codec.value_metric_rounding = true;
+    ASSERT_THAT(std::string(r.Register(e, nullptr).status().message()),
+                ::testing::HasSubstr("value_metric_rounding"));
+    e.basis.value_metric.assign(2 * 2 * 64 * 64, 0.0f);
+    for (int h = 0; h < 4; ++h)
+      for (int a = 0; a < 64; ++a) e.basis.value_metric[(h * 64 + a) * 64 + a] = 1.0f;
+    ASSERT_TRUE(r.Register(e, nullptr).ok());
+    ModelEntry plain = Entry("plain", 1, 2);
+    ASSERT_TRUE(r.Register(plain, nullptr).ok());
+  }
+  std::ifstream plain_json(dir + "/plain/v1/codec.json");
+  const std::string plain_text{std::istreambuf_iterator<char>(plain_json), {}};
+  EXPECT_EQ(plain_text.find("value_metric_rounding"), std::string::npos) << plain_text;
+  auto write = [&](const std::string& path, const std::string& text) {
+    fs::create_directories(fs::path(dir + path).parent_path());
+    std::ofstream(dir + path) << text;
+  };
+  const std::string model = R"({"model": "%s", "version": 1, "layers": 2, "kv_heads": 2, )"
+                            R"("q_heads": 4, "head_dim": 64})";
+  auto named = [&](const std::string& name) {
+    std::string s = model;
+    return s.replace(s.find("%s"), 2, name);
+  };
+  write("/vmrstr/v1/model.json", named("vmrstr"));
+  write("/vmrstr/v1/codec.json", R"({"value_metric_rounding": "yes"})");
+  write("/vmrnone/v1/model.json", named("vmrnone"));  // no basis, so no value metric
+  write("/vmrnone/v1/codec.json", R"({"value_metric_rounding": true})");
+  Registry again(dir);
+  std::vector<std::string> loaded, skipped;
+  ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("vmr v1", "plain v1"));
+  EXPECT_THAT(SkipReason(skipped, "vmrstr/v1"),
+              ::testing::HasSubstr("field 'value_metric_rounding' is mistyped"));
+  EXPECT_THAT(SkipReason(skipped, "vmrnone/v1"), ::testing::HasSubstr("value_metric_rounding"));
+  auto vmr = again.Get("vmr", 1);
+  ASSERT_TRUE(vmr.ok());
+  EXPECT_TRUE((*vmr)->codec.value_metric_rounding);
+  EXPECT_EQ((*vmr)->basis.value_metric.size(), 2u * 2 * 64 * 64);
+  auto plain = again.Get("plain", 1);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE((*plain)->codec.value_metric_rounding);
+  fs::remove_all(dir);
+}
+
 TEST(RegistryTest, RegisterRefusesWhatLoadingWouldAndConflictingMetadata) {
   const std::string dir = TempDir();
   Registry r(dir);
@@ -397,6 +450,43 @@ TEST_F(StoreTest, SequencesOfALayerShareItsCodecTables) {
   EXPECT_TRUE(tables("t", "a", 0)->rounding.empty());
   EXPECT_EQ(tables("t", "c", 0)->rounding.size(), static_cast<size_t>(kv) * d * d);
   EXPECT_FALSE(tables("t", "a", 0)->basis.empty());
+}
+
+// Value metric rounding through the store: a sequence that asks for it gets the entry's
+// value metric factors in its layer tables and values encoded in that metric (other codes
+// than nearest rounding's, the same layout), and an entry without value metrics refuses it.
+TEST_F(StoreTest, ValueMetricRoundingUsesTheEntrysValueMetric) {
+  ModelEntry vm = Entry("vm", 1, 3);
+  const int kv = vm.manifest.kv_heads, d = vm.manifest.head_dim;
+  vm.basis.value_metric.assign(static_cast<size_t>(vm.manifest.layers) * kv * d * d, 0.5f);
+  for (int h = 0; h < vm.manifest.layers * kv; ++h)
+    for (int c = 0; c < d; ++c) vm.basis.value_metric[(static_cast<size_t>(h) * d + c) * d + c] = 1;
+  ASSERT_TRUE(registry_.Register(vm, nullptr).ok());
+  Store store({}, &registry_);
+  Data data(256, 5);  // two groups of the default codec's 128 tokens encoded
+  auto spec = [&](const std::string& id, const std::string& model, bool vmr) {
+    AppendSpec a = Spec(id, 0, 0, data, model);
+    a.has_codec = true;
+    a.codec = Registry::DefaultCodec(vm.manifest, true);
+    a.codec.value_metric_rounding = vmr;
+    return a;
+  };
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", {spec("near", "vm", false), spec("vmr", "vm", true)}, &out).ok());
+  LayerCache* near = store.LayerForTest("t", "near", 0);
+  LayerCache* vmr = store.LayerForTest("t", "vmr", 0);
+  ASSERT_NE(near, nullptr);
+  ASSERT_NE(vmr, nullptr);
+  EXPECT_TRUE(near->tables()->value_rounding.empty());
+  EXPECT_EQ(vmr->tables()->value_rounding.size(), static_cast<size_t>(kv) * d * d);
+  std::vector<float> k0, v0, k1, v1;
+  ASSERT_TRUE(near->Decode(&k0, &v0).ok());
+  ASSERT_TRUE(vmr->Decode(&k1, &v1).ok());
+  EXPECT_EQ(k0, k1);  // keys untouched
+  EXPECT_NE(v0, v1);
+  const absl::Status refused = store.Append("t", {spec("x", "m", true)}, &out);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("value_metric_rounding"));
 }
 
 // Memory a workload of many tiny sequences takes on the heap, against what the store counts

@@ -32,6 +32,18 @@ TEST(EvalConfig, SinkTokensSetTheCodecsFp16Sinks) {
     EXPECT_FALSE(ParseEvalConfig(bad).ok()) << bad;
 }
 
+TEST(EvalConfig, VmrSetsValueMetricRoundingOnKvTargetsOnly) {
+  auto c = ParseEvalConfig("headq-kv3-g128-s4-v2-vmr");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(c->codec.value_metric_rounding);
+  EXPECT_FALSE(c->codec.metric_rounding);
+  EXPECT_EQ(c->codec.value_bits, 2);
+  EXPECT_FALSE(ParseEvalConfig("headq-kv2-g128-mr").value().codec.value_metric_rounding);
+  auto k = ParseEvalConfig("headq-k2-vmr");
+  ASSERT_FALSE(k.ok());
+  EXPECT_NE(k.status().message().find("vmr rounds values"), std::string::npos) << k.status();
+}
+
 TEST(EvalConfig, FieldsFollowTheName) {
   auto c = *ParseEvalConfig("headq-k2-r4-wrongsign");
   EXPECT_TRUE(c.keys_only);

@@ -61,6 +61,47 @@ TEST(Llama, LoadsTinyModelAndRejectsMissingTensors) {
   EXPECT_FALSE(LlamaModel::Load(**e).ok());
 }
 
+// The value metric of each KV head is the Gram matrix of the output projection's columns
+// that read its query heads (the file's attn_output.weight, ne[0] = q_heads * head_dim the
+// fastest), summed over the group (or, heads together, of the group's summed columns):
+// checked against the sums written out from the file.
+TEST(Llama, OutputProjectionMetricIsTheGroupsGramMatrix) {
+  auto f = TinyModel();
+  auto m = LlamaModel::Load(*f);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const LlamaConfig& c = (*m)->config();
+  const int D = c.head_dim, group = c.q_heads / c.kv_heads, in = c.q_heads * D;
+  ASSERT_GT(group, 1);  // the sum over a group is exercised
+  const std::vector<float> metric = (*m)->OutputProjectionMetric();
+  const std::vector<float> together = (*m)->OutputProjectionMetric(/*heads_together=*/true);
+  ASSERT_EQ(metric.size(), static_cast<size_t>(c.layers) * c.kv_heads * D * D);
+  ASSERT_EQ(together.size(), metric.size());
+  for (int l = 0; l < c.layers; ++l) {
+    auto wo = f->Dequantize(absl::StrCat("blk.", l, ".attn_output.weight"));
+    ASSERT_TRUE(wo.ok()) << wo.status();
+    for (int h = 0; h < c.kv_heads; ++h)
+      for (int a = 0; a < D; ++a)
+        for (int b = 0; b < D; ++b) {
+          double want = 0, want_together = 0;
+          for (int i = 0; i < c.hidden; ++i) {
+            double sa = 0, sb = 0;
+            for (int q = h * group; q < (h + 1) * group; ++q) {
+              want += double((*wo)[i * in + q * D + a]) * (*wo)[i * in + q * D + b];
+              sa += (*wo)[i * in + q * D + a];
+              sb += (*wo)[i * in + q * D + b];
+            }
+            want_together += sa * sb;
+          }
+          const size_t at = ((static_cast<size_t>(l) * c.kv_heads + h) * D + a) * D + b;
+          const float got = metric[at];
+          ASSERT_NEAR(got, want, 1e-4 * (1 + std::fabs(want)))
+              << l << " " << h << " " << a << " " << b;
+          ASSERT_NEAR(together[at], want_together, 1e-4 * (1 + std::fabs(want_together)));
+          ASSERT_EQ(got, metric[((static_cast<size_t>(l) * c.kv_heads + h) * D + b) * D + a]);
+        }
+  }
+}
+
 TEST(Llama, DenseChunkedPrefillEqualsOneShotAndDecode) {
   auto f = TinyModel();
   auto m = *LlamaModel::Load(*f);

@@ -125,8 +125,9 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(
       }
     }
     const float* moment = basis ? basis->query_moment_head(l, 0) : nullptr;
+    const float* value_metric = basis ? basis->value_metric_head(l, 0) : nullptr;
     c->layers_.push_back(
-        std::make_unique<core::LayerCache>(ol, s.kv_heads, bp, nullptr, ap, moment));
+        std::make_unique<core::LayerCache>(ol, s.kv_heads, bp, nullptr, ap, moment, value_metric));
   }
   return c;
 }

@@ -10,6 +10,36 @@
 
 namespace kvq::frontend {
 
+absl::StatusOr<ValueDistortion> MeasureValueDistortion(const core::CodecOptions& codec,
+                                                       const float* v, int n, int d,
+                                                       const float* value_metric) {
+  core::CodecOptions o = codec;
+  o.head_dim = d;
+  o.window = 0;
+  o.rank = 0;  // keys are not measured here
+  RETURN_IF_ERROR(o.Validate());
+  if (!value_metric) return absl::InvalidArgumentError("no value metric");
+  core::LayerCache cache(o, 1, nullptr, nullptr, nullptr, nullptr, value_metric);
+  const core::TensorView vv = core::TensorView::Contiguous(v, core::DType::kF32, {1, n, d});
+  RETURN_IF_ERROR(cache.Append(vv, vv, 0));
+  std::vector<float> keys, values;
+  RETURN_IF_ERROR(cache.Decode(&keys, &values));
+  ValueDistortion r;
+  r.value_mse = core::MeanSquaredError(v, values.data(), static_cast<int64_t>(n) * d);
+  std::vector<double> e(d);
+  for (int t = 0; t < n; ++t) {
+    for (int c = 0; c < d; ++c)
+      e[c] = double(values[static_cast<size_t>(t) * d + c]) - v[t * d + c];
+    for (int a = 0; a < d; ++a) {
+      double row = 0;
+      for (int c = 0; c < d; ++c) row += double(value_metric[a * d + c]) * e[c];
+      r.metric_error += e[a] * row;
+    }
+  }
+  r.metric_error /= n;
+  return r;
+}
+
 absl::StatusOr<KeyDistortion> MeasureKeyDistortion(const KeyQuantizer& qz, const float* q, int gq,
                                                    const float* k, int n, int d, int min_pos) {
   core::CodecOptions o = qz.codec;

@@ -76,6 +76,9 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
       c.basis = BasisKind::kOracle;
     } else if (p == "mr") {
       o.metric_rounding = true;
+    } else if (p == "vmr") {
+      if (c.keys_only) return bad("vmr rounds values; use a kv target");
+      o.value_metric_rounding = true;
     } else if (p == "pre") {
       c.levers.keys_before_rope = true;
     } else if (ParseSuffixInt(p, "spk", &v)) {

@@ -218,6 +218,40 @@ absl::StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::Load(const GgufFile& f) 
   return m;
 }
 
+std::vector<float> LlamaModel::OutputProjectionMetric(bool heads_together) const {
+  const int H = cfg_.hidden, D = cfg_.head_dim, group = cfg_.q_heads / cfg_.kv_heads;
+  const int in = cfg_.q_heads * D;  // wo's row length
+  std::vector<float> out(static_cast<size_t>(cfg_.layers) * cfg_.kv_heads * D * D);
+  std::vector<float> sum(static_cast<size_t>(H) * D);
+  for (int l = 0; l < cfg_.layers; ++l) {
+    // wo is [hidden][q_heads * D] row-major (y = wo attn): query head q's columns are
+    // q*D .. q*D + D-1, and the group of KV head h is query heads h*group .. (h+1)*group-1
+    // (as attention maps them), so M_h sums the Gram matrices of `group` column blocks.
+    const float* wo = layers_[l].wo.data();
+    for (int h = 0; h < cfg_.kv_heads; ++h) {
+      float* m = out.data() + (static_cast<size_t>(l) * cfg_.kv_heads + h) * D * D;
+      if (heads_together) {  // the group's column blocks summed, then one Gram matrix
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (int q = h * group; q < (h + 1) * group; ++q)
+          for (int i = 0; i < H; ++i)
+            for (int c = 0; c < D; ++c)
+              sum[i * D + c] += wo[static_cast<size_t>(i) * in + q * D + c];
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, D, D, H, 1.0f, sum.data(), D,
+                    sum.data(), D, 0.0f, m, D);
+      } else {
+        for (int q = h * group; q < (h + 1) * group; ++q)
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, D, D, H, 1.0f, wo + q * D, in,
+                      wo + q * D, in, 1.0f, m, D);
+      }
+      // Exactly symmetric (the product's two triangles may round differently).
+      for (int a = 0; a < D; ++a)
+        for (int b = a + 1; b < D; ++b)
+          m[a * D + b] = m[b * D + a] = 0.5f * (m[a * D + b] + m[b * D + a]);
+    }
+  }
+  return out;
+}
+
 absl::Status LlamaModel::Forward(const int32_t* tokens, int n, int64_t start, AttentionCache* cache,
                                  int logits_from, std::vector<float>* logits,
                                  const ActivationHook& hook) const {

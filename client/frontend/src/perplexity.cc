@@ -77,7 +77,8 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
                                                    static_cast<int64_t>(windows) * window_len));
   }
   const core::ModelBasis* basis = nullptr;
-  if (!config.dense && (config.codec.rank > 0 || config.codec.metric_rounding)) {
+  if (!config.dense && (config.codec.rank > 0 || config.codec.metric_rounding ||
+                        config.codec.value_metric_rounding)) {
     switch (config.basis) {
       case BasisKind::kQuery:
         basis = bases->query;
@@ -104,6 +105,11 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     if (!basis)
       return absl::FailedPreconditionError(
           absl::StrCat(config.name, ": no basis of that kind loaded (--basis)"));
+    if (config.codec.value_metric_rounding && basis->value_metric.empty())
+      return absl::FailedPreconditionError(
+          absl::StrCat(config.name,
+                       ": value metric rounding needs the basis's value metric (kvq-calibrate "
+                       "writes it; kvq-eval fills it from the model's weights)"));
   }
   PerplexityResult r;
   const int first = window_len / 2;

@@ -51,6 +51,13 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
   --query-moment B  store each head's E[q q^T] in the basis (default true): the metric of the
                     codec's metric rounding (keys rounded so that the score error is small);
                     false writes U alone (a smaller file, nearest rounding only)
+  --value-metric B  also store each KV head's value metric (sum of W_o,q^T W_o,q over its
+                    query heads, from the weights; default false): the metric of the codec's
+                    value metric rounding (kvq-eval computes it itself when a basis has none)
+  --value-metric-heads independent|together
+                    how the group's query heads combine in it: independent (the default, the
+                    sum of each head's Gram matrix) or together (the Gram matrix of their
+                    summed columns: every head attending alike; an evaluation variant)
   --model-name NAME manifest model name (default: the model's file name, lower case, without
                     .gguf and its quantization tag: SmolLM2-135M-Instruct.Q4_1.gguf ->
                     smollm2-135m-instruct)
@@ -251,6 +258,8 @@ int Main(int argc, char** argv) {
                {"window-len", "512"},
                {"variants", "false"},
                {"query-moment", "true"},
+               {"value-metric", "false"},
+               {"value-metric-heads", "independent"},
                {"model-name", ""},
                {"threads", "2"},
                {"bits", ""},
@@ -381,10 +390,19 @@ int Main(int argc, char** argv) {
     outs.push_back({flags.Get("out") + "/resw", rw});
     outs.push_back({flags.Get("out") + "/oblique", obl});
   }
+  const std::string heads = flags.Get("value-metric-heads");
+  if (heads != "independent" && heads != "together") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--value-metric-heads ", heads, ": must be independent or together")));
+  }
+  std::vector<float> value_metric;
+  if (flags.GetBool("value-metric"))
+    value_metric = model.OutputProjectionMetric(heads == "together");
   for (auto& o : outs) {
     o.opts.keep_query_moment = flags.GetBool("query-moment");
     auto b = stats.Basis(rank, o.opts, m);
     if (!b.ok()) return Fail(b.status());
+    b->value_metric = value_metric;
     absl::Status ws = core::WriteBasis(o.dir, *b);
     if (!ws.ok()) return Fail(ws);
     std::vector<double> e = stats.CapturedEnergy(*b);

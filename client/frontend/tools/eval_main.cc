@@ -83,7 +83,9 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
                     cases, same-budget counterexamples (lower MSE, higher KL at key bits
                     within 0.15), and per-layer Fisher removal of headq-k2-r4 vs kivi-k2
   --diag-tokens N   tokens for --diagnostics (default 512)
-  --diag-configs L  key quantizers for --diagnostics (default: a set of kivi/headq k2-k4)
+  --diag-configs L  key quantizers for --diagnostics (default: a set of kivi/headq k2-k4);
+                    kv configs also get a value table (MSE and the error in the output
+                    projection's metric, which -vmr rounds in)
 
 Protocol (llama.cpp perplexity): the tokenized text is cut into consecutive windows of L
 tokens from token 0; each window is a fresh sequence; logits at positions L/2 .. L-2 score the
@@ -104,6 +106,7 @@ Configuration grammar:
             obl (the oblique reduced-rank-regression pair kvq-calibrate --variants writes),
             rotk | rotv | rot (keys / values / both rotated by a Hadamard matrix),
             mr (key codes chosen in the query metric), sink<N> (first N positions at fp16),
+            vmr (value codes chosen in the output projection's metric; kv targets),
             evaluation-only levers (not codec settings; window 0, read by decoding):
             spk<N> | spv<N> (N / 1000 of key / value elements kept exact, 32 bits each),
             pre (keys quantized before RoPE; kivi only, not with mr),
@@ -146,14 +149,18 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
   const int n = static_cast<int>(flags.GetInt("diag-tokens"));
   if (static_cast<int>(ids.size()) < n) return Fail(absl::InvalidArgumentError("text too short"));
   const int D = c.head_dim, gq = c.q_heads / c.kv_heads;
-  std::vector<std::vector<float>> Q(c.layers), K(c.layers);
-  auto hook = [&](int layer, int64_t, int m, const float* q, const float* k, const float*) {
+  std::vector<std::vector<float>> Q(c.layers), K(c.layers), V(c.layers);
+  auto hook = [&](int layer, int64_t, int m, const float* q, const float* k, const float* v) {
     Q[layer].assign(q, q + static_cast<size_t>(c.q_heads) * m * D);
     K[layer].resize(static_cast<size_t>(c.kv_heads) * m * D);
+    V[layer].resize(K[layer].size());
     for (int h = 0; h < c.kv_heads; ++h)
-      for (int t = 0; t < m; ++t)
-        std::copy_n(k + (static_cast<size_t>(t) * c.kv_heads + h) * D, D,
-                    K[layer].data() + (static_cast<size_t>(h) * m + t) * D);
+      for (int t = 0; t < m; ++t) {
+        const size_t from = (static_cast<size_t>(t) * c.kv_heads + h) * D,
+                     to = (static_cast<size_t>(h) * m + t) * D;
+        std::copy_n(k + from, D, K[layer].data() + to);
+        std::copy_n(v + from, D, V[layer].data() + to);
+      }
   };
   DenseCache dense(c.cache_shape());
   absl::Status st = model.Forward(ids.data(), n, 0, &dense, n, nullptr, hook);
@@ -269,6 +276,32 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
     }
   std::printf("same-budget counterexamples (lower MSE, >10%% higher KL): %d\n", total);
   js["counterexamples"] = total;
+  // Value distortion of the kv configs, in the output projection's metric (the basis's value
+  // metric, which main fills from the model's weights when the basis has none).
+  const core::ModelBasis* vb = bases.query;
+  bool header = false;
+  for (const auto& cfg : *configs) {
+    if (cfg.dense || cfg.keys_only || !vb || vb->value_metric.empty()) continue;
+    if (!header) {
+      std::printf("value distortion over %d layers x %d KV heads, %d tokens (means over heads)\n",
+                  c.layers, c.kv_heads, n);
+      std::printf("%-36s %12s %14s\n", "quantizer", "value_mse", "metric_error");
+      header = true;
+    }
+    double mse = 0, merr = 0;
+    for (int l = 0; l < c.layers; ++l)
+      for (int h = 0; h < c.kv_heads; ++h) {
+        auto r = MeasureValueDistortion(cfg.codec, V[l].data() + static_cast<size_t>(h) * n * D, n,
+                                        D, vb->value_metric_head(l, h));
+        if (!r.ok()) return Fail(r.status());
+        mse += r->value_mse;
+        merr += r->metric_error;
+      }
+    const double heads = static_cast<double>(c.layers) * c.kv_heads;
+    std::printf("%-36s %12.5g %14.5g\n", cfg.name.c_str(), mse / heads, merr / heads);
+    js["value_quantizers"].push_back(
+        {{"name", cfg.name}, {"value_mse", mse / heads}, {"metric_error", merr / heads}});
+  }
   // Per-layer Fisher removal of rank-4 HeadQ (calibrated and oracle basis) against kivi-k2.
   for (const char* hq : {"headq-k2-r4", "headq-k2-r4-oracle"}) {
     std::map<int, std::array<double, 2>> per_layer;
@@ -404,6 +437,14 @@ int Main(int argc, char** argv) {
       oblique = std::move(*c);
       bases.oblique = &oblique;
     }
+  }
+  // Value metric rounding's metric is a function of the output projection alone: a basis
+  // written before kvq-calibrate stored it gets it from the model here.
+  std::vector<float> value_metric;
+  for (core::ModelBasis* b : {&query, &centred, &resw, &oblique}) {
+    if (b->u.empty() || !b->value_metric.empty()) continue;
+    if (value_metric.empty()) value_metric = (*model)->OutputProjectionMetric();
+    b->value_metric = value_metric;
   }
   if (flags.GetBool("diagnostics")) {
     return Diagnostics(**model, ids, bases, flags);

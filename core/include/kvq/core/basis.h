@@ -54,6 +54,18 @@ struct ModelBasis {
                : query_moment.data() + (static_cast<size_t>(layer) * manifest.kv_heads + kv_head) *
                                            manifest.head_dim * manifest.head_dim;
   }
+  // Empty, or each KV head's value metric M = sum over its query heads q of W_o,q^T W_o,q
+  // (W_o,q: the output projection's columns that read query head q's attention output),
+  // [layers][kv_heads][head_dim][head_dim] ("layer.{l}.value_metric", stored after the query
+  // moments): the metric in which a value error reaches the layer output, in which the encoder
+  // rounds values when the codec asks for value metric rounding. A function of the weights.
+  std::vector<float> value_metric;
+  const float* value_metric_head(int layer, int kv_head) const {
+    return value_metric.empty()
+               ? nullptr
+               : value_metric.data() + (static_cast<size_t>(layer) * manifest.kv_heads + kv_head) *
+                                           manifest.head_dim * manifest.head_dim;
+  }
   const float* head(int layer, int kv_head) const { return u.data() + HeadOffset(layer, kv_head); }
   // The basis the encoder projects with: A for an oblique pair, else U.
   const float* encode_head(int layer, int kv_head) const {
@@ -74,10 +86,11 @@ absl::Status WriteBasis(const std::string& dir, ModelBasis& basis, Env* env = nu
 absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env = nullptr);
 // The checks every basis passes wherever it comes from (ReadBasis, a registration), against
 // the shape in `m` (layers, kv_heads, head_dim, rank; b.manifest is not consulted): the
-// tensor sizes (U; A the same when oblique; query_moment [layers][kv][d][d] when present),
-// every value finite, per head U's columns orthonormal or, for an oblique pair, A^T B = I
-// (each to 1e-3: either way B A^T is a projection, so the side code cannot amplify a
-// residual), and each query moment symmetric with a non-negative diagonal (a second moment).
+// tensor sizes (U; A the same when oblique; query_moment and value_metric [layers][kv][d][d]
+// when present), every value finite, per head U's columns orthonormal or, for an oblique
+// pair, A^T B = I (each to 1e-3: either way B A^T is a projection, so the side code cannot
+// amplify a residual), and each query moment and value metric symmetric with a non-negative
+// diagonal (both are Gram matrices).
 // INVALID_ARGUMENT naming the layer, head and columns.
 absl::Status CheckBasisTensors(const BasisManifest& m, const ModelBasis& b);
 std::string BasisFingerprint(const ModelBasis& basis);

@@ -168,14 +168,18 @@ struct LayerCodecTables {
   std::vector<float> basis;     // [kv_heads][d][rank] U (or the decode basis B); empty: rank 0
   std::vector<float> basis_t;   // [kv_heads][rank][d] U^T (or A^T), for encoding
   std::vector<float> rounding;  // [kv_heads][d][d] metric rounding factors, or empty
-  size_t bytes() const { return 4 * (basis.size() + basis_t.size() + rounding.size()); }
+  std::vector<float> value_rounding;  // [kv_heads][d][d] value metric rounding factors, or empty
+  size_t bytes() const {
+    return 4 * (basis.size() + basis_t.size() + rounding.size() + value_rounding.size());
+  }
 };
 // The arguments as LayerCache's own constructor takes them (null basis with o.rank > 0: no
 // side code).
 std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions& o, int kv_heads,
                                                              const float* basis,
                                                              const float* encode_basis,
-                                                             const float* query_moment);
+                                                             const float* query_moment,
+                                                             const float* value_metric = nullptr);
 
 class LayerCache {
  public:
@@ -186,8 +190,11 @@ class LayerCache {
   // A^T e; basis then is the decode basis B), or null: A = U.
   // query_moment: [kv_heads][d][d] E[q q^T] per head, for CodecOptions::metric_rounding
   // (null: nearest rounding).
+  // value_metric: [kv_heads][d][d] per head, for CodecOptions::value_metric_rounding (null:
+  // nearest rounding of values).
   LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool = nullptr,
-             const float* encode_basis = nullptr, const float* query_moment = nullptr);
+             const float* encode_basis = nullptr, const float* query_moment = nullptr,
+             const float* value_metric = nullptr);
   // The same with tables built by MakeLayerCodecTables for the same codec and kv_heads
   // (shared with other caches, never copied).
   LayerCache(const CodecOptions& o, int kv_heads, std::shared_ptr<const LayerCodecTables> tables,

@@ -104,6 +104,12 @@ struct CodecOptions {
   // error feedback (GPTQ's rule) so that the error is small in the model's query metric
   // E[q q^T] rather than per channel; needs the basis's query moment (else nearest rounding).
   bool metric_rounding = false;
+  // Encoder only (blocks read the same): round each value token's codes channel by channel
+  // with error feedback in the metric its error reaches the layer output through, M = sum over
+  // the KV head's query heads of W_o,q^T W_o,q (the output projection's columns of that head),
+  // instead of nearest rounding per channel; the scales and zero points stay. Needs the
+  // basis's value metric (else nearest rounding).
+  bool value_metric_rounding = false;
   // Verify the block checksum on every score/readout/decode (true) or only when a
   // block is read out whole (GetBlocks, moves) and by the store's scrub (false).
   bool verify_on_read = true;
@@ -145,9 +151,17 @@ std::vector<float> KeyRoundingFactor(const float* moment, int d, const float* de
 
 // values: [G][d] fp32, row stride ld. bits_per_token: [G] widths in {1,2,3,4} (kA2) or
 // null (uniform value_bits). Appends the block to `out`.
+// rounding: null (nearest rounding) or the factor of ValueRoundingFactor: each token's codes
+// are then chosen by error feedback in the value metric (the same scales and zero points).
 template <class ByteVec>
 absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_t ld,
-                              const uint8_t* bits_per_token, ByteVec* out);
+                              const uint8_t* bits_per_token, ByteVec* out,
+                              const float* rounding = nullptr);
+
+// The factor value metric rounding uses for one head: the upper Cholesky factor of
+// (M + damping)^-1 [d][d] row-major, M the head's value metric [d][d] (ModelBasis::
+// value_metric). rotated: for values rotated by H (CodecOptions::rotate_values), of H M H.
+std::vector<float> ValueRoundingFactor(const float* metric, int d, bool rotated);
 
 // A parsed, validated block. Pointers point into the caller's bytes.
 struct KeyBlockView {

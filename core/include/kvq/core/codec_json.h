@@ -13,7 +13,8 @@
 
 namespace kvq::core {
 
-// Every stored field, so that the file names the codec exactly whatever the defaults become.
+// Every stored field, so that the file names the codec exactly whatever the defaults become
+// (value_metric_rounding, added later, only when set: absent is false).
 nlohmann::json CodecToJson(const CodecOptions& c);
 
 // codec.json over the defaults in *c (absent fields keep them); a field of the wrong type, or

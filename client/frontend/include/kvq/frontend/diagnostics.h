@@ -35,4 +35,19 @@ struct KeyDistortion {
 absl::StatusOr<KeyDistortion> MeasureKeyDistortion(const KeyQuantizer& qz, const float* q, int gq,
                                                    const float* k, int n, int d, int min_pos);
 
+// Value-side distortion of one KV head's values through a codec (window 0, the codec's sinks
+// and value policy; A^2 widths from no observed attention): the mean squared error per
+// element and the mean per token of dv^T M dv in the head's value metric M [d][d]
+// (ModelBasis::value_metric: the error as the output projection sees it), which value
+// metric rounding lowers when M couples channels.
+struct ValueDistortion {
+  double value_mse = 0;
+  double metric_error = 0;
+};
+// v: [n][d] values. value_metric: [d][d], also what the codec rounds in when it asks for
+// value_metric_rounding.
+absl::StatusOr<ValueDistortion> MeasureValueDistortion(const core::CodecOptions& codec,
+                                                       const float* v, int n, int d,
+                                                       const float* value_metric);
+
 }  // namespace kvq::frontend

@@ -30,6 +30,10 @@
 //                         on validation text (BasisSet::layer_ranks), never the test text
 //              mr         metric rounding of the key base codes (needs a basis written with
 //                         kvq-calibrate --query-moment)
+//              vmr        value metric rounding: each value token's codes chosen by error
+//                         feedback in the output projection's metric (kv targets; the
+//                         basis's value metric, which kvq-eval fills from the model's
+//                         weights when the basis has none)
 //              rotk, rotv, rot  keys, values or both rotated by the normalized Hadamard
 //                         matrix before quantization (CodecOptions::rotate_keys/values)
 //              fused      read through the codec's fused LayerCache::Attend instead of

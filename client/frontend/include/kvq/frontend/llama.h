@@ -57,6 +57,15 @@ class LlamaModel {
                        int logits_from, std::vector<float>* logits,
                        const ActivationHook& hook = nullptr) const;
 
+  // Each KV head's value metric, [layers][kv_heads][head_dim][head_dim]: M = sum over the
+  // head's query heads q of W_o,q^T W_o,q, W_o,q [hidden][head_dim] the output projection's
+  // columns that read query head q's attention output. A value error dv of one token reaches
+  // the layer output as sum_q p_q W_o,q dv; M is its mean square for uncorrelated, equally
+  // weighted attention of the group's heads (ModelBasis::value_metric). No text needed.
+  // heads_together: the other extreme, every head of the group attending alike:
+  // M = (sum_q W_o,q)^T (sum_q W_o,q) (an evaluation variant).
+  std::vector<float> OutputProjectionMetric(bool heads_together = false) const;
+
   // Forward in chunks cut at the cache's encode boundaries (decode-faithful: each query sees
   // exactly the encoded/full-precision split it would see when decoding token by token),
   // at most max_chunk tokens per chunk. Same outputs as Forward.
