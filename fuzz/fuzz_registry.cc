@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "kvq/core/codec_json.h"
 #include "kvq/core/env.h"
 #include "kvq/core/registry.h"
@@ -121,15 +122,26 @@ bool NamesAFileOrField(const std::string& reason) {
 }
 
 void CheckSkipped(const std::string& dir, const std::string& line) {
-  // "<path>: <reason>": the path is a folder's (its name may hold any bytes, ": " too), the
-  // reason ours.
+  // "<path>: <reason>": the path is a folder's, C-escaped (its name may hold any bytes, ": "
+  // too, and another folder's name may be its prefix), the reason ours: the path is the longest
+  // escaped folder under `dir` that the line starts with, followed by ": ".
   if (line.compare(0, dir.size() + 1, dir + "/") != 0) std::abort();
-  size_t colon = line.find(": ", dir.size());
   std::error_code ec;
-  while (colon != std::string::npos && !fs::is_directory(line.substr(0, colon), ec)) {
-    colon = line.find(": ", colon + 1);
+  size_t colon = std::string::npos;
+  for (auto it = fs::recursive_directory_iterator(dir, ec); !ec && it != fs::end(it);
+       it.increment(ec)) {
+    if (!it->is_directory(ec)) continue;
+    const std::string escaped = absl::CHexEscape(it->path().string());
+    if (line.compare(0, escaped.size(), escaped) == 0 &&
+        line.compare(escaped.size(), 2, ": ") == 0 &&
+        (colon == std::string::npos || escaped.size() > colon)) {
+      colon = escaped.size();
+    }
   }
-  if (colon == std::string::npos) std::abort();
+  if (colon == std::string::npos) {
+    fprintf(stderr, "skip line names no folder: %s\n", absl::CHexEscape(line).c_str());
+    std::abort();
+  }
   const std::string reason = line.substr(colon + 2);
   if (reason.empty() || reason.size() > 512) {
     fprintf(stderr, "skip reason of %zu bytes: %.200s\n", reason.size(), reason.c_str());

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -236,8 +237,11 @@ absl::Status Registry::LoadAll(std::vector<std::string>* loaded,
   std::error_code ec;
   fs::create_directories(dir_, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir_, ": ", ec.message()));
+  // Folder names are whatever bytes the file system holds: escaped (absl::CHexEscape; plain
+  // paths come out unchanged), so that a newline or control byte in one cannot split or forge
+  // the server's log line.
   auto skip = [skipped](const fs::path& p, absl::string_view why) {
-    if (skipped) skipped->push_back(absl::StrCat(p.string(), ": ", why));
+    if (skipped) skipped->push_back(absl::StrCat(absl::CHexEscape(p.string()), ": ", why));
   };
   ASSIGN_OR_RETURN(const std::vector<fs::path> models, Subfolders(dir_));
   // Only <dir>/<model>/v<version>/ is an entry, and it must be the one its manifest names:

@@ -101,6 +101,16 @@ TEST(RegistryTest, PersistsAtomicallyAndReloadsSkippingBrokenEntries) {
   EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("m v1", "m v2", "plain v1"));
   ASSERT_EQ(skipped.size(), 1u);
   EXPECT_THAT(skipped[0], ::testing::HasSubstr("broken"));
+  // A folder name's bytes are escaped in its skip line: a newline cannot split the log line.
+  fs::create_directories(dir + "/bad\nname\x01");
+  std::vector<std::string> loaded2, skipped2;
+  ASSERT_TRUE(Registry(dir).LoadAll(&loaded2, &skipped2).ok());
+  ASSERT_EQ(skipped2.size(), 2u);
+  const std::string& odd = skipped2[0].find("bad") != std::string::npos ? skipped2[0] : skipped2[1];
+  EXPECT_EQ(odd, dir +
+                     "/bad\\nname\\x01: not a model folder (names are 1..128 characters of "
+                     "[A-Za-z0-9._-])");
+  fs::remove_all(dir + "/bad\nname\x01");
   auto plain = again.Get("plain", 1);
   ASSERT_TRUE(plain.ok());
   EXPECT_FALSE((*plain)->has_basis);

@@ -41,7 +41,8 @@ class Registry {
 
   // Loads every entry under dir: the folders <dir>/<model>/v<version>/ whose manifest names
   // that model and version. Anything else (a broken, mistyped or misplaced entry) is skipped
-  // and reported in `skipped` as "path: reason"; folders starting with '.' are ignored.
+  // and reported in `skipped` as "path: reason" (the path C-escaped: absl::CHexEscape);
+  // folders starting with '.' are ignored.
   // Creates dir when it does not exist; fails only when dir cannot be listed.
   absl::Status LoadAll(std::vector<std::string>* loaded, std::vector<std::string>* skipped);
 
