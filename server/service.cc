@@ -729,7 +729,8 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
     const int64_t window = std::max<int64_t>(chunk_, kDecodeWindow / chunk_ * chunk_);
     RETURN_IF_ERROR(svc_->store()->DecodeAs(
         call_.tenant(), req_.sequence_id(), layer_, req_.basis_version(), from,
-        std::min<int64_t>(end_, from + window), dtype_, &keys_, &values_, &tokens_, &first_));
+        // (end_ - from, not from + window: a request's start may lie near INT64_MAX)
+        end_ - from <= window ? end_ : from + window, dtype_, &keys_, &values_, &tokens_, &first_));
     tokens_ = std::min(tokens_, length_);  // appends after the call started are not seen
     decoded_ =
         static_cast<int64_t>(keys_.size() / core::DTypeSize(dtype_)) / (int64_t{kv_heads_} * d_);

@@ -239,7 +239,8 @@ absl::StatusOr<ModelBasis> ReadBasis(const std::string& dir, Env* env) {
   }
   if (BasisFingerprint(b) != m.fingerprint)
     return absl::DataLossError(absl::StrCat("basis ", dir, ": fingerprint ", BasisFingerprint(b),
-                                            " does not match the manifest's ", m.fingerprint));
+                                            " does not match the manifest's ",
+                                            Excerpt(m.fingerprint)));
   if (absl::Status st = CheckBasisTensors(m, b); !st.ok()) return Bad(dir, st.message());
   return b;
 }
