@@ -1,15 +1,20 @@
 // The evaluation-only levers (eval_levers.h): dense-and-sparse trimming keeps the elements it
 // takes out exactly and counts them; keys before RoPE come back rotated to where attention
-// expects them; the grammar refuses the combinations the levers cannot run with.
+// expects them; code books put each element on its group's nearest level and, fitted on the
+// data, beat evenly spaced levels; the grammar refuses the combinations the levers cannot run
+// with.
 #include "kvq/frontend/eval_levers.h"
 
+#include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/eval_config.h"
+#include "kvq/frontend/nuq.h"
 
 namespace kvq::frontend {
 namespace {
@@ -89,7 +94,7 @@ TEST(LeverFeed, KeysBeforeRopeComeBackRotated) {
   l.rope = TestRope();
   ASSERT_TRUE(CheckLevers(l, o).ok());
   core::LayerCache lc(o, kHeads, nullptr);
-  LeverFeed f(l, o, kHeads, false);
+  LeverFeed f(l, o, kHeads, false, 0);
   const int T = 100;  // three groups fed, four rows waiting
   std::vector<float> k = Normal(T * kHeads * kDim, 2), v = Normal(k.size(), 3);
   ASSERT_TRUE(f.Append(lc, k.data(), v.data(), 0, 60).ok());
@@ -118,7 +123,7 @@ TEST(LeverFeed, OutliersAreKeptExactAndCounted) {
     EvalLevers l;
     l.key_outliers_permille = l.value_outliers_permille = permille;
     core::LayerCache lc(o, kHeads, nullptr);
-    LeverFeed f(l, o, kHeads, false);
+    LeverFeed f(l, o, kHeads, false, 0);
     EXPECT_TRUE(f.Append(lc, k.data(), v.data(), 0, T).ok());
     EXPECT_TRUE(f.Read(lc, K, V).ok());
     return std::make_pair(f.key_outlier_bytes(), f.value_outlier_bytes());
@@ -138,6 +143,103 @@ TEST(LeverFeed, OutliersAreKeptExactAndCounted) {
   for (size_t i = 0; i < wk.size(); ++i)
     exact += std::abs(wk[i]) > 20 && std::abs(K1[i] - wk[i]) < 0.02f;
   EXPECT_GE(exact, 38);
+}
+
+TEST(CodeBook, LloydPlacesLevelsWhereTheMassIsAndKeepsTheEnds) {
+  EXPECT_EQ(FitCodeBook(UnitHistogram{}, 2), (std::vector<float>{0, 1.0f / 3, 2.0f / 3, 1}));
+  UnitHistogram h;
+  std::mt19937_64 rng(1);
+  std::normal_distribution<double> nd(0.5, 0.12);
+  for (int i = 0; i < 200000; ++i) h.Add(nd(rng));
+  UnitHistogram ends;  // the fixed levels code the ends exactly: not counted
+  for (double u : {0.0, 1.0, -0.5, std::nan("")}) ends.Add(u);
+  EXPECT_EQ(ends.total(), 0.0);
+  EXPECT_GT(h.total(), 199900.0);
+  const std::vector<float> c = FitCodeBook(h, 2);
+  ASSERT_EQ(c.size(), 4u);
+  EXPECT_EQ(c.front(), 0.0f);
+  EXPECT_EQ(c.back(), 1.0f);
+  // The mass is near 0.5: the two free levels close in on it, symmetrically.
+  EXPECT_GT(c[1], 0.36f);
+  EXPECT_LT(c[2], 0.64f);
+  EXPECT_NEAR(c[1] + c[2], 1.0f, 0.01f);
+  // A fixed point of Lloyd's step: each free level is the mean of the mass nearest to it.
+  double m = 0, w = 0;
+  for (int b = 0; b < UnitHistogram::kBins; ++b) {
+    const double u = (b + 0.5) / UnitHistogram::kBins;
+    if (u > 0.5 * (c[0] + c[1]) && u <= 0.5 * (c[1] + c[2])) {
+      m += h.count[b] * u;
+      w += h.count[b];
+    }
+  }
+  EXPECT_NEAR(m / w, c[1], 1e-4);
+}
+
+TEST(CodeBook, CompandSendsLevelsToCodesAndMidpointsToHalfCodes) {
+  const std::vector<float> c = {0, 0.4f, 0.5f, 1};
+  for (int k = 0; k < 4; ++k) EXPECT_FLOAT_EQ(Compand(c[k], c), k / 3.0f);
+  for (int k = 0; k < 3; ++k) EXPECT_FLOAT_EQ(Compand(0.5f * (c[k] + c[k + 1]), c), (k + 0.5f) / 3);
+  for (float u = 0; u <= 1.0f; u += 0.01f) EXPECT_NEAR(Expand(Compand(u, c), c), u, 1e-6f);
+  EXPECT_EQ(Compand(-1.0f, c), 0.0f);
+  EXPECT_EQ(Expand(2.0f, c), 1.0f);
+}
+
+TEST(LeverFeed, CodeBooksPutEachElementOnItsNearestLevel) {
+  const core::CodecOptions o = Kivi(2);
+  const int T = 64, G = 32;
+  const std::vector<float> k = Normal(T * kHeads * kDim, 11), v = Normal(k.size(), 12);
+  auto run = [&](std::shared_ptr<const CodeBooks> books, std::vector<float>* K,
+                 std::vector<float>* V, UnitHistogram* keys_seen = nullptr) {
+    EvalLevers l;
+    l.nuq_keys = l.nuq_values = true;
+    l.books = std::move(books);
+    core::LayerCache lc(o, kHeads, nullptr);
+    LeverFeed f(l, o, kHeads, false, /*layer=*/1);
+    EXPECT_TRUE(f.Append(lc, k.data(), v.data(), 0, T).ok());
+    EXPECT_TRUE(f.Read(lc, K, V).ok());
+    if (keys_seen) *keys_seen = f.key_histogram();
+  };
+  // Counting (no books): the codec's uniform codes, and every element but the ends counted.
+  std::vector<float> K0, V0;
+  UnitHistogram seen;
+  run(nullptr, &K0, &V0, &seen);
+  EXPECT_EQ(seen.total(), T * kHeads * kDim - 2 * (T / G) * kHeads * kDim);
+  // Hand-made books on layer 1 (layer 0's empty: that layer would stay uniform).
+  auto hand = std::make_shared<CodeBooks>();
+  hand->keys = {{}, {0, 0.3f, 0.45f, 1}};
+  hand->values = {{}, {0, 0.2f, 0.9f, 1}};
+  std::vector<float> K, V;
+  run(hand, &K, &V);
+  const std::vector<float> wk = HeadMajor(k, T);
+  int off = 0;
+  for (int h = 0; h < kHeads; ++h)
+    for (int t0 = 0; t0 < T; t0 += G)
+      for (int c = 0; c < kDim; ++c) {  // a key group: one channel over G tokens
+        float lo = INFINITY, hi = -INFINITY;
+        for (int t = t0; t < t0 + G; ++t) {
+          lo = std::min(lo, wk[(h * T + t) * kDim + c]);
+          hi = std::max(hi, wk[(h * T + t) * kDim + c]);
+        }
+        for (int t = t0; t < t0 + G; ++t) {
+          const size_t i = (h * T + t) * kDim + c;
+          float best = lo;
+          for (float level : hand->keys[1]) {
+            const float y = lo + level * (hi - lo);
+            if (std::abs(y - wk[i]) < std::abs(best - wk[i])) best = y;
+          }
+          // fp16 zero and scale move the decoded levels by ~1e-3 of the range.
+          off += std::abs(K[i] - best) > 0.01f * (hi - lo);
+        }
+      }
+  EXPECT_LE(off, T * kHeads * kDim / 200);  // only elements within rounding of a midpoint
+  // Books fitted on the data itself beat even levels on it (Gaussian groups: mass mid-range).
+  auto fitted = std::make_shared<CodeBooks>();
+  fitted->keys = {{}, FitCodeBook(seen, 2)};
+  std::vector<float> K1, V1;
+  run(fitted, &K1, &V1);
+  EXPECT_LT(Mse(K1, wk, wk.size()), 0.95 * Mse(K0, wk, wk.size()));
+  const std::vector<float> wv = HeadMajor(v, T);
+  EXPECT_EQ(Mse(V1, wv, wv.size()), Mse(V0, wv, wv.size()));  // no value book: uniform
 }
 
 TEST(CodecCache, LeversCountTheWaitingRowsAndTheOutliers) {
@@ -174,8 +276,20 @@ TEST(EvalConfig, LeverGrammar) {
   EXPECT_EQ(sp->levers.key_outliers_permille, 10);
   EXPECT_EQ(sp->levers.value_outliers_permille, 5);
   EXPECT_EQ(sp->codec.fp16_sinks, 4);
-  for (const char* bad : {"headq-k2-pre", "kivi-k2-mr-pre", "kivi-kv2-rotk-spk10", "kivi-k2-spv5",
-                          "kivi-kv2-w32-spk10", "headq-kv2-a2-spk10", "kivi-kv2-spk101"}) {
+  auto nuq = ParseEvalConfig("kivi-kv3-g128-nuq");
+  ASSERT_TRUE(nuq.ok()) << nuq.status();
+  EXPECT_TRUE(nuq->levers.nuq_keys && nuq->levers.nuq_values);
+  auto nuqk = ParseEvalConfig("kivi-kv2-nuqk");
+  ASSERT_TRUE(nuqk.ok()) << nuqk.status();
+  EXPECT_TRUE(nuqk->levers.nuq_keys && !nuqk->levers.nuq_values);
+  auto konly = ParseEvalConfig("kivi-k2-pre-spk10-nuq");  // KVQuant's recipe, keys only
+  ASSERT_TRUE(konly.ok()) << konly.status();
+  EXPECT_FALSE(konly->levers.nuq_values);
+  EXPECT_TRUE(ParseEvalConfig("kivi-kv2-rotv-nuqk").ok());  // values rotated, keys on books
+  for (const char* bad :
+       {"headq-k2-pre", "kivi-k2-mr-pre", "kivi-kv2-rotk-spk10", "kivi-k2-spv5",
+        "kivi-kv2-w32-spk10", "headq-kv2-a2-spk10", "kivi-kv2-spk101", "headq-k2-nuq",
+        "kivi-k2-mr-nuq", "kivi-kv2-rotk-nuq", "kivi-kv2-vmr-nuq", "kivi-kv2-rotv-nuq"}) {
     EXPECT_FALSE(ParseEvalConfig(bad).ok()) << bad;
   }
 }

@@ -261,7 +261,7 @@ absl::Status CodecCache::SetLevers(const EvalLevers& levers) {
     return absl::FailedPreconditionError("levers are set before the first append");
   }
   for (size_t l = 0; l < layers_.size(); ++l)
-    feeds_.emplace_back(levers, o_, s_.kv_heads, keys_only_);
+    feeds_.emplace_back(levers, o_, s_.kv_heads, keys_only_, static_cast<int>(l));
   return absl::OkStatus();
 }
 

@@ -81,6 +81,9 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
       o.value_metric_rounding = true;
     } else if (p == "pre") {
       c.levers.keys_before_rope = true;
+    } else if (p == "nuq" || p == "nuqk") {
+      c.levers.nuq_keys = true;
+      c.levers.nuq_values = p == "nuq" && !c.keys_only;
     } else if (ParseSuffixInt(p, "spk", &v)) {
       c.levers.key_outliers_permille = v;
     } else if (ParseSuffixInt(p, "spv", &v)) {

@@ -23,6 +23,13 @@ absl::Status CheckLevers(const EvalLevers& l, const core::CodecOptions& o) {
   if (l.key_outliers_permille > 0 && o.rotate_keys)
     return no("spk trims keys before a rotation spreads them: not with rotk");
   if (l.value_outliers_permille > 0 && o.rotate_values) return no("spv: not with rotv");
+  if (l.nuq_keys || l.nuq_values) {
+    if (o.rank > 0) return no("nuq: the side code corrects the uniform codes (kivi only)");
+    if (o.metric_rounding || o.value_metric_rounding)
+      return no("nuq: metric rounding chooses among uniform codes (not with mr, vmr)");
+    if ((l.nuq_keys && o.rotate_keys) || (l.nuq_values && o.rotate_values))
+      return no("nuq: code books are fitted in the unrotated coordinates (not with rot)");
+  }
   if (l.keys_before_rope) {
     if (o.rank > 0)
       return no("pre: the side code's basis is fitted to post-RoPE queries (kivi only)");
@@ -96,8 +103,16 @@ void RoundToHalf(float* x, size_t n) {
 }  // namespace
 
 LeverFeed::LeverFeed(const EvalLevers& levers, const core::CodecOptions& o, int kv_heads,
-                     bool keys_only)
-    : levers_(levers), o_(o), kv_heads_(kv_heads), keys_only_(keys_only) {}
+                     bool keys_only, int layer)
+    : levers_(levers), o_(o), kv_heads_(kv_heads), keys_only_(keys_only) {
+  if (levers_.books) {
+    const CodeBooks& b = *levers_.books;
+    if (levers_.nuq_keys && layer < static_cast<int>(b.keys.size()) && !b.keys[layer].empty())
+      key_book_ = &b.keys[layer];
+    if (levers_.nuq_values && layer < static_cast<int>(b.values.size()) && !b.values[layer].empty())
+      value_book_ = &b.values[layer];
+  }
+}
 
 absl::Status LeverFeed::Append(core::LayerCache& lc, const float* k, const float* v, int64_t start,
                                int n) {
@@ -122,8 +137,7 @@ absl::Status LeverFeed::Append(core::LayerCache& lc, const float* k, const float
   return absl::OkStatus();
 }
 
-void LeverFeed::Trim(std::vector<float>* rows, int permille, bool keys, int64_t t0,
-                     std::vector<Exact>* exact) const {
+std::vector<std::vector<int64_t>> LeverFeed::Units(bool keys, int64_t t0) const {
   const int G = o_.key_group, D = o_.head_dim, KVH = kv_heads_;
   // The sinks' rows are kept exact by the codec already, and stand in for nothing here.
   const int first = t0 == 0 ? std::min(o_.fp16_sinks, G) : 0;
@@ -143,11 +157,68 @@ void LeverFeed::Trim(std::vector<float>* rows, int permille, bool keys, int64_t 
           for (int c = c0; c < std::min(D, c0 + o_.value_group); ++c) u.push_back(at(t, h, c));
         }
   }
+  return units;
+}
+
+void LeverFeed::Trim(std::vector<float>* rows, int permille, bool keys, int64_t t0,
+                     std::vector<Exact>* exact) const {
+  const int G = o_.key_group, D = o_.head_dim, KVH = kv_heads_;
+  const std::vector<std::vector<int64_t>> units = Units(keys, t0);
   const std::vector<float> before = *rows;
   const int64_t budget = std::llround(static_cast<double>(permille) / 1000.0 * G * KVH * D);
   for (int64_t i : TrimOutliers(rows->data(), units, budget)) {
     const int c = static_cast<int>(i % D), h = static_cast<int>(i / D % KVH);
     exact->push_back({t0 + i / (static_cast<int64_t>(KVH) * D), h, c, before[i]});
+  }
+}
+
+void LeverFeed::Compand(std::vector<float>* rows, bool keys, int64_t t0) {
+  const std::vector<float>* book = keys ? key_book_ : value_book_;
+  UnitHistogram& hist = keys ? key_hist_ : value_hist_;
+  std::vector<std::pair<float, float>>& ranges = keys ? key_ranges_ : value_ranges_;
+  float* x = rows->data();
+  for (const std::vector<int64_t>& unit : Units(keys, t0)) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int64_t i : unit) {
+      lo = std::min(lo, x[i]);
+      hi = std::max(hi, x[i]);
+    }
+    const float span = hi - lo;
+    if (!book) {
+      if (span > 0)
+        for (int64_t i : unit) hist.Add((static_cast<double>(x[i]) - lo) / span);
+      continue;
+    }
+    ranges.emplace_back(lo, hi);
+    if (!(span > 0)) continue;
+    // The ends map onto themselves, so the codec sees the same min and max (its zero and scale).
+    for (int64_t i : unit) {
+      if (x[i] == lo || x[i] == hi) continue;
+      x[i] = lo + frontend::Compand((x[i] - lo) / span, *book) * span;
+    }
+  }
+}
+
+void LeverFeed::Expand(std::vector<float>* rows, bool keys, int64_t T) const {
+  const std::vector<float>* book = keys ? key_book_ : value_book_;
+  if (!book) return;
+  const std::vector<std::pair<float, float>>& ranges = keys ? key_ranges_ : value_ranges_;
+  const int G = o_.key_group, D = o_.head_dim, KVH = kv_heads_;
+  size_t next = 0;
+  for (int64_t t0 = 0; t0 + G <= fed_; t0 += G) {
+    for (const std::vector<int64_t>& unit : Units(keys, t0)) {
+      const auto [lo, hi] = ranges[next++];
+      const float span = hi - lo;
+      if (!(span > 0)) continue;
+      for (int64_t i : unit) {
+        // Group-relative [t][kv][d] -> [kv][T][d].
+        const int64_t t = t0 + i / (static_cast<int64_t>(KVH) * D);
+        const int h = static_cast<int>(i / D % KVH), c = static_cast<int>(i % D);
+        float& y = (*rows)[(static_cast<size_t>(h) * T + t) * D + c];
+        const float u = std::clamp((y - lo) / span, 0.0f, 1.0f);
+        y = lo + frontend::Expand(u, *book) * span;
+      }
+    }
   }
 }
 
@@ -162,6 +233,8 @@ absl::Status LeverFeed::FeedGroup(core::LayerCache& lc) {
     Trim(&kg, levers_.key_outliers_permille, true, t0, &key_exact_);
   if (levers_.value_outliers_permille > 0 && !keys_only_)
     Trim(&vg, levers_.value_outliers_permille, false, t0, &value_exact_);
+  if (levers_.nuq_keys) Compand(&kg, true, t0);
+  if (levers_.nuq_values && !keys_only_) Compand(&vg, false, t0);
   std::vector<uint16_t> kh(kg.size()), vh(vg.size());
   core::FromFloat(core::DType::kF16, kg.data(), kh.data(), kh.size());
   core::FromFloat(core::DType::kF16, vg.data(), vh.data(), vh.size());
@@ -196,6 +269,7 @@ absl::Status LeverFeed::Read(const core::LayerCache& lc, std::vector<float>* key
   for (int h = 0; h < KVH; ++h) {
     std::copy_n(K.data() + static_cast<size_t>(h) * F * D, F * D, keys->data() + at(h, 0));
   }
+  Expand(keys, true, T);
   for (const Exact& e : key_exact_) (*keys)[at(e.head, e.t) + e.channel] = e.value;
   if (levers_.keys_before_rope) {
     for (int h = 0; h < KVH; ++h)
@@ -208,6 +282,9 @@ absl::Status LeverFeed::Read(const core::LayerCache& lc, std::vector<float>* key
   values->assign(keys->size(), 0.0f);
   for (int h = 0; h < KVH; ++h) {
     std::copy_n(V.data() + static_cast<size_t>(h) * F * D, F * D, values->data() + at(h, 0));
+  }
+  Expand(values, false, T);
+  for (int h = 0; h < KVH; ++h) {
     for (int64_t t = F; t < T; ++t) std::copy_n(sent(values_, t, h), D, values->data() + at(h, t));
   }
   for (const Exact& e : value_exact_) (*values)[at(e.head, e.t) + e.channel] = e.value;

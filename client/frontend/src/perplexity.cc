@@ -56,6 +56,44 @@ std::vector<int> AllocateRanks(const std::vector<std::vector<double>>& e, int me
   return r;
 }
 
+absl::StatusOr<CodeBooks> FitCodeBooks(const LlamaModel& model, const std::vector<int32_t>& tokens,
+                                       int window_len, const EvalConfig& config) {
+  const LlamaConfig& mc = model.config();
+  if (!config.levers.nuq_keys) {
+    return absl::InvalidArgumentError(config.name + ": no code books to fit (not a nuq config)");
+  }
+  core::CodecOptions o = config.codec;
+  o.head_dim = mc.head_dim;
+  o.verify_on_read = false;
+  EvalLevers levers = config.levers;
+  levers.rope = model.rope();
+  levers.books = nullptr;  // uniform while counting
+  std::vector<UnitHistogram> keys(mc.layers), values(mc.layers);
+  int64_t windows = 0;
+  for (size_t s = 0; s + window_len <= tokens.size(); s += window_len) {
+    ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, nullptr, config.keys_only));
+    RETURN_IF_ERROR(cc->SetLevers(levers));
+    std::vector<std::vector<float>> logits;
+    RETURN_IF_ERROR(model.ForwardDecodeFaithfulBatch({tokens.data() + s}, window_len, 0, {cc.get()},
+                                                     window_len, &logits));
+    for (int l = 0; l < mc.layers; ++l) {
+      keys[l].Merge(cc->feeds()[l].key_histogram());
+      values[l].Merge(cc->feeds()[l].value_histogram());
+    }
+    ++windows;
+  }
+  if (windows == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        config.name, ": the calibration text holds no window of ", window_len, " tokens"));
+  }
+  CodeBooks books;
+  for (int l = 0; l < mc.layers; ++l) {
+    books.keys.push_back(FitCodeBook(keys[l], o.key_bits));
+    if (config.levers.nuq_values) books.values.push_back(FitCodeBook(values[l], o.value_bits));
+  }
+  return books;
+}
+
 double TokenNll(const float* logits, int vocab, int32_t target) {
   float mx = logits[0];
   for (int i = 1; i < vocab; ++i) mx = std::max(mx, logits[i]);

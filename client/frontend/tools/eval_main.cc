@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -72,9 +73,10 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
                     the same K/V bits reach the codec, so PPL matches the in-process run of
                     the same read path; steps/s then counts tokens)
   --dump-tokens F   write the token ids of --text to F (one per line) and exit
-  --calib-text F    validation text for the "-adapt" rank allocation (default
-                    <shared>/data/wikitext-2/wiki.valid.tokens; its first --adapt-tokens tokens)
-  --adapt-tokens N  tokens for that measurement (default 4096)
+  --calib-text F    validation text for the "-adapt" rank allocation and the "-nuq" code
+                    books (default <shared>/data/wikitext-2/wiki.valid.tokens; its first
+                    --adapt-tokens tokens)
+  --adapt-tokens N  tokens for those measurements (default 4096)
   --diagnostics     instead of perplexity: run one dense window of --diag-tokens tokens from
                     the start of --text, and for every (layer, KV head) and each key
                     quantizer in --diag-configs measure raw key MSE, Fisher score error and
@@ -110,6 +112,8 @@ Configuration grammar:
             evaluation-only levers (not codec settings; window 0, read by decoding):
             spk<N> | spv<N> (N / 1000 of key / value elements kept exact, 32 bits each),
             pre (keys quantized before RoPE; kivi only, not with mr),
+            nuq | nuqk (per-layer non-uniform code books for keys and values / keys,
+            fitted on --calib-text; kivi only, not with mr, vmr or a rotation),
             oracle (--diagnostics only: PCA of the scored queries themselves, an upper bound)
   calibrated                     the codec of --basis DIR/codec.json (fields it omits take
                                  the registry's defaults for the entry)
@@ -462,14 +466,37 @@ int Main(int argc, char** argv) {
   auto configs =
       ParseEvalConfigList(flags.Get("configs"), calibrated ? &calibrated_codec : nullptr);
   if (!configs.ok()) return Fail(configs.status());
-  bool any_adapt = false;
-  for (const auto& c : *configs) any_adapt |= c.adaptive_rank;
-  if (any_adapt && bases.query) {
+  bool any_adapt = false, any_nuq = false;
+  for (const auto& c : *configs) {
+    any_adapt |= c.adaptive_rank;
+    any_nuq |= c.levers.nuq_keys;
+  }
+  // The validation text's first --adapt-tokens tokens: what -adapt and -nuq are fitted on.
+  std::vector<int32_t> cids;
+  if ((any_adapt && bases.query) || any_nuq) {
     auto calib = ReadFile(flags.Get("calib-text"));
     if (!calib.ok()) return Fail(calib.status());
-    std::vector<int32_t> cids = (*tok)->Encode(*calib);
+    cids = (*tok)->Encode(*calib);
     const size_t want = static_cast<size_t>(flags.GetInt("adapt-tokens"));
     if (cids.size() > want) cids.resize(want);
+  }
+  for (auto& c : *configs) {
+    if (!c.levers.nuq_keys) continue;
+    std::fprintf(stderr, "kvq-eval: %s: fitting code books on %zu calibration tokens\n",
+                 c.name.c_str(), cids.size());
+    auto books = FitCodeBooks(**model, cids, 512, c);
+    if (!books.ok()) return Fail(books.status());
+    for (size_t l = 0; l < books->keys.size(); l += std::max<size_t>(1, books->keys.size() / 2)) {
+      std::string line;
+      for (float x : books->keys[l]) absl::StrAppend(&line, " ", absl::SixDigits(x));
+      if (!books->values.empty()) absl::StrAppend(&line, " | values");
+      for (size_t i = 0; !books->values.empty() && i < books->values[l].size(); ++i)
+        absl::StrAppend(&line, " ", absl::SixDigits(books->values[l][i]));
+      std::fprintf(stderr, "kvq-eval: %s: layer %zu keys%s\n", c.name.c_str(), l, line.c_str());
+    }
+    c.levers.books = std::make_shared<const CodeBooks>(std::move(*books));
+  }
+  if (any_adapt && bases.query) {
     auto e = MeasureColumnEnergy(**model, cids, 512, query);
     if (!e.ok()) return Fail(e.status());
     bases.column_energy = std::move(*e);

@@ -88,6 +88,8 @@ class CodecCache : public AttentionCache {
   core::SizeReport Size() const override;
   // Evaluation-only levers (eval_levers.h), before the first append; read by decoding.
   absl::Status SetLevers(const EvalLevers& levers);
+  // The levers' per-layer feeds (empty without levers).
+  const std::vector<LeverFeed>& feeds() const { return feeds_; }
   int64_t NextEncodeBoundary(int64_t tokens) const override;
   int64_t EncodeGroup() const override { return o_.key_group; }
 

@@ -54,6 +54,13 @@ absl::StatusOr<std::vector<std::vector<double>>> MeasureColumnEnergy(
 std::vector<int> AllocateRanks(const std::vector<std::vector<double>>& column_energy, int mean_rank,
                                int max_rank);
 
+// The "-nuq" lever's code books for `config` (a kivi config with nuq or nuqk): runs `tokens`
+// (validation text) in windows of window_len through the config's cache without books, counts
+// where each layer's elements fall in their quantization groups, and fits each layer's keys'
+// (and values') levels by Lloyd (nuq.h).
+absl::StatusOr<CodeBooks> FitCodeBooks(const LlamaModel& model, const std::vector<int32_t>& tokens,
+                                       int window_len, const EvalConfig& config);
+
 absl::StatusOr<PerplexityResult> EvaluatePerplexity(
     const LlamaModel& model, const std::vector<int32_t>& tokens, int windows, int window_len,
     const EvalConfig& config, BasisSet* bases,
