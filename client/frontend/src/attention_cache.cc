@@ -72,7 +72,7 @@ absl::Status DenseCache::AppendAndAttend(int layer, const float* k, const float*
 
 absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(
     const CacheShape& s, const core::CodecOptions& o, const core::ModelBasis* basis, bool keys_only,
-    CodecRead read, const std::vector<int>* layer_ranks, bool probe) {
+    CodecRead read, const std::vector<std::vector<int>>* head_ranks, bool probe) {
   RETURN_IF_ERROR(o.Validate());
   if (o.head_dim != s.head_dim)
     return absl::InvalidArgumentError("codec head_dim != model head_dim");
@@ -84,11 +84,18 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(
     return absl::InvalidArgumentError("probe needs the A^2 policy");
   if (keys_only) c->dense_v_.resize(s.layers);
   std::vector<float> u, a;  // U (or the decode basis B) and an oblique pair's A, per layer
-  if (layer_ranks && static_cast<int>(layer_ranks->size()) != s.layers)
-    return absl::InvalidArgumentError("layer_ranks needs one rank per layer");
+  if (head_ranks) {
+    if (static_cast<int>(head_ranks->size()) != s.layers)
+      return absl::InvalidArgumentError("head_ranks needs one row per layer");
+    for (const auto& row : *head_ranks)
+      if (static_cast<int>(row.size()) != s.kv_heads)
+        return absl::InvalidArgumentError("head_ranks needs one rank per KV head");
+    c->head_ranks_ = *head_ranks;
+  }
   int max_rank = o.rank;
-  if (layer_ranks)
-    for (int r : *layer_ranks) max_rank = std::max(max_rank, r);
+  if (head_ranks)
+    for (const auto& row : *head_ranks)
+      for (int r : row) max_rank = std::max(max_rank, r);
   if (max_rank > 0) {
     if (!basis) return absl::InvalidArgumentError("codec rank > 0 needs a basis");
     const auto& m = basis->manifest;
@@ -103,7 +110,10 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(
     const float* bp = nullptr;
     const float* ap = nullptr;
     core::CodecOptions ol = o;
-    if (layer_ranks) ol.rank = (*layer_ranks)[l];
+    // A layer's blocks hold its largest head rank; a head of lower rank keeps zero columns
+    // beyond its own (the side code then codes exactly what a block of that rank would), and
+    // Size() counts the bytes of each head's own rank.
+    if (head_ranks) ol.rank = *std::max_element((*head_ranks)[l].begin(), (*head_ranks)[l].end());
     RETURN_IF_ERROR(ol.Validate());
     if (ol.rank > 0) {
       // Keep the first ol.rank columns of each head's U: [kv][d][rank].
@@ -113,7 +123,7 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(
         for (int h = 0; h < s.kv_heads; ++h) {
           const float* src = encode ? basis->encode_head(l, h) : basis->head(l, h);
           for (int i = 0; i < s.head_dim; ++i)
-            for (int r = 0; r < ol.rank; ++r)
+            for (int r = 0; r < (head_ranks ? (*head_ranks)[l][h] : ol.rank); ++r)
               (*to)[(static_cast<size_t>(h) * s.head_dim + i) * ol.rank + r] = src[i * R + r];
         }
       };
@@ -281,6 +291,16 @@ core::SizeReport CodecCache::Size() const {
       l.value_window_bytes += tail * row * 2;
       l.key_block_bytes += f.key_outlier_bytes();
       l.value_block_bytes += f.value_outlier_bytes();
+    }
+    if (!head_ranks_.empty()) {
+      // Each head's blocks at its own rank (the side code's bytes are linear in the rank).
+      core::CodecOptions ol = layers_[i]->options(), oh = ol;
+      const int64_t blocks = l.encoded_tokens / o_.key_group;
+      for (int r : head_ranks_[i]) {
+        oh.rank = r;
+        l.key_block_bytes -=
+            blocks * static_cast<int64_t>(core::KeyBlockBytes(ol) - core::KeyBlockBytes(oh));
+      }
     }
     r += l;
   }

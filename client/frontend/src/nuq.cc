@@ -57,8 +57,9 @@ float Compand(float u, const std::vector<float>& levels) {
   const int L = static_cast<int>(levels.size());
   if (u <= 0.0f) return 0.0f;
   if (u >= 1.0f) return 1.0f;
-  const int k = static_cast<int>(std::upper_bound(levels.begin(), levels.end(), u) -
-                                 levels.begin()) - 1;  // levels[k] <= u < levels[k + 1]
+  const int k =
+      static_cast<int>(std::upper_bound(levels.begin(), levels.end(), u) - levels.begin()) -
+      1;  // levels[k] <= u < levels[k + 1]
   const float span = levels[k + 1] - levels[k];
   const float f = span > 0 ? (u - levels[k]) / span : 0.0f;
   return (static_cast<float>(k) + f) / static_cast<float>(L - 1);

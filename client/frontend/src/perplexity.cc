@@ -9,53 +9,6 @@
 
 namespace kvq::frontend {
 
-absl::StatusOr<std::vector<std::vector<double>>> MeasureColumnEnergy(
-    const LlamaModel& model, const std::vector<int32_t>& tokens, int window_len,
-    const core::ModelBasis& basis) {
-  const LlamaConfig& c = model.config();
-  const int D = c.head_dim, R = basis.manifest.rank, gq = c.q_heads / c.kv_heads;
-  std::vector<std::vector<double>> num(c.layers, std::vector<double>(R, 0.0));
-  std::vector<double> den(c.layers, 0.0);
-  auto hook = [&](int layer, int64_t, int n, const float* q, const float*, const float*) {
-    for (int h = 0; h < c.q_heads; ++h) {
-      const float* U = basis.head(layer, h / gq);
-      for (int i = 0; i < n; ++i) {
-        const float* qi = q + (static_cast<size_t>(h) * n + i) * D;
-        for (int a = 0; a < D; ++a) den[layer] += static_cast<double>(qi[a]) * qi[a];
-        for (int j = 0; j < R; ++j) {
-          double p = 0;
-          for (int a = 0; a < D; ++a) p += static_cast<double>(qi[a]) * U[a * R + j];
-          num[layer][j] += p * p;
-        }
-      }
-    }
-  };
-  for (size_t s = 0; s + window_len <= tokens.size(); s += window_len) {
-    DenseCache cache(c.cache_shape());
-    RETURN_IF_ERROR(
-        model.Forward(tokens.data() + s, window_len, 0, &cache, window_len, nullptr, hook));
-  }
-  for (int l = 0; l < c.layers; ++l) {
-    if (den[l] <= 0) return absl::InvalidArgumentError("no tokens for the rank allocation");
-    for (double& x : num[l]) x /= den[l];
-  }
-  return num;
-}
-
-std::vector<int> AllocateRanks(const std::vector<std::vector<double>>& e, int mean_rank,
-                               int max_rank) {
-  const int L = static_cast<int>(e.size());
-  std::vector<int> r(L, 1);
-  for (int budget = L * (mean_rank - 1); budget > 0; --budget) {
-    int best = -1;
-    for (int l = 0; l < L; ++l)
-      if (r[l] < max_rank && (best < 0 || e[l][r[l]] > e[best][r[best]])) best = l;
-    if (best < 0) break;
-    ++r[best];
-  }
-  return r;
-}
-
 absl::StatusOr<CodeBooks> FitCodeBooks(const LlamaModel& model, const std::vector<int32_t>& tokens,
                                        int window_len, const EvalConfig& config) {
   const LlamaConfig& mc = model.config();
@@ -151,15 +104,34 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
   }
   PerplexityResult r;
   const int first = window_len / 2;
-  std::vector<int> ranks;
+  std::vector<std::vector<int>> ranks;  // [layer][kv head]
   if (!config.dense && config.adaptive_rank) {
     if (bases->column_energy.empty() || !basis)
       return absl::FailedPreconditionError(
           config.name + ": no per-layer query energy (kvq-eval measures it from --calib-text)");
-    ranks = AllocateRanks(bases->column_energy, config.codec.rank, basis->manifest.rank);
     std::string s;
-    for (int rk : ranks) absl::StrAppend(&s, rk, " ");
+    for (int rk : AllocateRanks(bases->column_energy, config.codec.rank, basis->manifest.rank)) {
+      ranks.emplace_back(mc.kv_heads, rk);
+      absl::StrAppend(&s, rk, " ");
+    }
     std::fprintf(stderr, "%s: per-layer ranks %s\n", config.name.c_str(), s.c_str());
+  }
+  if (!config.dense && config.head_adaptive_rank) {
+    if (!bases->calibration_tokens || !basis)
+      return absl::FailedPreconditionError(
+          config.name + ": no validation tokens for the per-head allocation (--calib-text)");
+    core::CodecOptions o = config.codec;
+    o.head_dim = mc.head_dim;
+    ASSIGN_OR_RETURN(
+        auto err, MeasureHeadScoreError(model, *bases->calibration_tokens, window_len, *basis, o));
+    ranks = AllocateHeadRanks(err, config.codec.rank, basis->manifest.rank);
+    std::string s;
+    for (const auto& row : ranks) {
+      for (int rk : row) absl::StrAppend(&s, rk);
+      s += " ";
+    }
+    std::fprintf(stderr, "%s: per-head ranks (a layer's heads together) %s\n", config.name.c_str(),
+                 s.c_str());
   }
   auto make_cache = [&]() -> absl::StatusOr<std::unique_ptr<AttentionCache>> {
     if (config.dense) return std::make_unique<DenseCache>(mc.cache_shape());
@@ -170,7 +142,7 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     ASSIGN_OR_RETURN(auto cc,
                      CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
                                         config.fused ? CodecRead::kAttend : CodecRead::kDecode,
-                                        config.adaptive_rank ? &ranks : nullptr, config.probe));
+                                        ranks.empty() ? nullptr : &ranks, config.probe));
     EvalLevers levers = config.levers;
     levers.rope = model.rope();
     RETURN_IF_ERROR(cc->SetLevers(levers));

@@ -73,9 +73,9 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
                     the same K/V bits reach the codec, so PPL matches the in-process run of
                     the same read path; steps/s then counts tokens)
   --dump-tokens F   write the token ids of --text to F (one per line) and exit
-  --calib-text F    validation text for the "-adapt" rank allocation and the "-nuq" code
-                    books (default <shared>/data/wikitext-2/wiki.valid.tokens; its first
-                    --adapt-tokens tokens)
+  --calib-text F    validation text for the "-adapt" / "-hadapt" rank allocations and the
+                    "-nuq" code books (default <shared>/data/wikitext-2/wiki.valid.tokens;
+                    its first --adapt-tokens tokens)
   --adapt-tokens N  tokens for those measurements (default 4096)
   --diagnostics     instead of perplexity: run one dense window of --diag-tokens tokens from
                     the start of --text, and for every (layer, KV head) and each key
@@ -108,6 +108,7 @@ Configuration grammar:
             obl (the oblique reduced-rank-regression pair kvq-calibrate --variants writes),
             rotk | rotv | rot (keys / values / both rotated by a Hadamard matrix),
             mr (key codes chosen in the query metric), sink<N> (first N positions at fp16),
+            adapt | hadapt (per-layer / per-head ranks of mean r<N>, fitted on --calib-text),
             vmr (value codes chosen in the output projection's metric; kv targets),
             evaluation-only levers (not codec settings; window 0, read by decoding):
             spk<N> | spv<N> (N / 1000 of key / value elements kept exact, 32 bits each),
@@ -466,14 +467,16 @@ int Main(int argc, char** argv) {
   auto configs =
       ParseEvalConfigList(flags.Get("configs"), calibrated ? &calibrated_codec : nullptr);
   if (!configs.ok()) return Fail(configs.status());
-  bool any_adapt = false, any_nuq = false;
+  bool any_adapt = false, any_nuq = false, any_hadapt = false;
   for (const auto& c : *configs) {
     any_adapt |= c.adaptive_rank;
     any_nuq |= c.levers.nuq_keys;
+    any_hadapt |= c.head_adaptive_rank;
   }
-  // The validation text's first --adapt-tokens tokens: what -adapt and -nuq are fitted on.
+  // The validation text's first --adapt-tokens tokens: what -adapt, -hadapt and -nuq are
+  // fitted on.
   std::vector<int32_t> cids;
-  if ((any_adapt && bases.query) || any_nuq) {
+  if ((any_adapt && bases.query) || any_nuq || any_hadapt) {
     auto calib = ReadFile(flags.Get("calib-text"));
     if (!calib.ok()) return Fail(calib.status());
     cids = (*tok)->Encode(*calib);
@@ -496,6 +499,7 @@ int Main(int argc, char** argv) {
     }
     c.levers.books = std::make_shared<const CodeBooks>(std::move(*books));
   }
+  if (any_hadapt) bases.calibration_tokens = &cids;
   if (any_adapt && bases.query) {
     auto e = MeasureColumnEnergy(**model, cids, 512, query);
     if (!e.ok()) return Fail(e.status());

@@ -61,17 +61,16 @@ class DenseCache : public AttentionCache {
   std::vector<std::vector<float>> k_, v_;  // per layer [tokens][kv_heads][d]
 };
 
-// One kvq::core::LayerCache per layer. layer_ranks (optional): a HeadQ rank per layer (each
-// <= the basis rank) instead of o.rank everywhere. basis: the model's basis (rank >= o.rank; the
-// first o.rank columns are used) or null for rank 0. Keys and values are sent as fp16, as a serving
-// frontend would, so the full-precision window holds fp16 and is counted at 16 bits. The A^2
-// value policy sees only what LayerCache records itself: attention of queries at positions up
-// to the newest token (earlier readouts), never later queries.
-// How CodecCache reads attention: kDecode takes keys and values as attention sees them
-// (LayerCache::Decode, what GetBlocks serves: keys as base + U z_hat, giving exactly the HeadQ
-// scores up to float rounding) and attends locally with BLAS; kAttend calls the codec's fused
-// LayerCache::Attend. The A^2 value policy always uses kAttend, because its weights come from
-// the readouts the cache observes.
+// One kvq::core::LayerCache per layer. head_ranks (optional): a HeadQ rank per layer and KV
+// head ([layer][kv head], each <= the basis rank) instead of o.rank everywhere. basis: the model's
+// basis (rank >= o.rank; the first o.rank columns are used) or null for rank 0. Keys and values are
+// sent as fp16, as a serving frontend would, so the full-precision window holds fp16 and is counted
+// at 16 bits. The A^2 value policy sees only what LayerCache records itself: attention of queries
+// at positions up to the newest token (earlier readouts), never later queries. How CodecCache reads
+// attention: kDecode takes keys and values as attention sees them (LayerCache::Decode, what
+// GetBlocks serves: keys as base + U z_hat, giving exactly the HeadQ scores up to float rounding)
+// and attends locally with BLAS; kAttend calls the codec's fused LayerCache::Attend. The A^2 value
+// policy always uses kAttend, because its weights come from the readouts the cache observes.
 enum class CodecRead { kDecode, kAttend };
 
 class CodecCache : public AttentionCache {
@@ -79,7 +78,7 @@ class CodecCache : public AttentionCache {
   static absl::StatusOr<std::unique_ptr<CodecCache>> Create(
       const CacheShape& s, const core::CodecOptions& o, const core::ModelBasis* basis,
       bool keys_only = false, CodecRead read = CodecRead::kDecode,
-      const std::vector<int>* layer_ranks = nullptr, bool probe = false);
+      const std::vector<std::vector<int>>* head_ranks = nullptr, bool probe = false);
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
   int64_t tokens(int layer) const override {
@@ -107,7 +106,8 @@ class CodecCache : public AttentionCache {
   bool keys_only_ = false;
   std::vector<std::vector<float>> dense_v_;  // per layer [tokens][kv_heads][d]
   std::vector<std::unique_ptr<core::LayerCache>> layers_;
-  std::vector<LeverFeed> feeds_;  // per layer, when levers are set
+  std::vector<LeverFeed> feeds_;              // per layer, when levers are set
+  std::vector<std::vector<int>> head_ranks_;  // [layer][kv head], when given
 };
 
 }  // namespace kvq::frontend

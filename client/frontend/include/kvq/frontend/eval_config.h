@@ -28,6 +28,11 @@
 //              adapt      per-layer HeadQ ranks with mean <rank> (1..basis rank), allocated
 //                         greedily by the query energy each added column captures, measured
 //                         on validation text (BasisSet::layer_ranks), never the test text
+//              hadapt     per-head HeadQ ranks with mean <rank> over all (layer, KV head),
+//                         given greedily to the head whose next rank lowers its score error
+//                         most (the codec's own base residual and basis, queries of
+//                         --calib-text: MeasureHeadScoreError); each head counted at its own
+//                         rank; not with rotk
 //              mr         metric rounding of the key base codes (needs a basis written with
 //                         kvq-calibrate --query-moment)
 //              vmr        value metric rounding: each value token's codes chosen by error
@@ -73,11 +78,12 @@ struct EvalConfig {
   bool keys_only = false;  // values stay fp16 (dense readout)
   core::CodecOptions codec;
   BasisKind basis = BasisKind::kQuery;
-  std::string family;          // "dense", "kivi", "headq"
-  bool fused = false;          // CodecRead::kAttend
-  bool adaptive_rank = false;  // per-layer ranks from BasisSet::layer_ranks
-  bool probe = false;          // A^2 probe queries with each append
-  EvalLevers levers;           // evaluation-only: spk<N>, spv<N>, pre (eval_levers.h)
+  std::string family;               // "dense", "kivi", "headq"
+  bool fused = false;               // CodecRead::kAttend
+  bool adaptive_rank = false;       // per-layer ranks from BasisSet::column_energy
+  bool head_adaptive_rank = false;  // per-head ranks from MeasureHeadScoreError
+  bool probe = false;               // A^2 probe queries with each append
+  EvalLevers levers;                // evaluation-only: spk<N>, spv<N>, pre (eval_levers.h)
 };
 
 // The name of the config that evaluates the basis folder's codec.json.

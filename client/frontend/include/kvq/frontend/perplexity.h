@@ -17,6 +17,7 @@
 #include "kvq/core/basis.h"
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/llama.h"
+#include "kvq/frontend/rank_allocation.h"
 
 namespace kvq::frontend {
 
@@ -41,18 +42,10 @@ struct BasisSet {
   // For "-adapt" configs: captured query energy per layer, [layer][j] = mean over KV heads of
   // E[(u_j . q)^2] / E[|q|^2] for column j of the query basis (see MeasureColumnEnergy).
   std::vector<std::vector<double>> column_energy;
+  // For "-hadapt" configs: the validation tokens on which each config's per-head score errors
+  // are measured (MeasureHeadScoreError with its own codec and basis).
+  const std::vector<int32_t>* calibration_tokens = nullptr;
 };
-
-// Runs `tokens` (validation text) through the dense model in windows of window_len and
-// measures, per layer, the share of query energy each column of `basis` captures.
-absl::StatusOr<std::vector<std::vector<double>>> MeasureColumnEnergy(
-    const LlamaModel& model, const std::vector<int32_t>& tokens, int window_len,
-    const core::ModelBasis& basis);
-
-// Per-layer ranks with sum = mean_rank * layers, each in [1, max_rank], chosen greedily by
-// the largest next-column energy (optimal for decreasing marginals).
-std::vector<int> AllocateRanks(const std::vector<std::vector<double>>& column_energy, int mean_rank,
-                               int max_rank);
 
 // The "-nuq" lever's code books for `config` (a kivi config with nuq or nuqk): runs `tokens`
 // (validation text) in windows of window_len through the config's cache without books, counts
