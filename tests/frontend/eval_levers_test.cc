@@ -15,6 +15,8 @@
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/frontend/eval_config.h"
 #include "kvq/frontend/nuq.h"
+#include "kvq/frontend/perplexity.h"
+#include "tiny_model.h"
 
 namespace kvq::frontend {
 namespace {
@@ -242,6 +244,32 @@ TEST(LeverFeed, CodeBooksPutEachElementOnItsNearestLevel) {
   EXPECT_EQ(Mse(V1, wv, wv.size()), Mse(V0, wv, wv.size()));  // no value book: uniform
 }
 
+TEST(FitCodeBooks, FitsEachLayersBooksForWhatTheConfigPutsOnThem) {
+  auto f = TinyModel();
+  auto m = *LlamaModel::Load(*f);
+  std::vector<int32_t> tokens(128);
+  std::mt19937_64 rng(2);
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % kVocab);
+  // Values only, beside a side code (which needs no basis while counting).
+  auto books = FitCodeBooks(*m, tokens, 64, *ParseEvalConfig("headq-kv2-nuqv"));
+  ASSERT_TRUE(books.ok()) << books.status();
+  EXPECT_TRUE(books->keys.empty());
+  ASSERT_EQ(books->values.size(), static_cast<size_t>(kLayers));
+  for (const auto& b : books->values) {
+    ASSERT_EQ(b.size(), 4u);
+    EXPECT_EQ(b.front(), 0.0f);
+    EXPECT_EQ(b.back(), 1.0f);
+    EXPECT_TRUE(b[0] < b[1] && b[1] < b[2] && b[2] < b[3]);
+  }
+  auto both = FitCodeBooks(*m, tokens, 64, *ParseEvalConfig("kivi-kv3-nuq"));
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_EQ(both->keys.size(), static_cast<size_t>(kLayers));
+  EXPECT_EQ(both->keys[0].size(), 8u);
+  EXPECT_FALSE(FitCodeBooks(*m, tokens, 64, *ParseEvalConfig("kivi-kv2")).ok());
+  EXPECT_FALSE(
+      FitCodeBooks(*m, std::vector<int32_t>(10, 1), 64, *ParseEvalConfig("kivi-kv2-nuq")).ok());
+}
+
 TEST(CodecCache, LeversCountTheWaitingRowsAndTheOutliers) {
   const CacheShape s{1, 4, kHeads, kDim};
   const core::CodecOptions o = Kivi(2);
@@ -286,6 +314,10 @@ TEST(EvalConfig, LeverGrammar) {
   ASSERT_TRUE(konly.ok()) << konly.status();
   EXPECT_FALSE(konly->levers.nuq_values);
   EXPECT_TRUE(ParseEvalConfig("kivi-kv2-rotv-nuqk").ok());  // values rotated, keys on books
+  // Values on books beside a side code, metric rounding and rotated keys.
+  auto nuqv = ParseEvalConfig("headq-kv2-g128-s4-rotk-mr-sink4-nuqv");
+  ASSERT_TRUE(nuqv.ok()) << nuqv.status();
+  EXPECT_TRUE(!nuqv->levers.nuq_keys && nuqv->levers.nuq_values);
   for (const char* bad :
        {"headq-k2-pre", "kivi-k2-mr-pre", "kivi-kv2-rotk-spk10", "kivi-k2-spv5",
         "kivi-kv2-w32-spk10", "headq-kv2-a2-spk10", "kivi-kv2-spk101", "headq-k2-nuq",

@@ -86,6 +86,9 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
     } else if (p == "nuq" || p == "nuqk") {
       c.levers.nuq_keys = true;
       c.levers.nuq_values = p == "nuq" && !c.keys_only;
+    } else if (p == "nuqv") {
+      if (c.keys_only) return bad("nuqv puts values on code books; use a kv target");
+      c.levers.nuq_values = true;
     } else if (ParseSuffixInt(p, "spk", &v)) {
       c.levers.key_outliers_permille = v;
     } else if (ParseSuffixInt(p, "spv", &v)) {

@@ -23,12 +23,16 @@ absl::Status CheckLevers(const EvalLevers& l, const core::CodecOptions& o) {
   if (l.key_outliers_permille > 0 && o.rotate_keys)
     return no("spk trims keys before a rotation spreads them: not with rotk");
   if (l.value_outliers_permille > 0 && o.rotate_values) return no("spv: not with rotv");
-  if (l.nuq_keys || l.nuq_values) {
-    if (o.rank > 0) return no("nuq: the side code corrects the uniform codes (kivi only)");
-    if (o.metric_rounding || o.value_metric_rounding)
-      return no("nuq: metric rounding chooses among uniform codes (not with mr, vmr)");
-    if ((l.nuq_keys && o.rotate_keys) || (l.nuq_values && o.rotate_values))
-      return no("nuq: code books are fitted in the unrotated coordinates (not with rot)");
+  // Keys and values apart: values on books beside a side code and metric-rounded keys.
+  if (l.nuq_keys) {
+    if (o.rank > 0) return no("nuq keys: the side code corrects uniform codes (kivi or nuqv)");
+    if (o.metric_rounding) return no("nuq keys: mr chooses among uniform codes (not with mr)");
+    if (o.rotate_keys) return no("nuq keys: books are fitted unrotated (not with rotk)");
+  }
+  if (l.nuq_values) {
+    if (o.value_metric_rounding)
+      return no("nuq values: vmr chooses among uniform codes (not with vmr)");
+    if (o.rotate_values) return no("nuq values: books are fitted unrotated (not with rotv)");
   }
   if (l.keys_before_rope) {
     if (o.rank > 0)

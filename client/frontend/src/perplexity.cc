@@ -12,12 +12,19 @@ namespace kvq::frontend {
 absl::StatusOr<CodeBooks> FitCodeBooks(const LlamaModel& model, const std::vector<int32_t>& tokens,
                                        int window_len, const EvalConfig& config) {
   const LlamaConfig& mc = model.config();
-  if (!config.levers.nuq_keys) {
+  if (!config.levers.nuq_keys && !config.levers.nuq_values) {
     return absl::InvalidArgumentError(config.name + ": no code books to fit (not a nuq config)");
   }
   core::CodecOptions o = config.codec;
   o.head_dim = mc.head_dim;
   o.verify_on_read = false;
+  if (!config.levers.nuq_keys) {
+    // Value books only: the keys take the plain base code while counting (no basis needed);
+    // the values' groups, and so their books, do not depend on how keys are coded.
+    o.rank = 0;
+    o.metric_rounding = false;
+    o.rotate_keys = false;
+  }
   EvalLevers levers = config.levers;
   levers.rope = model.rope();
   levers.books = nullptr;  // uniform while counting
@@ -41,7 +48,7 @@ absl::StatusOr<CodeBooks> FitCodeBooks(const LlamaModel& model, const std::vecto
   }
   CodeBooks books;
   for (int l = 0; l < mc.layers; ++l) {
-    books.keys.push_back(FitCodeBook(keys[l], o.key_bits));
+    if (config.levers.nuq_keys) books.keys.push_back(FitCodeBook(keys[l], o.key_bits));
     if (config.levers.nuq_values) books.values.push_back(FitCodeBook(values[l], o.value_bits));
   }
   return books;

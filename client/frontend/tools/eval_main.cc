@@ -113,8 +113,9 @@ Configuration grammar:
             evaluation-only levers (not codec settings; window 0, read by decoding):
             spk<N> | spv<N> (N / 1000 of key / value elements kept exact, 32 bits each),
             pre (keys quantized before RoPE; kivi only, not with mr),
-            nuq | nuqk (per-layer non-uniform code books for keys and values / keys,
-            fitted on --calib-text; kivi only, not with mr, vmr or a rotation),
+            nuq | nuqk | nuqv (per-layer non-uniform code books for keys and values /
+            keys / values, fitted on --calib-text; keys: kivi only, not with mr or rotk;
+            values: not with vmr or rotv),
             oracle (--diagnostics only: PCA of the scored queries themselves, an upper bound)
   calibrated                     the codec of --basis DIR/codec.json (fields it omits take
                                  the registry's defaults for the entry)
@@ -470,7 +471,7 @@ int Main(int argc, char** argv) {
   bool any_adapt = false, any_nuq = false, any_hadapt = false;
   for (const auto& c : *configs) {
     any_adapt |= c.adaptive_rank;
-    any_nuq |= c.levers.nuq_keys;
+    any_nuq |= c.levers.nuq_keys || c.levers.nuq_values;
     any_hadapt |= c.head_adaptive_rank;
   }
   // The validation text's first --adapt-tokens tokens: what -adapt, -hadapt and -nuq are
@@ -484,18 +485,21 @@ int Main(int argc, char** argv) {
     if (cids.size() > want) cids.resize(want);
   }
   for (auto& c : *configs) {
-    if (!c.levers.nuq_keys) continue;
+    if (!c.levers.nuq_keys && !c.levers.nuq_values) continue;
     std::fprintf(stderr, "kvq-eval: %s: fitting code books on %zu calibration tokens\n",
                  c.name.c_str(), cids.size());
     auto books = FitCodeBooks(**model, cids, 512, c);
     if (!books.ok()) return Fail(books.status());
-    for (size_t l = 0; l < books->keys.size(); l += std::max<size_t>(1, books->keys.size() / 2)) {
+    const size_t layers = std::max(books->keys.size(), books->values.size());
+    for (size_t l = 0; l < layers; l += std::max<size_t>(1, layers / 2)) {
       std::string line;
-      for (float x : books->keys[l]) absl::StrAppend(&line, " ", absl::SixDigits(x));
-      if (!books->values.empty()) absl::StrAppend(&line, " | values");
-      for (size_t i = 0; !books->values.empty() && i < books->values[l].size(); ++i)
-        absl::StrAppend(&line, " ", absl::SixDigits(books->values[l][i]));
-      std::fprintf(stderr, "kvq-eval: %s: layer %zu keys%s\n", c.name.c_str(), l, line.c_str());
+      for (size_t i = 0; i < books->keys.size() && i < books->keys[l].size(); ++i)
+        absl::StrAppend(&line, absl::SixDigits(books->keys[l][i]), " ");
+      std::string vline;
+      for (size_t i = 0; i < books->values.size() && i < books->values[l].size(); ++i)
+        absl::StrAppend(&vline, absl::SixDigits(books->values[l][i]), " ");
+      std::fprintf(stderr, "kvq-eval: %s: layer %zu books: keys [%s] values [%s]\n", c.name.c_str(),
+                   l, line.c_str(), vline.c_str());
     }
     c.levers.books = std::make_shared<const CodeBooks>(std::move(*books));
   }

@@ -43,10 +43,11 @@
 //                         matrix before quantization (CodecOptions::rotate_keys/values)
 //              fused      read through the codec's fused LayerCache::Attend instead of
 //                         local attention over LayerCache::Decode (same numbers, slower)
-//              nuq, nuqk  evaluation only: per-layer non-uniform code books (KVQuant's nuq)
-//                         for keys and values (nuq) or keys only (nuqk), fitted by Lloyd on
-//                         the validation text (--calib-text) within kvq's own groups (nuq.h);
-//                         kivi only, not with mr, vmr or a rotation of the same tensor
+//              nuq, nuqk, nuqv  evaluation only: per-layer non-uniform code books (KVQuant's
+//                         nuq) for keys and values, keys only or values only, fitted by Lloyd
+//                         on the validation text (--calib-text) within kvq's own groups
+//                         (nuq.h); keys on books: kivi only, not with mr or rotk; values on
+//                         books: not with vmr or rotv
 //              sink<N>    attention sinks: a sequence's first N positions (1..16) kept at
 //                         fp16, keys and values, beside the codec's first group
 //                         (CodecOptions::fp16_sinks; counted in the at-context bits)
