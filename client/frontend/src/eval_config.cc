@@ -138,8 +138,7 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   if (!a2) o.value_bits = value_bits;
   if (c.probe && !a2) return bad("probe needs the a2 value policy");
   if (c.adaptive_rank && c.head_adaptive_rank) return bad("adapt or hadapt, not both");
-  if (c.head_adaptive_rank && o.rotate_keys)
-    return bad("hadapt measures score errors in unrotated coordinates (not with rotk)");
+
   if (c.family == "kivi" && (c.basis != BasisKind::kQuery || o.side_sign != 1.0f ||
                              c.adaptive_rank || c.head_adaptive_rank)) {
     return bad("basis controls apply to headq only");

@@ -100,10 +100,6 @@ absl::StatusOr<std::vector<std::vector<std::vector<double>>>> MeasureHeadScoreEr
     const core::ModelBasis& basis, const core::CodecOptions& codec) {
   const LlamaConfig& c = model.config();
   const int D = c.head_dim, KVH = c.kv_heads, R = basis.manifest.rank, gq = c.q_heads / KVH;
-  if (codec.rotate_keys) {
-    return absl::InvalidArgumentError(
-        "hadapt: the score error is measured in unrotated coordinates (not with rotk)");
-  }
   if (basis.manifest.layers != c.layers || basis.manifest.kv_heads != KVH ||
       basis.manifest.head_dim != D) {
     return absl::InvalidArgumentError("hadapt: the basis does not fit the model");

@@ -32,7 +32,7 @@
 //                         given greedily to the head whose next rank lowers its score error
 //                         most (the codec's own base residual and basis, queries of
 //                         --calib-text: MeasureHeadScoreError); each head counted at its own
-//                         rank; not with rotk
+//                         rank
 //              mr         metric rounding of the key base codes (needs a basis written with
 //                         kvq-calibrate --query-moment)
 //              vmr        value metric rounding: each value token's codes chosen by error

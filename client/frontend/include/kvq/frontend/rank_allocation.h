@@ -31,7 +31,9 @@ std::vector<int> AllocateRanks(const std::vector<std::vector<double>>& column_en
 // rounding; rank 0) and B_r, A_r the first r columns of the basis's decode and encode bases.
 // Every query meets every key of its window (no causal mask), through the window's second
 // moments: tr(M W S W^T), M = sum q q^T, S = sum e e^T, W = I - B_r A_r^T. Side-code
-// quantization is not modelled. Not with rotated keys (the basis lives in rotated coordinates).
+// quantization is not modelled. With rotated keys the codec quantizes H k and codes the side
+// code on H B, H A: the decoded key is H^T base(H k) + B A^T e with e = k - H^T base(H k), the
+// same formula in the keys' own coordinates, with e from the decoded (rotated back) base.
 absl::StatusOr<std::vector<std::vector<std::vector<double>>>> MeasureHeadScoreError(
     const LlamaModel& model, const std::vector<int32_t>& tokens, int window_len,
     const core::ModelBasis& basis, const core::CodecOptions& codec);
