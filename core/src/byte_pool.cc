@@ -27,7 +27,7 @@ class HostPool final : public BytePool {
  public:
   kernels::Pool pool() const override { return kernels::Pool::kHost; }
   void* Allocate(size_t n) override {
-    void* p = ::operator new(n);
+    void* p = ::operator new(ReadableBytes(n));
     requested_.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
     return p;
   }
@@ -142,7 +142,7 @@ void* SlabBytePool::CarveLocked(int cls) {
 }
 
 void* SlabBytePool::FallbackLocked(size_t n) {
-  void* p = ::operator new(n);
+  void* p = ::operator new(ReadableBytes(n));
   fallback_.insert(p);
   usage_.fallback_bytes += static_cast<int64_t>(n);
   return p;
@@ -154,7 +154,7 @@ void* SlabBytePool::Allocate(size_t n) {
   const int cls = ClassOf(n);
   void* p = nullptr;
   if (cls < 0) {
-    p = kernels::Allocate(pool_, n, nullptr);
+    p = kernels::Allocate(pool_, ReadableBytes(n), nullptr);
     if (p) {
       usage_.reserved_bytes += static_cast<int64_t>(n);
       usage_.held_bytes += static_cast<int64_t>(n);
@@ -166,7 +166,7 @@ void* SlabBytePool::Allocate(size_t n) {
   } else if ((p = CarveLocked(cls)) != nullptr) {
     usage_.held_bytes += static_cast<int64_t>(class_size_[cls]);
   }
-  if (p && cls >= 0) KVQ_UNPOISON(p, n);
+  if (p && cls >= 0) KVQ_UNPOISON(p, ReadableBytes(n));  // classes are multiples of 64
   return p ? p : FallbackLocked(n);
 }
 
