@@ -753,6 +753,11 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   const int64_t T = tokens_;
   const float scale = ao.scale != 0.0f ? ao.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  if (ao.backend) {
+    bool used = false;
+    RETURN_IF_ERROR(AttendOnBackend(q, q_heads, n_q, ao, scale, out, &used));
+    if (used) return absl::OkStatus();
+  }
   if (ao.parts > 1 && T >= ao.split_min_tokens && encoded_ / opts_.key_group > 1)
     return AttendSplit(q, q_heads, n_q, ao, scale, out);
   thread_local std::vector<float> s;
@@ -830,7 +835,7 @@ absl::Status LayerCache::AttendPart(const float* q, int q_heads, int n_q, const 
 
 absl::Status LayerCache::AttendSplit(const float* q, int q_heads, int n_q, const AttendOptions& ao,
                                      float scale, float* out) {
-  const int d = opts_.head_dim, rows = q_heads / kv_heads_ * n_q;
+  const int d = opts_.head_dim;
   const int64_t R = static_cast<int64_t>(q_heads) * n_q, W = tokens_ - encoded_;
   const std::vector<int64_t> bounds = AttendPartBounds(ao.parts);
   const int P = static_cast<int>(bounds.size()) - 1;
@@ -847,9 +852,15 @@ absl::Status LayerCache::AttendSplit(const float* q, int q_heads, int n_q, const
   }
   for (const absl::Status& s : st) RETURN_IF_ERROR(s);
   MergePartials(m.data(), l.data(), o.data(), P, R, d, out);
-  if (wp.empty() || W == 0) return absl::OkStatus();
-  // The window tokens' normalized weights, exp(s - m_last) exp(m_last - M) / L, recorded as
-  // an unsplit Attend records its softmax.
+  if (!wp.empty() && W > 0) RecordWindowWeights(m.data(), l.data(), P, R, n_q, ao, wp.data());
+  return absl::OkStatus();
+}
+
+void LayerCache::RecordWindowWeights(const float* m, const float* l, int P, int64_t R, int n_q,
+                                     const AttendOptions& ao, const float* wp) {
+  const int64_t W = tokens_ - encoded_;
+  const int rows = static_cast<int>(R / kv_heads_);
+  // The window tokens' normalized weights, exp(s - m_last) exp(m_last - M) / L.
   for (int64_t r = 0; r < R; ++r) {
     const int64_t vis = ao.causal_offset < 0
                             ? tokens_
@@ -867,7 +878,6 @@ absl::Status LayerCache::AttendSplit(const float* q, int q_heads, int n_q, const
       hd.a2_reads[t - encoded_] += 1;
     }
   }
-  return absl::OkStatus();
 }
 
 absl::Status LayerCache::Observe(const float* p, int q_heads, int n_q) {
