@@ -134,10 +134,13 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
     const BlockReader reader(opts_, true);
     KeyBlockView kv;
     ValueBlockView vv;
+    thread_local std::vector<uint8_t> copy;
     for (int h = 0; h < kv_heads_; ++h)
       for (int64_t b = 0; b < nb; ++b) {
-        RETURN_IF_ERROR(reader.Key(KeyBlock(h, b), &kv));
-        RETURN_IF_ERROR(reader.Value(ValueBlock(h, b), &vv));
+        ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
+        RETURN_IF_ERROR(reader.Key(kb, &kv));
+        ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &copy));
+        RETURN_IF_ERROR(reader.Value(vb, &vv));
       }
   }
   RETURN_IF_ERROR(ao.backend->AttendBlocks(p));

@@ -147,7 +147,7 @@ struct SinkRows {
 // sharing (several caches may hold the same block). For head h, the key block is
 // bytes[offsets[2h], offsets[2h+1]) and the value block bytes[offsets[2h+1], offsets[2h+2]).
 struct SealedBlock {
-  explicit SealedBlock(BytePool* pool = nullptr) : bytes(PoolAllocator<uint8_t>(pool)) {}
+  explicit SealedBlock(BytePool* pool = nullptr) : bytes(pool) {}
   Bytes bytes;
   std::vector<uint32_t> offsets{0};
   // The sinks' exact rows, for a sequence's first group under a codec with fp16_sinks (they
@@ -288,15 +288,15 @@ class LayerCache {
   // The fp16 sinks' rows once the first group is encoded (CodecOptions::fp16_sinks), else null.
   const std::shared_ptr<const SinkRows>& sinks() const { return sinks_; }
 
-  // Raw access to the unsealed blocks, for golden-file tests and fault injection.
+  // Raw access to the unsealed blocks, for golden-file tests and fault injection (their bytes
+  // only where the pool is CPU-readable).
   Bytes& key_blocks(int h) { return heads_[h].kblocks; }
   Bytes& value_blocks(int h) { return heads_[h].vblocks; }
   BytePool* byte_pool() const { return pool_; }
 
  private:
   struct Head {
-    explicit Head(BytePool* pool)
-        : kblocks(PoolAllocator<uint8_t>(pool)), vblocks(kblocks.get_allocator()) {}
+    explicit Head(BytePool* pool) : kblocks(pool), vblocks(pool) {}
     Bytes kblocks, vblocks;           // concatenated blocks
     std::vector<size_t> voffsets;     // start of each value block (variable size)
     std::vector<uint8_t> kwin, vwin;  // window tokens at arrival dtype
@@ -363,6 +363,12 @@ class LayerCache {
   // Key / value block b of head h: the sealed blocks first, then the unsealed ones.
   std::span<const uint8_t> KeyBlock(int h, int64_t b) const;
   std::span<const uint8_t> ValueBlock(int h, int64_t b) const;
+  // The same where the CPU can read them (CpuView: a copy in *scratch when the blocks are in
+  // memory the CPU does not read). Every CPU read of a block goes through these.
+  absl::StatusOr<std::span<const uint8_t>> CpuKeyBlock(int h, int64_t b,
+                                                       std::vector<uint8_t>* scratch) const;
+  absl::StatusOr<std::span<const uint8_t>> CpuValueBlock(int h, int64_t b,
+                                                         std::vector<uint8_t>* scratch) const;
   absl::Status CheckSealed(const SealedBlock& blk) const;
 
   CodecOptions opts_;
