@@ -1,9 +1,10 @@
-// A store whose attends run on an attend backend (StoreOptions::attend_backend), here the host
-// stand-in of the GPU attend, against an ordinary store fed the same workload: prefills, then
-// decode steps that append a token and attend (observing), scores, GetBlocks-style decodes
-// and a prefill's causal attend. Everything but the attend's encoded blocks takes the same CPU
-// path, so scores, decodes and usage agree exactly; the attend agrees within the GPU attend's
-// tolerance, and the backend is seen to serve.
+// A store configured as `--memory gpu` configures it, on the host stand-in of a GPU: blocks in
+// a slab pool the CPU reads only by copies (as device memory), attends on the host stand-in
+// of the CUDA attend. Against an ordinary store fed the same workload: prefills, then decode
+// steps that append a token and attend (observing), scores, GetBlocks-style decodes and a
+// prefill's causal attend. Everything but the attend's encoded blocks takes the same CPU code,
+// so scores, decodes and usage agree exactly (through copies of the blocks); the attend agrees
+// within the GPU attend's tolerance, and the backend is seen to serve.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -117,7 +118,7 @@ class StoreBackendTest : public ::testing::Test {
   }
 
   Registry registry_{""};
-  SlabBytePool pool_{kernels::Pool::kHost, size_t{1} << 20};
+  SlabBytePool pool_{kernels::Pool::kHost, size_t{1} << 20, SlabBytePool::CpuAccess::kByCopy};
   std::unique_ptr<Store> plain_, backend_;
   float vmax_ = 0.0f;
 };
@@ -153,10 +154,32 @@ TEST_F(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   EXPECT_EQ(AttendBoth("a", 0, 3, prefill, 7), 0.0f);
   EXPECT_EQ(HostAttendBackend()->calls(), before);
   EXPECT_GE(HostAttendBackend()->calls(), calls + 3 * 90);
+  const int64_t copied = CopiedBackBytes();
   for (int layer : {0, 1}) ExpectSameScoresAndBlocks("a", layer);
   ExpectSameScoresAndBlocks("b", 0);
+  EXPECT_GT(CopiedBackBytes(), copied) << "the stand-in store read its blocks in place";
+  EXPECT_EQ(plain_->Scrub(), 0);
+  EXPECT_EQ(backend_->Scrub(), 0);
   EXPECT_EQ(plain_->TotalUsage().bytes, backend_->TotalUsage().bytes);
   EXPECT_GT(pool_.usage().requested_bytes, 0) << "the blocks live in the store's pool";
+}
+
+// A corrupted block of the stand-in store is DATA_LOSS on the backend's attend (checksums
+// verified on the CPU first, through copies) and found by a scrub, never served.
+TEST_F(StoreBackendTest, CorruptionIsFoundThroughCopies) {
+  Append("a", 0, 0, 300, 1);
+  LayerCache* c = backend_->LayerForTest("t", "a", 0);
+  ASSERT_NE(c, nullptr);
+  c->key_blocks(1)[100] ^= 0x10;  // the stand-in's memory is host memory: fault injection
+  const auto q = Normal(static_cast<size_t>(kQ) * kD, 5);
+  std::vector<float> out;
+  int64_t tokens = 0;
+  const int64_t calls = HostAttendBackend()->calls();
+  const absl::Status st =
+      backend_->Attend("t", "a", 0, 0, q.data(), kQ, 1, kD, AttendOptions{}, &out, &tokens);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_EQ(HostAttendBackend()->calls(), calls);
+  EXPECT_EQ(backend_->Scrub(), 1);
 }
 
 }  // namespace
