@@ -1,28 +1,33 @@
-// A store configured as `--memory gpu` configures it, on the host stand-in of a GPU: blocks in
-// a slab pool the CPU reads only by copies (as device memory), attends on the host stand-in
-// of the CUDA attend. Against an ordinary store fed the same workload: prefills, then decode
-// steps that append a token and attend (observing), scores, GetBlocks-style decodes and a
-// prefill's causal attend. Everything but the attend's encoded blocks takes the same CPU code,
-// so scores, decodes and usage agree exactly (through copies of the blocks); the attend agrees
-// within the GPU attend's tolerance, and the backend is seen to serve.
+// A store configured as `--memory gpu` configures it: on the host stand-in of a GPU (blocks in
+// a slab pool the CPU reads only by copies, as device memory, attends on the host stand-in of
+// the CUDA attend) everywhere, and on the device itself (the gpu pool and the CUDA attend)
+// where one answers (skipped otherwise, unless KVQ_REQUIRE_CUDA is set: scripts/device-check.sh).
+// Against an ordinary store fed the same workload: prefills, then decode steps that append a token
+// and attend (observing), scores, GetBlocks-style decodes and a prefill's causal attend. Everything
+// but the attend's encoded blocks takes the same CPU code, so scores, decodes and usage agree
+// exactly (through copies of the blocks); the attend agrees within the GPU attend's tolerance, and
+// the backend is seen to serve.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 
 #include "kvq/core/attend_backend.h"
 #include "kvq/core/byte_pool.h"
 #include "kvq/core/registry.h"
 #include "kvq/core/store.h"
+#include "kvq/kernels/device.h"
 #include "kvq/kernels/kernels.h"
 
 namespace kvq::core {
 namespace {
 
 constexpr int kKv = 2, kQ = 6, kD = 64;
-// cuda_math_test's tolerance (of max|v|): the kernel sums in other orders and folds scales.
-constexpr float kTolerance = 4e-6f;
+// Of max|v|: cuda_math_test's for the CPU stand-in (the kernel sums in other orders and folds
+// scales), cuda_parity_test's on a device (FMA contraction and the device's expf besides).
+constexpr float kStandInTolerance = 4e-6f, kDeviceTolerance = 2e-5f;
 
 std::vector<float> Normal(size_t n, uint32_t seed, float sigma = 1.0f) {
   std::mt19937 rng(seed);
@@ -32,7 +37,8 @@ std::vector<float> Normal(size_t n, uint32_t seed, float sigma = 1.0f) {
   return v;
 }
 
-class StoreBackendTest : public ::testing::Test {
+// The parameter: on the device (true) or on its host stand-in.
+class StoreBackendTest : public ::testing::TestWithParam<bool> {
  protected:
   // Both stores' CPU kernels are the scalar reference (the definition of correct): the AVX-512
   // tables round attention weights to int16 on some paths (docs/CODEC.md), which alone
@@ -56,8 +62,20 @@ class StoreBackendTest : public ::testing::Test {
     e.codec = Registry::DefaultCodec(m, true);
     ASSERT_TRUE(registry_.Register(e, nullptr).ok());
     StoreOptions with;
-    with.byte_pool = &pool_;
-    with.attend_backend = HostAttendBackend();
+    with.byte_pool = &stand_in_;
+    with.attend_backend = backend_of_ = HostAttendBackend();
+    tolerance_ = kStandInTolerance;
+    if (GetParam()) {
+      absl::StatusOr<BytePool*> gpu = SharedBytePool(kernels::Pool::kGpu);
+      if (!gpu.ok() || !kernels::CudaAvailable()) {
+        if (std::getenv("KVQ_REQUIRE_CUDA") != nullptr)
+          FAIL() << "KVQ_REQUIRE_CUDA set; " << gpu.status();
+        GTEST_SKIP() << gpu.status();
+      }
+      with.byte_pool = pool_ = *gpu;
+      with.attend_backend = backend_of_ = CudaAttendBackend();
+      tolerance_ = kDeviceTolerance;
+    }
     plain_ = std::make_unique<Store>(StoreOptions{}, &registry_);
     backend_ = std::make_unique<Store>(with, &registry_);
   }
@@ -118,12 +136,15 @@ class StoreBackendTest : public ::testing::Test {
   }
 
   Registry registry_{""};
-  SlabBytePool pool_{kernels::Pool::kHost, size_t{1} << 20, SlabBytePool::CpuAccess::kByCopy};
+  SlabBytePool stand_in_{kernels::Pool::kHost, size_t{1} << 20, SlabBytePool::CpuAccess::kByCopy};
+  BytePool* pool_ = &stand_in_;
+  const AttendBackend* backend_of_ = nullptr;
+  float tolerance_ = 0.0f;
   std::unique_ptr<Store> plain_, backend_;
   float vmax_ = 0.0f;
 };
 
-TEST_F(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
+TEST_P(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   CodecOptions levers = Registry::DefaultCodec(registry_.Get("m", 1).value()->manifest, true);
   levers.fp16_sinks = 4;
   levers.rotate_keys = true;
@@ -131,7 +152,7 @@ TEST_F(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   Append("a", 0, 0, 300, 1);  // 2 groups of 128 and a window of 44
   Append("a", 1, 0, 300, 3);
   Append("b", 0, 0, 200, 5, &levers);
-  const int64_t calls = HostAttendBackend()->calls();
+  const int64_t calls = backend_of_->calls();
   float worst = 0.0f;
   for (int64_t step = 0; step < 90; ++step) {  // crosses a group boundary: a third block each
     SCOPED_TRACE(step);
@@ -142,7 +163,7 @@ TEST_F(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
     AttendOptions ao;  // observing, as a server's decode step
     for (const auto& [seq, layer] : {std::pair{"a", 0}, {"a", 1}, {"b", 0}}) {
       const float e = AttendBoth(seq, layer, 1, ao, seed + 6 + layer);
-      EXPECT_LE(e, kTolerance * vmax_) << seq << " layer " << layer;
+      EXPECT_LE(e, tolerance_ * vmax_) << seq << " layer " << layer;
       worst = std::max(worst, e);
     }
   }
@@ -150,10 +171,10 @@ TEST_F(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   // A prefill's queries (each sees the tokens up to its own): on the CPU in both stores.
   AttendOptions prefill;
   prefill.causal_offset = 100;
-  const int64_t before = HostAttendBackend()->calls();
+  const int64_t before = backend_of_->calls();
   EXPECT_EQ(AttendBoth("a", 0, 3, prefill, 7), 0.0f);
-  EXPECT_EQ(HostAttendBackend()->calls(), before);
-  EXPECT_GE(HostAttendBackend()->calls(), calls + 3 * 90);
+  EXPECT_EQ(backend_of_->calls(), before);
+  EXPECT_GE(backend_of_->calls(), calls + 3 * 90);
   const int64_t copied = CopiedBackBytes();
   for (int layer : {0, 1}) ExpectSameScoresAndBlocks("a", layer);
   ExpectSameScoresAndBlocks("b", 0);
@@ -161,12 +182,13 @@ TEST_F(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   EXPECT_EQ(plain_->Scrub(), 0);
   EXPECT_EQ(backend_->Scrub(), 0);
   EXPECT_EQ(plain_->TotalUsage().bytes, backend_->TotalUsage().bytes);
-  EXPECT_GT(pool_.usage().requested_bytes, 0) << "the blocks live in the store's pool";
+  EXPECT_GT(pool_->usage().requested_bytes, 0) << "the blocks live in the store's pool";
 }
 
 // A corrupted block of the stand-in store is DATA_LOSS on the backend's attend (checksums
 // verified on the CPU first, through copies) and found by a scrub, never served.
-TEST_F(StoreBackendTest, CorruptionIsFoundThroughCopies) {
+TEST_P(StoreBackendTest, CorruptionIsFoundThroughCopies) {
+  if (GetParam()) GTEST_SKIP() << "the fault is injected by writing the stand-in's host memory";
   Append("a", 0, 0, 300, 1);
   LayerCache* c = backend_->LayerForTest("t", "a", 0);
   ASSERT_NE(c, nullptr);
@@ -181,6 +203,11 @@ TEST_F(StoreBackendTest, CorruptionIsFoundThroughCopies) {
   EXPECT_EQ(HostAttendBackend()->calls(), calls);
   EXPECT_EQ(backend_->Scrub(), 1);
 }
+
+INSTANTIATE_TEST_SUITE_P(StandInAndDevice, StoreBackendTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? "OnTheDevice" : "OnTheHostStandIn";
+                         });
 
 }  // namespace
 }  // namespace kvq::core
