@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <span>
 
 #include "kvq/core/attend_backend.h"
 #include "kvq/core/byte_pool.h"
@@ -81,8 +82,9 @@ class StoreBackendTest : public ::testing::TestWithParam<bool> {
   }
 
   // The same append on both stores.
+  // token_ids: the ids of the n tokens (prefix sharing), or empty.
   void Append(const std::string& seq, int layer, int64_t start, int64_t n, uint32_t seed,
-              const CodecOptions* codec = nullptr) {
+              const CodecOptions* codec = nullptr, std::span<const uint32_t> token_ids = {}) {
     const auto k = Normal(kKv * n * kD, seed), v = Normal(kKv * n * kD, seed + 1);
     for (float x : v) vmax_ = std::max(vmax_, std::fabs(x));
     AppendSpec s;
@@ -92,6 +94,7 @@ class StoreBackendTest : public ::testing::TestWithParam<bool> {
     s.keys = TensorView::Contiguous(k.data(), DType::kF32, {kKv, n, kD});
     s.values = TensorView::Contiguous(v.data(), DType::kF32, {kKv, n, kD});
     s.model = "m";
+    s.token_ids = token_ids;
     if (codec) {
       s.has_codec = true;
       s.codec = *codec;
@@ -183,6 +186,27 @@ TEST_P(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   EXPECT_EQ(backend_->Scrub(), 0);
   EXPECT_EQ(plain_->TotalUsage().bytes, backend_->TotalUsage().bytes);
   EXPECT_GT(pool_->usage().requested_bytes, 0) << "the blocks live in the store's pool";
+}
+
+// Prefix sharing on the GPU store: a second sequence with the same first two groups takes
+// them from the index (their headers checked through copies) and attends over the shared
+// blocks as the ordinary store does.
+TEST_P(StoreBackendTest, SharedPrefixesAttendAsTheOrdinaryStore) {
+  std::vector<uint32_t> ids(300);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>(7 * i + 1);
+  Append("p1", 0, 0, 256, 11, nullptr, std::span<const uint32_t>(ids).first(256));
+  Append("p2", 0, 0, 256, 11, nullptr, std::span<const uint32_t>(ids).first(256));
+  Append("p2", 0, 256, 44, 13, nullptr, std::span<const uint32_t>(ids).subspan(256));
+  EXPECT_GT(backend_->TotalUsage().prefix_blocks, 0);
+  EXPECT_EQ(backend_->TotalUsage().prefix_blocks, plain_->TotalUsage().prefix_blocks);
+  EXPECT_EQ(backend_->TotalUsage().bytes, plain_->TotalUsage().bytes);
+  AttendOptions ao;
+  ao.observe = false;
+  const int64_t calls = backend_of_->calls();
+  EXPECT_LE(AttendBoth("p2", 0, 1, ao, 17), tolerance_ * vmax_);
+  EXPECT_LE(AttendBoth("p1", 0, 1, ao, 19), tolerance_ * vmax_);
+  EXPECT_EQ(backend_of_->calls(), calls + 2);
+  ExpectSameScoresAndBlocks("p2", 0);
 }
 
 // A corrupted block of the stand-in store is DATA_LOSS on the backend's attend (checksums

@@ -36,10 +36,11 @@ class BytePool {
   };
   virtual ~BytePool() = default;
   virtual kernels::Pool pool() const = 0;
-  // Never returns null: throws std::bad_alloc only when host memory itself is exhausted.
-  // The memory is 16-byte aligned and readable up to the 16-byte boundary at or after its
-  // end (ReadableBytes): the GPU attend reads blocks by aligned 16-byte words, so the last
-  // word of a block may reach past its allocation's end (kernels/cuda.h, AttendParams).
+  // Never returns null: throws std::bad_alloc when host memory itself is exhausted, or when
+  // the device refuses a pool that has no host fallback (gpu). The memory is 16-byte aligned and
+  // readable up to the 16-byte boundary at or after its end (ReadableBytes): the GPU attend reads
+  // blocks by aligned 16-byte words, so the last word of a block may reach past its allocation's
+  // end (kernels/cuda.h, AttendParams).
   virtual void* Allocate(size_t n) = 0;
   // `n` must be the size given to Allocate.
   virtual void Free(void* p, size_t n) = 0;
