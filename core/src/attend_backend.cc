@@ -28,6 +28,7 @@ namespace {
 class CudaBackend final : public AttendBackend {
  public:
   const char* name() const override { return "cuda"; }
+  bool CanRead(kernels::Pool pool) const override { return pool != kernels::Pool::kHost; }
 
  protected:
   int Run(const kernels::cuda::AttendParams& p) const override {
@@ -38,6 +39,7 @@ class CudaBackend final : public AttendBackend {
 class HostBackend final : public AttendBackend {
  public:
   const char* name() const override { return "cuda-host"; }
+  bool CanRead(kernels::Pool pool) const override { return pool != kernels::Pool::kGpu; }
 
  protected:
   int Run(const kernels::cuda::AttendParams& p) const override {

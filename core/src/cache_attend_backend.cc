@@ -54,6 +54,10 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
                                          const AttendOptions& ao, float scale, float* out,
                                          bool* used) {
   *used = false;
+  if (!ao.backend->CanRead(pool_->pool()))
+    return absl::FailedPreconditionError(absl::StrCat("attend backend '", ao.backend->name(),
+                                                      "' cannot read blocks in memory pool '",
+                                                      kernels::PoolName(pool_->pool()), "'"));
   const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
   const int rows = q_heads / kv_heads_ * n_q;
   const int64_t nb = encoded_ / G, R = static_cast<int64_t>(q_heads) * n_q, W = tokens_ - encoded_;

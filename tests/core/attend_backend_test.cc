@@ -175,15 +175,40 @@ TEST(AttendBackend, ObservingAttendRecordsTheWindowsA2Statistics) {
   EXPECT_EQ(a->cache->Size().value_block_bytes, b->cache->Size().value_block_bytes);
 }
 
+// The CUDA attend never gets pointers into pageable host memory (a device read there faults
+// its context): a cache on host memory fails the attend, naming backend and pool.
+TEST(AttendBackend, ABackendIsNeverHandedMemoryItCannotRead) {
+  const PreparedAttend pa = Prepare(AttendCases()[2]);  // its cache is on host memory
+  ASSERT_FALSE(pa.want.empty());
+  AttendOptions ao;
+  ao.observe = false;
+  absl::Status st;
+  AttendOn(*pa.cache, pa.q, pa.cs.kv * pa.cs.gq, 1, ao, core::CudaAttendBackend(), &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(st.message(), "attend backend 'cuda' cannot read blocks in memory pool 'host'");
+  EXPECT_FALSE(core::HostAttendBackend()->CanRead(kernels::Pool::kGpu));
+  EXPECT_TRUE(core::CudaAttendBackend()->CanRead(kernels::Pool::kPinned));
+}
+
 TEST(AttendBackend, ProbeAnswersForTheHostStandInAndSaysWhyNotForAnAbsentDevice) {
   core::SlabBytePool pool(kernels::Pool::kHost, size_t{1} << 20);
   const core::AttendBackend* host = core::HostAttendBackend();
   EXPECT_EQ(std::string(host->name()), "cuda-host");
   EXPECT_TRUE(core::ProbeAttendBackend(*host, &pool).ok());
   if (kernels::CudaAvailable()) GTEST_SKIP() << "a CUDA device answers here";
-  const absl::Status st = core::ProbeAttendBackend(*core::CudaAttendBackend(), &pool);
+  // Without a device the CUDA attend is UNAVAILABLE before it reads anything.
+  const PreparedAttend pa = Prepare(AttendCases()[2]);
+  std::vector<const uint8_t*> kp(pa.key_at.size()), vp(pa.value_at.size());
+  for (size_t i = 0; i < kp.size(); ++i) {
+    kp[i] = pa.pool.data() + pa.key_at[i];
+    vp[i] = pa.pool.data() + pa.value_at[i];
+  }
+  std::vector<float> out(pa.q.size()), mx(pa.cs.kv * pa.cs.gq), sum(mx.size());
+  const kernels::cuda::AttendParams p = ParamsFor(pa, kp.data(), vp.data(), pa.q_base.data(),
+                                                  pa.uq.data(), out.data(), mx.data(), sum.data());
+  const absl::Status st = core::CudaAttendBackend()->AttendBlocks(p);
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
-  EXPECT_NE(st.message().find("cuda"), std::string::npos) << st;
+  EXPECT_EQ(st.message(), "attend backend 'cuda': no CUDA device");
 }
 
 }  // namespace

@@ -68,6 +68,7 @@ TEST(MemoryPoolTest, AutoPicksGpuWhereItsAttendAnswersItsProbe) {
 class WrongAttend final : public AttendBackend {
  public:
   const char* name() const override { return "wrong"; }
+  bool CanRead(kernels::Pool pool) const override { return true; }
 
  protected:
   int Run(const kernels::cuda::AttendParams& p) const override {

@@ -27,6 +27,10 @@ class AttendBackend {
   // is the backend's own. Synchronous; may be called from many threads at once. UNAVAILABLE
   // when the device cannot run it, INVALID_ARGUMENT for params the kernel does not support.
   absl::Status AttendBlocks(const kernels::cuda::AttendParams& p) const;
+  // Whether it reads blocks in `pool`'s kind of memory (the GPU: device and pinned memory,
+  // never pageable host memory, where a read would fault the device's context). A cache whose
+  // pool it cannot read fails its attends with FAILED_PRECONDITION rather than hand it those.
+  virtual bool CanRead(kernels::Pool pool) const = 0;
   // Calls of AttendBlocks so far (for metrics, and for tests that must know it served).
   int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
 
