@@ -9,7 +9,7 @@ if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,6p' "$0" | sed
 cd "$(dirname "$0")/.."
 targets=("$@")
 [[ ${#targets[@]} -eq 0 ]] && targets=(cuda_parity_test cuda_math_test kernels_parity_test
-  codec_test byte_pool_test kvq-bench-cuda kvq-bench-codec)
+  codec_test byte_pool_test memory_pool_test store_backend_test kvq-bench-cuda kvq-bench-codec)
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/kvq/ccache}" CCACHE_BASEDIR="$PWD"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVQ_ENABLE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DKVQ_BUILD_SERVER=OFF -DKVQ_BUILD_FRONTEND=OFF > /dev/null

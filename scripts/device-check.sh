@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU machine's check, in one run, on binaries built here by scripts/device-bundle.sh
-# (carried as .devbin/): the CUDA parity tests against the CPU reference, the block pool on
-# real pinned memory, the kernels' CPU parity, then the CUDA benchmark (kvq-bench-cuda) and a
-# short CPU codec benchmark. Logs go to $OUT (at most 8 files come back), or /tmp/kvq-device-check.
+# (carried as .devbin/): the CUDA parity tests against the CPU reference, the block pools on
+# real pinned and device memory, the memory choice and the store on the GPU (--memory gpu's pool
+# and CUDA attend against an ordinary store), the kernels' CPU parity, then the CUDA benchmark
+# (kvq-bench-cuda) and a short CPU codec benchmark. Logs go to $OUT (at most 8 files come back), or /tmp/kvq-device-check.
 # Usage: scripts/device-check.sh [--help] [--tests-only]
 set -uo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-/tmp/kvq-device-check}"
 mkdir -p "$OUTDIR"
@@ -20,7 +21,8 @@ bin=.devbin/bin
 status=0
 log="$OUTDIR/tests.log"
 : > "$log"
-for t in cuda_math_test cuda_parity_test byte_pool_test kernels_parity_test; do
+for t in cuda_math_test cuda_parity_test byte_pool_test memory_pool_test store_backend_test \
+  kernels_parity_test; do
   [[ -x $bin/$t ]] || { echo "device-check: $t not in the bundle" | tee -a "$log"; continue; }
   start=$SECONDS
   timeout 120 "$bin/$t" --gtest_brief=1 >> "$log" 2>&1

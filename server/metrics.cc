@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "civetweb.h"
+#include "kvq/core/attend_backend.h"
 #include "kvq/core/store.h"
 
 namespace kvq::server {
@@ -206,7 +207,16 @@ Metrics::Metrics()
                         .Name("kvq_attend_split_total")
                         .Help("Attend items split across idle workers (--split-attend-min-tokens)")
                         .Register(*registry_)
-                        .Add({})) {}
+                        .Add({})),
+      attend_backend_calls_(BuildCounter()
+                                .Name("kvq_attend_backend_calls_total")
+                                .Help("Attends whose encoded blocks the attend backend served")
+                                .Register(*registry_)),
+      copy_back_bytes_(BuildCounter()
+                           .Name("kvq_block_copy_back_bytes_total")
+                           .Help("Block bytes copied out of device memory for CPU reads")
+                           .Register(*registry_)
+                           .Add({})) {}
 
 int Metrics::Expose(const std::string& address, int port) {
   // civetweb gives each connection a worker thread until its request arrives, for as long as
@@ -299,6 +309,19 @@ void Metrics::Refresh(const core::Store& store, const core::Registry& registry, 
     }
     seen_shared_tokens_ = u.shared_tokens;
     seen_expirations_ = u.expirations;
+    if (const core::AttendBackend* b = store.options().attend_backend) {
+      const int64_t calls = b->calls();
+      if (calls > seen_attend_backend_calls_) {
+        attend_backend_calls_.Add({{"backend", b->name()}})
+            .Increment(double(calls - seen_attend_backend_calls_));
+      }
+      seen_attend_backend_calls_ = calls;
+    }
+    const int64_t copied = core::CopiedBackBytes();
+    if (copied > seen_copy_back_bytes_) {
+      copy_back_bytes_.Increment(double(copied - seen_copy_back_bytes_));
+    }
+    seen_copy_back_bytes_ = copied;
   }
   for (const auto& [tenant, tu] : store.AllTenants()) {
     tenant_bytes_.Add({{"tenant", tenant}}).Set(static_cast<double>(tu.bytes));

@@ -33,6 +33,12 @@
 //   kvq_attend_split_total                     counter   Attend items whose tokens were split
 //                                                        across idle workers (server.h,
 //                                                        split_attend_min_tokens)
+//   kvq_attend_backend_calls_total{backend}    counter   attends whose encoded blocks the
+//                                                        store's attend backend served (cuda
+//                                                        with --memory gpu; absent without one)
+//   kvq_block_copy_back_bytes_total            counter   block bytes copied out of memory the
+//                                                        CPU does not read (device memory) for
+//                                                        the CPU's reads (core::CpuView)
 //
 // The same port also answers GET (or HEAD) /healthz: 200 "SERVING" while SetReady(true) holds
 // (the registry is loaded and the server is not shutting down), 503 "NOT_SERVING" otherwise.
@@ -124,9 +130,13 @@ class Metrics {
   prometheus::Counter& probe_gap_drops_;
   prometheus::Counter& probe_gap_dropped_sequences_;
   prometheus::Counter& attend_split_;
+  prometheus::Family<prometheus::Counter>& attend_backend_calls_;
+  prometheus::Counter& copy_back_bytes_;
   absl::Mutex mu_;
   int64_t seen_evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t seen_expirations_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t seen_attend_backend_calls_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t seen_copy_back_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvq::server

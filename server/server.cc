@@ -117,11 +117,16 @@ absl::Status KvqServer::Impl::Start() {
     ASSIGN_OR_RETURN(core::MemoryPoolChoice memory,
                      core::ChooseMemoryPool(opts.memory, "--memory"));
     so.byte_pool = memory.pool;
+    if (so.attend_backend == nullptr) so.attend_backend = memory.backend;
     Log(absl::StrCat("memory: ", memory.explanation));
-  } else {
-    Log(absl::StrCat("memory: ", kernels::PoolName(so.byte_pool->pool()), " (given)"));
   }
-  pool_name = kernels::PoolName(so.byte_pool->pool());
+  // A pool the CPU does not read is device memory, or the stand-in of it a test gives.
+  pool_name = so.byte_pool->cpu_readable() ? kernels::PoolName(so.byte_pool->pool()) : "gpu";
+  if (opts.byte_pool != nullptr) {
+    Log(absl::StrCat(
+        "memory: ", pool_name, " (given)",
+        so.attend_backend ? absl::StrCat("; attend: ", so.attend_backend->name()) : ""));
+  }
   so.capacity_bytes = core::CapacityOrDefault(so.capacity_bytes);
 
   absl::StatusOr<Authenticator> a = Authenticator::Load(opts.auth_tokens_file, opts.admin_tenants);
@@ -146,7 +151,10 @@ absl::Status KvqServer::Impl::Start() {
                                                  ":", opts.metrics_port, ": ", e.what()));
     }
   }
-  const std::string backend = kernels::Best().name;
+  // The CPU kernels, after the attend backend that serves Attend's encoded blocks, if any
+  // ("cuda+avx512").
+  const std::string backend = absl::StrCat(
+      so.attend_backend ? absl::StrCat(so.attend_backend->name(), "+") : "", kernels::Best().name);
   CallGate::Options calls;
   calls.auth = &auth;
   calls.metrics = metrics.get();

@@ -22,8 +22,9 @@ namespace kvq::server {
 // and taken as they are but for two serving defaults:
 //   capacity_bytes 0 = half the machine's physical memory (core::CapacityOrDefault), not
 //     unlimited as for a bare core::Store;
-//   byte_pool null = the pool `memory` names (core::ChooseMemoryPool); set it (tests) to use a
-//     pool of one's own.
+//   byte_pool null = the pool `memory` names (core::ChooseMemoryPool), and attend_backend
+//     null = that choice's backend (the CUDA attend for gpu); set them (tests) to use a pool
+//     and backend of one's own.
 struct ServerOptions : core::StoreOptions {
   // gRPC listen address and port. Port 0 picks a free port (tests); see grpc_port().
   std::string grpc_address = "0.0.0.0";
@@ -34,8 +35,9 @@ struct ServerOptions : core::StoreOptions {
   // Registry folder (created when absent). "" keeps models in memory only.
   std::string registry_dir;
   // Memory pool of the encoded blocks, by name (core::ChooseMemoryPool, which says what it
-  // chose and why at start-up): "auto" (the best that works: gpu, then pinned, then host; no
-  // CUDA driver means host), "gpu" (refused in this version, with the reason), "pinned",
+  // chose and why at start-up): "auto" (the best that works: gpu where the CUDA attend
+  // answers its probe, then pinned, then host; no CUDA driver means host), "gpu" (device
+  // memory, attends on the GPU; refused with the reason where it cannot work), "pinned",
   // "host". Ignored when byte_pool is set.
   std::string memory = "auto";
   // Worker threads for encode/score/attend; 0 = the number of CPU cores.

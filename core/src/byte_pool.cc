@@ -4,7 +4,9 @@
 #include <atomic>
 #include <bit>
 #include <cstdlib>
+#include <cstring>
 #include <new>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -27,7 +29,7 @@ class HostPool final : public BytePool {
  public:
   kernels::Pool pool() const override { return kernels::Pool::kHost; }
   void* Allocate(size_t n) override {
-    void* p = ::operator new(n);
+    void* p = ::operator new(ReadableBytes(n));
     requested_.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
     return p;
   }
@@ -70,8 +72,9 @@ std::vector<size_t> SizeClasses(size_t largest) {
 
 }  // namespace
 
-SlabBytePool::SlabBytePool(kernels::Pool pool, size_t slab_bytes)
+SlabBytePool::SlabBytePool(kernels::Pool pool, size_t slab_bytes, CpuAccess access)
     : pool_(pool),
+      cpu_readable_(pool != kernels::Pool::kGpu && access == CpuAccess::kDirect),
       slab_bytes_(std::bit_ceil(std::max(slab_bytes, kMinChunk * 8))),
       class_size_(SizeClasses(slab_bytes_ / 8)),
       n_classes_(static_cast<int>(class_size_.size())),
@@ -80,7 +83,7 @@ SlabBytePool::SlabBytePool(kernels::Pool pool, size_t slab_bytes)
 SlabBytePool::~SlabBytePool() {
   MutexLock l(&mu_);
   for (void* s : slabs_) {
-    KVQ_UNPOISON(s, slab_bytes_);
+    if (pool_ != kernels::Pool::kGpu) KVQ_UNPOISON(s, slab_bytes_);
     kernels::Free(pool_, s);
   }
 }
@@ -101,7 +104,7 @@ bool SlabBytePool::AddSlabLocked(std::string* err) {
   const size_t skip = (kMinChunk - a % kMinChunk) % kMinChunk;
   cur_ = static_cast<char*>(slab) + skip;
   cur_left_ = slab_bytes_ - skip;
-  KVQ_POISON(slab, slab_bytes_);
+  if (pool_ != kernels::Pool::kGpu) KVQ_POISON(slab, slab_bytes_);
   return true;
 }
 
@@ -142,7 +145,7 @@ void* SlabBytePool::CarveLocked(int cls) {
 }
 
 void* SlabBytePool::FallbackLocked(size_t n) {
-  void* p = ::operator new(n);
+  void* p = ::operator new(ReadableBytes(n));
   fallback_.insert(p);
   usage_.fallback_bytes += static_cast<int64_t>(n);
   return p;
@@ -154,7 +157,7 @@ void* SlabBytePool::Allocate(size_t n) {
   const int cls = ClassOf(n);
   void* p = nullptr;
   if (cls < 0) {
-    p = kernels::Allocate(pool_, n, nullptr);
+    p = kernels::Allocate(pool_, ReadableBytes(n), nullptr);
     if (p) {
       usage_.reserved_bytes += static_cast<int64_t>(n);
       usage_.held_bytes += static_cast<int64_t>(n);
@@ -166,8 +169,14 @@ void* SlabBytePool::Allocate(size_t n) {
   } else if ((p = CarveLocked(cls)) != nullptr) {
     usage_.held_bytes += static_cast<int64_t>(class_size_[cls]);
   }
-  if (p && cls >= 0) KVQ_UNPOISON(p, n);
-  return p ? p : FallbackLocked(n);
+  // Classes are multiples of 64; device memory has no shadow to poison.
+  if (p && cls >= 0 && pool_ != kernels::Pool::kGpu) KVQ_UNPOISON(p, ReadableBytes(n));
+  if (p) return p;
+  if (pool_ == kernels::Pool::kGpu) {  // no fallback: the GPU cannot read host memory
+    usage_.requested_bytes -= static_cast<int64_t>(n);
+    throw std::bad_alloc();
+  }
+  return FallbackLocked(n);
 }
 
 void SlabBytePool::Free(void* p, size_t n) {
@@ -187,7 +196,7 @@ void SlabBytePool::Free(void* p, size_t n) {
     usage_.held_bytes -= static_cast<int64_t>(n);
     return;
   }
-  KVQ_POISON(p, class_size_[cls]);
+  if (pool_ != kernels::Pool::kGpu) KVQ_POISON(p, class_size_[cls]);
   free_[cls].push_back(p);
   usage_.held_bytes -= static_cast<int64_t>(class_size_[cls]);
 }
@@ -209,22 +218,133 @@ absl::Status SlabBytePool::Probe() {
 
 absl::StatusOr<BytePool*> SharedBytePool(kernels::Pool pool) {
   if (pool == kernels::Pool::kHost) return HostBytePool();
-  if (pool == kernels::Pool::kGpu)
-    return absl::FailedPreconditionError(
-        "memory pool 'gpu': codes in device memory need CUDA readout and attend kernels, which "
-        "this version does not have; use 'pinned' (host memory a GPU copies at bus speed)");
   static Mutex mu;
-  static SlabBytePool* pinned ABSL_GUARDED_BY(mu) = nullptr;
+  static SlabBytePool* shared[3] ABSL_GUARDED_BY(mu) = {};
   MutexLock l(&mu);
-  if (pinned == nullptr) {
+  SlabBytePool*& slot = shared[static_cast<int>(pool)];
+  if (slot == nullptr) {
     auto* p = new SlabBytePool(pool);
     if (absl::Status st = p->Probe(); !st.ok()) {
       delete p;
       return st;
     }
-    pinned = p;  // process-wide, never destroyed (blocks may outlive main)
+    slot = p;  // process-wide, never destroyed (blocks may outlive main)
   }
-  return static_cast<BytePool*>(pinned);
+  return static_cast<BytePool*>(slot);
 }
+
+Bytes::Bytes(const Bytes& o) : pool_(o.pool_) {
+  if (o.size_ == 0) return;
+  Grow(o.size_);
+  if (kernels::Copy(data_, pool_->pool(), o.data_, o.pool_->pool(), o.size_) != 0)
+    throw std::bad_alloc();
+  size_ = o.size_;
+}
+
+Bytes::Bytes(Bytes&& o) noexcept
+    : pool_(o.pool_),
+      data_(std::exchange(o.data_, nullptr)),
+      size_(std::exchange(o.size_, 0)),
+      cap_(std::exchange(o.cap_, 0)) {}
+
+Bytes& Bytes::operator=(const Bytes& o) {
+  if (this != &o) *this = Bytes(o);
+  return *this;
+}
+
+Bytes& Bytes::operator=(Bytes&& o) noexcept {
+  if (this == &o) return *this;
+  Release();
+  pool_ = o.pool_;
+  data_ = std::exchange(o.data_, nullptr);
+  size_ = std::exchange(o.size_, 0);
+  cap_ = std::exchange(o.cap_, 0);
+  return *this;
+}
+
+Bytes::~Bytes() { Release(); }
+
+void Bytes::Release() {
+  if (data_) pool_->Free(data_, cap_);
+  data_ = nullptr;
+  size_ = cap_ = 0;
+}
+
+void Bytes::Grow(size_t n) {
+  auto* p = static_cast<uint8_t*>(pool_->Allocate(n));
+  if (size_ > 0 && kernels::Copy(p, pool_->pool(), data_, pool_->pool(), size_) != 0) {
+    pool_->Free(p, n);
+    throw std::bad_alloc();
+  }
+  if (data_) pool_->Free(data_, cap_);
+  data_ = p;
+  cap_ = n;
+}
+
+void Bytes::reserve(size_t n) {
+  if (n > cap_) Grow(n);
+}
+
+void Bytes::Fill(size_t at, size_t n, uint8_t value) {
+  if (pool_->cpu_readable()) {
+    std::memset(data_ + at, value, n);
+    return;
+  }
+  const std::vector<uint8_t> chunk(std::min<size_t>(n, size_t{1} << 16), value);
+  for (size_t done = 0; done < n; done += chunk.size()) {
+    const size_t m = std::min(chunk.size(), n - done);
+    if (kernels::Copy(data_ + at + done, pool_->pool(), chunk.data(), kernels::Pool::kHost, m) != 0)
+      throw std::bad_alloc();
+  }
+}
+
+void Bytes::resize(size_t n) {
+  if (n > size_) {
+    reserve(n);
+    Fill(size_, n - size_, 0);
+  }
+  size_ = n;
+}
+
+void Bytes::assign(size_t n, uint8_t value) {
+  size_ = 0;
+  reserve(n);
+  Fill(0, n, value);
+  size_ = n;
+}
+
+absl::Status Bytes::Append(const uint8_t* p, size_t n) {
+  if (n == 0) return absl::OkStatus();
+  if (size_ + n > cap_) Grow(std::max(size_ + n, cap_ + cap_ / 2));
+  if (kernels::Copy(data_ + size_, pool_->pool(), p, kernels::Pool::kHost, n) != 0)
+    return absl::InternalError(absl::StrCat("copy of ", n, " block bytes into memory pool '",
+                                            kernels::PoolName(pool_->pool()), "' failed"));
+  size_ += n;
+  return absl::OkStatus();
+}
+
+bool Bytes::operator==(const Bytes& o) const {
+  return size_ == o.size_ && (size_ == 0 || std::memcmp(data_, o.data_, size_) == 0);
+}
+
+namespace {
+std::atomic<int64_t> copied_back{0};
+}  // namespace
+
+absl::StatusOr<std::span<const uint8_t>> CpuView(const BytePool& pool,
+                                                 std::span<const uint8_t> block,
+                                                 std::vector<uint8_t>* scratch) {
+  if (pool.cpu_readable()) return block;
+  scratch->resize(block.size());
+  if (kernels::Copy(scratch->data(), kernels::Pool::kHost, block.data(), pool.pool(),
+                    block.size()) != 0)
+    return absl::InternalError(absl::StrCat("copy of a ", block.size(),
+                                            "-byte block out of memory pool '",
+                                            kernels::PoolName(pool.pool()), "' failed"));
+  copied_back.fetch_add(static_cast<int64_t>(block.size()), std::memory_order_relaxed);
+  return std::span<const uint8_t>(scratch->data(), scratch->size());
+}
+
+int64_t CopiedBackBytes() { return copied_back.load(std::memory_order_relaxed); }
 
 }  // namespace kvq::core

@@ -60,8 +60,13 @@ absl::Status SinkRows::Verify() const {
 }
 
 absl::Status SealedBlock::Verify() const {
-  for (size_t i = 0; i + 1 < offsets.size(); ++i)
-    RETURN_IF_ERROR(VerifyBlock({bytes.data() + offsets[i], offsets[i + 1] - offsets[i]}));
+  std::vector<uint8_t> scratch;
+  for (size_t i = 0; i + 1 < offsets.size(); ++i) {
+    ASSIGN_OR_RETURN(
+        std::span<const uint8_t> b,
+        CpuView(*bytes.pool(), {bytes.data() + offsets[i], offsets[i + 1] - offsets[i]}, &scratch));
+    RETURN_IF_ERROR(VerifyBlock(b));
+  }
   return sinks ? sinks->Verify() : absl::OkStatus();
 }
 
@@ -488,6 +493,12 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       Reserve(&hd.kblocks, ready * kblock_bytes_);
       Reserve(&hd.vblocks, ready * MaxValueBlockBytes(opts_));
     }
+    // The blocks are encoded into host memory and copied into the pool's (which may be device
+    // memory): unsealed ones once per call, key blocks and value blocks, a sealed group's once
+    // per group and head.
+    thread_local std::vector<uint8_t> kst, vst;
+    kst.clear();
+    vst.clear();
     const int64_t g0 = input ? input->first_group : 0;
     for (int64_t g = g0; g < g0 + ready; ++g) {
       const int64_t first = g * G;  // window (or input) index of the group's first token
@@ -507,10 +518,10 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
       RETURN_IF_ERROR(EncodeKeyBlockT(
-          opts_, kf.data(), d, Ut, seal ? &sb->bytes : &hd.kblocks,
+          opts_, kf.data(), d, Ut, &kst,
           tables_->rounding.empty() ? nullptr
                                     : tables_->rounding.data() + static_cast<size_t>(h) * d * d));
-      if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
+      if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size() + kst.size()));
       const uint8_t* wp = nullptr;
       if (opts_.per_token_value_bits()) {
         bool any = false;
@@ -535,13 +546,17 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
                                 ? nullptr
                                 : tables_->value_rounding.data() + static_cast<size_t>(h) * d * d;
       if (seal) {
-        RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &sb->bytes, vround));
-        sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size()));
+        RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &kst, vround));
+        sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size() + kst.size()));
+        RETURN_IF_ERROR(sb->bytes.Append(kst.data(), kst.size()));
+        kst.clear();
         continue;
       }
-      hd.voffsets.push_back(hd.vblocks.size());
-      RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &hd.vblocks, vround));
+      hd.voffsets.push_back(hd.vblocks.size() + vst.size());
+      RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &vst, vround));
     }
+    RETURN_IF_ERROR(hd.kblocks.Append(kst.data(), kst.size()));
+    RETURN_IF_ERROR(hd.vblocks.Append(vst.data(), vst.size()));
     if (input) return absl::OkStatus();  // the window never held these rows
     // Drop the encoded tokens from the window once (not per group: prefill stays linear).
     const size_t group_bytes = static_cast<size_t>(G) * row_bytes;
@@ -620,8 +635,10 @@ absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale
   }
   const BlockReader reader(opts_, opts_.verify_on_read);
   KeyBlockView kv;
+  thread_local std::vector<uint8_t> copy;
   for (int64_t b = b0; b < b1; ++b) {
-    RETURN_IF_ERROR(reader.Key(KeyBlock(h, b), &kv));
+    ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
+    RETURN_IF_ERROR(reader.Key(kb, &kv));
     ScoreKeyBlock(kv, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr, rows, scale,
                   opts_.side_sign, out + (b - b0) * G, T, !corr_only, /*q_rotated=*/rotate);
   }
@@ -678,8 +695,10 @@ absl::Status LayerCache::ReadoutRange(int h, const float* p, int64_t T, int rows
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
   if (b0 > 0 || b1 == 0) sinks = nullptr;  // the sinks are the first group's first tokens
   ValueBlockView vv;
+  thread_local std::vector<uint8_t> copy;
   for (int64_t b = b0; b < b1; ++b) {
-    RETURN_IF_ERROR(reader.Value(ValueBlock(h, b), &vv));
+    ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &copy));
+    RETURN_IF_ERROR(reader.Value(vb, &vv));
     if (b == 0 && sinks) {  // the stand-ins get no weight: the sinks' rows are added below
       thread_local std::vector<float> p0;
       p0.resize(static_cast<size_t>(rows) * G);
@@ -753,6 +772,11 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   const int64_t T = tokens_;
   const float scale = ao.scale != 0.0f ? ao.scale : 1.0f / std::sqrt(static_cast<float>(d));
+  if (ao.backend) {
+    bool used = false;
+    RETURN_IF_ERROR(AttendOnBackend(q, q_heads, n_q, ao, scale, out, &used));
+    if (used) return absl::OkStatus();
+  }
   if (ao.parts > 1 && T >= ao.split_min_tokens && encoded_ / opts_.key_group > 1)
     return AttendSplit(q, q_heads, n_q, ao, scale, out);
   thread_local std::vector<float> s;
@@ -830,7 +854,7 @@ absl::Status LayerCache::AttendPart(const float* q, int q_heads, int n_q, const 
 
 absl::Status LayerCache::AttendSplit(const float* q, int q_heads, int n_q, const AttendOptions& ao,
                                      float scale, float* out) {
-  const int d = opts_.head_dim, rows = q_heads / kv_heads_ * n_q;
+  const int d = opts_.head_dim;
   const int64_t R = static_cast<int64_t>(q_heads) * n_q, W = tokens_ - encoded_;
   const std::vector<int64_t> bounds = AttendPartBounds(ao.parts);
   const int P = static_cast<int>(bounds.size()) - 1;
@@ -847,9 +871,15 @@ absl::Status LayerCache::AttendSplit(const float* q, int q_heads, int n_q, const
   }
   for (const absl::Status& s : st) RETURN_IF_ERROR(s);
   MergePartials(m.data(), l.data(), o.data(), P, R, d, out);
-  if (wp.empty() || W == 0) return absl::OkStatus();
-  // The window tokens' normalized weights, exp(s - m_last) exp(m_last - M) / L, recorded as
-  // an unsplit Attend records its softmax.
+  if (!wp.empty() && W > 0) RecordWindowWeights(m.data(), l.data(), P, R, n_q, ao, wp.data());
+  return absl::OkStatus();
+}
+
+void LayerCache::RecordWindowWeights(const float* m, const float* l, int P, int64_t R, int n_q,
+                                     const AttendOptions& ao, const float* wp) {
+  const int64_t W = tokens_ - encoded_;
+  const int rows = static_cast<int>(R / kv_heads_);
+  // The window tokens' normalized weights, exp(s - m_last) exp(m_last - M) / L.
   for (int64_t r = 0; r < R; ++r) {
     const int64_t vis = ao.causal_offset < 0
                             ? tokens_
@@ -867,7 +897,6 @@ absl::Status LayerCache::AttendSplit(const float* q, int q_heads, int n_q, const
       hd.a2_reads[t - encoded_] += 1;
     }
   }
-  return absl::OkStatus();
 }
 
 absl::Status LayerCache::Observe(const float* p, int q_heads, int n_q) {
@@ -953,6 +982,7 @@ absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8
   const int64_t b0 = from / G, b1 = (std::min(to, encoded_) + G - 1) / G;
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(true));
   thread_local std::vector<float> kg, vg;
+  thread_local std::vector<uint8_t> kcopy, vcopy;
   kg.resize(static_cast<size_t>(G) * d);
   vg.resize(static_cast<size_t>(G) * d);
   for (int h = 0; h < kv_heads_; ++h) {
@@ -972,9 +1002,11 @@ absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8
         __builtin_prefetch(kout + off, 1);
         __builtin_prefetch(vout + off, 1);
       }
-      ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(KeyBlock(h, b), opts_, true));
+      ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &kcopy));
+      ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(kb, opts_, true));
       DecodeKeyBlock(kv, U, opts_.side_sign, direct ? reinterpret_cast<float*>(kout) : kg.data());
-      ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(ValueBlock(h, b), opts_, true));
+      ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &vcopy));
+      ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(vb, opts_, true));
       DecodeValueBlock(vv, direct ? reinterpret_cast<float*>(vout) : vg.data());
       if (!direct) {
         const size_t off = static_cast<size_t>(lo - b * G) * d;
@@ -1004,10 +1036,13 @@ absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8
 absl::Status LayerCache::VerifyAll() const {
   RETURN_IF_ERROR(ReadSinks(true).status());
   const int64_t nb = encoded_ / opts_.key_group;
+  std::vector<uint8_t> copy;
   for (int h = 0; h < kv_heads_; ++h)
     for (int64_t b = 0; b < nb; ++b) {
-      RETURN_IF_ERROR(VerifyBlock(KeyBlock(h, b)));
-      RETURN_IF_ERROR(VerifyBlock(ValueBlock(h, b)));
+      ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
+      RETURN_IF_ERROR(VerifyBlock(kb));
+      ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &copy));
+      RETURN_IF_ERROR(VerifyBlock(vb));
     }
   return absl::OkStatus();
 }
@@ -1085,6 +1120,20 @@ std::span<const uint8_t> LayerCache::ValueBlock(int h, int64_t b) const {
   return {hd.vblocks.data() + start, end - start};
 }
 
+absl::StatusOr<std::span<const uint8_t>> LayerCache::CpuKeyBlock(
+    int h, int64_t b, std::vector<uint8_t>* scratch) const {
+  const BytePool& pool =
+      b < static_cast<int64_t>(sealed_.size()) ? *sealed_[b]->bytes.pool() : *pool_;
+  return CpuView(pool, KeyBlock(h, b), scratch);
+}
+
+absl::StatusOr<std::span<const uint8_t>> LayerCache::CpuValueBlock(
+    int h, int64_t b, std::vector<uint8_t>* scratch) const {
+  const BytePool& pool =
+      b < static_cast<int64_t>(sealed_.size()) ? *sealed_[b]->bytes.pool() : *pool_;
+  return CpuView(pool, ValueBlock(h, b), scratch);
+}
+
 bool LayerCache::AllSealed() const {
   return tokens_ == encoded_ && encoded_ == static_cast<int64_t>(sealed_.size()) * opts_.key_group;
 }
@@ -1118,8 +1167,11 @@ absl::Status LayerCache::CheckSealed(const SealedBlock& blk) const {
         blk.offsets[2 * h + 1] > blk.offsets[2 * h + 2]) {
       return absl::InvalidArgumentError("sealed block: offsets out of order");
     }
-    RETURN_IF_ERROR(ParseKeyBlock(blk.key(h), opts_, false).status());
-    RETURN_IF_ERROR(ParseValueBlock(blk.value(h), opts_, false).status());
+    std::vector<uint8_t> copy;
+    ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuView(*blk.bytes.pool(), blk.key(h), &copy));
+    RETURN_IF_ERROR(ParseKeyBlock(kb, opts_, false).status());
+    ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuView(*blk.bytes.pool(), blk.value(h), &copy));
+    RETURN_IF_ERROR(ParseValueBlock(vb, opts_, false).status());
   }
   return absl::OkStatus();
 }

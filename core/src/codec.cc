@@ -389,7 +389,6 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
   template absl::Status EncodeValueBlock(const CodecOptions&, const float*, int64_t,              \
                                          const uint8_t*, ByteVec*, const float*);
 KVQ_INSTANTIATE_ENCODERS(std::vector<uint8_t>)
-KVQ_INSTANTIATE_ENCODERS(Bytes)
 #undef KVQ_INSTANTIATE_ENCODERS
 
 absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const CodecOptions& o,

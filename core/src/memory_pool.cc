@@ -3,40 +3,74 @@
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
 #include "kvq/kernels/device.h"
 
 namespace kvq::core {
 
-absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want, absl::string_view field) {
-  std::string why;
-  kernels::Pool pool = kernels::Pool::kHost;
-  if (want == "auto") {
-    pool = kernels::BestPool(&why);
-  } else if (want == "pinned") {
-    pool = kernels::Pool::kPinned;
-  } else if (want == "gpu") {
-    pool = kernels::Pool::kGpu;
-  } else if (want != "host") {
+namespace {
+
+// The gpu candidate's pool with its backend probed on it, or why not.
+absl::StatusOr<BytePool*> TryGpu(const GpuCandidate& gpu) {
+  ASSIGN_OR_RETURN(BytePool * pool, gpu.pool());
+  if (absl::Status st = ProbeAttendBackend(*gpu.backend, pool); !st.ok())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the '", gpu.backend->name(), "' attend did not answer its probe: ", st.message()));
+  return pool;
+}
+
+}  // namespace
+
+absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want, absl::string_view field,
+                                                  const GpuCandidate* gpu) {
+  if (want != "auto" && want != "gpu" && want != "pinned" && want != "host") {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " must be auto, gpu, pinned or host (got '", want, "')"));
   }
-  absl::StatusOr<BytePool*> bytes = SharedBytePool(pool);
-  if (!bytes.ok() && want != "auto") {
-    return absl::FailedPreconditionError(
-        absl::StrCat(field, " ", want, " is not available: ", bytes.status().message()));
-  }
-  if (!bytes.ok()) {  // auto: what the device API offered does not work; host memory
-    why = absl::StrCat(why, "; ", bytes.status().message());
-    bytes = HostBytePool();
-  }
+  const GpuCandidate real{[] { return SharedBytePool(kernels::Pool::kGpu); }, CudaAttendBackend()};
+  if (gpu == nullptr) gpu = &real;
+  std::string why;
   MemoryPoolChoice c;
-  c.pool = *bytes;
-  c.name = kernels::PoolName(c.pool->pool());
-  c.explanation =
-      absl::StrCat(want == "auto" ? "auto -> " : "", c.name, "; ",
-                   c.name == "host" ? "encoded blocks and windows in host memory"
-                                    : "encoded blocks in pinned memory, windows in host memory",
-                   why.empty() ? "" : absl::StrCat(" [", why, "]"));
+  if (want == "gpu" || want == "auto") {
+    absl::StatusOr<BytePool*> bytes = TryGpu(*gpu);
+    if (bytes.ok()) {
+      c.pool = *bytes;
+      c.backend = gpu->backend;
+      why = absl::StrCat("the '", gpu->backend->name(), "' attend answered its probe");
+    } else if (want == "gpu") {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field, " gpu is not available: ", bytes.status().message()));
+    } else {
+      why = absl::StrCat("not gpu: ", bytes.status().message());
+    }
+  }
+  if (c.pool == nullptr) {
+    kernels::Pool pool = kernels::Pool::kHost;
+    if (want == "auto") {
+      std::string best;
+      pool = kernels::BestPool(&best);
+      why = absl::StrCat(why, "; ", best);
+    } else if (want == "pinned") {
+      pool = kernels::Pool::kPinned;
+    }
+    absl::StatusOr<BytePool*> bytes = SharedBytePool(pool);
+    if (!bytes.ok() && want != "auto") {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field, " ", want, " is not available: ", bytes.status().message()));
+    }
+    if (!bytes.ok()) {  // auto: what the device API offered does not work; host memory
+      why = absl::StrCat(why, "; ", bytes.status().message());
+      bytes = HostBytePool();
+    }
+    c.pool = *bytes;
+  }
+  c.name = c.backend ? "gpu" : kernels::PoolName(c.pool->pool());
+  const char* where =
+      c.backend ? "encoded blocks in device memory, attended on the GPU; windows in host memory"
+      : c.name == "host" ? "encoded blocks and windows in host memory"
+                         : "encoded blocks in pinned memory, windows in host memory";
+  c.explanation = absl::StrCat(want == "auto" ? "auto -> " : "", c.name, "; ", where,
+                               why.empty() ? "" : absl::StrCat(" [", why, "]"));
   return c;
 }
 

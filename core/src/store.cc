@@ -357,7 +357,9 @@ absl::Status Store::Attend(const std::string& tenant, const std::string& sequenc
                                                    " must be in 0..", *tokens - 1, " (or absent)"));
   }
   out->assign(static_cast<size_t>(q_heads) * n_q * m.head_dim, 0.0f);
-  return cache->Attend(q, q_heads, n_q, ao, out->data());
+  AttendOptions with_backend = ao;
+  if (with_backend.backend == nullptr) with_backend.backend = opts_.attend_backend;
+  return cache->Attend(q, q_heads, n_q, with_backend, out->data());
 }
 
 absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,

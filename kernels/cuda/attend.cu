@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <initializer_list>
 
 #include "attend_math.h"
 #include "kvq/kernels/cuda.h"
@@ -73,10 +72,7 @@ int SmCount() {
 // Enough thread blocks for two full waves at `per_sm` resident blocks per SM, each range at
 // least 4 blocks.
 int ChooseSplits(int items, int blocks, int per_sm) {
-  const int64_t want = 2LL * SmCount() * (per_sm > 0 ? per_sm : 1);
-  int64_t s = (want + items - 1) / items;
-  s = std::min<int64_t>(s, std::max(1, blocks / 4));
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(s, blocks > 0 ? blocks : 1)));
+  return am::SplitsToFill(items, blocks, 2LL * SmCount() * (per_sm > 0 ? per_sm : 1));
 }
 
 template <class Kernel>
@@ -120,39 +116,7 @@ int LaunchMerge(void* workspace, int items, int rows, int d, int splits, float* 
   return static_cast<int>(cudaGetLastError());
 }
 
-bool OneOf(int v, std::initializer_list<int> allowed) {
-  for (int a : allowed)
-    if (v == a) return true;
-  return false;
-}
-
 }  // namespace
-
-const char* AttendUnsupported(const AttendParams& p) {
-  if (p.head_dim < 32 || p.head_dim > 256 || p.head_dim % 32 != 0)
-    return "head_dim: must be a multiple of 32 in [32, 256]";
-  if (!OneOf(p.key_group, {32, 64, 128})) return "key_group: must be 32, 64 or 128";
-  if (!OneOf(p.key_bits, {2, 3, 4, 8})) return "key_bits: must be 2, 3, 4 or 8";
-  if (p.rank < 0 || p.rank > p.head_dim) return "rank: must be in [0, head_dim]";
-  if (p.rank > 0 && !OneOf(p.side_bits, {4, 8})) return "side_bits: must be 4 or 8";
-  if (!OneOf(p.value_bits, {0, 1, 2, 3, 4, 8}))
-    return "value_bits: must be 1, 2, 3, 4 or 8 (0: per-token widths)";
-  if (p.value_group < 1 || p.value_group > p.head_dim ||
-      (p.head_dim + p.value_group - 1) / p.value_group > 64)
-    return "value_group: must be in [1, head_dim], at most 64 groups";
-  if (p.items < 1 || p.items > 65535) return "items: must be in [1, 65535]";
-  if (p.rows < 1 || p.rows > kAttendMaxRows) return "rows: must be in [1, 16]";
-  if (p.blocks < 0 || p.block_stride < p.blocks) return "blocks: must be in [0, block_stride]";
-  if (p.masked_prefix < 0 || p.masked_prefix >= p.key_group)
-    return "masked_prefix: must be in [0, key_group)";
-  if (p.splits < 0) return "splits: must be >= 0 (0: choose)";
-  if (p.blocks > 0 && (!p.key_blocks || !p.value_blocks)) return "key_blocks, value_blocks: null";
-  if (!p.q || (p.rank > 0 && !p.uq)) return "q (and uq when rank > 0): null";
-  if (!p.out || !p.out_max || !p.out_sum) return "out, out_max, out_sum: null";
-  if (am::MakeGeometry(p).sm_bytes > 227 * 1024)
-    return "rows x head_dim x key_group: the thread block's shared memory exceeds 227 KiB";
-  return nullptr;
-}
 
 int AttendSplits(const AttendParams& p) {
   if (p.splits > 0) return std::max(1, std::min(p.splits, std::max(1, p.blocks)));
@@ -197,6 +161,96 @@ int Attend(const AttendParams& p, void* stream_ptr) {
   if (e != 0) return e;
   return LaunchMerge(p.workspace, p.items, p.rows, p.head_dim, splits, p.out, p.out_max, p.out_sum,
                      stream);
+}
+
+namespace {
+
+// A calling thread's device scratch for AttendFromHost: one allocation, grown as needed and
+// kept for the thread's life (a decode step's attends repeat the same sizes).
+struct HostCallScratch {
+  void* p = nullptr;
+  size_t bytes = 0;
+  ~HostCallScratch() {
+    if (p) cudaFree(p);
+  }
+  cudaError_t Reserve(size_t n) {
+    if (n <= bytes) return cudaSuccess;
+    if (p) cudaFree(p);
+    p = nullptr;
+    bytes = 0;
+    if (cudaError_t e = cudaMalloc(&p, n); e != cudaSuccess) return e;
+    bytes = n;
+    return cudaSuccess;
+  }
+};
+
+// Offsets of the arrays in the scratch, each 256-byte aligned.
+struct ScratchLayout {
+  size_t total = 0;
+  size_t Take(size_t n) {
+    const size_t at = total;
+    total += (n + 255) & ~size_t{255};
+    return at;
+  }
+};
+
+}  // namespace
+
+int AttendFromHost(const AttendParams& hp) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return kErrorNoDevice;
+  if (AttendUnsupported(hp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  const size_t rows = static_cast<size_t>(hp.items) * hp.rows;
+  const size_t ptrs = sizeof(void*) * hp.items * static_cast<size_t>(hp.block_stride);
+  const size_t q_bytes = 4 * rows * hp.head_dim, uq_bytes = 4 * rows * hp.rank;
+  ScratchLayout at;
+  const size_t k_at = at.Take(ptrs), v_at = at.Take(ptrs);
+  const size_t n_at = at.Take(hp.item_blocks ? 4 * static_cast<size_t>(hp.items) : 0);
+  const size_t q_at = at.Take(q_bytes), uq_at = at.Take(hp.rank > 0 ? uq_bytes : 0);
+  const size_t out_at = at.Take(q_bytes), max_at = at.Take(4 * rows), sum_at = at.Take(4 * rows);
+  const size_t flags_at = at.Take(4);
+  AttendParams dp = hp;
+  dp.workspace = nullptr;
+  const size_t ws_at = at.Take(AttendWorkspaceBytes(dp));
+  thread_local HostCallScratch scratch;
+  if (cudaError_t e = scratch.Reserve(at.total); e != cudaSuccess) return static_cast<int>(e);
+  uint8_t* base = static_cast<uint8_t*>(scratch.p);
+  cudaStream_t s = cudaStreamPerThread;
+  auto up = [&](size_t off, const void* src, size_t n) {
+    return n == 0 ? cudaSuccess : cudaMemcpyAsync(base + off, src, n, cudaMemcpyHostToDevice, s);
+  };
+  cudaError_t e = cudaSuccess;
+  if (hp.blocks > 0) {
+    if ((e = up(k_at, hp.key_blocks, ptrs)) != cudaSuccess) return static_cast<int>(e);
+    if ((e = up(v_at, hp.value_blocks, ptrs)) != cudaSuccess) return static_cast<int>(e);
+  }
+  if (hp.item_blocks && (e = up(n_at, hp.item_blocks, 4 * hp.items)) != cudaSuccess)
+    return static_cast<int>(e);
+  if ((e = up(q_at, hp.q, q_bytes)) != cudaSuccess) return static_cast<int>(e);
+  if (hp.rank > 0 && (e = up(uq_at, hp.uq, uq_bytes)) != cudaSuccess) return static_cast<int>(e);
+  if (hp.error_flags && (e = up(flags_at, hp.error_flags, 4)) != cudaSuccess)
+    return static_cast<int>(e);
+  dp.key_blocks = reinterpret_cast<const uint8_t* const*>(base + k_at);
+  dp.value_blocks = reinterpret_cast<const uint8_t* const*>(base + v_at);
+  dp.item_blocks = hp.item_blocks ? reinterpret_cast<const int*>(base + n_at) : nullptr;
+  dp.q = reinterpret_cast<const float*>(base + q_at);
+  dp.uq = hp.rank > 0 ? reinterpret_cast<const float*>(base + uq_at) : nullptr;
+  dp.out = reinterpret_cast<float*>(base + out_at);
+  dp.out_max = reinterpret_cast<float*>(base + max_at);
+  dp.out_sum = reinterpret_cast<float*>(base + sum_at);
+  dp.error_flags = hp.error_flags ? reinterpret_cast<int*>(base + flags_at) : nullptr;
+  dp.workspace = base + ws_at;
+  dp.workspace_bytes = scratch.bytes - ws_at;
+  if (int r = Attend(dp, s); r != 0) return r;
+  auto down = [&](void* dst, size_t off, size_t n) {
+    return cudaMemcpyAsync(dst, base + off, n, cudaMemcpyDeviceToHost, s);
+  };
+  if ((e = down(hp.out, out_at, q_bytes)) != cudaSuccess ||
+      (e = down(hp.out_max, max_at, 4 * rows)) != cudaSuccess ||
+      (e = down(hp.out_sum, sum_at, 4 * rows)) != cudaSuccess ||
+      (hp.error_flags && (e = down(hp.error_flags, flags_at, 4)) != cudaSuccess))
+    return static_cast<int>(e);
+  return static_cast<int>(cudaStreamSynchronize(s));
 }
 
 int StreamRead(const void* data, size_t bytes, uint32_t* sink, void* stream_ptr) {

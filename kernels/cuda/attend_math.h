@@ -144,6 +144,16 @@ KVQ_HD void SplitRange(int n, int splits, int k, int* b0, int* b1) {
   *b1 = static_cast<int>(static_cast<int64_t>(n) * (k + 1) / splits);
 }
 
+// Ranges per item so that `slots` thread blocks run in all (a device's resident thread blocks,
+// times the waves wanted), each range at least 4 blocks; clamped to [1, max(1, blocks)].
+KVQ_HD int SplitsToFill(int items, int blocks, int64_t slots) {
+  int64_t s = (slots + items - 1) / items;
+  const int64_t most = blocks / 4 > 1 ? blocks / 4 : 1;
+  if (s > most) s = most;
+  if (s > blocks) s = blocks;
+  return s > 1 ? static_cast<int>(s) : 1;
+}
+
 // Threads per thread block for head_dim d: 128 when d divides it, else d (d a multiple of 32);
 // either way a multiple of d / 4 (the readout's channel quads) and of G / 4 (the scores'
 // token quads).

@@ -1,5 +1,6 @@
-// The CUDA attend's thread-block programs (kernels/cuda/attend_math.h) on the CPU: every phase
-// for every thread of every thread block of the grid, then the merge for every output element,
+// The CUDA attend's thread-block programs (kernels/cuda/attend_math.h) on the CPU
+// (kernels::cuda::AttendOnHost, and a loop like it for the dense baseline): every phase for
+// every thread of every thread block of the grid, then the merge for every output element,
 // exactly the code the GPU runs between its barriers. Needs no GPU (runs in CI), so the
 // kernel's block parsing, index mapping, online softmax and log-sum-exp merge are held to
 // core's CPU attend on every commit; cuda_parity_test repeats the comparison on a device.
@@ -42,26 +43,6 @@ std::vector<am::Vec16> GarbageSmem(int bytes) {
   return sm;
 }
 
-template <int MaxRows>
-void RunGrid(const AttendParams& p, int splits) {
-  const am::Geometry g = am::MakeGeometry(p);
-  for (int item = 0; item < p.items; ++item)
-    for (int split = 0; split < splits; ++split) {
-      auto sm = GarbageSmem(g.sm_bytes);
-      HostCta<am::AttendState<MaxRows>> cta(g.threads);
-      am::AttendCta<MaxRows>(cta, p, g, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
-    }
-  for (int64_t w = 0; w < static_cast<int64_t>(p.items) * p.rows * p.head_dim; ++w)
-    am::MergeOne(p.workspace, p.items, p.rows, p.head_dim, splits, w, p.out, p.out_max, p.out_sum);
-}
-
-// The launcher's dispatch (attend.cu): rows up to 4, 8 or 16 per thread's registers.
-void HostAttend(const AttendParams& p, int splits) {
-  if (p.rows <= 4) return RunGrid<4>(p, splits);
-  if (p.rows <= 8) return RunGrid<8>(p, splits);
-  RunGrid<16>(p, splits);
-}
-
 struct HostRun {
   std::vector<float> out, mx, sum;
   int error_flags = 0;
@@ -81,12 +62,9 @@ HostRun RunCase(const PreparedAttend& pa, int splits, std::vector<uint8_t>* pool
   r.sum = r.mx;
   AttendParams p = ParamsFor(pa, kp.data(), vp.data(), pa.q_base.data(), pa.uq.data(), r.out.data(),
                              r.mx.data(), r.sum.data());
-  std::vector<float> ws(static_cast<size_t>(items) * splits * rows * (d + 2), std::nanf(""));
   p.splits = splits;
-  p.workspace = ws.data();
-  p.workspace_bytes = 4 * ws.size();
   p.error_flags = &r.error_flags;
-  HostAttend(p, splits);
+  EXPECT_EQ(kernels::cuda::AttendOnHost(p), 0);
   return r;
 }
 
@@ -166,11 +144,8 @@ TEST(CudaAttendMath, ItemWithoutBlocksGivesAnEmptyPartial) {
                              mx.data(), sum.data());
   const std::vector<int> counts = {cs.nb, 0, cs.nb};
   p.item_blocks = counts.data();
-  std::vector<float> ws(static_cast<size_t>(cs.kv) * 3 * rows * (d + 2));
   p.splits = 3;
-  p.workspace = ws.data();
-  p.workspace_bytes = 4 * ws.size();
-  HostAttend(p, 3);
+  ASSERT_EQ(kernels::cuda::AttendOnHost(p), 0);
   for (int i = 0; i < rows; ++i) {
     EXPECT_EQ(mx[rows + i], -std::numeric_limits<float>::infinity());
     EXPECT_EQ(sum[rows + i], 0.0f);

@@ -1,8 +1,11 @@
-// Memory-pool choice by name and the capacity default (core/include/kvq/core/memory_pool.h).
+// Memory-pool choice by name and the capacity default (core/include/kvq/core/memory_pool.h);
+// the choice of gpu runs on the host stand-in of a GPU where there is none.
 #include "kvq/core/memory_pool.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <cstdlib>
 
 #include "kvq/kernels/device.h"
 
@@ -26,12 +29,78 @@ TEST(MemoryPoolTest, AutoNeverFailsAndSaysWhatItChose) {
   ASSERT_NE(c->pool, nullptr);
   EXPECT_EQ(c->name, kernels::PoolName(c->pool->pool()));
   EXPECT_THAT(c->explanation, StartsWith("auto -> " + c->name + "; "));
-  // Codes must stay readable by the CPU kernels: auto never ends on device memory.
-  EXPECT_NE(c->name, "gpu");
+  // Device memory only with the attend that reads it there; on the GPU machine's check
+  // (KVQ_REQUIRE_CUDA, scripts/device-check.sh) the device must be chosen.
+  EXPECT_EQ(c->name == "gpu", c->backend == CudaAttendBackend());
+  if (std::getenv("KVQ_REQUIRE_CUDA") != nullptr) {
+    EXPECT_EQ(c->name, "gpu") << c->explanation;
+  }
   if (!kernels::CudaAvailable()) {
     EXPECT_EQ(c->pool, HostBytePool());
-    EXPECT_THAT(c->explanation, HasSubstr(" ["));  // why not pinned
+    EXPECT_EQ(c->backend, nullptr);
+    EXPECT_THAT(c->explanation, HasSubstr(" [not gpu: memory pool 'gpu'"));  // why not gpu
   }
+}
+
+// The host stand-in of a GPU (a slab pool the CPU reads by copies, the attend's programs run
+// on the CPU), so that auto's choice of gpu runs here as it would on a GPU.
+struct StandIn {
+  SlabBytePool pool{kernels::Pool::kHost, size_t{1} << 20, SlabBytePool::CpuAccess::kByCopy};
+  GpuCandidate gpu{[this] { return absl::StatusOr<BytePool*>(&pool); }, HostAttendBackend()};
+};
+
+TEST(MemoryPoolTest, AutoPicksGpuWhereItsAttendAnswersItsProbe) {
+  StandIn s;
+  for (const char* want : {"auto", "gpu"}) {
+    absl::StatusOr<MemoryPoolChoice> c = ChooseMemoryPool(want, "--memory", &s.gpu);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->pool, &s.pool);
+    EXPECT_EQ(c->backend, HostAttendBackend());
+    EXPECT_EQ(c->name, "gpu");
+    EXPECT_EQ(c->explanation,
+              std::string(want == std::string("auto") ? "auto -> " : "") +
+                  "gpu; encoded blocks in device memory, attended on the GPU; windows in host "
+                  "memory [the 'cuda-host' attend answered its probe]");
+  }
+}
+
+// An attend that runs but answers wrongly (a broken kernel, a device computing garbage).
+class WrongAttend final : public AttendBackend {
+ public:
+  const char* name() const override { return "wrong"; }
+  bool CanRead(kernels::Pool pool) const override { return true; }
+
+ protected:
+  int Run(const kernels::cuda::AttendParams& p) const override {
+    const int e = kernels::cuda::AttendOnHost(p);
+    p.out[0] += 1.0f;
+    return e;
+  }
+};
+
+TEST(MemoryPoolTest, AGpuWhoseAttendFailsItsProbeIsPassedByAndSaysWhy) {
+  StandIn s;
+  WrongAttend wrong;
+  s.gpu.backend = &wrong;
+  absl::StatusOr<MemoryPoolChoice> c = ChooseMemoryPool("auto", "--memory", &s.gpu);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_NE(c->name, "gpu");
+  EXPECT_EQ(c->backend, nullptr);
+  EXPECT_THAT(c->explanation,
+              HasSubstr("[not gpu: the 'wrong' attend did not answer its probe: attend backend "
+                        "'wrong': the probe's attend differs from the CPU's by "));
+  c = ChooseMemoryPool("gpu", "--memory", &s.gpu);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(c.status().message()),
+              StartsWith("--memory gpu is not available: the 'wrong' attend did not answer"));
+  // A device that cannot give the pool: passed by with the device API's reason.
+  s.gpu.backend = HostAttendBackend();
+  s.gpu.pool = [] {
+    return absl::StatusOr<BytePool*>(absl::FailedPreconditionError("memory pool 'gpu': none"));
+  };
+  c = ChooseMemoryPool("auto", "--memory", &s.gpu);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_THAT(c->explanation, HasSubstr("[not gpu: memory pool 'gpu': none"));
 }
 
 TEST(MemoryPoolTest, AnUnknownNameNamesTheField) {
@@ -41,7 +110,8 @@ TEST(MemoryPoolTest, AnUnknownNameNamesTheField) {
   EXPECT_THAT(std::string(ChooseMemoryPool("").status().message()), StartsWith("memory must be"));
 }
 
-TEST(MemoryPoolTest, GpuIsRefusedWithItsReason) {
+TEST(MemoryPoolTest, GpuWithoutADeviceIsRefusedWithItsReason) {
+  if (kernels::CudaAvailable()) GTEST_SKIP() << "a CUDA device answers here";
   absl::StatusOr<MemoryPoolChoice> c = ChooseMemoryPool("gpu", "--memory");
   EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(c.status().message()),

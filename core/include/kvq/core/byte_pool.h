@@ -1,19 +1,22 @@
 // Where encoded blocks live. A BytePool hands out the memory behind every block vector of
-// a LayerCache (and of its sealed blocks): plain host memory by default, or pinned host
-// memory carved from large slabs (page-locking is a driver call costing far more than a
-// malloc, so a pool of slabs pays it once per slab, not once per block vector).
+// a LayerCache (and of its sealed blocks): plain host memory by default, or pinned host or
+// device memory carved from large slabs (page-locking and cudaMalloc are driver calls costing
+// far more than a malloc, so a pool of slabs pays once per slab, not once per block vector).
 //
 // Pinned memory is ordinary host memory to the CPU: every kernel reads it as it reads any
-// other, and a GPU can copy from it at full bus speed. When the driver refuses a new slab
+// other, and a GPU can copy from it at full bus speed. Device memory the CPU reaches only by
+// copies (BytePool::cpu_readable, Bytes, CpuView). When the driver refuses a new slab
 // (page-locked memory exhausted), the pool falls back to host memory for that request
 // rather than fail a write already admitted by the store's capacity check; the fallback
-// bytes are reported (Usage::fallback_bytes).
+// bytes are reported (Usage::fallback_bytes). A gpu pool has no such fallback (its blocks
+// must be where the GPU reads them): a refused slab is std::bad_alloc, which fails the
+// append with RESOURCE_EXHAUSTED.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "absl/container/flat_hash_set.h"
@@ -33,12 +36,22 @@ class BytePool {
   };
   virtual ~BytePool() = default;
   virtual kernels::Pool pool() const = 0;
-  // Never returns null: throws std::bad_alloc only when host memory itself is exhausted.
+  // Never returns null: throws std::bad_alloc when host memory itself is exhausted, or when
+  // the device refuses a pool that has no host fallback (gpu). The memory is 16-byte aligned and
+  // readable up to the 16-byte boundary at or after its end (ReadableBytes): the GPU attend reads
+  // blocks by aligned 16-byte words, so the last word of a block may reach past its allocation's
+  // end (kernels/cuda.h, AttendParams).
   virtual void* Allocate(size_t n) = 0;
   // `n` must be the size given to Allocate.
   virtual void Free(void* p, size_t n) = 0;
   virtual Usage usage() const = 0;
+  // Whether the CPU reads and writes the memory in place; false for device memory (and its
+  // stand-in), which the CPU reaches only by copies (Bytes, CpuView).
+  virtual bool cpu_readable() const { return pool() != kernels::Pool::kGpu; }
 };
+
+// Bytes an allocation of n bytes may be read at: n rounded up to a multiple of 16.
+constexpr size_t ReadableBytes(size_t n) { return (n + 15) & ~size_t{15}; }
 
 // Host memory through operator new; the default of every cache. Process-wide.
 BytePool* HostBytePool();
@@ -53,12 +66,18 @@ BytePool* HostBytePool();
 class SlabBytePool final : public BytePool {
  public:
   static constexpr size_t kMinChunk = 64;
-  SlabBytePool(kernels::Pool pool, size_t slab_bytes = size_t{32} << 20);
+  // kByCopy: the CPU reaches the memory only by copies, as it must device memory; host slabs
+  // so made stand in for the gpu pool where there is no GPU (every copy then a memcpy), so
+  // that tests take the gpu store's every path. Device memory is always kByCopy.
+  enum class CpuAccess { kDirect, kByCopy };
+  SlabBytePool(kernels::Pool pool, size_t slab_bytes = size_t{32} << 20,
+               CpuAccess access = CpuAccess::kDirect);
   ~SlabBytePool() override;
   SlabBytePool(const SlabBytePool&) = delete;
   SlabBytePool& operator=(const SlabBytePool&) = delete;
 
   kernels::Pool pool() const override { return pool_; }
+  bool cpu_readable() const override { return cpu_readable_; }
   void* Allocate(size_t n) override;
   void Free(void* p, size_t n) override;
   Usage usage() const override;
@@ -74,6 +93,7 @@ class SlabBytePool final : public BytePool {
   void* FallbackLocked(size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const kernels::Pool pool_;
+  const bool cpu_readable_;
   const size_t slab_bytes_;
   const std::vector<size_t> class_size_;  // ascending
   const int n_classes_;
@@ -88,38 +108,75 @@ class SlabBytePool final : public BytePool {
 
 // The process-wide pool for `pool`: HostBytePool() for host memory, one SlabBytePool per
 // other pool, made (and probed) on first use. An error says why the pool cannot work here
-// (no CUDA build, no driver, ...). The gpu pool is refused: codes must be readable by the
-// CPU kernels, and this version has no CUDA readout / attend.
+// (no CUDA build, no driver, no device, ...). The gpu pool's memory is device memory
+// (cudaMalloc slabs): a store keeping blocks there attends on the CUDA backend
+// (attend_backend.h) and copies blocks back for its CPU paths (CpuView).
 absl::StatusOr<BytePool*> SharedBytePool(kernels::Pool pool);
 
-// A std::allocator stand-in drawing from a BytePool (host memory when default-made).
-template <class T>
-class PoolAllocator {
+// Encoded block bytes in a BytePool: a growable byte array (what the caches use of
+// std::vector<uint8_t>). Its memory may be memory the CPU does not read (device memory, or
+// its stand-in: BytePool::cpu_readable() false): bytes then come in only by Append (one copy
+// from host memory) and go out only through CpuView; data() is an address for the GPU, and
+// growth copies within the pool. Element access, iteration and == are for CPU-readable pools
+// only (tests, fault injection). Allocation failures throw std::bad_alloc, as
+// BytePool::Allocate does (a copy the device refuses while growing, too).
+class Bytes {
  public:
-  using value_type = T;
-  using propagate_on_container_copy_assignment = std::true_type;
-  using propagate_on_container_move_assignment = std::true_type;
-  using propagate_on_container_swap = std::true_type;
+  using value_type = uint8_t;
+  using iterator = uint8_t*;
+  using const_iterator = const uint8_t*;
 
-  PoolAllocator() noexcept : pool_(HostBytePool()) {}
-  explicit PoolAllocator(BytePool* pool) noexcept : pool_(pool ? pool : HostBytePool()) {}
-  template <class U>
-  PoolAllocator(const PoolAllocator<U>& o) noexcept : pool_(o.pool()) {}  // NOLINT
+  explicit Bytes(BytePool* pool = nullptr) : pool_(pool ? pool : HostBytePool()) {}
+  Bytes(const Bytes& o);
+  Bytes(Bytes&& o) noexcept;
+  Bytes& operator=(const Bytes& o);
+  Bytes& operator=(Bytes&& o) noexcept;
+  ~Bytes();
 
-  T* allocate(size_t n) { return static_cast<T*>(pool_->Allocate(n * sizeof(T))); }
-  void deallocate(T* p, size_t n) noexcept { pool_->Free(p, n * sizeof(T)); }
-  BytePool* pool() const noexcept { return pool_; }
+  BytePool* pool() const { return pool_; }
+  size_t size() const { return size_; }
+  size_t capacity() const { return cap_; }
+  bool empty() const { return size_ == 0; }
+  uint8_t* data() { return data_; }
+  const uint8_t* data() const { return data_; }
+  // Room for n bytes in all (exactly n when it grows).
+  void reserve(size_t n);
+  // Shrinks, or grows by zero bytes.
+  void resize(size_t n);
+  // n bytes of `value`.
+  void assign(size_t n, uint8_t value);
+  // Appends n bytes from host memory (growing by at least half the capacity when it must).
+  // An error when the device refuses the copy.
+  absl::Status Append(const uint8_t* p, size_t n);
 
-  template <class U>
-  bool operator==(const PoolAllocator<U>& o) const noexcept {
-    return pool_ == o.pool();
-  }
+  uint8_t& operator[](size_t i) { return data_[i]; }
+  const uint8_t& operator[](size_t i) const { return data_[i]; }
+  uint8_t* begin() { return data_; }
+  uint8_t* end() { return data_ + size_; }
+  const uint8_t* begin() const { return data_; }
+  const uint8_t* end() const { return data_ + size_; }
+  bool operator==(const Bytes& o) const;
 
  private:
+  void Grow(size_t n);  // capacity to exactly n (> cap_)
+  void Fill(size_t at, size_t n, uint8_t value);
+  void Release();
+
   BytePool* pool_;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0, cap_ = 0;
 };
 
-// Encoded block bytes in a BytePool.
-using Bytes = std::vector<uint8_t, PoolAllocator<uint8_t>>;
+// Bytes of `block` (in `pool`'s memory) that the CPU may read: the block itself where the CPU
+// reads the pool's memory, else a copy in *scratch. The one place the CPU paths of a store
+// whose blocks are in device memory copy them back until kernels do their jobs there:
+// GetBlocks' decode, Score, Readout, an attend the backend cannot take, checksums (scrubs,
+// verify_on_read) and the header checks of attached prefix blocks (docs/CODEC.md, "Attend
+// backends"). INTERNAL when the device refuses the copy.
+absl::StatusOr<std::span<const uint8_t>> CpuView(const BytePool& pool,
+                                                 std::span<const uint8_t> block,
+                                                 std::vector<uint8_t>* scratch);
+// Bytes CpuView has copied so far, process-wide (for metrics).
+int64_t CopiedBackBytes();
 
 }  // namespace kvq::core

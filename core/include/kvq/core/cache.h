@@ -90,6 +90,8 @@ RunParts ClaimingRunParts(WorkerPool* pool, int helpers);
 inline constexpr int kMaxAttendParts = 4;
 int AttendSplitParts(int64_t min_tokens, int idle, int workers);
 
+class AttendBackend;  // attend_backend.h
+
 struct AttendOptions {
   // Query i sees cached tokens [0, causal_offset + i]; -1: every cached token.
   int64_t causal_offset = -1;
@@ -113,6 +115,13 @@ struct AttendOptions {
   // Runs the parts (e.g. on idle workers); null: one after another on the calling thread.
   // Must outlive the call.
   const RunParts* run_parts = nullptr;
+  // Where the encoded blocks' part runs (attend_backend.h: a GPU, or its host stand-in); null:
+  // the CPU kernels. The backend splits the blocks its own way (parts and run_parts do not
+  // apply); the fp16 sinks and the window are attended here and merged with its partial. A
+  // read the backend cannot take runs on the CPU kernels as without one: a codec outside
+  // kernels::cuda::AttendUnsupported's limits, or a causal offset that hides an encoded token
+  // from a query (the kernel gives every query row every block).
+  const AttendBackend* backend = nullptr;
 };
 
 // The exact rows of a sequence's attention sinks (CodecOptions::fp16_sinks): fp16 keys and
@@ -138,7 +147,7 @@ struct SinkRows {
 // sharing (several caches may hold the same block). For head h, the key block is
 // bytes[offsets[2h], offsets[2h+1]) and the value block bytes[offsets[2h+1], offsets[2h+2]).
 struct SealedBlock {
-  explicit SealedBlock(BytePool* pool = nullptr) : bytes(PoolAllocator<uint8_t>(pool)) {}
+  explicit SealedBlock(BytePool* pool = nullptr) : bytes(pool) {}
   Bytes bytes;
   std::vector<uint32_t> offsets{0};
   // The sinks' exact rows, for a sequence's first group under a codec with fp16_sinks (they
@@ -279,15 +288,15 @@ class LayerCache {
   // The fp16 sinks' rows once the first group is encoded (CodecOptions::fp16_sinks), else null.
   const std::shared_ptr<const SinkRows>& sinks() const { return sinks_; }
 
-  // Raw access to the unsealed blocks, for golden-file tests and fault injection.
+  // Raw access to the unsealed blocks, for golden-file tests and fault injection (their bytes
+  // only where the pool is CPU-readable).
   Bytes& key_blocks(int h) { return heads_[h].kblocks; }
   Bytes& value_blocks(int h) { return heads_[h].vblocks; }
   BytePool* byte_pool() const { return pool_; }
 
  private:
   struct Head {
-    explicit Head(BytePool* pool)
-        : kblocks(PoolAllocator<uint8_t>(pool)), vblocks(kblocks.get_allocator()) {}
+    explicit Head(BytePool* pool) : kblocks(pool), vblocks(pool) {}
     Bytes kblocks, vblocks;           // concatenated blocks
     std::vector<size_t> voffsets;     // start of each value block (variable size)
     std::vector<uint8_t> kwin, vwin;  // window tokens at arrival dtype
@@ -337,10 +346,29 @@ class LayerCache {
                           float* l, float* o, float* window_p) const;
   absl::Status AttendSplit(const float* q, int q_heads, int n_q, const AttendOptions& ao,
                            float scale, float* out);
+  // Attend on ao.backend (cache_attend_backend.cc): its partial over the encoded blocks merged
+  // with the fp16 sinks' and the window's, computed here. *used false (nothing done) when the
+  // backend cannot take this read: the caller attends on the CPU kernels.
+  absl::Status AttendOnBackend(const float* q, int q_heads, int n_q, const AttendOptions& ao,
+                               float scale, float* out, bool* used);
+  // The fp16 sinks' partial (partial_attention.h) of KV head h's `rows` query rows.
+  void SinkPartial(const SinkRows& sinks, int h, const float* q, int rows, float scale, float* m,
+                   float* l, float* o) const;
+  // After a merge of P parts of R rows whose last is the window's (wp [R][W]: its tokens'
+  // exp(s - m)), records the window tokens' normalized weights as A^2 statistics, as an
+  // unsplit Attend records its softmax.
+  void RecordWindowWeights(const float* m, const float* l, int P, int64_t R, int n_q,
+                           const AttendOptions& ao, const float* wp);
   void WindowToFloat(const Head& hd, bool keys, float* out) const;
   // Key / value block b of head h: the sealed blocks first, then the unsealed ones.
   std::span<const uint8_t> KeyBlock(int h, int64_t b) const;
   std::span<const uint8_t> ValueBlock(int h, int64_t b) const;
+  // The same where the CPU can read them (CpuView: a copy in *scratch when the blocks are in
+  // memory the CPU does not read). Every CPU read of a block goes through these.
+  absl::StatusOr<std::span<const uint8_t>> CpuKeyBlock(int h, int64_t b,
+                                                       std::vector<uint8_t>* scratch) const;
+  absl::StatusOr<std::span<const uint8_t>> CpuValueBlock(int h, int64_t b,
+                                                         std::vector<uint8_t>* scratch) const;
   absl::Status CheckSealed(const SealedBlock& blk) const;
 
   CodecOptions opts_;

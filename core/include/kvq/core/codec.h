@@ -130,7 +130,8 @@ size_t MaxValueBlockBytes(const CodecOptions& o);
 
 // keys: [G][d] fp32 token-major, row stride `ld` elements. basis: U as [d][r] row-major
 // (orthonormal columns), may be null only when o.rank == 0. Appends the block to `out`.
-// ByteVec: std::vector<uint8_t> or Bytes (blocks in a BytePool), for all three encoders.
+// ByteVec: std::vector<uint8_t> (a cache encodes into host memory, then appends the bytes to
+// its pool's Bytes, which may be device memory), for all three encoders.
 template <class ByteVec>
 absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld,
                             const float* basis, ByteVec* out);

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "kvq/core/attend_backend.h"
 #include "kvq/core/byte_pool.h"
 
 namespace kvq::core {
@@ -15,24 +17,37 @@ namespace kvq::core {
 struct MemoryPoolChoice {
   BytePool* pool = nullptr;  // process-wide, never null once chosen
   std::string name;          // "gpu", "pinned" or "host": what `pool` is
+  // Where Attend's encoded blocks are attended (StoreOptions::attend_backend): the CUDA
+  // attend for gpu, null (the CPU kernels) otherwise.
+  const AttendBackend* backend = nullptr;
   // One line for the start-up log: what was asked, what it came to, where blocks and windows
   // live and, for "auto", why: "auto -> host; encoded blocks and windows in host memory [no
   // CUDA driver ...]".
   std::string explanation;
 };
 
+// What "gpu" means: device memory for the blocks and the attend backend that reads it. The
+// default is SharedBytePool(kGpu) and CudaAttendBackend(); tests give the host stand-ins (a
+// SlabBytePool read by copies and HostAttendBackend()) so that the choice runs as on a GPU.
+struct GpuCandidate {
+  std::function<absl::StatusOr<BytePool*>()> pool;
+  const AttendBackend* backend = nullptr;
+};
+
 // The pool named `want`:
-//   "auto"   the best that works here: gpu, then pinned, then host; never fails (no CUDA
-//            driver means host memory, and the explanation says why);
+//   "auto"   the best that works here: gpu where the pool is made and its attend backend
+//            answers ProbeAttendBackend, then pinned, then host; never fails (no CUDA driver
+//            means host memory, and the explanation says why each better one was passed by);
+//   "gpu"    device memory for the encoded blocks, attended by the CUDA backend (the CPU
+//            paths copy blocks back: byte_pool.h, CpuView), windows in host memory;
 //   "pinned" page-locked host memory from the CUDA driver (SharedBytePool(kPinned));
-//   "gpu"    device memory: refused in this version (codes must be readable by the CPU
-//            kernels), with the reason;
 //   "host"   ordinary host memory.
 // Errors name `field` (e.g. the flag "--memory"): INVALID_ARGUMENT "<field> must be auto, gpu,
 // pinned or host (got 'x')"; FAILED_PRECONDITION "<field> <want> is not available: <why>" for
-// a pool named explicitly that cannot work here.
+// a pool named explicitly that cannot work here. `gpu`: null for the real one.
 absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want,
-                                                  absl::string_view field = "memory");
+                                                  absl::string_view field = "memory",
+                                                  const GpuCandidate* gpu = nullptr);
 
 // The machine's physical memory in bytes (sysconf); 8 GiB when the system does not say.
 int64_t PhysicalMemoryBytes();

@@ -74,6 +74,10 @@ struct StoreOptions {
   // Where every sequence's encoded blocks live (SharedBytePool(kPinned) for pinned host
   // memory); null: host memory. Must outlive the store. Windows stay in host memory.
   BytePool* byte_pool = nullptr;
+  // Where Attend's part over the encoded blocks runs (attend_backend.h; AttendOptions::backend
+  // when a call names none): the CUDA attend for a GPU store, its host stand-in in tests;
+  // null: the CPU kernels. It must read memory of byte_pool's kind and outlive the store.
+  const AttendBackend* attend_backend = nullptr;
   // Total bytes of all tenants; 0 = unlimited (not recommended outside tests).
   int64_t capacity_bytes = 0;
   // Bytes one tenant may hold; 0 = no per-tenant limit (only the capacity).

@@ -1,7 +1,9 @@
 // CUDA launchers of the kernel ops: raw device pointers, sizes, strides and a stream (a
 // cudaStream_t passed as void*, null: the default stream). Each returns a cudaError_t value
-// (0 on success). Declared only in CUDA builds (KVQ_HAVE_CUDA); the header itself includes no
-// CUDA header, so that host code (and the CPU tests of attend_math.h) can name the params.
+// (0 on success). Defined in CUDA builds (KVQ_HAVE_CUDA) only, except AttendUnsupported and
+// AttendOnHost (every build) and AttendFromHost (kErrorNoDevice without CUDA); the header
+// itself includes no CUDA header, so that host code (core's attend backends, the CPU tests of
+// attend_math.h) can name the params.
 #pragma once
 
 #include <cstddef>
@@ -95,6 +97,30 @@ size_t AttendWorkspaceBytes(const AttendParams& p);
 // Launches the attend and the merge on `stream`. cudaErrorInvalidValue (1) when
 // AttendUnsupported names a reason or the workspace is too small.
 int Attend(const AttendParams& p, void* stream);
+
+// cudaErrorNoDevice: what AttendFromHost answers where there is no device (or no CUDA build).
+inline constexpr int kErrorNoDevice = 100;
+// The SM count of the device AttendOnHost stands in for (an H200's): its splits of 0 choose
+// as Attend would there with one resident thread block per SM.
+inline constexpr int kHostStandInSms = 132;
+
+// Attend with every pointer in host memory: the blocks, the pointer arrays, q, uq and the
+// results. Copies p's arrays (key_blocks, value_blocks, item_blocks, q, uq) to device
+// scratch held per calling thread, launches on that thread's default stream
+// (cudaStreamPerThread), copies out, out_max, out_sum and error_flags back and waits. The
+// blocks themselves are read where they are: device memory, or pinned host memory (which a
+// device reads in place). p.workspace is not read (the scratch holds the partials).
+// kErrorNoDevice without a CUDA build or device.
+int AttendFromHost(const AttendParams& p);
+
+// The same attend on the CPU, every pointer in host memory: attend_math.h's thread-block
+// programs, each phase for every thread of every thread block in turn, then the merge, the
+// very code the GPU runs between its barriers. The GPU attend's stand-in wherever there is
+// none (core's host attend backend; the CPU tests). splits 0 chooses as Attend on a device of
+// kHostStandInSms SMs would with one resident thread block per SM; p.workspace is not read
+// (its own, filled with NaN as device garbage would be). 1 when AttendUnsupported names a
+// reason.
+int AttendOnHost(const AttendParams& p);
 
 // Baseline: reads `bytes` bytes at `data` (16-byte aligned) with 16-byte loads, XOR-reducing
 // them into sink[0] (device uint32) so that no load can be dropped: the memory bandwidth a

@@ -1,0 +1,63 @@
+// Where the encoded blocks' part of an Attend runs. LayerCache::Attend hands an AttendBackend
+// the layer's encoded key and value blocks (their addresses in the store's BytePool) with the
+// queries; the backend answers every query row's partial softmax over them (partial_attention.h:
+// the merged maximum m, sum l and normalized output), which the cache merges with its own
+// partials over the fp16 sinks and the full-precision window by log-sum-exp (MergePartials).
+// Without a backend the cache attends on the CPU kernels, as it always has. Which reads take
+// the backend and what stays on the CPU: docs/CODEC.md, "Attend backends".
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kvq/core/byte_pool.h"
+#include "kvq/kernels/cuda.h"
+
+namespace kvq::core {
+
+class AttendBackend {
+ public:
+  virtual ~AttendBackend() = default;
+  // "cuda" or "cuda-host": what start-up logs, Stats and metrics call it.
+  virtual const char* name() const = 0;
+  // The attend of kernels/cuda.h with every array (the block pointer arrays, item_blocks, q,
+  // uq, out, out_max, out_sum, error_flags) in host memory and the blocks where the store
+  // keeps them (memory this backend reads); splits 0 lets the backend choose; the workspace
+  // is the backend's own. Synchronous; may be called from many threads at once. UNAVAILABLE
+  // when the device cannot run it, INVALID_ARGUMENT for params the kernel does not support.
+  absl::Status AttendBlocks(const kernels::cuda::AttendParams& p) const;
+  // Whether it reads blocks in `pool`'s kind of memory (the GPU: device and pinned memory,
+  // never pageable host memory, where a read would fault the device's context). A cache whose
+  // pool it cannot read fails its attends with FAILED_PRECONDITION rather than hand it those.
+  virtual bool CanRead(kernels::Pool pool) const = 0;
+  // Calls of AttendBlocks so far (for metrics, and for tests that must know it served).
+  int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+
+ protected:
+  // Returns a kernels/cuda.h error code (0: done).
+  virtual int Run(const kernels::cuda::AttendParams& p) const = 0;
+
+ private:
+  mutable std::atomic<int64_t> calls_{0};
+};
+
+// The CUDA attend (kernels::cuda::AttendFromHost): blocks in device memory or pinned host
+// memory. UNAVAILABLE in builds without CUDA and on machines without a device.
+const AttendBackend* CudaAttendBackend();
+// The CUDA attend's own thread-block programs run on the CPU (kernels::cuda::AttendOnHost):
+// the device's arithmetic, block parsing, splits and merge, on any machine. It stands in for
+// the CUDA backend where there is no GPU (tests, CI), so that a store given it takes every
+// step a store on a GPU takes; it is no faster than the CPU kernels (far slower: one thread
+// plays every GPU thread in turn).
+const AttendBackend* HostAttendBackend();
+
+// Whether `backend` answers for blocks in `pool`: encodes a small layer (2 KV heads, head_dim
+// 32, 3 groups of 32 tokens and a window of 5) into `pool`, attends over it on `backend` and
+// on the CPU kernels and compares (within 1e-3 of the values' largest magnitude: the two sum in
+// different orders, and the CPU's AVX-512 int16 paths round weights; a wrong kernel misses by
+// far more). The error says why not: UNAVAILABLE (no device), INTERNAL (it ran and
+// disagreed, or was not used).
+absl::Status ProbeAttendBackend(const AttendBackend& backend, BytePool* pool);
+
+}  // namespace kvq::core

@@ -1,0 +1,187 @@
+// LayerCache::Attend on an AttendBackend: the backend's partial over the encoded blocks, the
+// fp16 sinks' and the full-precision window's computed here, merged by log-sum-exp.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/attend_backend.h"
+#include "kvq/core/cache.h"
+#include "kvq/core/partial_attention.h"
+#include "kvq/core/status.h"
+
+namespace kvq::core {
+
+namespace {
+constexpr float kNone = -std::numeric_limits<float>::infinity();
+}  // namespace
+
+void LayerCache::SinkPartial(const SinkRows& sinks, int h, const float* q, int rows, float scale,
+                             float* m, float* l, float* o) const {
+  const int d = opts_.head_dim, S = sinks.sinks;
+  thread_local std::vector<float> k, v, s;
+  k.resize(static_cast<size_t>(S) * d);
+  v.resize(k.size());
+  s.resize(S);
+  for (int t = 0; t < S; ++t) {
+    ToFloat(DType::kF16, sinks.key(h, t), k.data() + static_cast<size_t>(t) * d, d);
+    ToFloat(DType::kF16, sinks.value(h, t), v.data() + static_cast<size_t>(t) * d, d);
+  }
+  for (int i = 0; i < rows; ++i) {
+    const float* qi = q + static_cast<size_t>(i) * d;
+    float mx = kNone;
+    for (int t = 0; t < S; ++t) {  // the logits as ScoreRange computes them
+      float dot = 0.0f;
+      for (int c = 0; c < d; ++c) dot += qi[c] * k[static_cast<size_t>(t) * d + c];
+      s[t] = scale * dot;
+      mx = std::max(mx, s[t]);
+    }
+    float* oi = o + static_cast<size_t>(i) * d;
+    std::fill(oi, oi + d, 0.0f);
+    float sum = 0.0f;
+    for (int t = 0; t < S; ++t) {
+      const float e = std::exp(s[t] - mx);
+      sum += e;
+      for (int c = 0; c < d; ++c) oi[c] += e * v[static_cast<size_t>(t) * d + c];
+    }
+    m[i] = mx;
+    l[i] = sum;
+  }
+}
+
+absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
+                                         const AttendOptions& ao, float scale, float* out,
+                                         bool* used) {
+  *used = false;
+  if (!ao.backend->CanRead(pool_->pool()))
+    return absl::FailedPreconditionError(absl::StrCat("attend backend '", ao.backend->name(),
+                                                      "' cannot read blocks in memory pool '",
+                                                      kernels::PoolName(pool_->pool()), "'"));
+  const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
+  const int rows = q_heads / kv_heads_ * n_q;
+  const int64_t nb = encoded_ / G, R = static_cast<int64_t>(q_heads) * n_q, W = tokens_ - encoded_;
+  // The kernel gives every query row every block: a query that must not see an encoded token
+  // reads on the CPU.
+  if (nb == 0 || (ao.causal_offset >= 0 && ao.causal_offset + 1 < encoded_))
+    return absl::OkStatus();
+  ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
+  // A (KV head, chunk of its rows) pair per item: the kernel takes at most kAttendMaxRows rows
+  // an item, padded with zero queries whose outputs are dropped.
+  const int chunks = (rows + kernels::cuda::kAttendMaxRows - 1) / kernels::cuda::kAttendMaxRows;
+  const int per = (rows + chunks - 1) / chunks;
+  const int items = kv_heads_ * chunks;
+  const size_t slots = static_cast<size_t>(items) * per;
+  thread_local std::vector<const uint8_t*> kp, vp;
+  thread_local std::vector<float> qb, uq, bo, bm, bs;
+  kp.resize(static_cast<size_t>(items) * nb);
+  vp.resize(kp.size());
+  qb.assign(slots * d, 0.0f);
+  uq.assign(slots * r, 0.0f);
+  bo.resize(slots * d);
+  bm.resize(slots);
+  bs.resize(slots);
+  for (int h = 0; h < kv_heads_; ++h) {
+    for (int64_t b = 0; b < nb; ++b) {
+      kp[static_cast<size_t>(h) * chunks * nb + b] = KeyBlock(h, b).data();
+      vp[static_cast<size_t>(h) * chunks * nb + b] = ValueBlock(h, b).data();
+    }
+    for (int c = 1; c < chunks; ++c) {
+      std::copy_n(kp.begin() + static_cast<size_t>(h) * chunks * nb, nb,
+                  kp.begin() + (static_cast<size_t>(h) * chunks + c) * nb);
+      std::copy_n(vp.begin() + static_cast<size_t>(h) * chunks * nb, nb,
+                  vp.begin() + (static_cast<size_t>(h) * chunks + c) * nb);
+    }
+    const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
+    for (int i = 0; i < rows; ++i) {
+      const float* qi = q + (static_cast<size_t>(h) * rows + i) * d;
+      const size_t slot = static_cast<size_t>(h) * chunks * per + i;  // item h*chunks + i/per
+      std::copy_n(qi, d, qb.begin() + slot * d);
+      for (int c = 0; c < d; ++c)  // U^T q of the unrotated query, as ScoreRange computes it
+        for (int j = 0; j < r; ++j) uq[slot * r + j] += qi[c] * U[c * r + j];
+    }
+  }
+  // Rotated keys are scored with H q (the side code's U^T q stays that of q).
+  if (opts_.rotate_keys) HadamardRotateRows(qb.data(), d, static_cast<int>(slots), d);
+
+  kernels::cuda::AttendParams p;
+  p.head_dim = d;
+  p.key_group = G;
+  p.key_bits = opts_.key_bits;
+  p.rank = r;
+  p.side_bits = opts_.side_bits;
+  p.value_bits = opts_.per_token_value_bits() ? 0 : opts_.value_bits;
+  p.value_group = opts_.value_group;
+  p.keys_rotated = opts_.rotate_keys;
+  p.values_rotated = opts_.rotate_values;
+  p.items = items;
+  p.rows = per;
+  p.blocks = static_cast<int>(nb);
+  p.key_blocks = kp.data();
+  p.value_blocks = vp.data();
+  p.block_stride = nb;
+  p.q = qb.data();
+  p.uq = r > 0 ? uq.data() : nullptr;
+  p.scale = scale;
+  p.side_sign = opts_.side_sign;
+  p.masked_prefix = sinks ? sinks->sinks : 0;
+  p.out = bo.data();
+  p.out_max = bm.data();
+  p.out_sum = bs.data();
+  int flags = 0;
+  p.error_flags = &flags;
+  if (nb > std::numeric_limits<int>::max() || kernels::cuda::AttendUnsupported(p) != nullptr)
+    return absl::OkStatus();
+  // The kernel checks headers, not checksums: those are verified here first when the codec
+  // verifies on read (docs/CODEC.md, "Attend backends").
+  if (opts_.verify_on_read) {
+    const BlockReader reader(opts_, true);
+    KeyBlockView kv;
+    ValueBlockView vv;
+    thread_local std::vector<uint8_t> copy;
+    for (int h = 0; h < kv_heads_; ++h)
+      for (int64_t b = 0; b < nb; ++b) {
+        ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
+        RETURN_IF_ERROR(reader.Key(kb, &kv));
+        ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &copy));
+        RETURN_IF_ERROR(reader.Value(vb, &vv));
+      }
+  }
+  RETURN_IF_ERROR(ao.backend->AttendBlocks(p));
+  if (flags != 0)
+    return absl::DataLossError(absl::StrCat("attend backend '", ao.backend->name(),
+                                            "': a block's header does not match the codec"));
+  if (opts_.rotate_values) HadamardRotateRows(bo.data(), d, static_cast<int>(slots), d);
+
+  // Parts: 0 the backend's (the blocks), 1 the fp16 sinks, 2 the window.
+  constexpr int P = 3;
+  thread_local std::vector<float> m, l, o, wp;
+  m.assign(P * R, kNone);
+  l.assign(P * R, 0.0f);
+  o.assign(static_cast<size_t>(P) * R * d, 0.0f);
+  for (int h = 0; h < kv_heads_; ++h) {
+    const size_t r0 = static_cast<size_t>(h) * rows;
+    for (int i = 0; i < rows; ++i) {
+      const size_t slot = static_cast<size_t>(h) * chunks * per + i;
+      m[r0 + i] = bm[slot];
+      l[r0 + i] = bs[slot];
+      for (int c = 0; c < d; ++c) o[(r0 + i) * d + c] = bo[slot * d + c] * bs[slot];
+    }
+    if (sinks)
+      SinkPartial(*sinks, h, q + r0 * d, rows, scale, m.data() + R + r0, l.data() + R + r0,
+                  o.data() + (R + r0) * d);
+  }
+  const bool observe = ao.observe && W > 0;
+  if (W > 0) {
+    if (observe) wp.assign(R * W, 0.0f);
+    RETURN_IF_ERROR(AttendPart(q, q_heads, n_q, ao, scale, {encoded_, tokens_}, 0, m.data() + 2 * R,
+                               l.data() + 2 * R, o.data() + 2 * R * d,
+                               observe ? wp.data() : nullptr));
+  }
+  MergePartials(m.data(), l.data(), o.data(), P, R, d, out);
+  if (observe) RecordWindowWeights(m.data(), l.data(), P, R, n_q, ao, wp.data());
+  *used = true;
+  return absl::OkStatus();
+}
+
+}  // namespace kvq::core

@@ -1,0 +1,102 @@
+// The fused attend on the CPU: attend_math.h's thread-block programs run phase by phase for
+// every thread of every thread block, then the merge for every output element; and the check
+// of what the kernel supports, shared by both builds.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <vector>
+
+#include "../cuda/attend_math.h"
+#include "kvq/kernels/cuda.h"
+
+namespace kvq::kernels::cuda {
+namespace am = attend_math;
+
+namespace {
+
+bool OneOf(int v, std::initializer_list<int> allowed) {
+  for (int a : allowed)
+    if (v == a) return true;
+  return false;
+}
+
+// A thread block on the CPU: a phase runs for thread 0, 1, ... in turn, each with its own
+// registers (the phases never read what another thread writes in the same phase).
+template <class State>
+struct HostCta {
+  explicit HostCta(int threads) : state(threads) {}
+  std::vector<State> state;
+  template <class F>
+  void Phase(F&& f) {
+    for (int tid = 0; tid < static_cast<int>(state.size()); ++tid) f(tid, state[tid]);
+  }
+};
+
+template <int MaxRows>
+void RunGrid(const AttendParams& p, const am::Geometry& g, int splits) {
+  thread_local std::vector<am::Vec16> sm;
+  sm.resize((g.sm_bytes + 15) / 16);
+  for (int item = 0; item < p.items; ++item)
+    for (int split = 0; split < splits; ++split) {
+      // Shared memory as the GPU leaves it between launches: garbage (NaN bytes), so that a
+      // read of anything no phase wrote shows in the result.
+      std::memset(sm.data(), 0xFF, sm.size() * sizeof(am::Vec16));
+      HostCta<am::AttendState<MaxRows>> cta(g.threads);
+      am::AttendCta<MaxRows>(cta, p, g, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
+    }
+  for (int64_t w = 0; w < static_cast<int64_t>(p.items) * p.rows * p.head_dim; ++w)
+    am::MergeOne(p.workspace, p.items, p.rows, p.head_dim, splits, w, p.out, p.out_max, p.out_sum);
+}
+
+}  // namespace
+
+const char* AttendUnsupported(const AttendParams& p) {
+  if (p.head_dim < 32 || p.head_dim > 256 || p.head_dim % 32 != 0)
+    return "head_dim: must be a multiple of 32 in [32, 256]";
+  if (!OneOf(p.key_group, {32, 64, 128})) return "key_group: must be 32, 64 or 128";
+  if (!OneOf(p.key_bits, {2, 3, 4, 8})) return "key_bits: must be 2, 3, 4 or 8";
+  if (p.rank < 0 || p.rank > p.head_dim) return "rank: must be in [0, head_dim]";
+  if (p.rank > 0 && !OneOf(p.side_bits, {4, 8})) return "side_bits: must be 4 or 8";
+  if (!OneOf(p.value_bits, {0, 1, 2, 3, 4, 8}))
+    return "value_bits: must be 1, 2, 3, 4 or 8 (0: per-token widths)";
+  if (p.value_group < 1 || p.value_group > p.head_dim ||
+      (p.head_dim + p.value_group - 1) / p.value_group > 64)
+    return "value_group: must be in [1, head_dim], at most 64 groups";
+  if (p.items < 1 || p.items > 65535) return "items: must be in [1, 65535]";
+  if (p.rows < 1 || p.rows > kAttendMaxRows) return "rows: must be in [1, 16]";
+  if (p.blocks < 0 || p.block_stride < p.blocks) return "blocks: must be in [0, block_stride]";
+  if (p.masked_prefix < 0 || p.masked_prefix >= p.key_group)
+    return "masked_prefix: must be in [0, key_group)";
+  if (p.splits < 0) return "splits: must be >= 0 (0: choose)";
+  if (p.blocks > 0 && (!p.key_blocks || !p.value_blocks)) return "key_blocks, value_blocks: null";
+  if (!p.q || (p.rank > 0 && !p.uq)) return "q (and uq when rank > 0): null";
+  if (!p.out || !p.out_max || !p.out_sum) return "out, out_max, out_sum: null";
+  if (am::MakeGeometry(p).sm_bytes > 227 * 1024)
+    return "rows x head_dim x key_group: the thread block's shared memory exceeds 227 KiB";
+  return nullptr;
+}
+
+int AttendOnHost(const AttendParams& p) {
+  if (AttendUnsupported(p) != nullptr) return 1;  // cudaErrorInvalidValue
+  const int splits = p.splits > 0
+                         ? std::max(1, std::min(p.splits, std::max(1, p.blocks)))
+                         : am::SplitsToFill(p.items, p.blocks, int64_t{2} * kHostStandInSms);
+  // The partials start as garbage too (NaN), as a device workspace would.
+  thread_local std::vector<float> ws;
+  ws.assign(static_cast<size_t>(p.items) * splits * p.rows * (p.head_dim + 2), std::nanf(""));
+  AttendParams hp = p;
+  hp.workspace = ws.data();
+  hp.workspace_bytes = 4 * ws.size();
+  const am::Geometry g = am::MakeGeometry(hp);
+  if (p.rows <= 4) {
+    RunGrid<4>(hp, g, splits);
+  } else if (p.rows <= 8) {
+    RunGrid<8>(hp, g, splits);
+  } else {
+    RunGrid<16>(hp, g, splits);
+  }
+  return 0;
+}
+
+}  // namespace kvq::kernels::cuda
