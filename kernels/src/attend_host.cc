@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../cuda/attend_math.h"
+#include "../cuda/host_cta.h"
 #include "kvq/kernels/cuda.h"
 
 namespace kvq::kernels::cuda {
@@ -20,18 +21,6 @@ bool OneOf(int v, std::initializer_list<int> allowed) {
     if (v == a) return true;
   return false;
 }
-
-// A thread block on the CPU: a phase runs for thread 0, 1, ... in turn, each with its own
-// registers (the phases never read what another thread writes in the same phase).
-template <class State>
-struct HostCta {
-  explicit HostCta(int threads) : state(threads) {}
-  std::vector<State> state;
-  template <class F>
-  void Phase(F&& f) {
-    for (int tid = 0; tid < static_cast<int>(state.size()); ++tid) f(tid, state[tid]);
-  }
-};
 
 template <int MaxRows>
 void RunGrid(const AttendParams& p, const am::Geometry& g, int splits) {

@@ -24,6 +24,22 @@
 namespace kvq::core {
 namespace {
 
+// Two caches holding the same tokens attend 3 queries per head and decode alike, bit for bit.
+void ExpectSameAttendAndDecode(LayerCache& x, LayerCache& y, const std::vector<float>& q,
+                               int q_heads, int d) {
+  std::vector<float> a(static_cast<size_t>(q_heads) * 3 * d), b(a.size());
+  AttendOptions ao;
+  ao.observe = false;
+  ASSERT_TRUE(x.Attend(q.data(), q_heads, 3, ao, a.data()).ok());
+  ASSERT_TRUE(y.Attend(q.data(), q_heads, 3, ao, b.data()).ok());
+  EXPECT_EQ(a, b);
+  std::vector<float> ka, va, kb, vb;
+  ASSERT_TRUE(x.Decode(&ka, &va).ok());
+  ASSERT_TRUE(y.Decode(&kb, &vb).ok());
+  EXPECT_EQ(ka, kb);
+  EXPECT_EQ(va, vb);
+}
+
 using kernels::Pool;
 
 TEST(SlabBytePool, DisjointAlignedReusedAndCountedFromManyThreads) {
@@ -214,17 +230,7 @@ TEST(SlabBytePool, LayerCacheBlocksLiveInThePoolAndReadTheSame) {
             std::vector<uint8_t>(in_pool.value_blocks(h).begin(), in_pool.value_blocks(h).end()),
             std::vector<uint8_t>(on_host.value_blocks(h).begin(), on_host.value_blocks(h).end()));
       }
-      std::vector<float> a(q_heads * 3 * d), b(q_heads * 3 * d);
-      AttendOptions ao;
-      ao.observe = false;
-      ASSERT_TRUE(in_pool.Attend(q.data(), q_heads, 3, ao, a.data()).ok());
-      ASSERT_TRUE(on_host.Attend(q.data(), q_heads, 3, ao, b.data()).ok());
-      EXPECT_EQ(a, b);
-      std::vector<float> ka, va, kb, vb;
-      ASSERT_TRUE(in_pool.Decode(&ka, &va).ok());
-      ASSERT_TRUE(on_host.Decode(&kb, &vb).ok());
-      EXPECT_EQ(ka, kb);
-      EXPECT_EQ(va, vb);
+      ExpectSameAttendAndDecode(in_pool, on_host, q, q_heads, d);
     }
     EXPECT_EQ(slabs.usage().requested_bytes, 0) << "a destroyed cache returns every byte";
   }
@@ -310,16 +316,7 @@ TEST(Bytes, ACacheOnAPoolReadByCopiesReadsAsOnHostMemory) {
     ASSERT_TRUE(far.Readout(sa.data(), q_heads, 3, a.data()).ok());
     ASSERT_TRUE(on_host.Readout(sb.data(), q_heads, 3, b.data()).ok());
     EXPECT_EQ(a, b);
-    AttendOptions ao;
-    ao.observe = false;
-    ASSERT_TRUE(far.Attend(q.data(), q_heads, 3, ao, a.data()).ok());
-    ASSERT_TRUE(on_host.Attend(q.data(), q_heads, 3, ao, b.data()).ok());
-    EXPECT_EQ(a, b);
-    std::vector<float> ka, va, kb, vb;
-    ASSERT_TRUE(far.Decode(&ka, &va).ok());
-    ASSERT_TRUE(on_host.Decode(&kb, &vb).ok());
-    EXPECT_EQ(ka, kb);
-    EXPECT_EQ(va, vb);
+    ExpectSameAttendAndDecode(far, on_host, q, q_heads, d);
     EXPECT_TRUE(far.VerifyAll().ok());
     const SizeReport s = far.Size();
     EXPECT_GE(CopiedBackBytes() - copied, 4 * (s.key_block_bytes + s.value_block_bytes))

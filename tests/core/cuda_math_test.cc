@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/cuda/attend_math.h"
+#include "kernels/cuda/host_cta.h"
 #include "kvq/core/partial_attention.h"
 #include "tests/core/cuda_attend_cases.h"
 
@@ -22,18 +23,7 @@ namespace {
 
 namespace am = kernels::cuda::attend_math;
 using kernels::cuda::AttendParams;
-
-// A thread block on the CPU: a phase runs for thread 0, 1, ... in turn, each with its own
-// registers (the phases never read what another thread writes in the same phase).
-template <class State>
-struct HostCta {
-  explicit HostCta(int threads) : state(threads) {}
-  std::vector<State> state;
-  template <class F>
-  void Phase(F&& f) {
-    for (int tid = 0; tid < static_cast<int>(state.size()); ++tid) f(tid, state[tid]);
-  }
-};
+using kernels::cuda::HostCta;
 
 // Shared memory as the GPU leaves it between launches: garbage (NaN bytes), so that a read of
 // anything no phase wrote shows in the result.
