@@ -13,21 +13,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "hd.h"
 #include "kvq/kernels/cuda.h"
 
 #ifdef __CUDACC__
 #include <cuda_fp16.h>
-#endif
-
-#ifdef __CUDACC__
-#define KVQ_HD __host__ __device__ inline
-#else
-#define KVQ_HD inline
-#endif
-#ifdef __CUDA_ARCH__
-#define KVQ_UNROLL _Pragma("unroll")
-#else
-#define KVQ_UNROLL
 #endif
 
 namespace kvq::kernels::cuda::attend_math {
