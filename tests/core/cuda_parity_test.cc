@@ -10,6 +10,9 @@
 //                 partial merged with the CPU's over sinks and window against LayerCache's
 //                 attend on the reference kernels; the header check must stay silent.
 //   dense_attend  the fp16 baseline of kvq-bench-cuda against double-precision attention.
+// VerifyBlocks, the batched checksum op, gets its own test: its verdicts over good and
+// corrupted blocks of every version (tests/core/cuda_checksum_cases.h) at odd device addresses
+// against VerifyBlocksOnHost's, byte for byte.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,9 +24,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kvq/kernels/cuda_checksum.h"
 #include "kvq/kernels/device.h"
 #include "kvq/kernels/kernels.h"
 #include "tests/core/cuda_attend_cases.h"
+#include "tests/core/cuda_checksum_cases.h"
 
 #ifdef KVQ_HAVE_CUDA
 #include "kvq/kernels/cuda.h"
@@ -233,6 +238,51 @@ TEST(CudaParity, UnsupportedParamsAreNamed) {
   p.head_dim = 128;
   p.masked_prefix = p.key_group;
   EXPECT_NE(std::string(cuda::AttendUnsupported(p)).find("masked_prefix"), std::string::npos);
+#endif
+}
+
+// The checksum op on the device gives the host run's verdicts, which are the cases' own.
+TEST(CudaParity, VerifyBlocksMatchesHost) {
+#ifndef KVQ_HAVE_CUDA
+  GTEST_SKIP() << "built without CUDA";
+#else
+  std::string no_device;
+  if (!CudaAvailable()) {
+    BestPool(&no_device);
+    if (std::getenv("KVQ_REQUIRE_CUDA") != nullptr) FAIL() << "KVQ_REQUIRE_CUDA set; " << no_device;
+    GTEST_SKIP() << no_device;
+  }
+  const std::vector<testing::ChecksumCase> cases = testing::VerifyCases();
+  const testing::PackedBlocks packed = testing::Pack(cases);
+  const int n = static_cast<int>(cases.size());
+  DeviceBuffers dev;
+  const uint8_t* pool = dev.Upload(packed.bytes);
+  ASSERT_TRUE(pool) << dev.err;
+  std::vector<const uint8_t*> on_device(n), on_host(n);
+  for (int i = 0; i < n; ++i) {
+    on_device[i] = pool + packed.offsets[i];
+    on_host[i] = packed.bytes.data() + packed.offsets[i];
+  }
+  auto** ptrs = dev.Upload(on_device);
+  const uint64_t* sizes = dev.Upload(packed.sizes);
+  uint8_t* verdicts = dev.Upload(std::vector<uint8_t>(n, 0xEE));
+  ASSERT_TRUE(ptrs && sizes && verdicts) << dev.err;
+  ASSERT_EQ(cuda::VerifyBlocks({n, ptrs, sizes, verdicts}, nullptr), 0);
+  const std::vector<uint8_t> got = dev.Download(verdicts, n);
+  std::vector<uint8_t> want(n, 0xEE);
+  ASSERT_EQ(cuda::VerifyBlocksOnHost({n, on_host.data(), packed.sizes.data(), want.data()}), 0);
+  ASSERT_EQ(got.size(), want.size());
+  int verified = 0;
+  for (int i = 0; i < n; ++i) {
+    EXPECT_EQ(static_cast<int>(got[i]), static_cast<int>(want[i])) << cases[i].name;
+    EXPECT_EQ(static_cast<int>(want[i]), static_cast<int>(cases[i].verdict)) << cases[i].name;
+    verified += got[i] == cuda::kVerifyOk;
+  }
+  printf("verify_blocks %d blocks, %d verified, the rest flagged as the host flags them\n", n,
+         verified);
+  // No blocks: nothing launched; arrays missing: refused, nothing written.
+  EXPECT_EQ(cuda::VerifyBlocks({0, nullptr, nullptr, nullptr}, nullptr), 0);
+  EXPECT_EQ(cuda::VerifyBlocks({n, nullptr, sizes, verdicts}, nullptr), 1);
 #endif
 }
 
