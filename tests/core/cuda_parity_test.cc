@@ -9,6 +9,8 @@
 //                 0, d 32..256, 1 to 33 blocks) at 1, 3 and automatic split counts, its
 //                 partial merged with the CPU's over sinks and window against LayerCache's
 //                 attend on the reference kernels; the header check must stay silent.
+//   block_codec   encode, decode, scores and readout of blocks (tests/core/cuda_codec_cases.h)
+//                 against their CPU stand-ins, bit for bit.
 //   dense_attend  the fp16 baseline of kvq-bench-cuda against double-precision attention.
 // VerifyBlocks, the batched checksum op, gets its own test: its verdicts over good and
 // corrupted blocks of every version (tests/core/cuda_checksum_cases.h) at odd device addresses
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -29,9 +32,11 @@
 #include "kvq/kernels/kernels.h"
 #include "tests/core/cuda_attend_cases.h"
 #include "tests/core/cuda_checksum_cases.h"
+#include "tests/core/cuda_codec_cases.h"
 
 #ifdef KVQ_HAVE_CUDA
 #include "kvq/kernels/cuda.h"
+#include "kvq/kernels/cuda_codec.h"
 #endif
 
 namespace kvq::kernels {
@@ -153,6 +158,81 @@ void AttendRows(std::vector<Row>* rows) {
     }
 }
 
+// The block codec's six ops (encode keys and values, decode both, scores, readout) on the
+// device against their CPU stand-ins (which cuda_codec_test holds to core's codec): the same
+// bytes and the same floats, bit for bit (codec.cu builds with -fmad=false). worst: the number
+// of differing bytes and floats.
+void BlockCodecRows(std::vector<Row>* rows) {
+  for (const core::CodecOptions& o : testing::BlockCodecCases())
+    rows->push_back(
+        {"block_codec", testing::CaseName(o), [o](float* worst, float* tol) {
+           const testing::CodecCase cs = testing::PrepareCodecCase(o, 61);
+           const testing::CodecResults want = testing::RunStandIns(cs);
+           testing::CodecCaseBuffers buf(cs);
+           DeviceBuffers dev;
+           int* flags = dev.Upload(std::vector<int>{0});
+           const testing::CodecCaseAddresses a{dev.Upload(cs.keys),
+                                               dev.Upload(cs.values),
+                                               dev.Upload(cs.basis_t),
+                                               dev.Upload(cs.basis),
+                                               dev.Upload(cs.hq),
+                                               dev.Upload(cs.uq),
+                                               dev.Upload(cs.probs),
+                                               dev.Upload(cs.widths),
+                                               dev.Upload(buf.key_out),
+                                               dev.Upload(buf.value_out),
+                                               dev.Upload(buf.key_in),
+                                               dev.Upload(buf.value_in),
+                                               dev.Upload(buf.dec_k),
+                                               dev.Upload(buf.dec_v),
+                                               dev.Upload(buf.scores),
+                                               dev.Upload(buf.readout),
+                                               flags};
+           ASSERT_TRUE(a.keys && a.values && a.key_out && a.value_out && a.key_in && a.value_in &&
+                       a.dec_k && a.dec_v && a.scores && a.readout && flags)
+               << dev.err;
+           const void* const* arrays = dev.Upload(testing::PointerArrays(cs, buf, a));
+           ASSERT_TRUE(arrays) << dev.err;
+           testing::CodecCaseParams p = testing::ParamsOf(cs, a, arrays);
+           p.ek.workspace_bytes = cuda::EncodeKeyWorkspaceBytes(p.ek);
+           p.ek.workspace = dev.Alloc<uint8_t>(p.ek.workspace_bytes);
+           p.ev.workspace_bytes = cuda::EncodeValueWorkspaceBytes(p.ev);
+           p.ev.workspace = dev.Alloc<uint8_t>(p.ev.workspace_bytes);
+           ASSERT_EQ(cuda::EncodeKeys(p.ek, nullptr), 0);
+           ASSERT_EQ(cuda::EncodeValues(p.ev, nullptr), 0);
+           ASSERT_EQ(cuda::DecodeKeys(p.dk, nullptr), 0);
+           ASSERT_EQ(cuda::DecodeValues(p.dv, nullptr), 0);
+           ASSERT_EQ(cuda::ScoreBlocks(p.sc, nullptr), 0);
+           ASSERT_EQ(cuda::ReadoutBlocks(p.ro, nullptr), 0);
+           buf.key_out = dev.Download(a.key_out, buf.key_out.size());
+           buf.value_out = dev.Download(a.value_out, buf.value_out.size());
+           buf.dec_k = dev.Download(a.dec_k, buf.dec_k.size());
+           buf.dec_v = dev.Download(a.dec_v, buf.dec_v.size());
+           buf.scores = dev.Download(a.scores, buf.scores.size());
+           buf.readout = dev.Download(a.readout, buf.readout.size());
+           const testing::CodecResults got =
+               testing::Collect(cs, buf, dev.Download(flags, 1).at(0));
+           EXPECT_EQ(got.flags, 0);
+           int64_t differ = 0;
+           auto count_bytes = [&](const auto& x, const auto& y) {
+             for (size_t b = 0; b < x.size(); ++b)
+               for (size_t i = 0; i < x[b].size(); ++i) differ += x[b][i] != y[b][i];
+           };
+           auto count_floats = [&](const std::vector<float>& x, const std::vector<float>& y) {
+             ASSERT_EQ(x.size(), y.size());
+             for (size_t i = 0; i < x.size(); ++i) differ += std::memcmp(&x[i], &y[i], 4) != 0;
+           };
+           count_bytes(got.key_blocks, want.key_blocks);
+           count_bytes(got.value_blocks, want.value_blocks);
+           count_floats(got.keys, want.keys);
+           count_floats(got.values, want.values);
+           count_floats(got.scores, want.scores);
+           count_floats(got.readout, want.readout);
+           *worst = static_cast<float>(differ);
+           *tol = 0.0f;
+         }});
+}
+
 void DenseRows(std::vector<Row>* rows) {
   for (int d : {64, 128})
     for (int64_t tokens : {1, 45, 1000, 4133})
@@ -206,6 +286,7 @@ TEST(CudaParity, EveryOpShapeAndCodec) {
   std::vector<Row> rows;
   ScoreCodesRows(&rows);
   AttendRows(&rows);
+  BlockCodecRows(&rows);
   DenseRows(&rows);
   for (const Row& row : rows) {
     SCOPED_TRACE(row.op + " " + row.shape);
