@@ -23,6 +23,25 @@ absl::Status AttendBackend::AttendBlocks(const kernels::cuda::AttendParams& p) c
   return absl::InternalError(absl::StrCat("attend backend '", name(), "': error ", e));
 }
 
+absl::Status AttendBackend::VerifyBlocks(std::span<const uint8_t* const> blocks,
+                                         std::span<const uint64_t> sizes, uint8_t* verdicts) const {
+  if (blocks.size() != sizes.size() || blocks.size() > size_t{1} << 30)
+    return absl::InvalidArgumentError(absl::StrCat("attend backend '", name(), "': ", blocks.size(),
+                                                   " blocks, ", sizes.size(),
+                                                   " sizes (at most 2^30, one each)"));
+  verify_calls_.fetch_add(1, std::memory_order_relaxed);
+  kernels::cuda::VerifyParams p;
+  p.blocks = static_cast<int>(blocks.size());
+  p.block_ptrs = blocks.data();
+  p.sizes = sizes.data();
+  p.verdicts = verdicts;
+  const int e = RunVerify(p);
+  if (e == 0) return absl::OkStatus();
+  if (e == kernels::cuda::kErrorNoDevice)
+    return absl::UnavailableError(absl::StrCat("attend backend '", name(), "': no CUDA device"));
+  return absl::InternalError(absl::StrCat("attend backend '", name(), "': verify error ", e));
+}
+
 namespace {
 
 class CudaBackend final : public AttendBackend {
@@ -34,6 +53,9 @@ class CudaBackend final : public AttendBackend {
   int Run(const kernels::cuda::AttendParams& p) const override {
     return kernels::cuda::AttendFromHost(p);
   }
+  int RunVerify(const kernels::cuda::VerifyParams& p) const override {
+    return kernels::cuda::VerifyBlocksFromHost(p);
+  }
 };
 
 class HostBackend final : public AttendBackend {
@@ -44,6 +66,9 @@ class HostBackend final : public AttendBackend {
  protected:
   int Run(const kernels::cuda::AttendParams& p) const override {
     return kernels::cuda::AttendOnHost(p);
+  }
+  int RunVerify(const kernels::cuda::VerifyParams& p) const override {
+    return kernels::cuda::VerifyBlocksOnHost(p);
   }
 };
 

@@ -50,6 +50,42 @@ void LayerCache::SinkPartial(const SinkRows& sinks, int h, const float* q, int r
   }
 }
 
+absl::Status LayerCache::VerifyOnBackend(const AttendBackend& backend, int64_t blocks) const {
+  thread_local std::vector<const uint8_t*> ptrs;
+  thread_local std::vector<uint64_t> sizes;
+  thread_local std::vector<uint8_t> verdicts;
+  ptrs.clear();
+  sizes.clear();
+  for (int h = 0; h < kv_heads_; ++h)
+    for (int64_t b = 0; b < blocks; ++b)
+      for (std::span<const uint8_t> blk : {KeyBlock(h, b), ValueBlock(h, b)}) {
+        ptrs.push_back(blk.data());
+        sizes.push_back(blk.size());
+      }
+  verdicts.assign(ptrs.size(), 0xFF);
+  RETURN_IF_ERROR(backend.VerifyBlocks(ptrs, sizes, verdicts.data()));
+  for (size_t i = 0; i < verdicts.size(); ++i) {
+    if (verdicts[i] == kernels::cuda::kVerifyOk) continue;
+    // The CPU's verdict on a copy of the block names what is wrong, as every other read does.
+    const int h = static_cast<int>(i / 2 / blocks);
+    const int64_t b = static_cast<int64_t>(i / 2) % blocks;
+    const BlockReader reader(opts_, true);
+    thread_local std::vector<uint8_t> copy;
+    if (i % 2 == 0) {
+      KeyBlockView kv;
+      ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
+      RETURN_IF_ERROR(reader.Key(kb, &kv));
+    } else {
+      ValueBlockView vv;
+      ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &copy));
+      RETURN_IF_ERROR(reader.Value(vb, &vv));
+    }
+    return absl::DataLossError(absl::StrCat("attend backend '", backend.name(), "': block ", b,
+                                            " of KV head ", h, " fails its checksum"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
                                          const AttendOptions& ao, float scale, float* out,
                                          bool* used) {
@@ -132,21 +168,9 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
   p.error_flags = &flags;
   if (nb > std::numeric_limits<int>::max() || kernels::cuda::AttendUnsupported(p) != nullptr)
     return absl::OkStatus();
-  // The kernel checks headers, not checksums: those are verified here first when the codec
-  // verifies on read (docs/CODEC.md, "Attend backends").
-  if (opts_.verify_on_read) {
-    const BlockReader reader(opts_, true);
-    KeyBlockView kv;
-    ValueBlockView vv;
-    thread_local std::vector<uint8_t> copy;
-    for (int h = 0; h < kv_heads_; ++h)
-      for (int64_t b = 0; b < nb; ++b) {
-        ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
-        RETURN_IF_ERROR(reader.Key(kb, &kv));
-        ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &copy));
-        RETURN_IF_ERROR(reader.Value(vb, &vv));
-      }
-  }
+  // The kernel checks headers, not checksums: when the codec verifies on read, the backend
+  // verifies the blocks' checksums where they lie first (docs/CODEC.md, "Attend backends").
+  if (opts_.verify_on_read) RETURN_IF_ERROR(VerifyOnBackend(*ao.backend, nb));
   RETURN_IF_ERROR(ao.backend->AttendBlocks(p));
   if (flags != 0)
     return absl::DataLossError(absl::StrCat("attend backend '", ao.backend->name(),

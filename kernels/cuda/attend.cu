@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "attend_math.h"
+#include "host_call_scratch.h"
 #include "kvq/kernels/cuda.h"
 
 namespace kvq::kernels::cuda {
@@ -162,39 +163,6 @@ int Attend(const AttendParams& p, void* stream_ptr) {
   return LaunchMerge(p.workspace, p.items, p.rows, p.head_dim, splits, p.out, p.out_max, p.out_sum,
                      stream);
 }
-
-namespace {
-
-// A calling thread's device scratch for AttendFromHost: one allocation, grown as needed and
-// kept for the thread's life (a decode step's attends repeat the same sizes).
-struct HostCallScratch {
-  void* p = nullptr;
-  size_t bytes = 0;
-  ~HostCallScratch() {
-    if (p) cudaFree(p);
-  }
-  cudaError_t Reserve(size_t n) {
-    if (n <= bytes) return cudaSuccess;
-    if (p) cudaFree(p);
-    p = nullptr;
-    bytes = 0;
-    if (cudaError_t e = cudaMalloc(&p, n); e != cudaSuccess) return e;
-    bytes = n;
-    return cudaSuccess;
-  }
-};
-
-// Offsets of the arrays in the scratch, each 256-byte aligned.
-struct ScratchLayout {
-  size_t total = 0;
-  size_t Take(size_t n) {
-    const size_t at = total;
-    total += (n + 255) & ~size_t{255};
-    return at;
-  }
-};
-
-}  // namespace
 
 int AttendFromHost(const AttendParams& hp) {
   int devices = 0;

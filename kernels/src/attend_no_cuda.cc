@@ -1,8 +1,11 @@
-// The GPU attend's entry points in builds without CUDA: there is no device to run them on.
+// The GPU entry points that take host arrays, in builds without CUDA: there is no device to run
+// them on.
 #include "kvq/kernels/cuda.h"
+#include "kvq/kernels/cuda_checksum.h"
 
 namespace kvq::kernels::cuda {
 
 int AttendFromHost(const AttendParams&) { return kErrorNoDevice; }
+int VerifyBlocksFromHost(const VerifyParams&) { return kErrorNoDevice; }
 
 }  // namespace kvq::kernels::cuda

@@ -76,6 +76,9 @@ class WrongAttend final : public AttendBackend {
     p.out[0] += 1.0f;
     return e;
   }
+  int RunVerify(const kernels::cuda::VerifyParams& p) const override {
+    return kernels::cuda::VerifyBlocksOnHost(p);
+  }
 };
 
 TEST(MemoryPoolTest, AGpuWhoseAttendFailsItsProbeIsPassedByAndSaysWhy) {

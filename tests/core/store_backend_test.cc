@@ -155,7 +155,8 @@ TEST_P(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   Append("a", 0, 0, 300, 1);  // 2 groups of 128 and a window of 44
   Append("a", 1, 0, 300, 3);
   Append("b", 0, 0, 200, 5, &levers);
-  const int64_t calls = backend_of_->calls();
+  const int64_t calls = backend_of_->calls(), verifies = backend_of_->verify_calls();
+  const int64_t copied_before_steps = CopiedBackBytes();
   float worst = 0.0f;
   for (int64_t step = 0; step < 90; ++step) {  // crosses a group boundary: a third block each
     SCOPED_TRACE(step);
@@ -171,6 +172,10 @@ TEST_P(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
     }
   }
   printf("attend: worst %.3g of max|v| over the decode steps\n", worst / vmax_);
+  // verify_on_read checked every attend's blocks on the backend, where they lie: no block
+  // was copied back to the host for it.
+  EXPECT_EQ(CopiedBackBytes(), copied_before_steps);
+  EXPECT_GE(backend_of_->verify_calls(), verifies + 3 * 90);
   // A prefill's queries (each sees the tokens up to its own): on the CPU in both stores.
   AttendOptions prefill;
   prefill.causal_offset = 100;
@@ -209,9 +214,10 @@ TEST_P(StoreBackendTest, SharedPrefixesAttendAsTheOrdinaryStore) {
   ExpectSameScoresAndBlocks("p2", 0);
 }
 
-// A corrupted block of the stand-in store is DATA_LOSS on the backend's attend (checksums
-// verified on the CPU first, through copies) and found by a scrub, never served.
-TEST_P(StoreBackendTest, CorruptionIsFoundThroughCopies) {
+// A corrupted block of the stand-in store is DATA_LOSS on the backend's attend (its checksum
+// checked by the backend before the attend, the message the CPU reader's) and found by a
+// scrub, never served.
+TEST_P(StoreBackendTest, CorruptionIsFoundBeforeTheAttend) {
   if (GetParam()) GTEST_SKIP() << "the fault is injected by writing the stand-in's host memory";
   Append("a", 0, 0, 300, 1);
   LayerCache* c = backend_->LayerForTest("t", "a", 0);
@@ -221,10 +227,13 @@ TEST_P(StoreBackendTest, CorruptionIsFoundThroughCopies) {
   std::vector<float> out;
   int64_t tokens = 0;
   const int64_t calls = HostAttendBackend()->calls();
+  const int64_t verifies = HostAttendBackend()->verify_calls();
   const absl::Status st =
       backend_->Attend("t", "a", 0, 0, q.data(), kQ, 1, kD, AttendOptions{}, &out, &tokens);
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find("checksum"), std::string::npos) << st;
   EXPECT_EQ(HostAttendBackend()->calls(), calls);
+  EXPECT_EQ(HostAttendBackend()->verify_calls(), verifies + 1);
   EXPECT_EQ(backend_->Scrub(), 1);
 }
 

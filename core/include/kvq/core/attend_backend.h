@@ -9,10 +9,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <span>
 
 #include "absl/status/status.h"
 #include "kvq/core/byte_pool.h"
 #include "kvq/kernels/cuda.h"
+#include "kvq/kernels/cuda_checksum.h"
 
 namespace kvq::core {
 
@@ -33,13 +35,22 @@ class AttendBackend {
   virtual bool CanRead(kernels::Pool pool) const = 0;
   // Calls of AttendBlocks so far (for metrics, and for tests that must know it served).
   int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+  // Checks the blocks' checksums where they lie (kernels/cuda_checksum.h: one verdict a block,
+  // kVerifyOk or why not), so that a read with verify_on_read needs no copy of them: `blocks`
+  // and `sizes` in host memory, the blocks in memory this backend reads. Synchronous;
+  // UNAVAILABLE when the device cannot run it.
+  absl::Status VerifyBlocks(std::span<const uint8_t* const> blocks, std::span<const uint64_t> sizes,
+                            uint8_t* verdicts) const;
+  // Calls of VerifyBlocks so far.
+  int64_t verify_calls() const { return verify_calls_.load(std::memory_order_relaxed); }
 
  protected:
-  // Returns a kernels/cuda.h error code (0: done).
+  // Return a kernels/cuda.h error code (0: done).
   virtual int Run(const kernels::cuda::AttendParams& p) const = 0;
+  virtual int RunVerify(const kernels::cuda::VerifyParams& p) const = 0;
 
  private:
-  mutable std::atomic<int64_t> calls_{0};
+  mutable std::atomic<int64_t> calls_{0}, verify_calls_{0};
 };
 
 // The CUDA attend (kernels::cuda::AttendFromHost): blocks in device memory or pinned host

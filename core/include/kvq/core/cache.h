@@ -351,6 +351,9 @@ class LayerCache {
   // backend cannot take this read: the caller attends on the CPU kernels.
   absl::Status AttendOnBackend(const float* q, int q_heads, int n_q, const AttendOptions& ao,
                                float scale, float* out, bool* used);
+  // Checks the checksums of the first `blocks` key and value blocks of every KV head on the
+  // backend, where they lie; a block that fails is DATA_LOSS with the CPU reader's message.
+  absl::Status VerifyOnBackend(const AttendBackend& backend, int64_t blocks) const;
   // The fp16 sinks' partial (partial_attention.h) of KV head h's `rows` query rows.
   void SinkPartial(const SinkRows& sinks, int h, const float* q, int rows, float scale, float* m,
                    float* l, float* o) const;

@@ -40,6 +40,12 @@ inline bool VerifyParamsValid(const VerifyParams& p) {
 // Defined in CUDA builds (KVQ_HAVE_CUDA) only.
 int VerifyBlocks(const VerifyParams& p, void* stream);
 
+// VerifyBlocks with the arrays (block_ptrs, sizes, verdicts) in host memory and the blocks
+// where a store keeps them (device memory, or pinned host memory): copies the arrays to device
+// scratch held per calling thread, launches on cudaStreamPerThread, copies the verdicts back
+// and waits. kErrorNoDevice (cuda.h) without a CUDA build or device; every build.
+int VerifyBlocksFromHost(const VerifyParams& p);
+
 // The same on the CPU, every pointer in host memory: the very per-block function the kernel
 // runs, for each block in turn. Every build; 1 when !VerifyParamsValid, else 0.
 int VerifyBlocksOnHost(const VerifyParams& p);
