@@ -15,6 +15,14 @@
 //                        the memory bandwidth (a fair fp16 decode kernel is near 1)
 //         dense_speedup  DenseAttend time / attend time (same tokens, same rows)
 //         attend_us, dense_us, stream_us  the three mean times per launch
+//   Encode/<codec>/d<d>  kernels::cuda::EncodeKeys then EncodeValues (cuda_codec.h) over
+//       2^20 tokens (2^20 / G blocks) of fp32 keys and values already in device memory, each block
+//       from its own rows and basis. Counters: encode_GBps (fp32 K and V bytes in / encode time),
+//       stream_GBps (StreamRead of those fp32 bytes in the same run), frac_of_stream, and
+//       blocks_per_s.
+//   Verify/<codec>/d<d>  kernels::cuda::VerifyBlocks over the encoded blocks (one thread a
+//       block): verify_GBps (block bytes / time) and its frac_of_stream against StreamRead of
+//       the same bytes.
 //   Codecs: k3g128-r4s4-v2 (the server's default, docs/CODEC.md), k2g32-r4s8-v2 (the legacy
 //   default; G=32 is the frontier's most finely grouped point) and k2g128-r4s8-a2b2 (the
 //   frontier's A^2 row: per-token value widths, each block's record offsets by a prefix sum).
@@ -36,6 +44,8 @@
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/kernels/cuda.h"
+#include "kvq/kernels/cuda_checksum.h"
+#include "kvq/kernels/cuda_codec.h"
 #include "kvq/kernels/device.h"
 
 namespace {
@@ -281,7 +291,154 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   state.counters["stream_us"] = stream_s / n * 1e6;
 }
 
+// Tokens per encode launch: 256-512 MiB of fp32 keys and values in at d 64-128, far beyond L2.
+constexpr size_t kEncodeTokens = size_t{1} << 20;
+
+// The block codec's fields for a named codec (uniform value widths: the A^2 widths come from
+// the policy, which stays on the CPU).
+kc::BlockCodec BlockCodecOf(const NamedCodec& nc, int d) {
+  kc::BlockCodec c;
+  c.head_dim = d;
+  c.key_group = nc.G;
+  c.key_bits = nc.kb;
+  c.rank = nc.r;
+  c.side_bits = nc.sb;
+  c.value_bits = nc.vb;
+  c.value_group = nc.vg;
+  return c;
+}
+
+// Encodes 2^20 / G key and value blocks on the device (and, for the Verify benchmark,
+// verifies them): time per launch pair by CUDA events.
+void BM_EncodeOrVerify(benchmark::State& state, NamedCodec nc, int d, bool verify) {
+  const kc::BlockCodec c = BlockCodecOf(nc, d);
+  if (const char* why = kc::BlockCodecUnsupported(c)) return state.SkipWithError(why);
+  const size_t G = c.key_group, n = kEncodeTokens / G, r = std::max(c.rank, 1);
+  const size_t rows = n * G * d, kb = kc::KeyBlockSize(c), vb = kc::ValueBlockSize(c);
+  Device dev;
+  float* keys = dev.Alloc<float>(rows);
+  float* values = dev.Alloc<float>(rows);
+  float* basis = dev.Alloc<float>(r * d);
+  uint8_t* blocks = dev.Alloc<uint8_t>(n * (kb + vb));
+  uint32_t* sink = dev.Alloc<uint32_t>(1);
+  if (!keys || !values || !basis || !blocks || !sink)
+    return state.SkipWithError("cudaMalloc failed");
+  // Values spread over [-2, 2) by a cheap generator (the time does not depend on them).
+  std::vector<float> host(rows);
+  uint32_t state_bits = 12345;
+  for (auto& x : host) {
+    state_bits = state_bits * 1664525u + 1013904223u;
+    x = static_cast<float>(state_bits >> 8) * (4.0f / 16777216.0f) - 2.0f;
+  }
+  cudaMemcpy(keys, host.data(), rows * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(values, host.data(), rows * 4, cudaMemcpyHostToDevice);
+  cudaMemcpy(basis, host.data(), r * d * 4, cudaMemcpyHostToDevice);
+  std::vector<const float*> kp(n), vp(n), bp(n, basis);
+  std::vector<uint8_t*> ko(n), vo(n);
+  std::vector<uint64_t> sizes(2 * n);
+  std::vector<const uint8_t*> all(2 * n);
+  for (size_t b = 0; b < n; ++b) {
+    kp[b] = keys + b * G * d;
+    vp[b] = values + b * G * d;
+    ko[b] = blocks + b * (kb + vb);
+    vo[b] = ko[b] + kb;
+    all[2 * b] = ko[b];
+    all[2 * b + 1] = vo[b];
+    sizes[2 * b] = kb;
+    sizes[2 * b + 1] = vb;
+  }
+  auto up = [&](const auto& v) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    T* p = dev.Alloc<T>(v.size());
+    if (p) cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+    return p;
+  };
+  kc::EncodeKeyParams ek;
+  ek.codec = c;
+  ek.blocks = static_cast<int>(n);
+  ek.keys = up(kp);
+  ek.ld = d;
+  ek.basis_t = up(bp);
+  ek.out = up(ko);
+  ek.workspace_bytes = kc::EncodeKeyWorkspaceBytes(ek);
+  ek.workspace = dev.Alloc<uint8_t>(ek.workspace_bytes);
+  kc::EncodeValueParams ev;
+  ev.codec = c;
+  ev.blocks = static_cast<int>(n);
+  ev.values = up(vp);
+  ev.ld = d;
+  ev.out = up(vo);
+  kc::VerifyParams vf;
+  vf.blocks = static_cast<int>(2 * n);
+  vf.block_ptrs = up(all);
+  vf.sizes = up(sizes);
+  vf.verdicts = dev.Alloc<uint8_t>(2 * n);
+  if (!ek.keys || !ek.basis_t || !ek.out || !ek.workspace || !ev.values || !ev.out ||
+      !vf.block_ptrs || !vf.sizes || !vf.verdicts)
+    return state.SkipWithError("cudaMalloc failed");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  auto timed = [&](auto&& launch) -> float {
+    cudaEventRecord(e0);
+    const int err = launch();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    return err == 0 ? Elapsed(e0, e1) : -1.0f;
+  };
+  auto encode = [&] {
+    const int e = kc::EncodeKeys(ek, nullptr);
+    return e != 0 ? e : kc::EncodeValues(ev, nullptr);
+  };
+  auto check = [&] { return kc::VerifyBlocks(vf, nullptr); };
+  // The baseline reads what the op reads: the fp32 rows (encode) or the blocks (verify).
+  auto stream = [&] {
+    if (verify) return kc::StreamRead(blocks, n * (kb + vb) / 16 * 16, sink, nullptr);
+    const int e = kc::StreamRead(keys, rows * 4, sink, nullptr);
+    return e != 0 ? e : kc::StreamRead(values, rows * 4, sink, nullptr);
+  };
+  if (timed(encode) < 0) return state.SkipWithError("encode failed");
+  for (int w = 0; w < 2; ++w)
+    if ((verify && timed(check) < 0) || timed(stream) < 0)
+      return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
+  double op_s = 0, stream_s = 0;
+  for (auto _ : state) {
+    const float t = verify ? timed(check) : timed(encode);
+    if (t < 0) return state.SkipWithError("launch failed");
+    state.SetIterationTime(t);
+    op_s += t;
+    stream_s += timed(stream);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  // Encoded blocks that do not verify would time garbage.
+  std::vector<uint8_t> verdicts(2 * n, 0xFF);
+  if (kc::VerifyBlocks(vf, nullptr) != 0 ||
+      cudaMemcpy(verdicts.data(), vf.verdicts, 2 * n, cudaMemcpyDeviceToHost) != cudaSuccess)
+    return state.SkipWithError("verify failed");
+  for (uint8_t v : verdicts)
+    if (v != kc::kVerifyOk) return state.SkipWithError("an encoded block fails its checksum");
+  const double iters = static_cast<double>(state.iterations());
+  const double in_bytes = verify ? static_cast<double>(n * (kb + vb)) : 2.0 * rows * 4;
+  state.counters[verify ? "verify_GBps" : "encode_GBps"] = in_bytes / (op_s / iters) / 1e9;
+  state.counters["stream_GBps"] = in_bytes / (stream_s / iters) / 1e9;
+  state.counters["frac_of_stream"] = stream_s / op_s;
+  state.counters["blocks_per_s"] = 2.0 * n / (op_s / iters);
+}
+
 void RegisterAll() {
+  for (const NamedCodec& nc : kCodecs) {
+    if (nc.a2_budget > 0) continue;  // the A^2 widths are chosen on the CPU
+    for (int d : {64, 128})
+      for (bool verify : {false, true}) {
+        const std::string name =
+            std::string(verify ? "Verify/" : "Encode/") + nc.name + "/d" + std::to_string(d);
+        benchmark::RegisterBenchmark(name.c_str(), BM_EncodeOrVerify, nc, d, verify)
+            ->UseManualTime()
+            ->Iterations(10)
+            ->Unit(benchmark::kMicrosecond);
+      }
+  }
   for (const NamedCodec& nc : kCodecs)
     for (int d : {64, 128})
       for (int64_t tokens : {4096, 32768, 131072}) {
@@ -303,7 +460,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
       std::printf(
           "kvq-bench-cuda: the fused decode attend over HeadQ codes on the GPU, against a\n"
-          "streaming read of the same bytes and dense fp16 attention over the same tokens\n"
+          "streaming read of the same bytes and dense fp16 attention over the same tokens;\n"
+          "block encode and checksum verification against a streaming read of their inputs\n"
           "(bench/cuda_bench.cc says what each counter means). Needs a CUDA device.\n"
           "Google Benchmark flags, e.g. --benchmark_filter=REGEX, --benchmark_format=json,\n"
           "--benchmark_out=FILE.\n");
