@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU machine's check, in one run, on binaries built here by scripts/device-bundle.sh
-# (carried as .devbin/): the CUDA parity tests against the CPU reference, the block pools on
+# (carried as .devbin/): the CUDA parity tests against the CPU reference (score_codes, the fused
+# attend, the block codec's encode/decode/score/readout, checksum verification), the block pools on
 # real pinned and device memory, the memory choice and the store on the GPU (--memory gpu's pool
 # and CUDA attend against an ordinary store), the kernels' CPU parity, then the CUDA benchmark
 # (kvq-bench-cuda) and a short CPU codec benchmark. Logs go to $OUT (at most 8 files come back), or /tmp/kvq-device-check.
 # Usage: scripts/device-check.sh [--help] [--tests-only]
 set -uo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-/tmp/kvq-device-check}"
 mkdir -p "$OUTDIR"
