@@ -517,10 +517,18 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
       if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
+      // Dense-and-sparse: reads decode keys with the decode basis; the sinks' stand-in rows of
+      // a sequence's first group are never kept exact.
+      SparseEncode sparse;
+      sparse.decode_basis = r > 0 && !tables_->basis.empty()
+                                ? tables_->basis.data() + static_cast<size_t>(h) * d * r
+                                : nullptr;
+      sparse.skip_rows = encoded_ + first == 0 ? opts_.fp16_sinks : 0;
       RETURN_IF_ERROR(EncodeKeyBlockT(
           opts_, kf.data(), d, Ut, &kst,
           tables_->rounding.empty() ? nullptr
-                                    : tables_->rounding.data() + static_cast<size_t>(h) * d * d));
+                                    : tables_->rounding.data() + static_cast<size_t>(h) * d * d,
+          &sparse));
       if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size() + kst.size()));
       const uint8_t* wp = nullptr;
       if (opts_.per_token_value_bits()) {
@@ -546,14 +554,14 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
                                 ? nullptr
                                 : tables_->value_rounding.data() + static_cast<size_t>(h) * d * d;
       if (seal) {
-        RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &kst, vround));
+        RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &kst, vround, &sparse));
         sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size() + kst.size()));
         RETURN_IF_ERROR(sb->bytes.Append(kst.data(), kst.size()));
         kst.clear();
         continue;
       }
       hd.voffsets.push_back(hd.vblocks.size() + vst.size());
-      RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &vst, vround));
+      RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &vst, vround, &sparse));
     }
     RETURN_IF_ERROR(hd.kblocks.Append(kst.data(), kst.size()));
     RETURN_IF_ERROR(hd.vblocks.Append(vst.data(), vst.size()));

@@ -166,7 +166,9 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
   p.out_sum = bs.data();
   int flags = 0;
   p.error_flags = &flags;
-  if (nb > std::numeric_limits<int>::max() || kernels::cuda::AttendUnsupported(p) != nullptr)
+  // The kernel reads no dense-and-sparse lists: such codecs attend on the CPU kernels.
+  if (nb > std::numeric_limits<int>::max() || kernels::cuda::AttendUnsupported(p) != nullptr ||
+      opts_.sparse_keys > 0 || opts_.sparse_values > 0)
     return absl::OkStatus();
   // The kernel checks headers, not checksums: when the codec verifies on read, the backend
   // verifies the blocks' checksums where they lie first (docs/CODEC.md, "Attend backends").

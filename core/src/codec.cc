@@ -13,6 +13,7 @@
 #include "kvq/core/half.h"
 #include "kvq/core/status.h"
 #include "kvq/kernels/kernels.h"
+#include "sparse_list.h"
 
 namespace kvq::core {
 namespace {
@@ -86,7 +87,8 @@ absl::StatusOr<Header> ReadHeader(std::span<const uint8_t> b, uint8_t kind, bool
   const uint8_t flags = b[3] & 0xF0;
   if ((b[3] & 0x0F) != kind)
     return absl::DataLossError(absl::StrCat("block kind ", b[3] & 0x0F, ", expected ", kind));
-  if ((b[2] == kBlockVersionFlags) != (flags != 0) || (flags & ~kBlockRotated) != 0)
+  if ((b[2] == kBlockVersionFlags) != (flags != 0) ||
+      (flags & ~(kBlockRotated | kBlockSparse)) != 0)
     return absl::DataLossError(
         absl::StrFormat("block flags 0x%02x invalid for version %d", flags, b[2]));
   Header h{kind, flags, b[4], b[5], 0, 0, 0};
@@ -130,7 +132,9 @@ void RotateRows(const float* x, int64_t ld, int n, int d, std::vector<float>* ou
   }
 }
 
-uint8_t KindByte(uint8_t kind, bool rotated) { return kind | (rotated ? kBlockRotated : 0); }
+uint8_t KindByte(uint8_t kind, bool rotated, bool sparse) {
+  return kind | (rotated ? kBlockRotated : 0) | (sparse ? kBlockSparse : 0);
+}
 
 void SetCode(uint8_t* row, int bits, int64_t i, int code) {
   const int64_t bit = i * bits;
@@ -225,6 +229,16 @@ absl::Status CodecOptions::Validate() const {
   if (window < 0 || window > 65536) return bad("window", window, "must be in [0, 65536]");
   if (side_sign != 1.0f && side_sign != -1.0f)
     return bad("side_sign", side_sign, "must be 1 or -1");
+  if (sparse_keys < 0 || sparse_keys > 100)
+    return bad("sparse_keys", sparse_keys, "must be in [0, 100] per mille");
+  if (sparse_values < 0 || sparse_values > 100)
+    return bad("sparse_values", sparse_values, "must be in [0, 100] per mille");
+  if (sparse_keys > 0 && rotate_keys)
+    return bad("sparse_keys", sparse_keys,
+               "must be 0 with rotate_keys (a rotation spreads outliers)");
+  if (sparse_values > 0 && rotate_values)
+    return bad("sparse_values", sparse_values,
+               "must be 0 with rotate_values (a rotation spreads outliers)");
   if ((rotate_keys || rotate_values) && (head_dim & (head_dim - 1)) != 0)
     return bad("head_dim", head_dim, "must be a power of two to rotate keys or values");
   return absl::OkStatus();
@@ -239,6 +253,8 @@ std::string CodecOptions::ToString() const {
     absl::StrAppendFormat(&s, " v%dg%d", value_bits, value_group);
   absl::StrAppendFormat(&s, " R%d", window);
   if (fp16_sinks > 0) absl::StrAppendFormat(&s, " sink%d", fp16_sinks);
+  if (sparse_keys > 0) absl::StrAppendFormat(&s, " spk%d", sparse_keys);
+  if (sparse_values > 0) absl::StrAppendFormat(&s, " spv%d", sparse_values);
   if (rotate_keys) s += " rotk";
   if (rotate_values) s += " rotv";
   if (metric_rounding) s += " mr";  // encoder only, but a different codec's blocks
@@ -247,23 +263,72 @@ std::string CodecOptions::ToString() const {
   return s;
 }
 
+int SparseCount(const CodecOptions& o, bool keys) {
+  const int permille = keys ? o.sparse_keys : o.sparse_values;
+  return static_cast<int>(
+      std::llround(static_cast<double>(permille) / 1000.0 * o.key_group * o.head_dim));
+}
+
 size_t KeyBlockBytes(const CodecOptions& o) {
   const int64_t d = o.head_dim, g = o.key_group, r = o.rank;
   size_t n = kBlockHeaderBytes + 4 * d + d * RowBytes(g, o.key_bits);
   if (r > 0) n += 4 * r + r * RowBytes(g, o.side_bits);
-  return n;
+  return n + kSparseEntryBytes * SparseCount(o, true);
 }
 
 size_t ValueBlockBytes(const CodecOptions& o) {
   return kBlockHeaderBytes +
-         o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, o.value_bits));
+         o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, o.value_bits)) +
+         kSparseEntryBytes * SparseCount(o, false);
 }
 
 size_t MaxValueBlockBytes(const CodecOptions& o) {
   if (!o.per_token_value_bits()) return ValueBlockBytes(o);
   return kBlockHeaderBytes + (o.key_group + 3) / 4 +
-         o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, 4));
+         o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, 4)) +
+         kSparseEntryBytes * SparseCount(o, false);
 }
+
+namespace {
+
+// The fields of a key block of codec o at `block` (unchecked): Parse, the reader's fast path
+// and the encoder's own decode read through it.
+KeyBlockView KeyViewAt(const CodecOptions& o, const uint8_t* block) {
+  const int d = o.head_dim, G = o.key_group, r = o.rank;
+  KeyBlockView v;
+  v.rotated = o.rotate_keys;
+  v.bits = o.key_bits;
+  v.side_bits = r > 0 ? o.side_bits : 0;
+  v.tokens = G;
+  v.head_dim = d;
+  v.rank = r;
+  v.scale = reinterpret_cast<const uint16_t*>(block + kBlockHeaderBytes);
+  v.zero = v.scale + d;
+  v.codes = reinterpret_cast<const uint8_t*>(v.zero + d);
+  if (r > 0) {
+    v.side_scale = reinterpret_cast<const uint16_t*>(v.codes + d * RowBytes(G, v.bits));
+    v.side_zero = v.side_scale + r;
+    v.side_codes = reinterpret_cast<const uint8_t*>(v.side_zero + r);
+  }
+  v.sparse_count = SparseCount(o, true);
+  if (v.sparse_count > 0) v.sparse = block + KeyBlockBytes(o) - kSparseEntryBytes * v.sparse_count;
+  return v;
+}
+
+// U [d][r] from U^T [r][d].
+void Transpose(const float* ut, int r, int d, std::vector<float>* u) {
+  u->resize(static_cast<size_t>(d) * r);
+  for (int j = 0; j < r; ++j)
+    for (int c = 0; c < d; ++c) (*u)[static_cast<size_t>(c) * r + j] = ut[j * d + c];
+}
+
+// Rows [G][d] (stride ld) copied contiguous.
+void CopyRows(const float* x, int64_t ld, int G, int d, std::vector<float>* out) {
+  out->resize(static_cast<size_t>(G) * d);
+  for (int t = 0; t < G; ++t) std::copy_n(x + t * ld, d, out->data() + static_cast<size_t>(t) * d);
+}
+
+}  // namespace
 
 template <class ByteVec>
 absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld,
@@ -281,9 +346,20 @@ absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld
 
 template <class ByteVec>
 absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t ld,
-                             const float* basis_t, ByteVec* out, const float* rounding) {
+                             const float* basis_t, ByteVec* out, const float* rounding,
+                             const SparseEncode* sparse) {
   const int d = o.head_dim, G = o.key_group, r = o.rank;
   if (r > 0 && basis_t == nullptr) return absl::InvalidArgumentError("rank > 0 needs a basis");
+  // Dense-and-sparse: the codes are of the rows with the chosen outliers clamped.
+  const int n_sparse = SparseCount(o, true);
+  thread_local std::vector<float> trimmed;
+  sparse::Chosen chosen;
+  if (n_sparse > 0) {
+    CopyRows(keys, ld, G, d, &trimmed);
+    chosen = sparse::Choose(o, true, n_sparse, sparse ? sparse->skip_rows : 0, trimmed.data());
+    keys = trimmed.data();
+    ld = d;
+  }
   thread_local std::vector<float> rotated_keys, rotated_basis;
   if (o.rotate_keys) {  // quantize H k with the basis H U (rows of U^T rotated)
     RotateRows(keys, ld, G, d, &rotated_keys);
@@ -321,17 +397,42 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
     uint8_t* scodes = reinterpret_cast<uint8_t*>(szero + r);
     K().quantize_channels(coef.data(), r, G, r, o.side_bits, sscale, szero, scodes, nullptr);
   }
-  WriteHeader(p, KindByte(1, o.rotate_keys), o.key_bits, r > 0 ? o.side_bits : 0, G, d, r, size);
+  if (n_sparse > 0) {  // deltas against what reads decode without the list
+    KeyBlockView v = KeyViewAt(o, p);
+    v.sparse = nullptr;
+    v.sparse_count = 0;
+    thread_local std::vector<float> decoded, u;
+    decoded.resize(static_cast<size_t>(G) * d);
+    const float* B = sparse && sparse->decode_basis ? sparse->decode_basis : nullptr;
+    if (r > 0 && !B) {
+      Transpose(basis_t, r, d, &u);
+      B = u.data();
+    }
+    DecodeKeyBlock(v, B, o.side_sign, decoded.data());
+    sparse::WriteList(chosen, decoded.data(), n_sparse, p + size - kSparseEntryBytes * n_sparse);
+  }
+  WriteHeader(p, KindByte(1, o.rotate_keys, n_sparse > 0), o.key_bits, r > 0 ? o.side_bits : 0, G,
+              d, r, size);
   return absl::OkStatus();
 }
 
 template <class ByteVec>
 absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_t ld,
-                              const uint8_t* bits_per_token, ByteVec* out, const float* rounding) {
+                              const uint8_t* bits_per_token, ByteVec* out, const float* rounding,
+                              const SparseEncode* sparse) {
   const int d = o.head_dim, G = o.key_group, ng = o.value_groups();
   const bool per_token = o.per_token_value_bits();
   if (per_token && bits_per_token == nullptr)
     return absl::InvalidArgumentError("the A^2 value policy needs per-token widths");
+  const int n_sparse = SparseCount(o, false);
+  thread_local std::vector<float> trimmed;
+  sparse::Chosen chosen;
+  if (n_sparse > 0) {
+    CopyRows(values, ld, G, d, &trimmed);
+    chosen = sparse::Choose(o, false, n_sparse, sparse ? sparse->skip_rows : 0, trimmed.data());
+    values = trimmed.data();
+    ld = d;
+  }
   thread_local std::vector<float> rotated_values;
   if (o.rotate_values) {
     RotateRows(values, ld, G, d, &rotated_values);
@@ -346,6 +447,7 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
       if (b < 1 || b > 4) return absl::InvalidArgumentError(absl::StrCat("value width ", b));
       size += 4 * ng + RowBytes(d, b);
     }
+    size += kSparseEntryBytes * n_sparse;
   } else {
     size = ValueBlockBytes(o);
   }
@@ -376,8 +478,22 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
       rec += 4 * ng + RowBytes(d, b);
     }
   }
-  WriteHeader(p, KindByte(2, o.rotate_values), per_token ? 0 : o.value_bits, 0, G, d, o.value_group,
-              size);
+  if (n_sparse > 0) {  // deltas against what reads decode without the list
+    ValueBlockView v;
+    v.bits = per_token ? 0 : o.value_bits;
+    v.tokens = G;
+    v.head_dim = d;
+    v.value_group = o.value_group;
+    v.payload = p + kBlockHeaderBytes + (per_token ? (G + 3) / 4 : 0);
+    for (int t = 0; t < G; ++t)
+      v.token_bits[t] = static_cast<uint8_t>(per_token ? bits_per_token[t] : o.value_bits);
+    thread_local std::vector<float> decoded;
+    decoded.resize(static_cast<size_t>(G) * d);
+    DecodeValueBlock(v, decoded.data());
+    sparse::WriteList(chosen, decoded.data(), n_sparse, p + size - kSparseEntryBytes * n_sparse);
+  }
+  WriteHeader(p, KindByte(2, o.rotate_values, n_sparse > 0), per_token ? 0 : o.value_bits, 0, G, d,
+              o.value_group, size);
   return absl::OkStatus();
 }
 
@@ -385,9 +501,10 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
   template absl::Status EncodeKeyBlock(const CodecOptions&, const float*, int64_t, const float*,  \
                                        ByteVec*);                                                 \
   template absl::Status EncodeKeyBlockT(const CodecOptions&, const float*, int64_t, const float*, \
-                                        ByteVec*, const float*);                                  \
+                                        ByteVec*, const float*, const SparseEncode*);             \
   template absl::Status EncodeValueBlock(const CodecOptions&, const float*, int64_t,              \
-                                         const uint8_t*, ByteVec*, const float*);
+                                         const uint8_t*, ByteVec*, const float*,                  \
+                                         const SparseEncode*);
 KVQ_INSTANTIATE_ENCODERS(std::vector<uint8_t>)
 #undef KVQ_INSTANTIATE_ENCODERS
 
@@ -403,26 +520,16 @@ absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const
   if (((h->flags & kBlockRotated) != 0) != o.rotate_keys)
     return absl::DataLossError(absl::StrCat("key block ", o.rotate_keys ? "not " : "",
                                             "rotated, unlike the sequence's codec ", o.ToString()));
+  if (((h->flags & kBlockSparse) != 0) != (o.sparse_keys > 0))
+    return absl::DataLossError(
+        absl::StrCat("key block ", o.sparse_keys > 0 ? "without" : "with",
+                     " a dense-and-sparse list, unlike the sequence's codec ", o.ToString()));
   if (block.size() != KeyBlockBytes(o))
     return absl::DataLossError(absl::StrCat("key block is ", block.size(), " bytes, expected ",
                                             KeyBlockBytes(o), " (truncated or padded)"));
-  const int d = o.head_dim, G = o.key_group, r = o.rank;
-  KeyBlockView v;
-  v.rotated = o.rotate_keys;
-  v.bits = o.key_bits;
-  v.side_bits = r > 0 ? o.side_bits : 0;
-  v.tokens = G;
-  v.head_dim = d;
-  v.rank = r;
-  const uint8_t* p = block.data() + kBlockHeaderBytes;
-  v.scale = reinterpret_cast<const uint16_t*>(p);
-  v.zero = v.scale + d;
-  v.codes = reinterpret_cast<const uint8_t*>(v.zero + d);
-  if (r > 0) {
-    v.side_scale = reinterpret_cast<const uint16_t*>(v.codes + d * RowBytes(G, v.bits));
-    v.side_zero = v.side_scale + r;
-    v.side_codes = reinterpret_cast<const uint8_t*>(v.side_zero + r);
-  }
+  const KeyBlockView v = KeyViewAt(o, block.data());
+  if (v.sparse && !sparse::ListValid(v.sparse, v.sparse_count, o.key_group, o.head_dim))
+    return absl::DataLossError("key block's dense-and-sparse list names a position outside it");
   return v;
 }
 
@@ -439,6 +546,11 @@ absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
   if (((h->flags & kBlockRotated) != 0) != o.rotate_values)
     return absl::DataLossError(absl::StrCat("value block ", o.rotate_values ? "not " : "",
                                             "rotated, unlike the sequence's codec ", o.ToString()));
+  if (((h->flags & kBlockSparse) != 0) != (o.sparse_values > 0))
+    return absl::DataLossError(
+        absl::StrCat("value block ", o.sparse_values > 0 ? "without" : "with",
+                     " a dense-and-sparse list, unlike the sequence's codec ", o.ToString()));
+  const int n_sparse = SparseCount(o, false);
   const int d = o.head_dim, G = o.key_group, ng = o.value_groups();
   ValueBlockView v;
   v.rotated = o.rotate_values;
@@ -455,6 +567,7 @@ absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
       v.token_bits[t] = static_cast<uint8_t>(((p[t / 4] >> (2 * (t % 4))) & 3) + 1);
       need += 4 * ng + RowBytes(d, v.token_bits[t]);
     }
+    need += kSparseEntryBytes * n_sparse;
     p += (G + 3) / 4;
   } else {
     for (int t = 0; t < G; ++t) v.token_bits[t] = static_cast<uint8_t>(o.value_bits);
@@ -464,6 +577,12 @@ absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
     return absl::DataLossError(absl::StrCat("value block is ", block.size(), " bytes, expected ",
                                             need, " (truncated or padded)"));
   v.payload = p;
+  if (n_sparse > 0) {
+    v.sparse = block.data() + block.size() - kSparseEntryBytes * n_sparse;
+    v.sparse_count = n_sparse;
+    if (!sparse::ListValid(v.sparse, n_sparse, G, d))
+      return absl::DataLossError("value block's dense-and-sparse list names a position outside it");
+  }
   return v;
 }
 
@@ -474,20 +593,13 @@ BlockReader::BlockReader(const CodecOptions& o, bool verify)
       key_bytes_(KeyBlockBytes(o)),
       value_bytes_(ValueBlockBytes(o)) {
   const int r = o.rank;
-  WriteHeaderFields(key_head_, KindByte(1, o.rotate_keys), o.key_bits, r > 0 ? o.side_bits : 0,
-                    o.key_group, o.head_dim, r);
-  WriteHeaderFields(value_head_, KindByte(2, o.rotate_values), o.value_bits, 0, o.key_group,
-                    o.head_dim, o.value_group);
+  WriteHeaderFields(key_head_, KindByte(1, o.rotate_keys, o.sparse_keys > 0), o.key_bits,
+                    r > 0 ? o.side_bits : 0, o.key_group, o.head_dim, r);
+  WriteHeaderFields(value_head_, KindByte(2, o.rotate_values, o.sparse_values > 0), o.value_bits, 0,
+                    o.key_group, o.head_dim, o.value_group);
   key_hash_ = XXH3_64bits(key_head_, 12);
   value_hash_ = XXH3_64bits(value_head_, 12);
   const int d = o.head_dim, G = o.key_group;
-  KeyBlockView& k = key_view_;
-  k.bits = o.key_bits;
-  k.side_bits = r > 0 ? o.side_bits : 0;
-  k.tokens = G;
-  k.head_dim = d;
-  k.rank = r;
-  k.rotated = o.rotate_keys;
   ValueBlockView& v = value_view_;
   v.bits = o.value_bits;
   v.tokens = G;
@@ -495,6 +607,7 @@ BlockReader::BlockReader(const CodecOptions& o, bool verify)
   v.value_group = o.value_group;
   v.rotated = o.rotate_values;
   for (int t = 0; t < G; ++t) v.token_bits[t] = static_cast<uint8_t>(o.value_bits);
+  v.sparse_count = SparseCount(o, false);
 }
 
 bool BlockReader::Matches(std::span<const uint8_t> b, const uint8_t* head, uint64_t head_hash,
@@ -511,17 +624,7 @@ absl::Status BlockReader::Key(std::span<const uint8_t> b, KeyBlockView* v) const
     ASSIGN_OR_RETURN(*v, ParseKeyBlock(b, o_, verify_));
     return absl::OkStatus();
   }
-  const int d = o_.head_dim, r = o_.rank;
-  *v = key_view_;
-  v->scale = reinterpret_cast<const uint16_t*>(b.data() + kBlockHeaderBytes);
-  v->zero = v->scale + d;
-  v->codes = reinterpret_cast<const uint8_t*>(v->zero + d);
-  if (r > 0) {
-    v->side_scale =
-        reinterpret_cast<const uint16_t*>(v->codes + d * RowBytes(o_.key_group, v->bits));
-    v->side_zero = v->side_scale + r;
-    v->side_codes = reinterpret_cast<const uint8_t*>(v->side_zero + r);
-  }
+  *v = KeyViewAt(o_, b.data());
   return absl::OkStatus();
 }
 
@@ -532,6 +635,7 @@ absl::Status BlockReader::Value(std::span<const uint8_t> b, ValueBlockView* v) c
   }
   *v = value_view_;
   v->payload = b.data() + kBlockHeaderBytes;
+  if (v->sparse_count > 0) v->sparse = b.data() + b.size() - kSparseEntryBytes * v->sparse_count;
   return absl::OkStatus();
 }
 
@@ -618,6 +722,8 @@ void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n
                     scale * side_sign, include_base, out, out_stride);
   else if (!include_base)
     for (int i = 0; i < n_q; ++i) std::fill(out + i * out_stride, out + i * out_stride + G, 0.0f);
+  if (include_base && b.sparse)
+    sparse::AddToScores(b.sparse, b.sparse_count, G, d, q, n_q, scale, out, out_stride);
 }
 
 void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride, int n_q,
@@ -638,6 +744,9 @@ void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride
   }
   K().readout_rows(b.payload, b.token_bits, b.tokens, b.head_dim, b.value_group, p, p_stride, n_q,
                    out, out_stride);
+  if (b.sparse)
+    sparse::AddToReadout(b.sparse, b.sparse_count, b.tokens, b.head_dim, p, p_stride, n_q, out,
+                         out_stride);
 }
 
 void DecodeKeyBase(const KeyBlockView& b, float* out) {
@@ -648,15 +757,17 @@ void DecodeKeyBase(const KeyBlockView& b, float* out) {
 }
 void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float side_sign, float* out) {
   DecodeKeyBase(b, out);
-  if (b.rank == 0 || basis == nullptr) return;
-  K().add_low_rank(b.side_codes, b.side_bits, b.rank, b.tokens, b.side_scale, b.side_zero,
-                   side_sign, basis, b.head_dim, out, b.head_dim);
+  if (b.rank > 0 && basis != nullptr)
+    K().add_low_rank(b.side_codes, b.side_bits, b.rank, b.tokens, b.side_scale, b.side_zero,
+                     side_sign, basis, b.head_dim, out, b.head_dim);
+  if (b.sparse) sparse::AddToRows(b.sparse, b.sparse_count, b.tokens, b.head_dim, out, b.head_dim);
 }
 void DecodeValueBlock(const ValueBlockView& b, float* out) {
   const int d = b.head_dim;
   K().dequantize_rows(b.payload, b.token_bits, b.tokens, d, b.value_group, out, d);
   if (b.rotated)
     for (int t = 0; t < b.tokens; ++t) Rotate(out + static_cast<size_t>(t) * d, d);
+  if (b.sparse) sparse::AddToRows(b.sparse, b.sparse_count, b.tokens, d, out, d);
 }
 
 }  // namespace kvq::core

@@ -42,6 +42,12 @@ inline constexpr uint8_t kBlockVersion = 2;
 // with a flag set, so that codecs without one keep writing version-2 bytes.
 inline constexpr uint8_t kBlockVersionFlags = 3;
 inline constexpr uint8_t kBlockRotated = 0x10;
+// Version 3 flag: the block ends with a dense-and-sparse list (CodecOptions::sparse_keys /
+// sparse_values): n entries of u16 position (t * head_dim + c) | fp16 delta, the exact element
+// minus what the codes decode to there, sorted by position (unused entries: position 0, delta
+// 0). Reads add the deltas: decodes at (t, c), scores scale * q_c * delta, readouts p_t * delta.
+inline constexpr uint8_t kBlockSparse = 0x20;
+inline constexpr size_t kSparseEntryBytes = 4;
 inline constexpr size_t kBlockHeaderBytes = 16;
 // The largest key or value magnitude an append accepts: the fp16 maximum, since each group's
 // zero point is its minimum stored in fp16 (a larger element would make it infinite and the
@@ -110,6 +116,16 @@ struct CodecOptions {
   // instead of nearest rounding per channel; the scales and zero points stay. Needs the
   // basis's value metric (else nearest rounding).
   bool value_metric_rounding = false;
+  // Dense-and-sparse (KVQuant): per mille of each key (value) block's G x d elements kept
+  // exactly beside the codes, 0..100 (a fixed count a block, SparseCount). Which ones: the
+  // elements at the ends of their quantization ranges (a key channel over the block's tokens; a
+  // value token's channel group) whose removal shrinks those ranges most (TrimOutliers); they
+  // are clamped into the remaining range for the codes and their exact values restored on every
+  // read through a delta (kBlockSparse). Costs 32 bits an element. Not with a rotation of the
+  // same tensor (it spreads outliers before they are seen); the fp16 sinks' stand-in rows are
+  // never chosen.
+  int sparse_keys = 0;
+  int sparse_values = 0;
   // Verify the block checksum on every score/readout/decode (true) or only when a
   // block is read out whole (GetBlocks, moves) and by the store's scrub (false).
   bool verify_on_read = true;
@@ -121,12 +137,24 @@ struct CodecOptions {
   std::string ToString() const;
 };
 
+// Entries of a key (keys true) or value block's dense-and-sparse list: the codec's per mille of
+// its G x d elements, rounded to nearest.
+int SparseCount(const CodecOptions& o, bool keys);
+
 // Bytes of one encoded key block (fixed for given options).
 size_t KeyBlockBytes(const CodecOptions& o);
 // Bytes of one encoded value block with uniform bits; for kA2 the maximum is returned by
 // MaxValueBlockBytes and the actual size depends on the chosen widths.
 size_t ValueBlockBytes(const CodecOptions& o);
 size_t MaxValueBlockBytes(const CodecOptions& o);
+
+// What the dense-and-sparse encoder needs beyond the rows (CodecOptions::sparse_keys /
+// sparse_values); null: the block's first rows are real and keys decode with U (basis_t
+// transposed).
+struct SparseEncode {
+  const float* decode_basis = nullptr;  // keys: B [d][r] that reads decode with (oblique pair)
+  int skip_rows = 0;  // rows [0, skip_rows) are never kept exact (the fp16 sinks' stand-ins)
+};
 
 // keys: [G][d] fp32 token-major, row stride `ld` elements. basis: U as [d][r] row-major
 // (orthonormal columns), may be null only when o.rank == 0. Appends the block to `out`.
@@ -140,8 +168,10 @@ absl::Status EncodeKeyBlock(const CodecOptions& o, const float* keys, int64_t ld
 // rounding: null (nearest rounding) or the metric factor of KeyRoundingFactor: the base
 // codes are then chosen by MetricRound.
 template <class ByteVec>
+// sparse: see SparseEncode (used when o.sparse_keys > 0).
 absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t ld,
-                             const float* basis_t, ByteVec* out, const float* rounding = nullptr);
+                             const float* basis_t, ByteVec* out, const float* rounding = nullptr,
+                             const SparseEncode* sparse = nullptr);
 
 // The factor metric rounding uses for one head: the upper Cholesky factor of H^-1 [d][d]
 // row-major, H = P^T M P + damping, M = E[q q^T] [d][d] and P = I - B A^T the part of a key
@@ -157,7 +187,8 @@ std::vector<float> KeyRoundingFactor(const float* moment, int d, const float* de
 template <class ByteVec>
 absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_t ld,
                               const uint8_t* bits_per_token, ByteVec* out,
-                              const float* rounding = nullptr);
+                              const float* rounding = nullptr,
+                              const SparseEncode* sparse = nullptr);
 
 // The factor value metric rounding uses for one head: the upper Cholesky factor of
 // (M + damping)^-1 [d][d] row-major, M the head's value metric [d][d] (ModelBasis::
@@ -174,6 +205,8 @@ struct KeyBlockView {
   const uint16_t* side_scale = nullptr;
   const uint16_t* side_zero = nullptr;
   const uint8_t* side_codes = nullptr;  // [r][tokens*side_bits/8]
+  const uint8_t* sparse = nullptr;      // dense-and-sparse entries (kBlockSparse), or null
+  int sparse_count = 0;
 };
 
 struct ValueBlockView {
@@ -182,6 +215,8 @@ struct ValueBlockView {
   bool rotated = false;              // values stored as H v (see CodecOptions::rotate_values)
   const uint8_t* payload = nullptr;  // first token record: fp16 scale[ng] | zero[ng] | codes
   uint8_t token_bits[128] = {};      // width of each token (<= 128 tokens per block)
+  const uint8_t* sparse = nullptr;   // dense-and-sparse entries (kBlockSparse), or null
+  int sparse_count = 0;
 };
 
 // Checks magic, version, kind, every field against `o` (when `o` is given), the size, and
@@ -212,8 +247,7 @@ class BlockReader {
   uint8_t key_head_[12], value_head_[12];
   uint64_t key_hash_, value_hash_;
   size_t key_bytes_, value_bytes_;
-  KeyBlockView key_view_;  // the fields; the fast path sets the pointers
-  ValueBlockView value_view_;
+  ValueBlockView value_view_;  // the fields; the fast path sets the pointers
 };
 
 // Verifies only the checksum and the header (for scrubs and whole-block reads).

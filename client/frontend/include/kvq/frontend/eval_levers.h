@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/codec.h"
+#include "kvq/core/outliers.h"
 #include "kvq/frontend/nuq.h"
 #include "kvq/frontend/rope.h"
 
@@ -53,13 +54,8 @@ inline constexpr int kOutlierBits = 32;
 // decoding (no A^2 per-token widths).
 absl::Status CheckLevers(const EvalLevers& levers, const core::CodecOptions& o);
 
-// Dense-and-sparse trimming. `units` partition (some of) the elements of x into quantization
-// ranges (each unit is quantized between its min and max). Removes up to `budget` elements,
-// each time the one at an end of its unit whose removal shrinks size * range^2 (the unit's
-// squared quantization error, up to a constant) the most, leaving at least two per unit; the
-// removed elements are clamped into their unit's remaining range in x. Returns their indices.
-std::vector<int64_t> TrimOutliers(float* x, const std::vector<std::vector<int64_t>>& units,
-                                  int64_t budget);
+// Dense-and-sparse trimming: core::TrimOutliers (kvq/core/outliers.h).
+using core::TrimOutliers;
 
 class LeverFeed {
  public:
