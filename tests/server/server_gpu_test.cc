@@ -121,12 +121,16 @@ TEST_F(GpuStandInServer, AttendsAgreeAndStatsNameThePoolAndBackend) {
   ASSERT_TRUE(stub->Stats(ctx.get(), v1::StatsRequest(), &stats).ok());
   EXPECT_EQ(stats.memory_pool(), "gpu");
   EXPECT_THAT(stats.compute_backend(), ::testing::StartsWith("cuda-host+"));
-  // The metrics: the backend's attends and the bytes the score copied back (refreshed by the
-  // housekeeping thread every 20 ms).
+  // The metrics: the backend's attends and the bytes the score copied back (the attends copy
+  // nothing back: their checksums are verified on the backend), refreshed by the housekeeping
+  // thread every 20 ms, so polled until both have been published.
   std::string metrics;
   for (int i = 0; i < 250; ++i) {
     metrics = HttpGet(gpu_->server().metrics_port(), "/metrics", 5);
-    if (metrics.find("kvq_attend_backend_calls_total{backend=\"cuda-host\"}") != std::string::npos)
+    if (metrics.find("kvq_attend_backend_calls_total{backend=\"cuda-host\"}") !=
+            std::string::npos &&
+        metrics.find("kvq_block_copy_back_bytes_total ") != std::string::npos &&
+        metrics.find("kvq_block_copy_back_bytes_total 0\n") == std::string::npos)
       break;
     absl::SleepFor(absl::Milliseconds(20));
   }
