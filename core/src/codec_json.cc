@@ -24,6 +24,8 @@ nlohmann::json CodecToJson(const CodecOptions& c) {
   // Written only when set, so that every codec.json written before the field existed (and
   // what this build writes for those codecs) stays byte for byte the same.
   if (c.value_metric_rounding) j["value_metric_rounding"] = true;
+  if (c.sparse_keys > 0) j["sparse_keys"] = c.sparse_keys;
+  if (c.sparse_values > 0) j["sparse_values"] = c.sparse_values;
   return j;
 }
 
@@ -51,6 +53,8 @@ absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, Cod
   RETURN_IF_ERROR(f.Bool("rotate_values", &c->rotate_values));
   RETURN_IF_ERROR(f.Bool("metric_rounding", &c->metric_rounding));
   RETURN_IF_ERROR(f.Bool("value_metric_rounding", &c->value_metric_rounding));
+  RETURN_IF_ERROR(f.Int("sparse_keys", &c->sparse_keys));
+  RETURN_IF_ERROR(f.Int("sparse_values", &c->sparse_values));
   return absl::OkStatus();
 }
 

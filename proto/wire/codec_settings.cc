@@ -36,6 +36,8 @@ absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o) {
   c.set_rotate_values(o.rotate_values ? 1 : -1);
   c.set_metric_rounding(o.metric_rounding ? 1 : -1);
   c.set_fp16_sinks(ZeroAsNone(o.fp16_sinks));
+  c.set_sparse_keys(ZeroAsNone(o.sparse_keys));
+  c.set_sparse_values(ZeroAsNone(o.sparse_values));
   return c;
 }
 
@@ -66,7 +68,11 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
         std::tuple{"sink_tokens", s.sink_tokens(),
                    "-1 (none), 0 (none; unset: the model's default) or 1..1024"},
         std::tuple{"fp16_sinks", s.fp16_sinks(),
-                   "-1 (none), 0 (none; unset: the model's default) or 1..16"}}) {
+                   "-1 (none), 0 (none; unset: the model's default) or 1..16"},
+        std::tuple{"sparse_keys", s.sparse_keys(),
+                   "-1 (none), 0 (none; unset: the model's default) or 1..100 per mille"},
+        std::tuple{"sparse_values", s.sparse_values(),
+                   "-1 (none), 0 (none; unset: the model's default) or 1..100 per mille"}}) {
     if (v < -1) return bad(name, v, limit);
   }
   if (!v1::CodecSettings::ValuePolicy_IsValid(s.value_policy())) {
@@ -87,8 +93,8 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
     if (v < -1 || v > 1) return bad(name, v, "0 (the model's default), 1 (on) or -1 (off)");
   }
   core::CodecOptions c = base;
-  // Where 0 is a setting (rank, window, sink_tokens, fp16_sinks): unset keeps base's, a set
-  // value is taken as sent, -1 (the form of clients without presence) meaning 0 too.
+  // Where 0 is a setting (rank, window, sink_tokens, fp16_sinks, sparse_*): unset keeps base's, a
+  // set value is taken as sent, -1 (the form of clients without presence) meaning 0 too.
   auto set = [](bool has, int32_t v, int* to) {
     if (has) *to = v == -1 ? 0 : v;
   };
@@ -108,6 +114,8 @@ absl::StatusOr<core::CodecOptions> MergeCodec(const core::CodecOptions& base,
   set(s.has_sink_tokens(), s.sink_tokens(), &c.sink_tokens);
   set(s.has_window(), s.window(), &c.window);
   set(s.has_fp16_sinks(), s.fp16_sinks(), &c.fp16_sinks);
+  set(s.has_sparse_keys(), s.sparse_keys(), &c.sparse_keys);
+  set(s.has_sparse_values(), s.sparse_values(), &c.sparse_values);
   auto set_switch = [](int32_t v, bool* on) {
     if (v != 0) *on = v > 0;
   };

@@ -168,7 +168,11 @@ TEST(CodecLeversServeTest, BadEncodeBasesAndMomentsAreRefusedNamingWhat) {
 // to one and not the other fails here), and a codec sent in the request form and merged over
 // any base is that codec again, every field of it.
 TEST(CodecWireTest, FieldsAreCodecJsonKeysAndEveryCodecRoundTrips) {
-  const nlohmann::json keys = core::CodecToJson(core::CodecOptions{});
+  // codec.json writes the dense-and-sparse fields only when set (so older entries' files stay
+  // as they were): a codec with them set names every key that has a wire form.
+  core::CodecOptions all;
+  all.sparse_keys = all.sparse_values = 1;
+  const nlohmann::json keys = core::CodecToJson(all);
   const google::protobuf::Descriptor* d = v1::CodecSettings::descriptor();
   ASSERT_EQ(static_cast<size_t>(d->field_count()), keys.size());
   for (int i = 0; i < d->field_count(); ++i)
@@ -180,6 +184,7 @@ TEST(CodecWireTest, FieldsAreCodecJsonKeysAndEveryCodecRoundTrips) {
   codecs[2].value_policy = core::ValuePolicy::kA2, codecs[2].value_budget = 2.5f;
   codecs[2].sink_tokens = 0, codecs[2].window = 64, codecs[2].value_group = 64;
   codecs[3].value_bits = 3, codecs[3].rotate_values = true, codecs[3].fp16_sinks = 16;
+  codecs[2].sparse_keys = 5, codecs[2].sparse_values = 10, codecs[1].sparse_values = 3;
   core::CodecOptions base;
   base.rank = 8, base.window = 16, base.sink_tokens = 9, base.fp16_sinks = 2;
   base.rotate_keys = base.rotate_values = base.metric_rounding = true;

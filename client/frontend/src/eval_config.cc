@@ -94,6 +94,11 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
     } else if (ParseSuffixInt(p, "spv", &v)) {
       if (c.keys_only) return bad("spv trims values; use a kv target");
       c.levers.value_outliers_permille = v;
+    } else if (ParseSuffixInt(p, "sk", &v)) {
+      o.sparse_keys = v;  // the codec's dense-and-sparse keys (Validate checks the range)
+    } else if (ParseSuffixInt(p, "sv", &v)) {
+      if (c.keys_only) return bad("sv<N> keeps value elements exact; use a kv target");
+      o.sparse_values = v;
     } else if (p == "obl") {
       c.basis = BasisKind::kOblique;
     } else if (p == "resw") {

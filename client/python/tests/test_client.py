@@ -97,6 +97,13 @@ def test_register_oblique_basis_with_query_moments_and_lever_codec(client, kvq_s
     assert (r2.model.codec.fp16_sinks, r2.model.codec.rank, r2.model.codec.key_group) == (4, -1, 128)
     with pytest.raises(kvq.KvqError, match="fp16_sinks = 17: must be in"):
         client.register_basis(dict(info, model="obl-bad", codec=kvq.CodecSettings(fp16_sinks=17)), u)
+    # Dense-and-sparse travels too (a 0 in codec.json a real 0), and its limits are the server's.
+    sp = kvq.CodecSettings.from_codec_json({"sparse_keys": 5, "sparse_values": 0, "rotate_keys": False})
+    assert (sp.sparse_keys, sp.sparse_values) == (5, -1)
+    r3 = client.register_basis(dict(info, model="obl-sparse", codec=sp), u, encode_basis=a, query_moment=m)
+    assert (r3.model.codec.sparse_keys, r3.model.codec.sparse_values) == (5, -1)
+    with pytest.raises(kvq.KvqError, match="sparse_keys"):
+        client.register_basis(dict(info, model="obl-sparse-bad", codec=kvq.CodecSettings(sparse_keys=101)), u)
     # A^T B != I is refused by the server, naming the layer and head.
     bad = [x.copy() for x in a]
     bad[1][0, :, 2] *= 2

@@ -123,6 +123,8 @@ def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[k
         sink_tokens=c.sink_tokens,
         window=c.window,
         fp16_sinks=c.fp16_sinks,
+        sparse_keys=c.sparse_keys,
+        sparse_values=c.sparse_values,
     )
     # CodecSettings' fields have presence (proto3 optional): a field given to the constructor
     # is sent even at 0, and the server takes a rank, window, sink_tokens or fp16_sinks set to

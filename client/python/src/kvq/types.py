@@ -40,7 +40,9 @@ class CodecSettings:
     value_policy "default" | "uniform" | "a2"; value_budget (A2) 1.0..4.0 bits;
     sink_tokens (A2) positions kept at 4 bits (-1: 0); window (R) recent tokens kept at
     arrival precision (-1: 0); fp16_sinks 1..16: a sequence's first positions kept exact at
-    fp16 beside its first blocks (-1: none). Switches rotate_keys / rotate_values
+    fp16 beside its first blocks (-1: none); sparse_keys / sparse_values 1..100: per mille of
+    each key / value block's elements kept exact beside the codes (-1: none). Switches
+    rotate_keys / rotate_values
     (Walsh-Hadamard rotation before quantization, head_dim a power of two) and
     metric_rounding (keys rounded in the query metric; the basis must carry query moments):
     0 the model's default, 1 (or True) on, -1 (or False) off. Fields and names are
@@ -64,6 +66,8 @@ class CodecSettings:
     rotate_values: int = 0
     metric_rounding: int = 0
     fp16_sinks: int = 0
+    sparse_keys: int = 0
+    sparse_values: int = 0
 
     @classmethod
     def from_codec_json(cls, d: Mapping[str, Any]) -> "CodecSettings":
@@ -78,7 +82,7 @@ class CodecSettings:
         for k, v in d.items():
             if isinstance(v, bool):
                 v = 1 if v else -1
-            elif k in ("rank", "window", "sink_tokens", "fp16_sinks") and v == 0:
+            elif k in ("rank", "window", "sink_tokens", "fp16_sinks", "sparse_keys", "sparse_values") and v == 0:
                 v = -1
             out[k] = v
         return cls(**out)

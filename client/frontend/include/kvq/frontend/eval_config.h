@@ -48,6 +48,11 @@
 //                         on the validation text (--calib-text) within kvq's own groups
 //                         (nuq.h); keys on books: kivi only, not with mr or rotk; values on
 //                         books: not with vmr or rotv
+//              sk<N>, sv<N>  dense-and-sparse in the codec: N per mille of each key / value
+//                         block's elements kept exact beside the codes (CodecOptions::
+//                         sparse_keys / sparse_values; the block's list counted in the bits);
+//                         spk<N> / spv<N> are the evaluation-only version measured before it
+//                         (a budget per group of all KV heads, not per block)
 //              sink<N>    attention sinks: a sequence's first N positions (1..16) kept at
 //                         fp16, keys and values, beside the codec's first group
 //                         (CodecOptions::fp16_sinks; counted in the at-context bits)

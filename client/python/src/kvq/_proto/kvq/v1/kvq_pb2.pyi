@@ -29,7 +29,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CodecSettings(_message.Message):
-    __slots__ = ("key_bits", "key_group", "rank", "side_bits", "value_bits", "value_group", "value_policy", "value_budget", "sink_tokens", "window", "rotate_keys", "rotate_values", "metric_rounding", "fp16_sinks")
+    __slots__ = ("key_bits", "key_group", "rank", "side_bits", "value_bits", "value_group", "value_policy", "value_budget", "sink_tokens", "window", "rotate_keys", "rotate_values", "metric_rounding", "fp16_sinks", "sparse_keys", "sparse_values")
     class ValuePolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         VALUE_POLICY_DEFAULT: _ClassVar[CodecSettings.ValuePolicy]
@@ -52,6 +52,8 @@ class CodecSettings(_message.Message):
     ROTATE_VALUES_FIELD_NUMBER: _ClassVar[int]
     METRIC_ROUNDING_FIELD_NUMBER: _ClassVar[int]
     FP16_SINKS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_VALUES_FIELD_NUMBER: _ClassVar[int]
     key_bits: int
     key_group: int
     rank: int
@@ -66,7 +68,9 @@ class CodecSettings(_message.Message):
     rotate_values: int
     metric_rounding: int
     fp16_sinks: int
-    def __init__(self, key_bits: _Optional[int] = ..., key_group: _Optional[int] = ..., rank: _Optional[int] = ..., side_bits: _Optional[int] = ..., value_bits: _Optional[int] = ..., value_group: _Optional[int] = ..., value_policy: _Optional[_Union[CodecSettings.ValuePolicy, str]] = ..., value_budget: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., window: _Optional[int] = ..., rotate_keys: _Optional[int] = ..., rotate_values: _Optional[int] = ..., metric_rounding: _Optional[int] = ..., fp16_sinks: _Optional[int] = ...) -> None: ...
+    sparse_keys: int
+    sparse_values: int
+    def __init__(self, key_bits: _Optional[int] = ..., key_group: _Optional[int] = ..., rank: _Optional[int] = ..., side_bits: _Optional[int] = ..., value_bits: _Optional[int] = ..., value_group: _Optional[int] = ..., value_policy: _Optional[_Union[CodecSettings.ValuePolicy, str]] = ..., value_budget: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., window: _Optional[int] = ..., rotate_keys: _Optional[int] = ..., rotate_values: _Optional[int] = ..., metric_rounding: _Optional[int] = ..., fp16_sinks: _Optional[int] = ..., sparse_keys: _Optional[int] = ..., sparse_values: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model", "version", "layers", "kv_heads", "q_heads", "head_dim", "basis_rank", "has_basis", "fingerprint", "rope_layout", "channel_order", "kind", "codec", "live_sequences", "calibration_tokens", "oblique", "has_query_moment")
