@@ -103,12 +103,24 @@ class CalibrateCodec : public ::testing::Test {
     EXPECT_EQ(sink_probe[0]["name"], lever_name + "-" + kSinkLever);
     const bool sinks = sink_probe[0]["ppl"].get<double>() < best_lever;
     EXPECT_EQ(s["sink_lever"], sinks ? kSinkLever : "");
+    // Stage 1c: the probe so far with dense-and-sparse; taken when its perplexity is lower.
+    const std::string so_far = sinks ? sink_probe[0]["name"].get<std::string>() : lever_name;
+    const double so_far_ppl = sinks ? sink_probe[0]["ppl"].get<double>() : best_lever;
+    const nlohmann::json& sparse_probe = s["sparse_lever_search"]["candidates"];
+    EXPECT_EQ(sparse_probe.size(), 1u);
+    EXPECT_EQ(sparse_probe[0]["name"], WithSparseLever(so_far));
+    const bool sparse =
+        sparse_probe[0]["name"] != so_far && sparse_probe[0]["ppl"].get<double>() < so_far_ppl;
+    EXPECT_EQ(s["sparse_lever"], sparse);
     // Stage 2: every candidate of the list with that lever (and once more with the sinks
-    // when they paid), in its order, with its bits; over the budget: skipped.
+    // when they paid, and with dense-and-sparse when it paid), in its order, with its bits;
+    // over the budget: skipped.
     std::vector<std::string> names;
     for (const std::string& n : CodecSearchCandidates()) {
       names.push_back(WithKeyLever(n, s["key_lever"].get<std::string>()));
       if (sinks) names.push_back(names.back() + "-" + kSinkLever);
+      if (sparse && WithSparseLever(names.back()) != names.back())
+        names.push_back(WithSparseLever(names.back()));
     }
     EXPECT_EQ(s["candidates"].size(), names.size());
     nlohmann::json chosen;

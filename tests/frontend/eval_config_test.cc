@@ -174,6 +174,25 @@ TEST(CodecSearch, EveryCandidateIsACodecAndItsBitsAreTheBlockSizes) {
   EXPECT_EQ((*with)[1].skipped, "3.188 bits > 3.100");
 }
 
+// The dense-and-sparse lever: keys and values unless the name rotates them; its lists are
+// counted in the bits (0.16 bits per element each for keys and values at 5 per mille of 128 x
+// 64 elements: 41 entries of 4 bytes per block).
+TEST(CodecSearch, TheSparseLeverAppliesWhereNoRotationSpreadsTheOutliers) {
+  EXPECT_EQ(WithSparseLever("headq-kv2-g128-obl-mr-sink4"), "headq-kv2-g128-obl-mr-sink4-sk5-sv5");
+  EXPECT_EQ(WithSparseLever("headq-kv2-g128-rotk-mr"), "headq-kv2-g128-rotk-mr-sv5");
+  EXPECT_EQ(WithSparseLever("headq-kv2-g128-rot"), "headq-kv2-g128-rot");
+  for (const std::string& l : KeyLevers())
+    for (const std::string& n : CodecSearchCandidates())
+      EXPECT_TRUE(ParseEvalConfig(WithSparseLever(WithKeyLever(n, l))).ok())
+          << WithSparseLever(WithKeyLever(n, l));
+  auto plan = PlanCodecSearch({"headq-kv2-g128", "headq-kv2-g128-sk5-sv5"}, 64, 4, 9.0);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ((*plan)[1].codec.sparse_keys, 5);
+  EXPECT_EQ((*plan)[1].codec.sparse_values, 5);
+  EXPECT_DOUBLE_EQ((*plan)[1].bits.k - (*plan)[0].bits.k, 8.0 * 4 * 41 / (128 * 64));
+  EXPECT_DOUBLE_EQ((*plan)[1].bits.v - (*plan)[0].bits.v, 8.0 * 4 * 41 / (128 * 64));
+}
+
 TEST(CodecSearch, KeyLeversApplyToEveryCandidateAndKiviHasNoObliquePair) {
   EXPECT_EQ(WithKeyLever("headq-kv3-g128", ""), "headq-kv3-g128");
   EXPECT_EQ(WithKeyLever("headq-kv3-g128", "obl-mr"), "headq-kv3-g128-obl-mr");

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "kvq/core/codec_json.h"
 #include "kvq/core/status.h"
 #include "kvq/frontend/eval_config.h"
@@ -71,6 +72,15 @@ std::string WithKeyLever(const std::string& name, const std::string& lever) {
   if (name.rfind("kivi", 0) == 0 && l.rfind("obl", 0) == 0)
     l = l.find('-') == std::string::npos ? "" : l.substr(l.find('-') + 1);
   return l.empty() ? name : absl::StrCat(name, "-", l);
+}
+
+std::string WithSparseLever(const std::string& name) {
+  const std::vector<std::string> parts = absl::StrSplit(name, '-');
+  auto has = [&](const char* p) { return std::find(parts.begin(), parts.end(), p) != parts.end(); };
+  std::string out = name;
+  if (!has("rotk") && !has("rot")) absl::StrAppend(&out, "-sk", kSparseLeverPermille);
+  if (!has("rotv") && !has("rot")) absl::StrAppend(&out, "-sv", kSparseLeverPermille);
+  return out;
 }
 
 absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<std::string>& names,

@@ -184,12 +184,21 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
   auto sink_probe = search({absl::StrCat(no_sinks.name, "-", kSinkLever)}, 1e9, "sink lever");
   if (!sink_probe.ok()) return Fail(sink_probe.status());
   const bool sinks = sink_probe->first[0].ppl < no_sinks.ppl;
+  // Stage 1c: whether dense-and-sparse pays: the probe so far (the lever, the sinks when they
+  // paid) with the sparse lever.
+  const CodecSearchRow& probe_so_far = sinks ? sink_probe->first[0] : no_sinks;
+  auto sparse_probe = search({WithSparseLever(probe_so_far.name)}, 1e9, "dense-and-sparse lever");
+  if (!sparse_probe.ok()) return Fail(sparse_probe.status());
+  const bool sparse = sparse_probe->first[0].name != probe_so_far.name &&
+                      sparse_probe->first[0].ppl < probe_so_far.ppl;
   // Stage 2: the codec within the budget, every candidate with that lever (and each once
-  // more with the sinks, when they paid).
+  // more with the sinks, when they paid, and once more with dense-and-sparse, when it paid).
   std::vector<std::string> names;
   for (const std::string& n : CodecSearchCandidates()) {
     names.push_back(WithKeyLever(n, lever));
     if (sinks) names.push_back(absl::StrCat(names.back(), "-", kSinkLever));
+    if (sparse && WithSparseLever(names.back()) != names.back())
+      names.push_back(WithSparseLever(names.back()));
   }
   // One evaluation serves every budget: the rows up to the largest, a choice per budget.
   const double max_bits = budgets[0], largest = *std::max_element(budgets.begin(), budgets.end());
@@ -235,6 +244,9 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
     js["sink_lever"] = sinks ? kSinkLever : "";
     js["sink_lever_search"] =
         CodecSearchJson(sink_probe->first, 1e9, flags.Get("text"), windows, window_len);
+    js["sparse_lever"] = sparse;
+    js["sparse_lever_search"] =
+        CodecSearchJson(sparse_probe->first, 1e9, flags.Get("text"), windows, window_len);
     js["basis"] =
         best.oblique ? "oblique_rrr (DIR; the query PCA in DIR/query-pca)" : "query PCA (DIR)";
     st = WriteFile(dir + "/codec-search.json", js.dump(2) + "\n");

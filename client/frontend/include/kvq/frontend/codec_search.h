@@ -50,6 +50,14 @@ inline constexpr char kSinkLever[] = "sink4";
 // `name` with `lever` applied: headq names get it whole, kivi names its codec parts only
 // (they have no basis to make oblique).
 std::string WithKeyLever(const std::string& name, const std::string& lever);
+// The dense-and-sparse lever (CodecOptions::sparse_keys / sparse_values, this per mille of
+// each block): tried on the probe after the sink lever, and when it lowers the probe's
+// perplexity every candidate is searched once more with it (the budget decides: its lists
+// cost 32 bits an element, 0.16 bits per element at 5 per mille).
+inline constexpr int kSparseLeverPermille = 5;
+// `name` with the sparse lever for the tensors it applies to: keys unless the name rotates
+// them (rotk, rot), values unless it rotates them (rotv, rot); `name` itself when neither.
+std::string WithSparseLever(const std::string& name);
 
 struct CodecSearchRow {
   std::string name;
