@@ -363,9 +363,15 @@ TEST(CodecLeversServeTest, SequencesReadAsAnInProcessLeverCache) {
   core::CodecOptions override_codec = model_codec;
   override_codec.rotate_values = true;
   override_codec.metric_rounding = false;
+  // Dense-and-sparse (not with rotated keys): its lists are read on every path.
+  core::CodecOptions sparse_codec = model_codec;
+  sparse_codec.rotate_keys = false;
+  sparse_codec.sparse_keys = 10;
+  sparse_codec.sparse_values = 20;
 
   for (const auto& [seq, codec] : {std::pair{std::string("model"), model_codec},
-                                   std::pair{std::string("over"), override_codec}}) {
+                                   std::pair{std::string("over"), override_codec},
+                                   std::pair{std::string("sparse"), sparse_codec}}) {
     SCOPED_TRACE(seq);
     const int layer = 1;
     auto k = RandomKV(kv, T, d, 5), v = RandomKV(kv, T, d, 6);
@@ -374,11 +380,19 @@ TEST(CodecLeversServeTest, SequencesReadAsAnInProcessLeverCache) {
       a.mutable_codec()->set_rotate_values(1);
       a.mutable_codec()->set_metric_rounding(-1);
     }
+    if (seq == "sparse") {
+      a.mutable_codec()->set_rotate_keys(-1);
+      a.mutable_codec()->set_sparse_keys(10);
+      a.mutable_codec()->set_sparse_values(20);
+    }
     v1::PutBlocksRequest m;
     *m.add_appends() = a;
     v1::PutBlocksResponse put;
     grpc::Status st = Put(*stub, {m}, &put);
     ASSERT_TRUE(st.ok()) << st.error_message();
+    absl::StatusOr<core::SequenceInfo> info = ts.server().store().Describe("default", seq);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(core::CodecToJson(info->codec), core::CodecToJson(codec));
 
     const std::vector<float> u = LayerBasis(b, layer, codec.rank);
     const std::vector<float> enc = LayerBasis(b, layer, codec.rank, /*encode=*/true);
