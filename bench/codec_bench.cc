@@ -330,6 +330,11 @@ std::vector<CodecRow> FrontierCodecs(int d) {
     o.fp16_sinks = sinks;
     return o;
   };
+  auto sparse = [](CodecOptions o, int keys, int values) {
+    o.sparse_keys = keys;
+    o.sparse_values = values;
+    return o;
+  };
   const CodecOptions base = with(3, 128, 4, 4, 2, 32);
   return {
       {"k3g128-r4s4-v2", base},  // the default codec
@@ -351,6 +356,9 @@ std::vector<CodecRow> FrontierCodecs(int d) {
       // KIVI-like point, the 4.6-bit one, the A^2 rows and the legacy default.
       {"k2g128-r4s4-v2-rotk-sink4", levers(with(2, 128, 4, 4, 2, 32), true, 4)},
       {"k2g128-r4s8-v2g64-sink4", levers(with(2, 128, 4, 8, 2, 64), false, 4)},
+      // ... with dense-and-sparse keys and values (5 per mille of each block: Qwen2.5's lever)
+      {"k2g128-r4s8-v2g64-sink4-sk5-sv5",
+       sparse(levers(with(2, 128, 4, 8, 2, 64), false, 4), 5, 5)},
       {"k3g128-r4s8-v3g64-rotk-sink4", levers(with(3, 128, 4, 8, 3, 64), true, 4)},
       {"k3g128-r4s8-v3g64", with(3, 128, 4, 8, 3, 64)},
       {"k2g128-r0-v2g64-rotk", levers(with(2, 128, 0, 4, 2, 64), true, 0)},
