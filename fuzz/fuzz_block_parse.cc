@@ -1,5 +1,6 @@
 // Fuzzes the block parsers and every reader behind them: arbitrary bytes as a key or value
-// block of one of a few codecs, with and without checksum verification. A parse must fail
+// block of one of a few codecs (dense-and-sparse lists or not), with and without checksum
+// verification. A parse must fail
 // cleanly or give a view that decode, score and readout can read within the block's bytes.
 #include <cstddef>
 #include <cstdint>
@@ -28,8 +29,10 @@ kvq::core::CodecOptions Codec(uint8_t pick) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
-  const kvq::core::CodecOptions o = Codec(data[0]);
+  kvq::core::CodecOptions o = Codec(data[0]);
   const bool verify = (size & 1) != 0;
+  // Dense-and-sparse lists (positions the parser must bound when it does not verify).
+  if ((size & 2) != 0) o.sparse_keys = o.sparse_values = 10;
   // An aligned copy: blocks start at even offsets in the store's vectors (every block has an
   // even size), and the key readers take their fp16 fields through uint16_t pointers.
   const std::vector<uint8_t> bytes(data + 1, data + size);
