@@ -103,14 +103,16 @@ class CalibrateCodec : public ::testing::Test {
     EXPECT_EQ(sink_probe[0]["name"], lever_name + "-" + kSinkLever);
     const bool sinks = sink_probe[0]["ppl"].get<double>() < best_lever;
     EXPECT_EQ(s["sink_lever"], sinks ? kSinkLever : "");
-    // Stage 1c: the probe so far with dense-and-sparse; taken when its perplexity is lower.
+    // Stage 1c: the probe so far with dense-and-sparse; taken when its perplexity is lower by
+    // at least kSparseLeverMinGain.
     const std::string so_far = sinks ? sink_probe[0]["name"].get<std::string>() : lever_name;
     const double so_far_ppl = sinks ? sink_probe[0]["ppl"].get<double>() : best_lever;
     const nlohmann::json& sparse_probe = s["sparse_lever_search"]["candidates"];
     EXPECT_EQ(sparse_probe.size(), 1u);
     EXPECT_EQ(sparse_probe[0]["name"], WithSparseLever(so_far));
     const bool sparse =
-        sparse_probe[0]["name"] != so_far && sparse_probe[0]["ppl"].get<double>() < so_far_ppl;
+        sparse_probe[0]["name"] != so_far &&
+        sparse_probe[0]["ppl"].get<double>() < so_far_ppl * (1 - kSparseLeverMinGain);
     EXPECT_EQ(s["sparse_lever"], sparse);
     // Stage 2: every candidate of the list with that lever (and once more with the sinks
     // when they paid, and with dense-and-sparse when it paid), in its order, with its bits;

@@ -76,9 +76,11 @@ built-in default; `kvq models register DIR` sends DIR/codec.json with the basis)
                     (none, metric rounding, + the oblique pair, + keys rotated by H:
                     codec_search.h KeyLevers) is chosen on one probe codec, then whether
                     fp16 attention sinks (sink4: the first 4 positions kept at fp16,
-                    counted at L tokens: +16 * 4 / L bits) lower the probe's perplexity;
-                    then every candidate with that lever (and once more with sink4 when
-                    it paid) is evaluated with the basis just calibrated
+                    counted at L tokens: +16 * 4 / L bits) lower the probe's perplexity,
+                    then whether dense-and-sparse (sk5-sv5, or sv5 with rotated keys: 5 per
+                    mille of each block exact, +0.16 bits per tensor) lowers it by >= 1%;
+                    then every candidate with that lever (and once more with sink4, and
+                    with the sparse lever, when they paid) is evaluated with the basis just calibrated
                     (and DIR/oblique, which --bits also writes) by perplexity on N windows of
                     L tokens of --text that follow the basis's calibration tokens (the
                     validation text; llama.cpp's protocol, decode-faithful, as kvq-eval;
@@ -190,7 +192,7 @@ int SearchCodec(const LlamaModel& model, const std::vector<int32_t>& ids,
   auto sparse_probe = search({WithSparseLever(probe_so_far.name)}, 1e9, "dense-and-sparse lever");
   if (!sparse_probe.ok()) return Fail(sparse_probe.status());
   const bool sparse = sparse_probe->first[0].name != probe_so_far.name &&
-                      sparse_probe->first[0].ppl < probe_so_far.ppl;
+                      sparse_probe->first[0].ppl < probe_so_far.ppl * (1 - kSparseLeverMinGain);
   // Stage 2: the codec within the budget, every candidate with that lever (and each once
   // more with the sinks, when they paid, and once more with dense-and-sparse, when it paid).
   std::vector<std::string> names;

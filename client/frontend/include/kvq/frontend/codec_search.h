@@ -52,9 +52,13 @@ inline constexpr char kSinkLever[] = "sink4";
 std::string WithKeyLever(const std::string& name, const std::string& lever);
 // The dense-and-sparse lever (CodecOptions::sparse_keys / sparse_values, this per mille of
 // each block): tried on the probe after the sink lever, and when it lowers the probe's
-// perplexity every candidate is searched once more with it (the budget decides: its lists
-// cost 32 bits an element, 0.16 bits per element at 5 per mille).
+// perplexity by kSparseLeverMinGain every candidate is searched once more with it (the budget
+// decides: its lists cost 32 bits an element, 0.16 bits per element at 5 per mille).
 inline constexpr int kSparseLeverPermille = 5;
+// ... taken only when the probe's perplexity falls by at least this fraction: its lists cost
+// bits, and the search's run-to-run spread is up to about 1% (docs/RESULTS.md), within which a
+// strict "lower" would take it by chance (SmolLM2's probe: 16.094 -> 16.091).
+inline constexpr double kSparseLeverMinGain = 0.01;
 // `name` with the sparse lever for the tensors it applies to: keys unless the name rotates
 // them (rotk, rot), values unless it rotates them (rotv, rot); `name` itself when neither.
 std::string WithSparseLever(const std::string& name);
