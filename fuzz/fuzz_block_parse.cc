@@ -31,8 +31,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   kvq::core::CodecOptions o = Codec(data[0]);
   const bool verify = (size & 1) != 0;
-  // Dense-and-sparse lists (positions the parser must bound when it does not verify).
-  if ((size & 2) != 0) o.sparse_keys = o.sparse_values = 10;
+  // Dense-and-sparse lists (positions the parser must bound when it does not verify). Bit 2
+  // of the size, not bit 1: key blocks are a multiple of 4 bytes, so an input of a key block's
+  // size (+1 for the pick) has bit 1 clear, and bit 2 set for half the codecs' sizes.
+  if ((size & 4) != 0) o.sparse_keys = o.sparse_values = 10;
   // An aligned copy: blocks start at even offsets in the store's vectors (every block has an
   // even size), and the key readers take their fp16 fields through uint16_t pointers.
   const std::vector<uint8_t> bytes(data + 1, data + size);
