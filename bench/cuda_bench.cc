@@ -128,11 +128,32 @@ struct Device {
   }
 };
 
-float Elapsed(cudaEvent_t a, cudaEvent_t b) {
-  float ms = 0.0f;
-  cudaEventElapsedTime(&ms, a, b);
-  return ms / 1e3f;
-}
+// Times one launch (a callable returning a cudaError_t value) by CUDA events on the default
+// stream: seconds, or -1 when the launch failed.
+class EventTimer {
+ public:
+  EventTimer() {
+    cudaEventCreate(&e0_);
+    cudaEventCreate(&e1_);
+  }
+  ~EventTimer() {
+    cudaEventDestroy(e0_);
+    cudaEventDestroy(e1_);
+  }
+  template <class Launch>
+  float operator()(Launch&& launch) {
+    cudaEventRecord(e0_);
+    const int err = launch();
+    cudaEventRecord(e1_);
+    cudaEventSynchronize(e1_);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, e0_, e1_);
+    return err == 0 ? ms / 1e3f : -1.0f;
+  }
+
+ private:
+  cudaEvent_t e0_, e1_;
+};
 
 void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   CodecOptions o = Codec(d, nc.kb, nc.G, nc.r, nc.sb, nc.vb, nc.vg);
@@ -237,16 +258,7 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   dp.workspace = dev.Alloc<uint8_t>(dp.workspace_bytes);
   if (!dp.workspace) return state.SkipWithError("cudaMalloc (dense workspace) failed");
 
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  auto timed = [&](auto&& launch) -> float {
-    cudaEventRecord(e0);
-    const int err = launch();
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    return err == 0 ? Elapsed(e0, e1) : -1.0f;
-  };
+  EventTimer timed;
   auto attend = [&] { return kc::Attend(p, nullptr); };
   auto stream = [&] { return kc::StreamRead(codes, code_bytes, sink, nullptr); };
   auto dense = [&] { return kc::DenseAttend(dp, nullptr); };
@@ -262,8 +274,6 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
     stream_s += timed(stream);
     dense_s += timed(dense);
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   if (cudaDeviceSynchronize() != cudaSuccess)
     return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
   // A launch that ran but produced garbage would time nothing real: every row's softmax sum must
@@ -376,16 +386,7 @@ void BM_EncodeOrVerify(benchmark::State& state, NamedCodec nc, int d, bool verif
   if (!ek.keys || !ek.basis_t || !ek.out || !ek.workspace || !ev.values || !ev.out ||
       !vf.block_ptrs || !vf.sizes || !vf.verdicts)
     return state.SkipWithError("cudaMalloc failed");
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  auto timed = [&](auto&& launch) -> float {
-    cudaEventRecord(e0);
-    const int err = launch();
-    cudaEventRecord(e1);
-    cudaEventSynchronize(e1);
-    return err == 0 ? Elapsed(e0, e1) : -1.0f;
-  };
+  EventTimer timed;
   auto encode = [&] {
     const int e = kc::EncodeKeys(ek, nullptr);
     return e != 0 ? e : kc::EncodeValues(ev, nullptr);
@@ -409,8 +410,6 @@ void BM_EncodeOrVerify(benchmark::State& state, NamedCodec nc, int d, bool verif
     op_s += t;
     stream_s += timed(stream);
   }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   // Encoded blocks that do not verify would time garbage.
   std::vector<uint8_t> verdicts(2 * n, 0xFF);
   if (kc::VerifyBlocks(vf, nullptr) != 0 ||

@@ -293,25 +293,38 @@ namespace {
 
 // The fields of a key block of codec o at `block` (unchecked): Parse, the reader's fast path
 // and the encoder's own decode read through it.
-KeyBlockView KeyViewAt(const CodecOptions& o, const uint8_t* block) {
-  const int d = o.head_dim, G = o.key_group, r = o.rank;
+// The fields of a key block of codec o, without its pointers (SetKeyPointers adds them).
+KeyBlockView KeyFields(const CodecOptions& o) {
   KeyBlockView v;
   v.rotated = o.rotate_keys;
   v.bits = o.key_bits;
-  v.side_bits = r > 0 ? o.side_bits : 0;
-  v.tokens = G;
-  v.head_dim = d;
-  v.rank = r;
-  v.scale = reinterpret_cast<const uint16_t*>(block + kBlockHeaderBytes);
-  v.zero = v.scale + d;
-  v.codes = reinterpret_cast<const uint8_t*>(v.zero + d);
-  if (r > 0) {
-    v.side_scale = reinterpret_cast<const uint16_t*>(v.codes + d * RowBytes(G, v.bits));
-    v.side_zero = v.side_scale + r;
-    v.side_codes = reinterpret_cast<const uint8_t*>(v.side_zero + r);
-  }
+  v.side_bits = o.rank > 0 ? o.side_bits : 0;
+  v.tokens = o.key_group;
+  v.head_dim = o.head_dim;
+  v.rank = o.rank;
   v.sparse_count = SparseCount(o, true);
-  if (v.sparse_count > 0) v.sparse = block + KeyBlockBytes(o) - kSparseEntryBytes * v.sparse_count;
+  return v;
+}
+
+// The pointers of v (KeyFields of the codec) into the `size`-byte key block at `block`
+// (unchecked): integer offsets only, so the reader's fast path takes it per block.
+void SetKeyPointers(const uint8_t* block, size_t size, KeyBlockView* v) {
+  const int d = v->head_dim, r = v->rank;
+  v->scale = reinterpret_cast<const uint16_t*>(block + kBlockHeaderBytes);
+  v->zero = v->scale + d;
+  v->codes = reinterpret_cast<const uint8_t*>(v->zero + d);
+  if (r > 0) {
+    v->side_scale = reinterpret_cast<const uint16_t*>(v->codes + d * RowBytes(v->tokens, v->bits));
+    v->side_zero = v->side_scale + r;
+    v->side_codes = reinterpret_cast<const uint8_t*>(v->side_zero + r);
+  }
+  if (v->sparse_count > 0) v->sparse = block + size - kSparseEntryBytes * v->sparse_count;
+}
+
+// Both: the view Parse and the encoder's own decode read through.
+KeyBlockView KeyViewAt(const CodecOptions& o, const uint8_t* block) {
+  KeyBlockView v = KeyFields(o);
+  SetKeyPointers(block, KeyBlockBytes(o), &v);
   return v;
 }
 
@@ -600,6 +613,7 @@ BlockReader::BlockReader(const CodecOptions& o, bool verify)
   key_hash_ = XXH3_64bits(key_head_, 12);
   value_hash_ = XXH3_64bits(value_head_, 12);
   const int d = o.head_dim, G = o.key_group;
+  key_view_ = KeyFields(o);
   ValueBlockView& v = value_view_;
   v.bits = o.value_bits;
   v.tokens = G;
@@ -624,7 +638,8 @@ absl::Status BlockReader::Key(std::span<const uint8_t> b, KeyBlockView* v) const
     ASSIGN_OR_RETURN(*v, ParseKeyBlock(b, o_, verify_));
     return absl::OkStatus();
   }
-  *v = KeyViewAt(o_, b.data());
+  *v = key_view_;
+  SetKeyPointers(b.data(), b.size(), v);
   return absl::OkStatus();
 }
 

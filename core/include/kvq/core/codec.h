@@ -247,7 +247,8 @@ class BlockReader {
   uint8_t key_head_[12], value_head_[12];
   uint64_t key_hash_, value_hash_;
   size_t key_bytes_, value_bytes_;
-  ValueBlockView value_view_;  // the fields; the fast path sets the pointers
+  KeyBlockView key_view_;      // the fields; the fast path sets the pointers
+  ValueBlockView value_view_;  // the same for values
 };
 
 // Verifies only the checksum and the header (for scrubs and whole-block reads).
