@@ -212,13 +212,7 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   cudaMemcpy(duq, uq.data(), uq.size() * 4, cudaMemcpyHostToDevice);
 
   kc::AttendParams p;
-  p.head_dim = d;
-  p.key_group = o.key_group;
-  p.key_bits = o.key_bits;
-  p.rank = o.rank;
-  p.side_bits = o.side_bits;
-  p.value_bits = o.per_token_value_bits() ? 0 : o.value_bits;
-  p.value_group = o.value_group;
+  p.codec = BlockCodecOf(o);
   p.items = items;
   p.rows = kRows;
   p.blocks = nb;
@@ -307,15 +301,7 @@ constexpr size_t kEncodeTokens = size_t{1} << 20;
 // The block codec's fields for a named codec (uniform value widths: the A^2 widths come from
 // the policy, which stays on the CPU).
 kc::BlockCodec BlockCodecOf(const NamedCodec& nc, int d) {
-  kc::BlockCodec c;
-  c.head_dim = d;
-  c.key_group = nc.G;
-  c.key_bits = nc.kb;
-  c.rank = nc.r;
-  c.side_bits = nc.sb;
-  c.value_bits = nc.vb;
-  c.value_group = nc.vg;
-  return c;
+  return kvq::core::BlockCodecOf(Codec(d, nc.kb, nc.G, nc.r, nc.sb, nc.vb, nc.vg));
 }
 
 // Encodes 2^20 / G key and value blocks on the device (and, for the Verify benchmark,

@@ -141,15 +141,7 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
   if (opts_.rotate_keys) HadamardRotateRows(qb.data(), d, static_cast<int>(slots), d);
 
   kernels::cuda::AttendParams p;
-  p.head_dim = d;
-  p.key_group = G;
-  p.key_bits = opts_.key_bits;
-  p.rank = r;
-  p.side_bits = opts_.side_bits;
-  p.value_bits = opts_.per_token_value_bits() ? 0 : opts_.value_bits;
-  p.value_group = opts_.value_group;
-  p.keys_rotated = opts_.rotate_keys;
-  p.values_rotated = opts_.rotate_values;
+  p.codec = BlockCodecOf(opts_);
   p.items = items;
   p.rows = per;
   p.blocks = static_cast<int>(nb);

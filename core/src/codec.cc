@@ -18,7 +18,7 @@
 namespace kvq::core {
 namespace {
 
-int64_t RowBytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
+using format::RowBytes;
 
 bool OneOf(int v, std::initializer_list<int> allowed) {
   for (int a : allowed)
@@ -26,83 +26,45 @@ bool OneOf(int v, std::initializer_list<int> allowed) {
   return false;
 }
 
-// v2 hashes the payload unseeded (libxxhash then skips deriving a secret per call, ~2.5x
-// faster on blocks of about 1 KiB) and mixes in the header's hash; v1 seeded the payload hash.
-uint32_t ChecksumV2(const uint8_t* block, size_t size, uint64_t head) {
-  return static_cast<uint32_t>(
-      kernels::Active().xxh3(block + kBlockHeaderBytes, size - kBlockHeaderBytes, 0) ^
-      (head * 0x9E3779B97F4A7C15ull));
+// The block checksum (kvq/format/block_format.h), the header's hash given: the payload is
+// hashed unseeded (libxxhash then skips deriving a secret per call, ~2.5x faster on blocks of
+// about 1 KiB).
+uint32_t Checksum(const uint8_t* block, size_t size, uint64_t header_hash) {
+  return format::MixChecksum(
+      kernels::Active().xxh3(block + format::kHeaderBytes, size - format::kHeaderBytes, 0),
+      header_hash);
+}
+uint32_t BlockChecksum(const uint8_t* block, size_t size) {
+  return Checksum(block, size, XXH3_64bits(block, format::kHashedHeaderBytes));
 }
 
-uint32_t BlockChecksum(const uint8_t* block, size_t size, uint8_t version) {
-  const uint64_t head = XXH3_64bits(block, 12);
-  if (version == 1)
-    return static_cast<uint32_t>(
-        kernels::Active().xxh3(block + kBlockHeaderBytes, size - kBlockHeaderBytes, head));
-  return ChecksumV2(block, size, head);
-}
-
-// Header bytes 0..11 (everything but the checksum) of a current-version block. `kind` may
-// carry flags in its high nibble; only then is the block version 3.
-uint8_t VersionFor(uint8_t kind) { return (kind & 0xF0) != 0 ? kBlockVersionFlags : kBlockVersion; }
-
-void WriteHeaderFields(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, int head_dim,
-                       int extra) {
-  const uint16_t magic = kBlockMagic;
-  std::memcpy(p, &magic, 2);
-  p[2] = VersionFor(kind);
-  p[3] = kind;
-  p[4] = static_cast<uint8_t>(bits);
-  p[5] = static_cast<uint8_t>(side_bits);
-  const uint16_t f[3] = {static_cast<uint16_t>(tokens), static_cast<uint16_t>(head_dim),
-                         static_cast<uint16_t>(extra)};
-  std::memcpy(p + 6, f, 6);
-}
-
-void WriteHeader(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens, int head_dim,
+void WriteHeader(uint8_t* p, uint8_t kind_byte, int bits, int side_bits, int tokens, int head_dim,
                  int extra, size_t size) {
-  WriteHeaderFields(p, kind, bits, side_bits, tokens, head_dim, extra);
-  const uint32_t sum = BlockChecksum(p, size, VersionFor(kind));
-  std::memcpy(p + 12, &sum, 4);
+  format::WriteHeaderFields(p, kind_byte, bits, side_bits, tokens, head_dim, extra);
+  format::StoreU32(p + format::kChecksumAt, BlockChecksum(p, size));
 }
 
-struct Header {
-  uint8_t kind, flags, bits, side_bits;
-  uint16_t tokens, head_dim, extra;
-};
-
-absl::StatusOr<Header> ReadHeader(std::span<const uint8_t> b, uint8_t kind, bool verify) {
-  if (b.size() < kBlockHeaderBytes)
+// The header of a block of `kind`: magic, a readable version, kind, known flags and (when
+// verify) the checksum. A block that fails is DATA_LOSS, never guessed at.
+absl::StatusOr<format::Header> ReadHeader(std::span<const uint8_t> b, uint8_t kind, bool verify) {
+  if (b.size() < format::kHeaderBytes)
     return absl::DataLossError(
         absl::StrCat("block truncated: ", b.size(), " bytes, shorter than the 16-byte header"));
-  uint16_t magic;
-  std::memcpy(&magic, b.data(), 2);
-  if (magic != kBlockMagic)
+  const format::Header h = format::ReadHeader(b.data());
+  if (h.magic != format::kMagic)
     return absl::DataLossError(
-        absl::StrFormat("block magic 0x%04x, expected 0x%04x", magic, kBlockMagic));
-  if (b[2] < 1 || b[2] > kBlockVersionFlags)
-    return absl::DataLossError(absl::StrCat("block version ", b[2],
-                                            " unsupported (this build "
-                                            "reads versions 1 to 3)"));
-  const uint8_t flags = b[3] & 0xF0;
-  if ((b[3] & 0x0F) != kind)
-    return absl::DataLossError(absl::StrCat("block kind ", b[3] & 0x0F, ", expected ", kind));
-  if ((b[2] == kBlockVersionFlags) != (flags != 0) ||
-      (flags & ~(kBlockRotated | kBlockSparse)) != 0)
+        absl::StrFormat("block magic 0x%04x, expected 0x%04x", h.magic, format::kMagic));
+  if (!format::VersionReadable(h.version))
+    return absl::DataLossError(absl::StrCat("block version ", h.version,
+                                            " unsupported (this build reads versions ",
+                                            format::kMinVersion, " to ", format::kMaxVersion, ")"));
+  if (h.kind != kind)
+    return absl::DataLossError(absl::StrCat("block kind ", h.kind, ", expected ", kind));
+  if (!format::FlagsValid(h.version, h.flags))
     return absl::DataLossError(
-        absl::StrFormat("block flags 0x%02x invalid for version %d", flags, b[2]));
-  Header h{kind, flags, b[4], b[5], 0, 0, 0};
-  uint16_t f[3];
-  std::memcpy(f, b.data() + 6, 6);
-  h.tokens = f[0];
-  h.head_dim = f[1];
-  h.extra = f[2];
-  if (verify) {
-    uint32_t stored;
-    std::memcpy(&stored, b.data() + 12, 4);
-    if (stored != BlockChecksum(b.data(), b.size(), b[2]))
-      return absl::DataLossError("block checksum mismatch: the stored block is corrupted");
-  }
+        absl::StrFormat("block flags 0x%02x invalid for version %d", h.flags, h.version));
+  if (verify && h.checksum != BlockChecksum(b.data(), b.size()))
+    return absl::DataLossError("block checksum mismatch: the stored block is corrupted");
   return h;
 }
 
@@ -130,10 +92,6 @@ void RotateRows(const float* x, int64_t ld, int n, int d, std::vector<float>* ou
     std::copy_n(x + t * ld, d, row);
     Rotate(row, d);
   }
-}
-
-uint8_t KindByte(uint8_t kind, bool rotated, bool sparse) {
-  return kind | (rotated ? kBlockRotated : 0) | (sparse ? kBlockSparse : 0);
 }
 
 void SetCode(uint8_t* row, int bits, int64_t i, int code) {
@@ -269,24 +227,33 @@ int SparseCount(const CodecOptions& o, bool keys) {
       std::llround(static_cast<double>(permille) / 1000.0 * o.key_group * o.head_dim));
 }
 
+format::BlockCodec BlockCodecOf(const CodecOptions& o) {
+  format::BlockCodec c;
+  c.head_dim = o.head_dim;
+  c.key_group = o.key_group;
+  c.key_bits = o.key_bits;
+  c.rank = o.rank;
+  c.side_bits = o.side_bits;
+  c.value_bits = o.per_token_value_bits() ? 0 : o.value_bits;
+  c.value_group = o.value_group;
+  c.rotate_keys = o.rotate_keys;
+  c.rotate_values = o.rotate_values;
+  c.key_sparse = SparseCount(o, true);
+  c.value_sparse = SparseCount(o, false);
+  return c;
+}
+
 size_t KeyBlockBytes(const CodecOptions& o) {
-  const int64_t d = o.head_dim, g = o.key_group, r = o.rank;
-  size_t n = kBlockHeaderBytes + 4 * d + d * RowBytes(g, o.key_bits);
-  if (r > 0) n += 4 * r + r * RowBytes(g, o.side_bits);
-  return n + kSparseEntryBytes * SparseCount(o, true);
+  return static_cast<size_t>(format::MakeKeyLayout(BlockCodecOf(o)).bytes);
 }
 
 size_t ValueBlockBytes(const CodecOptions& o) {
-  return kBlockHeaderBytes +
-         o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, o.value_bits)) +
-         kSparseEntryBytes * SparseCount(o, false);
+  return static_cast<size_t>(format::UniformValueBlockBytes(o.head_dim, o.key_group, o.value_group,
+                                                            o.value_bits, SparseCount(o, false)));
 }
 
 size_t MaxValueBlockBytes(const CodecOptions& o) {
-  if (!o.per_token_value_bits()) return ValueBlockBytes(o);
-  return kBlockHeaderBytes + (o.key_group + 3) / 4 +
-         o.key_group * (4 * o.value_groups() + RowBytes(o.head_dim, 4)) +
-         kSparseEntryBytes * SparseCount(o, false);
+  return static_cast<size_t>(format::MaxValueBlockBytes(BlockCodecOf(o)));
 }
 
 namespace {
@@ -309,16 +276,17 @@ KeyBlockView KeyFields(const CodecOptions& o) {
 // The pointers of v (KeyFields of the codec) into the `size`-byte key block at `block`
 // (unchecked): integer offsets only, so the reader's fast path takes it per block.
 void SetKeyPointers(const uint8_t* block, size_t size, KeyBlockView* v) {
-  const int d = v->head_dim, r = v->rank;
-  v->scale = reinterpret_cast<const uint16_t*>(block + kBlockHeaderBytes);
-  v->zero = v->scale + d;
-  v->codes = reinterpret_cast<const uint8_t*>(v->zero + d);
-  if (r > 0) {
-    v->side_scale = reinterpret_cast<const uint16_t*>(v->codes + d * RowBytes(v->tokens, v->bits));
-    v->side_zero = v->side_scale + r;
-    v->side_codes = reinterpret_cast<const uint8_t*>(v->side_zero + r);
+  const format::KeyLayout k =
+      format::MakeKeyLayout(v->head_dim, v->tokens, v->bits, v->rank, v->side_bits, 0);
+  v->scale = reinterpret_cast<const uint16_t*>(block + k.scale);
+  v->zero = reinterpret_cast<const uint16_t*>(block + k.zero);
+  v->codes = block + k.codes;
+  if (k.r > 0) {
+    v->side_scale = reinterpret_cast<const uint16_t*>(block + k.side_scale);
+    v->side_zero = reinterpret_cast<const uint16_t*>(block + k.side_zero);
+    v->side_codes = block + k.side_codes;
   }
-  if (v->sparse_count > 0) v->sparse = block + size - kSparseEntryBytes * v->sparse_count;
+  if (v->sparse_count > 0) v->sparse = block + size - format::kSparseEntryBytes * v->sparse_count;
 }
 
 // Both: the view Parse and the encoder's own decode read through.
@@ -387,9 +355,10 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
   const size_t at = out->size();
   out->resize(at + size);
   uint8_t* p = out->data() + at;
-  uint16_t* scale = reinterpret_cast<uint16_t*>(p + kBlockHeaderBytes);
-  uint16_t* zero = scale + d;
-  uint8_t* codes = reinterpret_cast<uint8_t*>(zero + d);
+  const format::KeyLayout k = format::MakeKeyLayout(BlockCodecOf(o));
+  uint16_t* scale = reinterpret_cast<uint16_t*>(p + k.scale);
+  uint16_t* zero = reinterpret_cast<uint16_t*>(p + k.zero);
+  uint8_t* codes = p + k.codes;
   thread_local std::vector<float> deq, coef;
   if (r > 0) deq.resize(static_cast<size_t>(G) * d);
   if (r > 0 || rounding) deq.resize(static_cast<size_t>(G) * d);
@@ -404,10 +373,9 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
     // project beyond fp16 (an infinite side zero point: the group decodes to Inf/NaN).
     // Clamped, such a group keeps a finite if coarser correction.
     for (float& c : coef) c = std::clamp(c, -kMaxStorableMagnitude, kMaxStorableMagnitude);
-    uint8_t* side = codes + d * RowBytes(G, o.key_bits);
-    uint16_t* sscale = reinterpret_cast<uint16_t*>(side);
-    uint16_t* szero = sscale + r;
-    uint8_t* scodes = reinterpret_cast<uint8_t*>(szero + r);
+    uint16_t* sscale = reinterpret_cast<uint16_t*>(p + k.side_scale);
+    uint16_t* szero = reinterpret_cast<uint16_t*>(p + k.side_zero);
+    uint8_t* scodes = p + k.side_codes;
     K().quantize_channels(coef.data(), r, G, r, o.side_bits, sscale, szero, scodes, nullptr);
   }
   if (n_sparse > 0) {  // deltas against what reads decode without the list
@@ -422,10 +390,10 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
       B = u.data();
     }
     DecodeKeyBlock(v, B, o.side_sign, decoded.data());
-    sparse::WriteList(chosen, decoded.data(), n_sparse, p + size - kSparseEntryBytes * n_sparse);
+    sparse::WriteList(chosen, decoded.data(), n_sparse, p + k.sparse);
   }
-  WriteHeader(p, KindByte(1, o.rotate_keys, n_sparse > 0), o.key_bits, r > 0 ? o.side_bits : 0, G,
-              d, r, size);
+  WriteHeader(p, format::KindByte(format::kKindKey, o.rotate_keys, n_sparse > 0), o.key_bits,
+              r > 0 ? o.side_bits : 0, G, d, r, size);
   return absl::OkStatus();
 }
 
@@ -452,30 +420,29 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
     values = rotated_values.data();
     ld = d;
   }
-  size_t size = kBlockHeaderBytes;
+  size_t size = format::kHeaderBytes;
   if (per_token) {
-    size += (G + 3) / 4;
+    size += format::ValueTagBytes(G);
     for (int t = 0; t < G; ++t) {
       const int b = bits_per_token[t];
       if (b < 1 || b > 4) return absl::InvalidArgumentError(absl::StrCat("value width ", b));
-      size += 4 * ng + RowBytes(d, b);
+      size += format::ValueRecordBytes(d, o.value_group, b);
     }
-    size += kSparseEntryBytes * n_sparse;
+    size += format::kSparseEntryBytes * n_sparse;
   } else {
     size = ValueBlockBytes(o);
   }
   const size_t at = out->size();
   out->resize(at + size);
   uint8_t* p = out->data() + at;
-  uint8_t* rec = p + kBlockHeaderBytes;
+  uint8_t* rec = p + format::kHeaderBytes;
   if (per_token) {
-    std::memset(rec, 0, (G + 3) / 4);
-    for (int t = 0; t < G; ++t)
-      rec[t / 4] |= static_cast<uint8_t>((bits_per_token[t] - 1) << (2 * (t % 4)));
-    rec += (G + 3) / 4;
+    std::memset(rec, 0, format::ValueTagBytes(G));
+    for (int t = 0; t < G; ++t) rec[t / 4] |= format::WidthTag(bits_per_token[t], t);
+    rec += format::ValueTagBytes(G);
   }
   if (!per_token) {
-    const int64_t rec_bytes = 4 * ng + RowBytes(d, o.value_bits);
+    const int64_t rec_bytes = format::ValueRecordBytes(d, o.value_group, o.value_bits);
     K().quantize_rows(values, ld, G, d, o.value_group, o.value_bits, rec, rec_bytes);
     if (rounding)
       for (int t = 0; t < G; ++t)
@@ -488,7 +455,7 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
       K().quantize_row(values + t * ld, d, o.value_group, b, sz, sz + ng, rec + 4 * ng);
       std::memcpy(rec, sz, 4 * ng);
       if (rounding) ValueMetricRound(values + t * ld, d, o.value_group, b, rounding, rec);
-      rec += 4 * ng + RowBytes(d, b);
+      rec += format::ValueRecordBytes(d, o.value_group, b);
     }
   }
   if (n_sparse > 0) {  // deltas against what reads decode without the list
@@ -497,16 +464,17 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
     v.tokens = G;
     v.head_dim = d;
     v.value_group = o.value_group;
-    v.payload = p + kBlockHeaderBytes + (per_token ? (G + 3) / 4 : 0);
+    v.payload = p + format::kHeaderBytes + (per_token ? format::ValueTagBytes(G) : 0);
     for (int t = 0; t < G; ++t)
       v.token_bits[t] = static_cast<uint8_t>(per_token ? bits_per_token[t] : o.value_bits);
     thread_local std::vector<float> decoded;
     decoded.resize(static_cast<size_t>(G) * d);
     DecodeValueBlock(v, decoded.data());
-    sparse::WriteList(chosen, decoded.data(), n_sparse, p + size - kSparseEntryBytes * n_sparse);
+    sparse::WriteList(chosen, decoded.data(), n_sparse,
+                      p + size - format::kSparseEntryBytes * n_sparse);
   }
-  WriteHeader(p, KindByte(2, o.rotate_values, n_sparse > 0), per_token ? 0 : o.value_bits, 0, G, d,
-              o.value_group, size);
+  WriteHeader(p, format::KindByte(format::kKindValue, o.rotate_values, n_sparse > 0),
+              per_token ? 0 : o.value_bits, 0, G, d, o.value_group, size);
   return absl::OkStatus();
 }
 
@@ -523,17 +491,17 @@ KVQ_INSTANTIATE_ENCODERS(std::vector<uint8_t>)
 
 absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const CodecOptions& o,
                                            bool verify) {
-  auto h = ReadHeader(block, 1, verify);
+  auto h = ReadHeader(block, format::kKindKey, verify);
   if (!h.ok()) return h.status();
   if (h->bits != o.key_bits || h->tokens != o.key_group || h->head_dim != o.head_dim ||
       h->extra != o.rank || (o.rank > 0 && h->side_bits != o.side_bits))
     return absl::DataLossError(absl::StrFormat(
         "key block layout k%d g%d d%d r%d s%d does not match the sequence's codec %s", h->bits,
         h->tokens, h->head_dim, h->extra, h->side_bits, o.ToString()));
-  if (((h->flags & kBlockRotated) != 0) != o.rotate_keys)
+  if (((h->flags & format::kFlagRotated) != 0) != o.rotate_keys)
     return absl::DataLossError(absl::StrCat("key block ", o.rotate_keys ? "not " : "",
                                             "rotated, unlike the sequence's codec ", o.ToString()));
-  if (((h->flags & kBlockSparse) != 0) != (o.sparse_keys > 0))
+  if (((h->flags & format::kFlagSparse) != 0) != (o.sparse_keys > 0))
     return absl::DataLossError(
         absl::StrCat("key block ", o.sparse_keys > 0 ? "without" : "with",
                      " a dense-and-sparse list, unlike the sequence's codec ", o.ToString()));
@@ -548,7 +516,7 @@ absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const
 
 absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
                                                const CodecOptions& o, bool verify) {
-  auto h = ReadHeader(block, 2, verify);
+  auto h = ReadHeader(block, format::kKindValue, verify);
   if (!h.ok()) return h.status();
   const bool per_token = o.per_token_value_bits();
   if (h->tokens != o.key_group || h->head_dim != o.head_dim || h->extra != o.value_group ||
@@ -556,32 +524,32 @@ absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
     return absl::DataLossError(absl::StrFormat(
         "value block layout v%d g%d d%d vg%d does not match the sequence's codec %s", h->bits,
         h->tokens, h->head_dim, h->extra, o.ToString()));
-  if (((h->flags & kBlockRotated) != 0) != o.rotate_values)
+  if (((h->flags & format::kFlagRotated) != 0) != o.rotate_values)
     return absl::DataLossError(absl::StrCat("value block ", o.rotate_values ? "not " : "",
                                             "rotated, unlike the sequence's codec ", o.ToString()));
-  if (((h->flags & kBlockSparse) != 0) != (o.sparse_values > 0))
+  if (((h->flags & format::kFlagSparse) != 0) != (o.sparse_values > 0))
     return absl::DataLossError(
         absl::StrCat("value block ", o.sparse_values > 0 ? "without" : "with",
                      " a dense-and-sparse list, unlike the sequence's codec ", o.ToString()));
   const int n_sparse = SparseCount(o, false);
-  const int d = o.head_dim, G = o.key_group, ng = o.value_groups();
+  const int d = o.head_dim, G = o.key_group;
   ValueBlockView v;
   v.rotated = o.rotate_values;
   v.bits = h->bits;
   v.tokens = G;
   v.head_dim = d;
   v.value_group = o.value_group;
-  size_t need = kBlockHeaderBytes;
-  const uint8_t* p = block.data() + kBlockHeaderBytes;
+  size_t need = format::kHeaderBytes;
+  const uint8_t* p = block.data() + format::kHeaderBytes;
   if (per_token) {
-    need += (G + 3) / 4;
+    need += format::ValueTagBytes(G);
     if (block.size() < need) return absl::DataLossError("value block truncated in its width tags");
     for (int t = 0; t < G; ++t) {
-      v.token_bits[t] = static_cast<uint8_t>(((p[t / 4] >> (2 * (t % 4))) & 3) + 1);
-      need += 4 * ng + RowBytes(d, v.token_bits[t]);
+      v.token_bits[t] = static_cast<uint8_t>(format::TagWidth(p, t));
+      need += format::ValueRecordBytes(d, o.value_group, v.token_bits[t]);
     }
-    need += kSparseEntryBytes * n_sparse;
-    p += (G + 3) / 4;
+    need += format::kSparseEntryBytes * n_sparse;
+    p += format::ValueTagBytes(G);
   } else {
     for (int t = 0; t < G; ++t) v.token_bits[t] = static_cast<uint8_t>(o.value_bits);
     need = ValueBlockBytes(o);
@@ -591,7 +559,7 @@ absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
                                             need, " (truncated or padded)"));
   v.payload = p;
   if (n_sparse > 0) {
-    v.sparse = block.data() + block.size() - kSparseEntryBytes * n_sparse;
+    v.sparse = block.data() + block.size() - format::kSparseEntryBytes * n_sparse;
     v.sparse_count = n_sparse;
     if (!sparse::ListValid(v.sparse, n_sparse, G, d))
       return absl::DataLossError("value block's dense-and-sparse list names a position outside it");
@@ -606,12 +574,14 @@ BlockReader::BlockReader(const CodecOptions& o, bool verify)
       key_bytes_(KeyBlockBytes(o)),
       value_bytes_(ValueBlockBytes(o)) {
   const int r = o.rank;
-  WriteHeaderFields(key_head_, KindByte(1, o.rotate_keys, o.sparse_keys > 0), o.key_bits,
-                    r > 0 ? o.side_bits : 0, o.key_group, o.head_dim, r);
-  WriteHeaderFields(value_head_, KindByte(2, o.rotate_values, o.sparse_values > 0), o.value_bits, 0,
-                    o.key_group, o.head_dim, o.value_group);
-  key_hash_ = XXH3_64bits(key_head_, 12);
-  value_hash_ = XXH3_64bits(value_head_, 12);
+  format::WriteHeaderFields(key_head_,
+                            format::KindByte(format::kKindKey, o.rotate_keys, o.sparse_keys > 0),
+                            o.key_bits, r > 0 ? o.side_bits : 0, o.key_group, o.head_dim, r);
+  format::WriteHeaderFields(
+      value_head_, format::KindByte(format::kKindValue, o.rotate_values, o.sparse_values > 0),
+      o.value_bits, 0, o.key_group, o.head_dim, o.value_group);
+  key_hash_ = XXH3_64bits(key_head_, format::kHashedHeaderBytes);
+  value_hash_ = XXH3_64bits(value_head_, format::kHashedHeaderBytes);
   const int d = o.head_dim, G = o.key_group;
   key_view_ = KeyFields(o);
   ValueBlockView& v = value_view_;
@@ -626,11 +596,10 @@ BlockReader::BlockReader(const CodecOptions& o, bool verify)
 
 bool BlockReader::Matches(std::span<const uint8_t> b, const uint8_t* head, uint64_t head_hash,
                           size_t size) const {
-  if (b.size() != size || std::memcmp(b.data(), head, 12) != 0) return false;
+  if (b.size() != size || std::memcmp(b.data(), head, format::kHashedHeaderBytes) != 0)
+    return false;
   if (!verify_) return true;
-  uint32_t stored;
-  std::memcpy(&stored, b.data() + 12, 4);
-  return stored == ChecksumV2(b.data(), b.size(), head_hash);
+  return format::LoadU32(b.data() + format::kChecksumAt) == Checksum(b.data(), b.size(), head_hash);
 }
 
 absl::Status BlockReader::Key(std::span<const uint8_t> b, KeyBlockView* v) const {
@@ -649,14 +618,15 @@ absl::Status BlockReader::Value(std::span<const uint8_t> b, ValueBlockView* v) c
     return absl::OkStatus();
   }
   *v = value_view_;
-  v->payload = b.data() + kBlockHeaderBytes;
-  if (v->sparse_count > 0) v->sparse = b.data() + b.size() - kSparseEntryBytes * v->sparse_count;
+  v->payload = b.data() + format::kHeaderBytes;
+  if (v->sparse_count > 0)
+    v->sparse = b.data() + b.size() - format::kSparseEntryBytes * v->sparse_count;
   return absl::OkStatus();
 }
 
 absl::Status VerifyBlock(std::span<const uint8_t> block) {
-  if (block.size() < kBlockHeaderBytes) return absl::DataLossError("block truncated");
-  auto h = ReadHeader(block, block[3] & 0x0F, true);
+  if (block.size() < format::kHeaderBytes) return absl::DataLossError("block truncated");
+  auto h = ReadHeader(block, block[format::kKindAt] & format::kKindMask, true);
   return h.ok() ? absl::OkStatus() : h.status();
 }
 

@@ -6,40 +6,6 @@
 
 namespace kvq::core {
 
-// clang before 15 has no _Float16 on x86 (the fuzzing build): its storage-only __fp16
-// converts the same way (round to nearest even).
-#if defined(__clang__) && __clang_major__ < 15
-using SoftHalf = __fp16;
-#else
-using SoftHalf = _Float16;
-#endif
-
-uint16_t FloatToHalf(float f) {
-  SoftHalf v = static_cast<SoftHalf>(f);
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
-}
-
-float HalfToFloat(uint16_t h) {
-  // Bit manipulation (exact): GCC's _Float16 would call into libgcc on CPUs built without F16C.
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t em = h & 0x7fffu;
-  uint32_t u;
-  if (em >= 0x7c00u) {
-    u = sign | 0x7f800000u | ((em & 0x3ffu) << 13);  // inf / nan
-  } else if (em >= 0x0400u) {
-    u = sign | ((em << 13) + 0x38000000u);  // normal: rebias the exponent by 127 - 15
-  } else {
-    float f = static_cast<float>(em) * 5.9604644775390625e-8f;  // subnormal: em * 2^-24
-    std::memcpy(&u, &f, 4);
-    u |= sign;
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 uint16_t FloatToBF16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);

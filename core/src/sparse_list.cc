@@ -17,7 +17,7 @@ struct Entry {
 };
 Entry At(const uint8_t* list, int e) {
   uint16_t f[2];
-  std::memcpy(f, list + kSparseEntryBytes * e, 4);
+  std::memcpy(f, list + format::kSparseEntryBytes * e, 4);
   return {f[0], HalfToFloat(f[1])};
 }
 
@@ -48,11 +48,11 @@ Chosen Choose(const CodecOptions& o, bool keys, int n, int skip, float* x) {
 }
 
 void WriteList(const Chosen& chosen, const float* decoded, int n, uint8_t* list) {
-  std::memset(list, 0, static_cast<size_t>(n) * kSparseEntryBytes);
+  std::memset(list, 0, static_cast<size_t>(n) * format::kSparseEntryBytes);
   for (size_t e = 0; e < chosen.index.size() && e < static_cast<size_t>(n); ++e) {
     const uint16_t f[2] = {static_cast<uint16_t>(chosen.index[e]),
                            FloatToHalf(chosen.exact[e] - decoded[chosen.index[e]])};
-    std::memcpy(list + kSparseEntryBytes * e, f, 4);
+    std::memcpy(list + format::kSparseEntryBytes * e, f, 4);
   }
 }
 

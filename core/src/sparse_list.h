@@ -1,5 +1,5 @@
 // Dense-and-sparse lists of encoded blocks (CodecOptions::sparse_keys / sparse_values,
-// kBlockSparse): which elements a block keeps exactly, the list's bytes, and what reads add.
+// format::kFlagSparse): which elements a block keeps exactly, the list's bytes, and what reads add.
 #pragma once
 
 #include <cstdint>

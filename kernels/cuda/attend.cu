@@ -137,14 +137,14 @@ int AttendSplits(const AttendParams& p) {
 }
 
 size_t AttendWorkspaceBytes(const AttendParams& p) {
-  return 4 * static_cast<size_t>(p.items) * AttendSplits(p) * p.rows * (p.head_dim + 2);
+  return 4 * static_cast<size_t>(p.items) * AttendSplits(p) * p.rows * (p.codec.head_dim + 2);
 }
 
 int Attend(const AttendParams& p, void* stream_ptr) {
   if (AttendUnsupported(p) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
   const int splits = AttendSplits(p);
-  if (p.workspace == nullptr ||
-      p.workspace_bytes < 4 * static_cast<size_t>(p.items) * splits * p.rows * (p.head_dim + 2))
+  if (p.workspace == nullptr || p.workspace_bytes < 4 * static_cast<size_t>(p.items) * splits *
+                                                        p.rows * (p.codec.head_dim + 2))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const am::Geometry g = am::MakeGeometry(p);
@@ -160,8 +160,8 @@ int Attend(const AttendParams& p, void* stream_ptr) {
       e = LaunchAttend<16>(p, g, splits, stream);
   }
   if (e != 0) return e;
-  return LaunchMerge(p.workspace, p.items, p.rows, p.head_dim, splits, p.out, p.out_max, p.out_sum,
-                     stream);
+  return LaunchMerge(p.workspace, p.items, p.rows, p.codec.head_dim, splits, p.out, p.out_max,
+                     p.out_sum, stream);
 }
 
 int AttendFromHost(const AttendParams& hp) {
@@ -170,11 +170,11 @@ int AttendFromHost(const AttendParams& hp) {
   if (AttendUnsupported(hp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
   const size_t rows = static_cast<size_t>(hp.items) * hp.rows;
   const size_t ptrs = sizeof(void*) * hp.items * static_cast<size_t>(hp.block_stride);
-  const size_t q_bytes = 4 * rows * hp.head_dim, uq_bytes = 4 * rows * hp.rank;
+  const size_t q_bytes = 4 * rows * hp.codec.head_dim, uq_bytes = 4 * rows * hp.codec.rank;
   ScratchLayout at;
   const size_t k_at = at.Take(ptrs), v_at = at.Take(ptrs);
   const size_t n_at = at.Take(hp.item_blocks ? 4 * static_cast<size_t>(hp.items) : 0);
-  const size_t q_at = at.Take(q_bytes), uq_at = at.Take(hp.rank > 0 ? uq_bytes : 0);
+  const size_t q_at = at.Take(q_bytes), uq_at = at.Take(hp.codec.rank > 0 ? uq_bytes : 0);
   const size_t out_at = at.Take(q_bytes), max_at = at.Take(4 * rows), sum_at = at.Take(4 * rows);
   const size_t flags_at = at.Take(4);
   AttendParams dp = hp;
@@ -195,14 +195,15 @@ int AttendFromHost(const AttendParams& hp) {
   if (hp.item_blocks && (e = up(n_at, hp.item_blocks, 4 * hp.items)) != cudaSuccess)
     return static_cast<int>(e);
   if ((e = up(q_at, hp.q, q_bytes)) != cudaSuccess) return static_cast<int>(e);
-  if (hp.rank > 0 && (e = up(uq_at, hp.uq, uq_bytes)) != cudaSuccess) return static_cast<int>(e);
+  if (hp.codec.rank > 0 && (e = up(uq_at, hp.uq, uq_bytes)) != cudaSuccess)
+    return static_cast<int>(e);
   if (hp.error_flags && (e = up(flags_at, hp.error_flags, 4)) != cudaSuccess)
     return static_cast<int>(e);
   dp.key_blocks = reinterpret_cast<const uint8_t* const*>(base + k_at);
   dp.value_blocks = reinterpret_cast<const uint8_t* const*>(base + v_at);
   dp.item_blocks = hp.item_blocks ? reinterpret_cast<const int*>(base + n_at) : nullptr;
   dp.q = reinterpret_cast<const float*>(base + q_at);
-  dp.uq = hp.rank > 0 ? reinterpret_cast<const float*>(base + uq_at) : nullptr;
+  dp.uq = hp.codec.rank > 0 ? reinterpret_cast<const float*>(base + uq_at) : nullptr;
   dp.out = reinterpret_cast<float*>(base + out_at);
   dp.out_max = reinterpret_cast<float*>(base + max_at);
   dp.out_sum = reinterpret_cast<float*>(base + sum_at);

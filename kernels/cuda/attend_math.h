@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "hd.h"
+#include "kvq/format/block_format.h"
 #include "kvq/kernels/cuda.h"
 
 #ifdef __CUDACC__
@@ -22,7 +22,11 @@
 
 namespace kvq::kernels::cuda::attend_math {
 
-inline constexpr int kHeaderBytes = 16;
+using format::BitsToFloat;
+using format::HalfToFloat;
+using format::kHeaderBytes;
+using format::LoadU16;
+
 // The attend's readout: each thread sums 4 adjacent channels (one load of their codes); its
 // scores: each thread scores 4 adjacent tokens (one load of their codes, q read once).
 inline constexpr int kChannelsPerThread = 4;
@@ -38,35 +42,6 @@ struct alignas(16) Vec16 {
   uint32_t w[4];
 };
 
-KVQ_HD float BitsToFloat(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-
-// IEEE fp16 bits to fp32 (exact, so the same on both sides): the GPU's conversion, or bit
-// manipulation on the host.
-KVQ_HD float HalfToFloat(uint16_t h) {
-#ifdef __CUDA_ARCH__
-  return __half2float(__ushort_as_half(h));
-#else
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (exp == 0) {  // zero or subnormal: mant * 2^-24
-    const float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
-    return sign ? -f : f;
-  }
-  if (exp == 31) return BitsToFloat(sign | 0x7f800000u | (mant << 13));
-  return BitsToFloat(sign | ((exp + 112) << 23) | (mant << 13));
-#endif
-}
-
-// Little-endian u16 at any byte address (records of odd size sit at odd addresses).
-KVQ_HD uint32_t LoadU16(const uint8_t* p) { return p[0] | (static_cast<uint32_t>(p[1]) << 8); }
 // One 2-byte load where p is even (a block's fields are, when the block is), else two bytes.
 KVQ_HD float LoadHalf(const uint8_t* p) {
   if ((reinterpret_cast<uintptr_t>(p) & 1u) == 0) {
@@ -117,7 +92,6 @@ struct CodeUnpacker {
 // 2^b as a float (b <= 8).
 KVQ_HD float Pow2(int b) { return static_cast<float>(1u << b); }
 
-KVQ_HD int RowBytes(int n, int bits) { return (n * bits + 7) / 8; }
 KVQ_HD float Max(float a, float b) { return a > b ? a : b; }
 KVQ_HD float Exp(float x) {
 #ifdef __CUDA_ARCH__
@@ -176,30 +150,34 @@ struct Geometry {
 
 KVQ_HD Geometry MakeGeometry(const AttendParams& p) {
   Geometry g{};
-  g.d = p.head_dim;
-  g.G = p.key_group;
+  const format::BlockCodec& c = p.codec;
+  const format::KeyLayout k = format::MakeKeyLayout(c);
+  g.d = c.head_dim;
+  g.G = c.key_group;
   g.rows = p.rows;
   g.rows_pad = RowsPad(p.rows);
-  g.rank = p.rank;
-  g.key_bits = p.key_bits;
-  g.side_bits = p.rank > 0 ? p.side_bits : 0;
-  g.value_bits = p.value_bits;
-  g.value_group = p.value_group;
-  g.ng = (p.head_dim + p.value_group - 1) / p.value_group;
-  g.key_row = RowBytes(g.G, g.key_bits);
-  g.side_row = g.rank > 0 ? RowBytes(g.G, g.side_bits) : 0;
-  g.k_scale = kHeaderBytes;
-  g.k_zero = g.k_scale + 2 * g.d;
-  g.k_codes = g.k_zero + 2 * g.d;
-  g.s_scale = g.k_codes + g.d * g.key_row;
-  g.s_zero = g.s_scale + 2 * g.rank;
-  g.s_codes = g.s_zero + 2 * g.rank;
-  g.key_bytes = g.s_codes + g.rank * g.side_row;
-  g.value_tags = g.value_bits == 0 ? (g.G + 3) / 4 : 0;
-  g.value_rec = g.value_bits == 0 ? 0 : 4 * g.ng + RowBytes(g.d, g.value_bits);
-  g.value_bytes_max = g.value_bits == 0
-                          ? kHeaderBytes + g.value_tags + g.G * (4 * g.ng + RowBytes(g.d, 4))
-                          : kHeaderBytes + g.G * g.value_rec;
+  g.rank = c.rank;
+  g.key_bits = c.key_bits;
+  g.side_bits = k.side_bits;
+  g.value_bits = c.value_bits;
+  g.value_group = c.value_group;
+  g.ng = format::ValueGroups(c.head_dim, c.value_group);
+  g.key_row = static_cast<int>(k.row);
+  g.side_row = static_cast<int>(k.side_row);
+  g.k_scale = static_cast<int>(k.scale);
+  g.k_zero = static_cast<int>(k.zero);
+  g.k_codes = static_cast<int>(k.codes);
+  g.s_scale = static_cast<int>(k.side_scale);
+  g.s_zero = static_cast<int>(k.side_zero);
+  g.s_codes = static_cast<int>(k.side_codes);
+  g.key_bytes = static_cast<int>(k.bytes);
+  g.value_tags = g.value_bits == 0 ? static_cast<int>(format::ValueTagBytes(g.G)) : 0;
+  g.value_rec = g.value_bits == 0
+                    ? 0
+                    : static_cast<int>(format::ValueRecordBytes(g.d, g.value_group, g.value_bits));
+  g.value_bytes_max = static_cast<int>(
+      g.value_bits == 0 ? format::MaxPerTokenValueBlockBytes(g.d, g.G, g.value_group, 0)
+                        : format::UniformValueBlockBytes(g.d, g.G, g.value_group, g.value_bits, 0));
   g.threads = ThreadsFor(g.d);
   g.slices = g.threads / (g.d / kChannelsPerThread);
   g.key_slices = g.threads / (g.G / kTokensPerThread);
@@ -297,20 +275,16 @@ KVQ_HD int TagSum(const uint8_t* tags, int n) {
   return s;
 }
 
-// A key or value block header against the params (codec.h): magic, a readable version, kind,
-// the rotation flag, widths, tokens, head_dim and rank / value_group.
-KVQ_HD bool HeaderMatches(const uint8_t* h, int kind, bool rotated, int bits, int side_bits,
+// A key or value block header against the params: magic, a readable version, kind, the
+// rotation flag (and no other), widths, tokens, head_dim and rank / value_group.
+KVQ_HD bool HeaderMatches(const uint8_t* block, int kind, bool rotated, int bits, int side_bits,
                           int tokens, int head_dim, int extra) {
-  const int version = h[2], flags = h[3] & 0xF0;
-  return LoadU16(h) == 0x514bu && version >= 1 && version <= 3 && (h[3] & 0x0F) == kind &&
-         flags == (rotated ? 0x10 : 0) && (version == 3) == (flags != 0) && h[4] == bits &&
-         h[5] == side_bits && static_cast<int>(LoadU16(h + 6)) == tokens &&
-         static_cast<int>(LoadU16(h + 8)) == head_dim && static_cast<int>(LoadU16(h + 10)) == extra;
-}
-
-// Width tag of token t in a per-token value block: 1..4 bits.
-KVQ_HD int TokenWidth(const uint8_t* tags, int t) {
-  return ((tags[t >> 2] >> (2 * (t & 3))) & 3) + 1;
+  const format::Header h = format::ReadHeader(block);
+  return h.magic == format::kMagic && format::VersionReadable(h.version) &&
+         format::FlagsValid(h.version, h.flags) && h.kind == kind &&
+         h.flags == (rotated ? format::kFlagRotated : 0) && h.bits == bits &&
+         h.side_bits == side_bits && h.tokens == tokens && h.head_dim == head_dim &&
+         h.extra == extra;
 }
 
 // MaxRows floats at p (16-aligned) by 16-byte loads.
@@ -731,7 +705,7 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
       if (b + 1 < b1) stage(b + 1, tid);
       KeyPrepPhase<MaxRows>(tid, T, g, kb, qs, uqs, qk, uk, zpart);
       for (int t = tid; g.value_bits == 0 && t <= G; t += T) {
-        if (t < G) width[t] = TokenWidth(vb + kHeaderBytes, t);
+        if (t < G) width[t] = format::TagWidth(vb + kHeaderBytes, t);
         off[t] = kHeaderBytes + g.value_tags + t * 4 * g.ng +
                  d / 8 * (t + TagSum(vb + kHeaderBytes, t));  // off[G]: the block's size
       }
@@ -739,9 +713,10 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
     // Scores, a slice of the channels per thread; the value scales to fp32; header checks.
     cta.Phase([&](int tid, State&) {
       if (tid == 0 && p.error_flags) {
-        const bool ok =
-            HeaderMatches(kb, 1, p.keys_rotated, g.key_bits, g.side_bits, G, d, g.rank) &&
-            HeaderMatches(vb, 2, p.values_rotated, g.value_bits, 0, G, d, g.value_group);
+        const bool ok = HeaderMatches(kb, format::kKindKey, p.codec.rotate_keys, g.key_bits,
+                                      g.side_bits, G, d, g.rank) &&
+                        HeaderMatches(vb, format::kKindValue, p.codec.rotate_values, g.value_bits,
+                                      0, G, d, g.value_group);
         if (!ok) {
 #ifdef __CUDA_ARCH__
           atomicOr(p.error_flags, kAttendHeaderMismatch);

@@ -13,8 +13,7 @@
 #include <cstring>
 #include <initializer_list>
 
-#include "attend_math.h"
-#include "hd.h"
+#include "kvq/format/block_format.h"
 #include "kvq/kernels/cuda_codec.h"
 #include "xxh3_math.h"
 
@@ -24,50 +23,24 @@
 
 namespace kvq::kernels::cuda::codec_math {
 
-using attend_math::HalfToFloat;
-using attend_math::LoadU16;
-
-inline constexpr int kHeaderBytes = 16;
-inline constexpr uint16_t kMagic = 0x514b;
-inline constexpr uint8_t kKindKey = 1, kKindValue = 2, kRotatedFlag = 0x10;
-inline constexpr uint8_t kVersion = 2, kVersionFlags = 3;
-inline constexpr float kMaxStorable = 65504.0f;
-
-KVQ_HD uint32_t FloatBits(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-
-// fp32 to IEEE fp16 bits, rounding to nearest even (the F16C / _Float16 conversion of the
-// reference kernels). Inf and NaN map to Inf and a quiet NaN.
-KVQ_HD uint16_t FloatToHalf(float f) {
-#ifdef __CUDA_ARCH__
-  return __half_as_ushort(__float2half_rn(f));
-#else
-  uint32_t x = FloatBits(f);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  x &= 0x7fffffffu;
-  if (x >= 0x7f800000u)
-    return static_cast<uint16_t>(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
-  if (x >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: Inf
-  if (x < 0x38800000u) {  // below 2^-14: a subnormal half (units of 2^-24) or zero
-    if (x < 0x33000000u) return static_cast<uint16_t>(sign);  // below 2^-25 (ties: even, 0)
-    const int shift = 126 - static_cast<int>(x >> 23);        // 14..24
-    const uint32_t m = (x & 0x7fffffu) | 0x800000u;
-    uint32_t q = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (q & 1u))) ++q;
-    return static_cast<uint16_t>(sign | q);
-  }
-  x += 0xfffu + ((x >> 13) & 1u);  // round the 13 dropped bits to nearest even
-  return static_cast<uint16_t>(sign | ((x - (112u << 23)) >> 13));
-#endif
-}
+using format::FloatBits;
+using format::FloatToHalf;
+using format::HalfToFloat;
+using format::KeyLayout;
+using format::kHeaderBytes;
+using format::kKindKey;
+using format::kKindValue;
+using format::LoadU16;
+using format::MakeKeyLayout;
+using format::RowBytes;
+using format::StoreU16;
+using format::TokenWidth;
+using format::ValueBlockBytes;
+using format::ValueGroups;
+using format::ValueRecordBytes;
+using format::ValueRecordOffset;
+using format::ValueTagBytes;
+inline constexpr float kMaxStorable = format::kHalfMax;
 
 KVQ_HD bool IsFinite(float f) { return (FloatBits(f) & 0x7f800000u) != 0x7f800000u; }
 KVQ_HD float RoundEven(float v) {
@@ -86,12 +59,6 @@ KVQ_HD float Sqrt(float v) {
 }
 KVQ_HD float MinF(float a, float b) { return b < a ? b : a; }  // std::min's rule
 KVQ_HD float MaxF(float a, float b) { return a < b ? b : a; }  // std::max's rule
-
-KVQ_HD int64_t RowBytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
-KVQ_HD void StoreU16(uint8_t* p, uint32_t v) {
-  p[0] = static_cast<uint8_t>(v);
-  p[1] = static_cast<uint8_t>(v >> 8);
-}
 
 // Code i of b bits in an LSB-first row (ref.cc's GetCode / PutCode, any alignment).
 KVQ_HD int GetCode(const uint8_t* row, int b, int64_t i) {
@@ -148,79 +115,17 @@ KVQ_HD void Rotate(float* x, int d) {
   for (int i = 0; i < d; ++i) x[i] *= norm;
 }
 
-// Block byte offsets (codec.h): a key block's fields, and one value token record's size.
-struct KeyLayout {
-  int d, G, r, bits, side_bits;
-  int64_t scale, zero, codes, row, sscale, szero, scodes, srow, bytes;
-};
-KVQ_HD KeyLayout MakeKeyLayout(const BlockCodec& c) {
-  KeyLayout k{};
-  k.d = c.head_dim;
-  k.G = c.key_group;
-  k.r = c.rank;
-  k.bits = c.key_bits;
-  k.side_bits = c.rank > 0 ? c.side_bits : 0;
-  k.scale = kHeaderBytes;
-  k.zero = k.scale + 2 * k.d;
-  k.codes = k.zero + 2 * k.d;
-  k.row = RowBytes(k.G, k.bits);
-  k.sscale = k.codes + k.d * k.row;
-  k.szero = k.sscale + 2 * k.r;
-  k.scodes = k.szero + 2 * k.r;
-  k.srow = k.r > 0 ? RowBytes(k.G, k.side_bits) : 0;
-  k.bytes = k.scodes + k.r * k.srow;
-  return k;
-}
-KVQ_HD int ValueGroups(const BlockCodec& c) {
-  return (c.head_dim + c.value_group - 1) / c.value_group;
-}
-KVQ_HD int64_t ValueRecordBytes(const BlockCodec& c, int bits) {
-  return 4 * ValueGroups(c) + RowBytes(c.head_dim, bits);
-}
-KVQ_HD int ValueTagBytes(const BlockCodec& c) {
-  return c.value_bits == 0 ? (c.key_group + 3) / 4 : 0;
-}
-// Width of token t of a value block: from its tags (per-token widths) or the codec.
-KVQ_HD int TokenWidth(const BlockCodec& c, const uint8_t* block, int t) {
-  if (c.value_bits != 0) return c.value_bits;
-  return ((block[kHeaderBytes + t / 4] >> (2 * (t % 4))) & 3) + 1;
-}
-// Byte offset of token t's record in a value block.
-KVQ_HD int64_t ValueRecordOffset(const BlockCodec& c, const uint8_t* block, int t) {
-  if (c.value_bits != 0) return kHeaderBytes + t * ValueRecordBytes(c, c.value_bits);
-  int64_t at = kHeaderBytes + ValueTagBytes(c);
-  for (int u = 0; u < t; ++u) at += ValueRecordBytes(c, TokenWidth(c, block, u));
-  return at;
-}
-KVQ_HD int64_t ValueBlockBytes(const BlockCodec& c, const uint8_t* block) {
-  return ValueRecordOffset(c, block, c.key_group);
-}
-
-// Header bytes 0..11 (codec.cc's WriteHeaderFields); the checksum goes in after the payload.
-KVQ_HD void WriteHeaderFields(uint8_t* p, uint8_t kind, int bits, int side_bits, int tokens,
-                              int head_dim, int extra) {
-  StoreU16(p, kMagic);
-  p[2] = (kind & 0xF0) != 0 ? kVersionFlags : kVersion;
-  p[3] = kind;
-  p[4] = static_cast<uint8_t>(bits);
-  p[5] = static_cast<uint8_t>(side_bits);
-  StoreU16(p + 6, static_cast<uint32_t>(tokens));
-  StoreU16(p + 8, static_cast<uint32_t>(head_dim));
-  StoreU16(p + 10, static_cast<uint32_t>(extra));
-}
-
-// Whether a block's header is what codec `c` writes for `kind` (any version 1..3: the layouts
-// agree). The checksum is not read here (xxh3_math.h's VerifyOne is).
+// Whether a block's header is what codec `c` writes for `kind` (a readable version, the
+// rotation flag and no other). The checksum is not read here (xxh3_math.h's VerifyOne is).
 KVQ_HD bool HeaderMatches(const uint8_t* p, const BlockCodec& c, uint8_t kind) {
   const bool key = kind == kKindKey;
-  const bool rotated = key ? c.rotate_keys : c.rotate_values;
-  if (LoadU16(p) != kMagic || p[2] < 1 || p[2] > kVersionFlags) return false;
-  if (p[3] != (kind | (rotated ? kRotatedFlag : 0))) return false;
-  if (p[4] != (key ? c.key_bits : c.value_bits)) return false;
-  if (p[5] != (key && c.rank > 0 ? c.side_bits : 0)) return false;
-  return static_cast<int>(LoadU16(p + 6)) == c.key_group &&
-         static_cast<int>(LoadU16(p + 8)) == c.head_dim &&
-         static_cast<int>(LoadU16(p + 10)) == (key ? c.rank : c.value_group);
+  const format::Header h = format::ReadHeader(p);
+  return h.magic == format::kMagic && format::VersionReadable(h.version) &&
+         format::FlagsValid(h.version, h.flags) && h.kind == kind &&
+         h.flags == ((key ? c.rotate_keys : c.rotate_values) ? format::kFlagRotated : 0) &&
+         h.bits == (key ? c.key_bits : c.value_bits) &&
+         h.side_bits == (key && c.rank > 0 ? c.side_bits : 0) && h.tokens == c.key_group &&
+         h.head_dim == c.head_dim && h.extra == (key ? c.rank : c.value_group);
 }
 
 // ---- Encode keys: five launches, each a grid over (block, index) ----
@@ -319,15 +224,15 @@ KVQ_HD void EncodeKeyProject(const EncodeKeyParams& p, int b, int i) {
 KVQ_HD void EncodeKeySide(const EncodeKeyParams& p, int b, int j) {
   const KeyLayout k = MakeKeyLayout(p.codec);
   uint8_t* out = p.out[b];
-  QuantizeChannel(KeyWorkOf(p, b).coef, k.r, k.G, j, k.side_bits, out + k.sscale + 2 * j,
-                  out + k.szero + 2 * j, out + k.scodes + j * k.srow, nullptr, 0);
+  QuantizeChannel(KeyWorkOf(p, b).coef, k.r, k.G, j, k.side_bits, out + k.side_scale + 2 * j,
+                  out + k.side_zero + 2 * j, out + k.side_codes + j * k.side_row, nullptr, 0);
 }
 
 // Launch 5, one index per block: the header and its checksum over the finished payload.
 KVQ_HD void EncodeKeyHeader(const EncodeKeyParams& p, int b, int /*one index*/) {
   const KeyLayout k = MakeKeyLayout(p.codec);
-  const uint8_t kind = kKindKey | (p.codec.rotate_keys ? kRotatedFlag : 0);
-  WriteHeaderFields(p.out[b], kind, k.bits, k.side_bits, k.G, k.d, k.r);
+  const uint8_t kind = format::KindByte(kKindKey, p.codec.rotate_keys, false);
+  format::WriteHeaderFields(p.out[b], kind, k.bits, k.side_bits, k.G, k.d, k.r);
   xxh3_math::WriteBlockChecksum(p.out[b], static_cast<uint64_t>(k.bytes));
 }
 
@@ -386,8 +291,9 @@ KVQ_HD void EncodeValueToken(const EncodeValueParams& p, int b, int t) {
 // Launch 2, one index per block: header and checksum.
 KVQ_HD void EncodeValueHeader(const EncodeValueParams& p, int b, int /*one index*/) {
   const BlockCodec& c = p.codec;
-  const uint8_t kind = kKindValue | (c.rotate_values ? kRotatedFlag : 0);
-  WriteHeaderFields(p.out[b], kind, c.value_bits, 0, c.key_group, c.head_dim, c.value_group);
+  const uint8_t kind = format::KindByte(kKindValue, c.rotate_values, false);
+  format::WriteHeaderFields(p.out[b], kind, c.value_bits, 0, c.key_group, c.head_dim,
+                            c.value_group);
   xxh3_math::WriteBlockChecksum(p.out[b], static_cast<uint64_t>(ValueBlockBytes(c, p.out[b])));
 }
 
@@ -426,10 +332,11 @@ KVQ_HD void DecodeKeyToken(const DecodeKeyParams& p, int b, int t) {
   for (int ch = 0; ch < k.d; ++ch) {
     float acc = 0;
     for (int j = 0; j < k.r; ++j) {
-      const float z = p.side_sign *
-                      (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.szero + 2 * j))) +
-                       HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.sscale + 2 * j))) *
-                           static_cast<float>(GetCode(in + k.scodes + j * k.srow, k.side_bits, t)));
+      const float z =
+          p.side_sign *
+          (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_zero + 2 * j))) +
+           HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_scale + 2 * j))) *
+               static_cast<float>(GetCode(in + k.side_codes + j * k.side_row, k.side_bits, t)));
       acc += basis[static_cast<int64_t>(ch) * k.r + j] * z;
     }
     out[ch] += acc;
@@ -475,9 +382,10 @@ KVQ_HD void ScoreToken(const ScoreBlocksParams& p, int b, int i, int t) {
   const float* uq = p.uq + static_cast<int64_t>(i) * k.r;
   float side = 0;
   for (int j = 0; j < k.r; ++j)
-    side += uq[j] * (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.sscale + 2 * j))) *
-                         static_cast<float>(GetCode(in + k.scodes + j * k.srow, k.side_bits, t)) +
-                     HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.szero + 2 * j))));
+    side += uq[j] *
+            (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_scale + 2 * j))) *
+                 static_cast<float>(GetCode(in + k.side_codes + j * k.side_row, k.side_bits, t)) +
+             HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_zero + 2 * j))));
   *dst = base + (p.scale * p.side_sign) * side;
 }
 
@@ -564,6 +472,8 @@ inline const char* CodecReason(const BlockCodec& c) {
     return "value_bits: must be 1, 2, 3, 4 or 8 (0: per-token widths)";
   if (c.value_group < 1 || c.value_group > c.head_dim || ValueGroups(c) > 64)
     return "value_group: must be in [1, head_dim], at most 64 groups";
+  if (c.key_sparse != 0 || c.value_sparse != 0)
+    return "key_sparse, value_sparse: dense-and-sparse blocks are read on the CPU";
   if ((c.rotate_keys || c.rotate_values) && (c.head_dim & (c.head_dim - 1)) != 0)
     return "head_dim: must be a power of two to rotate keys or values";
   return nullptr;

@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "hd.h"
+#include "kvq/format/block_format.h"
 #include "kvq/kernels/cuda_checksum.h"
 
 namespace kvq::kernels::cuda::xxh3_math {
@@ -248,35 +248,29 @@ KVQ_HD uint64_t Hash64(const uint8_t* data, uint64_t len, uint64_t seed) {
   return HashLong(data, len, derived);
 }
 
-// core's block checksum (core/src/codec.cc): header bytes 0..11 hashed, then the payload (bytes
-// 16..size) hashed seeded by that (version 1) or unseeded with the header's hash mixed in
-// (versions 2 and 3); the low 32 bits. size >= 16.
-inline constexpr uint64_t kHeaderBytes = 16;
-inline constexpr uint64_t kHashedHeaderBytes = 12;
-inline constexpr uint64_t kHeaderHashMultiplier = 0x9E3779B97F4A7C15ull;
+// The block checksum (kvq/format/block_format.h): header bytes 0..11 and the payload (bytes
+// 16..size) hashed unseeded, mixed by format::MixChecksum. size >= 16.
 KVQ_HD uint32_t BlockChecksum(const uint8_t* block, uint64_t size) {
-  const uint64_t head = Hash64(block, kHashedHeaderBytes, 0);
-  const uint8_t* payload = block + kHeaderBytes;
-  const uint64_t payload_bytes = size - kHeaderBytes;
-  if (block[2] == 1) return static_cast<uint32_t>(Hash64(payload, payload_bytes, head));
-  return static_cast<uint32_t>(Hash64(payload, payload_bytes, 0) ^ (head * kHeaderHashMultiplier));
+  namespace f = kvq::format;
+  return f::MixChecksum(Hash64(block + f::kHeaderBytes, size - f::kHeaderBytes, 0),
+                        Hash64(block, f::kHashedHeaderBytes, 0));
 }
 
 // Stores BlockChecksum at header bytes 12..15 (little-endian): the last step of encoding a
 // block whose other header fields and payload are written. size >= 16.
 KVQ_HD void WriteBlockChecksum(uint8_t* block, uint64_t size) {
-  WriteLE32(block + kHashedHeaderBytes, BlockChecksum(block, size));
+  WriteLE32(block + kvq::format::kChecksumAt, BlockChecksum(block, size));
 }
 
-// kVerifyOk, kVerifyBadHeader (not a block: null, shorter than the header, magic other than
-// 0x514b, version other than 1..3) or kVerifyChecksum (the stored checksum differs).
+// kVerifyOk, kVerifyBadHeader (not a block: null, shorter than the header, another magic, a
+// version this build does not read) or kVerifyChecksum (the stored checksum differs).
 KVQ_HD int VerifyOne(const uint8_t* block, uint64_t size) {
-  constexpr uint32_t kMagic = 0x514b;
-  if (block == nullptr || size < kHeaderBytes) return kVerifyBadHeader;
-  if ((block[0] | (static_cast<uint32_t>(block[1]) << 8)) != kMagic) return kVerifyBadHeader;
-  if (block[2] < 1 || block[2] > 3) return kVerifyBadHeader;
-  return ReadLE32(block + kHashedHeaderBytes) == BlockChecksum(block, size) ? kVerifyOk
-                                                                            : kVerifyChecksum;
+  namespace f = kvq::format;
+  if (block == nullptr || size < static_cast<uint64_t>(f::kHeaderBytes)) return kVerifyBadHeader;
+  if (f::LoadU16(block + f::kMagicAt) != f::kMagic) return kVerifyBadHeader;
+  if (!f::VersionReadable(block[f::kVersionAt])) return kVerifyBadHeader;
+  return ReadLE32(block + f::kChecksumAt) == BlockChecksum(block, size) ? kVerifyOk
+                                                                        : kVerifyChecksum;
 }
 
 // The batched op's launch shape: thread t of thread block b verifies block b * kVerifyThreads

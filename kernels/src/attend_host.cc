@@ -4,23 +4,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <initializer_list>
 #include <vector>
 
 #include "../cuda/attend_math.h"
 #include "../cuda/host_cta.h"
 #include "kvq/kernels/cuda.h"
+#include "kvq/kernels/cuda_codec.h"
 
 namespace kvq::kernels::cuda {
 namespace am = attend_math;
 
 namespace {
-
-bool OneOf(int v, std::initializer_list<int> allowed) {
-  for (int a : allowed)
-    if (v == a) return true;
-  return false;
-}
 
 template <int MaxRows>
 void RunGrid(const AttendParams& p, const am::Geometry& g, int splits) {
@@ -34,32 +28,25 @@ void RunGrid(const AttendParams& p, const am::Geometry& g, int splits) {
       HostCta<am::AttendState<MaxRows>> cta(g.threads);
       am::AttendCta<MaxRows>(cta, p, g, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
     }
-  for (int64_t w = 0; w < static_cast<int64_t>(p.items) * p.rows * p.head_dim; ++w)
-    am::MergeOne(p.workspace, p.items, p.rows, p.head_dim, splits, w, p.out, p.out_max, p.out_sum);
+  const int d = p.codec.head_dim;
+  for (int64_t w = 0; w < static_cast<int64_t>(p.items) * p.rows * d; ++w)
+    am::MergeOne(p.workspace, p.items, p.rows, d, splits, w, p.out, p.out_max, p.out_sum);
 }
 
 }  // namespace
 
 const char* AttendUnsupported(const AttendParams& p) {
-  if (p.head_dim < 32 || p.head_dim > 256 || p.head_dim % 32 != 0)
-    return "head_dim: must be a multiple of 32 in [32, 256]";
-  if (!OneOf(p.key_group, {32, 64, 128})) return "key_group: must be 32, 64 or 128";
-  if (!OneOf(p.key_bits, {2, 3, 4, 8})) return "key_bits: must be 2, 3, 4 or 8";
-  if (p.rank < 0 || p.rank > p.head_dim) return "rank: must be in [0, head_dim]";
-  if (p.rank > 0 && !OneOf(p.side_bits, {4, 8})) return "side_bits: must be 4 or 8";
-  if (!OneOf(p.value_bits, {0, 1, 2, 3, 4, 8}))
-    return "value_bits: must be 1, 2, 3, 4 or 8 (0: per-token widths)";
-  if (p.value_group < 1 || p.value_group > p.head_dim ||
-      (p.head_dim + p.value_group - 1) / p.value_group > 64)
-    return "value_group: must be in [1, head_dim], at most 64 groups";
+  const int d = p.codec.head_dim;
+  if (d < 32 || d > 256 || d % 32 != 0) return "head_dim: must be a multiple of 32 in [32, 256]";
+  if (const char* why = BlockCodecUnsupported(p.codec)) return why;
   if (p.items < 1 || p.items > 65535) return "items: must be in [1, 65535]";
   if (p.rows < 1 || p.rows > kAttendMaxRows) return "rows: must be in [1, 16]";
   if (p.blocks < 0 || p.block_stride < p.blocks) return "blocks: must be in [0, block_stride]";
-  if (p.masked_prefix < 0 || p.masked_prefix >= p.key_group)
+  if (p.masked_prefix < 0 || p.masked_prefix >= p.codec.key_group)
     return "masked_prefix: must be in [0, key_group)";
   if (p.splits < 0) return "splits: must be >= 0 (0: choose)";
   if (p.blocks > 0 && (!p.key_blocks || !p.value_blocks)) return "key_blocks, value_blocks: null";
-  if (!p.q || (p.rank > 0 && !p.uq)) return "q (and uq when rank > 0): null";
+  if (!p.q || (p.codec.rank > 0 && !p.uq)) return "q (and uq when rank > 0): null";
   if (!p.out || !p.out_max || !p.out_sum) return "out, out_max, out_sum: null";
   if (am::MakeGeometry(p).sm_bytes > 227 * 1024)
     return "rows x head_dim x key_group: the thread block's shared memory exceeds 227 KiB";
@@ -73,7 +60,7 @@ int AttendOnHost(const AttendParams& p) {
                          : am::SplitsToFill(p.items, p.blocks, int64_t{2} * kHostStandInSms);
   // The partials start as garbage too (NaN), as a device workspace would.
   thread_local std::vector<float> ws;
-  ws.assign(static_cast<size_t>(p.items) * splits * p.rows * (p.head_dim + 2), std::nanf(""));
+  ws.assign(static_cast<size_t>(p.items) * splits * p.rows * (p.codec.head_dim + 2), std::nanf(""));
   AttendParams hp = p;
   hp.workspace = ws.data();
   hp.workspace_bytes = 4 * ws.size();

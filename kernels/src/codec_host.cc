@@ -33,11 +33,11 @@ void* Garbage(size_t bytes) {
 
 const char* BlockCodecUnsupported(const BlockCodec& c) { return cm::CodecReason(c); }
 
-size_t KeyBlockSize(const BlockCodec& c) { return static_cast<size_t>(cm::MakeKeyLayout(c).bytes); }
+size_t KeyBlockSize(const BlockCodec& c) {
+  return static_cast<size_t>(format::MakeKeyLayout(c).bytes);
+}
 size_t ValueBlockSize(const BlockCodec& c) {
-  return cm::kHeaderBytes + (c.value_bits == 0 ? (c.key_group + 3) / 4 : 0) +
-         static_cast<size_t>(c.key_group) *
-             cm::ValueRecordBytes(c, c.value_bits == 0 ? 4 : c.value_bits);
+  return static_cast<size_t>(format::MaxValueBlockBytes(c));
 }
 size_t EncodeKeyWorkspaceBytes(const EncodeKeyParams& p) {
   return 4 * static_cast<size_t>(p.blocks) * cm::KeyWorkFloats(p.codec);

@@ -5,40 +5,14 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __F16C__
-#include <immintrin.h>
-#endif
+#include "kvq/format/block_format.h"
 
 namespace kvq::kernels::internal {
 
-// fp16 <-> fp32 without depending on core/, round to nearest even: F16C instructions where
-// the translation unit is compiled for them, else the compiler's half type (a library call):
-// GCC's _Float16, or clang's storage-only __fp16 where clang (before 15) has no _Float16 on
-// x86 (the fuzzing and sanitizer builds, scripts/fuzz.sh).
-#if defined(__clang__) && __clang_major__ < 15
-using SoftHalf = __fp16;
-#else
-using SoftHalf = _Float16;
-#endif
-inline float HalfToFloat(uint16_t h) {
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  SoftHalf v;
-  std::memcpy(&v, &h, 2);
-  return static_cast<float>(v);
-#endif
-}
-inline uint16_t FloatToHalf(float f) {
-#ifdef __F16C__
-  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-#else
-  SoftHalf v = static_cast<SoftHalf>(f);
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
-#endif
-}
+// fp16 <-> fp32 (kvq/format/block_format.h): F16C instructions where the translation unit is
+// compiled for them, else exact bit manipulation; the same bits either way.
+using format::FloatToHalf;
+using format::HalfToFloat;
 
 // __builtin_cpu_supports("f16c") is not known to clang before 15; every x86 CPU with AVX2
 // (which each caller checks too) has F16C.

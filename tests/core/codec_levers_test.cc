@@ -58,7 +58,7 @@ TEST(Rotation, RotatedValuesReconstructOutlierChannelsBetter) {
     std::vector<uint8_t> blk;
     ASSERT_TRUE(EncodeValueBlock(o, v.data(), d, nullptr, &blk).ok());
     EXPECT_EQ(blk.size(), ValueBlockBytes(o));  // the rotation costs no bytes
-    EXPECT_EQ(blk[2], rot ? kBlockVersionFlags : kBlockVersion);
+    EXPECT_EQ(blk[2], rot ? format::kVersionFlags : format::kVersion);
     auto view = ParseValueBlock(blk, o, true);
     ASSERT_TRUE(view.ok()) << view.status();
     DecodeValueBlock(*view, rot ? rotated.data() : plain.data());
@@ -190,7 +190,7 @@ TEST(Rotation, FlagMismatchAndUnknownFlagsAreRejected) {
   bad[3] |= 0x20;
   EXPECT_EQ(VerifyBlock(bad).code(), absl::StatusCode::kDataLoss);
   bad = blk;
-  bad[2] = kBlockVersion;
+  bad[2] = format::kVersion;
   EXPECT_EQ(ParseKeyBlock(bad, o, false).status().code(), absl::StatusCode::kDataLoss);
   EXPECT_TRUE(VerifyBlock(blk).ok());
 }

@@ -153,15 +153,7 @@ inline kernels::cuda::AttendParams ParamsFor(const PreparedAttend& pa,
                                              const float* uq, float* out, float* mx, float* sum) {
   const core::CodecOptions& o = pa.cs.o;
   kernels::cuda::AttendParams p;
-  p.head_dim = o.head_dim;
-  p.key_group = o.key_group;
-  p.key_bits = o.key_bits;
-  p.rank = o.rank;
-  p.side_bits = o.side_bits;
-  p.value_bits = o.per_token_value_bits() ? 0 : o.value_bits;
-  p.value_group = o.value_group;
-  p.keys_rotated = o.rotate_keys;
-  p.values_rotated = o.rotate_values;
+  p.codec = core::BlockCodecOf(o);
   p.items = pa.cs.kv;
   p.rows = pa.cs.gq;
   p.blocks = pa.cs.nb;

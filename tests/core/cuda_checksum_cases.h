@@ -44,8 +44,7 @@ inline core::CodecOptions ChecksumCodec(int d, int G, int rank, int value_bits) 
 }
 
 // Key and value blocks encoded by core: rank 0, 4 and 8, G 32, 64 and 128, uniform and A^2
-// per-token value widths, rotations (version 3); plus a version-1 key block, re-stamped with
-// the seeded checksum version 1 wrote (core still reads it, but no longer writes it).
+// per-token value widths, rotations (version 3).
 inline std::vector<ChecksumCase> CoreBlocks() {
   std::vector<core::CodecOptions> codecs = {
       ChecksumCodec(64, 32, 0, 2), ChecksumCodec(64, 128, 4, 2), ChecksumCodec(128, 32, 4, 4),
@@ -78,14 +77,6 @@ inline std::vector<ChecksumCase> CoreBlocks() {
     blocks.push_back(std::move(k));
     blocks.push_back(std::move(v));
   }
-  ChecksumCase v1 = blocks[2];
-  v1.name = "key version 1 " + v1.o.ToString();
-  v1.bytes[2] = 1;
-  const uint64_t head = XXH3_64bits(v1.bytes.data(), 12);
-  const uint32_t sum =
-      static_cast<uint32_t>(XXH3_64bits_withSeed(v1.bytes.data() + 16, v1.bytes.size() - 16, head));
-  std::memcpy(v1.bytes.data() + 12, &sum, 4);
-  blocks.push_back(std::move(v1));
   return blocks;
 }
 

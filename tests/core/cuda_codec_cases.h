@@ -17,17 +17,7 @@
 namespace kvq::testing {
 
 inline kernels::cuda::BlockCodec FromOptions(const core::CodecOptions& o) {
-  kernels::cuda::BlockCodec c;
-  c.head_dim = o.head_dim;
-  c.key_group = o.key_group;
-  c.key_bits = o.key_bits;
-  c.rank = o.rank;
-  c.side_bits = o.side_bits;
-  c.value_bits = o.per_token_value_bits() ? 0 : o.value_bits;
-  c.value_group = o.value_group;
-  c.rotate_keys = o.rotate_keys;
-  c.rotate_values = o.rotate_values;
-  return c;
+  return core::BlockCodecOf(o);
 }
 
 inline core::CodecOptions BlockCodecOptions(int d, int G, int kb, int r, int sb, int vb, int vg,

@@ -96,7 +96,7 @@ TEST(CudaAttendMath, A2CasesMixWidths) {
     bool seen[5] = {};
     for (size_t at : pa.value_at)
       for (int t = 0; t < cs.o.key_group; ++t)
-        seen[am::TokenWidth(pa.pool.data() + at + am::kHeaderBytes, t)] = true;
+        seen[format::TagWidth(pa.pool.data() + at + format::kHeaderBytes, t)] = true;
     EXPECT_GE(seen[1] + seen[2] + seen[3] + seen[4], 2);
   }
 }

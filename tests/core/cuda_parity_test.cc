@@ -314,10 +314,10 @@ TEST(CudaParity, UnsupportedParamsAreNamed) {
   ASSERT_NE(cuda::AttendUnsupported(p), nullptr);
   EXPECT_NE(std::string(cuda::AttendUnsupported(p)).find("rows"), std::string::npos);
   p.rows = 3;
-  p.head_dim = 80;
+  p.codec.head_dim = 80;
   EXPECT_NE(std::string(cuda::AttendUnsupported(p)).find("head_dim"), std::string::npos);
-  p.head_dim = 128;
-  p.masked_prefix = p.key_group;
+  p.codec.head_dim = 128;
+  p.masked_prefix = p.codec.key_group;
   EXPECT_NE(std::string(cuda::AttendUnsupported(p)).find("masked_prefix"), std::string::npos);
 #endif
 }

@@ -2288,10 +2288,10 @@ TEST(ServiceTest, HealthzOnTheMetricsPortFollowsServing) {
 }
 
 // A golden block: bytes committed to the repository must keep decoding to the committed
-// values. KVQ_REGENERATE_GOLDEN=1 rewrites them (only on a deliberate format change). One
-// pair per served default: the legacy k2g32r4s8 (32 tokens; its committed blocks are of
-// format version 2, which must keep reading: do not regenerate them) and today's k3g128r4s4
-// (128 tokens, version 3).
+// values. KVQ_REGENERATE_GOLDEN=1 rewrites them (only on a deliberate format change): today's
+// default k3g128r4s4 (128 tokens, format version 2). The older k2g32r4s8 pair is of format
+// version 1, which this build no longer reads: it stays committed, byte for byte, to prove
+// such blocks are refused as DATA_LOSS rather than misread (do not regenerate it).
 void CheckGoldenBlocks(const core::CodecOptions& o, const std::string& key_name,
                        const std::string& value_name) {
   const std::string dir = KVQ_GOLDEN_DIR;
@@ -2363,8 +2363,20 @@ TEST(GoldenBlockTest, CommittedBlocksDecodeToCommittedValues) {
   const core::CodecOptions now = core::Registry::DefaultCodec(m, true);
   ASSERT_EQ(legacy.ToString(), "k2g32 r4s8 v2g32 R0");
   ASSERT_EQ(now.ToString(), "k3g128 r4s4 v2g32 R0");
-  CheckGoldenBlocks(legacy, "key_k2g32r4s8_d64", "value_v2g32_d64");
   CheckGoldenBlocks(now, "key_k3g128r4s4_d64", "value_v2g32_t128_d64");
+  const std::string dir = KVQ_GOLDEN_DIR;
+  for (const char* name : {"key_k2g32r4s8_d64", "value_v2g32_d64"}) {
+    SCOPED_TRACE(name);
+    std::ifstream f(dir + "/" + name + ".block", std::ios::binary);
+    const std::vector<uint8_t> block(std::istreambuf_iterator<char>(f), {});
+    ASSERT_GT(block.size(), 16u);
+    ASSERT_EQ(block[2], 1);  // format version 1
+    const absl::Status st = name[0] == 'k' ? core::ParseKeyBlock(block, legacy, true).status()
+                                           : core::ParseValueBlock(block, legacy, true).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(st.message()), HasSubstr("block version 1 unsupported"));
+    EXPECT_EQ(core::VerifyBlock(block).code(), absl::StatusCode::kDataLoss);
+  }
 }
 
 }  // namespace

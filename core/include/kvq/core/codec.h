@@ -7,19 +7,9 @@
 // Values: asymmetric quantization per token over groups of `value_group` channels. Bits
 //         per token are uniform, or chosen per token by the A^2 policy (value_policy.h).
 //
-// Block bytes (little-endian), every byte counted in the bits-per-element figures:
-//   header (16 bytes): u16 magic 0x514b "KQ" | u8 version | u8 kind (1 key, 2 value)
-//                      | u8 bits (0: per-token) | u8 side_bits | u16 tokens | u16 head_dim
-//                      | u16 rank or value_group | u32 checksum
-//                      v2: low 32 bits of XXH3-64(payload) ^ 0x9E3779B97F4A7C15 * XXH3-64(header
-//                          bytes 0..11); v1: low 32 bits of XXH3-64(payload) seeded with
-//                          XXH3-64(header bytes 0..11). Layouts are otherwise identical.
-//   key payload:   fp16 scale[d] | fp16 zero[d] | codes[d][G*bits/8] (channel-major)
-//                  | fp16 side_scale[r] | fp16 side_zero[r] | side codes[r][G*side_bits/8]
-//   value payload: (per-token bits only) u8 bits_code[ceil(G/4)] (2 bits per token:
-//                  0..3 -> 1,2,3,4 bits) | per token: fp16 scale[ng] | fp16 zero[ng]
-//                  | codes[ceil(d*bits/8)] (token-major, tight)
-// Codes of b bits are packed LSB-first: code i occupies bits [i*b, i*b+b) of the row.
+// The block bytes (header, checksum, key and value payloads, the dense-and-sparse list) are
+// defined once, in kvq/format/block_format.h; every byte is counted in the bits-per-element
+// figures.
 #pragma once
 
 #include <cstddef>
@@ -31,28 +21,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvq/core/byte_pool.h"
+#include "kvq/format/block_format.h"
 
 namespace kvq::core {
 
-inline constexpr uint16_t kBlockMagic = 0x514b;
-// Version written by this build. Version 1 blocks (seeded checksum) are still read.
-inline constexpr uint8_t kBlockVersion = 2;
-// Version 3: the version-2 layout with flags in the high nibble of the kind byte
-// (kBlockRotated: the rows were rotated by H before quantization). Written only for blocks
-// with a flag set, so that codecs without one keep writing version-2 bytes.
-inline constexpr uint8_t kBlockVersionFlags = 3;
-inline constexpr uint8_t kBlockRotated = 0x10;
-// Version 3 flag: the block ends with a dense-and-sparse list (CodecOptions::sparse_keys /
-// sparse_values): n entries of u16 position (t * head_dim + c) | fp16 delta, the exact element
-// minus what the codes decode to there, sorted by position (unused entries: position 0, delta
-// 0). Reads add the deltas: decodes at (t, c), scores scale * q_c * delta, readouts p_t * delta.
-inline constexpr uint8_t kBlockSparse = 0x20;
-inline constexpr size_t kSparseEntryBytes = 4;
-inline constexpr size_t kBlockHeaderBytes = 16;
 // The largest key or value magnitude an append accepts: the fp16 maximum, since each group's
 // zero point is its minimum stored in fp16 (a larger element would make it infinite and the
 // whole group decode to Inf/NaN). Within it every scale and zero point of a block is finite.
-inline constexpr float kMaxStorableMagnitude = 65504.0f;
+inline constexpr float kMaxStorableMagnitude = format::kHalfMax;
 // The most attention sinks a codec keeps at fp16 (CodecOptions::fp16_sinks): fewer than the
 // smallest group, so that every first group keeps a row to stand in for them.
 inline constexpr int kMaxFp16Sinks = 16;
@@ -116,14 +92,13 @@ struct CodecOptions {
   // instead of nearest rounding per channel; the scales and zero points stay. Needs the
   // basis's value metric (else nearest rounding).
   bool value_metric_rounding = false;
-  // Dense-and-sparse (KVQuant): per mille of each key (value) block's G x d elements kept
-  // exactly beside the codes, 0..100 (a fixed count a block, SparseCount). Which ones: the
-  // elements at the ends of their quantization ranges (a key channel over the block's tokens; a
-  // value token's channel group) whose removal shrinks those ranges most (TrimOutliers); they
-  // are clamped into the remaining range for the codes and their exact values restored on every
-  // read through a delta (kBlockSparse). Costs 32 bits an element. Not with a rotation of the
-  // same tensor (it spreads outliers before they are seen); the fp16 sinks' stand-in rows are
-  // never chosen.
+  // Dense-and-sparse (KVQuant, format::kFlagSparse): per mille of each key (value) block's G x d
+  // elements kept exactly beside the codes, 0..100 (a fixed count a block, SparseCount). Which
+  // ones: the elements at the ends of their quantization ranges (a key channel over the block's
+  // tokens; a value token's channel group) whose removal shrinks those ranges most (TrimOutliers);
+  // they are clamped into the remaining range for the codes and their exact values restored on
+  // every read through a delta. Costs 32 bits an element. Not with a rotation of the same tensor
+  // (it spreads outliers before they are seen); the fp16 sinks' stand-in rows are never chosen.
   int sparse_keys = 0;
   int sparse_values = 0;
   // Verify the block checksum on every score/readout/decode (true) or only when a
@@ -136,6 +111,10 @@ struct CodecOptions {
   // A short human-readable summary, e.g. "k2g32 r4s8 v2g32 R0".
   std::string ToString() const;
 };
+
+// The fields that fix the codec's block layout (value_bits 0 under the A^2 policy; the sparse
+// entry counts of SparseCount): what the block format and the kernels take.
+format::BlockCodec BlockCodecOf(const CodecOptions& o);
 
 // Entries of a key (keys true) or value block's dense-and-sparse list: the codec's per mille of
 // its G x d elements, rounded to nearest.
@@ -205,7 +184,7 @@ struct KeyBlockView {
   const uint16_t* side_scale = nullptr;
   const uint16_t* side_zero = nullptr;
   const uint8_t* side_codes = nullptr;  // [r][tokens*side_bits/8]
-  const uint8_t* sparse = nullptr;      // dense-and-sparse entries (kBlockSparse), or null
+  const uint8_t* sparse = nullptr;      // dense-and-sparse entries (format::kFlagSparse), or null
   int sparse_count = 0;
 };
 
@@ -215,7 +194,7 @@ struct ValueBlockView {
   bool rotated = false;              // values stored as H v (see CodecOptions::rotate_values)
   const uint8_t* payload = nullptr;  // first token record: fp16 scale[ng] | zero[ng] | codes
   uint8_t token_bits[128] = {};      // width of each token (<= 128 tokens per block)
-  const uint8_t* sparse = nullptr;   // dense-and-sparse entries (kBlockSparse), or null
+  const uint8_t* sparse = nullptr;   // dense-and-sparse entries (format::kFlagSparse), or null
   int sparse_count = 0;
 };
 
@@ -227,9 +206,9 @@ absl::StatusOr<KeyBlockView> ParseKeyBlock(std::span<const uint8_t> block, const
 absl::StatusOr<ValueBlockView> ParseValueBlock(std::span<const uint8_t> block,
                                                const CodecOptions& o, bool verify);
 // Parses the blocks of one sequence on a read (score, readout, attend). The header that every
-// version-2 block of codec `o` carries and its hash are formed once, so a block of the
-// expected size whose header matches byte for byte needs only its checksum (when verify);
-// any other block (version 1, A^2 widths, a corruption) goes through ParseKeyBlock /
+// block of codec `o` carries and its hash are formed once, so a block of the expected size
+// whose header matches byte for byte needs only its checksum (when verify); any other block
+// (A^2 widths, a corruption) goes through ParseKeyBlock /
 // ParseValueBlock, so verdicts and error messages are theirs. `o` must outlive the reader.
 class BlockReader {
  public:

@@ -4,10 +4,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/format/block_format.h"
+
 namespace kvq::core {
 
-uint16_t FloatToHalf(float f);
-float HalfToFloat(uint16_t h);
+using format::FloatToHalf;
+using format::HalfToFloat;
 uint16_t FloatToBF16(float f);
 inline float BF16ToFloat(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;

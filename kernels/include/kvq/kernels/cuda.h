@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/format/block_format.h"
+
 namespace kvq::kernels::cuda {
 
 // score_codes of kernels.h: out[i*os + t] = (accumulate ? out : 0)
@@ -36,21 +38,16 @@ int ScoreCodes(const uint8_t* codes, int bits, int n_ch, int tokens, const uint1
 // Rotated blocks (CodecOptions::rotate_keys / rotate_values) cost the kernel nothing: the
 // caller passes q = H q for rotated keys (uq stays U^T q of the unrotated query) and rotates
 // the merged output back (HadamardRotateRows) for rotated values; the header flags must
-// match keys_rotated / values_rotated.
+// match codec.rotate_keys / codec.rotate_values.
 //
 // Checksums are not verified here (the fused path reads each byte once; a store that wants
 // verify_on_read verifies on the CPU or on a scrub). Headers are checked against the params
 // when error_flags is given: a block whose header disagrees sets kAttendHeaderMismatch.
 struct AttendParams {
-  // The codec of every block (core's CodecOptions fields).
-  int head_dim = 0;     // d: a multiple of 32, at most 256
-  int key_group = 0;    // G, tokens per block: 32, 64 or 128
-  int key_bits = 0;     // 2, 3, 4 or 8
-  int rank = 0;         // HeadQ rank r, 0..d
-  int side_bits = 0;    // 4 or 8 (when rank > 0)
-  int value_bits = 0;   // 1, 2, 3, 4 or 8; 0: per-token widths (the A^2 policy)
-  int value_group = 0;  // channels per value scale group, 1..d, at most 64 groups
-  bool keys_rotated = false, values_rotated = false;
+  // The codec of every block: head_dim a multiple of 32, at most 256; every other field as
+  // BlockCodecUnsupported (cuda_codec.h) allows. The header flags of each block must match
+  // rotate_keys / rotate_values.
+  format::BlockCodec codec;
 
   int items = 0;   // (sequence, KV head) pairs in this launch, >= 1
   int rows = 0;    // query rows per item, 1..16

@@ -14,8 +14,8 @@ namespace kvq::kernels::cuda {
 inline constexpr uint8_t kVerifyOk = 0;
 // The stored checksum (header bytes 12..15) differs from the one the bytes give.
 inline constexpr uint8_t kVerifyChecksum = 1;
-// Not a block: shorter than the 16-byte header, magic other than 0x514b, a version other than
-// 1, 2 or 3, or a null pointer. The checksum is not computed.
+// Not a block: shorter than the 16-byte header, another magic, a version this build does not
+// read (kvq/format/block_format.h), or a null pointer. The checksum is not computed.
 inline constexpr uint8_t kVerifyBadHeader = 2;
 
 struct VerifyParams {

@@ -17,19 +17,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/format/block_format.h"
+
 namespace kvq::kernels::cuda {
 
-// The codec fields the block ops read (core's CodecOptions).
-struct BlockCodec {
-  int head_dim = 0;     // d, 1..512 (a power of two when rotating)
-  int key_group = 0;    // G, tokens per block: 32, 64 or 128
-  int key_bits = 0;     // 2, 3, 4 or 8
-  int rank = 0;         // HeadQ rank, 0..d
-  int side_bits = 0;    // 4 or 8 when rank > 0
-  int value_bits = 0;   // 1, 2, 3, 4 or 8; 0: per-token widths (1..4, the A^2 policy)
-  int value_group = 0;  // channels per value scale group, 1..d, at most 64 groups
-  bool rotate_keys = false, rotate_values = false;
-};
+// The codec fields the block ops read (kvq/format/block_format.h).
+using format::BlockCodec;
 
 // Why the codec is outside what the block ops support (naming the field and its limit), or
 // null.
