@@ -8,7 +8,7 @@ markdown table of every attend row (AttendCodec/<codec>/..., AttendCodes*/..., A
   bits/elem   code bits per K and V element, every header, scale and sink row counted
   ms          CPU time per call (one layer's decode attend)
   x dense     AttendDense time / this row's time, within the same round
-  target      0.6 x (fp16 bytes / code bytes): the speed-up issue 15 asks for
+  target      0.6 x (fp16 bytes / code bytes): the speed-up the codec's reads aim for
   GB/s        code bytes read per CPU second
   % stream    that rate over StreamRead/threads:1 of the same round (one core reading memory),
               both per CPU second
@@ -26,7 +26,7 @@ import re
 import statistics
 import sys
 
-# A row at or below this many bits per element is held to 3x fp16 attention (issue 15: "~3
+# A row at or below this many bits per element is held to 3x fp16 attention (the goal for "~3
 # bits per element and below").
 LOW_BITS = 3.05
 ATTEND = re.compile(r"^(AttendCodec/(?P<codec>[^/]+)|(?P<kind>AttendCodes\w*|AttendDense))/"

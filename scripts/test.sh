@@ -20,6 +20,7 @@ if [[ -x scripts/test-extra.sh ]]; then bash scripts/test-extra.sh "$BUILD"; fi
 # Both suites run even when the first fails, so one run shows every failure.
 cpp=0; python=0; fuzz=0; sanitize=0; format=0
 bash scripts/format-check.sh || format=$?
+python3 scripts/render-results.py --check || format=$?
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 900 || cpp=$?
 bash scripts/test-python.sh "$BUILD" || python=$?
 bash scripts/fuzz.sh --runs 100000 || fuzz=$?

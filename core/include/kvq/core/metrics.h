@@ -1,4 +1,4 @@
-// Distortion metrics of HEADQ.md section 1, for one query against n cached tokens.
+// Distortion metrics (docs/CODEC.md, "Distortion metrics"), for one query against n cached tokens.
 #pragma once
 
 #include <cstdint>

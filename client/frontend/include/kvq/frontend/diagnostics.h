@@ -1,7 +1,8 @@
-// Key-side distortion diagnostics (HEADQ.md section 1) on real activations: for one KV head's
-// post-RoPE keys and the queries that read them, encode the keys with a quantizer, then
-// measure raw key MSE, the Fisher score error and the exact attention KL, averaged over
-// causal queries. Used by kvq-eval --diagnostics and by the activation-fixture tests.
+// Key-side distortion diagnostics (docs/CODEC.md, "Distortion metrics") on real activations:
+// for one KV head's post-RoPE keys and the queries that read them, encode the keys with a
+// quantizer, then measure raw key MSE, the Fisher score error and the exact attention KL,
+// averaged over causal queries. Used by kvq-eval --diagnostics and by the activation-fixture
+// tests.
 #pragma once
 
 #include <cstdint>
