@@ -628,12 +628,8 @@ absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale
   thread_local std::vector<float> uq, win, rq;
   const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
   if (r > 0) {
-    uq.assign(static_cast<size_t>(rows) * r, 0.0f);
-    for (int i = 0; i < rows; ++i)
-      for (int c = 0; c < d; ++c) {
-        const float qc = q[static_cast<size_t>(i) * d + c];
-        for (int j = 0; j < r; ++j) uq[i * r + j] += qc * U[c * r + j];
-      }
+    uq.resize(static_cast<size_t>(rows) * r);
+    kernels::Active().project_queries(q, rows, d, U, r, uq.data());
   }
   // Rotated keys are scored with H q: rotated here once for every block, not per block.
   const bool rotate = opts_.rotate_keys && !corr_only && b1 > b0;
@@ -657,17 +653,10 @@ absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale
       return absl::FailedPreconditionError(
           "corrections_only scores: the codec keeps fp16 sinks, whose blocks hold stand-ins "
           "(score whole logits instead)");
-    thread_local std::vector<float> k;
-    k.resize(d);
-    for (int t = 0; t < sinks->sinks; ++t) {  // exact logits over the blocks' stand-ins
-      ToFloat(DType::kF16, sinks->key(h, t), k.data(), d);
-      for (int i = 0; i < rows; ++i) {
-        const float* qi = q + static_cast<size_t>(i) * d;
-        float dot = 0.0f;
-        for (int c = 0; c < d; ++c) dot += qi[c] * k[c];
-        out[static_cast<size_t>(i) * T + t] = scale * dot;
-      }
-    }
+    // Exact logits over the blocks' stand-ins (SinkPartial computes the same).
+    kernels::Active().dense_scores_f16(sinks->key(h, 0), sinks->sinks, d, q, rows, out, T);
+    for (int i = 0; i < rows; ++i)
+      for (int t = 0; t < sinks->sinks; ++t) out[static_cast<size_t>(i) * T + t] *= scale;
   }
   const int64_t W = window ? tokens_ - encoded_ : 0;
   const int64_t at = (b1 - b0) * G;  // where the window's tokens start in out's rows
@@ -720,29 +709,15 @@ absl::Status LayerCache::ReadoutRange(int h, const float* p, int64_t T, int rows
     ReadoutValueBlock(vv, p + (b - b0) * G, T, rows, out, d, /*out_rotated=*/rotated);
   }
   if (rotated) HadamardRotateRows(out, d, rows, d);
-  if (sinks) {
-    thread_local std::vector<float> v;
-    v.resize(d);
-    for (int t = 0; t < sinks->sinks; ++t) {
-      ToFloat(DType::kF16, sinks->value(h, t), v.data(), d);
-      for (int i = 0; i < rows; ++i) {
-        const float pt = p[static_cast<size_t>(i) * T + t];
-        if (pt == 0.0f) continue;
-        for (int c = 0; c < d; ++c) out[static_cast<size_t>(i) * d + c] += pt * v[c];
-      }
-    }
-  }
+  if (sinks)
+    kernels::Active().dense_readout_f16(sinks->value(h, 0), sinks->sinks, d, p, T, rows, out, d);
   const int64_t W = window ? tokens_ - encoded_ : 0;
   const int64_t at = (b1 - b0) * G;  // where the window's weights start in p's rows
   if (W > 0) {
     win.resize(static_cast<size_t>(W) * d);
     WindowToFloat(hd, false, win.data());
-    for (int i = 0; i < rows; ++i)
-      for (int64_t t = 0; t < W; ++t) {
-        const float pt = p[i * T + at + t];
-        if (pt == 0.0f) continue;
-        for (int c = 0; c < d; ++c) out[static_cast<size_t>(i) * d + c] += pt * win[t * d + c];
-      }
+    kernels::Active().dense_readout_f32(win.data(), static_cast<int>(W), d, p + at, T, rows, out,
+                                        d);
   }
   return absl::OkStatus();
 }

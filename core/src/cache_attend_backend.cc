@@ -10,6 +10,7 @@
 #include "kvq/core/cache.h"
 #include "kvq/core/partial_attention.h"
 #include "kvq/core/status.h"
+#include "kvq/kernels/kernels.h"
 
 namespace kvq::core {
 
@@ -20,34 +21,26 @@ constexpr float kNone = -std::numeric_limits<float>::infinity();
 void LayerCache::SinkPartial(const SinkRows& sinks, int h, const float* q, int rows, float scale,
                              float* m, float* l, float* o) const {
   const int d = opts_.head_dim, S = sinks.sinks;
-  thread_local std::vector<float> k, v, s;
-  k.resize(static_cast<size_t>(S) * d);
-  v.resize(k.size());
-  s.resize(S);
-  for (int t = 0; t < S; ++t) {
-    ToFloat(DType::kF16, sinks.key(h, t), k.data() + static_cast<size_t>(t) * d, d);
-    ToFloat(DType::kF16, sinks.value(h, t), v.data() + static_cast<size_t>(t) * d, d);
-  }
+  const kernels::KernelTable& k = kernels::Active();
+  thread_local std::vector<float> s;
+  s.resize(static_cast<size_t>(rows) * S);
+  // The logits as ScoreRange computes them.
+  k.dense_scores_f16(sinks.key(h, 0), S, d, q, rows, s.data(), S);
+  for (float& x : s) x *= scale;
   for (int i = 0; i < rows; ++i) {
-    const float* qi = q + static_cast<size_t>(i) * d;
+    float* si = s.data() + static_cast<size_t>(i) * S;
     float mx = kNone;
-    for (int t = 0; t < S; ++t) {  // the logits as ScoreRange computes them
-      float dot = 0.0f;
-      for (int c = 0; c < d; ++c) dot += qi[c] * k[static_cast<size_t>(t) * d + c];
-      s[t] = scale * dot;
-      mx = std::max(mx, s[t]);
-    }
-    float* oi = o + static_cast<size_t>(i) * d;
-    std::fill(oi, oi + d, 0.0f);
+    for (int t = 0; t < S; ++t) mx = std::max(mx, si[t]);
     float sum = 0.0f;
     for (int t = 0; t < S; ++t) {
-      const float e = std::exp(s[t] - mx);
-      sum += e;
-      for (int c = 0; c < d; ++c) oi[c] += e * v[static_cast<size_t>(t) * d + c];
+      si[t] = std::exp(si[t] - mx);
+      sum += si[t];
     }
     m[i] = mx;
     l[i] = sum;
   }
+  std::fill(o, o + static_cast<size_t>(rows) * d, 0.0f);
+  k.dense_readout_f16(sinks.value(h, 0), S, d, s.data(), S, rows, o, d);
 }
 
 absl::Status LayerCache::VerifyOnBackend(const AttendBackend& backend, int64_t blocks) const {
@@ -133,8 +126,8 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
       const float* qi = q + (static_cast<size_t>(h) * rows + i) * d;
       const size_t slot = static_cast<size_t>(h) * chunks * per + i;  // item h*chunks + i/per
       std::copy_n(qi, d, qb.begin() + slot * d);
-      for (int c = 0; c < d; ++c)  // U^T q of the unrotated query, as ScoreRange computes it
-        for (int j = 0; j < r; ++j) uq[slot * r + j] += qi[c] * U[c * r + j];
+      // U^T q of the unrotated query, as ScoreRange computes it.
+      if (r > 0) kernels::Active().project_queries(qi, 1, d, U, r, uq.data() + slot * r);
     }
   }
   // Rotated keys are scored with H q (the side code's U^T q stays that of q).

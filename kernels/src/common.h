@@ -22,6 +22,9 @@ using format::HalfToFloat;
 #define KVQ_CPU_HAS_F16C() __builtin_cpu_supports("f16c")
 #endif
 
+// The reference project_queries (ref.cc), which every table uses (kernels.h).
+void ProjectQueries(const float* q, int n_q, int d, const float* basis, int r, float* out);
+
 // Quantization parameters as stored: fp16-rounded zero (= min) and scale.
 struct QParams {
   float scale, zero, inv;

@@ -221,7 +221,27 @@ void dequantize_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_row
   }
 }
 
+void dense_readout_f32_ref(const float* v, int tokens, int d, const float* p, int64_t p_stride,
+                           int n_q, float* out, int64_t out_stride) {
+  for (int i = 0; i < n_q; ++i)
+    for (int t = 0; t < tokens; ++t) {
+      const float pt = p[i * p_stride + t];
+      for (int c = 0; c < d; ++c)
+        out[i * out_stride + c] += pt * v[static_cast<int64_t>(t) * d + c];
+    }
+}
+
 }  // namespace
+
+void internal::ProjectQueries(const float* q, int n_q, int d, const float* basis, int r,
+                              float* out) {
+  for (int i = 0; i < n_q; ++i)
+    for (int j = 0; j < r; ++j) {
+      float acc = 0;
+      for (int c = 0; c < d; ++c) acc += q[i * d + c] * basis[c * r + j];
+      out[i * r + j] = acc;
+    }
+}
 
 const KernelTable& Ref() {
   static const KernelTable t{"ref",
@@ -240,7 +260,9 @@ const KernelTable& Ref() {
                              max_value_ref,
                              dequantize_channels_ref,
                              add_low_rank_ref,
-                             dequantize_rows_ref};
+                             dequantize_rows_ref,
+                             internal::ProjectQueries,
+                             dense_readout_f32_ref};
   return t;
 }
 

@@ -646,8 +646,12 @@ void dense_scores_f32_simd(const float* k, int tokens, int d, const float* q, in
   DenseScores(k, tokens, d, q, n_q, out, os);
 }
 
-template <int NQ>
-void DenseReadoutT(const uint16_t* v, int tokens, int d, const float* p, int64_t ps, float* out,
+inline typename Isa::F LoadRow(const uint16_t* v) { return Isa::LoadHalf(v); }
+inline typename Isa::F LoadRow(const float* v) { return Isa::Load(v); }
+
+// V: uint16_t (fp16 rows) or float (fp32 rows).
+template <int NQ, class V>
+void DenseReadoutT(const V* v, int tokens, int d, const float* p, int64_t ps, float* out,
                    int64_t os) {
   constexpr int kTile = 64;  // tokens per tile: d * 2 * 64 bytes stay in L1
   for (int t0 = 0; t0 < tokens; t0 += kTile) {
@@ -656,7 +660,7 @@ void DenseReadoutT(const uint16_t* v, int tokens, int d, const float* p, int64_t
       typename Isa::F acc[NQ];  // NQ independent chains over the tile's tokens
       for (int i = 0; i < NQ; ++i) acc[i] = Isa::Load(out + i * os + c);
       for (int t = t0; t < t1; ++t) {
-        const typename Isa::F x = Isa::LoadHalf(v + static_cast<int64_t>(t) * d + c);
+        const typename Isa::F x = LoadRow(v + static_cast<int64_t>(t) * d + c);
         for (int i = 0; i < NQ; ++i) acc[i] = Isa::Fmadd(Isa::Set1(p[i * ps + t]), x, acc[i]);
       }
       for (int i = 0; i < NQ; ++i) Isa::Store(out + i * os + c, acc[i]);
@@ -664,9 +668,9 @@ void DenseReadoutT(const uint16_t* v, int tokens, int d, const float* p, int64_t
   }
 }
 
-void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p, int64_t ps,
-                            int n_q, float* out, int64_t os) {
-  if (d % W != 0) return Ref().dense_readout_f16(v, tokens, d, p, ps, n_q, out, os);
+template <class V>
+void DenseReadout(const V* v, int tokens, int d, const float* p, int64_t ps, int n_q, float* out,
+                  int64_t os) {
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
     float* oi = out + i0 * os;
@@ -685,6 +689,18 @@ void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p
         break;
     }
   }
+}
+
+void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p, int64_t ps,
+                            int n_q, float* out, int64_t os) {
+  if (d % W != 0) return Ref().dense_readout_f16(v, tokens, d, p, ps, n_q, out, os);
+  DenseReadout(v, tokens, d, p, ps, n_q, out, os);
+}
+
+void dense_readout_f32_simd(const float* v, int tokens, int d, const float* p, int64_t ps, int n_q,
+                            float* out, int64_t os) {
+  if (d % W != 0) return Ref().dense_readout_f32(v, tokens, d, p, ps, n_q, out, os);
+  DenseReadout(v, tokens, d, p, ps, n_q, out, os);
 }
 
 // W tokens at a time for rank r: the r accumulators of every token are summed by r
@@ -919,20 +935,11 @@ void dequantize_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_ro
   }
 }
 
-const KernelTable kTable{Isa::kName,
-                         quantize_channels_simd,
-                         quantize_row_simd,
-                         quantize_rows_simd,
-                         score_codes_simd,
-                         readout_rows_simd,
-                         dense_scores_f16_simd,
-                         dense_readout_f16_simd,
-                         project_residual_simd,
-                         xxh3_simd,
-                         exp_sum_simd,
-                         softmax_simd,
-                         dense_scores_f32_simd,
-                         max_value_simd,
-                         dequantize_channels_simd,
-                         add_low_rank_simd,
-                         dequantize_rows_simd};
+const KernelTable kTable{Isa::kName, quantize_channels_simd, quantize_row_simd, quantize_rows_simd,
+                         score_codes_simd, readout_rows_simd, dense_scores_f16_simd,
+                         dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd,
+                         softmax_simd, dense_scores_f32_simd, max_value_simd,
+                         dequantize_channels_simd, add_low_rank_simd, dequantize_rows_simd,
+                         // U^T q is a few hundred products a read, and its bits must be the
+                         // reference's: the scalar loop serves every table.
+                         internal::ProjectQueries, dense_readout_f32_simd};

@@ -309,6 +309,14 @@ TEST(KernelParity, DenseAndExp) {
         kt->dense_readout_f16(k.data(), T, d, s0.data(), T, n_q, o1.data(), d);
         for (size_t i = 0; i < o0.size(); ++i)
           ASSERT_NEAR(o0[i], o1[i], 1e-3f * (1 + std::fabs(o0[i])));
+        // The fp32 readout accumulates onto what out holds (here the fp16 readout's result).
+        std::vector<float> r0(o0), r1(o0);
+        Ref().dense_readout_f32(kf.data(), T, d, s0.data(), T, n_q, r0.data(), d);
+        kt->dense_readout_f32(kf.data(), T, d, s0.data(), T, n_q, r1.data(), d);
+        for (size_t i = 0; i < r0.size(); ++i) {
+          ASSERT_NEAR(r0[i], r1[i], 1e-3f * (1 + std::fabs(r0[i])));
+          ASSERT_NE(r0[i], o0[i]) << "dense_readout_f32 added nothing at " << i;
+        }
         std::vector<float> e0(s0), e1(s0);
         for (auto& x : e0) x *= 3;
         for (auto& x : e1) x *= 3;
@@ -324,6 +332,31 @@ TEST(KernelParity, DenseAndExp) {
         kt->softmax(m1.data(), 37);
         for (int i = 0; i < 37; ++i) ASSERT_NEAR(m0[i], m1[i], 1e-6f);
       }
+}
+
+// U^T q: the reference's bits on every table, each coefficient the in-order sum over channels.
+TEST(KernelParity, ProjectQueries) {
+  for (int d : {64, 80, 128})
+    for (int r : {1, 4, 8}) {
+      const int n_q = 5;
+      auto q = kvq::testing::Gaussian(n_q * d, d + r);
+      auto u = kvq::testing::Gaussian(d * r, 2 * d + r);
+      std::vector<float> want(n_q * r);
+      for (int i = 0; i < n_q; ++i)
+        for (int j = 0; j < r; ++j) {
+          float acc = 0;
+          for (int c = 0; c < d; ++c) acc += q[i * d + c] * u[c * r + j];
+          want[i * r + j] = acc;
+        }
+      std::vector<float> got(n_q * r, -1.0f);
+      Ref().project_queries(q.data(), n_q, d, u.data(), r, got.data());
+      EXPECT_EQ(got, want) << "ref d=" << d << " r=" << r;
+      for (const KernelTable* kt : Optimized()) {
+        std::fill(got.begin(), got.end(), -1.0f);
+        kt->project_queries(q.data(), n_q, d, u.data(), r, got.data());
+        EXPECT_EQ(got, want) << kt->name << " d=" << d << " r=" << r;
+      }
+    }
 }
 
 // The partial softmax's shift: exact (a max has no rounding), the maximum at every position

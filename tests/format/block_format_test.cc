@@ -105,8 +105,7 @@ TEST(BlockFormat, FloatToHalfRoundsToNearestEvenAsTheReferences) {
 
 TEST(BlockFormat, HeaderFieldsRoundTrip) {
   uint8_t b[format::kHeaderBytes] = {};
-  format::WriteHeaderFields(b, format::KindByte(format::kKindKey, false, false), 3, 8, 64, 128,
-                            5);
+  format::WriteHeaderFields(b, format::KindByte(format::kKindKey, false, false), 3, 8, 64, 128, 5);
   format::StoreU32(b + format::kChecksumAt, 0xA1B2C3D4u);
   const format::Header h = format::ReadHeader(b);
   EXPECT_EQ(b[0], 0x4b);  // "KQ", little-endian

@@ -191,8 +191,7 @@ KVQ_HD bool VersionReadable(uint8_t version) {
 }
 // Flags known to this build, and present exactly when the version says so.
 KVQ_HD bool FlagsValid(uint8_t version, uint8_t flags) {
-  return (version == kVersionFlags) == (flags != 0) &&
-         (flags & ~(kFlagRotated | kFlagSparse)) == 0;
+  return (version == kVersionFlags) == (flags != 0) && (flags & ~(kFlagRotated | kFlagSparse)) == 0;
 }
 
 // Header bytes 0..11 (everything but the checksum, which goes in after the payload).
@@ -235,11 +234,11 @@ KVQ_HD int64_t RowBytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
 // Byte offsets of a key block's fields from the block's start.
 struct KeyLayout {
   int d, G, r, bits, side_bits;
-  int64_t scale, zero, codes, row;           // base code: row = bytes of one channel's codes
-  int64_t side_scale, side_zero, side_codes; // side code (rank > 0)
-  int64_t side_row;                          // bytes of one coefficient's codes (0: rank 0)
-  int64_t sparse;                            // the sparse list
-  int64_t bytes;                             // the whole block
+  int64_t scale, zero, codes, row;            // base code: row = bytes of one channel's codes
+  int64_t side_scale, side_zero, side_codes;  // side code (rank > 0)
+  int64_t side_row;                           // bytes of one coefficient's codes (0: rank 0)
+  int64_t sparse;                             // the sparse list
+  int64_t bytes;                              // the whole block
 };
 KVQ_HD KeyLayout MakeKeyLayout(int head_dim, int tokens, int bits, int rank, int side_bits,
                                int sparse_entries) {
@@ -275,9 +274,13 @@ KVQ_HD int64_t ValueRecordBytes(int head_dim, int value_group, int bits) {
 }
 KVQ_HD int64_t ValueTagBytes(int tokens) { return (tokens + 3) / 4; }
 // Width of token t from a per-token block's tags (the bytes after the header): 1..4 bits.
-KVQ_HD int TagWidth(const uint8_t* tags, int t) { return ((tags[t >> 2] >> (2 * (t & 3))) & 3) + 1; }
+KVQ_HD int TagWidth(const uint8_t* tags, int t) {
+  return ((tags[t >> 2] >> (2 * (t & 3))) & 3) + 1;
+}
 // The tag of a width 1..4.
-KVQ_HD uint8_t WidthTag(int bits, int t) { return static_cast<uint8_t>((bits - 1) << (2 * (t & 3))); }
+KVQ_HD uint8_t WidthTag(int bits, int t) {
+  return static_cast<uint8_t>((bits - 1) << (2 * (t & 3)));
+}
 // Bytes of a value block whose tokens all have `bits` (uniform widths: no tag area).
 KVQ_HD int64_t UniformValueBlockBytes(int head_dim, int tokens, int value_group, int bits,
                                       int sparse_entries) {
@@ -290,7 +293,6 @@ KVQ_HD int64_t MaxPerTokenValueBlockBytes(int head_dim, int tokens, int value_gr
   return UniformValueBlockBytes(head_dim, tokens, value_group, 4, sparse_entries) +
          ValueTagBytes(tokens);
 }
-
 
 // The same for a codec's value blocks, walking a block's tags where widths are per token.
 KVQ_HD int ValueGroups(const BlockCodec& c) { return ValueGroups(c.head_dim, c.value_group); }
