@@ -653,8 +653,9 @@ absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale
       return absl::FailedPreconditionError(
           "corrections_only scores: the codec keeps fp16 sinks, whose blocks hold stand-ins "
           "(score whole logits instead)");
-    // Exact logits over the blocks' stand-ins (SinkPartial computes the same).
-    kernels::Active().dense_scores_f16(sinks->key(h, 0), sinks->sinks, d, q, rows, out, T);
+    // Exact logits over the blocks' stand-ins (SinkPartial computes the same), with the
+    // reference's bits (kernels.h, on project_queries: they feed the next layer's codes).
+    kernels::Ref().dense_scores_f16(sinks->key(h, 0), sinks->sinks, d, q, rows, out, T);
     for (int i = 0; i < rows; ++i)
       for (int t = 0; t < sinks->sinks; ++t) out[static_cast<size_t>(i) * T + t] *= scale;
   }
@@ -710,7 +711,7 @@ absl::Status LayerCache::ReadoutRange(int h, const float* p, int64_t T, int rows
   }
   if (rotated) HadamardRotateRows(out, d, rows, d);
   if (sinks)
-    kernels::Active().dense_readout_f16(sinks->value(h, 0), sinks->sinks, d, p, T, rows, out, d);
+    kernels::Ref().dense_readout_f16(sinks->value(h, 0), sinks->sinks, d, p, T, rows, out, d);
   const int64_t W = window ? tokens_ - encoded_ : 0;
   const int64_t at = (b1 - b0) * G;  // where the window's weights start in p's rows
   if (W > 0) {

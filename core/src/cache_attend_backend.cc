@@ -21,7 +21,7 @@ constexpr float kNone = -std::numeric_limits<float>::infinity();
 void LayerCache::SinkPartial(const SinkRows& sinks, int h, const float* q, int rows, float scale,
                              float* m, float* l, float* o) const {
   const int d = opts_.head_dim, S = sinks.sinks;
-  const kernels::KernelTable& k = kernels::Active();
+  const kernels::KernelTable& k = kernels::Ref();  // ScoreRange's bits (kernels.h)
   thread_local std::vector<float> s;
   s.resize(static_cast<size_t>(rows) * S);
   // The logits as ScoreRange computes them.

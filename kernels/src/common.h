@@ -22,8 +22,11 @@ using format::HalfToFloat;
 #define KVQ_CPU_HAS_F16C() __builtin_cpu_supports("f16c")
 #endif
 
-// The reference project_queries (ref.cc), which every table uses (kernels.h).
+// The reference project_queries and dense_readout_f32 (ref.cc), which every table uses
+// (kernels.h).
 void ProjectQueries(const float* q, int n_q, int d, const float* basis, int r, float* out);
+void DenseReadoutF32(const float* v, int tokens, int d, const float* p, int64_t p_stride, int n_q,
+                     float* out, int64_t out_stride);
 
 // Quantization parameters as stored: fp16-rounded zero (= min) and scale.
 struct QParams {

@@ -221,8 +221,10 @@ void dequantize_rows_ref(const uint8_t* rows, const uint8_t* row_bits, int n_row
   }
 }
 
-void dense_readout_f32_ref(const float* v, int tokens, int d, const float* p, int64_t p_stride,
-                           int n_q, float* out, int64_t out_stride) {
+}  // namespace
+
+void internal::DenseReadoutF32(const float* v, int tokens, int d, const float* p, int64_t p_stride,
+                               int n_q, float* out, int64_t out_stride) {
   for (int i = 0; i < n_q; ++i)
     for (int t = 0; t < tokens; ++t) {
       const float pt = p[i * p_stride + t];
@@ -230,8 +232,6 @@ void dense_readout_f32_ref(const float* v, int tokens, int d, const float* p, in
         out[i * out_stride + c] += pt * v[static_cast<int64_t>(t) * d + c];
     }
 }
-
-}  // namespace
 
 void internal::ProjectQueries(const float* q, int n_q, int d, const float* basis, int r,
                               float* out) {
@@ -262,7 +262,7 @@ const KernelTable& Ref() {
                              add_low_rank_ref,
                              dequantize_rows_ref,
                              internal::ProjectQueries,
-                             dense_readout_f32_ref};
+                             internal::DenseReadoutF32};
   return t;
 }
 

@@ -646,12 +646,8 @@ void dense_scores_f32_simd(const float* k, int tokens, int d, const float* q, in
   DenseScores(k, tokens, d, q, n_q, out, os);
 }
 
-inline typename Isa::F LoadRow(const uint16_t* v) { return Isa::LoadHalf(v); }
-inline typename Isa::F LoadRow(const float* v) { return Isa::Load(v); }
-
-// V: uint16_t (fp16 rows) or float (fp32 rows).
-template <int NQ, class V>
-void DenseReadoutT(const V* v, int tokens, int d, const float* p, int64_t ps, float* out,
+template <int NQ>
+void DenseReadoutT(const uint16_t* v, int tokens, int d, const float* p, int64_t ps, float* out,
                    int64_t os) {
   constexpr int kTile = 64;  // tokens per tile: d * 2 * 64 bytes stay in L1
   for (int t0 = 0; t0 < tokens; t0 += kTile) {
@@ -668,9 +664,8 @@ void DenseReadoutT(const V* v, int tokens, int d, const float* p, int64_t ps, fl
   }
 }
 
-template <class V>
-void DenseReadout(const V* v, int tokens, int d, const float* p, int64_t ps, int n_q, float* out,
-                  int64_t os) {
+void DenseReadout(const uint16_t* v, int tokens, int d, const float* p, int64_t ps, int n_q,
+                  float* out, int64_t os) {
   for (int i0 = 0; i0 < n_q; i0 += 4) {
     const float* pi = p + i0 * ps;
     float* oi = out + i0 * os;
@@ -694,12 +689,6 @@ void DenseReadout(const V* v, int tokens, int d, const float* p, int64_t ps, int
 void dense_readout_f16_simd(const uint16_t* v, int tokens, int d, const float* p, int64_t ps,
                             int n_q, float* out, int64_t os) {
   if (d % W != 0) return Ref().dense_readout_f16(v, tokens, d, p, ps, n_q, out, os);
-  DenseReadout(v, tokens, d, p, ps, n_q, out, os);
-}
-
-void dense_readout_f32_simd(const float* v, int tokens, int d, const float* p, int64_t ps, int n_q,
-                            float* out, int64_t os) {
-  if (d % W != 0) return Ref().dense_readout_f32(v, tokens, d, p, ps, n_q, out, os);
   DenseReadout(v, tokens, d, p, ps, n_q, out, os);
 }
 
@@ -940,6 +929,5 @@ const KernelTable kTable{Isa::kName, quantize_channels_simd, quantize_row_simd, 
                          dense_readout_f16_simd, project_residual_simd, xxh3_simd, exp_sum_simd,
                          softmax_simd, dense_scores_f32_simd, max_value_simd,
                          dequantize_channels_simd, add_low_rank_simd, dequantize_rows_simd,
-                         // U^T q is a few hundred products a read, and its bits must be the
-                         // reference's: the scalar loop serves every table.
-                         internal::ProjectQueries, dense_readout_f32_simd};
+                         // The reference's bits on every table (kernels.h): the scalar loops.
+                         internal::ProjectQueries, internal::DenseReadoutF32};

@@ -309,14 +309,16 @@ TEST(KernelParity, DenseAndExp) {
         kt->dense_readout_f16(k.data(), T, d, s0.data(), T, n_q, o1.data(), d);
         for (size_t i = 0; i < o0.size(); ++i)
           ASSERT_NEAR(o0[i], o1[i], 1e-3f * (1 + std::fabs(o0[i])));
-        // The fp32 readout accumulates onto what out holds (here the fp16 readout's result).
-        std::vector<float> r0(o0), r1(o0);
+        // The fp32 readout accumulates onto what out holds (here the fp16 readout's result),
+        // in order, with the reference's bits on every table (kernels.h).
+        std::vector<float> r0(o0), r1(o0), want(o0);
+        for (int i = 0; i < n_q; ++i)
+          for (int t = 0; t < T; ++t)
+            for (int c = 0; c < d; ++c) want[i * d + c] += s0[i * T + t] * kf[t * d + c];
         Ref().dense_readout_f32(kf.data(), T, d, s0.data(), T, n_q, r0.data(), d);
         kt->dense_readout_f32(kf.data(), T, d, s0.data(), T, n_q, r1.data(), d);
-        for (size_t i = 0; i < r0.size(); ++i) {
-          ASSERT_NEAR(r0[i], r1[i], 1e-3f * (1 + std::fabs(r0[i])));
-          ASSERT_NE(r0[i], o0[i]) << "dense_readout_f32 added nothing at " << i;
-        }
+        ASSERT_EQ(r0, want);
+        ASSERT_EQ(r1, want);
         std::vector<float> e0(s0), e1(s0);
         for (auto& x : e0) x *= 3;
         for (auto& x : e1) x *= 3;

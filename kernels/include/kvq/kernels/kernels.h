@@ -93,13 +93,16 @@ struct KernelTable {
   void (*dequantize_rows)(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n,
                           int group, float* out, int64_t ld);
 
+  // Every table gives the reference's bits for these two (the scalar loops, products and sums
+  // in order, no contraction): their results feed the next layer's keys and values, whose 2-bit
+  // codes turn a last-bit difference into a whole quantization step, so a measured perplexity
+  // would move with the CPU a read ran on (a vectorized window readout moved a 2 x 256 decode
+  // through the server by 0.8%).
   // Queries projected on a head's basis U [d][r] (HeadQ's U^T q, computed once per read):
   //   out[i*r + j] = sum_{c = 0..d-1, in order} q[i*d + c] * basis[c*r + j].
-  // Every table gives the reference's bits (reads compare it across paths exactly).
   void (*project_queries)(const float* q, int n_q, int d, const float* basis, int r, float* out);
-
   // dense_readout_f16 over fp32 rows (the full-precision window):
-  //   out[i*os + c] += sum_t p[i*ps + t] * v[t*d + c].
+  //   out[i*os + c] += sum_{t in order} p[i*ps + t] * v[t*d + c].
   void (*dense_readout_f32)(const float* v, int tokens, int d, const float* p, int64_t p_stride,
                             int n_q, float* out, int64_t out_stride);
 };
