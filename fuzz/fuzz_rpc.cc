@@ -103,8 +103,8 @@ v1::CodecSettings A2Codec() {
   c.set_value_budget(2.5f);
   c.set_sink_tokens(4);
   c.set_window(8);
-  c.set_rotate_keys(1);
-  c.set_rotate_values(1);
+  c.set_rotate_keys(true);
+  c.set_rotate_values(true);
   c.set_fp16_sinks(2);
   return c;
 }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvq/core/codec_schema.h"
 #include "kvq/core/half.h"
 #include "kvq/core/status.h"
 #include "kvq/kernels/kernels.h"
@@ -19,12 +20,6 @@ namespace kvq::core {
 namespace {
 
 using format::RowBytes;
-
-bool OneOf(int v, std::initializer_list<int> allowed) {
-  for (int a : allowed)
-    if (v == a) return true;
-  return false;
-}
 
 // The block checksum (kvq/format/block_format.h), the header's hash given: the payload is
 // hashed unseeded (libxxhash then skips deriving a secret per call, ~2.5x faster on blocks of
@@ -169,28 +164,14 @@ absl::Status CodecOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("codec.", field, " = ", v, ": ", limit));
   };
   if (head_dim < 1 || head_dim > 512) return bad("head_dim", head_dim, "must be in [1, 512]");
-  if (!OneOf(key_bits, {2, 3, 4, 8})) return bad("key_bits", key_bits, "must be 2, 3, 4 or 8");
-  if (!OneOf(key_group, {32, 64, 128})) return bad("key_group", key_group, "must be 32, 64 or 128");
-  if (rank < 0 || rank > head_dim) return bad("rank", rank, "must be in [0, head_dim]");
-  if (rank > 0 && !OneOf(side_bits, {4, 8})) return bad("side_bits", side_bits, "must be 4 or 8");
-  if (!OneOf(value_bits, {1, 2, 3, 4, 8}))
-    return bad("value_bits", value_bits, "must be 1, 2, 3, 4 or 8");
-  if (value_group < 1 || value_group > head_dim)
-    return bad("value_group", value_group, "must be in [1, head_dim]");
+  for (const CodecField& f : CodecFields()) {
+    if (f.applies && !f.applies(*this)) continue;
+    RETURN_IF_ERROR(CheckCodecField(f, GetCodecField(f, *this), head_dim, "codec."));
+  }
+  // What one field's range cannot say.
   if (value_groups() > 64) return bad("value_group", value_group, "at most 64 groups per head");
-  if (value_policy == ValuePolicy::kA2 && !(value_budget >= 1.0f && value_budget <= 4.0f))
-    return bad("value_budget", value_budget, "must be in [1, 4]");
-  if (sink_tokens < 0 || sink_tokens > 1024)
-    return bad("sink_tokens", sink_tokens, "must be in [0, 1024]");
-  if (fp16_sinks < 0 || fp16_sinks > kMaxFp16Sinks)
-    return bad("fp16_sinks", fp16_sinks, absl::StrCat("must be in [0, ", kMaxFp16Sinks, "]"));
-  if (window < 0 || window > 65536) return bad("window", window, "must be in [0, 65536]");
   if (side_sign != 1.0f && side_sign != -1.0f)
     return bad("side_sign", side_sign, "must be 1 or -1");
-  if (sparse_keys < 0 || sparse_keys > 100)
-    return bad("sparse_keys", sparse_keys, "must be in [0, 100] per mille");
-  if (sparse_values < 0 || sparse_values > 100)
-    return bad("sparse_values", sparse_values, "must be in [0, 100] per mille");
   if (sparse_keys > 0 && rotate_keys)
     return bad("sparse_keys", sparse_keys,
                "must be 0 with rotate_keys (a rotation spreads outliers)");

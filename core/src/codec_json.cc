@@ -1,61 +1,65 @@
 #include "kvq/core/codec_json.h"
 
 #include "absl/strings/str_cat.h"
+#include "kvq/core/codec_schema.h"
 #include "kvq/core/json_fields.h"
 #include "kvq/core/status.h"
 
 namespace kvq::core {
 
 nlohmann::json CodecToJson(const CodecOptions& c) {
-  nlohmann::json j = {{"key_bits", c.key_bits},
-                      {"key_group", c.key_group},
-                      {"rank", c.rank},
-                      {"side_bits", c.side_bits},
-                      {"value_bits", c.value_bits},
-                      {"value_group", c.value_group},
-                      {"value_policy", c.value_policy == ValuePolicy::kA2 ? "a2" : "uniform"},
-                      {"value_budget", c.value_budget},
-                      {"sink_tokens", c.sink_tokens},
-                      {"fp16_sinks", c.fp16_sinks},
-                      {"window", c.window},
-                      {"rotate_keys", c.rotate_keys},
-                      {"rotate_values", c.rotate_values},
-                      {"metric_rounding", c.metric_rounding}};
-  // Written only when set, so that every codec.json written before the field existed (and
-  // what this build writes for those codecs) stays byte for byte the same.
+  nlohmann::json j = nlohmann::json::object();
+  const CodecOptions defaults;
+  for (const CodecField& f : CodecFields()) {
+    const double v = GetCodecField(f, c);
+    if (f.json_only_when_set && v == GetCodecField(f, defaults)) continue;
+    const std::string key(f.name);
+    switch (f.type) {
+      case CodecFieldType::kInt:
+        j[key] = c.*f.int_member;
+        break;
+      case CodecFieldType::kFloat:
+        j[key] = c.*f.float_member;
+        break;
+      case CodecFieldType::kBool:
+        j[key] = c.*f.bool_member;
+        break;
+      case CodecFieldType::kValuePolicy:
+        j[key] = std::string(ValuePolicyName(c.value_policy));
+        break;
+    }
+  }
+  // An evaluation-only control (no wire form), written only when set: absent is false.
   if (c.value_metric_rounding) j["value_metric_rounding"] = true;
-  if (c.sparse_keys > 0) j["sparse_keys"] = c.sparse_keys;
-  if (c.sparse_values > 0) j["sparse_values"] = c.sparse_values;
   return j;
 }
 
 absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, CodecOptions* c) {
-  const JsonFields f(j, file);
-  RETURN_IF_ERROR(f.Int("key_bits", &c->key_bits));
-  RETURN_IF_ERROR(f.Int("key_group", &c->key_group));
-  RETURN_IF_ERROR(f.Int("rank", &c->rank));
-  RETURN_IF_ERROR(f.Int("side_bits", &c->side_bits));
-  RETURN_IF_ERROR(f.Int("value_bits", &c->value_bits));
-  RETURN_IF_ERROR(f.Int("value_group", &c->value_group));
-  std::string policy = c->value_policy == ValuePolicy::kA2 ? "a2" : "uniform";
-  RETURN_IF_ERROR(f.String("value_policy", &policy));
-  if (policy != "uniform" && policy != "a2") {
-    return absl::InvalidArgumentError(
-        absl::StrCat(file, ": field 'value_policy' must be \"uniform\" or \"a2\" (got \"",
-                     Excerpt(policy), "\")"));
+  const JsonFields fields(j, file);
+  for (const CodecField& f : CodecFields()) {
+    const std::string key(f.name);
+    switch (f.type) {
+      case CodecFieldType::kInt:
+        RETURN_IF_ERROR(fields.Int(key, &(c->*f.int_member)));
+        break;
+      case CodecFieldType::kFloat:
+        RETURN_IF_ERROR(fields.Float(key, &(c->*f.float_member)));
+        break;
+      case CodecFieldType::kBool:
+        RETURN_IF_ERROR(fields.Bool(key, &(c->*f.bool_member)));
+        break;
+      case CodecFieldType::kValuePolicy: {
+        std::string policy(ValuePolicyName(c->value_policy));
+        RETURN_IF_ERROR(fields.String(key, &policy));
+        if (!ParseValuePolicy(policy, &c->value_policy))
+          return absl::InvalidArgumentError(
+              absl::StrCat(file, ": field 'value_policy' must be \"uniform\" or \"a2\" (got \"",
+                           Excerpt(policy), "\")"));
+        break;
+      }
+    }
   }
-  c->value_policy = policy == "a2" ? ValuePolicy::kA2 : ValuePolicy::kUniform;
-  RETURN_IF_ERROR(f.Float("value_budget", &c->value_budget));
-  RETURN_IF_ERROR(f.Int("sink_tokens", &c->sink_tokens));
-  RETURN_IF_ERROR(f.Int("fp16_sinks", &c->fp16_sinks));
-  RETURN_IF_ERROR(f.Int("window", &c->window));
-  RETURN_IF_ERROR(f.Bool("rotate_keys", &c->rotate_keys));
-  RETURN_IF_ERROR(f.Bool("rotate_values", &c->rotate_values));
-  RETURN_IF_ERROR(f.Bool("metric_rounding", &c->metric_rounding));
-  RETURN_IF_ERROR(f.Bool("value_metric_rounding", &c->value_metric_rounding));
-  RETURN_IF_ERROR(f.Int("sparse_keys", &c->sparse_keys));
-  RETURN_IF_ERROR(f.Int("sparse_values", &c->sparse_values));
-  return absl::OkStatus();
+  return fields.Bool("value_metric_rounding", &c->value_metric_rounding);
 }
 
 absl::Status ReadCodecJson(const std::string& path, CodecOptions* c) {

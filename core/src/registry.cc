@@ -101,20 +101,12 @@ CodecOptions Registry::DefaultCodec(const BasisManifest& m, bool has_basis) {
   // headq-kv3-g128-s4-v2 (3.27 bits per element at head_dim 64): on both evaluation models'
   // quality frontiers (docs/RESULTS.md), and it needs neither the basis's query moments nor
   // a rotation, so that it serves any registered basis.
-  CodecOptions c = LegacyDefaultCodec(m, has_basis);
-  c.key_bits = 3;
-  c.key_group = 128;
-  c.side_bits = 4;
-  return c;
-}
-
-CodecOptions Registry::LegacyDefaultCodec(const BasisManifest& m, bool has_basis) {
   CodecOptions c;
   c.head_dim = m.head_dim;
-  c.key_bits = 2;
-  c.key_group = 32;
+  c.key_bits = 3;
+  c.key_group = 128;
   c.rank = has_basis ? std::min(4, m.rank) : 0;
-  c.side_bits = 8;
+  c.side_bits = 4;
   c.value_bits = 2;
   c.value_group = std::min(32, m.head_dim);
   c.window = 0;

@@ -173,7 +173,7 @@ TEST_F(ToolsTest, ModelsRegisterTakesModelJsonAndCodecJson) {
   EXPECT_EQ(js["codec"]["key_group"], 64);
   EXPECT_EQ(js["codec"]["value_bits"], 3);
   EXPECT_EQ(js["codec"]["window"], 16);
-  EXPECT_EQ(js["codec"]["rank"], -1);  // rank 0 in the request form responses carry
+  EXPECT_EQ(js["codec"]["rank"], 0);
 
   // The entry the server persisted for it registers again as "already registered".
   std::string persisted;
@@ -225,9 +225,9 @@ TEST_F(ToolsTest, ModelsRegisterSendsEncodeBasisQueryMomentsAndCodecSwitches) {
   EXPECT_EQ(js["oblique"], true);
   EXPECT_EQ(js["has_query_moment"], true);
   EXPECT_EQ(js["fingerprint"], basis.manifest.fingerprint);
-  EXPECT_EQ(js["codec"]["rotate_keys"], 1);
-  EXPECT_EQ(js["codec"]["rotate_values"], -1);
-  EXPECT_EQ(js["codec"]["metric_rounding"], 1);
+  EXPECT_EQ(js["codec"]["rotate_keys"], true);
+  EXPECT_EQ(js["codec"]["rotate_values"], false);
+  EXPECT_EQ(js["codec"]["metric_rounding"], true);
   EXPECT_EQ(js["codec"]["key_group"], 128);
   // The server's copy holds both tensors.
   absl::StatusOr<core::ModelBasis> kept =

@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kvq/core/store.h"
+#include "tests/core/test_util.h"
 
 namespace kvq::core {
 namespace {
@@ -37,7 +38,7 @@ ModelEntry Entry() {
     for (int c = 0; c < kD; ++c)
       e.basis.query_moment[(static_cast<size_t>(h) * kD + c) * kD + c] = 1;
   // The legacy default: the token counts below are written around 32-token prefix groups.
-  e.codec = Registry::LegacyDefaultCodec(m, true);
+  e.codec = testing::K2G32Codec(m, true);
   return e;
 }
 

@@ -6,8 +6,20 @@
 #include <vector>
 
 #include "kvq/core/cache.h"
+#include "kvq/core/registry.h"
 
 namespace kvq::testing {
+
+// The default codec before the quality frontier (kvq-eval's headq-kv2: 2-bit keys in groups of
+// 32, rank min(4, basis rank) with an 8-bit side code, 2-bit values), for tests whose token
+// counts are written around 32-token groups.
+inline core::CodecOptions K2G32Codec(const core::BasisManifest& m, bool has_basis) {
+  core::CodecOptions c = core::Registry::DefaultCodec(m, has_basis);
+  c.key_bits = 2;
+  c.key_group = 32;
+  c.side_bits = 8;
+  return c;
+}
 
 inline std::vector<float> Gaussian(size_t n, uint32_t seed, float sigma = 1.0f, float mean = 0.0f) {
   std::mt19937 rng(seed);

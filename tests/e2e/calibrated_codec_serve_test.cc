@@ -68,7 +68,7 @@ TEST(CalibratedCodecServe, RegisteredEntryServesItsSequencesWithTheCalibratedCod
   ASSERT_TRUE(stub->GetModel(testing::Ctx().get(), gm, &info).ok());
   EXPECT_EQ(info.codec().key_bits(), want.key_bits);
   EXPECT_EQ(info.codec().key_group(), want.key_group);
-  EXPECT_EQ(info.codec().rank(), want.rank == 0 ? -1 : want.rank);  // the request form
+  EXPECT_EQ(info.codec().rank(), want.rank);
   EXPECT_EQ(info.codec().side_bits(), want.side_bits);
   EXPECT_EQ(info.codec().value_bits(), want.value_bits);
   EXPECT_EQ(info.codec().value_group(), want.value_group);

@@ -44,8 +44,8 @@ auto* ItemFor(Request* req, const std::string& seq, int layer) {
 // The lever codec the server's new default is meant to use: rotated keys, metric rounding.
 v1::RegisterBasisRequest LeverRegister(const core::ModelBasis& b) {
   v1::RegisterBasisRequest req = RegisterOf(b, 4);
-  req.mutable_info()->mutable_codec()->set_rotate_keys(1);
-  req.mutable_info()->mutable_codec()->set_metric_rounding(1);
+  req.mutable_info()->mutable_codec()->set_rotate_keys(true);
+  req.mutable_info()->mutable_codec()->set_metric_rounding(true);
   return req;
 }
 
@@ -63,9 +63,10 @@ TEST(CodecLeversServeTest, RegisterBasisCarriesEncodeBasisAndQueryMoments) {
   EXPECT_TRUE(info.has_query_moment());
   EXPECT_EQ(info.kind(), "oblique_rrr");
   EXPECT_EQ(info.fingerprint(), core::BasisFingerprint(b));  // U, A and the moments
-  EXPECT_EQ(info.codec().rotate_keys(), 1);
-  EXPECT_EQ(info.codec().rotate_values(), -1);  // responses fill every switch
-  EXPECT_EQ(info.codec().metric_rounding(), 1);
+  EXPECT_TRUE(info.codec().rotate_keys());
+  EXPECT_TRUE(info.codec().has_rotate_values());  // responses fill every field
+  EXPECT_FALSE(info.codec().rotate_values());
+  EXPECT_TRUE(info.codec().metric_rounding());
 
   // Persisted with the entry: the folder reads back with both tensors and the switches.
   const std::string entry = ts.registry_dir() + "/levers/v1";
@@ -86,7 +87,7 @@ TEST(CodecLeversServeTest, RegisterBasisCarriesEncodeBasisAndQueryMoments) {
   EXPECT_TRUE(resp.already_registered());
   v1::RegisterBasisRequest no_moment = LeverRegister(b);
   no_moment.clear_query_moment();
-  no_moment.mutable_info()->mutable_codec()->set_metric_rounding(-1);
+  no_moment.mutable_info()->mutable_codec()->set_metric_rounding(false);
   st = RegisterStatus(*stub, no_moment);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::ALREADY_EXISTS) << st.error_message();
 
@@ -143,11 +144,11 @@ TEST(CodecLeversServeTest, BadEncodeBasesAndMomentsAreRefusedNamingWhat) {
     plain.query_moment.clear();
     v1::RegisterBasisRequest req = LeverRegister(plain);
     refused(req, "metric_rounding needs the basis's query moment");
-    req.mutable_info()->mutable_codec()->set_metric_rounding(0);
+    req.mutable_info()->mutable_codec()->set_metric_rounding(false);
     ASSERT_TRUE(RegisterStatus(*stub, req).ok());
     auto k = RandomKV(s.kv_heads, 40, s.head_dim, 1);
     v1::Append a = MakeAppend("x", 0, 0, k, k, s.kv_heads, 40, s.head_dim, "bad");
-    a.mutable_codec()->set_metric_rounding(1);
+    a.mutable_codec()->set_metric_rounding(true);
     v1::PutBlocksRequest m;
     *m.add_appends() = a;
     v1::PutBlocksResponse put;
@@ -164,9 +165,9 @@ TEST(CodecLeversServeTest, BadEncodeBasesAndMomentsAreRefusedNamingWhat) {
   }
 }
 
-// One mapping for every crossing: CodecSettings' fields are codec.json's keys (a field added
-// to one and not the other fails here), and a codec sent in the request form and merged over
-// any base is that codec again, every field of it.
+// One mapping for every crossing: CodecSettings' fields are codec.json's keys (both come from
+// core's codec table; codec_schema_test holds the descriptor to it), and a codec sent in the
+// request form and merged over any base is that codec again, every field of it.
 TEST(CodecWireTest, FieldsAreCodecJsonKeysAndEveryCodecRoundTrips) {
   // codec.json writes the dense-and-sparse fields only when set (so older entries' files stay
   // as they were): a codec with them set names every key that has a wire form.
@@ -200,87 +201,97 @@ TEST(CodecWireTest, FieldsAreCodecJsonKeysAndEveryCodecRoundTrips) {
       wire::CodecToWire(codecs[0], nlohmann::json{{"rank", 0}, {"fp16_sinks", 0}});
   ASSERT_TRUE(partial.ok());
   v1::CodecSettings expect;
-  expect.set_rank(-1);
-  expect.set_fp16_sinks(-1);
+  expect.set_rank(0);
+  expect.set_fp16_sinks(0);
   EXPECT_EQ(partial->SerializeAsString(), expect.SerializeAsString());
   v1::CodecSettings bad;
-  bad.set_fp16_sinks(-2);
+  bad.set_fp16_sinks(-1);  // once a real 0; now out of range like any other negative
   EXPECT_THAT(std::string(wire::MergeCodec(base, bad, "appends[0].codec").status().message()),
-              HasSubstr("appends[0].codec.fp16_sinks = -2: must be -1 (none)"));
+              HasSubstr("appends[0].codec.fp16_sinks = -1: must be in [0, 16]"));
   bad.set_fp16_sinks(17);
   EXPECT_THAT(std::string(wire::MergeCodec(base, bad, "codec").status().message()),
-              HasSubstr("codec: codec.fp16_sinks = 17: must be in [0, 16]"));
+              HasSubstr("codec.fp16_sinks = 17: must be in [0, 16]"));
 }
 
-// proto3 presence on CodecSettings: a 0 set explicitly travels and arrives as 0, while the
-// forms of clients built before it (a field left out: the default; -1: a real 0; a 0 of a field
-// that has no 0 setting: the default) mean what they meant, byte for byte the same messages.
-TEST(CodecWireTest, AnExplicitZeroArrivesAsZeroAndOldFormsKeepTheirMeaning) {
+// proto3 presence on CodecSettings is the only "unset": a field left out keeps the base's
+// value, a set one is taken as sent (0 and false included) and must be in range; the older
+// forms (-1 for a real 0, 0 for "the default", tri-state switches) are gone.
+TEST(CodecWireTest, PresenceIsTheOnlyUnsetAndSetValuesAreTakenAsSent) {
   core::CodecOptions base;
   base.head_dim = 64;
   base.rank = 8, base.window = 16, base.sink_tokens = 9, base.fp16_sinks = 2;
   base.rotate_values = true;
-  auto merged = [&](const v1::CodecSettings& s) {
+  auto merge = [&](const v1::CodecSettings& s) {
     v1::CodecSettings received;  // as the server parses it
     EXPECT_TRUE(received.ParseFromString(s.SerializeAsString()));
-    absl::StatusOr<core::CodecOptions> c = wire::MergeCodec(base, received, "codec");
-    EXPECT_TRUE(c.ok()) << c.status();
-    return c.ok() ? *c : core::CodecOptions{};
+    return wire::MergeCodec(base, received, "codec");
   };
   const std::string want_base = core::CodecToJson(base).dump();
 
   // Nothing set: the model's defaults, and nothing on the wire.
   v1::CodecSettings unset;
   EXPECT_EQ(unset.ByteSizeLong(), 0u);
-  EXPECT_EQ(core::CodecToJson(merged(unset)).dump(), want_base);
+  absl::StatusOr<core::CodecOptions> got = merge(unset);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(core::CodecToJson(*got).dump(), want_base);
 
-  // Zeros set explicitly: sent (two bytes each) and taken as 0.
+  // Zeros and false set explicitly: sent (two bytes each) and taken as sent.
   v1::CodecSettings zero;
   zero.set_rank(0);
   zero.set_window(0);
   zero.set_sink_tokens(0);
   zero.set_fp16_sinks(0);
-  EXPECT_EQ(zero.ByteSizeLong(), 8u);
-  core::CodecOptions c = merged(zero);
-  EXPECT_EQ(c.rank, 0);
-  EXPECT_EQ(c.window, 0);
-  EXPECT_EQ(c.sink_tokens, 0);
-  EXPECT_EQ(c.fp16_sinks, 0);
-  EXPECT_EQ(c.key_bits, base.key_bits);  // the rest stays the model's
-  EXPECT_TRUE(c.rotate_values);
+  zero.set_rotate_values(false);
+  EXPECT_EQ(zero.ByteSizeLong(), 10u);
+  got = merge(zero);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->rank, 0);
+  EXPECT_EQ(got->window, 0);
+  EXPECT_EQ(got->sink_tokens, 0);
+  EXPECT_EQ(got->fp16_sinks, 0);
+  EXPECT_FALSE(got->rotate_values);
+  EXPECT_EQ(got->key_bits, base.key_bits);  // the rest stays the model's
 
-  // The older form of a real 0, -1, as a client without presence writes it (field 3, varint
-  // -1: ten bytes), still asks for 0.
-  v1::CodecSettings legacy;
-  legacy.set_rank(-1);
-  EXPECT_EQ(legacy.SerializeAsString(),
-            std::string("\x18\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 11));
-  EXPECT_EQ(merged(legacy).rank, 0);
-  EXPECT_EQ(merged(legacy).window, base.window);
+  // A 0 set where 0 is no setting, or the policy set to VALUE_POLICY_DEFAULT, is out of range.
+  const struct {
+    void (*set)(v1::CodecSettings*);
+    const char* error;
+  } refused[] = {
+      {[](v1::CodecSettings* c) { c->set_rank(-1); }, "codec.rank = -1: must be in [0, head_dim]"},
+      {[](v1::CodecSettings* c) { c->set_key_bits(0); },
+       "codec.key_bits = 0: must be 2, 3, 4 or 8"},
+      {[](v1::CodecSettings* c) { c->set_side_bits(0); }, "codec.side_bits = 0: must be 4 or 8"},
+      {[](v1::CodecSettings* c) { c->set_value_group(0); },
+       "codec.value_group = 0: must be in [1, head_dim]"},
+      {[](v1::CodecSettings* c) { c->set_value_budget(0); },
+       "codec.value_budget = 0: must be in [1, 4]"},
+      {[](v1::CodecSettings* c) { c->set_value_policy(v1::CodecSettings::VALUE_POLICY_DEFAULT); },
+       "codec.value_policy = 0: must be VALUE_POLICY_UNIFORM (1) or VALUE_POLICY_A2 (2)"},
+  };
+  for (const auto& r : refused) {
+    v1::CodecSettings s;
+    r.set(&s);
+    got = merge(s);
+    EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << r.error;
+    EXPECT_THAT(std::string(got.status().message()), HasSubstr(r.error));
+  }
 
-  // A 0 of a field with no 0 setting, even set, is the model's default as it always was.
-  v1::CodecSettings no_zero_setting;
-  no_zero_setting.set_key_bits(0);
-  no_zero_setting.set_key_group(0);
-  no_zero_setting.set_side_bits(0);
-  no_zero_setting.set_value_bits(0);
-  no_zero_setting.set_value_group(0);
-  no_zero_setting.set_value_policy(v1::CodecSettings::VALUE_POLICY_DEFAULT);
-  no_zero_setting.set_value_budget(0);
-  no_zero_setting.set_rotate_values(0);
-  EXPECT_EQ(core::CodecToJson(merged(no_zero_setting)).dump(), want_base);
-
-  // Answers keep the older request form (-1 for a real 0), which every server reads alike.
+  // Answers set every field, a 0 as 0.
+  core::CodecOptions c = base;
+  c.rank = 0;
+  c.window = 0;
   absl::StatusOr<v1::CodecSettings> out = wire::CodecToWire(c);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_TRUE(out->has_rank());
-  EXPECT_EQ(out->rank(), -1);
-  EXPECT_EQ(out->window(), -1);
+  EXPECT_EQ(out->rank(), 0);
+  EXPECT_TRUE(out->has_window());
+  EXPECT_EQ(out->window(), 0);
+  EXPECT_TRUE(out->has_rotate_keys());
+  EXPECT_FALSE(out->rotate_keys());
 }
 
 // The same through the server: a sequence created with rank 0 set explicitly is encoded at
-// rank 0 (KIVI-like), as one created with the older -1; one that leaves rank out gets the
-// model's 4.
+// rank 0 (KIVI-like); one that leaves rank out gets the model's 4; -1 is refused.
 TEST(CodecLeversServeTest, AnExplicitZeroRankReachesTheSequence) {
   TestServer ts;
   auto stub = ts.Stub();
@@ -291,7 +302,7 @@ TEST(CodecLeversServeTest, AnExplicitZeroRankReachesTheSequence) {
     const char* seq;
     std::optional<int> rank;  // what the append's codec sets
     int want;
-  } cases[] = {{"unset", std::nullopt, 4}, {"zero", 0, 0}, {"legacy", -1, 0}, {"two", 2, 2}};
+  } cases[] = {{"unset", std::nullopt, 4}, {"zero", 0, 0}, {"two", 2, 2}};
   for (const auto& c : cases) {
     v1::Append a = MakeAppend(c.seq, 0, 0, k, k, s.kv_heads, 40, s.head_dim, s.model);
     a.mutable_codec();  // present, possibly empty
@@ -305,41 +316,45 @@ TEST(CodecLeversServeTest, AnExplicitZeroRankReachesTheSequence) {
     ASSERT_TRUE(info.ok()) << info.status();
     EXPECT_EQ(info->codec.rank, c.want) << c.seq;
   }
+  v1::Append a = MakeAppend("minus-one", 0, 0, k, k, s.kv_heads, 40, s.head_dim, s.model);
+  a.mutable_codec()->set_rank(-1);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = a;
+  v1::PutBlocksResponse put;
+  const grpc::Status st = Put(*stub, {m}, &put);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("codec.rank = -1"));
+  EXPECT_FALSE(ts.server().store().Describe("default", "minus-one").ok());
 }
 
-TEST(CodecLeversServeTest, CodecSwitchesAreTriStateOnTheWire) {
+TEST(CodecLeversServeTest, CodecSwitchesAreOptionalBools) {
   core::CodecOptions base;
   base.head_dim = 64;
   base.rotate_values = true;
   v1::CodecSettings s;
-  s.set_rotate_keys(1);
-  s.set_rotate_values(-1);
+  s.set_rotate_keys(true);
+  s.set_rotate_values(false);
   absl::StatusOr<core::CodecOptions> c = wire::MergeCodec(base, s, "codec");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_TRUE(c->rotate_keys);
   EXPECT_FALSE(c->rotate_values);
-  EXPECT_FALSE(c->metric_rounding);  // 0: the base's
-  s.set_rotate_values(0);
-  s.set_metric_rounding(1);
+  EXPECT_FALSE(c->metric_rounding);  // unset: the base's
+  s.clear_rotate_values();
+  s.set_metric_rounding(true);
   c = wire::MergeCodec(base, s, "codec");
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE(c->rotate_values);
   EXPECT_TRUE(c->metric_rounding);
   absl::StatusOr<v1::CodecSettings> out = wire::CodecToWire(*c);
   ASSERT_TRUE(out.ok()) << out.status();
-  EXPECT_EQ(out->rotate_keys(), 1);
-  EXPECT_EQ(out->rotate_values(), 1);
-  EXPECT_EQ(out->metric_rounding(), 1);
+  EXPECT_TRUE(out->rotate_keys());
+  EXPECT_TRUE(out->rotate_values());
+  EXPECT_TRUE(out->metric_rounding());
   c->rotate_keys = false;
   out = wire::CodecToWire(*c);
-  EXPECT_EQ(out->rotate_keys(), -1);
-  s.set_rotate_values(2);
-  c = wire::MergeCodec(base, s, "appends[0].codec");
-  EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(c.status().message()),
-              HasSubstr("appends[0].codec.rotate_values = 2: must be 0 (the model's default), "
-                        "1 (on) or -1 (off)"));
-  s.set_rotate_values(1);
+  EXPECT_TRUE(out->has_rotate_keys());
+  EXPECT_FALSE(out->rotate_keys());
+  s.set_rotate_values(true);
   base.head_dim = 48;  // rotation needs a power of two
   c = wire::MergeCodec(base, s, "codec");
   EXPECT_THAT(std::string(c.status().message()), HasSubstr("power of two"));
@@ -377,11 +392,11 @@ TEST(CodecLeversServeTest, SequencesReadAsAnInProcessLeverCache) {
     auto k = RandomKV(kv, T, d, 5), v = RandomKV(kv, T, d, 6);
     v1::Append a = MakeAppend(seq, layer, 0, k, v, kv, T, d, "levers");
     if (seq == "over") {
-      a.mutable_codec()->set_rotate_values(1);
-      a.mutable_codec()->set_metric_rounding(-1);
+      a.mutable_codec()->set_rotate_values(true);
+      a.mutable_codec()->set_metric_rounding(false);
     }
     if (seq == "sparse") {
-      a.mutable_codec()->set_rotate_keys(-1);
+      a.mutable_codec()->set_rotate_keys(false);
       a.mutable_codec()->set_sparse_keys(10);
       a.mutable_codec()->set_sparse_values(20);
     }

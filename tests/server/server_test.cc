@@ -1260,26 +1260,25 @@ TEST(ConvertTest, OutOfRangeCodecOverridesAreRejectedNamingFieldAndRange) {
     std::string want;
   };
   const std::vector<Case> cases = {
-      {[](auto* c) { c->set_window(-2); }, "c.window = -2: must be -1 (none), 0"},
-      {[](auto* c) { c->set_window(70000); }, "codec.window = 70000: must be in [0, 65536]"},
-      {[](auto* c) { c->set_rank(-2); }, "c.rank = -2: must be -1 (none), 0"},
-      {[](auto* c) { c->set_rank(65); }, "codec.rank = 65: must be in [0, head_dim]"},
+      {[](auto* c) { c->set_window(-1); }, "c.window = -1: must be in [0, 65536]"},
+      {[](auto* c) { c->set_window(70000); }, "c.window = 70000: must be in [0, 65536]"},
+      {[](auto* c) { c->set_rank(-1); }, "c.rank = -1: must be in [0, head_dim]"},
+      {[](auto* c) { c->set_rank(65); }, "c.rank = 65: must be in [0, head_dim]"},
       {[](auto* c) { c->set_value_policy(static_cast<v1::CodecSettings::ValuePolicy>(9)); },
-       "c.value_policy = 9: must be VALUE_POLICY_DEFAULT (0)"},
-      {[](auto* c) { c->set_side_bits(5); },
-       "c.side_bits = 5: must be 0 (the model's default), 4 or 8"},
-      {[](auto* c) { c->set_rank(-1), c->set_side_bits(7); }, "c.side_bits = 7"},
-      {[](auto* c) { c->set_value_budget(9); }, "c.value_budget = 9: must be 0 (the model's"},
+       "c.value_policy = 9: must be VALUE_POLICY_UNIFORM (1) or VALUE_POLICY_A2 (2)"},
+      {[](auto* c) { c->set_side_bits(5); }, "c.side_bits = 5: must be 4 or 8"},
+      {[](auto* c) { c->set_rank(0), c->set_side_bits(7); }, "c.side_bits = 7"},
+      {[](auto* c) { c->set_value_budget(9); }, "c.value_budget = 9: must be in [1, 4]"},
       {[](auto* c) { c->set_value_budget(std::nanf("")); }, "c.value_budget = nan"},
-      {[](auto* c) { c->set_key_bits(-1); }, "codec.key_bits = -1: must be 2, 3, 4 or 8"},
-      {[](auto* c) { c->set_key_group(48); }, "codec.key_group = 48: must be 32, 64 or 128"},
-      {[](auto* c) { c->set_value_bits(9); }, "codec.value_bits = 9"},
-      {[](auto* c) { c->set_value_group(-3); }, "codec.value_group = -3: must be in [1, head_dim]"},
-      {[](auto* c) { c->set_value_group(65); }, "codec.value_group = 65"},
-      {[](auto* c) { c->set_sink_tokens(-2); }, "c.sink_tokens = -2: must be -1 (none), 0"},
-      {[](auto* c) { c->set_sink_tokens(2000); }, "codec.sink_tokens = 2000: must be in [0, 1024]"},
-      {[](auto* c) { c->set_fp16_sinks(-3); }, "c.fp16_sinks = -3: must be -1 (none), 0"},
-      {[](auto* c) { c->set_fp16_sinks(20); }, "codec.fp16_sinks = 20: must be in [0, 16]"},
+      {[](auto* c) { c->set_key_bits(-1); }, "c.key_bits = -1: must be 2, 3, 4 or 8"},
+      {[](auto* c) { c->set_key_group(48); }, "c.key_group = 48: must be 32, 64 or 128"},
+      {[](auto* c) { c->set_value_bits(9); }, "c.value_bits = 9"},
+      {[](auto* c) { c->set_value_group(-3); }, "c.value_group = -3: must be in [1, head_dim]"},
+      {[](auto* c) { c->set_value_group(65); }, "c.value_group = 65"},
+      {[](auto* c) { c->set_sink_tokens(-1); }, "c.sink_tokens = -1: must be in [0, 1024]"},
+      {[](auto* c) { c->set_sink_tokens(2000); }, "c.sink_tokens = 2000: must be in [0, 1024]"},
+      {[](auto* c) { c->set_fp16_sinks(-3); }, "c.fp16_sinks = -3: must be in [0, 16]"},
+      {[](auto* c) { c->set_fp16_sinks(20); }, "c.fp16_sinks = 20: must be in [0, 16]"},
   };
   for (const Case& c : cases) {
     v1::CodecSettings settings;
@@ -1288,11 +1287,11 @@ TEST(ConvertTest, OutOfRangeCodecOverridesAreRejectedNamingFieldAndRange) {
     EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << c.want;
     EXPECT_THAT(std::string(got.status().message()), HasSubstr(c.want));
   }
-  // The documented request values: -1 is none for rank and window; a value group need not
+  // The documented request values: 0 is none for rank and window; a value group need not
   // divide head_dim (the last group is shorter).
   v1::CodecSettings ok;
-  ok.set_rank(-1);
-  ok.set_window(-1);
+  ok.set_rank(0);
+  ok.set_window(0);
   ok.set_value_group(7);
   absl::StatusOr<core::CodecOptions> got = wire::MergeCodec(base, ok, "c");
   ASSERT_TRUE(got.ok()) << got.status();
@@ -1477,7 +1476,8 @@ TEST(ServiceTest, ModelWithoutBasisIsServedKiviLike) {
   auto c = Ctx();
   ASSERT_TRUE(stub->RegisterBasis(c.get(), MakeRegister(s, 1), &rr).ok());
   EXPECT_FALSE(rr.model().has_basis());
-  EXPECT_EQ(rr.model().codec().rank(), -1);  // the request form of rank 0 (echo-safe)
+  EXPECT_TRUE(rr.model().codec().has_rank());  // set, as responses set every field
+  EXPECT_EQ(rr.model().codec().rank(), 0);
   EXPECT_EQ(rr.model().kind(), "none");
   const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
   auto k = RandomKV(kv, 40, d, 1), v = RandomKV(kv, 40, d, 2);
@@ -2359,7 +2359,7 @@ TEST(GoldenBlockTest, CommittedBlocksDecodeToCommittedValues) {
   core::BasisManifest m;
   m.head_dim = 64;
   m.rank = 4;
-  const core::CodecOptions legacy = core::Registry::LegacyDefaultCodec(m, true);
+  const core::CodecOptions legacy = K2G32Codec(m, true);
   const core::CodecOptions now = core::Registry::DefaultCodec(m, true);
   ASSERT_EQ(legacy.ToString(), "k2g32 r4s8 v2g32 R0");
   ASSERT_EQ(now.ToString(), "k3g128 r4s4 v2g32 R0");

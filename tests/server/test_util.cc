@@ -32,7 +32,7 @@ core::ModelBasis MakeBasis(const Shape& s, uint64_t seed) {
 v1::CodecSettings LegacyCodecSettings(int head_dim) {
   core::BasisManifest m;
   m.head_dim = head_dim;
-  const core::CodecOptions c = core::Registry::LegacyDefaultCodec(m, false);
+  const core::CodecOptions c = K2G32Codec(m, false);
   v1::CodecSettings w;
   w.set_key_bits(c.key_bits);
   w.set_key_group(c.key_group);
@@ -126,7 +126,7 @@ core::CodecOptions CodecOf(const Shape& s, int codec_rank) {
   core::BasisManifest m;
   m.head_dim = s.head_dim;
   m.rank = s.basis_rank;
-  core::CodecOptions c = s.legacy_codec ? core::Registry::LegacyDefaultCodec(m, s.basis_rank > 0)
+  core::CodecOptions c = s.legacy_codec ? K2G32Codec(m, s.basis_rank > 0)
                                         : core::Registry::DefaultCodec(m, s.basis_rank > 0);
   if (s.basis_rank > 0) c.rank = codec_rank;
   return c;

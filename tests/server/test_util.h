@@ -12,6 +12,7 @@
 #include "kvq/core/store.h"
 #include "kvq/v1/kvq.grpc.pb.h"
 #include "server/server.h"
+#include "tests/core/test_util.h"
 
 namespace kvq::testing {
 
@@ -23,13 +24,13 @@ struct Shape {
   int q_heads = 4;  // grouped-query attention
   int head_dim = 64;
   int basis_rank = 8;  // 0: no basis
-  // Registered with the pre-frontier default codec (Registry::LegacyDefaultCodec: 2-bit keys
-  // in groups of 32), for tests whose token counts are written around 32-token groups;
+  // Registered with the pre-frontier default codec (testing::K2G32Codec: 2-bit keys in groups
+  // of 32), for tests whose token counts are written around 32-token groups;
   // false: the model gets the server's default codec.
   bool legacy_codec = false;
 };
 
-// The wire settings of Registry::LegacyDefaultCodec (rank and switches left to the model).
+// The wire settings of testing::K2G32Codec (rank and switches left to the model).
 v1::CodecSettings LegacyCodecSettings(int head_dim);
 // A registration request with a random orthonormal basis (deterministic in seed).
 v1::RegisterBasisRequest MakeRegister(const Shape& s, uint64_t seed, int codec_rank = 4);

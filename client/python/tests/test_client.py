@@ -80,28 +80,30 @@ def test_register_oblique_basis_with_query_moments_and_lever_codec(client, kvq_s
         m.append((np.eye(D)[None] + x @ x.transpose(0, 2, 1)).astype(np.float32))
     info = {"model": "obl", "version": 1, "layers": L, "kv_heads": KV, "q_heads": QH,
             "head_dim": D, "basis_rank": R, "kind": "oblique_rrr",
-            "codec": kvq.CodecSettings(rank=4, rotate_keys=True, metric_rounding=1)}
+            "codec": kvq.CodecSettings(rank=4, rotate_keys=True, metric_rounding=True)}
     r = client.register_basis(info, u, encode_basis=a, query_moment=m)
     assert r.model.oblique and r.model.has_query_moment
-    assert (r.model.codec.rotate_keys, r.model.codec.rotate_values, r.model.codec.metric_rounding) == (1, -1, 1)
+    assert (r.model.codec.rotate_keys, r.model.codec.rotate_values, r.model.codec.metric_rounding) == \
+        (True, False, True)
+    assert r.model.codec.HasField("rotate_values")  # responses set every field
     with pytest.raises(kvq.KvqError, match="rotate_values"):
         client.register_basis(dict(info, codec=kvq.CodecSettings(rotate_values=2)), u)
-    # codec.json's values (0 a real 0, booleans on/off) in the request form; fp16 sinks travel
-    # and come back; a response's settings sent back ask for exactly that codec.
+    # codec.json's values as they are; fp16 sinks travel and come back; a response's settings
+    # sent back ask for exactly that codec.
     c = kvq.CodecSettings.from_codec_json({"rank": 0, "window": 0, "fp16_sinks": 4, "rotate_keys": False,
                                            "key_group": 128})
-    assert (c.rank, c.window, c.fp16_sinks, c.rotate_keys, c.key_group) == (-1, -1, 4, -1, 128)
+    assert (c.rank, c.window, c.fp16_sinks, c.rotate_keys, c.key_group) == (0, 0, 4, False, 128)
     with pytest.raises(ValueError, match="unknown field.*bogus"):
         kvq.CodecSettings.from_codec_json({"bogus": 1})
     r2 = client.register_basis(dict(info, model="obl-sinks", codec=c), u, encode_basis=a, query_moment=m)
-    assert (r2.model.codec.fp16_sinks, r2.model.codec.rank, r2.model.codec.key_group) == (4, -1, 128)
+    assert (r2.model.codec.fp16_sinks, r2.model.codec.rank, r2.model.codec.key_group) == (4, 0, 128)
     with pytest.raises(kvq.KvqError, match="fp16_sinks = 17: must be in"):
         client.register_basis(dict(info, model="obl-bad", codec=kvq.CodecSettings(fp16_sinks=17)), u)
-    # Dense-and-sparse travels too (a 0 in codec.json a real 0), and its limits are the server's.
+    # Dense-and-sparse travels too, and its limits are the server's.
     sp = kvq.CodecSettings.from_codec_json({"sparse_keys": 5, "sparse_values": 0, "rotate_keys": False})
-    assert (sp.sparse_keys, sp.sparse_values) == (5, -1)
+    assert (sp.sparse_keys, sp.sparse_values) == (5, 0)
     r3 = client.register_basis(dict(info, model="obl-sparse", codec=sp), u, encode_basis=a, query_moment=m)
-    assert (r3.model.codec.sparse_keys, r3.model.codec.sparse_values) == (5, -1)
+    assert (r3.model.codec.sparse_keys, r3.model.codec.sparse_values) == (5, 0)
     with pytest.raises(kvq.KvqError, match="sparse_keys"):
         client.register_basis(dict(info, model="obl-sparse-bad", codec=kvq.CodecSettings(sparse_keys=101)), u)
     # A^T B != I is refused by the server, naming the layer and head.

@@ -1,10 +1,10 @@
-"""CodecSettings' fields are proto3 `optional`: a 0 set explicitly travels and reaches the
-sequence as 0, while the client's own CodecSettings (0: the model's default, -1: a real 0)
-sends exactly the bytes it sent before presence."""
+"""CodecSettings' fields have presence (proto3 optional), the only "unset": the dataclass sends
+the fields that are not None, 0 and False included, and the server takes each as sent."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import kvq
 from kvq._proto.kvq.v1 import kvq_pb2
@@ -13,15 +13,17 @@ from kvq.client import _codec_pb
 KV, D = 2, 64  # the tiny model of conftest.register_tiny
 
 
-def test_the_dataclass_leaves_zeros_unset_as_before():
+def test_none_is_unset_and_set_values_are_sent_as_they_are():
     assert _codec_pb(kvq.CodecSettings(), "codec", "PutBlocks").SerializeToString() == b""
-    pb = _codec_pb(kvq.CodecSettings(rank=-1, window=64, rotate_keys=False), "codec", "PutBlocks")
+    pb = _codec_pb(kvq.CodecSettings(rank=0, window=64, rotate_keys=False), "codec", "PutBlocks")
     assert pb.HasField("rank") and pb.HasField("window") and pb.HasField("rotate_keys")
     assert not pb.HasField("sink_tokens") and not pb.HasField("key_bits")
-    # Field 3 (rank) as varint -1, then rotate_keys -1 and window 64: what a client without
-    # presence writes for the same settings.
-    old_form = (b"\x18" + b"\xff" * 9 + b"\x01") + (b"\x50\x40") + (b"\x58" + b"\xff" * 9 + b"\x01")
-    assert pb.SerializeToString() == old_form
+    # Field 3 (rank) 0, field 10 (window) 64, field 11 (rotate_keys) false.
+    assert pb.SerializeToString() == b"\x18\x00" + b"\x50\x40" + b"\x58\x00"
+    with pytest.raises(kvq.KvqError, match="rotate_keys"):
+        _codec_pb(kvq.CodecSettings(rotate_keys=1), "codec", "PutBlocks")  # not a bool
+    with pytest.raises(kvq.KvqError, match="value_policy"):
+        _codec_pb(kvq.CodecSettings(value_policy="default"), "codec", "PutBlocks")
 
 
 def test_an_explicit_zero_rank_reaches_the_sequence(client, register_model):
@@ -33,10 +35,11 @@ def test_an_explicit_zero_rank_reaches_the_sequence(client, register_model):
         return client.delete_sequence(seq)
 
     default = bytes_of("unset", kvq.CodecSettings())
-    explicit_zero = bytes_of("zero", kvq_pb2.CodecSettings(rank=0))
-    legacy_zero = bytes_of("legacy", kvq.CodecSettings(rank=-1))
-    assert kvq_pb2.CodecSettings(rank=0).SerializeToString() == b"\x18\x00"
-    # Rank 0 stores no side code: fewer bytes than the model's rank 4, the same as -1.
-    assert explicit_zero == legacy_zero < default
-    # The dataclass's 0 is still "the model's default".
-    assert bytes_of("dataclass-zero", kvq.CodecSettings(rank=0)) == default
+    zero = bytes_of("zero", kvq.CodecSettings(rank=0))
+    assert bytes_of("pb-zero", kvq_pb2.CodecSettings(rank=0)) == zero
+    # Rank 0 stores no side code: fewer bytes than the model's rank 4.
+    assert zero < default
+    # The older form of a real 0, -1, is out of range now, named by the server.
+    with pytest.raises(kvq.KvqError, match="rank = -1"):
+        client.put_blocks([kvq.Append("minus-one", 0, 0, k, k, model="tiny",
+                                      codec=kvq.CodecSettings(rank=-1))])

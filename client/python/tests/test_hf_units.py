@@ -76,10 +76,10 @@ def test_hf_channel_order_is_the_gguf_loader_inverse():
 def test_parse_config_names():
     c = parse_config("headq-kv2")
     assert (c.key_bits, c.key_group, c.rank, c.side_bits, c.value_bits, c.value_group, c.window) == \
-        (2, 32, 4, 8, 2, 32, -1)
+        (2, 32, 4, 8, 2, 32, 0)
     c = parse_config("headq-kv3-g128-s4-v2-r8-w64")
     assert (c.key_bits, c.key_group, c.side_bits, c.value_bits, c.rank, c.window) == (3, 128, 4, 2, 8, 64)
-    assert parse_config("kivi-kv2").rank == -1
+    assert parse_config("kivi-kv2").rank == 0
     with pytest.raises(ValueError, match="a2"):
         parse_config("headq-kv2-a2")
 

@@ -284,7 +284,7 @@ def check_within_budget(stored: torch.Tensor, got: torch.Tensor, n: int, codec, 
 
 @pytest.mark.parametrize("dtype,codec_cfg", [
     (torch.float16, None),                                                   # the model's HeadQ default
-    (torch.bfloat16, '{"key_bits": 4, "rank": -1, "value_bits": 4, "value_group": 64}'),  # KIVI-like 4-bit
+    (torch.bfloat16, '{"key_bits": 4, "rank": 0, "value_bits": 4, "value_group": 64}'),  # KIVI-like 4-bit
 ])
 def test_engine_stores_and_retrieves_through_kvq(server, client, tiny, make_engine, dtype, codec_cfg):
     """Synthetic K/V of a small model, two codecs and dtypes."""

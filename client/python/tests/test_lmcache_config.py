@@ -34,7 +34,7 @@ def test_every_setting():
     assert c.codec == CodecSettings(**codec)
     assert (c.tenant, c.token, c.deadline_s, c.sequence_prefix, c.max_workers) == ("t", "tok", 2.5, "x/", 8)
     # A dict works as well as JSON text (LMCache's YAML gives either).
-    assert parse_plugin_config("kvq", cfg(codec={"rank": -1})).codec == CodecSettings(rank=-1)
+    assert parse_plugin_config("kvq", cfg(codec={"rank": 0})).codec == CodecSettings(rank=0)
 
 
 def test_tls_files(tmp_path):

@@ -22,6 +22,7 @@ Mirrors the C++ client (client/lib/src/client.cc):
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -59,7 +60,6 @@ AttemptHook = Callable[[str, int, int, grpc.StatusCode], None]
 MAX_MESSAGE_BYTES = 256 << 20
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _POLICIES = {
-    "default": kvq_pb2.CodecSettings.VALUE_POLICY_DEFAULT,
     "uniform": kvq_pb2.CodecSettings.VALUE_POLICY_UNIFORM,
     "a2": kvq_pb2.CodecSettings.VALUE_POLICY_A2,
 }
@@ -89,49 +89,25 @@ def _read_pem(value: Optional[Union[bytes, str]], what: str) -> Optional[bytes]:
 # -- request building (shared with kvq.aio) -------------------------------------------------
 
 def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[kvq_pb2.CodecSettings]:
+    """The wire form of codec settings: the fields that are not None, each sent as it is (the
+    server checks ranges and names the field); a kvq_pb2.CodecSettings is sent as it is."""
     if c is None:
         return None
     if isinstance(c, kvq_pb2.CodecSettings):
         return c
     if isinstance(c, Mapping):
         c = CodecSettings(**c)
-    policy = _POLICIES.get(str(c.value_policy).lower())
-    if policy is None:
-        raise KvqError.invalid(
-            method, f"{field}.value_policy: '{c.value_policy}' is not default, uniform or a2"
-        )
-    switches = {}
+    values = {f.name: getattr(c, f.name) for f in dataclasses.fields(CodecSettings)
+              if getattr(c, f.name) is not None}
+    if "value_policy" in values:
+        policy = _POLICIES.get(str(values["value_policy"]).lower())
+        if policy is None:
+            raise KvqError.invalid(method, f"{field}.value_policy: {values['value_policy']!r} is not uniform or a2")
+        values["value_policy"] = policy
     for name in ("rotate_keys", "rotate_values", "metric_rounding"):
-        v = getattr(c, name)
-        # codec.json writes the switches as booleans: true / false are on / off.
-        if isinstance(v, bool):
-            v = 1 if v else -1
-        if v not in (-1, 0, 1):
-            raise KvqError.invalid(
-                method, f"{field}.{name}: {v!r} must be 0 (the model's default), 1/True (on) or -1/False (off)")
-        switches[name] = int(v)
-    values = dict(
-        **switches,
-        key_bits=c.key_bits,
-        key_group=c.key_group,
-        rank=c.rank,
-        side_bits=c.side_bits,
-        value_bits=c.value_bits,
-        value_group=c.value_group,
-        value_policy=policy,
-        value_budget=c.value_budget,
-        sink_tokens=c.sink_tokens,
-        window=c.window,
-        fp16_sinks=c.fp16_sinks,
-        sparse_keys=c.sparse_keys,
-        sparse_values=c.sparse_values,
-    )
-    # CodecSettings' fields have presence (proto3 optional): a field given to the constructor
-    # is sent even at 0, and the server takes a rank, window, sink_tokens or fp16_sinks set to
-    # 0 as a real 0. Here 0 keeps meaning "the model's default" (-1: a real 0), so zeros are
-    # left unset, exactly the bytes this client sent before presence. To set a 0 explicitly,
-    # pass a kvq_pb2.CodecSettings (e.g. kvq_pb2.CodecSettings(rank=0)), sent as it is.
-    return kvq_pb2.CodecSettings(**{k: v for k, v in values.items() if v != 0})
+        if name in values and not isinstance(values[name], bool):
+            raise KvqError.invalid(method, f"{field}.{name}: {values[name]!r} must be True or False (None: the model's)")
+    return kvq_pb2.CodecSettings(**values)
 
 
 def append_pb(a: Append, field: str, method: str,

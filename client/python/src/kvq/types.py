@@ -33,59 +33,49 @@ OutputDType = str
 
 @dataclass
 class CodecSettings:
-    """Codec overrides for a new sequence; 0 (or "default") keeps the model's default.
+    """Codec settings for a new sequence (or a model's defaults): a field left None keeps the
+    receiver's value (the model's default); a field set is sent as it is, 0 and False
+    included, and the server refuses a value out of range with INVALID_ARGUMENT naming the
+    field and its limit.
 
-    key_bits 2/3/4/8; key_group (G) 32/64/128; rank 0..basis rank (-1: force 0, KIVI-like);
-    side_bits 4/8; value_bits 1/2/3/4/8; value_group channels per value scale;
-    value_policy "default" | "uniform" | "a2"; value_budget (A2) 1.0..4.0 bits;
-    sink_tokens (A2) positions kept at 4 bits (-1: 0); window (R) recent tokens kept at
-    arrival precision (-1: 0); fp16_sinks 1..16: a sequence's first positions kept exact at
-    fp16 beside its first blocks (-1: none); sparse_keys / sparse_values 1..100: per mille of
-    each key / value block's elements kept exact beside the codes (-1: none). Switches
-    rotate_keys / rotate_values
-    (Walsh-Hadamard rotation before quantization, head_dim a power of two) and
-    metric_rounding (keys rounded in the query metric; the basis must carry query moments):
-    0 the model's default, 1 (or True) on, -1 (or False) off. Fields and names are
-    codec.json's; CodecSettings.from_codec_json reads that file's values (where 0 is a real 0).
-    Zeros here are sent as unset fields (the wire's "the model's default"); a
-    kvq_pb2.CodecSettings given in place of this class is sent as it is, so one can also set a
-    real 0 explicitly there (kvq_pb2.CodecSettings(rank=0); docs/API.md).
+    key_bits 2/3/4/8; key_group (G) 32/64/128; rank 0..basis rank (0: KIVI-like); side_bits
+    4/8; value_bits 1/2/3/4/8; value_group channels per value scale (at most 64 groups a
+    head); value_policy "uniform" | "a2"; value_budget (A2) 1.0..4.0 bits; sink_tokens (A2)
+    positions kept at 4 bits, 0..1024; window (R) recent tokens kept at arrival precision,
+    0..65536; rotate_keys / rotate_values (Walsh-Hadamard rotation before quantization,
+    head_dim a power of two); metric_rounding (keys rounded in the query metric; the basis must
+    carry query moments); fp16_sinks 0..16: a sequence's first positions kept exact at fp16
+    beside its first blocks; sparse_keys / sparse_values 0..100: per mille of each key / value
+    block's elements kept exact beside the codes. Fields and names are codec.json's and the
+    wire's (one table in the server, core/codec_schema.h; a test holds this class to it).
     """
 
-    key_bits: int = 0
-    key_group: int = 0
-    rank: int = 0
-    side_bits: int = 0
-    value_bits: int = 0
-    value_group: int = 0
-    value_policy: str = "default"
-    value_budget: float = 0.0
-    sink_tokens: int = 0
-    window: int = 0
-    rotate_keys: int = 0
-    rotate_values: int = 0
-    metric_rounding: int = 0
-    fp16_sinks: int = 0
-    sparse_keys: int = 0
-    sparse_values: int = 0
+    key_bits: Optional[int] = None
+    key_group: Optional[int] = None
+    rank: Optional[int] = None
+    side_bits: Optional[int] = None
+    value_bits: Optional[int] = None
+    value_group: Optional[int] = None
+    value_policy: Optional[str] = None
+    value_budget: Optional[float] = None
+    sink_tokens: Optional[int] = None
+    window: Optional[int] = None
+    rotate_keys: Optional[bool] = None
+    rotate_values: Optional[bool] = None
+    metric_rounding: Optional[bool] = None
+    fp16_sinks: Optional[int] = None
+    sparse_keys: Optional[int] = None
+    sparse_values: Optional[int] = None
 
     @classmethod
     def from_codec_json(cls, d: Mapping[str, Any]) -> "CodecSettings":
-        """The request form of a registry folder's codec.json object: a 0 there is a real 0
-        (sent as -1), booleans are on / off (1 / -1), absent fields stay the server's
-        defaults. Unknown keys are a ValueError naming them."""
+        """The settings of a registry folder's codec.json object, as they are (absent fields
+        stay None: the server's defaults). Unknown keys are a ValueError naming them."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"codec.json: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        out: Dict[str, Any] = {}
-        for k, v in d.items():
-            if isinstance(v, bool):
-                v = 1 if v else -1
-            elif k in ("rank", "window", "sink_tokens", "fp16_sinks", "sparse_keys", "sparse_values") and v == 0:
-                v = -1
-            out[k] = v
-        return cls(**out)
+        return cls(**dict(d))
 
 
 @dataclass

@@ -72,9 +72,6 @@ class Registry {
   // groups of 128 with the rank-4 4-bit side code, 2-bit values in groups of 32 channels
   // (kvq-eval's headq-kv3-g128-s4-v2; kivi-kv3-g128-v2 without a basis).
   static CodecOptions DefaultCodec(const BasisManifest& m, bool has_basis);
-  // The default before the quality frontier (kvq-eval's headq-kv2: 2-bit keys, G = 32, rank-4
-  // 8-bit side code, 2-bit values), kept reachable for tests and comparisons.
-  static CodecOptions LegacyDefaultCodec(const BasisManifest& m, bool has_basis);
 
  private:
   absl::Status Persist(const ModelEntry& e) const;

@@ -133,13 +133,13 @@ class KvqCache(Cache):
         self.codec = codec
         self.kv_dtype = kv_dtype
         self.share = share
-        policy = codec.value_policy if codec is not None and codec.value_policy != "default" else None
+        policy = codec.value_policy if codec is not None else None  # None: the model's
         if policy is None:
             policy = "a2" if model.codec.value_policy == 2 else "uniform"
         self.observe = (policy == "a2") if observe is None else observe
-        g = codec.key_group if codec is not None and codec.key_group else int(model.codec.key_group)
+        g = codec.key_group if codec is not None and codec.key_group is not None else int(model.codec.key_group)
         self.key_group = g or 32
-        w = codec.window if codec is not None and codec.window else int(model.codec.window)
+        w = codec.window if codec is not None and codec.window is not None else int(model.codec.window)
         self.window = max(0, w)
         self.faithful = faithful
         # Tokens each server-side sequence holds, per layer.

@@ -119,21 +119,25 @@ def _parse_codec(key: str, v: Any) -> Optional[CodecSettings]:
         if name not in _CODEC_FIELDS:
             raise PluginConfigError(f"{key}.{name}", f"unknown codec setting (known: {', '.join(_CODEC_FIELDS)})")
         sub = f"{key}.{name}"
+        if value is None:
+            continue  # the model's default, as if absent
         if name == "value_policy":
-            if value not in ("default", "uniform", "a2"):
-                raise PluginConfigError(sub, f"{value!r} is not one of default, uniform, a2")
+            if value not in ("uniform", "a2"):
+                raise PluginConfigError(sub, f"{value!r} is not one of uniform, a2")
             out[name] = value
         elif name == "value_budget":
             try:
                 out[name] = float(value)
             except (TypeError, ValueError):
                 raise PluginConfigError(sub, f"expected a number, got {value!r}") from None
-        elif name in ("rotate_keys", "rotate_values", "metric_rounding") and isinstance(value, bool):
-            out[name] = 1 if value else -1  # as codec.json writes them
+        elif name in ("rotate_keys", "rotate_values", "metric_rounding"):
+            if not isinstance(value, bool):
+                raise PluginConfigError(sub, f"expected true or false, got {value!r}")
+            out[name] = value
         else:
             # The server checks the allowed values (2/3/4/8 bits and so on) and names the
             # field; here only the type, so that one place keeps the rules.
-            out[name] = _as_int(sub, value, -1, 65536)
+            out[name] = _as_int(sub, value, 0, 65536)
     return CodecSettings(**out)
 
 

@@ -64,13 +64,13 @@ class CodecSettings(_message.Message):
     value_budget: float
     sink_tokens: int
     window: int
-    rotate_keys: int
-    rotate_values: int
-    metric_rounding: int
+    rotate_keys: bool
+    rotate_values: bool
+    metric_rounding: bool
     fp16_sinks: int
     sparse_keys: int
     sparse_values: int
-    def __init__(self, key_bits: _Optional[int] = ..., key_group: _Optional[int] = ..., rank: _Optional[int] = ..., side_bits: _Optional[int] = ..., value_bits: _Optional[int] = ..., value_group: _Optional[int] = ..., value_policy: _Optional[_Union[CodecSettings.ValuePolicy, str]] = ..., value_budget: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., window: _Optional[int] = ..., rotate_keys: _Optional[int] = ..., rotate_values: _Optional[int] = ..., metric_rounding: _Optional[int] = ..., fp16_sinks: _Optional[int] = ..., sparse_keys: _Optional[int] = ..., sparse_values: _Optional[int] = ...) -> None: ...
+    def __init__(self, key_bits: _Optional[int] = ..., key_group: _Optional[int] = ..., rank: _Optional[int] = ..., side_bits: _Optional[int] = ..., value_bits: _Optional[int] = ..., value_group: _Optional[int] = ..., value_policy: _Optional[_Union[CodecSettings.ValuePolicy, str]] = ..., value_budget: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., window: _Optional[int] = ..., rotate_keys: bool = ..., rotate_values: bool = ..., metric_rounding: bool = ..., fp16_sinks: _Optional[int] = ..., sparse_keys: _Optional[int] = ..., sparse_values: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("model", "version", "layers", "kv_heads", "q_heads", "head_dim", "basis_rank", "has_basis", "fingerprint", "rope_layout", "channel_order", "kind", "codec", "live_sequences", "calibration_tokens", "oblique", "has_query_moment")
@@ -236,16 +236,14 @@ class ScoreRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ...) -> None: ...
 
 class ScoreResult(_message.Message):
-    __slots__ = ("status", "logits", "tokens", "basis_version")
+    __slots__ = ("status", "logits", "tokens")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
     status: ItemStatus
     logits: Tensor
     tokens: int
-    basis_version: int
-    def __init__(self, status: _Optional[_Union[ItemStatus, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[int] = ..., basis_version: _Optional[int] = ...) -> None: ...
+    def __init__(self, status: _Optional[_Union[ItemStatus, _Mapping]] = ..., logits: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("results",)
