@@ -219,7 +219,11 @@ absl::Status CodecOptions::Validate() const {
     return bad("value_bits", value_bits, "must be 1, 2, 3, 4 or 8");
   if (value_group < 1 || value_group > head_dim)
     return bad("value_group", value_group, "must be in [1, head_dim]");
-  if (value_groups() > 64) return bad("value_group", value_group, "at most 64 groups per head");
+  if (value_groups() > kMaxValueGroups)
+    return bad("value_group", value_group,
+               absl::StrCat("at most ", kMaxValueGroups, " groups per head, so value_group >= ",
+                            (head_dim + kMaxValueGroups - 1) / kMaxValueGroups, " at head_dim ",
+                            head_dim));
   if (value_policy == ValuePolicy::kA2 && !(value_budget >= 1.0f && value_budget <= 4.0f))
     return bad("value_budget", value_budget, "must be in [1, 4]");
   if (sink_tokens < 0 || sink_tokens > 1024)
@@ -482,7 +486,7 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
         ValueMetricRound(values + t * ld, d, o.value_group, o.value_bits, rounding,
                          rec + t * rec_bytes);
   } else {
-    uint16_t sz[2 * 64];  // an aligned copy (odd-sized records); ng <= 64 (Validate)
+    uint16_t sz[2 * kMaxValueGroups];  // an aligned copy (odd-sized records); Validate
     for (int t = 0; t < G; ++t) {
       const int b = bits_per_token[t];
       K().quantize_row(values + t * ld, d, o.value_group, b, sz, sz + ng, rec + 4 * ng);

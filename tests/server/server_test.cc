@@ -31,8 +31,10 @@
 namespace kvq::testing {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 constexpr uint64_t kBasisSeed = 7;
 
@@ -1329,6 +1331,45 @@ TEST(ConvertTest, OutOfRangeCodecOverridesAreRejectedNamingFieldAndRange) {
   st = stub->RegisterBasis(ctx2.get(), reg, &rr);
   EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(st.error_message(), HasSubstr("rope_layout"));
+}
+
+// value_group leaves at most 64 groups per head (the kernels' limit, core/codec.h): value_group
+// 1 on a head_dim-128 model is refused at sequence creation and in a registration, naming the
+// field, the limit and the smallest group at that head_dim; 2 is served.
+TEST(ConvertTest, ValueGroupsBeyond64PerHeadAreRefusedNamingTheSmallestGroup) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  s.model = "wide";
+  s.head_dim = 128;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const std::string limit =
+      "value_group = 1: at most 64 groups per head, so value_group >= 2 "
+      "at head_dim 128";
+  auto k = RandomKV(s.kv_heads, 8, s.head_dim, 1);
+  for (int group : {1, 2}) {
+    v1::PutBlocksRequest m;
+    *m.add_appends() = MakeAppend("x", 0, 0, k, k, s.kv_heads, 8, s.head_dim, s.model);
+    m.mutable_appends(0)->mutable_codec()->set_value_group(group);
+    v1::PutBlocksResponse r;
+    const grpc::Status st = Put(*stub, {m}, &r);
+    if (group == 2) {
+      EXPECT_TRUE(st.ok()) << st.error_message();
+      continue;
+    }
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), AllOf(StartsWith("appends[0].codec"), HasSubstr(limit)));
+    EXPECT_EQ(ts.server().store().TotalUsage().sequences, 0);
+  }
+  Shape other = s;
+  other.model = "wide-registered";
+  v1::RegisterBasisRequest reg = MakeRegister(other, kBasisSeed);
+  reg.mutable_info()->mutable_codec()->set_value_group(1);
+  v1::RegisterBasisResponse rr;
+  auto ctx = Ctx();
+  const grpc::Status st = stub->RegisterBasis(ctx.get(), reg, &rr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), AllOf(StartsWith("info.codec"), HasSubstr(limit)));
 }
 
 TEST(ServiceTest, TheListeningPortIsExclusive) {

@@ -36,7 +36,8 @@ class CodecSettings:
     """Codec overrides for a new sequence; 0 (or "default") keeps the model's default.
 
     key_bits 2/3/4/8; key_group (G) 32/64/128; rank 0..basis rank (-1: force 0, KIVI-like);
-    side_bits 4/8; value_bits 1/2/3/4/8; value_group channels per value scale;
+    side_bits 4/8; value_bits 1/2/3/4/8; value_group channels per value scale, 1..head_dim
+    with at most 64 groups per head (>= 2 at head_dim 128: the kernels' limit);
     value_policy "default" | "uniform" | "a2"; value_budget (A2) 1.0..4.0 bits;
     sink_tokens (A2) positions kept at 4 bits (-1: 0); window (R) recent tokens kept at
     arrival precision (-1: 0); fp16_sinks 1..16: a sequence's first positions kept exact at
