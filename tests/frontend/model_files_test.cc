@@ -13,7 +13,7 @@ namespace kvq::frontend {
 namespace {
 
 TEST(ModelFiles, NameDropsFolderExtensionAndQuantTag) {
-  EXPECT_EQ(ModelNameFromPath("/root/.cache/kvq/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+  EXPECT_EQ(ModelNameFromPath("/models/kvq/SmolLM2-135M-Instruct.Q4_1.gguf"),
             "smollm2-135m-instruct");
   EXPECT_EQ(ModelNameFromPath("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
             "qwen2.5-coder-0.5b-instruct");
