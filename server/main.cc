@@ -76,7 +76,8 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
   flags->Add("split-attend-min-tokens", "N",
              "split one Attend item over a layer of at least N tokens across idle workers "
              "(min(idle + 1, 4, --workers) parts; none idle: unsplit; a batch's items take idle "
-             "workers first; results within 2e-6 * max|v| of unsplit) (default 8192; 0 never)",
+             "workers first; results within 2e-6 * max|v| of unsplit, 1e-5 on the int16 readout) "
+             "(default 8192; 0 never)",
              int64(&o->split_attend_min_tokens));
   flags->Add("worker-poll-us", "N",
              "an idle worker polls for work this many microseconds before it sleeps: faster "

@@ -115,12 +115,12 @@ Metrics::Metrics()
                       .Register(*registry_)),
       k_bits_(BuildGauge()
                   .Name("kvq_key_bits_per_element")
-                  .Help("Effective key bits per element, window included")
+                  .Help("Effective key bits per element, window and fp16 sink rows included")
                   .Register(*registry_)
                   .Add({})),
       v_bits_(BuildGauge()
                   .Name("kvq_value_bits_per_element")
-                  .Help("Effective value bits per element, window included")
+                  .Help("Effective value bits per element, window and fp16 sink rows included")
                   .Register(*registry_)
                   .Add({})),
       tokens_(BuildGauge()

@@ -12,7 +12,8 @@
 //                                                        classes), reserved (slabs taken from
 //                                                        the driver), fallback (in host memory
 //                                                        because the pool refused)
-//   kvq_key_bits_per_element / kvq_value_bits_per_element   gauge (effective, window included)
+//   kvq_key_bits_per_element / kvq_value_bits_per_element   gauge (effective: blocks, window
+//                                                        and fp16 sink rows)
 //   kvq_cached_tokens                          gauge     tokens per head over layers/sequences
 //   kvq_sequences                              gauge     live sequences
 //   kvq_evictions_total, kvq_expirations_total counter   sequences evicted (LRU) / expired (TTL)

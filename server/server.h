@@ -48,7 +48,8 @@ struct ServerOptions : core::StoreOptions {
   // worker and the idle ones; with none idle it runs unsplit, submitting nothing. Each item
   // of a batch decides when it starts: a batch's items are handed to idle workers first
   // (one item per worker), so a batch splits only with workers left over. Results differ
-  // from the unsplit order by fp32 rounding, within 2e-6 * max|v| per element. Counted in
+  // from the unsplit order by rounding, within 2e-6 * max|v| per element (1e-5 * max|v| on
+  // the int16 readout; core::AttendOptions::parts). Counted in
   // kvq_attend_split_total. 0 = never split. 8192: at 32k tokens two workers answer one
   // request 1.6-2x faster (docs/BENCHMARKS.md); short layers gain too little to pay the
   // helper's wake-up.

@@ -763,8 +763,13 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
   }
   if (ao.parts > 1 && T >= ao.split_min_tokens && encoded_ / opts_.key_group > 1)
     return AttendSplit(q, q_heads, n_q, ao, scale, out);
-  thread_local std::vector<float> s;
+  // The weights are read out unnormalized, exp(s - m), and each output row is divided by its
+  // sum afterwards, as a split Attend's one part and MergePartials do: the int16 readout rounds
+  // a block's weights on the scale of its largest, so a split whose visible tokens all lie in
+  // one part reads the same weights and gives the same bits (docs/CODEC.md, "Split attention").
+  thread_local std::vector<float> s, inv;
   s.resize(static_cast<size_t>(rows) * T);
+  inv.resize(rows);
   const auto& kt = kernels::Active();
   for (int h = 0; h < kv_heads_; ++h) {
     RETURN_IF_ERROR(
@@ -775,15 +780,19 @@ absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const Atte
       const int qi = i % n_q;
       const int64_t vis =
           ao.causal_offset < 0 ? T : std::min<int64_t>(T, ao.causal_offset + qi + 1);
-      kt.softmax(si, vis);
+      inv[i] = 1.0f / kt.exp_sum(si, vis, kt.max_value(si, vis));
       std::fill(si + vis, si + T, 0.0f);
       if (ao.observe)
         for (int64_t t = encoded_; t < vis; ++t) {
-          hd.a2_sum[t - encoded_] += si[t] * si[t];
+          const float w = si[t] * inv[i];  // the softmax weight
+          hd.a2_sum[t - encoded_] += w * w;
           hd.a2_reads[t - encoded_] += 1;
         }
     }
-    RETURN_IF_ERROR(ReadoutHead(h, s.data(), rows, out + static_cast<size_t>(h) * rows * d));
+    float* o = out + static_cast<size_t>(h) * rows * d;
+    RETURN_IF_ERROR(ReadoutHead(h, s.data(), rows, o));
+    for (int i = 0; i < rows; ++i)
+      for (int c = 0; c < d; ++c) o[static_cast<size_t>(i) * d + c] *= inv[i];
   }
   return absl::OkStatus();
 }

@@ -169,7 +169,11 @@ absl::Status CodecOptions::Validate() const {
     RETURN_IF_ERROR(CheckCodecField(f, GetCodecField(f, *this), head_dim, "codec."));
   }
   // What one field's range cannot say.
-  if (value_groups() > 64) return bad("value_group", value_group, "at most 64 groups per head");
+  if (value_groups() > kMaxValueGroups)
+    return bad("value_group", value_group,
+               absl::StrCat("at most ", kMaxValueGroups, " groups per head, so value_group >= ",
+                            (head_dim + kMaxValueGroups - 1) / kMaxValueGroups, " at head_dim ",
+                            head_dim));
   if (side_sign != 1.0f && side_sign != -1.0f)
     return bad("side_sign", side_sign, "must be 1 or -1");
   if (sparse_keys > 0 && rotate_keys)
@@ -430,7 +434,7 @@ absl::Status EncodeValueBlock(const CodecOptions& o, const float* values, int64_
         ValueMetricRound(values + t * ld, d, o.value_group, o.value_bits, rounding,
                          rec + t * rec_bytes);
   } else {
-    uint16_t sz[2 * 64];  // an aligned copy (odd-sized records); ng <= 64 (Validate)
+    uint16_t sz[2 * kMaxValueGroups];  // an aligned copy (odd-sized records); Validate
     for (int t = 0; t < G; ++t) {
       const int b = bits_per_token[t];
       K().quantize_row(values + t * ld, d, o.value_group, b, sz, sz + ng, rec + 4 * ng);

@@ -3,9 +3,12 @@
 // parts, causal masks, several codecs; fixed seeds.
 //
 // Tolerance: a split changes only the order of fp32 sums (each part's readout is a shorter
-// sum of unnormalized weights, scaled once at the merge) and the exp shifts, so the outputs
-// differ from the unsplit order by rounding: |split - unsplit| <= 2e-6 * max|v| per element
-// (observed up to 5.8e-7 on these shapes, avx512 and ref tables).
+// sum of unnormalized weights, scaled once at the merge, as the unsplit order's one) and the
+// exp shifts, so the outputs differ from the unsplit order by rounding: |split - unsplit| <=
+// 2e-6 * max|v| per element (observed up to 5.8e-7 on these shapes, avx512 and ref tables).
+// The int16 readout (avx512 table, 2- and 3-bit values) rounds a block's weights on the scale
+// of its largest: a row whose visible tokens all lie in one part reads the same weights as
+// the unsplit order (same bits); one whose tokens span parts, within 1e-5 * max|v|.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -29,6 +32,9 @@ using kvq::testing::View3;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kSplitTolerance = 2e-6f;  // times max|v|
+// The int16 readout (AVX512-VNNI, blocks of 2- or 3-bit values) where a row's visible tokens
+// span parts (FewVisibleTokensAcrossPartsWithinTheReadoutsBound).
+constexpr float kInt16SplitTolerance = 1e-5f;  // times max|v|
 
 // Partials of rows of logits s [rows][T] over values v [T][d], token ranges cut at `cuts`
 // (ascending, 0 .. T), each row seeing tokens [0, vis[r]).
@@ -178,6 +184,88 @@ TEST(CacheAttendSplit, MatchesUnsplitWithinRoundingForEveryPartCount) {
       ao.run_parts = &kThreads;
       ASSERT_TRUE(c.Attend(q.data(), cs.qh, cs.nq, ao, threaded.data()).ok());
       EXPECT_EQ(threaded, got);
+    }
+  }
+}
+
+// A causal offset that leaves a query row only the first tokens of a long layer (a prefill's
+// first rows over a 16k-token layer) puts every token it sees in the first part. The unsplit
+// order reads out the same unnormalized weights as that part and divides by their sum as the
+// merge does, so the int16 readout (2-bit values) rounds the same weights and the split answer
+// is the unsplit one bit for bit. (The readout once took normalized weights, which round to
+// int16 differently: up to 1.2e-5 * max|v| apart here.)
+TEST(CacheAttendSplit, RowsSeeingOnlyTheFirstPartMatchUnsplitBitForBit) {
+  const int d = 64, kv = 2, qh = 8, nq = 4;
+  const int64_t T = 16384;
+  const ModelBasis b = RandomBasis({"t", 1, 1, kv, qh, d, 4}, 3);
+  const auto k = Gaussian(kv * T * d, 11), v = Gaussian(kv * T * d, 12);
+  const auto q = Gaussian(qh * nq * d, 13, 2.0f);
+  float vmax = 0.0f;
+  for (float x : v) vmax = std::max(vmax, std::fabs(x));
+  for (const CodecOptions& o : {Opt(d, 2, 32, 4, 2), Opt(d, 3, 128, 4, 2)}) {
+    SCOPED_TRACE(o.ToString());
+    LayerCache c(o, kv, b.u.data());
+    ASSERT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
+    for (int64_t causal : {50, 100, 150, 200}) {
+      AttendOptions ao;
+      ao.causal_offset = causal;
+      ao.observe = false;
+      std::vector<float> want(q.size());
+      ASSERT_TRUE(c.Attend(q.data(), qh, nq, ao, want.data()).ok());
+      for (int parts = 2; parts <= 7; ++parts) {
+        SCOPED_TRACE(::testing::Message() << "causal " << causal << ", " << parts << " parts");
+        ao.parts = parts;
+        std::vector<float> got(q.size());
+        ASSERT_TRUE(c.Attend(q.data(), qh, nq, ao, got.data()).ok());
+        int differ = 0;
+        float worst = 0.0f;
+        for (size_t i = 0; i < got.size(); ++i) {
+          differ += got[i] != want[i];
+          worst = std::max(worst, std::fabs(got[i] - want[i]));
+        }
+        EXPECT_EQ(differ, 0) << "of " << got.size() << " elements, up to " << worst / vmax
+                             << " * max|v| apart";
+      }
+    }
+  }
+}
+
+// Rows whose few visible tokens span two or more parts, with sharp softmaxes: the parts'
+// weights are exp(s - m_k) against their own maxima, so on the int16 readout a weight can round
+// to the neighbouring int16 step of its block (each such weight moves an output by at most
+// 2^-14 * max|v| * the block's largest softmax weight). Within kSplitTolerance on the fp32
+// readout, kInt16SplitTolerance on the int16 one (observed up to 4.6e-6 * max|v| over 5,760
+// shapes like these; 2.4e-5 when the unsplit order read out normalized weights).
+TEST(CacheAttendSplit, FewVisibleTokensAcrossPartsWithinTheReadoutsBound) {
+  struct Shape {
+    int kbits, G;
+    int64_t T, causal;
+    float q_scale;
+  };
+  const int d = 64, kv = 2, qh = 8, nq = 4;
+  for (const Shape& sh : {Shape{3, 128, 700, 200, 6.0f}, Shape{2, 32, 700, 500, 3.0f},
+                          Shape{2, 32, 300, 100, 2.0f}, Shape{2, 128, 2000, 500, 4.0f}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "k" << sh.kbits << " G" << sh.G << " T " << sh.T << " causal " << sh.causal);
+    const ModelBasis b = RandomBasis({"t", 1, 1, kv, qh, d, 4}, 3);
+    const auto k = Gaussian(kv * sh.T * d, 11), v = Gaussian(kv * sh.T * d, 12);
+    float vmax = 0.0f;
+    for (float x : v) vmax = std::max(vmax, std::fabs(x));
+    LayerCache c(Opt(d, sh.kbits, sh.G, 4, 2), kv, b.u.data());
+    ASSERT_TRUE(c.Append(View3(k, kv, sh.T, d), View3(v, kv, sh.T, d), 0).ok());
+    const auto q = Gaussian(qh * nq * d, 15, sh.q_scale);
+    AttendOptions ao;
+    ao.causal_offset = sh.causal;
+    ao.observe = false;
+    std::vector<float> want(q.size());
+    ASSERT_TRUE(c.Attend(q.data(), qh, nq, ao, want.data()).ok());
+    for (int parts = 2; parts <= 7; ++parts) {
+      ao.parts = parts;
+      std::vector<float> got(q.size());
+      ASSERT_TRUE(c.Attend(q.data(), qh, nq, ao, got.data()).ok());
+      float worst = 0.0f;
+      for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::fabs(got[i] - want[i]));
+      EXPECT_LE(worst, kInt16SplitTolerance * vmax) << parts << " parts";
     }
   }
 }

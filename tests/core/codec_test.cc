@@ -53,6 +53,31 @@ TEST(Codec, OptionsValidationNamesTheField) {
   EXPECT_TRUE(CodecOptions().Validate().ok());
 }
 
+// value_group: any of 1..head_dim that leaves at most 64 groups per head (the kernels' limit,
+// codec.h); a refusal names the field, the limit and the smallest group at this head_dim.
+TEST(Codec, ValueGroupLeavesAtMost64GroupsPerHead) {
+  const struct {
+    int head_dim, smallest;
+  } cases[] = {{32, 1}, {64, 1}, {80, 2}, {128, 2}, {256, 4}, {512, 8}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "head_dim " << c.head_dim);
+    CodecOptions o;
+    o.head_dim = c.head_dim;
+    o.value_group = c.smallest;
+    EXPECT_TRUE(o.Validate().ok()) << o.Validate();
+    EXPECT_LE(o.value_groups(), kMaxValueGroups);
+    o.value_group = c.head_dim;
+    EXPECT_TRUE(o.Validate().ok()) << o.Validate();
+    if (c.smallest == 1) continue;
+    o.value_group = c.smallest - 1;
+    const absl::Status s = o.Validate();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(s.message(), absl::StrCat("codec.value_group = ", c.smallest - 1,
+                                        ": at most 64 groups per head, so value_group >= ",
+                                        c.smallest, " at head_dim ", c.head_dim));
+  }
+}
+
 // Every reconstructed key is within half a quantization step (plus fp16 rounding of the
 // zero point) of the original: the per-bit-width error budget.
 TEST(Codec, KeyRoundTripWithinHalfStep) {

@@ -74,7 +74,8 @@ TEST(CalibratedCodecServe, RegisteredEntryServesItsSequencesWithTheCalibratedCod
   EXPECT_EQ(info.codec().value_group(), want.value_group);
 
   // A sequence created without codec settings: two whole groups of layer 0 (no fp16 tail
-  // with R = 0), so the tenant's bits per element are the codec's block sizes.
+  // with R = 0), so the tenant's bits per element are the codec's block sizes plus its fp16
+  // sink rows (16 bits per element of S of the n rows; docs/CODEC.md).
   const int kv = kKv, d = kH / kHeads, n = 2 * want.key_group;
   const std::vector<float> k = testing::RandomKV(kv, n, d, 1), v = testing::RandomKV(kv, n, d, 2);
   v1::PutBlocksRequest m;
@@ -84,10 +85,11 @@ TEST(CalibratedCodecServe, RegisteredEntryServesItsSequencesWithTheCalibratedCod
   v1::StatsResponse stats;
   ASSERT_TRUE(stub->Stats(testing::Ctx("t1").get(), {}, &stats).ok());
   EXPECT_EQ(stats.tokens(), n);
+  const double sink_bits = 16.0 * want.fp16_sinks / n;
   EXPECT_DOUBLE_EQ(stats.k_bits_per_element(),
-                   8.0 * core::KeyBlockBytes(want) / (want.key_group * d));
+                   8.0 * core::KeyBlockBytes(want) / (want.key_group * d) + sink_bits);
   EXPECT_DOUBLE_EQ(stats.v_bits_per_element(),
-                   8.0 * core::ValueBlockBytes(want) / (want.key_group * d));
+                   8.0 * core::ValueBlockBytes(want) / (want.key_group * d) + sink_bits);
   fs::remove_all(dir);
   fs::remove(model);
 }

@@ -50,7 +50,7 @@ class RealModelServerTest : public ::testing::Test {
     ASSIGN_OR_RETURN(std::unique_ptr<LlamaModel> m, LlamaModel::Load(*file_));
     model_ = m.release();
     SetBlasThreads(1);
-    ASSIGN_OR_RETURN(std::string text, ReadFile(SharedDir() + "/data/wikitext-2/wiki.test.raw"));
+    ASSIGN_OR_RETURN(std::string text, ReadFile(DataFile("wikitext-2/wiki.test.raw")));
     ids_ = new std::vector<int32_t>(t->Encode(text.substr(0, kTextChars)));
     ASSIGN_OR_RETURN(core::ModelBasis b,
                      core::ReadBasis(std::string(KVQ_FE_FIXTURES) + "/" + Model::Basis()));

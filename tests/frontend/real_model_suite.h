@@ -74,7 +74,7 @@ class RealModelSuite : public ::testing::Test {
   static std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); }
 
   static std::string SharedText(const std::string& name) {
-    auto text = ReadFile(SharedDir() + "/data/wikitext-2/" + name);
+    auto text = ReadFile(DataFile("wikitext-2/" + name));
     EXPECT_TRUE(text.ok()) << text.status();
     return text.ok() ? *std::move(text) : std::string();
   }

@@ -72,7 +72,7 @@ TEST_F(RealModel, DensePerplexityMatchesLlamaCppAndHeadQBeatsKivi) {
 // computes each row the same whatever the rows around it, so a batched window's logits equal
 // its own run bit for bit, and kvq-eval's figures do not depend on the batch.
 TEST_F(RealModel, BatchedWindowsEqualEachWindowAloneBitForBit) {
-  auto test = ReadFile(SharedDir() + "/data/wikitext-2/wiki.test.raw");
+  auto test = ReadFile(DataFile("wikitext-2/wiki.test.raw"));
   ASSERT_TRUE(test.ok()) << test.status();
   const std::vector<int32_t> ids = tok_->Encode(test->substr(0, 8000));
   constexpr int kLen = 128;

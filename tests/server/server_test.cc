@@ -31,8 +31,10 @@
 namespace kvq::testing {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 constexpr uint64_t kBasisSeed = 7;
 
@@ -1330,6 +1332,45 @@ TEST(ConvertTest, OutOfRangeCodecOverridesAreRejectedNamingFieldAndRange) {
   EXPECT_THAT(st.error_message(), HasSubstr("rope_layout"));
 }
 
+// value_group leaves at most 64 groups per head (the kernels' limit, core/codec.h): value_group
+// 1 on a head_dim-128 model is refused at sequence creation and in a registration, naming the
+// field, the limit and the smallest group at that head_dim; 2 is served.
+TEST(ConvertTest, ValueGroupsBeyond64PerHeadAreRefusedNamingTheSmallestGroup) {
+  TestServer ts;
+  auto stub = ts.Stub();
+  Shape s;
+  s.model = "wide";
+  s.head_dim = 128;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  const std::string limit =
+      "value_group = 1: at most 64 groups per head, so value_group >= 2 "
+      "at head_dim 128";
+  auto k = RandomKV(s.kv_heads, 8, s.head_dim, 1);
+  for (int group : {1, 2}) {
+    v1::PutBlocksRequest m;
+    *m.add_appends() = MakeAppend("x", 0, 0, k, k, s.kv_heads, 8, s.head_dim, s.model);
+    m.mutable_appends(0)->mutable_codec()->set_value_group(group);
+    v1::PutBlocksResponse r;
+    const grpc::Status st = Put(*stub, {m}, &r);
+    if (group == 2) {
+      EXPECT_TRUE(st.ok()) << st.error_message();
+      continue;
+    }
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(st.error_message(), AllOf(StartsWith("appends[0].codec"), HasSubstr(limit)));
+    EXPECT_EQ(ts.server().store().TotalUsage().sequences, 0);
+  }
+  Shape other = s;
+  other.model = "wide-registered";
+  v1::RegisterBasisRequest reg = MakeRegister(other, kBasisSeed);
+  reg.mutable_info()->mutable_codec()->set_value_group(1);
+  v1::RegisterBasisResponse rr;
+  auto ctx = Ctx();
+  const grpc::Status st = stub->RegisterBasis(ctx.get(), reg, &rr);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), AllOf(StartsWith("info.codec"), HasSubstr(limit)));
+}
+
 TEST(ServiceTest, TheListeningPortIsExclusive) {
   TestServer first;
   server::ServerOptions o;
@@ -1927,6 +1968,51 @@ double MetricValue(const std::string& text, const std::string& name) {
   const std::string key = "\n" + name + " ";
   const size_t at = text.find(key);
   return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
+}
+
+// Stats' k_bits_per_element / v_bits_per_element and their gauges count what docs/CODEC.md
+// counts and stored_bytes holds: blocks, window and the fp16 sink rows (16 bits per element of
+// the S sink rows, once per sequence). They once left the sink rows out (16 S / T too low).
+TEST(ServiceTest, BitsPerElementCountTheFp16SinkRows) {
+  server::ServerOptions o = WithLocalMetrics();
+  o.housekeeping_period = absl::Milliseconds(50);
+  TestServer ts(o);
+  auto stub = ts.Stub();
+  Shape s;
+  Register(*stub, MakeRegister(s, kBasisSeed));
+  constexpr int kSinks = 4;
+  const int G = CodecOf(s).key_group, T = 2 * G;  // two whole groups, nothing in the window
+  auto k = RandomKV(s.kv_heads, T, s.head_dim, 1);
+  v1::PutBlocksRequest m;
+  *m.add_appends() = MakeAppend("x", 0, 0, k, k, s.kv_heads, T, s.head_dim, "tiny");
+  m.mutable_appends(0)->mutable_codec()->set_fp16_sinks(kSinks);
+  v1::PutBlocksResponse r;
+  ASSERT_TRUE(Put(*stub, {m}, &r).ok());
+  const absl::StatusOr<core::SequenceInfo> info = ts.server().store().Describe("default", "x");
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->codec.fp16_sinks, kSinks);
+  ASSERT_EQ(info->codec.window, 0);
+  const core::UsageStats u = ts.server().store().TotalUsage();
+  EXPECT_EQ(u.size.key_sink_bytes, int64_t{2} * s.kv_heads * kSinks * s.head_dim);
+  EXPECT_EQ(u.size.value_sink_bytes, int64_t{2} * s.kv_heads * kSinks * s.head_dim);
+  // Per element: the blocks' bits plus 16 bits for S of the T rows.
+  const double sink_bits = 16.0 * kSinks / T;
+  const double want_k = 8.0 * core::KeyBlockBytes(info->codec) / (G * s.head_dim) + sink_bits;
+  const double want_v = 8.0 * core::ValueBlockBytes(info->codec) / (G * s.head_dim) + sink_bits;
+  v1::StatsResponse stats;
+  auto ctx = Ctx();
+  ASSERT_TRUE(stub->Stats(ctx.get(), {}, &stats).ok());
+  EXPECT_NEAR(stats.k_bits_per_element(), want_k, 1e-9);
+  EXPECT_NEAR(stats.v_bits_per_element(), want_v, 1e-9);
+  // Multiplied back, they are the bytes the cache holds (stored_bytes adds the token hashes).
+  EXPECT_EQ(
+      std::llround((stats.k_bits_per_element() + stats.v_bits_per_element()) * u.elements / 8),
+      u.size.total_bytes());
+  EXPECT_GE(stats.stored_bytes(), u.size.total_bytes());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
+  EXPECT_NEAR(MetricValue(text, "kvq_key_bits_per_element"), want_k, 1e-6);
+  EXPECT_NEAR(MetricValue(text, "kvq_value_bits_per_element"), want_v, 1e-6);
 }
 
 // A long layer's Attend splits across idle workers (ServerOptions::split_attend_min_tokens):

@@ -8,10 +8,6 @@
 
 #include "absl/strings/str_cat.h"
 
-#ifndef KVQ_SHARED_DIR_DEFAULT
-#define KVQ_SHARED_DIR_DEFAULT "../shared"
-#endif
-
 namespace kvq::frontend {
 
 std::string ModelCacheDir() {
@@ -25,14 +21,27 @@ std::string DefaultModelPath() {
   return ModelCacheDir() + "/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
-std::string SharedDir() {
-  if (const char* s = std::getenv("KVQ_SHARED_DIR"); s && *s) return s;
-  return KVQ_SHARED_DIR_DEFAULT;
+std::string DataDir() {
+  if (const char* d = std::getenv("KVQ_DATA_DIR"); d && *d) return d;
+  return kDefaultDataDir;
 }
+
+std::string DataFile(const std::string& name) { return DataDir() + "/" + name; }
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  if (!in) {
+    const std::string dir = DataDir() + "/";
+    if (path.compare(0, dir.size(), dir) != 0)
+      return absl::NotFoundError(absl::StrCat("cannot read ", path));
+    const char* set = std::getenv("KVQ_DATA_DIR");
+    return absl::NotFoundError(absl::StrCat(
+        "cannot read ", path, " (the data folder: ",
+        set && *set ? absl::StrCat("KVQ_DATA_DIR=", set)
+                    : absl::StrCat("KVQ_DATA_DIR unset, so ", kDefaultDataDir,
+                                   " from the working directory"),
+        "); set KVQ_DATA_DIR to the folder that holds wikitext-2/, or pass the file itself"));
+  }
   std::ostringstream ss;
   ss << in.rdbuf();
   return ss.str();

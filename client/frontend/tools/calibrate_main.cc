@@ -39,8 +39,9 @@ Usage: kvq-calibrate --out DIR [--model GGUF] [--text FILE] [--tokens N] [--rank
 
   --out DIR         registry entry to write (created; basis.safetensors + manifest.json)
   --model GGUF      model (default $KVQ_MODEL or ~/.cache/kvq/models/SmolLM2-135M-Instruct.Q4_1.gguf)
-  --text FILE       calibration text (default <shared>/data/wikitext-2/wiki.valid.tokens, used
-                    verbatim: its <unk> markers are kept as text)
+  --text FILE       calibration text (default $KVQ_DATA_DIR/wikitext-2/wiki.valid.tokens,
+                    KVQ_DATA_DIR default ../shared/data; used verbatim: its <unk> markers are
+                    kept as text)
   --tokens N        calibration tokens (default 32768), taken from the start of the text
   --rank R          basis rank (default 8; evaluation may use the first r <= R columns)
   --window-len L    tokens per independent calibration sequence (default 512)
@@ -266,7 +267,7 @@ int Main(int argc, char** argv) {
   Flags flags("calibrate",
               {{"out", ""},
                {"model", DefaultModelPath()},
-               {"text", SharedDir() + "/data/wikitext-2/wiki.valid.tokens"},
+               {"text", DataFile("wikitext-2/wiki.valid.tokens")},
                {"tokens", "32768"},
                {"rank", "8"},
                {"window-len", "512"},

@@ -45,7 +45,7 @@ int Main(int argc, char** argv) {
   Flags flags("dump_activations",
               {{"out", ""},
                {"model", DefaultModelPath()},
-               {"text", SharedDir() + "/data/wikitext-2/wiki.valid.tokens"},
+               {"text", DataFile("wikitext-2/wiki.valid.tokens")},
                {"skip-tokens", "40000"},
                {"tokens", "256"},
                {"layers", "3,20"},

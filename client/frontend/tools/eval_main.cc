@@ -44,7 +44,8 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
 
   --model GGUF      model file (default $KVQ_MODEL or ~/.cache/kvq/models/SmolLM2-135M-Instruct.Q4_1.gguf)
   --basis DIR       registry entry written by kvq-calibrate (needed by headq configs)
-  --text FILE       evaluation text (default <shared>/data/wikitext-2/wiki.test.raw)
+  --text FILE       evaluation text (default $KVQ_DATA_DIR/wikitext-2/wiki.test.raw,
+                    KVQ_DATA_DIR default ../shared/data)
   --windows N       number of windows (default 8)
   --window-len L    tokens per window (default 512)
   --first-token N   the windows start at token N of --text (default 0); kvq-calibrate's
@@ -74,7 +75,7 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
                     the same read path; steps/s then counts tokens)
   --dump-tokens F   write the token ids of --text to F (one per line) and exit
   --calib-text F    validation text for the "-adapt" / "-hadapt" rank allocations and the
-                    "-nuq" code books (default <shared>/data/wikitext-2/wiki.valid.tokens;
+                    "-nuq" code books (default $KVQ_DATA_DIR/wikitext-2/wiki.valid.tokens;
                     its first --adapt-tokens tokens)
   --adapt-tokens N  tokens for those measurements (default 4096)
   --diagnostics     instead of perplexity: run one dense window of --diag-tokens tokens from
@@ -360,7 +361,7 @@ int Main(int argc, char** argv) {
   Flags flags("eval",
               {{"model", DefaultModelPath()},
                {"basis", ""},
-               {"text", SharedDir() + "/data/wikitext-2/wiki.test.raw"},
+               {"text", DataFile("wikitext-2/wiki.test.raw")},
                {"windows", "8"},
                {"window-len", "512"},
                {"first-token", "0"},
@@ -371,7 +372,7 @@ int Main(int argc, char** argv) {
                {"kv-batch", "8"},
                {"kv-decode", "token"},
                {"dump-tokens", ""},
-               {"calib-text", SharedDir() + "/data/wikitext-2/wiki.valid.tokens"},
+               {"calib-text", DataFile("wikitext-2/wiki.valid.tokens")},
                {"adapt-tokens", "4096"},
                {"diagnostics", "false"},
                {"diag-tokens", "512"},

@@ -11,7 +11,8 @@ Usage:
   python3 -m venv /tmp/venv && /tmp/venv/bin/pip install llama-cpp-python numpy
   /tmp/venv/bin/python client/frontend/tools/llamacpp_kv_types.py \\
       --model "$(scripts/fetch-model.sh qwen2.5-coder-0.5b)" \\
-      --text ../shared/data/wikitext-2/wiki.test.raw --windows 32 --window-len 512 \\
+      --text "${KVQ_DATA_DIR:-../shared/data}/wikitext-2/wiki.test.raw" --windows 32 \\
+      --window-len 512 \\
       --types f16,q8_0,q5_1,q5_0,q4_1,iq4_nl,q4_0,q8_0/q4_0 --json OUT.json
 
 Bits per element are llama.cpp's block sizes (every scale counted): q8_0 8.5, q5_1 6, q5_0 5.5,

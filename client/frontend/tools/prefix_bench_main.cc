@@ -42,7 +42,8 @@ Usage: kvq-prefix-bench --server ADDR [--basis DIR] [--shared 128,512,1024] [--n
   --model GGUF      model file (default $KVQ_MODEL or ~/.cache/kvq/models/SmolLM2-135M-Instruct.Q4_1.gguf)
   --basis DIR       registry entry written by kvq-calibrate (headq configs), e.g.
                     tests/fixtures/frontend/basis-r4
-  --text FILE       text the prompts are cut from (default <shared>/data/wikitext-2/wiki.test.raw)
+  --text FILE       text the prompts are cut from (default
+                    $KVQ_DATA_DIR/wikitext-2/wiki.test.raw, KVQ_DATA_DIR default ../shared/data)
   --config NAME     codec configuration, kvq-eval's grammar (default headq-kv2); not keys-only
   --shared LIST     shared prompt lengths in tokens (default 128,512,1024)
   --new N           each request's own tokens after the shared prompt (default 32)
@@ -96,7 +97,7 @@ int Main(int argc, char** argv) {
                {"tenant", ""},
                {"model", DefaultModelPath()},
                {"basis", ""},
-               {"text", SharedDir() + "/data/wikitext-2/wiki.test.raw"},
+               {"text", DataFile("wikitext-2/wiki.test.raw")},
                {"config", "headq-kv2"},
                {"shared", "128,512,1024"},
                {"new", "32"},

@@ -12,6 +12,8 @@
 * smollm2_gguf: the real SmolLM2-135M GGUF ($KVQ_MODEL or ~/.cache/kvq/models/...), failing
   when missing unless KVQ_ALLOW_NO_MODEL=1 (then the test is skipped).
 * kvq_build_dir: the C++ build folder ($KVQ_BUILD_DIR, else the folder above the server's bin/).
+* data_file(name): a file of the evaluation data folder ($KVQ_DATA_DIR, else the repository's
+  sibling shared/data: the WikiText files), failing with the setting's name when it is missing.
 """
 
 from __future__ import annotations
@@ -34,6 +36,17 @@ import kvq
 REPO = Path(__file__).resolve().parents[3]
 _SERVING = re.compile(r"serving gRPC on [^ ]+:([0-9]+);(?: metrics on [^ ]+:([0-9]+)/metrics)?")
 DEFAULT_MODEL = Path.home() / ".cache/kvq/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def data_file(name: str) -> Path:
+    """$KVQ_DATA_DIR/name (KVQ_DATA_DIR default: <repo>/../shared/data, as the C++ tests and
+    tools find it); fails naming the setting when the file is not there."""
+    folder = Path(os.environ.get("KVQ_DATA_DIR") or REPO.parent / "shared/data")
+    path = folder / name
+    if not path.is_file():
+        pytest.fail(f"{path} not found: set KVQ_DATA_DIR to the data folder that holds "
+                    f"wikitext-2/ (default <repo>/../shared/data)")
+    return path
 
 
 @dataclass

@@ -13,7 +13,6 @@ transformers (gguf_file=), kvq-eval from the C++ build.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,11 +25,11 @@ transformers = pytest.importorskip("transformers")
 
 import kvq  # noqa: E402
 import kvq.hf  # noqa: E402
+from conftest import data_file  # noqa: E402
 from kvq.hf import BasisOrderError, KvqCache  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 FIXTURE_BASIS = REPO / "tests/fixtures/frontend/basis-r4"  # kvq-calibrate on wiki.valid.tokens
-SHARED_DATA = Path(os.environ.get("KVQ_SHARED_DATA") or REPO.parent / "shared/data")
 # Text for CI: prose, long enough that 2 x 256 tokens fit, short enough to tokenize at once.
 PROMPTS = [
     "The history of the city begins with a small fishing village on the river, which grew",
@@ -131,7 +130,7 @@ def test_kvq_attention_needs_a_kvq_cache(smol):
 
 
 def _eval_text(tmp_path: Path) -> Path:
-    text = (SHARED_DATA / "wikitext-2/wiki.test.raw").read_text(encoding="utf-8")[:16000]
+    text = data_file("wikitext-2/wiki.test.raw").read_text(encoding="utf-8")[:16000]
     path = tmp_path / "test-head.raw"
     path.write_text(text[: text.rindex("\n") + 1], encoding="utf-8")
     return path

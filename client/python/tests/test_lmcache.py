@@ -21,7 +21,6 @@ import os
 import re
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 # LMCache reports usage to stats.lmcache.ai from every engine unless told not to (its
@@ -38,7 +37,7 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
 
-from conftest import metric, metric_at_least
+from conftest import data_file, metric, metric_at_least
 
 import kvq
 from kvq.lmcache import KvqConnector, PluginConfigError
@@ -46,8 +45,6 @@ from lmcache.v1.storage_backend.connector import CreateConnector
 
 CHUNK = 256
 PLUGIN = "kvq"
-# The project's shared data folder (beside the clone), as the other real-model tests find it.
-SHARED_DATA = Path(os.environ.get("KVQ_SHARED_DATA") or Path(__file__).resolve().parents[3].parent / "shared/data")
 
 
 class DenseCPUKV(GPUConnectorInterface):
@@ -504,7 +501,7 @@ def smollm2_kv(smollm2_gguf):
     d, f = str(smollm2_gguf.parent), smollm2_gguf.name
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    text = (SHARED_DATA / "wikitext-2/wiki.valid.tokens").read_text()[:20000]
+    text = data_file("wikitext-2/wiki.valid.tokens").read_text()[:20000]
     ids = tok(text, return_tensors="pt").input_ids[:, :TOKENS]
     assert ids.shape[1] == TOKENS
     with torch.no_grad():

@@ -39,9 +39,9 @@ class CodecSettings:
     field and its limit.
 
     key_bits 2/3/4/8; key_group (G) 32/64/128; rank 0..basis rank (0: KIVI-like); side_bits
-    4/8; value_bits 1/2/3/4/8; value_group channels per value scale (at most 64 groups a
-    head); value_policy "uniform" | "a2"; value_budget (A2) 1.0..4.0 bits; sink_tokens (A2)
-    positions kept at 4 bits, 0..1024; window (R) recent tokens kept at arrival precision,
+    4/8; value_bits 1/2/3/4/8; value_group channels per value scale (1..head_dim, at most 64
+    groups a head: >= 2 at head_dim 128, the kernels' limit); value_policy "uniform" | "a2";
+    value_budget (A2) 1.0..4.0 bits; sink_tokens (A2) positions kept at 4 bits, 0..1024; window (R) recent tokens kept at arrival precision,
     0..65536; rotate_keys / rotate_values (Walsh-Hadamard rotation before quantization,
     head_dim a power of two); metric_rounding (keys rounded in the query metric; the basis must
     carry query moments); fp16_sinks 0..16: a sequence's first positions kept exact at fp16

@@ -105,8 +105,12 @@ struct AttendOptions {
   // read out on its own (an AttendPartial), then merged exactly by log-sum-exp
   // (MergePartials, partial_attention.h). 1 (the default) or fewer: the unsplit order. The
   // result depends on the part count only, never on run_parts or the schedule (bit-identical
-  // from run to run); against the unsplit order it differs by fp32 rounding: within
-  // 2e-6 * max|v| per output element in tests/core/attend_split_test.cc. Run on one thread,
+  // from run to run). Against the unsplit order: the same bits for a query row whose visible
+  // tokens all lie in one part (a causal offset inside the first part); otherwise rounding,
+  // within 2e-6 * max|v| per output element on the fp32 readout and 1e-5 * max|v| on the
+  // int16 one (AVX512-VNNI, blocks of 2- or 3-bit values: a part's weights, scaled by its own
+  // maximum, can round to the neighbouring int16 step of their block), tested in
+  // tests/core/attend_split_test.cc. Run on one thread,
   // 2 parts cost within ~2% of the unsplit order at 32k tokens (kvq-bench-codec AttendSplit).
   int parts = 1;
   // parts > 1 applies only to a layer holding at least this many tokens; a shorter one runs

@@ -32,6 +32,8 @@ inline constexpr float kMaxStorableMagnitude = format::kHalfMax;
 // The most attention sinks a codec keeps at fp16 (CodecOptions::fp16_sinks): fewer than the
 // smallest group, so that every first group keeps a row to stand in for them.
 inline constexpr int kMaxFp16Sinks = 16;
+// The most value scale groups per head (CodecOptions::value_group): the kernels' limit.
+inline constexpr int kMaxValueGroups = 64;
 
 enum class ValuePolicy : uint8_t {
   kUniform = 0,  // every token at value_bits
@@ -53,7 +55,11 @@ struct CodecOptions {
   int side_bits = 8;
   // Value bits for the uniform policy: 1, 2, 3, 4 or 8.
   int value_bits = 2;
-  // Channels per value scale group (the last group of a head may be shorter).
+  // Channels per value scale group (the last group of a head may be shorter): 1..head_dim,
+  // with at most kMaxValueGroups (64) groups per head, so at least ceil(head_dim / 64): 2 at
+  // head_dim 128, 8 at 512. The limit is the kernels': the encoder keeps a token's scales and
+  // zero points in a fixed array of 64, and the GPU attend stages a block's (8 * G * groups
+  // bytes of shared memory: 64 KiB at G = 128 and 64 groups).
   // 32 at d=64 costs 1 bit/element of fp16 scale+zero; head_dim costs 0.5 at d=64.
   int value_group = 32;
   ValuePolicy value_policy = ValuePolicy::kUniform;

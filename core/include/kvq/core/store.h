@@ -145,12 +145,19 @@ struct UsageStats {
   // Byte sums over everything counted (valid across models of different shapes).
   SizeReport size;
   int64_t elements = 0;  // cached K (or V) elements: tokens x kv_heads x head_dim
-  // Effective bits per element at this moment (blocks and window), 0 when empty.
+  // Effective bits per element at this moment, 0 when empty: blocks, window and the fp16
+  // sink rows (16 bits per element, once per sequence), as SizeReport::k_bits_effective and
+  // docs/CODEC.md count them and `bytes` holds them.
   double k_bits() const {
-    return elements ? 8.0 * (size.key_block_bytes + size.key_window_bytes) / elements : 0.0;
+    return elements ? 8.0 * (size.key_block_bytes + size.key_window_bytes + size.key_sink_bytes) /
+                          elements
+                    : 0.0;
   }
   double v_bits() const {
-    return elements ? 8.0 * (size.value_block_bytes + size.value_window_bytes) / elements : 0.0;
+    return elements
+               ? 8.0 * (size.value_block_bytes + size.value_window_bytes + size.value_sink_bytes) /
+                     elements
+               : 0.0;
   }
 };
 

@@ -13,8 +13,15 @@ namespace kvq::frontend {
 std::string DefaultModelPath();
 // $KVQ_MODEL_CACHE (default ~/.cache/kvq/models): where scripts/fetch-model.sh caches models.
 std::string ModelCacheDir();
-// The shared/ folder (docs and data): $KVQ_SHARED_DIR, else the path configured at build time.
-std::string SharedDir();
+// The evaluation data folder (the WikiText files: wikitext-2/wiki.test.raw, ...): the one
+// setting $KVQ_DATA_DIR, else kDefaultDataDir relative to the working directory (the
+// repository's sibling shared/data when run from the repository root, as the docs' commands
+// and the tests under ctest are). Nothing is compiled in.
+inline constexpr char kDefaultDataDir[] = "../shared/data";
+std::string DataDir();
+// DataDir() + "/" + name.
+std::string DataFile(const std::string& name);
+// The file's bytes; NOT_FOUND naming the path, and KVQ_DATA_DIR for a path under DataDir().
 absl::StatusOr<std::string> ReadFile(const std::string& path);
 // A registry model name from a GGUF file name: the base name, lower case, without ".gguf"
 // and a trailing llama.cpp quantization tag (".Q4_1", "-q4_k_m", "-f16", ...):
