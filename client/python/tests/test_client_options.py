@@ -74,7 +74,7 @@ def _score_answer(failing_shard):
         if call.shard == failing_shard:
             return kvq.KvqError("Score", grpc.StatusCode.UNAVAILABLE, "down")
         out = kvq_pb2.ScoreResponse()
-        for it in call.request.items:  # tokens: the shard, to tell the answers apart
+        for _ in call.request.items:  # tokens: the shard, to tell the answers apart
             out.results.add(tokens=call.shard)
         return out
 
@@ -93,7 +93,7 @@ def test_split_and_merge_in_the_items_order():
 
     # One shard down: its items carry its status, the others their results.
     results = _drive(core, core._score(items, False, None), _score_answer(1))
-    for r, owner in zip(results, owners):
+    for r, owner in zip(results, owners, strict=True):
         if owner == 1:
             assert r.code == grpc.StatusCode.UNAVAILABLE and r.message == "server b:2: down"
         else:

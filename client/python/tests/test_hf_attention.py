@@ -266,7 +266,7 @@ def test_basis_rows_follow_the_model_order(smol, smollm2_gguf, kvq_server):
     with kvq.Client(kvq_server.address) as client:
         info = kvq.hf.register_basis(client, str(FIXTURE_BASIS), model)
         want = np.concatenate([u[:, perm, :].reshape(-1) for u in files.u]).astype("<f4")
-        assert info.fingerprint == "%016x" % xxhash.xxh3_64_intdigest(want.tobytes())
+        assert info.fingerprint == "%016x" % xxhash.xxh3_64_intdigest(want.tobytes())  # noqa: UP031
         assert info.fingerprint != files.manifest["fingerprint"]
 
 

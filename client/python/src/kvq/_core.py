@@ -294,7 +294,7 @@ class Settings:
 
 def code_of(err: grpc.RpcError) -> grpc.StatusCode:
     try:
-        code: grpc.StatusCode = err.code()  # type: ignore[attr-defined]
+        code: grpc.StatusCode = err.code()
         return code
     except Exception:  # noqa: BLE001 - an RpcError that is not a Call
         return grpc.StatusCode.UNKNOWN
@@ -490,7 +490,7 @@ class ClientCore:
             part = type(req)()
             part.items.extend(req.items[i] for i in groups[g])
             calls.append(Call(method, *s.target(g), part, idempotent, deadline))
-        answers = dict(zip(keys, (yield calls)))
+        answers: Dict[Any, Any] = dict(zip(keys, (yield calls), strict=True))
         for g in keys:
             a = answers[g]
             if not isinstance(a, KvqError) and len(a.results) != len(groups[g]):
@@ -499,7 +499,7 @@ class ClientCore:
                                       f"{len(a.results)} results for {len(groups[g])} items")
         if all(isinstance(a, KvqError) for a in answers.values()):
             raise answers[keys[0]]
-        out = _RESPONSE[method]()
+        out: Any = _RESPONSE[method]()
         next_of = {g: 0 for g in keys}
         for i in range(n):
             g = group_of[i]

@@ -7,7 +7,7 @@ request, or decodes and merges what the servers sent back. No I/O here.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import grpc
 import numpy as np
@@ -24,6 +24,8 @@ from .types import (
     ReadoutItem,
     ScoreItem,
 )
+
+_Item = TypeVar("_Item")
 
 _POLICIES = {
     "default": kvq_pb2.CodecSettings.VALUE_POLICY_DEFAULT,
@@ -55,7 +57,7 @@ def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[k
             raise KvqError.invalid(
                 method, f"{field}.{name}: {v!r} must be 0 (the model's default), 1/True (on) or -1/False (off)")
         switches[name] = int(v)
-    values = dict(
+    values: Dict[str, Any] = dict(
         **switches,
         key_bits=c.key_bits,
         key_group=c.key_group,
@@ -93,7 +95,7 @@ def append_pb(a: Append, field: str, method: str,
     out.layer = int(a.layer)
     out.start = int(a.start)
     out.model = a.model or ""
-    out.basis_version = int(a.basis_version)
+    out.basis_version = int(a.basis_version or 0)
     if (a.keys is None) != (a.values is None):
         missing = "values" if a.values is None else "keys"
         raise KvqError.invalid(method, f"{field}.{missing}: missing (keys and values go together)")
@@ -143,17 +145,23 @@ def put_requests(messages: Sequence[Sequence[Append]], by_shard: Callable[[Seque
     return dict(sorted(per_shard.items()))
 
 
-def attend_request(items: Sequence[AttendItem], method: str = "Attend") -> kvq_pb2.AttendRequest:
-    req = kvq_pb2.AttendRequest()
+def _checked(items: Sequence[Any], cls: Type[_Item], method: str) -> Iterator[Tuple[str, _Item]]:
+    """("items[i]", item) for each item, after checking that it is a `cls`."""
     for i, it in enumerate(items):
         f = f"items[{i}]"
-        if not isinstance(it, AttendItem):
-            raise KvqError.invalid(method, f"{f}: expected kvq.AttendItem, got {type(it).__name__}")
+        if not isinstance(it, cls):
+            raise KvqError.invalid(method, f"{f}: expected kvq.{cls.__name__}, got {type(it).__name__}")
+        yield f, it
+
+
+def attend_request(items: Sequence[AttendItem], method: str = "Attend") -> kvq_pb2.AttendRequest:
+    req = kvq_pb2.AttendRequest()
+    for f, it in _checked(items, AttendItem, method):
         p = req.items.add(
             sequence_id=it.sequence_id,
             layer=int(it.layer),
-            basis_version=int(it.basis_version),
-            scale=float(it.scale),
+            basis_version=int(it.basis_version or 0),
+            scale=float(it.scale or 0.0),
             output_dtype=dtype_enum(it.output_dtype, f"{f}.output_dtype", method),
         )
         to_tensor(it.queries, f"{f}.queries", method, ndims=(2, 3), out=p.queries)
@@ -168,15 +176,12 @@ def attend_request(items: Sequence[AttendItem], method: str = "Attend") -> kvq_p
 
 def score_request(items: Sequence[ScoreItem], method: str = "Score") -> kvq_pb2.ScoreRequest:
     req = kvq_pb2.ScoreRequest()
-    for i, it in enumerate(items):
-        f = f"items[{i}]"
-        if not isinstance(it, ScoreItem):
-            raise KvqError.invalid(method, f"{f}: expected kvq.ScoreItem, got {type(it).__name__}")
+    for f, it in _checked(items, ScoreItem, method):
         p = req.items.add(
             sequence_id=it.sequence_id,
             layer=int(it.layer),
-            basis_version=int(it.basis_version),
-            scale=float(it.scale),
+            basis_version=int(it.basis_version or 0),
+            scale=float(it.scale or 0.0),
             corrections_only=bool(it.corrections_only),
         )
         to_tensor(it.queries, f"{f}.queries", method, ndims=(2, 3), out=p.queries)
@@ -187,14 +192,11 @@ def score_request(items: Sequence[ScoreItem], method: str = "Score") -> kvq_pb2.
 
 def readout_request(items: Sequence[ReadoutItem], method: str = "Readout") -> kvq_pb2.ReadoutRequest:
     req = kvq_pb2.ReadoutRequest()
-    for i, it in enumerate(items):
-        f = f"items[{i}]"
-        if not isinstance(it, ReadoutItem):
-            raise KvqError.invalid(method, f"{f}: expected kvq.ReadoutItem, got {type(it).__name__}")
+    for f, it in _checked(items, ReadoutItem, method):
         p = req.items.add(
             sequence_id=it.sequence_id,
             layer=int(it.layer),
-            basis_version=int(it.basis_version),
+            basis_version=int(it.basis_version or 0),
             weights_are_logits=bool(it.weights_are_logits),
             output_dtype=dtype_enum(it.output_dtype, f"{f}.output_dtype", method),
         )
@@ -226,8 +228,8 @@ def register_request(
     req = kvq_pb2.RegisterBasisRequest(info=model_info_pb(info))
     for name, tensors in (("basis", basis), ("encode_basis", encode_basis),
                           ("query_moment", query_moment)):
-        for l, t in enumerate(tensors):
-            to_tensor(t, f"{name}[{l}]", "RegisterBasis", ndims=(3,), f32_only=True,
+        for layer, t in enumerate(tensors):
+            to_tensor(t, f"{name}[{layer}]", "RegisterBasis", ndims=(3,), f32_only=True,
                       out=getattr(req, name).add())
     return req
 

@@ -46,7 +46,7 @@ class Client(ClientCore):
             else:
                 ch = grpc.aio.insecure_channel(addr, options=s.channel_options)
             self._channels.append(ch)
-            self._stubs.append(kvq_pb2_grpc.KvqStub(ch))
+            self._stubs.append(kvq_pb2_grpc.KvqStub(ch))  # type: ignore[no-untyped-call]
             self._health.append(ch.unary_unary(HEALTH_CHECK))
 
     async def close(self) -> None:

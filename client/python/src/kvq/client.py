@@ -78,7 +78,8 @@ class Client(ClientCore):
             else:
                 ch = grpc.insecure_channel(addr, options=s.channel_options)
             self._channels.append(ch)
-        self._stubs = [kvq_pb2_grpc.KvqStub(ch) for ch in self._channels]
+        # The generated kvq_pb2_grpc has no type information (grpcio-tools writes no .pyi for it).
+        self._stubs = [kvq_pb2_grpc.KvqStub(ch) for ch in self._channels]  # type: ignore[no-untyped-call]
         self._health = [
             ch.unary_unary(HEALTH_CHECK, request_serializer=None, response_deserializer=None)
             for ch in self._channels
