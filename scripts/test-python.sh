@@ -4,34 +4,21 @@
 # Usage: scripts/test-python.sh [--help] [BUILD_DIR] [PYTEST_ARGS...]   (BUILD_DIR default: build)
 # Environment: KVQ_VENV (default ~/.cache/kvq/venv), PIP_CACHE_DIR (default ~/.cache/pip),
 # KVQ_PYTHON (the interpreter that makes the venv, default python3), KVQ_MODEL, KVQ_ALLOW_NO_MODEL.
-# The venv is (re)made and its requirements installed only when client/python/requirements-test.txt
-# changed (a stamp holds its hash). Exit: pytest's, and 1 when pytest ran no test (its exit 5).
+# The venv is made or reused by scripts/python-venv.sh (requirements installed only when
+# client/python/requirements-test.txt changed). Exit: pytest's, and 1 when pytest ran no test (its exit 5).
 set -euo pipefail
 if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,8p' "$0" | sed 's/^# //'; exit 0; fi
 cd "$(dirname "$0")/.."
 BUILD="${1:-build}"
 [[ $# -gt 0 ]] && shift
-VENV="${KVQ_VENV:-$HOME/.cache/kvq/venv}"
-export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$HOME/.cache/pip}"
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-REQ=client/python/requirements-test.txt
 SERVER_BIN="$(cd "$BUILD" 2>/dev/null && pwd)/bin/kvq-server"
 if [[ ! -x "$SERVER_BIN" ]]; then
   echo "test-python: no kvq-server in $BUILD/bin (build first: scripts/test.sh)" >&2
   exit 1
 fi
 
-hash_now="$(sha256sum "$REQ" | cut -d' ' -f1)"
-stamp="$VENV/.kvq-requirements.sha256"
-if [[ ! -x "$VENV/bin/python" ]]; then
-  echo "test-python: creating $VENV"
-  "${KVQ_PYTHON:-python3}" -m venv "$VENV"
-fi
-if [[ "$(cat "$stamp" 2>/dev/null)" != "$hash_now" ]]; then
-  echo "test-python: installing $REQ into $VENV"
-  "$VENV/bin/python" -m pip install -q -r "$REQ"
-  echo "$hash_now" > "$stamp"
-fi
+VENV="$(bash scripts/python-venv.sh)"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 # Editable install of the package itself (no build isolation: setuptools is in the venv, so
 # this needs no download). Cheap when nothing changed.
 "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e client/python

@@ -21,6 +21,7 @@ if [[ -x scripts/test-extra.sh ]]; then bash scripts/test-extra.sh "$BUILD"; fi
 cpp=0; python=0; fuzz=0; sanitize=0; format=0
 bash scripts/format-check.sh || format=$?
 python3 scripts/render-results.py --check || format=$?
+bash scripts/lint-python.sh || format=$?
 ctest --test-dir "$BUILD" --output-on-failure -j "$JOBS" --timeout 900 || cpp=$?
 bash scripts/test-python.sh "$BUILD" || python=$?
 bash scripts/fuzz.sh --runs 100000 || fuzz=$?

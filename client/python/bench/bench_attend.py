@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,6 @@ from pathlib import Path
 import numpy as np
 
 import kvq
-from kvq._proto.kvq.v1 import kvq_pb2
 
 REPO = Path(__file__).resolve().parents[3]
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, RANK = 2, 32, 8, 128, 16

@@ -196,7 +196,7 @@ def random_basis(layers: int, kv_heads: int, head_dim: int, rank: int, seed: int
     return out
 
 
-def register_tiny(client: "kvq.Client", name: str = "tiny", *, layers: int = 2, kv_heads: int = 2,
+def register_tiny(client: kvq.Client, name: str = "tiny", *, layers: int = 2, kv_heads: int = 2,
                   q_heads: int = 4, head_dim: int = 64, rank: int = 8, codec_rank: int = 4,
                   seed: int = 1, codec: Optional[kvq.CodecSettings] = None) -> TinyModel:
     basis = random_basis(layers, kv_heads, head_dim, rank, seed) if rank > 0 else []

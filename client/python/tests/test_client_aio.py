@@ -11,6 +11,7 @@ import pytest
 
 import kvq
 import kvq.aio
+
 from conftest import random_basis
 
 KV, QH, D = 2, 4, 64

@@ -25,8 +25,9 @@ transformers = pytest.importorskip("transformers")
 
 import kvq  # noqa: E402
 import kvq.hf  # noqa: E402
-from conftest import data_file  # noqa: E402
 from kvq.hf import BasisOrderError, KvqCache  # noqa: E402
+
+from conftest import data_file  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 FIXTURE_BASIS = REPO / "tests/fixtures/frontend/basis-r4"  # kvq-calibrate on wiki.valid.tokens
@@ -265,7 +266,7 @@ def test_basis_rows_follow_the_model_order(smol, smollm2_gguf, kvq_server):
     with kvq.Client(kvq_server.address) as client:
         info = kvq.hf.register_basis(client, str(FIXTURE_BASIS), model)
         want = np.concatenate([u[:, perm, :].reshape(-1) for u in files.u]).astype("<f4")
-        assert info.fingerprint == "%016x" % xxhash.xxh3_64_intdigest(want.tobytes())
+        assert info.fingerprint == "%016x" % xxhash.xxh3_64_intdigest(want.tobytes())  # noqa: UP031
         assert info.fingerprint != files.manifest["fingerprint"]
 
 

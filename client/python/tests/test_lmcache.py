@@ -18,30 +18,27 @@ import asyncio
 import json
 import math
 import os
-import re
 import time
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 # LMCache reports usage to stats.lmcache.ai from every engine unless told not to (its
 # usage_telemetry/identity.py); tests never phone out. Set before lmcache is imported.
 os.environ["LMCACHE_TRACK_USAGE"] = "false"
 
-import grpc
 import numpy as np
 import pytest
 import torch
-
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
-
-from conftest import data_file, metric, metric_at_least
+from lmcache.v1.storage_backend.connector import CreateConnector
 
 import kvq
 from kvq.lmcache import KvqConnector, PluginConfigError
-from lmcache.v1.storage_backend.connector import CreateConnector
+
+from conftest import data_file, metric, metric_at_least
 
 CHUNK = 256
 PLUGIN = "kvq"
@@ -118,7 +115,7 @@ class Engine:
         """Runs a connector coroutine on LMCache's event loop (as its backends do)."""
         return asyncio.run_coroutine_threadsafe(coro, self.remote.loop).result(60)
 
-    def store(self, kv: torch.Tensor, client: "kvq.Client", chunks: int) -> None:
+    def store(self, kv: torch.Tensor, client: kvq.Client, chunks: int) -> None:
         """engine.store, then waits until kvq holds `chunks` sequences: LMCache's remote puts
         are asynchronous, and its batched path (the one this connector takes) tracks neither
         the pending keys nor failures (RemoteBackend.batched_put_callback)."""
@@ -145,7 +142,7 @@ class Engine:
             assert time.monotonic() < end, f"{len(local.hot_cache)} chunks stay in LMCache's CPU cache"
             time.sleep(0.02)
 
-    def retrieve(self, n: int, like: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    def retrieve(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = torch.zeros_like(like)
         mask = self.engine.retrieve(torch.arange(n), kvcache=out, req_id=f"r-{uuid.uuid4().hex[:6]}")
         return mask, out
@@ -297,7 +294,7 @@ def test_engine_stores_and_retrieves_through_kvq(server, client, tiny, make_engi
     before = metric(server, "kvq_requests_total", method="GetBlocks", code="OK")
     mask, got = eng.retrieve(TOKENS, kv)
     assert int(mask.sum()) == TOKENS              # all three chunks came back ...
-    assert metric_at_least(server, before + 3, "kvq_requests_total", method="GetBlocks", code="OK") >= before + 3  # ... from kvq
+    assert metric_at_least(server, before + 3, "kvq_requests_total", method="GetBlocks", code="OK") >= before + 3  # ... from kvq  # noqa: E501
 
     # The codec's settings as the sequences got them (the model's defaults + overrides).
     codec = kvq.CodecSettings(**{f: getattr(tiny.info.codec, f) for f in
@@ -440,7 +437,7 @@ def test_config_errors_name_the_key(server, client, tiny, register_model, make_e
     eng.run(ok.close())
 
 
-def block_bytes(codec: "kvq.CodecSettings", head_dim: int) -> "tuple[int, int]":
+def block_bytes(codec: kvq.CodecSettings, head_dim: int) -> tuple[int, int]:
     """Bytes of one key block and one value block (G tokens of one head), docs/CODEC.md
     "Block format": 16-byte header; keys fp16 scale+zero per channel, codes, and the side
     code's fp16 scale+zero per side channel and codes; values per token fp16 scale+zero per

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import kvq
+
 from conftest import metric_at_least
 
 REPO = Path(__file__).resolve().parents[3]

@@ -41,8 +41,9 @@ import numpy as np
 import pytest
 
 import kvq
-from conftest import REPO, ServerProcess, register_tiny, start_server
 from kvq._proto.kvq.v1 import kvq_pb2, kvq_pb2_grpc
+
+from conftest import REPO, ServerProcess, register_tiny, start_server
 
 N = 10_000
 D = 64

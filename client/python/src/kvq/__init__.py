@@ -1,6 +1,6 @@
 """kvq: a Python client of the kvq KV-cache server (HeadQ codes over gRPC)."""
 
-from .client import Client
+from .client import Client, ClientOptions
 from .errors import KvqError
 from .types import (
     Append,
@@ -14,6 +14,7 @@ from .types import (
 
 __all__ = [
     "Client",
+    "ClientOptions",
     "KvqError",
     "Append",
     "AttendItem",

@@ -28,7 +28,7 @@ class KvqError(Exception):
         super().__init__(f"{method}: {code.name}: {details}")
 
     @classmethod
-    def from_rpc_error(cls, method: str, err: grpc.RpcError, server: str = "") -> "KvqError":
+    def from_rpc_error(cls, method: str, err: grpc.RpcError, server: str = "") -> KvqError:
         """Wraps a grpc.RpcError (a grpc.Call) with the server's code and message."""
         code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
         details = err.details() if hasattr(err, "details") else str(err)
@@ -40,7 +40,7 @@ class KvqError(Exception):
         return cls(method, code, details)
 
     @classmethod
-    def invalid(cls, method: str, details: str) -> "KvqError":
+    def invalid(cls, method: str, details: str) -> KvqError:
         """A client-side argument error (raised before anything is sent)."""
         return cls(method, grpc.StatusCode.INVALID_ARGUMENT, details)
 

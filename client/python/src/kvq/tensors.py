@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from ._proto.kvq.v1 import kvq_pb2
 from .errors import KvqError
 
 __all__ = [
+    "Array",
     "DTYPES",
     "dtype_enum",
     "to_tensor",
@@ -31,12 +33,15 @@ __all__ = [
     "is_torch",
 ]
 
+# A numpy array of any dtype and shape.
+Array = npt.NDArray[Any]
+
 _LITTLE = sys.byteorder == "little"
 # Little-endian numpy dtypes sent without conversion.
 _FAST = {"<f4": kvq_pb2.DTYPE_F32, "<f2": kvq_pb2.DTYPE_F16, "<u2": kvq_pb2.DTYPE_BF16}
 
 # Names accepted for output / transfer dtypes.
-DTYPES = {"f32": kvq_pb2.DTYPE_F32, "f16": kvq_pb2.DTYPE_F16, "bf16": kvq_pb2.DTYPE_BF16}
+DTYPES: Dict[str, kvq_pb2.DType] = {"f32": kvq_pb2.DTYPE_F32, "f16": kvq_pb2.DTYPE_F16, "bf16": kvq_pb2.DTYPE_BF16}
 _ALIASES = {
     "float32": "f32", "fp32": "f32", "f32": "f32",
     "float16": "f16", "fp16": "f16", "half": "f16", "f16": "f16",
@@ -44,9 +49,9 @@ _ALIASES = {
 }
 
 
-def dtype_enum(name: str, field: str, method: str = "") -> int:
+def dtype_enum(name: str, field: str, method: str = "") -> kvq_pb2.DType:
     """kvq_pb2.DType for "f32" / "f16" / "bf16" (and the usual aliases)."""
-    enum = DTYPES.get(name)  # type: ignore[call-overload]
+    enum = DTYPES.get(name) if isinstance(name, str) else None
     if enum is not None:
         return enum
     key = _ALIASES.get(str(name).lower())
@@ -60,7 +65,7 @@ def is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
 
-def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+def f32_to_bf16(x: Array) -> Array:
     """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even; NaN stays NaN."""
     u = np.ascontiguousarray(x, dtype="<f4").view(np.uint32)
     rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
@@ -71,14 +76,14 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+def bf16_to_f32(bits: Array) -> Array:
     """bfloat16 bit patterns (uint16) -> float32 (exact)."""
     return (np.ascontiguousarray(bits, dtype="<u2").astype(np.uint32) << np.uint32(16)).view(
         np.float32
     )
 
 
-def _torch_to_numpy(x: Any, field: str, method: str) -> "tuple[np.ndarray, int]":
+def _torch_to_numpy(x: Any, field: str, method: str) -> Tuple[Array, kvq_pb2.DType]:
     import torch  # only reached for torch tensors
 
     t = x.detach()
@@ -182,11 +187,11 @@ def to_tensor(
     return out
 
 
-_NP = {kvq_pb2.DTYPE_F32: np.dtype("<f4"), kvq_pb2.DTYPE_F16: np.dtype("<f2"),
+_NP: Dict[int, np.dtype[Any]] = {kvq_pb2.DTYPE_F32: np.dtype("<f4"), kvq_pb2.DTYPE_F16: np.dtype("<f2"),
        kvq_pb2.DTYPE_BF16: np.dtype("<u2")}
 
 
-def from_tensor(t: kvq_pb2.Tensor, *, bf16: str = "uint16", field: str = "", method: str = "") -> np.ndarray:
+def from_tensor(t: kvq_pb2.Tensor, *, bf16: str = "uint16", field: str = "", method: str = "") -> Array:
     """A kvq.v1.Tensor as a (writable) numpy array in native byte order.
 
     bf16="uint16" returns bfloat16 tensors as their bit patterns; bf16="f32" widens them.

@@ -9,12 +9,12 @@ Shapes follow proto/kvq/v1/kvq.proto: keys/values [kv_heads, n, head_dim], queri
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import grpc
-import numpy as np
 
 from .errors import KvqError
+from .tensors import Array
 
 __all__ = [
     "CodecSettings",
@@ -41,13 +41,14 @@ class CodecSettings:
     key_bits 2/3/4/8; key_group (G) 32/64/128; rank 0..basis rank (0: KIVI-like); side_bits
     4/8; value_bits 1/2/3/4/8; value_group channels per value scale (1..head_dim, at most 64
     groups a head: >= 2 at head_dim 128, the kernels' limit); value_policy "uniform" | "a2";
-    value_budget (A2) 1.0..4.0 bits; sink_tokens (A2) positions kept at 4 bits, 0..1024; window (R) recent tokens kept at arrival precision,
-    0..65536; rotate_keys / rotate_values (Walsh-Hadamard rotation before quantization,
-    head_dim a power of two); metric_rounding (keys rounded in the query metric; the basis must
-    carry query moments); fp16_sinks 0..16: a sequence's first positions kept exact at fp16
-    beside its first blocks; sparse_keys / sparse_values 0..100: per mille of each key / value
-    block's elements kept exact beside the codes. Fields and names are codec.json's and the
-    wire's (one table in the server, core/codec_schema.h; a test holds this class to it).
+    value_budget (A2) 1.0..4.0 bits; sink_tokens (A2) positions kept at 4 bits, 0..1024;
+    window (R) recent tokens kept at arrival precision, 0..65536; rotate_keys / rotate_values
+    (Walsh-Hadamard rotation before quantization, head_dim a power of two); metric_rounding
+    (keys rounded in the query metric; the basis must carry query moments); fp16_sinks 0..16:
+    a sequence's first positions kept exact at fp16 beside its first blocks; sparse_keys /
+    sparse_values 0..100: per mille of each key / value block's elements kept exact beside the
+    codes. Fields and names are codec.json's and the wire's (one table in the server,
+    core/codec_schema.h; a test holds this class to it).
     """
 
     key_bits: Optional[int] = None
@@ -68,7 +69,7 @@ class CodecSettings:
     sparse_values: Optional[int] = None
 
     @classmethod
-    def from_codec_json(cls, d: Mapping[str, Any]) -> "CodecSettings":
+    def from_codec_json(cls, d: Mapping[str, Any]) -> CodecSettings:
         """The settings of a registry folder's codec.json object, as they are (absent fields
         stay None: the server's defaults). Unknown keys are a ValueError naming them."""
         known = {f.name for f in fields(cls)}
@@ -84,7 +85,9 @@ class Append:
 
     keys/values: [kv_heads, n, head_dim], post-RoPE, same dtype. Both None with token_ids
     given: an attach (take the longest indexed prefix run for those ids, no data sent).
-    model/basis_version/codec: used when the append creates the sequence.
+    model/basis_version/codec: used when the append creates the sequence (basis_version
+    None or 0: the latest version, then pinned; model None: the sequence's, for an append to
+    an existing one).
     probe_weights: optional f32 [kv_heads, n] A^2 weights (value policy A2).
     token_ids: optional uint32 ids of the n tokens (prefix sharing).
     """
@@ -94,9 +97,9 @@ class Append:
     start: int
     keys: Any = None
     values: Any = None
-    token_ids: Optional[Sequence[int]] = None
-    model: str = ""
-    basis_version: int = 0
+    token_ids: Optional[Union[Sequence[int], Array]] = None
+    model: Optional[str] = None
+    basis_version: Optional[int] = None
     codec: Optional[CodecSettings] = None
     probe_weights: Any = None
 
@@ -106,45 +109,50 @@ class AttendItem:
     """One fused attention (score + softmax + readout) over a layer's cached tokens.
 
     causal_offset: query i sees tokens [0, causal_offset + i]; None: every cached token.
-    scale: 0 means 1/sqrt(head_dim). observe: None (server default: True) records A^2
-    statistics; False makes the item read-only (and the call retryable when every item is
-    read-only). append: a decode step's new tokens, appended before attending.
+    scale: None (or 0) means 1/sqrt(head_dim). observe: None (server default: True) records
+    A^2 statistics; False makes the item read-only (and the call retryable when every item is
+    read-only). basis_version: None (or 0) any; else it must be the sequence's. append: a
+    decode step's new tokens, appended before attending.
     """
 
     sequence_id: str
     layer: int
     queries: Any
     causal_offset: Optional[int] = None
-    scale: float = 0.0
+    scale: Optional[float] = None
     observe: Optional[bool] = None
     output_dtype: OutputDType = "f32"
-    basis_version: int = 0
+    basis_version: Optional[int] = None
     append: Optional[Append] = None
 
 
 @dataclass
 class ScoreItem:
-    """Logits of queries against every cached token of a layer ([q_heads, n_q, tokens])."""
+    """Logits of queries against every cached token of a layer ([q_heads, n_q, tokens]).
+
+    scale and basis_version as AttendItem's (None: 1/sqrt(head_dim); any version).
+    """
 
     sequence_id: str
     layer: int
     queries: Any
-    scale: float = 0.0
+    scale: Optional[float] = None
     corrections_only: bool = False
-    basis_version: int = 0
+    basis_version: Optional[int] = None
     append: Optional[Append] = None
 
 
 @dataclass
 class ReadoutItem:
-    """The weighted sum of a layer's cached values; weights f32 [q_heads, n_q, tokens]."""
+    """The weighted sum of a layer's cached values; weights f32 [q_heads, n_q, tokens].
+    basis_version: None (or 0) any; else it must be the sequence's."""
 
     sequence_id: str
     layer: int
     weights: Any
     weights_are_logits: bool = False
     output_dtype: OutputDType = "f32"
-    basis_version: int = 0
+    basis_version: Optional[int] = None
 
 
 @dataclass
@@ -154,26 +162,27 @@ class ItemResult:
     code: grpc.StatusCode (OK on success); message: the server's message for a failed item;
     tokens: cached tokens the item read; outputs: numpy array (None when the item failed):
     Score logits f32 [q_heads, n_q, tokens], Attend/Readout [q_heads, n_q, head_dim] in the
-    item's output dtype (float32, float16, or uint16 bfloat16 bits).
+    item's output dtype (float32, float16, or uint16 bfloat16 bits). method and index (the
+    item's position in the call; None: unknown) name the item in raise_for_status's error.
     """
 
     code: grpc.StatusCode
     message: str
     tokens: int
-    outputs: Optional[np.ndarray]
+    outputs: Optional[Array]
     method: str = field(default="", repr=False, compare=False)
-    index: int = field(default=-1, repr=False, compare=False)
+    index: Optional[int] = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
-        return self.code == grpc.StatusCode.OK
+        return bool(self.code == grpc.StatusCode.OK)
 
-    def raise_for_status(self) -> "ItemResult":
+    def raise_for_status(self) -> ItemResult:
         """Raises KvqError when the item failed; returns self otherwise."""
         if not self.ok:
             # The server's item messages name the item already ("items[3]: ..."); a shard
             # failure's ("server X: ...") does not.
-            where = f"items[{self.index}]" if self.index >= 0 else ""
+            where = f"items[{self.index}]" if self.index is not None and self.index >= 0 else ""
             msg = self.message if not where or self.message.startswith(where) else f"{where}: {self.message}"
             raise KvqError(self.method or "item", self.code, msg)
         return self
@@ -190,7 +199,7 @@ class Block:
 
     layer: int
     start: int
-    keys: np.ndarray
-    values: np.ndarray
+    keys: Array
+    values: Array
     layer_tokens: int
     basis_version: int

@@ -125,8 +125,8 @@ def read_basis(path: str, *, verify_fingerprint: bool = True) -> BasisFiles:
 
     def tensors(suffix: str, cols: int, cols_name: str) -> List[np.ndarray]:
         out = []
-        for l in range(L):
-            name = f"layer.{l}.{suffix}"
+        for layer in range(L):
+            name = f"layer.{layer}.{suffix}"
             e = header.get(name)
             if e is None:
                 raise _bad(path, f"tensor {name} missing")
@@ -149,9 +149,9 @@ def read_basis(path: str, *, verify_fingerprint: bool = True) -> BasisFiles:
         for extra in (encode, moment):
             if extra:
                 fp = xxhash.xxh3_64_intdigest(b"".join(x.tobytes() for x in extra), seed=fp)
-        fp = "%016x" % fp
-        if fp != manifest["fingerprint"]:
-            raise _bad(path, f"fingerprint {fp} does not match the manifest's {manifest['fingerprint']}")
+        fp_hex = f"{fp:016x}"
+        if fp_hex != manifest["fingerprint"]:
+            raise _bad(path, f"fingerprint {fp_hex} does not match the manifest's {manifest['fingerprint']}")
     codec = None
     cpath = os.path.join(path, "codec.json")
     if os.path.exists(cpath):
@@ -253,12 +253,12 @@ def captured_query_energy(model: Any, u: Sequence[np.ndarray], input_ids: Any) -
     finally:
         model.set_attn_implementation(before)
     fracs = []
-    for l, q in captured.items():  # q [B, q_heads, n, D]
-        kvh = u[l].shape[0]
+    for layer, q in captured.items():  # q [B, q_heads, n, D]
+        kvh = u[layer].shape[0]
         g = q.shape[1] // kvh
         for h in range(kvh):
             qs = q[:, h * g : (h + 1) * g].reshape(-1, q.shape[-1]).numpy()
-            proj = qs @ u[l][h]
+            proj = qs @ u[layer][h]
             fracs.append(float((proj**2).sum() / max((qs**2).sum(), 1e-30)))
     return float(np.mean(fracs))
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -126,7 +126,9 @@ class KvqCache(Cache):
         if not sequence_ids or len(set(sequence_ids)) != len(sequence_ids):
             raise KvqError.invalid("KvqCache", "sequence_ids: need distinct ids, one per batch row")
         n_layers = int(model.layers)
-        super().__init__(layers=[KvqLayer() for _ in range(n_layers)])
+        # Typed as KvqLayer here (Cache.layers holds the base classes' union).
+        self._layers: List[KvqLayer] = [KvqLayer() for _ in range(n_layers)]
+        super().__init__(layers=cast(List[Any], self._layers))
         self.client = client
         self.info = model
         self.sequence_ids = sequence_ids
@@ -146,7 +148,7 @@ class KvqCache(Cache):
         self.lengths = [[0] * len(sequence_ids) for _ in range(n_layers)]
         self.created = [False] * len(sequence_ids)
         self.stats = KvqCacheStats()
-        self._ids = None  # this forward's input_ids [B, n] (from the pre-hook)
+        self._ids: Optional[Any] = None  # this forward's input_ids [B, n] (from the pre-hook)
         self._closed = False
         self._maybe_exists = False  # an attach that took nothing may have made the sequence
 
@@ -154,7 +156,7 @@ class KvqCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if self._closed:
             raise RuntimeError("KvqCache: closed (its sequences were deleted)")
-        self.layers[layer_idx].update(key_states, value_states)
+        self._layers[layer_idx].update(key_states, value_states)
         set_pending(self, layer_idx, key_states, value_states)
         return key_states, value_states
 
@@ -163,7 +165,7 @@ class KvqCache(Cache):
         return len(self.sequence_ids)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].seen if layer_idx < len(self.layers) else 0
+        return self._layers[layer_idx].seen if layer_idx < len(self._layers) else 0
 
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("KvqCache: kvq sequences cannot be truncated")
@@ -280,7 +282,7 @@ class KvqCache(Cache):
         self.stats.rpc_seconds += time.perf_counter() - t0
         self.stats.attend_items += len(items)
         per_seq: Dict[int, List[Any]] = {}
-        for (b, i0, ln), res in zip(which, results):
+        for (b, _i0, ln), res in zip(which, results, strict=True):
             self.created[b] = True
             self.lengths[layer][b] += ln
             self.stats.tokens_sent += ln
@@ -312,16 +314,16 @@ class KvqCache(Cache):
         limit = (len(ids) - 1) // self.key_group * self.key_group
         seq = self.sequence_ids[0]
         while limit > 0:
-            appends = [Append(sequence_id=seq, layer=l, start=0, token_ids=ids[:limit],
+            appends = [Append(sequence_id=seq, layer=li, start=0, token_ids=ids[:limit],
                               model=self.info.model, basis_version=int(self.info.version),
-                              codec=self.codec) for l in range(len(self.layers))]
+                              codec=self.codec) for li in range(len(self.layers))]
             t0 = time.perf_counter()
             resp = self.client.put_blocks(appends)
             self.stats.rpc_seconds += time.perf_counter() - t0
             self.stats.attach_calls += 1
             self.created[0] = True
             got = {ln.layer: int(ln.tokens) for ln in resp.lengths if ln.sequence_id == seq}
-            per_layer = [got.get(l, 0) for l in range(len(self.layers))]
+            per_layer = [got.get(li, 0) for li in range(len(self.layers))]
             lo, hi = min(per_layer), max(per_layer)
             if lo == hi == 0:
                 # Nothing indexed: the sequence may exist, empty; the first append names the
@@ -330,9 +332,9 @@ class KvqCache(Cache):
                 self._maybe_exists = True
                 return 0
             if lo == hi:
-                for l in range(len(self.layers)):
-                    self.lengths[l][0] = lo
-                    self.layers[l].seen = lo
+                for li in range(len(self.layers)):
+                    self.lengths[li][0] = lo
+                    self._layers[li].seen = lo
                 self.stats.tokens_attached += lo
                 return lo
             # Layers disagree (part of the index evicted meanwhile): start over up to the

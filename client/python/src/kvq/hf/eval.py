@@ -39,8 +39,8 @@ def parse_config(name: str):
     if len(parts) < 2 or parts[0] not in ("headq", "kivi") or not parts[1].startswith("kv"):
         raise ValueError(f"config '{name}': expected headq-kv<bits>[...] or kivi-kv<bits>[...]")
     bits = int(parts[1][2:])
-    c = dict(key_bits=bits, key_group=32, rank=4 if parts[0] == "headq" else 0, side_bits=8,
-             value_bits=bits, value_group=32, value_policy="uniform", window=0)
+    c: Dict[str, Any] = dict(key_bits=bits, key_group=32, rank=4 if parts[0] == "headq" else 0, side_bits=8,
+                             value_bits=bits, value_group=32, value_policy="uniform", window=0)
     for p in parts[2:]:
         for prefix, key in (("vg", "value_group"), ("r", "rank"), ("g", "key_group"),
                             ("w", "window"), ("s", "side_bits"), ("v", "value_bits")):

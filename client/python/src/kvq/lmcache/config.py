@@ -174,7 +174,8 @@ def parse_plugin_config(plugin_name: str, extra_config: Optional[Mapping[str, An
             kwargs[name] = str(mine[name])
     if "tls" in mine:
         kwargs["tls"] = _as_bool(prefix + "tls", mine["tls"])
-    for name, attr in (("ca_file", "root_certificates"), ("cert_file", "certificate_chain"), ("key_file", "private_key")):
+    for name, attr in (("ca_file", "root_certificates"), ("cert_file", "certificate_chain"),
+                       ("key_file", "private_key")):
         if mine.get(name):
             kwargs[attr] = _read_file(prefix + name, mine[name])
     if ("cert_file" in mine) != ("key_file" in mine):

@@ -34,7 +34,6 @@ from typing import Any, List, Optional
 import grpc
 import numpy as np
 import torch
-
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
@@ -164,7 +163,8 @@ class KvqConnector(RemoteConnector):
                                            model=s.model, basis_version=self.basis_version, codec=s.codec)])
         except KvqError as e:
             if e.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                raise PluginConfigError(s.key("codec"), f"the kvq server refused these codec settings: {e.details}") from None
+                raise PluginConfigError(
+                    s.key("codec"), f"the kvq server refused these codec settings: {e.details}") from None
             raise
         self._delete_id(sid)
 
@@ -335,7 +335,8 @@ class KvqConnector(RemoteConnector):
         return self._delete(key)
 
     def __repr__(self) -> str:
-        return f"<KvqConnector {self.settings.plugin_name} {','.join(self.settings.servers)} model={self.settings.model}>"
+        s = self.settings
+        return f"<KvqConnector {s.plugin_name} {','.join(s.servers)} model={s.model}>"
 
 
 class KvqConnectorAdapter(ConnectorAdapter):
