@@ -121,7 +121,9 @@ void SetCodecField(const CodecField& f, double v, CodecOptions* o) {
   }
 }
 
-absl::string_view ValuePolicyName(ValuePolicy p) { return p == ValuePolicy::kA2 ? "a2" : "uniform"; }
+absl::string_view ValuePolicyName(ValuePolicy p) {
+  return p == ValuePolicy::kA2 ? "a2" : "uniform";
+}
 
 bool ParseValuePolicy(absl::string_view name, ValuePolicy* p) {
   if (name == "uniform") *p = ValuePolicy::kUniform;

@@ -62,8 +62,8 @@ TEST(CodecSchema, ValidateChecksEveryRangeOfTheTable) {
       continue;
     SCOPED_TRACE(std::string(f.name));
     core::CodecOptions o;
-    o.rank = 4;                                   // side_bits applies
-    o.value_policy = core::ValuePolicy::kA2;      // value_budget applies
+    o.rank = 4;                               // side_bits applies
+    o.value_policy = core::ValuePolicy::kA2;  // value_budget applies
     ASSERT_TRUE(o.Validate().ok()) << o.Validate();
     core::SetCodecField(f, -7, &o);
     const absl::Status st = o.Validate();

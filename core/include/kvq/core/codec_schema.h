@@ -11,9 +11,9 @@
 
 #include <span>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kvq/core/codec.h"
 
 namespace kvq::core {
@@ -22,7 +22,7 @@ enum class CodecFieldType { kInt, kFloat, kBool, kValuePolicy };
 
 struct CodecField {
   absl::string_view name;  // codec.json's key, CodecSettings' field name
-  int wire_number;        // CodecSettings' field number
+  int wire_number;         // CodecSettings' field number
   CodecFieldType type;
   // The member (the one matching `type`; the others null).
   int CodecOptions::*int_member = nullptr;
