@@ -71,7 +71,13 @@ for part in "${parts[@]}"; do
     ctest --test-dir "$dir" --output-on-failure -j "$JOBS" --timeout 900 > "$dir/ctest.log" 2>&1 || rc=$?
   fi
   grep -E "tests passed|tests failed|\(Failed\)|\(Timeout\)|Subprocess" "$dir/ctest.log" || true
-  [[ $rc -ne 0 ]] && { grep -B2 -A30 -E "ERROR: (Address|Thread|Leak)Sanitizer|WARNING: ThreadSanitizer|runtime error" "$dir/ctest.log" | head -80; status=1; }
+  if [[ $rc -ne 0 ]]; then
+    # A sanitizer's report, or else the failed assertions (gtest's "Failure" lines), so that a CI
+    # log that keeps only the tail still says what failed.
+    grep -B2 -A30 -E "ERROR: (Address|Thread|Leak)Sanitizer|WARNING: ThreadSanitizer|runtime error" "$dir/ctest.log" | head -80
+    grep -A8 -E ": Failure$" "$dir/ctest.log" | head -60
+    status=1
+  fi
   echo "sanitize: $part built in $((built - start)) s, tests in $(( $(date +%s) - built )) s, exit $rc"
 done
 exit $status
