@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
+#include "kvq/format/block_format.h"
 #include "kvq/wire/codec_settings.h"
 
 namespace kvq::server {
@@ -136,6 +137,25 @@ void ModelToProto(const core::ModelEntry& e, int64_t live_sequences, v1::ModelIn
   // Registered entries are valid codecs with a wire form (side_sign is not a setting).
   if (auto c = wire::CodecToWire(e.codec); c.ok()) *out->mutable_codec() = *std::move(c);
   out->set_live_sequences(live_sequences);
+  out->set_block_version_min(format::kMinVersion);
+  out->set_block_version_max(format::kMaxVersion);
+}
+
+void BasisToProto(const core::ModelEntry& e, v1::RegisterBasisRequest* out) {
+  if (!e.has_basis) return;
+  const core::BasisManifest& m = e.manifest;
+  auto layers = [&](const std::vector<float>& all, int cols,
+                    google::protobuf::RepeatedPtrField<v1::Tensor>* to) {
+    if (all.empty()) return;
+    const size_t per_layer = static_cast<size_t>(m.kv_heads) * m.head_dim * cols;
+    for (int l = 0; l < m.layers; ++l) {
+      FillTensor(all.data() + l * per_layer, {m.kv_heads, m.head_dim, cols}, v1::DTYPE_F32,
+                 to->Add());
+    }
+  };
+  layers(e.basis.u, m.rank, out->mutable_basis());
+  layers(e.basis.encode, m.rank, out->mutable_encode_basis());
+  layers(e.basis.query_moment, m.head_dim, out->mutable_query_moment());
 }
 
 absl::StatusOr<core::ModelEntry> ModelFromProto(const v1::RegisterBasisRequest& req) {

@@ -41,6 +41,9 @@ void FillTensor(const float* data, std::initializer_list<int64_t> shape, v1::DTy
 
 // Codec settings cross the wire through kvq/wire/codec_settings.h (MergeCodec, CodecToWire).
 void ModelToProto(const core::ModelEntry& e, int64_t live_sequences, v1::ModelInfo* out);
+// The entry's tensors as RegisterBasisRequest carries them (ModelFromProto's inverse): basis,
+// encode_basis and query_moment, one F32 tensor per layer each (those the entry has).
+void BasisToProto(const core::ModelEntry& e, v1::RegisterBasisRequest* out);
 absl::StatusOr<core::ModelEntry> ModelFromProto(const v1::RegisterBasisRequest& req);
 
 }  // namespace kvq::server

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvq/core/field_error.h"
 #include "kvq/core/status.h"
+#include "kvq/format/block_format.h"
 #include "kvq/wire/codec_settings.h"
 #include "server/convert.h"
 
@@ -96,17 +97,38 @@ grpc::ServerUnaryReactor* Service::ListModels(grpc::CallbackServerContext* ctx,
   });
 }
 
+namespace {
+
+// The registry entry a GetModel or GetBasis request names (version 0: the latest).
+absl::StatusOr<std::shared_ptr<const core::ModelEntry>> ModelNamed(core::Registry& registry,
+                                                                   const v1::GetModelRequest& req) {
+  if (req.model().empty()) return absl::InvalidArgumentError("model must be set");
+  if (req.version() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("version ", req.version(), " must be >= 0 (0: latest)"));
+  }
+  return registry.Get(req.model(), req.version());
+}
+
+}  // namespace
+
 grpc::ServerUnaryReactor* Service::GetModel(grpc::CallbackServerContext* ctx,
                                             const v1::GetModelRequest* req, v1::ModelInfo* resp) {
   return Unary("GetModel", CallKind::kInline, ctx, req, resp, [this, req, resp](const Call&) {
-    if (req->model().empty()) return absl::InvalidArgumentError("model must be set");
-    if (req->version() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("version ", req->version(), " must be >= 0 (0: latest)"));
-    }
-    ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> e,
-                     registry_->Get(req->model(), req->version()));
+    ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> e, ModelNamed(*registry_, *req));
     ModelToProto(*e, store_->LiveSequences(e->manifest.model, e->manifest.version), resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::ServerUnaryReactor* Service::GetBasis(grpc::CallbackServerContext* ctx,
+                                            const v1::GetModelRequest* req,
+                                            v1::RegisterBasisRequest* resp) {
+  return Unary("GetBasis", CallKind::kPooled, ctx, req, resp, [this, req, resp](const Call&) {
+    ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> e, ModelNamed(*registry_, *req));
+    ModelToProto(*e, store_->LiveSequences(e->manifest.model, e->manifest.version),
+                 resp->mutable_info());
+    BasisToProto(*e, resp);
     return absl::OkStatus();
   });
 }
@@ -114,8 +136,9 @@ grpc::ServerUnaryReactor* Service::GetModel(grpc::CallbackServerContext* ctx,
 // ---------------------------------------------------------------------------- PutBlocks
 
 absl::Status Service::SpecOf(const v1::Append& a, const std::string& at, core::AppendSpec* spec,
-                             std::vector<float>* probe) {
+                             SpecStorage* storage) {
   core::AppendSpec& s = *spec;
+  std::vector<float>* probe = &storage->probe;
   RETURN_IF_ERROR(CheckId(a.sequence_id(), at + ".sequence_id"));
   s.sequence_id = a.sequence_id();
   s.layer = a.layer();
@@ -123,8 +146,28 @@ absl::Status Service::SpecOf(const v1::Append& a, const std::string& at, core::A
   if (a.token_ids_size() > 0) {
     s.token_ids = std::span<const uint32_t>(a.token_ids().data(), a.token_ids_size());
   }
-  // keys and values both absent with token ids: an attach from the prefix index.
-  if (a.token_ids_size() == 0 || a.has_keys() || a.has_values()) {
+  if (a.has_encoded()) {
+    const v1::EncodedGroups& e = a.encoded();
+    core::EncodedGroupsView& run = storage->run;
+    run.groups = -1;  // as many as the sizes hold (the store knows the heads)
+    run.bytes = {reinterpret_cast<const uint8_t*>(e.blocks().data()), e.blocks().size()};
+    run.sizes = {e.block_bytes().data(), static_cast<size_t>(e.block_bytes_size())};
+    run.basis_fingerprint = e.basis_fingerprint();
+    for (const auto& [sinks, field, name] :
+         {std::tuple{&e.sink_keys(), &run.sink_keys, "sink_keys"},
+          std::tuple{&e.sink_values(), &run.sink_values, "sink_values"}}) {
+      if (sinks->data().empty()) continue;
+      if (sinks->dtype() != v1::DTYPE_F16) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(at, ".encoded.", name, ".dtype must be DTYPE_F16"));
+      }
+      *field = {reinterpret_cast<const uint8_t*>(sinks->data().data()), sinks->data().size()};
+    }
+    s.encoded = &run;
+  }
+  // keys and values both absent with token ids (an attach from the prefix index) or with
+  // encoded groups (no rows after them).
+  if ((a.token_ids_size() == 0 && !a.has_encoded()) || a.has_keys() || a.has_values()) {
     ASSIGN_OR_RETURN(s.keys, ViewOf(a.keys(), at + ".keys", 3, 3));
     ASSIGN_OR_RETURN(s.values, ViewOf(a.values(), at + ".values", 3, 3));
   }
@@ -305,10 +348,10 @@ class PutBlocksReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
 
   absl::Status Apply(const v1::PutBlocksRequest& req) {
     std::vector<core::AppendSpec> specs(req.appends_size());
-    std::vector<std::vector<float>> probes(req.appends_size());
+    std::vector<Service::SpecStorage> storage(req.appends_size());
     for (int i = 0; i < req.appends_size(); ++i) {
       RETURN_IF_ERROR(
-          svc_->SpecOf(req.appends(i), absl::StrCat("appends[", i, "]"), &specs[i], &probes[i]));
+          svc_->SpecOf(req.appends(i), absl::StrCat("appends[", i, "]"), &specs[i], &storage[i]));
     }
     core::AppendOutcome out;
     RETURN_IF_ERROR(svc_->store()->Append(call_.tenant(), specs, &out));
@@ -430,8 +473,8 @@ absl::Status Service::ItemAppend(const std::string& tenant, const Item& item,
                      item.layer(), ")"));
   }
   core::AppendSpec spec;
-  std::vector<float> probe;
-  RETURN_IF_ERROR(SpecOf(ap, at + ".append", &spec, &probe));
+  SpecStorage storage;
+  RETURN_IF_ERROR(SpecOf(ap, at + ".append", &spec, &storage));
   core::AppendOutcome outcome;
   // The store names the item by its batch index; on the wire it is this item's append.
   return core::RenameField(store_->Append(tenant, {spec}, &outcome), "appends[0]", at + ".append");
@@ -649,6 +692,14 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       kv_heads_ = info.model->manifest.kv_heads;
       d_ = info.model->manifest.head_dim;
       version_ = info.model->manifest.version;
+      group_ = info.codec.key_group;
+      if (info.codec.rank > 0) fingerprint_ = info.model->manifest.fingerprint;
+      if (req_.codes() && req_.max_block_version() < format::kMinVersion) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "max_block_version ", req_.max_block_version(),
+            ": codes need a client that reads block-format versions this server writes (",
+            format::kMinVersion, " to ", format::kMaxVersion, ")"));
+      }
       // Every layer is read up to its length now (taken under the sequence's lock in one
       // step): appends that land while the stream is under way are not seen.
       snapshot_ = info.layer_tokens;
@@ -664,6 +715,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
         layers_.push_back(req_.layers(i));
       }
     }
+    if (req_.codes()) return ProduceCodes();
     // The layer's range is decoded a window at a time (at most kDecodeWindow tokens, or one
     // message's), so that a stream holds a bounded fp32 copy however long the layer and
     // however slowly its client reads. Next layer once this one's range is sent (an empty
@@ -704,6 +756,71 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
     CopyRows(keys_, n, msg_.mutable_keys());
     CopyRows(values_, n, msg_.mutable_values());
     offset_ += n;
+    return absl::OkStatus();
+  }
+
+  // Codes: the next message of whole groups (at most chunk_ tokens of them, at least one group),
+  // then the window's rows, layer after layer.
+  absl::Status ProduceCodes() {
+    for (;;) {
+      if (layer_open_ && (pos_ < end_ || !layer_sent_)) break;
+      if (next_layer_ >= layers_.size()) {
+        finished_ = true;
+        return absl::OkStatus();
+      }
+      layer_ = layers_[next_layer_++];
+      length_ = layer_ < static_cast<int>(snapshot_.size()) ? snapshot_[layer_] : 0;
+      end_ = req_.to_token() > 0 ? std::min<int64_t>(req_.to_token(), length_) : length_;
+      pos_ = std::min(req_.from_token(), end_);
+      layer_open_ = length_ > 0;  // an empty layer sends nothing
+      layer_sent_ = false;
+      if (layer_open_ && req_.from_token() == 0 && end_ == length_) {
+        RETURN_IF_ERROR(svc_->store()->VerifyLayer(call_.tenant(), req_.sequence_id(), layer_,
+                                                   req_.basis_version()));
+      }
+    }
+    const int64_t chunk = std::max<int64_t>(group_, chunk_ / group_ * group_);
+    const int64_t to = end_ - pos_ <= chunk ? end_ : pos_ + chunk;
+    core::EncodedGroups groups;
+    int64_t first = 0;
+    RETURN_IF_ERROR(svc_->store()->ReadEncoded(call_.tenant(), req_.sequence_id(), layer_,
+                                               req_.basis_version(), pos_, to, dtype_, &groups,
+                                               &keys_, &values_, &tokens_, &first));
+    const std::vector<size_t> at = core::RunOffsets(core::ViewOf(groups));
+    for (size_t b = 0; b < groups.sizes.size(); ++b) {
+      const int version = groups.bytes[at[b] + format::kVersionAt];
+      if (version > req_.max_block_version()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("layer ", layer_, " holds blocks of block-format version ", version,
+                         "; the client reads versions up to ", req_.max_block_version(),
+                         " (max_block_version)"));
+      }
+    }
+    layer_sent_ = true;
+    pos_ = std::max(to, first + groups.groups * group_);
+    msg_.Clear();
+    msg_.set_layer(layer_);
+    msg_.set_start(first);
+    msg_.set_layer_tokens(std::min(tokens_, length_));
+    msg_.set_basis_version(version_);
+    v1::EncodedGroups* e = msg_.mutable_encoded();
+    e->set_blocks(groups.bytes.data(), groups.bytes.size());
+    e->mutable_block_bytes()->Add(groups.sizes.begin(), groups.sizes.end());
+    if (groups.groups > 0) e->set_basis_fingerprint(fingerprint_);
+    for (const auto& [rows, tensor] : {std::pair{&groups.sink_keys, e->mutable_sink_keys()},
+                                       std::pair{&groups.sink_values, e->mutable_sink_values()}}) {
+      if (rows->empty()) continue;
+      tensor->set_dtype(v1::DTYPE_F16);
+      const int64_t sinks = static_cast<int64_t>(rows->size()) / (int64_t{kv_heads_} * d_);
+      for (int64_t dim : {int64_t{kv_heads_}, sinks, int64_t{d_}}) tensor->add_shape(dim);
+      tensor->set_data(reinterpret_cast<const char*>(rows->data()), 2 * rows->size());
+    }
+    // The window rows: all of them, whatever chunk_ (at most R + G - 1 tokens).
+    decoded_ =
+        static_cast<int64_t>(keys_.size() / core::DTypeSize(dtype_)) / (int64_t{kv_heads_} * d_);
+    offset_ = 0;
+    CopyRows(keys_, decoded_, msg_.mutable_keys());
+    CopyRows(values_, decoded_, msg_.mutable_values());
     return absl::OkStatus();
   }
 
@@ -758,6 +875,9 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   // Tokens decoded per window: about this many, a whole number of messages (at least one).
   static constexpr int64_t kDecodeWindow = 1024;
   int64_t offset_ = 0, tokens_ = 0, first_ = 0, decoded_ = 0, end_ = 0, length_ = 0;
+  // Codes: the codec's group size and the next token of the current layer to send.
+  int64_t group_ = 1, pos_ = 0;
+  std::string fingerprint_;  // of the basis the side codes use ("" at rank 0)
   bool layer_open_ = false, layer_sent_ = true;
   v1::DType wire_dtype_ = v1::DTYPE_F32;
   core::DType dtype_ = core::DType::kF32;

@@ -33,6 +33,9 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
                                        v1::ListModelsResponse* resp) override;
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* ctx,
                                      const v1::GetModelRequest* req, v1::ModelInfo* resp) override;
+  grpc::ServerUnaryReactor* GetBasis(grpc::CallbackServerContext* ctx,
+                                     const v1::GetModelRequest* req,
+                                     v1::RegisterBasisRequest* resp) override;
   // The generated typed PutBlocks is never registered (the raw one replaces it); named here so
   // that overriding the raw one does not hide it (clang's -Woverloaded-virtual).
   using v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::CallbackService>::PutBlocks;
@@ -56,10 +59,16 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
                                  v1::EchoResponse* resp) override;
 
   // Shared by the stream reactors.
-  // Translates one wire append into a store append (views into `a`; probe weights converted
-  // into *probe), validating what the store does not; errors start with `at`.
+  // What a store append points at besides the request: probe weights converted to fp32, the
+  // encoded groups' view.
+  struct SpecStorage {
+    std::vector<float> probe;
+    core::EncodedGroupsView run;
+  };
+  // Translates one wire append into a store append (views into `a` and *storage), validating
+  // what the store does not; errors start with `at`.
   absl::Status SpecOf(const v1::Append& a, const std::string& at, core::AppendSpec* spec,
-                      std::vector<float>* probe);
+                      SpecStorage* storage);
   // Applies an Attend or Score item's `append` (its own sequence and layer only).
   template <class Item>
   absl::Status ItemAppend(const std::string& tenant, const Item& item, const std::string& at);

@@ -1202,3 +1202,141 @@ absl::Status LayerCache::ReplaceSealed(int64_t b, SealedBlockPtr block) {
 }
 
 }  // namespace kvq::core
+
+namespace kvq::core {
+
+absl::Status LayerCache::ExportGroups(int64_t g0, int64_t g1, EncodedGroups* out) const {
+  const int64_t groups = encoded_ / opts_.key_group;
+  if (g0 < 0 || g0 > g1 || g1 > groups) {
+    return absl::OutOfRangeError(
+        absl::StrCat("groups [", g0, ", ", g1, "): the layer holds ", groups, " encoded groups"));
+  }
+  *out = EncodedGroups{};
+  out->first_group = g0;
+  out->groups = g1 - g0;
+  out->sizes.reserve(static_cast<size_t>(g1 - g0) * 2 * kv_heads_);
+  std::vector<uint8_t> scratch;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int h = 0; h < kv_heads_; ++h) {
+      for (int value = 0; value < 2; ++value) {
+        ASSIGN_OR_RETURN(std::span<const uint8_t> b,
+                         value ? CpuValueBlock(h, g, &scratch) : CpuKeyBlock(h, g, &scratch));
+        RETURN_IF_ERROR(VerifyBlock(b));
+        out->bytes.insert(out->bytes.end(), b.begin(), b.end());
+        out->sizes.push_back(static_cast<uint32_t>(b.size()));
+      }
+    }
+  }
+  if (g0 == 0 && g1 > 0 && sinks_) {
+    RETURN_IF_ERROR(sinks_->Verify());
+    out->sink_keys = sinks_->keys;
+    out->sink_values = sinks_->values;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerCache::AppendGroups(const EncodedGroupsView& run) {
+  const int G = opts_.key_group, d = opts_.head_dim;
+  if (run.first_group * G != encoded_) {
+    return absl::FailedPreconditionError(absl::StrCat("encoded groups from group ", run.first_group,
+                                                      ": the layer's next group is ",
+                                                      encoded_ / G));
+  }
+  if (run.sizes.size() != static_cast<size_t>(run.groups) * 2 * kv_heads_) {
+    return absl::InvalidArgumentError("encoded groups: unchecked run (sizes do not fit)");
+  }
+  if (run.groups == 0) return absl::OkStatus();
+  const std::vector<size_t> at = RunOffsets(run);
+  auto block = [&](int64_t g, int h, int value) {
+    const size_t i = static_cast<size_t>((g * kv_heads_ + h) * 2 + value);
+    return run.bytes.subspan(at[i], run.sizes[i]);
+  };
+  std::shared_ptr<SinkRows> sinks;
+  if (run.first_group == 0 && opts_.fp16_sinks > 0) {
+    sinks = std::make_shared<SinkRows>();
+    sinks->sinks = opts_.fp16_sinks;
+    sinks->head_dim = d;
+    const size_t n = static_cast<size_t>(kv_heads_) * opts_.fp16_sinks * d;
+    if (run.sink_keys.size() != 2 * n || run.sink_values.size() != 2 * n) {
+      return absl::InvalidArgumentError("encoded groups: group 0 without its sink rows");
+    }
+    sinks->keys.resize(n);
+    sinks->values.resize(n);
+    for (size_t e = 0; e < n; ++e) {
+      sinks->keys[e] = static_cast<uint16_t>(format::LoadU16(run.sink_keys.data() + 2 * e));
+      sinks->values[e] = static_cast<uint16_t>(format::LoadU16(run.sink_values.data() + 2 * e));
+    }
+    sinks->checksum = sinks->Hash();
+  }
+  const bool seal = sealing_ && heads_[0].voffsets.empty() &&
+                    encoded_ == static_cast<int64_t>(sealed_.size()) * G;
+  std::vector<std::shared_ptr<SealedBlock>> made;
+  // Every byte is placed before anything changes: a pool that cannot give it leaves the cache
+  // as it was.
+  std::vector<size_t> sizes(3 * kv_heads_);
+  for (int h = 0; h < kv_heads_; ++h) {
+    sizes[3 * h] = heads_[h].kblocks.size();
+    sizes[3 * h + 1] = heads_[h].vblocks.size();
+    sizes[3 * h + 2] = heads_[h].voffsets.size();
+  }
+  absl::Status placed;
+  try {
+    for (int64_t g = 0; g < run.groups && placed.ok(); ++g) {
+      if (seal) {
+        auto b = std::make_shared<SealedBlock>(pool_);
+        size_t bytes = 0;
+        for (int h = 0; h < kv_heads_; ++h) bytes += block(g, h, 0).size() + block(g, h, 1).size();
+        b->bytes.reserve(bytes);
+        for (int h = 0; h < kv_heads_ && placed.ok(); ++h) {
+          for (int value = 0; value < 2 && placed.ok(); ++value) {
+            const std::span<const uint8_t> x = block(g, h, value);
+            placed = b->bytes.Append(x.data(), x.size());
+            b->offsets.push_back(static_cast<uint32_t>(b->bytes.size()));
+          }
+        }
+        made.push_back(std::move(b));
+        continue;
+      }
+      for (int h = 0; h < kv_heads_ && placed.ok(); ++h) {
+        Head& hd = heads_[h];
+        const std::span<const uint8_t> k = block(g, h, 0), v = block(g, h, 1);
+        placed = hd.kblocks.Append(k.data(), k.size());
+        hd.voffsets.push_back(hd.vblocks.size());
+        if (placed.ok()) placed = hd.vblocks.Append(v.data(), v.size());
+      }
+    }
+  } catch (const std::bad_alloc&) {
+    placed = absl::ResourceExhaustedError(
+        absl::StrCat("encoded groups: the block pool cannot hold ", run.groups, " more groups of ",
+                     kv_heads_, " heads"));
+  }
+  if (!placed.ok()) {
+    for (int h = 0; h < kv_heads_; ++h) {
+      heads_[h].kblocks.resize(sizes[3 * h]);
+      heads_[h].vblocks.resize(sizes[3 * h + 1]);
+      heads_[h].voffsets.resize(sizes[3 * h + 2]);
+    }
+    return placed;
+  }
+  // The window rows the run covers go: the run holds them now.
+  const int64_t n = run.groups * G;
+  const int64_t covered = std::min(tokens_ - encoded_, n);
+  for (Head& hd : heads_) {
+    const size_t row = static_cast<size_t>(d) * DTypeSize(hd.win_dtype);
+    hd.kwin.erase(hd.kwin.begin(), hd.kwin.begin() + covered * row);
+    hd.vwin.erase(hd.vwin.begin(), hd.vwin.begin() + covered * row);
+    hd.a2_sum.erase(hd.a2_sum.begin(), hd.a2_sum.begin() + covered);
+    hd.a2_reads.erase(hd.a2_reads.begin(), hd.a2_reads.begin() + covered);
+    hd.probe.erase(hd.probe.begin(), hd.probe.begin() + covered);
+  }
+  if (sinks) {
+    sinks_ = sinks;
+    if (seal) made[0]->sinks = sinks;
+  }
+  for (auto& b : made) sealed_.push_back(std::move(b));
+  encoded_ += n;
+  tokens_ = std::max(tokens_, encoded_);
+  return absl::OkStatus();
+}
+
+}  // namespace kvq::core

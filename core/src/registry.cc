@@ -410,4 +410,38 @@ std::vector<std::shared_ptr<const ModelEntry>> Registry::List() const {
   return out;
 }
 
+namespace {
+
+// The first `rank` columns of one layer of a basis-shaped tensor (U, or an oblique pair's
+// encode basis A: the leading columns of a pair are the lower-rank pair), [kv][d][rank];
+// empty when the tensor is (no basis, not oblique) or rank is 0.
+std::vector<float> LayerBasis(const ModelEntry& m, const std::vector<float>& tensor, int layer,
+                              int rank) {
+  if (rank == 0 || !m.has_basis || tensor.empty()) return {};
+  const int kv = m.manifest.kv_heads, d = m.manifest.head_dim, R = m.manifest.rank;
+  std::vector<float> out(static_cast<size_t>(kv) * d * rank);
+  for (int h = 0; h < kv; ++h) {
+    const float* u = tensor.data() + m.basis.HeadOffset(layer, h);
+    for (int i = 0; i < d; ++i) {
+      for (int j = 0; j < rank; ++j) {
+        out[(static_cast<size_t>(h) * d + i) * rank + j] = u[i * R + j];
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const ModelEntry& model, int layer,
+                                                             const CodecOptions& codec) {
+  std::vector<float> basis = LayerBasis(model, model.basis.u, layer, codec.rank);
+  std::vector<float> encode = LayerBasis(model, model.basis.encode, layer, codec.rank);
+  const float* moment = model.basis.query_moment_head(layer, 0);
+  return MakeLayerCodecTables(
+      codec, model.manifest.kv_heads, basis.empty() ? nullptr : basis.data(),
+      encode.empty() ? nullptr : encode.data(), codec.metric_rounding ? moment : nullptr,
+      codec.value_metric_rounding ? model.basis.value_metric_head(layer, 0) : nullptr);
+}
+
 }  // namespace kvq::core

@@ -14,28 +14,7 @@
 
 namespace kvq::core {
 
-namespace {
-
-// The first `rank` columns of one layer of a basis-shaped tensor (U, or an oblique pair's
-// encode basis A: the leading columns of a pair are the lower-rank pair), [kv][d][rank];
-// empty when the tensor is (no basis, not oblique) or rank is 0.
-std::vector<float> LayerBasis(const ModelEntry& m, const std::vector<float>& tensor, int layer,
-                              int rank) {
-  if (rank == 0 || !m.has_basis || tensor.empty()) return {};
-  const int kv = m.manifest.kv_heads, d = m.manifest.head_dim, R = m.manifest.rank;
-  std::vector<float> out(static_cast<size_t>(kv) * d * rank);
-  for (int h = 0; h < kv; ++h) {
-    const float* u = tensor.data() + m.basis.HeadOffset(layer, h);
-    for (int i = 0; i < d; ++i) {
-      for (int j = 0; j < rank; ++j) {
-        out[(static_cast<size_t>(h) * d + i) * rank + j] = u[i * R + j];
-      }
-    }
-  }
-  return out;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 Store::Store(StoreOptions opts, Registry* registry) : opts_(std::move(opts)), registry_(registry) {}
 
@@ -182,13 +161,7 @@ std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& mod
                    codec.value_metric_rounding ? (codec.rotate_values ? 2 : 1) : 0);
   MutexLock l(&tables_mu_);
   if (auto held = tables_[key].lock()) return held;
-  std::vector<float> basis = LayerBasis(model, model.basis.u, layer, codec.rank);
-  std::vector<float> encode = LayerBasis(model, model.basis.encode, layer, codec.rank);
-  const float* moment = model.basis.query_moment_head(layer, 0);
-  std::shared_ptr<const LayerCodecTables> t = MakeLayerCodecTables(
-      codec, model.manifest.kv_heads, basis.empty() ? nullptr : basis.data(),
-      encode.empty() ? nullptr : encode.data(), codec.metric_rounding ? moment : nullptr,
-      codec.value_metric_rounding ? model.basis.value_metric_head(layer, 0) : nullptr);
+  std::shared_ptr<const LayerCodecTables> t = MakeLayerCodecTables(model, layer, codec);
   tables_[key] = t;
   // Forget the tables no cache holds any more (retired versions, finished codecs).
   absl::erase_if(tables_, [](const auto& kv) { return kv.second.expired(); });
@@ -426,6 +399,29 @@ absl::Status Store::DecodeAs(const std::string& tenant, const std::string& seque
                      values->clear();
                      return absl::OkStatus();
                    });
+}
+
+absl::Status Store::ReadEncoded(const std::string& tenant, const std::string& sequence_id,
+                                int layer, int basis_version, int64_t from, int64_t to, DType dtype,
+                                EncodedGroups* groups, std::vector<uint8_t>* keys,
+                                std::vector<uint8_t>* values, int64_t* tokens, int64_t* first) {
+  *groups = EncodedGroups{};
+  keys->clear();
+  values->clear();
+  return ReadRange(
+      tenant, sequence_id, layer, basis_version, from, to, tokens, first,
+      [&](const LayerCache* cache, int64_t a, int64_t b) -> absl::Status {
+        if (cache == nullptr || a == b) return absl::OkStatus();
+        const int64_t G = cache->options().key_group, E = cache->encoded_tokens();
+        if (a < E) {
+          *first = a / G * G;
+          RETURN_IF_ERROR(cache->ExportGroups(a / G, std::min(E, b + G - 1) / G, groups));
+        }
+        if (b > E) {
+          RETURN_IF_ERROR(cache->DecodeAs(std::max(a, E), b, dtype, keys, values));
+        }
+        return absl::OkStatus();
+      });
 }
 
 absl::Status Store::VerifyLayer(const std::string& tenant, const std::string& sequence_id,

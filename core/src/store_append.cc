@@ -8,6 +8,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "kvq/core/encoded_groups.h"
 #include "kvq/core/field_error.h"
 #include "kvq/core/status.h"
 #include "xxhash.h"
@@ -81,7 +82,37 @@ std::string Shape(const TensorView& t) {
 }
 
 // An attach: token ids without keys and values.
-bool IsAttach(const AppendSpec& a) { return a.keys.rank == 0 && a.values.rank == 0; }
+bool IsAttach(const AppendSpec& a) {
+  return a.keys.rank == 0 && a.values.rank == 0 && a.encoded == nullptr;
+}
+
+// Rows an append carries (after its encoded groups, if any).
+int64_t RowCount(const AppendSpec& a) { return a.keys.rank == 3 ? a.keys.shape[1] : 0; }
+
+// Hash of token t of an encoded group as it arrived: the group's blocks (every head, keys and
+// values) and t's place in it. Never equal to a row's TokenHash in practice, so a re-send in the
+// other form is ALREADY_EXISTS.
+uint64_t GroupTokenHash(const EncodedGroupsView& run, const std::vector<size_t>& at, int kv_heads,
+                        int64_t g, int64_t t) {
+  const size_t first = static_cast<size_t>(g) * 2 * kv_heads;
+  const size_t begin = at[first], end = at[first + 2 * kv_heads];
+  return XXH3_64bits_withSeed(run.bytes.data() + begin, end - begin,
+                              0x656e63ull ^ static_cast<uint64_t>(t));
+}
+
+// The sub-run of groups [g0, g1) (0-based within `run`).
+EncodedGroupsView SubRun(const EncodedGroupsView& run, const std::vector<size_t>& at, int kv_heads,
+                         int64_t g0, int64_t g1) {
+  EncodedGroupsView v = run;
+  const size_t b0 = static_cast<size_t>(g0) * 2 * kv_heads,
+               b1 = static_cast<size_t>(g1) * 2 * kv_heads;
+  v.first_group = run.first_group + g0;
+  v.groups = g1 - g0;
+  v.bytes = run.bytes.subspan(at[b0], at[b1] - at[b0]);
+  v.sizes = run.sizes.subspan(b0, b1 - b0);
+  if (g0 > 0) v.sink_keys = v.sink_values = {};
+  return v;
+}
 
 // The sequences one append holds: locked in address order (two appends never wait on each
 // other in a cycle) and unlocked in reverse when it goes out of scope, on every path.
@@ -206,6 +237,7 @@ std::vector<Store::Sequence*> Store::AppendBatch::sequences() const {
 
 absl::Status Store::AppendBatch::Plan() {
   plans_.resize(batch_.size());
+  runs_.resize(batch_.size());
   for (size_t i = 0; i < batch_.size(); ++i) {
     if (absl::Status st = PlanItem(i); !st.ok()) {
       ReleasePins();
@@ -220,6 +252,7 @@ absl::Status Store::AppendBatch::PlanItem(size_t i) ABSL_NO_THREAD_SAFETY_ANALYS
   Sequence* s = seqs_.at(a.sequence_id).get();
   RETURN_IF_ERROR(CheckTarget(i, *s));
   RETURN_IF_ERROR(CheckTensors(i, *s));
+  if (a.encoded != nullptr) return PlanEncoded(i, s);
   const bool attach_only = IsAttach(a);
   const int G = s->codec.key_group;
   const int64_t n = attach_only ? static_cast<int64_t>(a.token_ids.size()) : a.keys.shape[1];
@@ -233,7 +266,7 @@ absl::Status Store::AppendBatch::PlanItem(size_t i) ABSL_NO_THREAD_SAFETY_ANALYS
   }
   const int64_t overlap = std::min(n, len - a.start);
   RETURN_IF_ERROR(attach_only ? CheckResentAttach(i, *s, overlap)
-                              : CheckResentTokens(i, *s, overlap, pend));
+                              : CheckResentTokens(i, *s, a.start, overlap, pend));
   ItemPlan& p = plans_[i];
   p.from = overlap;
   p.n = n - overlap;
@@ -304,6 +337,7 @@ absl::Status Store::AppendBatch::CheckTensors(size_t i, const Sequence& s) const
     }
     return absl::OkStatus();
   }
+  if (a.encoded != nullptr && k.rank == 0 && v.rank == 0) return absl::OkStatus();  // no rows
   if (k.rank != 3 || k.shape[0] != m.kv_heads || k.shape[2] != m.head_dim || k.shape[1] < 1 ||
       k.shape[1] > kMaxAppendTokens) {
     return AppendError(absl::StatusCode::kInvalidArgument, i, ".keys.shape ", Shape(k),
@@ -329,7 +363,8 @@ absl::Status Store::AppendBatch::CheckTensors(size_t i, const Sequence& s) const
                          "): ", rows.message());
     }
   }
-  if (!a.token_ids.empty() && a.token_ids.size() != static_cast<size_t>(k.shape[1])) {
+  if (a.encoded == nullptr && !a.token_ids.empty() &&
+      a.token_ids.size() != static_cast<size_t>(k.shape[1])) {
     return AppendError(absl::StatusCode::kInvalidArgument, i, ".token_ids has ", a.token_ids.size(),
                        " ids; it must be empty or hold one id per appended token (", k.shape[1],
                        ")");
@@ -366,9 +401,9 @@ absl::Status Store::AppendBatch::CheckResentAttach(
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::CheckResentTokens(size_t i, const Sequence& s, int64_t overlap,
-                                                   const std::vector<uint64_t>& pending) const
-    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status Store::AppendBatch::CheckResentTokens(
+    size_t i, const Sequence& s, int64_t pos0, int64_t overlap,
+    const std::vector<uint64_t>& pending) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   const std::vector<uint64_t>& stored = s.hashes[a.layer];
   const int64_t base = s.hash_base[a.layer];
@@ -376,13 +411,13 @@ absl::Status Store::AppendBatch::CheckResentTokens(size_t i, const Sequence& s, 
   // Tokens of indexed groups compare with the index's hashes (under the store lock).
   std::optional<MutexLock> index_lock;
   const Tenant* T = nullptr;
-  if (overlap > 0 && a.start < base) {
+  if (overlap > 0 && pos0 < base) {
     index_lock.emplace(&store_.mu_);
     auto t = store_.tenants_.find(tenant_);
     if (t != store_.tenants_.end()) T = t->second.get();
   }
   for (int64_t t = 0; t < overlap; ++t) {
-    const int64_t pos = a.start + t;
+    const int64_t pos = pos0 + t;
     const uint64_t want = TokenHash(a.keys, a.values, t);
     uint64_t have = 0;
     if (pos < base) {
@@ -404,7 +439,8 @@ absl::Status Store::AppendBatch::CheckResentTokens(size_t i, const Sequence& s, 
 }
 
 void Store::AppendBatch::PinIndexedGroups(size_t i, const Sequence& s, int64_t len,
-                                          bool pending_empty) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                          bool pending_empty,
+                                          int64_t max_groups) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   ItemPlan& p = plans_[i];
   const Sequence::LayerPrefix& lp = s.prefix[a.layer];
@@ -419,7 +455,8 @@ void Store::AppendBatch::PinIndexedGroups(size_t i, const Sequence& s, int64_t l
   // encoded itself; the last R (the window) and the incomplete group stay for the frontend
   // to send with data, at arrival precision.
   const int G = s.codec.key_group;
-  const int64_t most = std::max<int64_t>(0, (p.n - s.codec.window) / G);
+  int64_t most = std::max<int64_t>(0, (p.n - s.codec.window) / G);
+  if (max_groups >= 0) most = std::min(most, max_groups);
   const PrefixKey prev = lp.block_keys.empty() ? lp.seed : lp.block_keys.back();
   MutexLock g(&store_.mu_);
   auto t = store_.tenants_.find(tenant_);
@@ -429,6 +466,130 @@ void Store::AppendBatch::PinIndexedGroups(size_t i, const Sequence& s, int64_t l
   p.attach = std::move(run.blocks);
   p.attach_keys = std::move(run.keys);
   if (IsAttach(a)) p.new_hashes = std::move(run.hashes);
+}
+
+absl::Status Store::AppendBatch::PlanEncoded(size_t i, Sequence* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  const int G = s->codec.key_group;
+  const int kv_heads = s->model->manifest.kv_heads;
+  runs_[i] = *a.encoded;
+  runs_[i].first_group = a.start / G;
+  if (runs_[i].groups < 0) {  // as many as the sizes hold
+    const size_t per_group = 2 * static_cast<size_t>(kv_heads);
+    if (runs_[i].sizes.size() % per_group != 0) {
+      return AppendError(absl::StatusCode::kInvalidArgument, i, ".encoded.block_bytes has ",
+                         runs_[i].sizes.size(), " sizes; a group of ", kv_heads, " KV heads has ",
+                         per_group, " blocks (a key and a value block a head)");
+    }
+    runs_[i].groups = static_cast<int64_t>(runs_[i].sizes.size() / per_group);
+  }
+  const EncodedGroupsView& run = runs_[i];
+  std::vector<uint64_t>& pend = pending_[{s, a.layer}];
+  if (!pend.empty()) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".encoded: an append with encoded ",
+                       "groups must be the first append of its layer (", a.layer, ") in a message");
+  }
+  if (a.start < 0 || a.start % G != 0) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".start ", a.start,
+                       ": encoded groups start at a multiple of the group size G = ", G);
+  }
+  if (a.probe_weights != nullptr) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i,
+                       ".probe_weights: not with encoded groups (the sender chose their widths)");
+  }
+  if (absl::Status st = CheckEncodedGroups(s->codec, kv_heads, run, ""); !st.ok()) {
+    return AppendError(st.code(), i, ".encoded", st.message());
+  }
+  const std::string& fingerprint = s->model->manifest.fingerprint;
+  if (s->codec.rank > 0 && run.groups > 0 && run.basis_fingerprint != fingerprint) {
+    return AppendError(absl::StatusCode::kFailedPrecondition, i, ".encoded.basis_fingerprint '",
+                       run.basis_fingerprint, "': the side codes of sequence '", a.sequence_id,
+                       "' are made with basis ", fingerprint, " (model '", s->model->manifest.model,
+                       "' version ", s->model->manifest.version, ")");
+  }
+  const int64_t len = s->Length(a.layer);
+  const LayerCache* cache = s->layers[a.layer].get();
+  const int64_t E = cache != nullptr ? cache->encoded_tokens() : 0;
+  if (a.start > E) {
+    return AppendError(absl::StatusCode::kFailedPrecondition, i, ".start ", a.start,
+                       ": encoded groups of layer ", a.layer, " of sequence '", a.sequence_id,
+                       "' must start at or before token ", E,
+                       ", where its encoded groups end (the tokens after are rows)");
+  }
+  const int64_t rows = RowCount(a), n = run.groups * G + rows;
+  const int64_t blocks_end = a.start + run.groups * G;
+  if (n == 0) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i,
+                       ".encoded: no groups and no rows (an append holds at least one token)");
+  }
+  if (!a.token_ids.empty() && a.token_ids.size() != static_cast<size_t>(n)) {
+    return AppendError(absl::StatusCode::kInvalidArgument, i, ".token_ids has ", a.token_ids.size(),
+                       " ids; it must be empty or hold one id per appended token (", n, ")");
+  }
+  RETURN_IF_ERROR(CheckResentGroups(i, *s, a.start / G, std::min(E, blocks_end) / G));
+  // Rows over the layer's tokens must be what they re-send (window rows the groups cover are
+  // replaced instead: the sender's encoding of them).
+  const int64_t overlap = std::min(n, len - a.start);
+  if (rows > 0 && len > blocks_end) {
+    RETURN_IF_ERROR(CheckResentTokens(i, *s, blocks_end, std::min(rows, len - blocks_end), pend));
+  }
+  ItemPlan& p = plans_[i];
+  p.from = overlap;
+  p.n = n - overlap;
+  PinIndexedGroups(i, *s, len, true, std::max<int64_t>(0, blocks_end - len) / G);
+  if (len + p.n > store_.opts_.max_tokens_per_layer) {
+    return AppendError(absl::StatusCode::kResourceExhausted, i, ": layer ", a.layer, " would hold ",
+                       len + p.n, " tokens; the limit is ", store_.opts_.max_tokens_per_layer);
+  }
+  const std::vector<size_t> at = RunOffsets(run);
+  for (int64_t pos = a.start + overlap; pos < a.start + n; ++pos) {
+    p.new_hashes.push_back(pos < blocks_end
+                               ? GroupTokenHash(run, at, kv_heads, (pos - a.start) / G, pos % G)
+                               : TokenHash(a.keys, a.values, pos - blocks_end));
+  }
+  pend.insert(pend.end(), p.new_hashes.begin(), p.new_hashes.end());
+  duplicates_ += overlap;
+  // The new groups' bytes (sinks included), the new rows at arrival precision, the hashes.
+  const int64_t first_new = std::max<int64_t>(E, a.start) - a.start;
+  const size_t b0 = static_cast<size_t>(first_new / G) * 2 * kv_heads;
+  estimate_ +=
+      static_cast<int64_t>(at.back() - std::min(at.back(), at[std::min(b0, at.size() - 1)])) +
+      static_cast<int64_t>(run.sink_keys.size() + run.sink_values.size()) +
+      p.n * static_cast<int64_t>(sizeof(uint64_t));
+  if (rows > 0) {
+    estimate_ += std::min(rows, p.n) * kv_heads * s->codec.head_dim * 2 *
+                 static_cast<int64_t>(DTypeSize(a.keys.dtype));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Store::AppendBatch::CheckResentGroups(
+    size_t i, const Sequence& s, int64_t g0, int64_t g1) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  const EncodedGroupsView& run = runs_[i];
+  const LayerCache* cache = s.layers[a.layer].get();
+  if (g0 >= g1 || cache == nullptr) return absl::OkStatus();
+  const int kv_heads = s.model->manifest.kv_heads;
+  const std::vector<size_t> at = RunOffsets(run);
+  for (int64_t g = g0; g < g1; ++g) {
+    EncodedGroups stored;
+    RETURN_IF_ERROR(cache->ExportGroups(g, g + 1, &stored));
+    const EncodedGroupsView sent =
+        SubRun(run, at, kv_heads, g - run.first_group, g - run.first_group + 1);
+    const bool same = stored.bytes.size() == sent.bytes.size() &&
+                      std::equal(stored.bytes.begin(), stored.bytes.end(), sent.bytes.begin()) &&
+                      (g > 0 || ViewOf(stored).sink_keys.size() == sent.sink_keys.size()) &&
+                      (g > 0 || std::equal(sent.sink_keys.begin(), sent.sink_keys.end(),
+                                           ViewOf(stored).sink_keys.begin())) &&
+                      (g > 0 || std::equal(sent.sink_values.begin(), sent.sink_values.end(),
+                                           ViewOf(stored).sink_values.begin()));
+    if (!same) {
+      return AppendError(absl::StatusCode::kAlreadyExists, i, ".encoded: group ", g, " of layer ",
+                         a.layer, " of sequence '", a.sequence_id,
+                         "' is already stored with different blocks (re-sends must be identical)");
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Store::AppendBatch::CheckProbeWeights(size_t i, int64_t n) const {
@@ -503,14 +664,9 @@ absl::Status Store::AppendBatch::ApplyItem(size_t i,
   const AppendSpec& a = batch_[i];
   const ItemPlan& p = plans_[i];
   if (p.n == 0) return absl::OkStatus();
+  if (a.encoded != nullptr) return ApplyEncoded(i, outcome);
   Sequence* s = seqs_.at(a.sequence_id).get();
-  std::unique_ptr<LayerCache>& cache = s->layers[a.layer];
-  if (!cache) {
-    const ModelEntry& model = *s->model;
-    cache = std::make_unique<LayerCache>(s->codec, model.manifest.kv_heads,
-                                         store_.LayerTables(model, a.layer, s->codec),
-                                         store_.opts_.byte_pool);
-  }
+  LayerCache* cache = &CacheFor(s, a.layer);
   Sequence::LayerPrefix& lp = s->prefix[a.layer];
   if (a.token_ids.empty()) {
     lp.open = false;
@@ -529,6 +685,66 @@ absl::Status Store::AppendBatch::ApplyItem(size_t i,
   h.insert(h.end(), p.new_hashes.begin() + shared, p.new_hashes.end());
   if (lp.open) RETURN_IF_ERROR(IndexSealedGroups(s, a.layer));
   outcome->tokens_written += data_n;
+  outcome->tokens_shared += shared;
+  return absl::OkStatus();
+}
+
+LayerCache& Store::AppendBatch::CacheFor(Sequence* s, int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::unique_ptr<LayerCache>& cache = s->layers[layer];
+  if (!cache) {
+    const ModelEntry& model = *s->model;
+    cache = std::make_unique<LayerCache>(s->codec, model.manifest.kv_heads,
+                                         store_.LayerTables(model, layer, s->codec),
+                                         store_.opts_.byte_pool);
+  }
+  return *cache;
+}
+
+absl::Status Store::AppendBatch::ApplyEncoded(size_t i, AppendOutcome* outcome)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const AppendSpec& a = batch_[i];
+  const ItemPlan& p = plans_[i];
+  const EncodedGroupsView& run = runs_[i];
+  Sequence* s = seqs_.at(a.sequence_id).get();
+  const int G = s->codec.key_group;
+  const int kv_heads = s->model->manifest.kv_heads;
+  LayerCache& cache = CacheFor(s, a.layer);
+  Sequence::LayerPrefix& lp = s->prefix[a.layer];
+  if (a.token_ids.empty()) {
+    lp.open = false;
+    lp.pending_ids.clear();
+  }
+  cache.set_sealing(lp.open);
+  const int64_t shared = static_cast<int64_t>(p.attach.size()) * G;
+  if (shared > 0) {
+    ASSIGN_OR_RETURN(const bool linked, AttachPinned(i, s, cache));
+    if (!linked) return absl::OkStatus();
+  }
+  if (lp.open) {
+    lp.pending_ids.insert(lp.pending_ids.end(), a.token_ids.begin() + p.from + shared,
+                          a.token_ids.end());
+  }
+  // The groups the layer does not hold yet (the window rows they cover included).
+  const int64_t blocks_end = a.start + run.groups * G;
+  const int64_t E = cache.encoded_tokens();
+  if (E < blocks_end) {
+    const std::vector<size_t> at = RunOffsets(run);
+    absl::Status st = cache.AppendGroups(SubRun(run, at, kv_heads, (E - a.start) / G, run.groups));
+    if (!st.ok()) return AppendError(st.code(), i, " (layer ", a.layer, "): ", st.message());
+  }
+  // Then the rows after what the layer holds.
+  const int64_t rows = RowCount(a), r0 = cache.tokens() - blocks_end;
+  if (rows > r0) {
+    absl::Status st = cache.Append(SliceTokens(a.keys, r0, rows - r0),
+                                   SliceTokens(a.values, r0, rows - r0), cache.tokens());
+    if (!st.ok()) return AppendError(st.code(), i, " (layer ", a.layer, "): ", st.message());
+    s->dtype = a.keys.dtype;
+    s->dtype_set = true;
+  }
+  std::vector<uint64_t>& h = s->hashes[a.layer];
+  h.insert(h.end(), p.new_hashes.begin() + shared, p.new_hashes.end());
+  if (lp.open) RETURN_IF_ERROR(IndexSealedGroups(s, a.layer));
+  outcome->tokens_written += p.n - shared;
   outcome->tokens_shared += shared;
   return absl::OkStatus();
 }

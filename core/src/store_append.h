@@ -65,15 +65,25 @@ class Store::AppendBatch {
   absl::Status CheckTensors(size_t i, const Sequence& s) const;
   // The tokens of item i already stored (`overlap` of them from its start) must be what it
   // re-sends: the same bytes, or for an attach the same sealed groups.
-  absl::Status CheckResentTokens(size_t i, const Sequence& s, int64_t overlap,
+  // Rows [0, count) of item i's keys and values, at positions from `pos` on.
+  absl::Status CheckResentTokens(size_t i, const Sequence& s, int64_t pos, int64_t count,
                                  const std::vector<uint64_t>& pending) const;
   absl::Status CheckResentAttach(size_t i, const Sequence& s, int64_t overlap) const;
   // Pins the indexed groups item i takes instead of encoding them, when it may take any.
-  void PinIndexedGroups(size_t i, const Sequence& s, int64_t len, bool pending_empty);
+  // At most max_groups of them (-1: any).
+  void PinIndexedGroups(size_t i, const Sequence& s, int64_t len, bool pending_empty,
+                        int64_t max_groups = -1);
   absl::Status CheckProbeWeights(size_t i, int64_t n) const;
+  // Plan for an item with encoded groups (AppendSpec::encoded), in place of PlanItem's steps.
+  absl::Status PlanEncoded(size_t i, Sequence* s);
+  // Its groups the layer holds already must be the same bytes.
+  absl::Status CheckResentGroups(size_t i, const Sequence& s, int64_t g0, int64_t g1) const;
 
   // Apply, per item.
   absl::Status ApplyItem(size_t i, AppendOutcome* outcome);
+  absl::Status ApplyEncoded(size_t i, AppendOutcome* outcome);
+  // The layer's cache, made on first use.
+  LayerCache& CacheFor(Sequence* s, int layer);
   // Attaches item i's pinned groups and hands their holds to the sequence; false when the
   // sequence was evicted meanwhile (nothing more is stored for it).
   absl::StatusOr<bool> AttachPinned(size_t i, Sequence* s, LayerCache& cache);
@@ -96,6 +106,8 @@ class Store::AppendBatch {
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> seqs_;
   absl::flat_hash_set<std::string> fresh_;  // the ids of the sequences this batch creates
   std::vector<ItemPlan> plans_;
+  // Item i's encoded groups placed at its start (AppendSpec::encoded's first_group is ignored).
+  std::vector<EncodedGroupsView> runs_;
   // Per (sequence, layer): the hashes of the tokens the items planned so far add.
   absl::flat_hash_map<std::pair<Sequence*, int>, std::vector<uint64_t>> pending_;
   int64_t estimate_ = 0;    // the bytes reserved for the whole batch

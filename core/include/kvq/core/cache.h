@@ -18,6 +18,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvq/core/codec.h"
+#include "kvq/core/encoded_groups.h"
 #include "kvq/core/tensor.h"
 
 namespace kvq::core {
@@ -288,6 +289,21 @@ class LayerCache {
   // Replaces sealed block b by an identical-by-construction block (same tokens, options and
   // basis) that another cache made, so that both share one copy.
   absl::Status ReplaceSealed(int64_t b, SealedBlockPtr block);
+
+  // Codes in and out (PutBlocks and GetBlocks in codes). Tokens [0, encoded_tokens()) are in
+  // encoded groups, the rest in the full-precision window.
+  int64_t encoded_tokens() const { return encoded_; }
+  // Copies groups [g0, g1) out, each block's checksum and the sinks' verified first (DATA_LOSS
+  // on a mismatch), with the sinks' rows when g0 == 0. OUT_OF_RANGE unless 0 <= g0 <= g1 <=
+  // encoded groups.
+  absl::Status ExportGroups(int64_t g0, int64_t g1, EncodedGroups* out) const;
+  // Appends a run encoded elsewhere with the same options and basis (a client's encoder),
+  // which the caller has checked with CheckEncodedGroups: run.first_group must be
+  // encoded_tokens() / G. Window rows the run covers are replaced by its blocks (the sender's
+  // encoding of rows it sent before); tokens() grows to the run's end when it was shorter. The
+  // blocks are sealed under the same rule as encoded ones. Nothing changes on error
+  // (RESOURCE_EXHAUSTED when the block pool cannot hold them).
+  absl::Status AppendGroups(const EncodedGroupsView& run);
 
   // The fp16 sinks' rows once the first group is encoded (CodecOptions::fp16_sinks), else null.
   const std::shared_ptr<const SinkRows>& sinks() const { return sinks_; }

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvq/core/basis.h"
+#include "kvq/core/cache.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/env.h"
 #include "kvq/core/mutex.h"
@@ -83,5 +84,11 @@ class Registry {
   std::map<std::string, std::map<int, std::shared_ptr<const ModelEntry>>> models_
       ABSL_GUARDED_BY(mu_);
 };
+
+// The codec tables (cache.h) of one layer of a model entry under `codec`: its basis cut to the
+// codec's rank, the oblique pair's encode basis, and the rounding factors the codec asks for.
+// What a store builds for its sequences and a client for its own encoder and decoder.
+std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const ModelEntry& model, int layer,
+                                                             const CodecOptions& codec);
 
 }  // namespace kvq::core

@@ -101,6 +101,14 @@ struct AppendSpec {
   TensorView keys;                       // [kv_heads][n][head_dim]
   TensorView values;                     // [kv_heads][n][head_dim], same dtype as keys
   const float* probe_weights = nullptr;  // [kv_heads][n] or null
+  // Encoded groups (a client's encoder, encoded_groups.h), or null. With them the append holds
+  // their groups from `start` on (a multiple of G; the run's first_group is ignored, and groups < 0
+  // means as many as its sizes hold), then the rows of keys and values (which may then be absent)
+  // after them. The run must start at or before the layer's encoded end: groups the layer holds
+  // already must be the same bytes (else ALREADY_EXISTS), window rows the run covers are replaced
+  // by it (the sender's encoding of rows it sent). It must be the first append of its layer in a
+  // batch. Checked whole (CheckEncodedGroups) before anything is stored.
+  const EncodedGroupsView* encoded = nullptr;
   // Token ids of the n tokens (or empty): enables prefix sharing. With keys and values
   // absent (rank 0), an attach: the ids name the tokens to take from the prefix index.
   std::span<const uint32_t> token_ids;
@@ -206,6 +214,14 @@ class Store {
                         int basis_version, int64_t from, int64_t to, DType dtype,
                         std::vector<uint8_t>* keys, std::vector<uint8_t>* values, int64_t* tokens,
                         int64_t* first);
+  // The range in codes (GetBlocks in codes): the encoded groups it touches, copied out with
+  // their checksums verified (and the sinks' rows with group 0), then the window rows it touches
+  // in `dtype` (as DecodeAs). *first is the position of the first token returned: `from`
+  // rounded down to its group's start when it falls in an encoded group.
+  absl::Status ReadEncoded(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version, int64_t from, int64_t to, DType dtype,
+                           EncodedGroups* groups, std::vector<uint8_t>* keys,
+                           std::vector<uint8_t>* values, int64_t* tokens, int64_t* first);
   // Every block of the layer's checksum (DATA_LOSS on a mismatch), reading none out: what a
   // reader that will take the whole layer in parts checks before sending the first.
   absl::Status VerifyLayer(const std::string& tenant, const std::string& sequence_id, int layer,

@@ -73,7 +73,7 @@ class CodecSettings(_message.Message):
     def __init__(self, key_bits: _Optional[int] = ..., key_group: _Optional[int] = ..., rank: _Optional[int] = ..., side_bits: _Optional[int] = ..., value_bits: _Optional[int] = ..., value_group: _Optional[int] = ..., value_policy: _Optional[_Union[CodecSettings.ValuePolicy, str]] = ..., value_budget: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., window: _Optional[int] = ..., rotate_keys: bool = ..., rotate_values: bool = ..., metric_rounding: bool = ..., fp16_sinks: _Optional[int] = ..., sparse_keys: _Optional[int] = ..., sparse_values: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "version", "layers", "kv_heads", "q_heads", "head_dim", "basis_rank", "has_basis", "fingerprint", "rope_layout", "channel_order", "kind", "codec", "live_sequences", "calibration_tokens", "oblique", "has_query_moment")
+    __slots__ = ("model", "version", "layers", "kv_heads", "q_heads", "head_dim", "basis_rank", "has_basis", "fingerprint", "rope_layout", "channel_order", "kind", "codec", "live_sequences", "calibration_tokens", "oblique", "has_query_moment", "block_version_min", "block_version_max")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class ModelInfo(_message.Message):
     CALIBRATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OBLIQUE_FIELD_NUMBER: _ClassVar[int]
     HAS_QUERY_MOMENT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_VERSION_MIN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_VERSION_MAX_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     layers: int
@@ -108,7 +110,23 @@ class ModelInfo(_message.Message):
     calibration_tokens: int
     oblique: bool
     has_query_moment: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., q_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., basis_rank: _Optional[int] = ..., has_basis: bool = ..., fingerprint: _Optional[str] = ..., rope_layout: _Optional[str] = ..., channel_order: _Optional[str] = ..., kind: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., live_sequences: _Optional[int] = ..., calibration_tokens: _Optional[int] = ..., oblique: bool = ..., has_query_moment: bool = ...) -> None: ...
+    block_version_min: int
+    block_version_max: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layers: _Optional[int] = ..., kv_heads: _Optional[int] = ..., q_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., basis_rank: _Optional[int] = ..., has_basis: bool = ..., fingerprint: _Optional[str] = ..., rope_layout: _Optional[str] = ..., channel_order: _Optional[str] = ..., kind: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., live_sequences: _Optional[int] = ..., calibration_tokens: _Optional[int] = ..., oblique: bool = ..., has_query_moment: bool = ..., block_version_min: _Optional[int] = ..., block_version_max: _Optional[int] = ...) -> None: ...
+
+class EncodedGroups(_message.Message):
+    __slots__ = ("blocks", "block_bytes", "sink_keys", "sink_values", "basis_fingerprint")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SINK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SINK_VALUES_FIELD_NUMBER: _ClassVar[int]
+    BASIS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    blocks: bytes
+    block_bytes: _containers.RepeatedScalarFieldContainer[int]
+    sink_keys: Tensor
+    sink_values: Tensor
+    basis_fingerprint: str
+    def __init__(self, blocks: _Optional[bytes] = ..., block_bytes: _Optional[_Iterable[int]] = ..., sink_keys: _Optional[_Union[Tensor, _Mapping]] = ..., sink_values: _Optional[_Union[Tensor, _Mapping]] = ..., basis_fingerprint: _Optional[str] = ...) -> None: ...
 
 class RegisterBasisRequest(_message.Message):
     __slots__ = ("info", "basis", "encode_basis", "query_moment")
@@ -149,7 +167,7 @@ class GetModelRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class Append(_message.Message):
-    __slots__ = ("sequence_id", "layer", "start", "keys", "values", "probe_weights", "model", "basis_version", "codec", "token_ids")
+    __slots__ = ("sequence_id", "layer", "start", "keys", "values", "probe_weights", "model", "basis_version", "codec", "token_ids", "encoded")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +178,7 @@ class Append(_message.Message):
     BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     layer: int
     start: int
@@ -170,7 +189,8 @@ class Append(_message.Message):
     basis_version: int
     codec: CodecSettings
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequence_id: _Optional[str] = ..., layer: _Optional[int] = ..., start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., probe_weights: _Optional[_Union[Tensor, _Mapping]] = ..., model: _Optional[str] = ..., basis_version: _Optional[int] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    encoded: EncodedGroups
+    def __init__(self, sequence_id: _Optional[str] = ..., layer: _Optional[int] = ..., start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., probe_weights: _Optional[_Union[Tensor, _Mapping]] = ..., model: _Optional[str] = ..., basis_version: _Optional[int] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., encoded: _Optional[_Union[EncodedGroups, _Mapping]] = ...) -> None: ...
 
 class PutBlocksRequest(_message.Message):
     __slots__ = ("appends",)
@@ -334,7 +354,7 @@ class AttendResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[AttendResult, _Mapping]]] = ...) -> None: ...
 
 class GetBlocksRequest(_message.Message):
-    __slots__ = ("sequence_id", "layers", "basis_version", "dtype", "max_tokens_per_message", "from_token", "to_token")
+    __slots__ = ("sequence_id", "layers", "basis_version", "dtype", "max_tokens_per_message", "from_token", "to_token", "codes", "max_block_version")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +362,8 @@ class GetBlocksRequest(_message.Message):
     MAX_TOKENS_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TO_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_VERSION_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     layers: _containers.RepeatedScalarFieldContainer[int]
     basis_version: int
@@ -349,23 +371,27 @@ class GetBlocksRequest(_message.Message):
     max_tokens_per_message: int
     from_token: int
     to_token: int
-    def __init__(self, sequence_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., basis_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., max_tokens_per_message: _Optional[int] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ...) -> None: ...
+    codes: bool
+    max_block_version: int
+    def __init__(self, sequence_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., basis_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., max_tokens_per_message: _Optional[int] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., codes: bool = ..., max_block_version: _Optional[int] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
-    __slots__ = ("layer", "start", "keys", "values", "layer_tokens", "basis_version")
+    __slots__ = ("layer", "start", "keys", "values", "layer_tokens", "basis_version", "encoded")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     LAYER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENCODED_FIELD_NUMBER: _ClassVar[int]
     layer: int
     start: int
     keys: Tensor
     values: Tensor
     layer_tokens: int
     basis_version: int
-    def __init__(self, layer: _Optional[int] = ..., start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., layer_tokens: _Optional[int] = ..., basis_version: _Optional[int] = ...) -> None: ...
+    encoded: EncodedGroups
+    def __init__(self, layer: _Optional[int] = ..., start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., layer_tokens: _Optional[int] = ..., basis_version: _Optional[int] = ..., encoded: _Optional[_Union[EncodedGroups, _Mapping]] = ...) -> None: ...
 
 class DeleteSequenceRequest(_message.Message):
     __slots__ = ("sequence_id",)

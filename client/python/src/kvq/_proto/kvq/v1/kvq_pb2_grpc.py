@@ -49,6 +49,11 @@ class KvqStub(object):
                 request_serializer=kvq_dot_v1_dot_kvq__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=kvq_dot_v1_dot_kvq__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetBasis = channel.unary_unary(
+                '/kvq.v1.Kvq/GetBasis',
+                request_serializer=kvq_dot_v1_dot_kvq__pb2.GetModelRequest.SerializeToString,
+                response_deserializer=kvq_dot_v1_dot_kvq__pb2.RegisterBasisRequest.FromString,
+                _registered_method=True)
         self.PutBlocks = channel.stream_unary(
                 '/kvq.v1.Kvq/PutBlocks',
                 request_serializer=kvq_dot_v1_dot_kvq__pb2.PutBlocksRequest.SerializeToString,
@@ -115,6 +120,15 @@ class KvqServicer(object):
 
     def GetModel(self, request, context):
         """One model version (version 0: the latest). Errors: NOT_FOUND, INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBasis(self, request, context):
+        """One model version's basis tensors, exactly as registered (version 0: the latest): what a
+        client needs to encode and decode HeadQ codes itself (codes on the wire). Errors:
+        NOT_FOUND, INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +219,11 @@ def add_KvqServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=kvq_dot_v1_dot_kvq__pb2.GetModelRequest.FromString,
                     response_serializer=kvq_dot_v1_dot_kvq__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetBasis': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBasis,
+                    request_deserializer=kvq_dot_v1_dot_kvq__pb2.GetModelRequest.FromString,
+                    response_serializer=kvq_dot_v1_dot_kvq__pb2.RegisterBasisRequest.SerializeToString,
             ),
             'PutBlocks': grpc.stream_unary_rpc_method_handler(
                     servicer.PutBlocks,
@@ -328,6 +347,33 @@ class Kvq(object):
             '/kvq.v1.Kvq/GetModel',
             kvq_dot_v1_dot_kvq__pb2.GetModelRequest.SerializeToString,
             kvq_dot_v1_dot_kvq__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBasis(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvq.v1.Kvq/GetBasis',
+            kvq_dot_v1_dot_kvq__pb2.GetModelRequest.SerializeToString,
+            kvq_dot_v1_dot_kvq__pb2.RegisterBasisRequest.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,65 @@
+// Encoded groups: a run of a layer's encoded groups as they travel between a client and the
+// store (PutBlocks and GetBlocks in codes), and the check every such run from outside passes
+// before a byte of it is stored.
+//
+// A run holds groups [first_group, first_group + groups) of one layer: for each group, for each
+// KV head, its key block then its value block (the block format, kvq/format/block_format.h),
+// concatenated in that order; sizes[2 * (g * kv_heads + h)] and [... + 1] are the key and value
+// block's bytes. A run that starts at group 0 under a codec with fp16_sinks = S > 0 also
+// carries the sinks' exact rows, fp16 [kv_heads][S][head_dim] keys and values (the blocks hold
+// stand-ins for them, CodecOptions::fp16_sinks).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvq/core/codec.h"
+
+namespace kvq::core {
+
+// A run the caller owns (what a layer exports).
+struct EncodedGroups {
+  int64_t first_group = 0;
+  int64_t groups = 0;
+  // The fingerprint (BasisManifest::fingerprint) of the basis whose side codes the blocks hold;
+  // "" without side codes. A store refuses a run made with another basis.
+  std::string basis_fingerprint;
+  std::vector<uint8_t> bytes;
+  std::vector<uint32_t> sizes;
+  // fp16 bits, little-endian in memory order of the host (x86: the wire's).
+  std::vector<uint16_t> sink_keys, sink_values;
+};
+
+// A run in someone else's memory (a request's bytes): nothing is copied. The sinks are fp16
+// little-endian bytes, 2 per element, at any alignment.
+struct EncodedGroupsView {
+  int64_t first_group = 0;
+  int64_t groups = 0;
+  std::string basis_fingerprint;
+  std::span<const uint8_t> bytes;
+  std::span<const uint32_t> sizes;
+  std::span<const uint8_t> sink_keys, sink_values;
+};
+EncodedGroupsView ViewOf(const EncodedGroups& g);
+
+// Checks a run from an untrusted sender against the codec of the sequence it is for, without
+// trusting any byte of it: the sizes (2 * kv_heads a group, summing to the bytes), each block's
+// magic, version (a version this build does not read is FAILED_PRECONDITION naming both),
+// kind, layout fields equal to the codec's (bits, tokens = G, head_dim, rank and side bits or
+// value group, the rotation and dense-and-sparse flags), exact size, dense-and-sparse positions
+// inside the block, every fp16 scale, zero point, side scale and delta finite, every scale
+// non-negative and every decodable value within the fp16 maximum plus one step (what the
+// encoder's rounding of a scale can reach), and the checksum (DATA_LOSS); the sinks' presence,
+// shape and finite values. Errors are INVALID_ARGUMENT unless said otherwise, and name the
+// field from `field` on: "<field>.blocks[i] (group g, head h, key): why".
+absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const EncodedGroupsView& run,
+                                const std::string& field);
+
+// Where each block of a run starts (block i = 2 * (g * kv_heads + h) + (value ? 1 : 0)), and
+// the end: sizes.size() + 1 offsets.
+std::vector<size_t> RunOffsets(const EncodedGroupsView& run);
+
+}  // namespace kvq::core

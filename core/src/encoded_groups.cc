@@ -1,0 +1,175 @@
+// Encoded groups from outside: the untrusted-input check (encoded_groups.h).
+#include "kvq/core/encoded_groups.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/status.h"
+#include "kvq/format/block_format.h"
+
+namespace kvq::core {
+
+namespace {
+
+float Half(const uint8_t* p) {
+  return format::HalfToFloat(static_cast<uint16_t>(format::LoadU16(p)));
+}
+
+// n affine pairs (fp16 scale[n] at `scales`, zero[n] at `zeros`) of b-bit codes: finite, scales
+// non-negative, every code's value zero + scale * code within the fp16 maximum plus one step.
+// Names the first that is not as what[i].
+absl::Status CheckAffine(const uint8_t* scales, const uint8_t* zeros, int n, int bits,
+                         absl::string_view what) {
+  const float top = static_cast<float>((1 << bits) - 1);
+  for (int i = 0; i < n; ++i) {
+    const float s = Half(scales + 2 * i), z = Half(zeros + 2 * i);
+    if (!std::isfinite(s) || !std::isfinite(z) || s < 0.0f) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " scale/zero[", i, "] = ", s, "/", z,
+                                                     ": must be finite with scale >= 0"));
+    }
+    const float lo = z, hi = z + s * top;
+    if (std::fabs(lo) > format::kHalfMax + s || std::fabs(hi) > format::kHalfMax + s) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " scale/zero[", i, "] = ", s, "/", z, " decode to [", lo, ", ", hi,
+                       "], beyond the fp16 maximum ", format::kHalfMax));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSparseDeltas(const uint8_t* list, int n) {
+  for (int e = 0; e < n; ++e) {
+    const float delta = Half(list + format::kSparseEntryBytes * e + 2);
+    if (!std::isfinite(delta)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("dense-and-sparse entry ", e, " has a non-finite delta"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A block's header version, when it is one this build does not read: FAILED_PRECONDITION
+// naming both (the sender writes a block format this server does not know).
+absl::Status CheckVersion(std::span<const uint8_t> b) {
+  if (b.size() < format::kHeaderBytes) return absl::OkStatus();  // the parser says "truncated"
+  if (format::LoadU16(b.data() + format::kMagicAt) != format::kMagic) return absl::OkStatus();
+  const int v = b[format::kVersionAt];
+  if (format::VersionReadable(static_cast<uint8_t>(v))) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("block format version ", v, "; this server reads versions ", format::kMinVersion,
+                   " to ", format::kMaxVersion));
+}
+
+absl::Status CheckKey(const CodecOptions& o, std::span<const uint8_t> b) {
+  RETURN_IF_ERROR(CheckVersion(b));
+  absl::StatusOr<KeyBlockView> v = ParseKeyBlock(b, o, /*verify=*/false);
+  if (!v.ok()) return absl::InvalidArgumentError(v.status().message());
+  auto p = [](const uint16_t* x) { return reinterpret_cast<const uint8_t*>(x); };
+  RETURN_IF_ERROR(CheckAffine(p(v->scale), p(v->zero), v->head_dim, v->bits, "channel"));
+  if (v->rank > 0) {
+    RETURN_IF_ERROR(
+        CheckAffine(p(v->side_scale), p(v->side_zero), v->rank, v->side_bits, "side coefficient"));
+  }
+  if (v->sparse) RETURN_IF_ERROR(CheckSparseDeltas(v->sparse, v->sparse_count));
+  return VerifyBlock(b);  // DATA_LOSS on a checksum mismatch
+}
+
+absl::Status CheckValue(const CodecOptions& o, std::span<const uint8_t> b) {
+  RETURN_IF_ERROR(CheckVersion(b));
+  absl::StatusOr<ValueBlockView> v = ParseValueBlock(b, o, /*verify=*/false);
+  if (!v.ok()) return absl::InvalidArgumentError(v.status().message());
+  const int ng = o.value_groups();
+  const uint8_t* rec = v->payload;
+  for (int t = 0; t < v->tokens; ++t) {
+    RETURN_IF_ERROR(CheckAffine(rec, rec + 2 * ng, ng, v->token_bits[t],
+                                absl::StrCat("token ", t, " channel group")));
+    rec += format::ValueRecordBytes(o.head_dim, o.value_group, v->token_bits[t]);
+  }
+  if (v->sparse) RETURN_IF_ERROR(CheckSparseDeltas(v->sparse, v->sparse_count));
+  return VerifyBlock(b);
+}
+
+absl::Status CheckSinkRows(std::span<const uint8_t> rows, size_t elements, absl::string_view what,
+                           const std::string& field) {
+  if (rows.size() != 2 * elements) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".", what, " holds ", rows.size(),
+                                                   " bytes; the run starts at group 0 of a codec "
+                                                   "with fp16 sinks, which needs ",
+                                                   2 * elements,
+                                                   " (fp16 [kv_heads, S, head_dim])"));
+  }
+  for (size_t i = 0; i < elements; ++i) {
+    const float x = Half(rows.data() + 2 * i);
+    if (!std::isfinite(x)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".", what, "[", i, "] is not finite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+EncodedGroupsView ViewOf(const EncodedGroups& g) {
+  EncodedGroupsView v;
+  v.first_group = g.first_group;
+  v.groups = g.groups;
+  v.basis_fingerprint = g.basis_fingerprint;
+  v.bytes = g.bytes;
+  v.sizes = g.sizes;
+  v.sink_keys = {reinterpret_cast<const uint8_t*>(g.sink_keys.data()), 2 * g.sink_keys.size()};
+  v.sink_values = {reinterpret_cast<const uint8_t*>(g.sink_values.data()),
+                   2 * g.sink_values.size()};
+  return v;
+}
+
+std::vector<size_t> RunOffsets(const EncodedGroupsView& run) {
+  std::vector<size_t> at(run.sizes.size() + 1, 0);
+  for (size_t i = 0; i < run.sizes.size(); ++i) at[i + 1] = at[i] + run.sizes[i];
+  return at;
+}
+
+absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const EncodedGroupsView& run,
+                                const std::string& field) {
+  if (run.first_group < 0 || run.groups < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": group ", run.first_group, " and ",
+                                                   run.groups, " groups must be >= 0"));
+  }
+  const size_t blocks = static_cast<size_t>(run.groups) * 2 * kv_heads;
+  if (run.sizes.size() != blocks) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".block_bytes has ", run.sizes.size(), " sizes; ", run.groups, " groups of ",
+        kv_heads, " KV heads need ", blocks, " (a key and a value block per head)"));
+  }
+  uint64_t total = 0;
+  for (uint32_t s : run.sizes) total += s;
+  if (total != run.bytes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".blocks holds ", run.bytes.size(),
+                                                   " bytes; block_bytes sums to ", total));
+  }
+  const std::vector<size_t> at = RunOffsets(run);
+  for (size_t i = 0; i < blocks; ++i) {
+    const std::span<const uint8_t> b = run.bytes.subspan(at[i], run.sizes[i]);
+    const bool value = i % 2 == 1;
+    absl::Status st = value ? CheckValue(o, b) : CheckKey(o, b);
+    if (!st.ok()) {
+      const size_t gh = i / 2;
+      return absl::Status(
+          st.code(), absl::StrCat(field, ".blocks[", i, "] (group ",
+                                  run.first_group + gh / kv_heads, ", head ", gh % kv_heads, ", ",
+                                  value ? "value" : "key", "): ", st.message()));
+    }
+  }
+  const bool sinks = run.first_group == 0 && run.groups > 0 && o.fp16_sinks > 0;
+  if (!sinks) {
+    if (!run.sink_keys.empty() || !run.sink_values.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": sink rows are sent only with group 0 of a codec with fp16_sinks"));
+    }
+    return absl::OkStatus();
+  }
+  const size_t elements = static_cast<size_t>(kv_heads) * o.fp16_sinks * o.head_dim;
+  RETURN_IF_ERROR(CheckSinkRows(run.sink_keys, elements, "sink_keys", field));
+  return CheckSinkRows(run.sink_values, elements, "sink_values", field);
+}
+
+}  // namespace kvq::core
