@@ -15,6 +15,9 @@
 #include "kvq/core/status.h"
 #include "kvq/format/block_format.h"
 #include "kvq/wire/codec_settings.h"
+#include "kvq/wire/encoded_groups.h"
+#include "kvq/wire/model.h"
+#include "kvq/wire/tensor.h"
 #include "server/convert.h"
 
 namespace kvq::server {
@@ -73,13 +76,13 @@ grpc::ServerUnaryReactor* Service::RegisterBasis(grpc::CallbackServerContext* ct
           return absl::PermissionDeniedError(
               absl::StrCat("tenant '", tenant, "' may not register models (see --admin-tenants)"));
         }
-        ASSIGN_OR_RETURN(core::ModelEntry e, ModelFromProto(*req));
+        ASSIGN_OR_RETURN(core::ModelEntry e, wire::ModelFromWire(*req));
         bool already = false;
         ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> stored,
                          registry_->Register(std::move(e), &already));
-        ModelToProto(*stored,
-                     store_->LiveSequences(stored->manifest.model, stored->manifest.version),
-                     resp->mutable_model());
+        wire::ModelToWire(*stored,
+                          store_->LiveSequences(stored->manifest.model, stored->manifest.version),
+                          resp->mutable_model());
         resp->set_already_registered(already);
         return absl::OkStatus();
       });
@@ -90,8 +93,8 @@ grpc::ServerUnaryReactor* Service::ListModels(grpc::CallbackServerContext* ctx,
                                               v1::ListModelsResponse* resp) {
   return Unary("ListModels", CallKind::kInline, ctx, req, resp, [this, resp](const Call&) {
     for (const auto& e : registry_->List()) {
-      ModelToProto(*e, store_->LiveSequences(e->manifest.model, e->manifest.version),
-                   resp->add_models());
+      wire::ModelToWire(*e, store_->LiveSequences(e->manifest.model, e->manifest.version),
+                        resp->add_models());
     }
     return absl::OkStatus();
   });
@@ -116,7 +119,7 @@ grpc::ServerUnaryReactor* Service::GetModel(grpc::CallbackServerContext* ctx,
                                             const v1::GetModelRequest* req, v1::ModelInfo* resp) {
   return Unary("GetModel", CallKind::kInline, ctx, req, resp, [this, req, resp](const Call&) {
     ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> e, ModelNamed(*registry_, *req));
-    ModelToProto(*e, store_->LiveSequences(e->manifest.model, e->manifest.version), resp);
+    wire::ModelToWire(*e, store_->LiveSequences(e->manifest.model, e->manifest.version), resp);
     return absl::OkStatus();
   });
 }
@@ -126,9 +129,9 @@ grpc::ServerUnaryReactor* Service::GetBasis(grpc::CallbackServerContext* ctx,
                                             v1::RegisterBasisRequest* resp) {
   return Unary("GetBasis", CallKind::kPooled, ctx, req, resp, [this, req, resp](const Call&) {
     ASSIGN_OR_RETURN(std::shared_ptr<const core::ModelEntry> e, ModelNamed(*registry_, *req));
-    ModelToProto(*e, store_->LiveSequences(e->manifest.model, e->manifest.version),
-                 resp->mutable_info());
-    BasisToProto(*e, resp);
+    wire::BasisToWire(e->basis, resp);  // tensors (and info from the basis; the entry wins below)
+    wire::ModelToWire(*e, store_->LiveSequences(e->manifest.model, e->manifest.version),
+                      resp->mutable_info());
     return absl::OkStatus();
   });
 }
@@ -147,32 +150,19 @@ absl::Status Service::SpecOf(const v1::Append& a, const std::string& at, core::A
     s.token_ids = std::span<const uint32_t>(a.token_ids().data(), a.token_ids_size());
   }
   if (a.has_encoded()) {
-    const v1::EncodedGroups& e = a.encoded();
     core::EncodedGroupsView& run = storage->run;
-    run.groups = -1;  // as many as the sizes hold (the store knows the heads)
-    run.bytes = {reinterpret_cast<const uint8_t*>(e.blocks().data()), e.blocks().size()};
-    run.sizes = {e.block_bytes().data(), static_cast<size_t>(e.block_bytes_size())};
-    run.basis_fingerprint = e.basis_fingerprint();
-    for (const auto& [sinks, field, name] :
-         {std::tuple{&e.sink_keys(), &run.sink_keys, "sink_keys"},
-          std::tuple{&e.sink_values(), &run.sink_values, "sink_values"}}) {
-      if (sinks->data().empty()) continue;
-      if (sinks->dtype() != v1::DTYPE_F16) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(at, ".encoded.", name, ".dtype must be DTYPE_F16"));
-      }
-      *field = {reinterpret_cast<const uint8_t*>(sinks->data().data()), sinks->data().size()};
-    }
+    RETURN_IF_ERROR(wire::EncodedFromWire(a.encoded(), at + ".encoded", &run));
     s.encoded = &run;
   }
   // keys and values both absent with token ids (an attach from the prefix index) or with
   // encoded groups (no rows after them).
   if ((a.token_ids_size() == 0 && !a.has_encoded()) || a.has_keys() || a.has_values()) {
-    ASSIGN_OR_RETURN(s.keys, ViewOf(a.keys(), at + ".keys", 3, 3));
-    ASSIGN_OR_RETURN(s.values, ViewOf(a.values(), at + ".values", 3, 3));
+    ASSIGN_OR_RETURN(s.keys, wire::ViewOf(a.keys(), at + ".keys", 3, 3));
+    ASSIGN_OR_RETURN(s.values, wire::ViewOf(a.values(), at + ".values", 3, 3));
   }
   if (a.has_probe_weights()) {
-    ASSIGN_OR_RETURN(core::TensorView p, ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
+    ASSIGN_OR_RETURN(core::TensorView p,
+                     wire::ViewOf(a.probe_weights(), at + ".probe_weights", 2, 2));
     if (p.shape[0] != s.keys.shape[0] || p.shape[1] != s.keys.shape[1]) {
       return absl::InvalidArgumentError(
           absl::StrCat(at, ".probe_weights.shape must be [kv_heads, n] = [", s.keys.shape[0], ", ",
@@ -503,7 +493,7 @@ grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
             at);
       }
       if (st.ok()) {
-        FillTensor(out.data(), {q_heads, n_q, tokens}, v1::DTYPE_F32, r->mutable_logits());
+        wire::FillTensor(out.data(), {q_heads, n_q, tokens}, v1::DTYPE_F32, r->mutable_logits());
         r->set_tokens(tokens);
       }
       SetItemStatus(st, r->mutable_status());
@@ -528,7 +518,7 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
       absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
       absl::StatusOr<core::TensorView> w;
       if (st.ok()) {
-        w = ViewOf(item.weights(), at + ".weights", 3, 3);
+        w = wire::ViewOf(item.weights(), at + ".weights", 3, 3);
         st = w.status();
       }
       if (st.ok() && w->dtype != core::DType::kF32) {
@@ -539,7 +529,7 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
                                                      " exceeds the limit ", kMaxQueriesPerItem));
       }
       if (st.ok() && item.output_dtype() != v1::DTYPE_UNSPECIFIED) {
-        st = FromProto(item.output_dtype(), at + ".output_dtype").status();
+        st = wire::FromProto(item.output_dtype(), at + ".output_dtype").status();
       }
       if (st.ok()) {
         q_heads = static_cast<int>(w->shape[0]);
@@ -553,7 +543,7 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
       }
       if (st.ok()) {
         const int64_t d = static_cast<int64_t>(out.size()) / (int64_t{q_heads} * n_q);
-        FillTensor(out.data(), {q_heads, n_q, d}, item.output_dtype(), r->mutable_outputs());
+        wire::FillTensor(out.data(), {q_heads, n_q, d}, item.output_dtype(), r->mutable_outputs());
         r->set_tokens(tokens);
       }
       SetItemStatus(st, r->mutable_status());
@@ -577,7 +567,7 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
       absl::Status st = CheckId(item.sequence_id(), at + ".sequence_id");
       if (st.ok()) st = QueriesToFloat(item.queries(), at + ".queries", &q, &q_heads, &n_q, &d);
       if (st.ok() && item.output_dtype() != v1::DTYPE_UNSPECIFIED) {
-        st = FromProto(item.output_dtype(), at + ".output_dtype").status();
+        st = wire::FromProto(item.output_dtype(), at + ".output_dtype").status();
       }
       if (st.ok() && item.has_causal_offset() && item.causal_offset() < 0) {
         st = absl::InvalidArgumentError(
@@ -608,7 +598,7 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
                     at);
       }
       if (st.ok()) {
-        FillTensor(out.data(), {q_heads, n_q, d}, item.output_dtype(), r->mutable_outputs());
+        wire::FillTensor(out.data(), {q_heads, n_q, d}, item.output_dtype(), r->mutable_outputs());
         r->set_tokens(tokens);
       }
       SetItemStatus(st, r->mutable_status());
@@ -681,7 +671,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       }
       // Decoded straight into the wire dtype (unspecified: fp32).
       wire_dtype_ = req_.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : req_.dtype();
-      ASSIGN_OR_RETURN(dtype_, FromProto(wire_dtype_, "dtype"));
+      ASSIGN_OR_RETURN(dtype_, wire::FromProto(wire_dtype_, "dtype"));
       ASSIGN_OR_RETURN(core::SequenceInfo info,
                        svc_->store()->Describe(call_.tenant(), req_.sequence_id()));
       if (req_.basis_version() != 0 && req_.basis_version() != info.model->manifest.version) {
@@ -693,6 +683,10 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       d_ = info.model->manifest.head_dim;
       version_ = info.model->manifest.version;
       group_ = info.codec.key_group;
+      if (req_.codes()) {
+        model_ = info.model->manifest.model;
+        ASSIGN_OR_RETURN(codec_, wire::CodecToWire(info.codec));
+      }
       if (info.codec.rank > 0) fingerprint_ = info.model->manifest.fingerprint;
       if (req_.codes() && req_.max_block_version() < format::kMinVersion) {
         return absl::FailedPreconditionError(absl::StrCat(
@@ -796,25 +790,20 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
                          " (max_block_version)"));
       }
     }
+    const bool first_of_layer = !layer_sent_;
     layer_sent_ = true;
     pos_ = std::max(to, first + groups.groups * group_);
     msg_.Clear();
+    if (first_of_layer) {
+      msg_.set_model(model_);
+      *msg_.mutable_codec() = codec_;
+    }
     msg_.set_layer(layer_);
     msg_.set_start(first);
     msg_.set_layer_tokens(std::min(tokens_, length_));
     msg_.set_basis_version(version_);
-    v1::EncodedGroups* e = msg_.mutable_encoded();
-    e->set_blocks(groups.bytes.data(), groups.bytes.size());
-    e->mutable_block_bytes()->Add(groups.sizes.begin(), groups.sizes.end());
-    if (groups.groups > 0) e->set_basis_fingerprint(fingerprint_);
-    for (const auto& [rows, tensor] : {std::pair{&groups.sink_keys, e->mutable_sink_keys()},
-                                       std::pair{&groups.sink_values, e->mutable_sink_values()}}) {
-      if (rows->empty()) continue;
-      tensor->set_dtype(v1::DTYPE_F16);
-      const int64_t sinks = static_cast<int64_t>(rows->size()) / (int64_t{kv_heads_} * d_);
-      for (int64_t dim : {int64_t{kv_heads_}, sinks, int64_t{d_}}) tensor->add_shape(dim);
-      tensor->set_data(reinterpret_cast<const char*>(rows->data()), 2 * rows->size());
-    }
+    if (groups.groups > 0) groups.basis_fingerprint = fingerprint_;
+    wire::EncodedToWire(groups, kv_heads_, d_, msg_.mutable_encoded());
     // The window rows: all of them, whatever chunk_ (at most R + G - 1 tokens).
     decoded_ =
         static_cast<int64_t>(keys_.size() / core::DTypeSize(dtype_)) / (int64_t{kv_heads_} * d_);
@@ -878,6 +867,8 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   // Codes: the codec's group size and the next token of the current layer to send.
   int64_t group_ = 1, pos_ = 0;
   std::string fingerprint_;  // of the basis the side codes use ("" at rank 0)
+  std::string model_;        // the sequence's model and codec, for a client's decoder
+  v1::CodecSettings codec_;
   bool layer_open_ = false, layer_sent_ = true;
   v1::DType wire_dtype_ = v1::DTYPE_F32;
   core::DType dtype_ = core::DType::kF32;

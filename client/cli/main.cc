@@ -22,7 +22,11 @@
 #include "client/cli/seq_file.h"
 #include "google/protobuf/util/json_util.h"
 #include "kvq/client/client.h"
+#include "kvq/client/codes.h"
 #include "kvq/client/flags.h"
+#include "kvq/core/status.h"
+#include "kvq/format/block_format.h"
+#include "kvq/wire/tensor.h"
 
 namespace {
 
@@ -31,6 +35,9 @@ using kvq::client::ClientFlags;
 using kvq::client::ClientOptions;
 using kvq::client::FlagSet;
 namespace v1 = kvq::v1;
+namespace core = kvq::core;
+namespace wire = kvq::wire;
+namespace format = kvq::format;
 
 constexpr int kExitOk = 0;
 constexpr int kExitLocal = 1;
@@ -75,8 +82,10 @@ const char* kTopHelp =
     "  models show NAME            one model (latest version unless --version)\n"
     "  models register DIR         register what kvq-calibrate wrote (manifest.json +\n"
     "                              basis.safetensors) on every server\n"
-    "  seq put ID FILE             append a sequence's K/V from a safetensors file\n"
+    "  seq put ID FILE             append a sequence's K/V from a safetensors file (--codes:\n"
+    "                              encoded here, HeadQ codes on the wire)\n"
     "  seq get ID FILE             write a sequence's K/V (as attention sees them) to a file\n"
+    "                              (--codes: fetched as codes, decoded here)\n"
     "  seq delete ID               drop a sequence\n"
     "  seq shard [ID...]           the server each sequence id is sharded to (no call)\n"
     "Run `kvq COMMAND --help` for a command's flags.\n\n"
@@ -153,6 +162,7 @@ struct CommandFlags {
   int chunk_tokens = 1024;
   std::string dtype = "f16";
   std::string layers;
+  bool codes = false;
 };
 
 int Health(Client& c) {
@@ -251,8 +261,38 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
   if (f.chunk_tokens < 1) return Usage("--chunk-tokens must be >= 1");
   // One message per (layer, chunk): each is applied atomically; a re-run re-sends all.
   std::vector<v1::PutBlocksRequest> msgs;
+  if (f.codes) {
+    if (f.start != 0) return Usage("--codes puts a whole sequence: --start must be 0");
+    if (model.empty()) return Usage("--codes needs the model (--model or the file's metadata)");
+    absl::StatusOr<v1::RegisterBasisRequest> basis = c.GetBasis(model, f.version, c.ShardOf(id));
+    if (!basis.ok()) return RpcFail(basis.status());
+    auto codes = kvq::client::ModelCodes::Create(*basis);
+    if (!codes.ok()) return LocalFail(codes.status());
+    absl::StatusOr<core::CodecOptions> codec = (*codes)->CodecOf(v1::CodecSettings());
+    if (!codec.ok()) return LocalFail(codec.status());
+    for (size_t l = 0; l < file->layers.size(); ++l) {
+      const kvq::client::SeqLayer& L = file->layers[l];
+      absl::StatusOr<core::DType> dt = wire::FromProto(L.dtype, "dtype");
+      if (!dt.ok()) return LocalFail(dt.status());
+      const auto view = [&](const std::string& b) {
+        return core::TensorView::Contiguous(b.data(), *dt, {L.kv_heads, L.tokens, L.head_dim});
+      };
+      auto appends = (*codes)->EncodeLayer(id, static_cast<int>(l), *codec, view(L.keys),
+                                           view(L.values), f.chunk_tokens);
+      if (!appends.ok()) return LocalFail(appends.status());
+      for (v1::Append& a : *appends) {
+        const int64_t n = static_cast<int64_t>(a.encoded().block_bytes_size()) / (2 * L.kv_heads) *
+                              codec->key_group +
+                          (a.has_keys() ? a.keys().shape(1) : 0);
+        for (int64_t t = a.start(); t < a.start() + n && !file->token_ids.empty(); ++t) {
+          a.add_token_ids(file->token_ids[t]);
+        }
+        *msgs.emplace_back().add_appends() = std::move(a);
+      }
+    }
+  }
   bool first = true;
-  for (size_t l = 0; l < file->layers.size(); ++l) {
+  for (size_t l = 0; l < file->layers.size() && !f.codes; ++l) {
     const kvq::client::SeqLayer& L = file->layers[l];
     const size_t esize = L.dtype == v1::DTYPE_F32 ? 4 : 2;
     const size_t row = static_cast<size_t>(L.head_dim) * esize;
@@ -282,13 +322,16 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
       }
     }
   }
+  size_t sent = 0;
+  for (const auto& m : msgs) sent += m.ByteSizeLong();
   auto r = c.PutBlocks(msgs);
   if (!r.ok()) return RpcFail(r.status());
-  std::printf("%s: %lld tokens written, %lld duplicate, %lld shared, %zu layers on %s\n",
-              id.c_str(), static_cast<long long>(r->tokens_written()),
-              static_cast<long long>(r->tokens_duplicate()),
-              static_cast<long long>(r->tokens_shared()), file->layers.size(),
-              c.server(c.ShardOf(id)).c_str());
+  std::printf(
+      "%s: %lld tokens written, %lld duplicate, %lld shared, %zu layers on %s, %zu bytes "
+      "sent as %s\n",
+      id.c_str(), static_cast<long long>(r->tokens_written()),
+      static_cast<long long>(r->tokens_duplicate()), static_cast<long long>(r->tokens_shared()),
+      file->layers.size(), c.server(c.ShardOf(id)).c_str(), sent, f.codes ? "codes" : "rows");
   return kExitOk;
 }
 
@@ -310,15 +353,56 @@ int SeqGet(Client& c, const std::string& id, const std::string& path, const Comm
     if (!absl::SimpleAtoi(s, &l) || l < 0) return Usage("--layers must be a list like 0,1,2");
     req.add_layers(l);
   }
-  // Chunks of a layer arrive in order; each carries [kv_heads, n, head_dim].
+  // Chunks of a layer arrive in order; each carries [kv_heads, n, head_dim] (with --codes,
+  // decoded here from its groups and rows first).
   std::map<int, std::vector<v1::GetBlocksResponse>> chunks;
   int basis_version = 0;
+  size_t received = 0;
+  if (f.codes) {
+    req.set_codes(true);
+    req.set_max_block_version(format::kMaxVersion);
+  }
+  std::unique_ptr<kvq::client::ModelCodes> codes;
+  std::map<int, core::CodecOptions> codecs;  // per layer, from its first message
+  absl::Status decoded;
   absl::Status st = c.GetBlocks(req, [&](const v1::GetBlocksResponse& r) {
-    chunks[r.layer()].push_back(r);
+    received += r.ByteSizeLong();
     basis_version = r.basis_version();
-    return true;
+    if (!f.codes) {
+      chunks[r.layer()].push_back(r);
+      return true;
+    }
+    decoded = [&]() -> absl::Status {
+      if (!codes) {
+        absl::StatusOr<v1::RegisterBasisRequest> basis =
+            c.GetBasis(r.model(), r.basis_version(), c.ShardOf(id));
+        if (!basis.ok()) return basis.status();
+        ASSIGN_OR_RETURN(codes, kvq::client::ModelCodes::Create(*basis));
+      }
+      if (!r.model().empty()) {
+        ASSIGN_OR_RETURN(codecs[r.layer()], codes->CodecOf(r.codec()));
+      }
+      if (!codecs.count(r.layer())) return absl::DataLossError("a layer without its codec");
+      ASSIGN_OR_RETURN(const core::DType dt, wire::FromProto(req.dtype(), "dtype"));
+      std::vector<uint8_t> k, v;
+      RETURN_IF_ERROR(codes->Decode(r, codecs[r.layer()], dt, &k, &v));
+      v1::GetBlocksResponse& out = chunks[r.layer()].emplace_back();
+      out.set_layer(r.layer());
+      const int64_t kv = codes->entry().manifest.kv_heads, d = codes->entry().manifest.head_dim;
+      for (auto [rows, t] :
+           {std::pair{&k, out.mutable_keys()}, std::pair{&v, out.mutable_values()}}) {
+        t->set_dtype(req.dtype());
+        for (int64_t dim :
+             {kv, static_cast<int64_t>(rows->size() / core::DTypeSize(dt) / (kv * d)), d})
+          t->add_shape(dim);
+        t->set_data(rows->data(), rows->size());
+      }
+      return absl::OkStatus();
+    }();
+    return decoded.ok();
   });
   if (!st.ok()) return RpcFail(st);
+  if (!decoded.ok()) return LocalFail(decoded);
   kvq::client::SeqFile file;
   file.metadata["sequence_id"] = id;
   file.metadata["basis_version"] = absl::StrCat(basis_version);
@@ -347,8 +431,9 @@ int SeqGet(Client& c, const std::string& id, const std::string& path, const Comm
     return Fail(kExitRpcBase + 5, "NOT_FOUND", absl::StrCat("sequence ", id, " has no tokens"));
   }
   if (absl::Status w = kvq::client::WriteSeqFile(path, file); !w.ok()) return LocalFail(w);
-  std::printf("%s: %zu layers, %lld tokens in layer 0, written to %s\n", id.c_str(),
-              file.layers.size(), static_cast<long long>(file.layers[0].tokens), path.c_str());
+  std::printf("%s: %zu layers, %lld tokens in layer 0, written to %s, %zu bytes received as %s\n",
+              id.c_str(), file.layers.size(), static_cast<long long>(file.layers[0].tokens),
+              path.c_str(), received, f.codes ? "codes" : "rows");
   return kExitOk;
 }
 
@@ -433,6 +518,12 @@ int main(int argc, char** argv) {
               });
     flags.Add("chunk-tokens", "N", "tokens per layer per message (default 1024)",
               [&f](const std::string& v) { return kvq::client::ParseIntFlag(v, &f.chunk_tokens); });
+  }
+  if (name == "seq put" || name == "seq get") {
+    flags.AddBool("codes",
+                  name == "seq put" ? "encode here and send HeadQ codes (a whole sequence, start 0)"
+                                    : "fetch HeadQ codes and decode them here",
+                  &f.codes);
   }
   if (name == "seq get") {
     flags.Add("dtype", "f16|bf16|f32", "dtype written (default f16)",

@@ -4,13 +4,13 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "kvq/client/basis_request.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/codec_json.h"
 #include "kvq/core/json_fields.h"
 #include "kvq/core/status.h"
 #include "kvq/core/store.h"
 #include "kvq/wire/codec_settings.h"
+#include "kvq/wire/model.h"
 #include "nlohmann/json.hpp"
 
 namespace kvq::client {
@@ -38,7 +38,7 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
   if (fs::exists(p / "manifest.json")) {
     auto basis = core::ReadBasis(dir);
     if (!basis.ok()) return basis.status();
-    client::FillBasisRequest(*basis, &req);
+    wire::BasisToWire(*basis, &req);
     manifest = basis->manifest;
     has_basis = true;
   } else if (fs::exists(p / "model.json")) {
@@ -51,7 +51,7 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
     m.rope_layout.clear();
     m.channel_order.clear();
     RETURN_IF_ERROR(core::ReadModelShape(core::JsonFields(*j, (p / "model.json").string()), &m));
-    client::FillModelShape(m, info);  // empty strings stay unset (proto3)
+    wire::ModelShapeToWire(m, info);  // empty strings stay unset (proto3)
     info->set_basis_rank(0);
     manifest = m;
   } else {

@@ -172,4 +172,49 @@ absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const Encod
   return CheckSinkRows(run.sink_values, elements, "sink_values", field);
 }
 
+absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
+                       const EncodedGroupsView& run, DType dtype, std::vector<uint8_t>* keys,
+                       std::vector<uint8_t>* values) {
+  const int G = o.key_group, d = o.head_dim, r = basis != nullptr ? o.rank : 0;
+  if (run.groups < 0 || run.sizes.size() != static_cast<size_t>(run.groups) * 2 * kv_heads) {
+    return absl::InvalidArgumentError("decode: unchecked run (sizes do not fit)");
+  }
+  const int64_t n = run.groups * G;
+  const size_t es = DTypeSize(dtype), row = static_cast<size_t>(d) * es;
+  keys->assign(static_cast<size_t>(kv_heads) * n * row, 0);
+  values->assign(keys->size(), 0);
+  const std::vector<size_t> at = RunOffsets(run);
+  std::vector<float> kg(static_cast<size_t>(G) * d), vg(kg.size());
+  const size_t sink_rows = run.first_group == 0 && !run.sink_keys.empty()
+                               ? run.sink_keys.size() / 2 / (static_cast<size_t>(kv_heads) * d)
+                               : 0;
+  for (int64_t g = 0; g < run.groups; ++g) {
+    for (int h = 0; h < kv_heads; ++h) {
+      const size_t i = static_cast<size_t>((g * kv_heads + h) * 2);
+      ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(run.bytes.subspan(at[i], run.sizes[i]), o,
+                                                      /*verify=*/true));
+      DecodeKeyBlock(kv, r > 0 ? basis + static_cast<size_t>(h) * d * r : nullptr, o.side_sign,
+                     kg.data());
+      ASSIGN_OR_RETURN(ValueBlockView vv,
+                       ParseValueBlock(run.bytes.subspan(at[i + 1], run.sizes[i + 1]), o, true));
+      DecodeValueBlock(vv, vg.data());
+      if (g == 0) {  // the sinks' exact rows over their stand-ins
+        for (size_t t = 0; t < sink_rows; ++t) {
+          const size_t from = (static_cast<size_t>(h) * sink_rows + t) * d * 2;
+          for (int c = 0; c < d; ++c) {
+            kg[t * d + c] = format::HalfToFloat(
+                static_cast<uint16_t>(format::LoadU16(run.sink_keys.data() + from + 2 * c)));
+            vg[t * d + c] = format::HalfToFloat(
+                static_cast<uint16_t>(format::LoadU16(run.sink_values.data() + from + 2 * c)));
+          }
+        }
+      }
+      const size_t off = (static_cast<size_t>(h) * n + g * G) * row;
+      FromFloat(dtype, kg.data(), keys->data() + off, kg.size());
+      FromFloat(dtype, vg.data(), values->data() + off, vg.size());
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvq::core

@@ -55,6 +55,34 @@ class ToolsTest : public ::testing::Test {
   std::string flags_ = absl::StrCat("--server ", server_.address(), " --timeout 20s");
   std::string dir_ = testing::TempDir("kvq-tools-data");
   void TearDown() override { std::filesystem::remove_all(dir_); }
+  // Registers `shape` (basis seed 7) and makes a sequence file of `tokens` random tokens a layer
+  // in `dtype` (F32 or F16; layer l's keys seeded seed + l, values seed + 10 + l), naming the model.
+  client::SeqFile RegisterWithFile(const testing::Shape& shape, int64_t tokens, v1::DType dtype,
+                                   uint32_t seed) {
+    v1::RegisterBasisResponse registered;
+    EXPECT_TRUE(
+        server_.Stub()
+            ->RegisterBasis(testing::Ctx().get(), testing::MakeRegister(shape, 7), &registered)
+            .ok());
+    client::SeqFile f;
+    f.metadata["model"] = shape.model;
+    auto bytes = [&](const std::vector<float>& x) {
+      return dtype == v1::DTYPE_F16
+                 ? testing::ToF16Bytes(x)
+                 : std::string(reinterpret_cast<const char*>(x.data()), x.size() * 4);
+    };
+    for (int l = 0; l < shape.layers; ++l) {
+      client::SeqLayer L;
+      L.dtype = dtype;
+      L.kv_heads = shape.kv_heads;
+      L.tokens = tokens;
+      L.head_dim = shape.head_dim;
+      L.keys = bytes(testing::RandomKV(shape.kv_heads, tokens, shape.head_dim, seed + l));
+      L.values = bytes(testing::RandomKV(shape.kv_heads, tokens, shape.head_dim, seed + 10 + l));
+      f.layers.push_back(L);
+    }
+    return f;
+  }
 };
 
 TEST_F(ToolsTest, HelpOnEveryCommand) {
@@ -251,27 +279,9 @@ TEST_F(ToolsTest, ModelsRegisterSendsEncodeBasisQueryMomentsAndCodecSwitches) {
 TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
   testing::Shape shape;
   shape.legacy_codec = true;  // the token counts below are written around 32-token groups
-  v1::RegisterBasisResponse registered;
-  ASSERT_TRUE(
-      server_.Stub()
-          ->RegisterBasis(testing::Ctx().get(), testing::MakeRegister(shape, 7), &registered)
-          .ok());
   // A sequence file of 70 tokens in fp32 (the window keeps fp32, so tokens past the last
   // full group come back exactly).
-  client::SeqFile f;
-  f.metadata["model"] = shape.model;
-  for (int l = 0; l < shape.layers; ++l) {
-    client::SeqLayer L;
-    L.dtype = v1::DTYPE_F32;
-    L.kv_heads = shape.kv_heads;
-    L.tokens = 70;
-    L.head_dim = shape.head_dim;
-    auto k = testing::RandomKV(shape.kv_heads, 70, shape.head_dim, 10 + l);
-    auto v = testing::RandomKV(shape.kv_heads, 70, shape.head_dim, 20 + l);
-    L.keys.assign(reinterpret_cast<const char*>(k.data()), k.size() * 4);
-    L.values.assign(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-    f.layers.push_back(L);
-  }
+  const client::SeqFile f = RegisterWithFile(shape, 70, v1::DTYPE_F32, 10);
   const std::string in = dir_ + "/in.safetensors", out = dir_ + "/out.safetensors";
   ASSERT_TRUE(client::WriteSeqFile(in, f).ok());
 
@@ -445,6 +455,50 @@ TEST_F(ToolsTest, LoadGetsBlocksBesideStalledReaders) {
 
 // Three servers: sessions carry their stream's hash tag, so each lands where its prompt is and
 // still attaches every whole group.
+// `kvq seq put/get --codes`: encoded in the CLI, the same sequence as a rows put, bit for bit,
+// for fewer bytes each way; decoded in the CLI, the same file as a rows get.
+TEST_F(ToolsTest, SeqPutGetInCodesEqualRowsForFewerBytes) {
+  testing::Shape shape;
+  shape.legacy_codec = true;
+  const client::SeqFile f = RegisterWithFile(shape, 300, v1::DTYPE_F16, 30);
+  const std::string in = dir_ + "/codes.safetensors";
+  ASSERT_TRUE(client::WriteSeqFile(in, f).ok());
+  ToolRun rows = Kvq(absl::StrCat("seq put r ", in, " ", flags_));
+  ASSERT_EQ(rows.code, 0) << rows.err;
+  ToolRun codes = Kvq(absl::StrCat("seq put c ", in, " --codes --chunk-tokens 128 ", flags_));
+  ASSERT_EQ(codes.code, 0) << codes.err;
+  EXPECT_THAT(codes.out, HasSubstr("600 tokens written, 0 duplicate"));
+  EXPECT_THAT(codes.out, HasSubstr("sent as codes"));
+  ToolRun again = Kvq(absl::StrCat("seq put c ", in, " --codes ", flags_));
+  EXPECT_THAT(again.out, HasSubstr("0 tokens written, 600 duplicate")) << again.err;
+  // Sent bytes: the numbers before " bytes sent".
+  auto bytes_of = [](const std::string& out, const char* what) {
+    const size_t at = out.find(what);
+    size_t from = out.rfind(", ", at);
+    return std::stoll(out.substr(from + 2, at - from - 2));
+  };
+  EXPECT_LT(bytes_of(codes.out, " bytes sent"), 0.35 * bytes_of(rows.out, " bytes sent"));
+  const std::string out_rows = dir_ + "/r.safetensors", out_codes = dir_ + "/c.safetensors",
+                    out_codes_of_rows = dir_ + "/rc.safetensors";
+  ToolRun get_rows = Kvq(absl::StrCat("seq get r ", out_rows, " ", flags_));
+  ASSERT_EQ(get_rows.code, 0) << get_rows.err;
+  ToolRun get_codes = Kvq(absl::StrCat("seq get c ", out_codes, " --codes ", flags_));
+  ASSERT_EQ(get_codes.code, 0) << get_codes.err;
+  ToolRun get_rc = Kvq(absl::StrCat("seq get r ", out_codes_of_rows, " --codes ", flags_));
+  ASSERT_EQ(get_rc.code, 0) << get_rc.err;
+  EXPECT_LT(bytes_of(get_codes.out, " bytes received"),
+            0.35 * bytes_of(get_rows.out, " bytes received"));
+  auto a = client::ReadSeqFile(out_rows), b = client::ReadSeqFile(out_codes),
+       c = client::ReadSeqFile(out_codes_of_rows);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  for (int l = 0; l < shape.layers; ++l) {
+    EXPECT_EQ(a->layers[l].keys, b->layers[l].keys) << l;
+    EXPECT_EQ(a->layers[l].values, b->layers[l].values) << l;
+    EXPECT_EQ(a->layers[l].keys, c->layers[l].keys) << l;
+    EXPECT_EQ(a->layers[l].values, c->layers[l].values) << l;
+  }
+}
+
 TEST(ToolsShards, LoadSessionsFindTheirPromptOnEveryShard) {
   testing::TestServer a, b, c;
   const std::string dir = testing::TempDir("kvq-tools-shards");

@@ -89,6 +89,7 @@ TEST(EncodedGroupsTest, ExportedGroupsAppendedElsewhereGiveTheSameLayer) {
     LayerCache sender(tc.codec, kHeads, basis.data());
     ASSERT_TRUE(sender.Append(View3(k, kHeads, T, kDim), View3(v, kHeads, T, kDim), 0).ok());
     ASSERT_GT(sender.encoded_tokens(), 0);
+    const int64_t E = sender.encoded_tokens(), W = T - E;
     EncodedGroups run;
     ASSERT_TRUE(sender.ExportGroups(0, sender.encoded_tokens() / tc.codec.key_group, &run).ok());
     ASSERT_TRUE(CheckEncodedGroups(tc.codec, kHeads, ViewOf(run), "encoded").ok());
@@ -96,7 +97,7 @@ TEST(EncodedGroupsTest, ExportedGroupsAppendedElsewhereGiveTheSameLayer) {
 
     LayerCache receiver(tc.codec, kHeads, basis.data());
     ASSERT_TRUE(receiver.AppendGroups(ViewOf(run)).ok());
-    const int64_t E = sender.encoded_tokens(), W = T - E;
+
     const std::vector<float> rows = WindowRows(sender);
     const std::vector<float> wk(rows.begin(), rows.begin() + rows.size() / 2),
         wv(rows.begin() + rows.size() / 2, rows.end());
@@ -104,6 +105,15 @@ TEST(EncodedGroupsTest, ExportedGroupsAppendedElsewhereGiveTheSameLayer) {
     EXPECT_EQ(receiver.tokens(), T);
     EXPECT_EQ(All(receiver, true), All(sender, true));
     EXPECT_EQ(All(receiver, false), All(sender, false));
+    // Decoded on its own (a client's GetBlocks in codes), the sender's decode bit for bit.
+    for (const DType dt : {DType::kF32, DType::kF16}) {
+      std::vector<uint8_t> dk, dv, sk, sv;
+      const float* u = sender.tables()->basis.empty() ? nullptr : sender.tables()->basis.data();
+      ASSERT_TRUE(DecodeRun(tc.codec, kHeads, u, ViewOf(run), dt, &dk, &dv).ok());
+      ASSERT_TRUE(sender.DecodeAs(0, E, dt, &sk, &sv).ok());
+      EXPECT_EQ(dk, sk);
+      EXPECT_EQ(dv, sv);
+    }
     // Exported again, the same bytes.
     EncodedGroups again;
     ASSERT_TRUE(receiver.ExportGroups(0, run.groups, &again).ok());

@@ -8,7 +8,7 @@
 #include "gtest/gtest.h"
 #include "kvq/core/encoded_groups.h"
 #include "kvq/format/block_format.h"
-#include "server/convert.h"
+#include "kvq/wire/model.h"
 #include "tests/server/test_util.h"
 
 namespace kvq::testing {
@@ -36,7 +36,7 @@ class CodesWire : public ::testing::Test {
     req.set_model(shape_.model);
     st = stub_->GetBasis(bctx.get(), req, &basis);
     ASSERT_TRUE(st.ok()) << st.error_message();
-    absl::StatusOr<core::ModelEntry> e = server::ModelFromProto(basis);
+    absl::StatusOr<core::ModelEntry> e = wire::ModelFromWire(basis);
     ASSERT_TRUE(e.ok()) << e.status();
     entry_ = *std::move(e);
     entry_.manifest.fingerprint = basis.info().fingerprint();

@@ -24,6 +24,7 @@
 #include "kvq/core/codec.h"
 #include "kvq/core/metrics.h"
 #include "kvq/wire/codec_settings.h"
+#include "kvq/wire/tensor.h"
 #include "server/auth.h"
 #include "server/convert.h"
 #include "tests/server/test_util.h"
@@ -640,7 +641,7 @@ TEST(ServiceTest, GetBlocksInEachDtypeIsTheFloatDecodeRounded) {
   for (const v1::DType dtype :
        {v1::DTYPE_UNSPECIFIED, v1::DTYPE_F32, v1::DTYPE_F16, v1::DTYPE_BF16}) {
     const v1::DType want_dtype = dtype == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_F32 : dtype;
-    const core::DType dt = *server::FromProto(want_dtype, "");
+    const core::DType dt = *wire::FromProto(want_dtype, "");
     for (const int64_t from : {int64_t{0}, int64_t{1000}}) {
       SCOPED_TRACE(::testing::Message() << "dtype " << dtype << " from " << from);
       v1::GetBlocksRequest req;

@@ -6,10 +6,10 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kvq/client/basis_request.h"
 #include "kvq/core/status.h"
 #include "kvq/core/tensor.h"
 #include "kvq/wire/codec_settings.h"
+#include "kvq/wire/model.h"
 
 namespace kvq::frontend {
 namespace {
@@ -48,7 +48,7 @@ absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const Ca
                                                      ", kv_heads ", m.kv_heads, ", head_dim ",
                                                      m.head_dim, ") does not fit the model"));
     }
-    client::FillBasisRequest(*basis, &req);
+    wire::BasisToWire(*basis, &req);
     info->set_model(name.empty() ? m.model : name);
     info->set_version(std::max(1, m.version));
     info->set_q_heads(s.q_heads);

@@ -372,6 +372,20 @@ absl::StatusOr<v1::ModelInfo> Client::GetModel(const std::string& model, int ver
   return resp;
 }
 
+absl::StatusOr<v1::RegisterBasisRequest> Client::GetBasis(const std::string& model, int version,
+                                                          int shard) {
+  if (shard < 0 || shard >= num_shards()) return absl::InvalidArgumentError("no such shard");
+  v1::GetModelRequest req;
+  req.set_model(model);
+  req.set_version(version);
+  v1::RegisterBasisRequest resp;
+  grpc::Status st = impl_->Run("GetBasis", shard, true, [&](grpc::ClientContext* ctx) {
+    return impl_->stubs[shard]->GetBasis(ctx, req, &resp);
+  });
+  if (!st.ok()) return ToAbsl(st, server(shard));
+  return resp;
+}
+
 absl::StatusOr<v1::RegisterBasisResponse> Client::RegisterBasis(
     const v1::RegisterBasisRequest& req) {
   if (options_.router) {

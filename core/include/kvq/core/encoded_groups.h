@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "kvq/core/codec.h"
+#include "kvq/core/tensor.h"
 
 namespace kvq::core {
 
@@ -57,6 +58,15 @@ EncodedGroupsView ViewOf(const EncodedGroups& g);
 // field from `field` on: "<field>.blocks[i] (group g, head h, key): why".
 absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const EncodedGroupsView& run,
                                 const std::string& field);
+
+// Decodes a checked run (CheckEncodedGroups) as a layer's reads do (LayerCache::DecodeAs): keys
+// as attention sees them (k_base + B z_hat with the decode basis `basis` [kv_heads][d][rank],
+// null at rank 0) and values, [kv_heads][groups * G][d] in `dtype`, the sinks' exact rows in
+// place of their stand-ins when the run starts at group 0. Every block's checksum is verified
+// (DATA_LOSS). What a client does with GetBlocks' codes; bit for bit the server's decode.
+absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
+                       const EncodedGroupsView& run, DType dtype, std::vector<uint8_t>* keys,
+                       std::vector<uint8_t>* values);
 
 // Where each block of a run starts (block i = 2 * (g * kv_heads + h) + (value ? 1 : 0)), and
 // the end: sizes.size() + 1 offsets.

@@ -134,6 +134,9 @@ class Client {
   absl::StatusOr<v1::StatsResponse> Stats(int shard = 0);
   absl::StatusOr<v1::ListModelsResponse> ListModels(int shard = 0);
   absl::StatusOr<v1::ModelInfo> GetModel(const std::string& model, int version = 0, int shard = 0);
+  // A model version's basis tensors (what ModelCodes, kvq/client/codes.h, is made from).
+  absl::StatusOr<v1::RegisterBasisRequest> GetBasis(const std::string& model, int version = 0,
+                                                    int shard = 0);
   // Registers on every server (each must know the model of the sequences it holds).
   // Returns the first server's answer; fails when any server fails.
   // Router mode: FAILED_PRECONDITION (a proxy reaches one shard per call).

@@ -376,7 +376,7 @@ class GetBlocksRequest(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., basis_version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., max_tokens_per_message: _Optional[int] = ..., from_token: _Optional[int] = ..., to_token: _Optional[int] = ..., codes: bool = ..., max_block_version: _Optional[int] = ...) -> None: ...
 
 class GetBlocksResponse(_message.Message):
-    __slots__ = ("layer", "start", "keys", "values", "layer_tokens", "basis_version", "encoded")
+    __slots__ = ("layer", "start", "keys", "values", "layer_tokens", "basis_version", "encoded", "model", "codec")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +384,8 @@ class GetBlocksResponse(_message.Message):
     LAYER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENCODED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     layer: int
     start: int
     keys: Tensor
@@ -391,7 +393,9 @@ class GetBlocksResponse(_message.Message):
     layer_tokens: int
     basis_version: int
     encoded: EncodedGroups
-    def __init__(self, layer: _Optional[int] = ..., start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., layer_tokens: _Optional[int] = ..., basis_version: _Optional[int] = ..., encoded: _Optional[_Union[EncodedGroups, _Mapping]] = ...) -> None: ...
+    model: str
+    codec: CodecSettings
+    def __init__(self, layer: _Optional[int] = ..., start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., layer_tokens: _Optional[int] = ..., basis_version: _Optional[int] = ..., encoded: _Optional[_Union[EncodedGroups, _Mapping]] = ..., model: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ...) -> None: ...
 
 class DeleteSequenceRequest(_message.Message):
     __slots__ = ("sequence_id",)

@@ -1,0 +1,118 @@
+#include "kvq/client/codes.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kvq/core/cache.h"
+#include "kvq/core/encoded_groups.h"
+#include "kvq/core/status.h"
+#include "kvq/wire/codec_settings.h"
+#include "kvq/wire/encoded_groups.h"
+#include "kvq/wire/model.h"
+#include "kvq/wire/tensor.h"
+
+namespace kvq::client {
+
+absl::StatusOr<std::unique_ptr<ModelCodes>> ModelCodes::Create(
+    const v1::RegisterBasisRequest& basis) {
+  ASSIGN_OR_RETURN(core::ModelEntry e, wire::ModelFromWire(basis));
+  e.manifest.fingerprint = basis.info().fingerprint();
+  e.basis.manifest.fingerprint = e.manifest.fingerprint;
+  return std::unique_ptr<ModelCodes>(new ModelCodes(std::move(e)));
+}
+
+absl::StatusOr<core::CodecOptions> ModelCodes::CodecOf(const v1::CodecSettings& settings) const {
+  ASSIGN_OR_RETURN(core::CodecOptions c, wire::MergeCodec(entry_.codec, settings, "codec"));
+  c.head_dim = entry_.manifest.head_dim;
+  if (!entry_.has_basis) c.rank = 0;
+  return c;
+}
+
+absl::StatusOr<std::vector<v1::Append>> ModelCodes::EncodeLayer(
+    const std::string& sequence_id, int layer, const core::CodecOptions& codec,
+    const core::TensorView& k, const core::TensorView& v, int64_t max_tokens) const {
+  const core::BasisManifest& m = entry_.manifest;
+  if (layer < 0 || layer >= m.layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " must be in 0..", m.layers - 1));
+  }
+  core::LayerCache cache(codec, m.kv_heads, core::MakeLayerCodecTables(entry_, layer, codec));
+  RETURN_IF_ERROR(cache.Append(k, v, 0));
+  const int64_t G = codec.key_group, E = cache.encoded_tokens(), T = cache.tokens();
+  const int64_t per = std::max<int64_t>(1, max_tokens / G);
+  ASSIGN_OR_RETURN(v1::CodecSettings settings, wire::CodecToWire(codec));
+  std::vector<v1::Append> out;
+  for (int64_t g = 0; g == 0 || g < E / G; g += per) {
+    v1::Append& a = out.emplace_back();
+    a.set_sequence_id(sequence_id);
+    a.set_layer(layer);
+    a.set_start(g * G);
+    if (g == 0) {
+      a.set_model(m.model);
+      a.set_basis_version(m.version);
+      *a.mutable_codec() = settings;
+    }
+    core::EncodedGroups run;
+    RETURN_IF_ERROR(cache.ExportGroups(g, std::min(E / G, g + per), &run));
+    if (codec.rank > 0 && entry_.has_basis) run.basis_fingerprint = m.fingerprint;
+    wire::EncodedToWire(run, m.kv_heads, m.head_dim, a.mutable_encoded());
+  }
+  if (T > E) {  // the rows that stay rows, in the arrival dtype
+    std::vector<uint8_t> wk, wv;
+    RETURN_IF_ERROR(cache.DecodeAs(E, T, k.dtype, &wk, &wv));
+    v1::Append& a = out.back();
+    for (auto [rows, t] : {std::pair{&wk, a.mutable_keys()}, std::pair{&wv, a.mutable_values()}}) {
+      t->set_dtype(wire::ToProto(k.dtype));
+      for (int64_t dim : {int64_t{m.kv_heads}, T - E, int64_t{m.head_dim}}) t->add_shape(dim);
+      t->set_data(rows->data(), rows->size());
+    }
+  }
+  return out;
+}
+
+absl::Status ModelCodes::Decode(const v1::GetBlocksResponse& msg, const core::CodecOptions& codec,
+                                core::DType dtype, std::vector<uint8_t>* keys,
+                                std::vector<uint8_t>* values) const {
+  const core::BasisManifest& m = entry_.manifest;
+  const int kv = m.kv_heads, d = m.head_dim, G = codec.key_group;
+  core::EncodedGroupsView run;
+  RETURN_IF_ERROR(wire::EncodedFromWire(msg.encoded(), "encoded", &run));
+  run.groups = static_cast<int64_t>(run.sizes.size()) / (2 * kv);
+  run.first_group = msg.start() / G;
+  // What the server sends is checked as what a client sends is: never trusted.
+  RETURN_IF_ERROR(core::CheckEncodedGroups(codec, kv, run, "encoded"));
+  const auto tables = core::MakeLayerCodecTables(entry_, msg.layer(), codec);
+  std::vector<uint8_t> gk, gv;
+  RETURN_IF_ERROR(core::DecodeRun(codec, kv, tables->basis.empty() ? nullptr : tables->basis.data(),
+                                  run, dtype, &gk, &gv));
+  int64_t rows = 0;
+  core::TensorView rk, rv;
+  if (msg.has_keys() && msg.keys().shape_size() > 0 && msg.keys().shape(1) > 0) {
+    ASSIGN_OR_RETURN(rk, wire::ViewOf(msg.keys(), "keys", 3, 3));
+    ASSIGN_OR_RETURN(rv, wire::ViewOf(msg.values(), "values", 3, 3));
+    if (rk.shape[0] != kv || rk.shape[2] != d || rv.shape[1] != rk.shape[1]) {
+      return absl::InvalidArgumentError("keys/values: not [kv_heads, n, head_dim] of the model");
+    }
+    rows = rk.shape[1];
+  }
+  const int64_t n = run.groups * G + rows;
+  const size_t es = core::DTypeSize(dtype), row = static_cast<size_t>(d) * es;
+  keys->resize(static_cast<size_t>(kv) * n * row);
+  values->resize(keys->size());
+  std::vector<float> f(static_cast<size_t>(d));
+  for (int h = 0; h < kv; ++h) {
+    const size_t groups_bytes = static_cast<size_t>(run.groups) * G * row;
+    std::memcpy(keys->data() + h * n * row, gk.data() + h * groups_bytes, groups_bytes);
+    std::memcpy(values->data() + h * n * row, gv.data() + h * groups_bytes, groups_bytes);
+    for (int64_t t = 0; t < rows; ++t) {
+      const size_t at = h * n * row + groups_bytes + t * row;
+      rk.RowToFloat({h, t}, f.data());
+      core::FromFloat(dtype, f.data(), keys->data() + at, d);
+      rv.RowToFloat({h, t}, f.data());
+      core::FromFloat(dtype, f.data(), values->data() + at, d);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvq::client
