@@ -1,9 +1,9 @@
 // Fuzzes every RPC handler of kvq-server in-process: the first byte picks the method (its
-// low 7 bits mod 13: RegisterBasis, ListModels, GetModel, PutBlocks, Score, Readout, Attend,
+// low 7 bits mod 14: RegisterBasis, ListModels, GetModel, PutBlocks, Score, Readout, Attend,
 // GetBlocks, DeleteSequence, Stats, Echo, then grpc.health.v1's Check and Watch, whose first
-// answer is read before the call is cancelled; its top bit calls as tenant "other" instead of
-// the default one), the rest is that method's request, parsed with ParseFromArray (an input that
-// does not parse is skipped). PutBlocks, a client stream, takes up to four messages: the
+// answer is read before the call is cancelled, then GetBasis; its top bit calls as tenant "other"
+// instead of the default one), the rest is that method's request, parsed with ParseFromArray (an
+// input that does not parse is skipped). PutBlocks, a client stream, takes up to four messages: the
 // second byte's low two bits are the count less one, and each message but the last has a
 // 2-byte little-endian length before it.
 //
@@ -42,7 +42,10 @@
 #include "google/protobuf/stubs/logging.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "kvq/core/cache.h"
 #include "kvq/v1/kvq.grpc.pb.h"
+#include "kvq/wire/codec_settings.h"
+#include "kvq/wire/encoded_groups.h"
 #include "server/server.h"
 #include "tests/server/test_util.h"
 
@@ -66,12 +69,13 @@ enum Method {
   kEcho,
   kHealthCheck,
   kHealthWatch,
+  kGetBasis,
   kMethods
 };
 const char* const kNames[kMethods] = {"RegisterBasis",  "ListModels", "GetModel", "PutBlocks",
                                       "Score",          "Readout",    "Attend",   "GetBlocks",
                                       "DeleteSequence", "Stats",      "Echo",     "Health.Check",
-                                      "Health.Watch"};
+                                      "Health.Watch",   "GetBasis"};
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "fuzz_rpc: %s\n", what.c_str());
@@ -235,11 +239,13 @@ bool Documented(Method m, StatusCode c) {
       return c == StatusCode::INVALID_ARGUMENT || c == StatusCode::ALREADY_EXISTS ||
              c == StatusCode::PERMISSION_DENIED;
     case kGetModel:
+    case kGetBasis:
     case kListModels:
       return c == StatusCode::NOT_FOUND || c == StatusCode::INVALID_ARGUMENT;
-    case kPutBlocks:
+    case kPutBlocks:  // DATA_LOSS: an encoded block whose checksum fails
       return c == StatusCode::INVALID_ARGUMENT || c == StatusCode::NOT_FOUND ||
-             c == StatusCode::FAILED_PRECONDITION || c == StatusCode::ALREADY_EXISTS;
+             c == StatusCode::FAILED_PRECONDITION || c == StatusCode::ALREADY_EXISTS ||
+             c == StatusCode::DATA_LOSS;
     case kScore:
     case kReadout:
     case kAttend:
@@ -328,6 +334,7 @@ void WriteSeeds(const std::string& dir) {
   v1::GetModelRequest gm;
   gm.set_model("tiny");
   write("get_model", kGetModel, gm.SerializeAsString());
+  write("get_basis", kGetBasis, gm.SerializeAsString());
   {
     // Two messages: a new sequence's first 8 tokens with token ids, then the next 2.
     const auto k = kvq::testing::RandomKV(kv, 10, d, 11), v = kvq::testing::RandomKV(kv, 10, d, 12);
@@ -427,6 +434,56 @@ void WriteSeeds(const std::string& dir) {
     *pa->mutable_codec() = A2Codec();
     write("put_codec", kPutBlocks, std::string(1, '\0') + pr.SerializeAsString());
   }
+  {
+    // Codes on the wire: new sequences put as encoded groups (made by core's encoder with tiny's
+    // basis, as a client's would be) plus their window rows, under the model's codec and the A2
+    // codec (sinks, window, rotations); and GetBlocks in codes.
+    const kvq::core::ModelBasis basis = kvq::testing::MakeBasis(t, 5);
+    int i = 0;
+    for (const bool a2 : {false, true}) {
+      kvq::core::CodecOptions codec = kvq::testing::CodecOf(t);
+      if (a2) codec = *kvq::wire::MergeCodec(codec, A2Codec(), "codec");
+      codec.head_dim = d;
+      const std::vector<float> u = kvq::testing::LayerBasis(basis, 0, codec.rank);
+      kvq::core::LayerCache cache(codec, kv, u.data());
+      const int64_t n = 150;
+      const auto k = kvq::testing::RandomKV(kv, n, d, 20 + i),
+                 v = kvq::testing::RandomKV(kv, n, d, 30 + i);
+      const std::string kb = kvq::testing::ToF16Bytes(k), vb = kvq::testing::ToF16Bytes(v);
+      if (!cache
+               .Append(
+                   kvq::core::TensorView::Contiguous(kb.data(), kvq::core::DType::kF16, {kv, n, d}),
+                   kvq::core::TensorView::Contiguous(vb.data(), kvq::core::DType::kF16, {kv, n, d}),
+                   0)
+               .ok()) {
+        std::abort();
+      }
+      kvq::core::EncodedGroups run;
+      if (!cache.ExportGroups(0, cache.encoded_tokens() / codec.key_group, &run).ok()) std::abort();
+      run.basis_fingerprint = kvq::core::BasisFingerprint(basis);
+      const int64_t E = cache.encoded_tokens();
+      v1::PutBlocksRequest pr;
+      v1::Append* pa = pr.add_appends();
+      *pa = kvq::testing::MakeAppend(
+          a2 ? "fe2" : "fe", 0, 0, kvq::testing::Slice(k, kv, n, d, E, n - E),
+          kvq::testing::Slice(v, kv, n, d, E, n - E), kv, n - E, d, "tiny");
+      if (a2) *pa->mutable_codec() = A2Codec();
+      kvq::wire::EncodedToWire(run, kv, d, pa->mutable_encoded());
+      write(a2 ? "put_encoded_a2" : "put_encoded", kPutBlocks,
+            std::string(1, '\0') + pr.SerializeAsString());
+      ++i;
+    }
+    v1::GetBlocksRequest gc;
+    gc.set_sequence_id("s0");
+    gc.set_codes(true);
+    gc.set_max_block_version(3);
+    gc.set_max_tokens_per_message(32);
+    write("get_blocks_codes", kGetBlocks, gc.SerializeAsString());
+    v1::GetBlocksRequest gc2 = gc;
+    gc2.set_sequence_id("s2");
+    gc2.set_from_token(5);
+    write("get_blocks_codes_s2", kGetBlocks, gc2.SerializeAsString());
+  }
   v1::DeleteSequenceRequest del;
   del.set_sequence_id("s1");
   write("delete", kDeleteSequence, del.SerializeAsString());
@@ -485,6 +542,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (!Parse(data, size, &req)) return 0;
       v1::ModelInfo resp;
       CheckStatus(m, stub.GetModel(ctx.get(), req, &resp));
+      break;
+    }
+    case kGetBasis: {
+      v1::GetModelRequest req;
+      if (!Parse(data, size, &req)) return 0;
+      v1::RegisterBasisRequest resp;
+      CheckStatus(m, stub.GetBasis(ctx.get(), req, &resp));
       break;
     }
     case kPutBlocks: {

@@ -56,7 +56,8 @@ class ToolsTest : public ::testing::Test {
   std::string dir_ = testing::TempDir("kvq-tools-data");
   void TearDown() override { std::filesystem::remove_all(dir_); }
   // Registers `shape` (basis seed 7) and makes a sequence file of `tokens` random tokens a layer
-  // in `dtype` (F32 or F16; layer l's keys seeded seed + l, values seed + 10 + l), naming the model.
+  // in `dtype` (F32 or F16; layer l's keys seeded seed + l, values seed + 10 + l), naming the
+  // model.
   client::SeqFile RegisterWithFile(const testing::Shape& shape, int64_t tokens, v1::DType dtype,
                                    uint32_t seed) {
     v1::RegisterBasisResponse registered;

@@ -81,7 +81,10 @@ absl::Status ModelCodes::Decode(const v1::GetBlocksResponse& msg, const core::Co
   run.first_group = msg.start() / G;
   // What the server sends is checked as what a client sends is: never trusted.
   RETURN_IF_ERROR(core::CheckEncodedGroups(codec, kv, run, "encoded"));
-  const auto tables = core::MakeLayerCodecTables(entry_, msg.layer(), codec);
+  // Decoding needs only the decode basis: no rounding factors (a Cholesky per head) are made.
+  core::CodecOptions reads = codec;
+  reads.metric_rounding = reads.value_metric_rounding = false;
+  const auto tables = core::MakeLayerCodecTables(entry_, msg.layer(), reads);
   std::vector<uint8_t> gk, gv;
   RETURN_IF_ERROR(core::DecodeRun(codec, kv, tables->basis.empty() ? nullptr : tables->basis.data(),
                                   run, dtype, &gk, &gv));

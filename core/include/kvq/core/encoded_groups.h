@@ -62,8 +62,9 @@ absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const Encod
 // Decodes a checked run (CheckEncodedGroups) as a layer's reads do (LayerCache::DecodeAs): keys
 // as attention sees them (k_base + B z_hat with the decode basis `basis` [kv_heads][d][rank],
 // null at rank 0) and values, [kv_heads][groups * G][d] in `dtype`, the sinks' exact rows in
-// place of their stand-ins when the run starts at group 0. Every block's checksum is verified
-// (DATA_LOSS). What a client does with GetBlocks' codes; bit for bit the server's decode.
+// place of their stand-ins when the run starts at group 0. The run must have passed
+// CheckEncodedGroups (checksums included; they are not verified again). What a client does with
+// GetBlocks' codes; bit for bit the server's decode.
 absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
                        const EncodedGroupsView& run, DType dtype, std::vector<uint8_t>* keys,
                        std::vector<uint8_t>* values);

@@ -142,7 +142,8 @@ class KvqServicer(object):
         every append is encoded and stored. Because appends carry their start position, a
         client whose stream was cut re-sends everything: the already-stored ranges are accepted
         as duplicates. Errors: INVALID_ARGUMENT, NOT_FOUND (model), FAILED_PRECONDITION,
-        ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAUTHENTICATED.
+        ALREADY_EXISTS, RESOURCE_EXHAUSTED, UNAUTHENTICATED, DATA_LOSS (an encoded block whose
+        checksum fails).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
