@@ -14,7 +14,7 @@ PKGS=(
   libopenblas-dev libpcre2-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   prometheus-cpp-dev libssl-dev openssl
-  python3 python3-venv gnuplot-nox prometheus docker-compose haproxy
+  python3 python3-venv python3-dev gnuplot-nox prometheus docker-compose haproxy
   python3-yaml
   clang libclang-rt-14-dev clang-format-14
 )

@@ -50,7 +50,7 @@ from ._requests import (
 from .errors import KvqError
 from .ring import HashRing, key_of
 from .tensors import dtype_enum
-from .types import Append, AttendItem, ItemResult, ReadoutItem, ScoreItem
+from .types import AnyAppend, AttendItem, ItemResult, ReadoutItem, ScoreItem
 
 __all__ = ["ClientOptions", "AttemptHook", "split_servers", "MAX_MESSAGE_BYTES", "ROUTE_HEADER"]
 
@@ -560,7 +560,7 @@ class ClientCore:
         info: kvq_pb2.ModelInfo = yield from _one(Call("GetModel", self._shard(shard), None, req, True, deadline))
         return info
 
-    def _put_blocks(self, appends: Sequence[Append], messages: Optional[Sequence[Sequence[Append]]],
+    def _put_blocks(self, appends: Sequence[AnyAppend], messages: Optional[Sequence[Sequence[AnyAppend]]],
                     deadline: Optional[float]) -> Plan[kvq_pb2.PutBlocksResponse]:
         method = "PutBlocks"
         if messages is None:

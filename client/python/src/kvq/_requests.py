@@ -17,6 +17,7 @@ from ._proto.kvq.v1 import kvq_pb2
 from .errors import KvqError, code_from_int
 from .tensors import dtype_enum, from_tensor, to_tensor
 from .types import (
+    AnyAppend,
     Append,
     AttendItem,
     Block,
@@ -57,10 +58,19 @@ def _codec_pb(c: Optional[CodecSettings], field: str, method: str) -> Optional[k
     return kvq_pb2.CodecSettings(**values)
 
 
-def append_pb(a: Append, field: str, method: str,
+def append_pb(a: AnyAppend, field: str, method: str,
               out: Optional[kvq_pb2.Append] = None) -> kvq_pb2.Append:
     """kvq_pb2.Append for an Append (checks shapes client-side; field names it in errors).
-    out: fill this message (a field of the request being built) instead of a new one."""
+    A kvq_pb2.Append (built by kvq.codes: codes on the wire) is taken as it is; the server
+    checks it. out: fill this message (a field of the request being built) instead of a new
+    one."""
+    if isinstance(a, kvq_pb2.Append):
+        if not a.sequence_id:
+            raise KvqError.invalid(method, f"{field}.sequence_id: empty")
+        if out is None:
+            return a
+        out.CopyFrom(a)
+        return out
     if not isinstance(a, Append):
         raise KvqError.invalid(method, f"{field}: expected kvq.Append, got {type(a).__name__}")
     if not a.sequence_id:
@@ -106,7 +116,7 @@ def append_pb(a: Append, field: str, method: str,
     return out
 
 
-def put_requests(messages: Sequence[Sequence[Append]], by_shard: Callable[[Sequence[str]], Any],
+def put_requests(messages: Sequence[Sequence[AnyAppend]], by_shard: Callable[[Sequence[str]], Any],
                  method: str = "PutBlocks") -> Dict[int, List[kvq_pb2.PutBlocksRequest]]:
     """The PutBlocks messages per shard: each message split by shard, order kept."""
     per_shard: Dict[int, List[kvq_pb2.PutBlocksRequest]] = {}

@@ -20,7 +20,7 @@ from ._core import ClientOptions as ClientOptions
 from ._proto.kvq.v1 import kvq_pb2, kvq_pb2_grpc
 from ._requests import block_of
 from .errors import KvqError
-from .types import Append, AttendItem, Block, ItemResult, ReadoutItem, ScoreItem
+from .types import AnyAppend, AttendItem, Block, ItemResult, ReadoutItem, ScoreItem
 
 __all__ = ["Client", "ClientOptions"]
 
@@ -114,7 +114,8 @@ class Client(ClientCore):
                         deadline: Optional[float] = None) -> kvq_pb2.ModelInfo:
         return await self._drive(self._get_model(model, version, shard, deadline))
 
-    async def put_blocks(self, appends: Sequence[Append] = (), *, messages: Optional[Sequence[Sequence[Append]]] = None,
+    async def put_blocks(self, appends: Sequence[AnyAppend] = (), *,
+                         messages: Optional[Sequence[Sequence[AnyAppend]]] = None,
                          deadline: Optional[float] = None) -> kvq_pb2.PutBlocksResponse:
         return await self._drive(self._put_blocks(appends, messages, deadline))
 

@@ -51,7 +51,7 @@ from ._requests import readout_request as readout_request
 from ._requests import register_request as register_request
 from ._requests import score_request as score_request
 from .errors import KvqError
-from .types import Append, AttendItem, Block, ItemResult, ReadoutItem, ScoreItem
+from .types import AnyAppend, AttendItem, Block, ItemResult, ReadoutItem, ScoreItem
 
 __all__ = ["Client", "ClientOptions", "split_servers", "MAX_MESSAGE_BYTES", "ROUTE_HEADER"]
 
@@ -184,13 +184,15 @@ class Client(ClientCore):
     # -- writes -----------------------------------------------------------------------------
     def put_blocks(
         self,
-        appends: Sequence[Append] = (),
+        appends: Sequence[AnyAppend] = (),
         *,
-        messages: Optional[Sequence[Sequence[Append]]] = None,
+        messages: Optional[Sequence[Sequence[AnyAppend]]] = None,
         deadline: Optional[float] = None,
     ) -> kvq_pb2.PutBlocksResponse:
         """Streams appends: one PutBlocks stream per server involved.
 
+        appends: kvq.Append, or kvq_pb2.Append messages built elsewhere, sent as they are
+        (kvq.codes' EncodedLayer.to_appends: codes on the wire).
         By default all `appends` go in one message (applied atomically on each server).
         `messages` gives the message boundaries instead (a list of lists of Append; order
         and boundaries are kept within each server). Returns the counts summed over servers

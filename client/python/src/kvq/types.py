@@ -13,12 +13,14 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import grpc
 
+from ._proto.kvq.v1 import kvq_pb2
 from .errors import KvqError
 from .tensors import Array
 
 __all__ = [
     "CodecSettings",
     "Append",
+    "AnyAppend",
     "AttendItem",
     "ScoreItem",
     "ReadoutItem",
@@ -102,6 +104,11 @@ class Append:
     basis_version: Optional[int] = None
     codec: Optional[CodecSettings] = None
     probe_weights: Any = None
+
+
+# What put_blocks takes: an Append, or a kvq_pb2.Append built elsewhere (kvq.codes'
+# EncodedLayer.to_appends: codes on the wire), sent as it is.
+AnyAppend = Union[Append, "kvq_pb2.Append"]
 
 
 @dataclass
