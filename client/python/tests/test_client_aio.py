@@ -38,6 +38,9 @@ def test_aio_round_trip_equals_the_sync_client(kvq_server_factory):
             assert reg.model.has_basis
             assert [m.model for m in await c.list_models(shard=1)] == ["tiny"]
             assert (await c.get_model("tiny")).basis_rank == 8
+            basis = await c.get_basis("tiny", shard=1)
+            assert basis.info.fingerprint == (await c.get_model("tiny", shard=1)).fingerprint
+            assert len(basis.basis) == 2 and tuple(basis.basis[0].shape) == (KV, D, 8)
             appends = [kvq.Append(sid, 0, 0, rand((KV, 16 + i, D), i, np.float16),
                                   rand((KV, 16 + i, D), i + 50, np.float16), model="tiny")
                        for i, sid in enumerate(ids)]

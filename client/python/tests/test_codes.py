@@ -55,7 +55,7 @@ def register(client: kvq.Client, name: str, codec: kvq.CodecSettings) -> kvq.cod
     info = {"model": name, "version": 1, "layers": LAYERS, "kv_heads": KV, "q_heads": Q,
             "head_dim": D, "basis_rank": RANK, "kind": "random", "codec": codec}
     client.register_basis(info, random_basis(LAYERS, KV, D, RANK, seed=3), query_moment=moments)
-    return kvq.codes.ModelCodes(client.stub().GetBasis(kvq_pb2.GetModelRequest(model=name)))
+    return kvq.codes.ModelCodes(client.get_basis(name))
 
 
 def rows(n: int, seed: int, dtype=np.float16) -> Tuple[np.ndarray, np.ndarray]:
@@ -296,7 +296,7 @@ def test_arguments_are_checked(client):
     # A model registered without query moments refuses metric rounding, as the server does.
     client.register_basis({"model": "plain", "version": 1, "layers": 1, "kv_heads": KV, "q_heads": Q,
                            "head_dim": D, "basis_rank": 4, "kind": "random"}, random_basis(1, KV, D, 4, seed=1))
-    plain = kvq.codes.ModelCodes(client.stub().GetBasis(kvq_pb2.GetModelRequest(model="plain")))
+    plain = kvq.codes.ModelCodes(client.get_basis("plain"))
     assert code_of(lambda: plain.codec({"metric_rounding": True})) == grpc.StatusCode.FAILED_PRECONDITION
     # A message of another model is not decoded with these codes.
     client.put_blocks([kvq.Append("p", 0, 0, k, v, model="plain")])
@@ -339,7 +339,7 @@ def test_encoders_and_decoders_on_several_threads(client):
 def test_a_model_without_basis(client):
     client.register_basis({"model": "nobasis", "version": 1, "layers": 1, "kv_heads": KV, "q_heads": Q,
                            "head_dim": D, "basis_rank": 0})
-    codes = kvq.codes.ModelCodes(client.stub().GetBasis(kvq_pb2.GetModelRequest(model="nobasis")))
+    codes = kvq.codes.ModelCodes(client.get_basis("nobasis"))
     assert codes.default_codec.rank == 0
     k, v = rows(300, seed=4)
     client.put_blocks(codes.encode(0, k, v).to_appends("codes"))

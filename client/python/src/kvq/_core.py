@@ -560,6 +560,13 @@ class ClientCore:
         info: kvq_pb2.ModelInfo = yield from _one(Call("GetModel", self._shard(shard), None, req, True, deadline))
         return info
 
+    def _get_basis(self, model: str, version: Optional[int], shard: int,
+                   deadline: Optional[float]) -> Plan[kvq_pb2.RegisterBasisRequest]:
+        req = kvq_pb2.GetModelRequest(model=model, version=int(version or 0))
+        basis: kvq_pb2.RegisterBasisRequest = yield from _one(
+            Call("GetBasis", self._shard(shard), None, req, True, deadline))
+        return basis
+
     def _put_blocks(self, appends: Sequence[AnyAppend], messages: Optional[Sequence[Sequence[AnyAppend]]],
                     deadline: Optional[float]) -> Plan[kvq_pb2.PutBlocksResponse]:
         method = "PutBlocks"

@@ -114,6 +114,10 @@ class Client(ClientCore):
                         deadline: Optional[float] = None) -> kvq_pb2.ModelInfo:
         return await self._drive(self._get_model(model, version, shard, deadline))
 
+    async def get_basis(self, model: str, version: Optional[int] = None, *, shard: int = 0,
+                        deadline: Optional[float] = None) -> kvq_pb2.RegisterBasisRequest:
+        return await self._drive(self._get_basis(model, version, shard, deadline))
+
     async def put_blocks(self, appends: Sequence[AnyAppend] = (), *,
                          messages: Optional[Sequence[Sequence[AnyAppend]]] = None,
                          deadline: Optional[float] = None) -> kvq_pb2.PutBlocksResponse:

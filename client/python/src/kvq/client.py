@@ -181,6 +181,13 @@ class Client(ClientCore):
         """One model version (None or 0: the latest). NOT_FOUND raises KvqError."""
         return self._drive(self._get_model(model, version, shard, deadline))
 
+    def get_basis(
+        self, model: str, version: Optional[int] = None, *, shard: int = 0, deadline: Optional[float] = None
+    ) -> kvq_pb2.RegisterBasisRequest:
+        """One model version's basis tensors as registered (None or 0: the latest): what
+        kvq.codes.ModelCodes is made from. NOT_FOUND raises KvqError. Retried."""
+        return self._drive(self._get_basis(model, version, shard, deadline))
+
     # -- writes -----------------------------------------------------------------------------
     def put_blocks(
         self,

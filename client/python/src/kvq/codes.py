@@ -5,7 +5,7 @@ native module kvq._codes: core's LayerCache to encode, core::DecodeRun to decode
 client's kvq::client::ModelCodes does), so that the blocks made here are the server's byte for
 byte and the rows decoded here are GetBlocks' decoded rows bit for bit.
 
-    basis = client.stub().GetBasis(kvq_pb2.GetModelRequest(model="tiny"))
+    basis = client.get_basis("tiny")
     codes = kvq.codes.ModelCodes(basis)
     enc = codes.encode(layer, keys, values)              # keys/values [kv_heads, n, head_dim]
     client.stub().PutBlocks(iter([kvq_pb2.PutBlocksRequest(appends=enc.to_appends("seq"))]))
