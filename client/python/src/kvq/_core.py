@@ -47,6 +47,8 @@ from ._requests import (
     register_request,
     score_request,
 )
+from ._wire_codes import StreamDecoder as StreamDecoder
+from ._wire_codes import WireCodes
 from .errors import KvqError
 from .ring import HashRing, key_of
 from .tensors import dtype_enum
@@ -147,6 +149,14 @@ class ClientOptions:
     # the proxy picks for it), batched calls are split by routing key. register_basis is
     # refused (the proxy reaches one shard per call): register on the shards directly.
     router: bool = False
+    # HeadQ codes on the wire where the server takes them (docs/API.md, "Codes on the wire"):
+    # puts of appends that complete groups go as codes encoded here, GetBlocks fetches codes
+    # and decodes them here; the server holds and returns the same bits either way. False:
+    # fp16 rows both ways (the server encodes and decodes).
+    codes: bool = True
+    # Layers whose encoder a client keeps so that later appends to them can go as codes
+    # (>= 0; least recently used dropped, their later appends then go as rows).
+    encoders: int = 1024
 
 
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ClientOptions))
@@ -185,6 +195,8 @@ class Settings:
             raise KvqError.invalid(m, "initial_backoff/max_backoff: must be >= 0")
         if o.virtual_nodes < 1:
             raise KvqError.invalid(m, f"virtual_nodes: must be >= 1, got {o.virtual_nodes}")
+        if o.encoders < 0:
+            raise KvqError.invalid(m, f"encoders: must be >= 0, got {o.encoders}")
         if o.token and not o.tls and not o.allow_insecure_token:
             raise KvqError.invalid(
                 m,
@@ -424,8 +436,11 @@ class ClientCore:
         allow_insecure_token: Optional[bool] = None,
         on_attempt: Optional[AttemptHook] = None,
         router: Optional[bool] = None,
+        codes: Optional[bool] = None,
+        encoders: Optional[int] = None,
     ) -> None:
         self._s = Settings(merge_options(options, locals()))
+        self._wire = WireCodes(bool(self._s.options.codes), int(self._s.options.encoders))
         self._start()
 
     def _start(self) -> None:
@@ -576,14 +591,25 @@ class ClientCore:
             messages = [appends]
         elif appends:
             raise KvqError.invalid(method, "appends/messages: give one of them, not both")
-        per_shard = put_requests(messages, self._s.by_shard, method)
+        given = [list(m) for m in messages]
+        wanted = self._wire.models_to_fetch(given)
+        if wanted:  # the bases of the models these appends create sequences of (once per client)
+            req = [kvq_pb2.GetModelRequest(model=m, version=v) for m, v in wanted]
+            bases = yield [Call("GetBasis", 0, None, r, True, deadline) for r in req]
+            for key, basis in zip(wanted, bases, strict=True):
+                self._wire.add_model(key, basis)
+        sent = self._wire.encode(given)
+        per_shard = put_requests(sent, self._s.by_shard, method)
         # Retried: appends carry their start, so a re-sent range is a duplicate.
         results = yield [Call(method, *self._s.target(g), per_shard[g], True, deadline) for g in per_shard]
+        if any(isinstance(r, KvqError) for r in results):
+            self._wire.forget(given)  # the encoders may hold rows a server did not take
         return merge_put(_raise_any(results))
 
     def _get_blocks_call(self, sequence_id: str, layers: Optional[Sequence[int]], dtype: str, from_token: int,
                          to_token: Optional[int], max_tokens_per_message: Optional[int],
-                         basis_version: Optional[int], deadline: Optional[float]) -> Tuple[Call, Tries]:
+                         basis_version: Optional[int], codes: Optional[bool],
+                         deadline: Optional[float]) -> Tuple[Call, Tries]:
         """The GetBlocks call and its attempts (checked now, before the stream starts)."""
         req = kvq_pb2.GetBlocksRequest(
             sequence_id=sequence_id,
@@ -594,10 +620,13 @@ class ClientCore:
             from_token=int(from_token or 0),
             to_token=int(to_token or 0),
         )
+        if codes is not False:
+            self._wire.request_codes(req)
         call = self._sequence_call("GetBlocks", sequence_id, req, True, deadline)
         return call, Tries(self._s, call)
 
     def _delete_sequence(self, sequence_id: str, deadline: Optional[float]) -> Plan[int]:
+        self._wire.forget_sequence(sequence_id)
         req = kvq_pb2.DeleteSequenceRequest(sequence_id=sequence_id)
         # Never retried: a second attempt would not be a no-op.
         resp = yield from _one(self._sequence_call("DeleteSequence", sequence_id, req, False, deadline))
