@@ -13,8 +13,11 @@
 //   * the client's encode and decode speed against a memcpy of the same fp16 bytes in the same
 //     run (the ratio is the figure; the memcpy is the baseline).
 // Client, relay and server share the machine's cores. Medians of --reps repetitions.
+// --server IP:PORT measures against a kvq-server started elsewhere instead of one in this
+// process (scripts/bench-link.sh: one in a network namespace behind a rate-limited veth pair);
+// --only TEXT keeps the configurations whose name contains TEXT.
 //
-//   kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024]
+//   kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024] [--server IP:PORT] [--only TEXT]
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -26,6 +29,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,10 +55,11 @@ double Median(std::vector<double> x) {
   return x.empty() ? 0.0 : x[x.size() / 2];
 }
 
-// A TCP relay on 127.0.0.1:0 to `target_port`, counting the bytes it forwards each way.
+// A TCP relay on 127.0.0.1:0 to target_ip:target_port, counting the bytes it forwards each way.
 class CountingRelay {
  public:
-  explicit CountingRelay(int target_port) : target_(target_port) {
+  CountingRelay(std::string target_ip, int target_port)
+      : target_ip_(std::move(target_ip)), target_(target_port) {
     listen_ = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -81,7 +86,7 @@ class CountingRelay {
     while (!stop_) {
       const int c = accept(listen_, nullptr, nullptr);
       if (c < 0) return;
-      const int s = ConnectLocal(target_);
+      const int s = ConnectTo(target_ip_, target_);
       if (s < 0) {
         close(c);
         continue;
@@ -114,6 +119,7 @@ class CountingRelay {
     close(s);
   }
 
+  std::string target_ip_;
   int target_, listen_ = -1, port_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> up_{0}, down_{0};
@@ -160,14 +166,22 @@ std::vector<Config> Configs() {
 
 int Main(int argc, char** argv) {
   int tokens = 4096, reps = 3, chunk = 1024;
+  std::string server, only;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--help" || f == "-h") {
       std::printf(
           "kvq-bench-wire: bytes on the wire, throughput and client encode/decode speed of codes "
           "against fp16 rows (docs/BENCHMARKS.md, \"Codes on the wire\").\n"
-          "  kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024]\n");
+          "  kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024] [--server IP:PORT] "
+          "[--only TEXT]\n"
+          "  --server: a running kvq-server (default: one in this process)\n"
+          "  --only: the configurations whose name contains TEXT\n");
       return 0;
+    }
+    if ((f == "--server" || f == "--only") && i + 1 < argc) {
+      (f == "--server" ? server : only) = argv[++i];
+      continue;
     }
     int* p = f == "--tokens" ? &tokens : f == "--reps" ? &reps : f == "--chunk" ? &chunk : nullptr;
     if (p == nullptr || i + 1 >= argc || !absl::SimpleAtoi(argv[i + 1], p) || *p < 1) {
@@ -176,9 +190,20 @@ int Main(int argc, char** argv) {
     }
     ++i;
   }
-  TestServer ts;
-  const int server_port = std::stoi(ts.address().substr(ts.address().rfind(':') + 1));
-  CountingRelay relay(server_port);
+  std::unique_ptr<TestServer> ts;
+  if (server.empty()) {
+    ts = std::make_unique<TestServer>();
+    server = ts->address();
+  }
+  const size_t colon = server.rfind(':');
+  int server_port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(server.substr(colon + 1), &server_port)) {
+    std::fprintf(stderr, "kvq-bench-wire: --server %s is not IP:PORT\n", server.c_str());
+    return 2;
+  }
+  const std::string ip =
+      server.substr(0, colon) == "localhost" ? "127.0.0.1" : server.substr(0, colon);
+  CountingRelay relay(ip, server_port);
   client::ClientOptions co;
   co.servers = {absl::StrCat("127.0.0.1:", relay.port())};
   co.timeout = absl::Seconds(300);
@@ -189,6 +214,7 @@ int Main(int argc, char** argv) {
   std::printf("%-32s %-6s %12s %12s %8s %10s %10s %9s\n", "configuration", "call", "rows B/t/l",
               "codes B/t/l", "ratio", "rows GB/s", "codes GB/s", "codes/rows");
   for (const Config& cfg : Configs()) {
+    if (std::string(cfg.name).find(only) == std::string::npos) continue;
     const Shape& s = cfg.shape;
     v1::RegisterBasisRequest reg = MakeRegister(s, 11);
     if (cfg.codec.ByteSizeLong() > 0) *reg.mutable_info()->mutable_codec() = cfg.codec;

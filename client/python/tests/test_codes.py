@@ -414,3 +414,32 @@ def test_the_client_sends_and_fetches_codes_by_default(kvq_server_factory, name)
         assert received[True] == received[False]
     else:
         assert received[True] < 0.8 * received[False]
+
+
+def test_attend_items_carry_their_prefill_as_codes(kvq_server_factory):
+    """A frontend that appends inside its Attend items (as kvq.hf does): a prefill chunk goes as
+    codes, decode steps as rows, with the outputs of a client that sends rows, bit for bit
+    (each item's append is applied before its attention, in codes as in rows)."""
+    server = kvq_server_factory(metrics=True)
+    with kvq.Client(server.address) as c:
+        register(c, "default", CODECS["default"])
+    sizes = (300, 1, 1, 1, 200, 1)
+    k, v = rows(sum(sizes), seed=8)
+    q = np.random.default_rng(9).standard_normal((Q, max(sizes), D)).astype(np.float32)
+    outs: Dict[bool, List[np.ndarray]] = {}
+    received: Dict[bool, float] = {}
+    for codes_on in (False, True):
+        before = metric(server, "kvq_received_bytes_total", method="Attend")
+        with kvq.Client(server.address, codes=codes_on) as c:
+            at, outs[codes_on], seq = 0, [], f"a-{int(codes_on)}"
+            for n in sizes:
+                model = "default" if at == 0 else None
+                items = [kvq.AttendItem(seq, layer, q[:, :n], causal_offset=at, append=kvq.Append(
+                    seq, layer, at, k[:, at:at + n], v[:, at:at + n], model=model)) for layer in range(LAYERS)]
+                outs[codes_on] += [r.outputs for r in c.attend(items)]
+                at += n
+        received[codes_on] = metric_at_least(server, before + 1, "kvq_received_bytes_total", method="Attend") - before
+    assert all(same_bits(a, b) for a, b in zip(outs[False], outs[True], strict=True))
+    print(f"Attend bytes received: rows {received[False]:.0f}, codes {received[True]:.0f} "
+          f"({received[True] / received[False]:.3f}x; the fp32 queries travel either way)")
+    assert received[True] < 0.9 * received[False]

@@ -57,6 +57,7 @@ from .types import AnyAppend, AttendItem, ItemResult, ReadoutItem, ScoreItem
 __all__ = ["ClientOptions", "AttemptHook", "split_servers", "MAX_MESSAGE_BYTES", "ROUTE_HEADER"]
 
 T = TypeVar("T")
+_ItemT = TypeVar("_ItemT", AttendItem, ScoreItem)  # items that may carry an append
 
 # Router mode's routing header (deploy/haproxy/haproxy.cfg balances on it).
 ROUTE_HEADER = "x-kvq-route"
@@ -529,13 +530,41 @@ class ClientCore:
         return out
 
     def _items(self, method: str, req: Any, field: str, idempotent: bool, check: bool,
-               deadline: Optional[float]) -> Plan[List[ItemResult]]:
-        resp = yield from self._batched(method, req, idempotent, deadline)
+               deadline: Optional[float], items: Sequence[Any] = ()) -> Plan[List[ItemResult]]:
+        """A batched call; items: the request's items when they may carry appends (the layer
+        encoders of those that fail are dropped: the server may not hold what they took)."""
+        appends = [[it.append] if getattr(it, "append", None) is not None else [] for it in items]
+        try:
+            resp = yield from self._batched(method, req, idempotent, deadline)
+        except KvqError:
+            self._wire.forget(appends)
+            raise
+        self._wire.forget(a for a, r in zip(appends, resp.results, strict=False) if r.status.code)
         out = item_results(method, resp.results, field)
         return check_results(out) if check else out
 
+    def _fetch_bases(self, messages: Sequence[Sequence[AnyAppend]], deadline: Optional[float]) -> Plan[None]:
+        """Fetches (once per client) the bases of the models these appends create sequences
+        of, so that they can go as codes."""
+        wanted = self._wire.models_to_fetch(messages)
+        if wanted:
+            req = [kvq_pb2.GetModelRequest(model=m, version=v) for m, v in wanted]
+            bases = yield [Call("GetBasis", 0, None, r, True, deadline) for r in req]
+            for key, basis in zip(wanted, bases, strict=True):
+                self._wire.add_model(key, basis)
+
+    def _item_appends(self, items: Sequence[_ItemT], deadline: Optional[float]) -> Plan[List[_ItemT]]:
+        """The items with each append in the form it goes in (codes where they pay)."""
+        given: List[List[AnyAppend]] = [[it.append] for it in items if it.append is not None]
+        if not given or not self._wire.enabled:
+            return list(items)
+        yield from self._fetch_bases(given, deadline)
+        sent = iter(self._wire.encode(given))  # each its own message: the first of its layer
+        return [dataclasses.replace(it, append=next(sent)[0]) if it.append is not None else it for it in items]
+
     def _score(self, items: Sequence[ScoreItem], check: bool, deadline: Optional[float]) -> Plan[List[ItemResult]]:
-        return self._items("Score", score_request(items), "logits", True, check, deadline)
+        items = yield from self._item_appends(items, deadline)
+        return (yield from self._items("Score", score_request(items), "logits", True, check, deadline, items))
 
     def _readout(self, items: Sequence[ReadoutItem], check: bool,
                  deadline: Optional[float]) -> Plan[List[ItemResult]]:
@@ -545,7 +574,9 @@ class ClientCore:
         # Retried only when every item is read-only: an observing call records A^2
         # statistics, and a retry would count them twice.
         read_only = bool(items) and all(getattr(it, "observe", None) is False for it in items)
-        return self._items("Attend", attend_request(items), "outputs", read_only, check, deadline)
+        items = yield from self._item_appends(items, deadline)
+        return (yield from self._items("Attend", attend_request(items), "outputs", read_only, check, deadline,
+                                       items))
 
     def _health_plan(self, deadline: Optional[float]) -> Plan[List[Tuple[str, bool]]]:
         out = []
@@ -592,12 +623,7 @@ class ClientCore:
         elif appends:
             raise KvqError.invalid(method, "appends/messages: give one of them, not both")
         given = [list(m) for m in messages]
-        wanted = self._wire.models_to_fetch(given)
-        if wanted:  # the bases of the models these appends create sequences of (once per client)
-            req = [kvq_pb2.GetModelRequest(model=m, version=v) for m, v in wanted]
-            bases = yield [Call("GetBasis", 0, None, r, True, deadline) for r in req]
-            for key, basis in zip(wanted, bases, strict=True):
-                self._wire.add_model(key, basis)
+        yield from self._fetch_bases(given, deadline)
         sent = self._wire.encode(given)
         per_shard = put_requests(sent, self._s.by_shard, method)
         # Retried: appends carry their start, so a re-sent range is a duplicate.
