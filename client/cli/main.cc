@@ -281,30 +281,37 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
       in_codes = false;
     }
   }
+  // In codes, each layer is encoded when the stream reaches it (PutBlocksStream), so that its
+  // encode overlaps the transfer of the layers before.
+  core::CodecOptions codec;
   if (in_codes) {
-    absl::StatusOr<core::CodecOptions> codec = codes->CodecOf(v1::CodecSettings());
-    if (!codec.ok()) return LocalFail(codec.status());
-    for (size_t l = 0; l < file->layers.size(); ++l) {
-      const kvq::client::SeqLayer& L = file->layers[l];
-      absl::StatusOr<core::DType> dt = wire::FromProto(L.dtype, "dtype");
-      if (!dt.ok()) return LocalFail(dt.status());
-      const auto view = [&](const std::string& b) {
-        return core::TensorView::Contiguous(b.data(), *dt, {L.kv_heads, L.tokens, L.head_dim});
-      };
-      auto appends = codes->EncodeLayer(id, static_cast<int>(l), *codec, view(L.keys),
-                                        view(L.values), f.chunk_tokens);
-      if (!appends.ok()) return LocalFail(appends.status());
-      for (v1::Append& a : *appends) {
-        const int64_t n = static_cast<int64_t>(a.encoded().block_bytes_size()) / (2 * L.kv_heads) *
-                              codec->key_group +
-                          (a.has_keys() ? a.keys().shape(1) : 0);
-        for (int64_t t = a.start(); t < a.start() + n && !file->token_ids.empty(); ++t) {
-          a.add_token_ids(file->token_ids[t]);
-        }
-        *msgs.emplace_back().add_appends() = std::move(a);
+    absl::StatusOr<core::CodecOptions> c0 = codes->CodecOf(v1::CodecSettings());
+    if (!c0.ok()) return LocalFail(c0.status());
+    codec = *c0;
+  }
+  size_t next_layer = 0;
+  std::vector<v1::Append> encoded;
+  size_t taken = 0;
+  auto encode_next_layer = [&]() -> absl::Status {
+    const size_t l = next_layer++;
+    const kvq::client::SeqLayer& L = file->layers[l];
+    ASSIGN_OR_RETURN(const core::DType dt, wire::FromProto(L.dtype, "dtype"));
+    const auto view = [&](const std::string& b) {
+      return core::TensorView::Contiguous(b.data(), dt, {L.kv_heads, L.tokens, L.head_dim});
+    };
+    ASSIGN_OR_RETURN(encoded, codes->EncodeLayer(id, static_cast<int>(l), codec, view(L.keys),
+                                                 view(L.values), f.chunk_tokens));
+    taken = 0;
+    for (v1::Append& a : encoded) {
+      const int64_t n = static_cast<int64_t>(a.encoded().block_bytes_size()) / (2 * L.kv_heads) *
+                            codec.key_group +
+                        (a.has_keys() ? a.keys().shape(1) : 0);
+      for (int64_t t = a.start(); t < a.start() + n && !file->token_ids.empty(); ++t) {
+        a.add_token_ids(file->token_ids[t]);
       }
     }
-  }
+    return absl::OkStatus();
+  };
   bool first = true;
   for (size_t l = 0; l < file->layers.size() && !in_codes; ++l) {
     const kvq::client::SeqLayer& L = file->layers[l];
@@ -336,9 +343,25 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
       }
     }
   }
-  size_t sent = 0;
-  for (const auto& m : msgs) sent += m.ByteSizeLong();
-  auto r = c.PutBlocks(msgs);
+  size_t sent = 0, next_msg = 0;
+  absl::Status local;  // a file that cannot be encoded: a local error, not the server's
+  auto next = [&](v1::PutBlocksRequest* m) -> absl::StatusOr<bool> {
+    if (!in_codes) {
+      if (next_msg == msgs.size()) return false;
+      *m = std::move(msgs[next_msg++]);
+    } else {
+      while (taken == encoded.size()) {
+        if (next_layer == file->layers.size()) return false;
+        local = encode_next_layer();
+        if (!local.ok()) return local;
+      }
+      *m->add_appends() = std::move(encoded[taken++]);
+    }
+    sent += m->ByteSizeLong();
+    return true;
+  };
+  auto r = c.PutBlocksStream(id, next);
+  if (!local.ok()) return LocalFail(local);
   if (!r.ok()) return RpcFail(r.status());
   std::printf(
       "%s: %lld tokens written, %lld duplicate, %lld shared, %zu layers on %s, %zu bytes "
