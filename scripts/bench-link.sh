@@ -3,17 +3,19 @@
 # against HeadQ codes (docs/BENCHMARKS.md, "Codes on the wire"): kvq-server runs in a network
 # namespace of its own, reached through a veth pair whose both ends are rate-limited by tc's
 # token bucket (tbf); kvq-bench-wire runs outside it and puts and gets the same sequence as rows
-# and as codes (encoded and decoded in the client). Needs root (ip netns, tc) and a build.
-# Delay is not emulated: it needs tc's netem, which this machine's kernel lacks (no sch_netem);
-# each put or get is one stream, so an RTT adds about one RTT per call, not per byte.
+# and as codes (encoded and decoded in the client). The round trip is the benchmark's relay's
+# delay line (--delay-us, each direction), because tc's netem, which would add it in the
+# kernel, is missing here (no sch_netem). Needs root (ip netns, tc) and a build.
 # Usage: scripts/bench-link.sh [--help] [BUILD_DIR]
-# Environment: KVQ_LINK_RATES (default "1gbit 10gbit"), KVQ_LINK_TOKENS (default 32768),
-# KVQ_LINK_REPS (default 3), KVQ_LINK_ONLY (default "Qwen2.5": the configurations measured).
+# Environment: KVQ_LINK_RATES (default "1gbit 10gbit"), KVQ_LINK_RTT_US (default 500),
+# KVQ_LINK_TOKENS (default 32768), KVQ_LINK_REPS (default 3), KVQ_LINK_ONLY (default "Qwen2.5":
+# the configurations measured).
 set -euo pipefail
 if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 BUILD="${1:-build}"
 RATES="${KVQ_LINK_RATES:-1gbit 10gbit}"
+RTT_US="${KVQ_LINK_RTT_US:-500}"
 TOKENS="${KVQ_LINK_TOKENS:-32768}"
 REPS="${KVQ_LINK_REPS:-3}"
 ONLY="${KVQ_LINK_ONLY:-Qwen2.5}"
@@ -58,6 +60,7 @@ for rate in $RATES; do
   burst=$([[ "$rate" == *gbit && "${rate%gbit}" -ge 10 ]] && echo 4mb || echo 512kb)
   tc qdisc replace dev "$HOST_IF" root tbf rate "$rate" burst "$burst" latency 100ms
   ip netns exec "$NS" tc qdisc replace dev "$NS_IF" root tbf rate "$rate" burst "$burst" latency 100ms
-  echo "bench-link: link $rate each way (tc tbf), $TOKENS tokens, $REPS repetitions"
-  "$BUILD/bin/kvq-bench-wire" --server "$NS_IP:$PORT" --tokens "$TOKENS" --reps "$REPS" --only "$ONLY"
+  echo "bench-link: link $rate each way (tc tbf), RTT $RTT_US us (relay), $TOKENS tokens, $REPS repetitions"
+  "$BUILD/bin/kvq-bench-wire" --server "$NS_IP:$PORT" --tokens "$TOKENS" --reps "$REPS" --only "$ONLY" \
+    --delay-us $((RTT_US / 2))
 done

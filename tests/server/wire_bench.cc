@@ -15,9 +15,11 @@
 // Client, relay and server share the machine's cores. Medians of --reps repetitions.
 // --server IP:PORT measures against a kvq-server started elsewhere instead of one in this
 // process (scripts/bench-link.sh: one in a network namespace behind a rate-limited veth pair);
-// --only TEXT keeps the configurations whose name contains TEXT.
+// --only TEXT keeps the configurations whose name contains TEXT; --delay-us N has the relay hold
+// each direction's bytes back N microseconds (a round trip of 2N).
 //
 //   kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024] [--server IP:PORT] [--only TEXT]
+//                  [--delay-us N]
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -27,9 +29,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -55,11 +60,13 @@ double Median(std::vector<double> x) {
   return x.empty() ? 0.0 : x[x.size() / 2];
 }
 
-// A TCP relay on 127.0.0.1:0 to target_ip:target_port, counting the bytes it forwards each way.
+// A TCP relay on 127.0.0.1:0 to target_ip:target_port, counting the bytes it forwards each way
+// and, with delay_us > 0, holding each read back that long before writing it on (a delay line
+// per direction: the link's one-way delay, which tc's netem would add where the kernel has it).
 class CountingRelay {
  public:
-  CountingRelay(std::string target_ip, int target_port)
-      : target_ip_(std::move(target_ip)), target_(target_port) {
+  CountingRelay(std::string target_ip, int target_port, int delay_us)
+      : target_ip_(std::move(target_ip)), target_(target_port), delay_(delay_us) {
     listen_ = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -91,36 +98,68 @@ class CountingRelay {
         close(c);
         continue;
       }
-      pumps_.emplace_back([this, c, s] { Pump(c, s); });
+      // Each direction ends by shutting down its write side; the second to end closes both.
+      auto open = std::make_shared<std::atomic<int>>(2);
+      pumps_.emplace_back([this, c, s, open] { Forward(c, s, &up_, open.get(), c, s); });
+      pumps_.emplace_back([this, c, s, open] { Forward(s, c, &down_, open.get(), c, s); });
     }
   }
-  void Pump(int c, int s) {
-    std::vector<char> buf(1 << 16);
-    pollfd fds[2] = {{c, POLLIN, 0}, {s, POLLIN, 0}};
-    while (!stop_) {
-      if (poll(fds, 2, 100) <= 0) continue;
-      for (int i = 0; i < 2; ++i) {
-        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        const ssize_t n = read(fds[i].fd, buf.data(), buf.size());
-        if (n <= 0) {
-          close(c);
-          close(s);
-          return;
+  // Copies `from` to `to` through a delay line of delay_ microseconds (none at 0).
+  void Forward(int from, int to, std::atomic<int64_t>* counted, std::atomic<int>* open, int c,
+               int s) {
+    struct Chunk {
+      Clock::time_point due;
+      std::string bytes;
+    };
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Chunk> line;
+    bool done = false;
+    std::thread writer([&] {
+      for (;;) {
+        Chunk ch;
+        {
+          std::unique_lock<std::mutex> l(mu);
+          cv.wait(l, [&] { return done || !line.empty(); });
+          if (line.empty()) return;
+          ch = std::move(line.front());
+          line.pop_front();
         }
-        (i == 0 ? up_ : down_) += n;
-        for (ssize_t off = 0; off < n;) {
-          const ssize_t w = write(fds[1 - i].fd, buf.data() + off, n - off);
-          if (w <= 0) break;
-          off += w;
+        std::this_thread::sleep_until(ch.due);
+        for (size_t off = 0; off < ch.bytes.size();) {
+          const ssize_t w = write(to, ch.bytes.data() + off, ch.bytes.size() - off);
+          if (w <= 0) return;
+          off += static_cast<size_t>(w);
         }
       }
+    });
+    std::vector<char> buf(1 << 16);
+    pollfd fd = {from, POLLIN, 0};
+    while (!stop_) {
+      if (poll(&fd, 1, 100) <= 0) continue;
+      const ssize_t n = read(from, buf.data(), buf.size());
+      if (n <= 0) break;
+      *counted += n;
+      std::lock_guard<std::mutex> l(mu);
+      line.push_back(
+          {Clock::now() + std::chrono::microseconds(delay_), std::string(buf.data(), n)});
+      cv.notify_one();
     }
-    close(c);
-    close(s);
+    {
+      std::lock_guard<std::mutex> l(mu);
+      done = true;
+      cv.notify_one();
+    }
+    writer.join();
+    shutdown(to, SHUT_WR);
+    if (--*open == 0) {
+      close(c);
+      close(s);
+    }
   }
 
   std::string target_ip_;
-  int target_, listen_ = -1, port_ = 0;
+  int target_, delay_, listen_ = -1, port_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> up_{0}, down_{0};
   std::thread accepter_;
@@ -165,7 +204,7 @@ std::vector<Config> Configs() {
 }
 
 int Main(int argc, char** argv) {
-  int tokens = 4096, reps = 3, chunk = 1024;
+  int tokens = 4096, reps = 3, chunk = 1024, delay_us = 0;
   std::string server, only;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -174,17 +213,23 @@ int Main(int argc, char** argv) {
           "kvq-bench-wire: bytes on the wire, throughput and client encode/decode speed of codes "
           "against fp16 rows (docs/BENCHMARKS.md, \"Codes on the wire\").\n"
           "  kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024] [--server IP:PORT] "
-          "[--only TEXT]\n"
+          "[--only TEXT] [--delay-us N]\n"
           "  --server: a running kvq-server (default: one in this process)\n"
-          "  --only: the configurations whose name contains TEXT\n");
+          "  --only: the configurations whose name contains TEXT\n"
+          "  --delay-us: one-way delay the relay adds to each direction (RTT = 2N)\n");
       return 0;
     }
     if ((f == "--server" || f == "--only") && i + 1 < argc) {
       (f == "--server" ? server : only) = argv[++i];
       continue;
     }
-    int* p = f == "--tokens" ? &tokens : f == "--reps" ? &reps : f == "--chunk" ? &chunk : nullptr;
-    if (p == nullptr || i + 1 >= argc || !absl::SimpleAtoi(argv[i + 1], p) || *p < 1) {
+    int* p = f == "--tokens"     ? &tokens
+             : f == "--reps"     ? &reps
+             : f == "--chunk"    ? &chunk
+             : f == "--delay-us" ? &delay_us
+                                 : nullptr;
+    if (p == nullptr || i + 1 >= argc || !absl::SimpleAtoi(argv[i + 1], p) ||
+        *p < (p == &delay_us ? 0 : 1)) {
       std::fprintf(stderr, "kvq-bench-wire: bad flag %s (--help)\n", f.c_str());
       return 2;
     }
@@ -203,7 +248,7 @@ int Main(int argc, char** argv) {
   }
   const std::string ip =
       server.substr(0, colon) == "localhost" ? "127.0.0.1" : server.substr(0, colon);
-  CountingRelay relay(ip, server_port);
+  CountingRelay relay(ip, server_port, delay_us);
   client::ClientOptions co;
   co.servers = {absl::StrCat("127.0.0.1:", relay.port())};
   co.timeout = absl::Seconds(300);
