@@ -13,7 +13,7 @@
 
 #include "kvq/core/half.h"
 #include "kvq/kernels/kernels.h"
-#include "test_util.h"
+#include "tests/core/test_util.h"
 
 namespace kvq::kernels {
 namespace {
