@@ -244,18 +244,45 @@ absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& 
   return s;
 }
 
-#define KVQ_READ_PROLOGUE()                                                                 \
-  const BasisManifest& m = s->model->manifest;                                              \
-  if (layer < 0 || layer >= m.layers) {                                                     \
-    return absl::InvalidArgumentError(                                                      \
-        absl::StrCat("layer ", layer, " must be in 0..", m.layers - 1));                    \
-  }                                                                                         \
-  LayerCache* cache = s->layers[layer].get();                                               \
-  if (cache == nullptr || cache->tokens() == 0) {                                           \
-    return absl::FailedPreconditionError(                                                   \
-        absl::StrCat("layer ", layer, " of sequence '", sequence_id, "' holds no tokens")); \
-  }                                                                                         \
-  *tokens = cache->tokens()
+namespace {
+// Layer `layer` of `s`, whose lock the caller holds (null while nothing was appended to it);
+// INVALID_ARGUMENT outside the model's layers.
+absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s,
+                                    int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const int layers = s.model->manifest.layers;
+  if (layer < 0 || layer >= layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " must be in 0..", layers - 1));
+  }
+  return s.layers[layer].get();
+}
+
+// The layer a read (Score, Readout, Attend) reads: one that holds tokens (FAILED_PRECONDITION
+// otherwise), its token count in *tokens.
+absl::StatusOr<LayerCache*> ReadLayer(const Store::Sequence& s, const std::string& sequence_id,
+                                      int layer, int64_t* tokens) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(s, layer));
+  if (cache == nullptr || cache->tokens() == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " of sequence '", sequence_id, "' holds no tokens"));
+  }
+  *tokens = cache->tokens();
+  return cache;
+}
+
+// The one check of a read's query-side shape: `field` (queries, weights) of q_heads rows per
+// KV head group and, when q_dim >= 0, head_dim columns.
+absl::Status CheckQueryShape(const BasisManifest& m, const char* field, int q_heads, int q_dim) {
+  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape[0] (q_heads) ", q_heads,
+                                                   " must be a multiple of kv_heads ", m.kv_heads));
+  }
+  if (q_dim >= 0 && q_dim != m.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " head_dim ", q_dim, " must equal the model's head_dim ", m.head_dim));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
 
 absl::Status Store::Score(const std::string& tenant, const std::string& sequence_id, int layer,
                           int basis_version, const float* q, int q_heads, int n_q, int q_dim,
@@ -263,15 +290,8 @@ absl::Status Store::Score(const std::string& tenant, const std::string& sequence
                           int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   ReaderMutexLock l(&s->mu);
-  KVQ_READ_PROLOGUE();
-  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ", m.kv_heads));
-  }
-  if (q_dim != m.head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("queries head_dim ", q_dim, " must equal the model's head_dim ", m.head_dim));
-  }
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, sequence_id, layer, tokens));
+  RETURN_IF_ERROR(CheckQueryShape(s->model->manifest, "queries", q_heads, q_dim));
   out->assign(static_cast<size_t>(q_heads) * n_q * *tokens, 0.0f);
   return cache->Score(q, q_heads, n_q, out->data(), scale, corrections_only);
 }
@@ -282,11 +302,9 @@ absl::Status Store::Readout(const std::string& tenant, const std::string& sequen
                             int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   ReaderMutexLock l(&s->mu);
-  KVQ_READ_PROLOGUE();
-  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("weights.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ", m.kv_heads));
-  }
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, sequence_id, layer, tokens));
+  const BasisManifest& m = s->model->manifest;
+  RETURN_IF_ERROR(CheckQueryShape(m, "weights", q_heads, -1));
   if (p_tokens != *tokens) {
     return absl::FailedPreconditionError(
         absl::StrCat("weights.shape[2] ", p_tokens, " must equal the tokens cached in layer ",
@@ -316,15 +334,9 @@ absl::Status Store::Attend(const std::string& tenant, const std::string& sequenc
   } else {
     rl.emplace(&s->mu);
   }
-  KVQ_READ_PROLOGUE();
-  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ", m.kv_heads));
-  }
-  if (q_dim != m.head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("queries head_dim ", q_dim, " must equal the model's head_dim ", m.head_dim));
-  }
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, sequence_id, layer, tokens));
+  const BasisManifest& m = s->model->manifest;
+  RETURN_IF_ERROR(CheckQueryShape(m, "queries", q_heads, q_dim));
   if (ao.causal_offset < -1 || ao.causal_offset >= *tokens) {
     return absl::InvalidArgumentError(absl::StrCat("causal_offset ", ao.causal_offset,
                                                    " must be in 0..", *tokens - 1, " (or absent)"));
@@ -341,19 +353,6 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
   int64_t first = 0;
   return Decode(tenant, sequence_id, layer, basis_version, 0, -1, keys, values, tokens, &first);
 }
-
-namespace {
-// Layer `layer` of `s`, whose lock the caller holds (null while nothing was appended to it);
-// INVALID_ARGUMENT outside the model's layers.
-absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s,
-                                    int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  const int layers = s.model->manifest.layers;
-  if (layer < 0 || layer >= layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " must be in 0..", layers - 1));
-  }
-  return s.layers[layer].get();
-}
-}  // namespace
 
 absl::Status Store::ReadRange(
     const std::string& tenant, const std::string& sequence_id, int layer, int basis_version,
