@@ -487,10 +487,10 @@ grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
       if (st.ok()) st = QueriesToFloat(item.queries(), at + ".queries", &q, &q_heads, &n_q, &d);
       if (st.ok() && item.has_append()) st = ItemAppend(tenant, item, at);
       if (st.ok()) {
-        st = Prefix(
-            store_->Score(tenant, item.sequence_id(), item.layer(), item.basis_version(), q.data(),
-                          q_heads, n_q, d, item.scale(), item.corrections_only(), &out, &tokens),
-            at);
+        st = Prefix(store_->Score({tenant, item.sequence_id(), item.layer(), item.basis_version()},
+                                  {q.data(), q_heads, n_q, d}, item.scale(),
+                                  item.corrections_only(), &out, &tokens),
+                    at);
       }
       if (st.ok()) {
         wire::FillTensor(out.data(), {q_heads, n_q, tokens}, v1::DTYPE_F32, r->mutable_logits());
@@ -536,10 +536,11 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
         n_q = static_cast<int>(w->shape[1]);
         p.resize(w->numel());
         core::ToFloat(core::DType::kF32, w->data, p.data(), p.size());
-        st = Prefix(store_->Readout(tenant, item.sequence_id(), item.layer(), item.basis_version(),
-                                    p.data(), q_heads, n_q, w->shape[2], item.weights_are_logits(),
-                                    &out, &tokens),
-                    at);
+        st =
+            Prefix(store_->Readout({tenant, item.sequence_id(), item.layer(), item.basis_version()},
+                                   {p.data(), q_heads, n_q, w->shape[2]}, item.weights_are_logits(),
+                                   &out, &tokens),
+                   at);
       }
       if (st.ok()) {
         const int64_t d = static_cast<int64_t>(out.size()) / (int64_t{q_heads} * n_q);
@@ -593,8 +594,8 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
           };
           ao.run_parts = &run_parts;
         }
-        st = Prefix(store_->Attend(tenant, item.sequence_id(), item.layer(), item.basis_version(),
-                                   q.data(), q_heads, n_q, d, ao, &out, &tokens),
+        st = Prefix(store_->Attend({tenant, item.sequence_id(), item.layer(), item.basis_version()},
+                                   {q.data(), q_heads, n_q, d}, ao, &out, &tokens),
                     at);
       }
       if (st.ok()) {

@@ -2059,7 +2059,7 @@ TEST(ServiceTest, LongAttendSplitsAcrossIdleWorkersWithinTolerance) {
       int64_t tokens = 0;
       ASSERT_TRUE(ts.server()
                       .store()
-                      .Attend("default", seq, 0, 0, q.data(), qh, 1, d, unsplit, &want, &tokens)
+                      .Attend({"default", seq, 0, 0}, {q.data(), qh, 1, d}, unsplit, &want, &tokens)
                       .ok());
       ASSERT_EQ(tokens, T);
       ASSERT_TRUE(ts.server().store().Decode("default", seq, 0, 0, &dk, &dv, &tokens).ok());
