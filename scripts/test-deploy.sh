@@ -5,17 +5,19 @@
 # (scripts/docker-local-images.sh: Debian 12 base by debootstrap, cached; Prometheus and HAProxy
 # stand-ins from Debian packages), builds the kvq image from the binaries of BUILD_DIR
 # (scripts/docker-kvq-image.sh prebuilt: no compiling inside Docker), then runs
-# tests/deploy/compose_test.py against the compose stack (health, router, load, Prometheus and
-# the dashboard's queries, down -v). The full multi-stage build of deploy/Dockerfile is not
+# tests/deploy/k8s_test.py validate (deploy/k8s against the Kubernetes schemas, with the pinned
+# kubernetes-validate of tests/deploy/requirements.txt, in its own venv) and
+# tests/deploy/compose_test.py against the compose stack (health, router, the k8s probes, load,
+# Prometheus and the dashboard's queries, down -v). The full multi-stage build of deploy/Dockerfile is not
 # run here: `scripts/docker-kvq-image.sh source` (README, deployment).
 # Usage: scripts/test-deploy.sh [--help] [BUILD_DIR]   (BUILD_DIR default: build)
 #   Environment: KVQ_DEPLOY_TEST=0 skips it, saying so (a machine without Docker support in
 #   its kernel); KVQ_PROMETHEUS_IMAGE / KVQ_HAPROXY_IMAGE run those images instead of the
 #   stand-ins (official ones, when they can be pulled); KVQ_VENV as scripts/python-venv.sh;
-#   KVQ_DOCKER (default /usr/bin/docker).
+#   KVQ_DEPLOY_VENV (default ~/.cache/kvq/deploy-venv); KVQ_DOCKER (default /usr/bin/docker).
 # Exit 0 pass, 1 fail.
 set -euo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 BUILD="${1:-build}"
 log() { echo "test-deploy: $*" >&2; }
@@ -47,8 +49,13 @@ VENV="$(bash scripts/python-venv.sh)"
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/kvq/ccache}" CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
 PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/python" -m pip install -q --no-build-isolation \
   --no-deps -e client/python
+# The deployment test's own tools (kubernetes-validate), in a venv of their own.
+DEPLOY_VENV="$(bash scripts/python-venv.sh --venv "${KVQ_DEPLOY_VENV:-$HOME/.cache/kvq/deploy-venv}" \
+               --requirements tests/deploy/requirements.txt)"
 rc=0
-"$VENV/bin/python" tests/deploy/compose_test.py --kvq-bin "$BUILD/bin/kvq" || rc=$?
+"$DEPLOY_VENV/bin/python" tests/deploy/k8s_test.py validate || rc=$?
+"$VENV/bin/python" tests/deploy/compose_test.py --kvq-bin "$BUILD/bin/kvq" \
+  --k8s-python "$DEPLOY_VENV/bin/python" || rc=$?
 "$KVQ_DOCKER" rmi "$KVQ_IMAGE" >/dev/null 2>&1 || true
 stamp "exit $rc"
 exit $rc

@@ -365,9 +365,13 @@ def check_dashboard_and_rules(base, tenant, logs):
         return (len(rules) >= 7 and not bad, bad or f"{len(rules)} rules loaded")
 
     wait_until("alert rules not evaluating cleanly", rules_healthy, 60, logs)
-    tenants = prom_query(base, f'kvq_tenant_stored_bytes{{tenant="{tenant}"}}')
-    if not tenants["data"]["result"]:
-        fail("no per-tenant series for the load's tenant")
+    def tenant_series():
+        res = prom_query(base, f'kvq_tenant_stored_bytes{{tenant="{tenant}"}}')
+        return (bool(res["data"]["result"]), res["data"]["result"])
+
+    # Waited for: the queries above may all answer (from other traffic) before the scrape
+    # that first sees this tenant.
+    wait_until("no per-tenant series for the load's tenant", tenant_series, 60, logs)
     return names
 
 
