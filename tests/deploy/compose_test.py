@@ -267,7 +267,8 @@ def run_load(stack: Stack, name: str, env: Dict[str, str], tmp: str, *args: str,
     given args; run_env: more variables in its container); returns its JSON report. Fails on
     a non-zero exit."""
     extra = [a for k, v in (run_env or {}).items() for a in ("-e", f"{k}={v}")]
-    r = stack.compose("run", "--name", name, *extra, "kvq-load", *args, env=env, check=False,
+    # -T: no pseudo-terminal (CI has none; the report is read from the file).
+    r = stack.compose("run", "-T", "--name", name, *extra, "kvq-load", *args, env=env, check=False,
                       timeout=600)
     report = os.path.join(tmp, f"{name}.json")
     cp = subprocess.run([DOCKER, "cp", f"{name}:/tmp/kvq-load.json", report],
@@ -423,7 +424,7 @@ def phase_outages(stack: Stack, kvq_bin: str, owner: List[int], tmp: str) -> Non
     NOT_FOUND (its sequences on those shards), the probes above hold."""
     name = f"{stack.project}-load-outage"
     load = subprocess.Popen(
-        stack.base + ["run", "--name", name]
+        stack.base + ["run", "-T", "--name", name]
         + [a for k, v in ROUTER_LOAD_RUN_ENV.items() for a in ("-e", f"{k}={v}")]
         + ["kvq-load", "--server=kvq-router:50051", "--duration=600s",
            f"--concurrency={LOAD_STREAMS}",
