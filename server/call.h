@@ -76,6 +76,12 @@ class CallGate {
   // whether they did.
   bool Drain(absl::Duration grace);
 
+  // Pooled calls `client` (Call::ClientKey()) holds now, and the limits it is admitted against
+  // (0: none).
+  int64_t HeldBy(const std::string& client);
+  int64_t max_inflight() const { return o_.max_inflight; }
+  int64_t max_inflight_per_client() const { return o_.max_inflight_per_client; }
+
  private:
   friend class Call;
   const Options o_;
@@ -101,6 +107,8 @@ class Call {
   const absl::Status& admission() const { return admission_; }
   // The caller's tenant (valid once admitted).
   const std::string& tenant() const { return tenant_; }
+  // The caller as --max-inflight-per-client counts it (valid once admitted).
+  std::string ClientKey() const;
   // OK while someone still waits for the answer: CANCELLED once the client cancelled (or went
   // away), DEADLINE_EXCEEDED once its deadline passed. `item` < 0: before any work; else before
   // item `item` of `items` (the message says the rest were skipped).
@@ -115,12 +123,12 @@ class Call {
   const absl::Time start_;
   // Step 5: takes a --max-inflight slot and one of the client's; false and admission_ set when
   // either is full.
-  bool AdmitPooled(const grpc::CallbackServerContext& ctx);
+  bool AdmitPooled();
 
   bool pooled_ = false;  // holds a --max-inflight slot and one of client_'s
   absl::Status admission_;
   std::string tenant_;
-  std::string client_;  // the key of --max-inflight-per-client (set when pooled_)
+  std::string client_;  // ClientKey() (set when pooled_)
 };
 
 // A unary call under the wrapper: `body(call)` fills *resp and returns the call's status; it runs

@@ -2234,6 +2234,15 @@ TEST(ServiceTest, OneClientsIdleStreamsDoNotStarveAnother) {
       v1::ScoreResponse r = ScoreOne(*stub, "mine", 0, q, s.q_heads, 1, s.head_dim, "polite", &st);
       ASSERT_TRUE(st.ok()) << st.error_message();
       EXPECT_EQ(r.results(0).tokens(), 16);
+      // Stats tells each client what it holds and may hold.
+      for (const auto& [tenant, held] : {std::pair<std::string, int>{"greedy", 8}, {"polite", 0}}) {
+        v1::StatsResponse stats;
+        auto c = Ctx(tenant);
+        ASSERT_TRUE(stub->Stats(c.get(), {}, &stats).ok());
+        EXPECT_EQ(stats.client_inflight(), held) << tenant;
+        EXPECT_EQ(stats.client_inflight_limit(), 8);
+        EXPECT_EQ(stats.server_inflight_limit(), 32);
+      }
       // One more stream of the greedy client is refused too, at once.
       auto c = Ctx("greedy");
       v1::PutBlocksResponse r9;
