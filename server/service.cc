@@ -915,6 +915,9 @@ grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,
     resp->set_prefix_bytes(t.prefix_bytes);
     resp->set_retained_prefix_bytes(t.retained_bytes);
     resp->set_shared_tokens(t.shared_tokens);
+    resp->set_client_inflight(calls_.HeldBy(call.ClientKey()));
+    resp->set_client_inflight_limit(calls_.max_inflight_per_client());
+    resp->set_server_inflight_limit(calls_.max_inflight());
     resp->set_k_bits_per_element(t.k_bits());
     resp->set_v_bits_per_element(t.v_bits());
     resp->set_server_stored_bytes(all.bytes);
