@@ -112,10 +112,15 @@ absl::Status Call::StillWanted(int item, int items) const {
 grpc::Status Call::End(const absl::Status& st, size_t bytes_in, size_t bytes_out) {
   const CallGate::Options& o = gate_->o_;
   if (pooled_) {
+    // The client's slot first, then the server's: a call admitted by the server's count once
+    // this one has left must not find this one still counted against its client (with both
+    // limits at 1 it would be refused as the client's, not the server's, overload).
+    {
+      absl::MutexLock l(&gate_->clients_mu_);
+      auto it = gate_->client_calls_.find(client_);
+      if (--it->second == 0) gate_->client_calls_.erase(it);
+    }
     gate_->pool_calls_.fetch_sub(1, std::memory_order_acq_rel);
-    absl::MutexLock l(&gate_->clients_mu_);
-    auto it = gate_->client_calls_.find(client_);
-    if (--it->second == 0) gate_->client_calls_.erase(it);
   }
   const absl::Duration took = absl::Now() - start_;
   if (o.metrics != nullptr) {
