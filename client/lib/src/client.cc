@@ -4,7 +4,9 @@
 #include <atomic>
 #include <cinttypes>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <fstream>
 #include <mutex>
 #include <random>
@@ -494,14 +496,76 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& req) 
   return impl_->Batched("Attend", req, read_only, PlaceItems(req), &v1::Kvq::Stub::Attend);
 }
 
+namespace {
+
+// PutBlocksStream's producer: a thread of its own calls `next` up to kAhead messages ahead of
+// the writer, so that making a message (an encode) overlaps the transfer of the ones before
+// even while the writer is blocked in flow control.
+class MessagesAhead {
+ public:
+  static constexpr size_t kAhead = 8;
+  explicit MessagesAhead(const std::function<absl::StatusOr<bool>(v1::PutBlocksRequest*)>& next)
+      : thread_([this, &next] { Produce(next); }) {}
+  ~MessagesAhead() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  // The next message (true), the end (false), or `next`'s error.
+  absl::StatusOr<bool> Pop(v1::PutBlocksRequest* m) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [this] { return !queue_.empty() || ended_; });
+    if (queue_.empty()) {
+      if (!status_.ok()) return status_;
+      return false;
+    }
+    *m = std::move(queue_.front());
+    queue_.pop_front();
+    cv_.notify_all();
+    return true;
+  }
+
+ private:
+  void Produce(const std::function<absl::StatusOr<bool>(v1::PutBlocksRequest*)>& next) {
+    for (;;) {
+      v1::PutBlocksRequest m;
+      absl::StatusOr<bool> more = next(&m);
+      std::unique_lock<std::mutex> l(mu_);
+      if (!more.ok() || !*more) {
+        ended_ = true;
+        status_ = more.status();
+        cv_.notify_all();
+        return;
+      }
+      cv_.wait(l, [this] { return queue_.size() < kAhead || stop_; });
+      if (stop_) return;
+      queue_.push_back(std::move(m));
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<v1::PutBlocksRequest> queue_;
+  bool ended_ = false, stop_ = false;
+  absl::Status status_;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+}  // namespace
+
 absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocksStream(
     const std::string& sequence_id,
     const std::function<absl::StatusOr<bool>(v1::PutBlocksRequest*)>& next) {
   const int s = ShardOf(sequence_id);
   const std::string route = options_.router ? RouteKey(sequence_id) : std::string();
+  MessagesAhead ahead(next);
   std::vector<v1::PutBlocksRequest> made;  // for a retry
   bool ended = false;
-  absl::Status failed;  // from `next`: not retried
+  absl::Status failed;  // from `next` or a message of another sequence: not retried
   v1::PutBlocksResponse resp;
   grpc::Status st = impl_->Run(
       "PutBlocks", s, true,
@@ -512,7 +576,7 @@ absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocksStream(
         for (size_t i = 0; open && i < made.size(); ++i) open = writer->Write(made[i]);
         while (open && !ended) {
           v1::PutBlocksRequest m;
-          absl::StatusOr<bool> more = next(&m);
+          absl::StatusOr<bool> more = ahead.Pop(&m);
           if (!more.ok() || !*more) {
             ended = true;
             failed = more.status();

@@ -150,10 +150,12 @@ class Client {
 
   // One sequence's appends streamed as they are made, so that making the next message (e.g.
   // encoding its codes) overlaps sending the previous ones: `next` fills one message and
-  // returns true, false at the end, or an error (which ends the call with it). Every append
-  // must be of `sequence_id` (its shard, or its route in router mode). Retried on UNAVAILABLE
-  // as PutBlocks is: the messages made so far are sent again (they are kept until the call
-  // ends), then `next` continues.
+  // returns true, false at the end, or an error (which ends the call with it). `next` runs on
+  // a thread of the call's own, one call at a time, up to 8 messages ahead of the writes; it
+  // is not called again after it returned false or an error. Every append must be of
+  // `sequence_id` (its shard, or its route in router mode). Retried on UNAVAILABLE as
+  // PutBlocks is: the messages made so far are sent again (they are kept until the call
+  // ends), then the stream continues with the next ones.
   absl::StatusOr<v1::PutBlocksResponse> PutBlocksStream(
       const std::string& sequence_id,
       const std::function<absl::StatusOr<bool>(v1::PutBlocksRequest*)>& next);
