@@ -4,7 +4,7 @@ runs them); the parent folder's conftest (real kvq-server processes) applies too
 * vllm_model: the SmolLM2-135M transformers folder vLLM serves ($KVQ_VLLM_MODEL, set by
   scripts/test-vllm.sh from scripts/vllm-model.sh).
 * engine_run(tmp_path, prompts, **flags): runs engine_run.py in its own process, returns its
-  JSON (generated ids, num_cached_tokens, connector counters).
+  JSON (generated ids, num_cached_tokens, connector counters) and its log ("log").
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def engine_run(vllm_model: Path) -> Callable[..., Dict[str, Any]]:
             tail = (workdir / "engine.log").read_text(errors="replace")[-4000:]
             pytest.fail(f"engine_run.py exited {rc}:\n{tail}")
         out: Dict[str, Any] = json.loads((workdir / "out.json").read_text())
+        out["log"] = (workdir / "engine.log").read_text(errors="replace")
         return out
 
     return run

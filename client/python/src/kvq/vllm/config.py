@@ -13,6 +13,9 @@ Every key, its default and why (client/python/README.md "kvq behind vLLM" lists 
   deadline_s       seconds per kvq call attempt (default 10): saves and loads.
   lookup_deadline_s  seconds for the scheduler's prefix lookup (default 2): a slower kvq
                    answers "no hit" rather than holding the scheduler.
+  load_deadline_s  seconds a hit's load may take (default 5): past it the load stops and its
+                   blocks are reported as failed loads, which vLLM recomputes under
+                   kv_load_failure_policy="recompute" (the request never fails or waits longer).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class KvqConnectorConfig:
     codec: Optional[Dict[str, Any]] = None
     deadline_s: float = 10.0
     lookup_deadline_s: float = 2.0
+    load_deadline_s: float = 5.0
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> KvqConnectorConfig:
@@ -48,7 +52,7 @@ class KvqConnectorConfig:
         for key in ("address", "model"):
             if not isinstance(extra.get(key), str) or not extra[key]:
                 raise ValueError(f"kv_connector_extra_config.{key}: required, a non-empty string")
-        for key in ("deadline_s", "lookup_deadline_s"):
+        for key in ("deadline_s", "lookup_deadline_s", "load_deadline_s"):
             if key in extra and not (isinstance(extra[key], (int, float)) and extra[key] > 0):
                 raise ValueError(f"kv_connector_extra_config.{key}: must be a number > 0, got {extra[key]!r}")
         if extra.get("codec") is not None and not isinstance(extra["codec"], dict):

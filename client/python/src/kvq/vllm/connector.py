@@ -286,8 +286,11 @@ class KvqConnector(KVConnectorBase_V1):
         got: Dict[int, int] = {}
         self.counts["loads"] += 1
         try:
+            # The soft deadline bounds the stream (each attempt: only UNAVAILABLE, which a dead
+            # server answers at once, is retried), so a slow or stopped kvq costs about this
+            # much before vLLM recomputes the blocks.
             for block in self.client.get_blocks(load.name, from_token=load.start, to_token=load.end,
-                                                dtype=_WIRE_DTYPES[self.dtype]):
+                                                dtype=_WIRE_DTYPES[self.dtype], deadline=self.config.load_deadline_s):
                 name = by_layer[block.layer]
                 cache = self._caches[name]
                 k, v = _torch(block.keys, self.dtype), _torch(block.values, self.dtype)
