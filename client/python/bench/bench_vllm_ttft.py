@@ -5,14 +5,16 @@ loaded from vLLM's own ExampleConnector (K/V as fp16/bf16 safetensors files on l
 uncompressed baseline that runs on CPU); and the bytes each store holds per prompt token.
 
 Each configuration is one engine process (client/python/tests/with_vllm/engine_run.py, vLLM's
-prefix cache off), given a short warm-up prompt and then every prompt twice, one generated
+prefix cache off), given a short warm-up prompt and then every prompt 1 + --reps times, one generated
 token each: the first request of a prompt computes it (and stores it, with a connector), the
-second is the figure (recompute without a connector; a hit with one). A request's time is the
+median of the others is the figure (recompute without a connector; a hit with one). A request's time is the
 wall time of its generate call, so it includes the lookup and the load. Prompts are WikiText-2
-validation text, each length from its own offset (no prompt shares another's prefix).
+validation text, each length from its own offset (no prompt shares another's prefix). Every
+prompt is prefilled in one step (max_num_batched_tokens = the longest prompt + 64): vLLM's
+ExampleConnector saves only a chunked prefill's first chunk and then fails to load it.
 
-Usage: bench_vllm_ttft.py [--model smollm2-135m|qwen2.5-coder-0.5b] [--lengths 2048,8192]
-                          [--server-bin PATH] [--json FILE]
+Usage: bench_vllm_ttft.py [--model smollm2-135m|qwen2.5-coder-0.5b] [--lengths 2048,8000]
+                          [--reps 3] [--server-bin PATH] [--json FILE]
 Run with the vLLM venv's python (scripts/vllm-venv.sh); starts its own kvq-server
 (build/bin/kvq-server unless --server-bin) on a free loopback port and stops it at the end.
 """
@@ -22,12 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench_hf_decode import start_server  # kvq-server on a free loopback port, host memory
 
 REPO = Path(__file__).resolve().parents[3]
 ENGINE_RUN = REPO / "client/python/tests/with_vllm/engine_run.py"
@@ -36,35 +39,17 @@ BASES = {"smollm2-135m": "tests/fixtures/frontend/basis-r4",
          "qwen2.5-coder-0.5b": "tests/fixtures/frontend/qwen-basis-r8"}
 
 
-def start_server(binary: str, workdir: str) -> tuple[subprocess.Popen, str]:
-    log_path = os.path.join(workdir, "server.log")
-    reg = os.path.join(workdir, "registry")
-    os.makedirs(reg, exist_ok=True)
-    with open(log_path, "wb") as log:
-        p = subprocess.Popen([binary, "--grpc-address", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
-                              "--registry", reg, "--memory", "host", "--workers", "2", "--capacity", "4G"],
-                             stdout=log, stderr=subprocess.STDOUT)
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
-        m = re.search(r"serving gRPC on [^ ]+:([0-9]+)", Path(log_path).read_text(errors="replace"))
-        if m:
-            return p, f"127.0.0.1:{m.group(1)}"
-        if p.poll() is not None:
-            break
-        time.sleep(0.05)
-    p.kill()
-    raise SystemExit(f"kvq-server did not start: {Path(log_path).read_text()}")
-
-
 def run_engine(folder: str, prompts: list, workdir: Path, max_len: int, *flags: str) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
     args = [sys.executable, str(ENGINE_RUN), "--model", folder, "--prompts", str(workdir / "prompts.json"),
-            "--out", str(workdir / "out.json"), "--max-tokens", "1", "--max-model-len", str(max_len), *flags]
+            "--out", str(workdir / "out.json"), "--max-tokens", "1", "--max-model-len", str(max_len),
+            "--max-num-batched-tokens", str(max_len), *flags]
     print(f"bench: {' '.join(flags) or 'recompute'} ...", file=sys.stderr, flush=True)
     with open(workdir / "engine.log", "wb") as log:
         if subprocess.run(args, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
-            raise SystemExit(f"engine_run failed: see {workdir / 'engine.log'}")
+            tail = (workdir / "engine.log").read_text(errors="replace")[-3000:]
+            raise SystemExit(f"engine_run failed:\n{tail}")
     out: dict = json.loads((workdir / "out.json").read_text())
     return out
 
@@ -73,6 +58,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", choices=sorted(BASES))
     p.add_argument("--lengths", default="2048")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--server-bin", default=str(REPO / "build/bin/kvq-server"))
     p.add_argument("--json")
     args = p.parse_args()
@@ -91,7 +77,7 @@ def main() -> int:
     ids = tok(text[:400_000]).input_ids
     warm, offset, prompts = ids[:64], 64, []
     for n in lengths:
-        prompts += [ids[offset:offset + n]] * 2
+        prompts += [ids[offset:offset + n]] * (1 + args.reps)
         offset += n
     assert offset <= len(ids), "not enough WikiText tokens for these lengths"
     max_len = max(lengths) + 64
@@ -116,13 +102,16 @@ def main() -> int:
             server.wait()
     rows = []
     for i, n in enumerate(lengths):
-        first, second = 1 + 2 * i, 2 + 2 * i
-        row = {"tokens": n, "recompute_s": runs["recompute"]["results"][second]["seconds"]}
+        first = 1 + (1 + args.reps) * i
+        again = slice(first + 1, first + 1 + args.reps)
+        row = {"tokens": n, "recompute_s": statistics.median(r["seconds"] for r in runs["recompute"]["results"][again]),
+               "recompute_all_s": [r["seconds"] for r in runs["recompute"]["results"][again]]}
         for name in ("kvq", "file"):
-            r = runs[name]["results"]
-            row[f"{name}_store_s"] = r[first]["seconds"]
-            row[f"{name}_hit_s"] = r[second]["seconds"]
-            row[f"{name}_cached_tokens"] = r[second]["num_cached_tokens"]
+            res = runs[name]["results"]
+            row[f"{name}_store_s"] = res[first]["seconds"]
+            row[f"{name}_hit_s"] = statistics.median(r["seconds"] for r in res[again])
+            row[f"{name}_hit_all_s"] = [r["seconds"] for r in res[again]]
+            row[f"{name}_cached_tokens"] = min(r["num_cached_tokens"] for r in res[again])
         rows.append(row)
     kvq_tokens = sum(n // 128 * 128 for n in lengths)  # whole blocks of each prompt
     file_tokens = sum((n - 2) // 128 * 128 for n in lengths)  # ExampleConnector's aligned prefix

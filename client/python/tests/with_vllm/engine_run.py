@@ -6,7 +6,7 @@ so that a later request can hit what an earlier one stored.
 
 Usage: engine_run.py --model FOLDER --prompts FILE.json --out FILE.json [--kvq ADDRESS --kvq-model NAME
        [--codec JSON] [--tenant T] [--extra JSON] | --file-connector DIR] [--max-tokens N]
-       [--max-model-len N]
+       [--max-model-len N] [--max-num-batched-tokens N]
 --file-connector runs vLLM's own ExampleConnector (K/V as safetensors files in DIR) instead:
 the uncompressed baseline of client/python/bench/bench_vllm_ttft.py.
 The prompts file is a JSON list of token-id lists. vLLM's own prefix cache is off, so that
@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--file-connector", help="folder of vLLM's ExampleConnector")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per step (default vLLM's: 4096 on CPU, longer prompts are prefilled in chunks)")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -58,6 +60,8 @@ def main() -> int:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": args.file_connector})
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     t0 = time.monotonic()
     llm = LLM(model=args.model, dtype="bfloat16", enforce_eager=True, enable_prefix_caching=False,
               max_model_len=args.max_model_len, max_num_seqs=4, seed=0, **kw)

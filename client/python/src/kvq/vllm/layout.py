@@ -8,8 +8,9 @@ is whatever vLLM's own writer (torch.ops._C.cpu_attn_reshape_and_cache) does for
 it is learned from that writer, not restated: CpuBlockLayout.probe writes tokens whose every
 element encodes its own position (t, then d: integers below 256, exact in bf16, fp16 and fp32)
 into a scratch block and reads back where each landed. The result is one index per half
-([block_size, head_size] -> flat offset in the half), used both ways by gather and scatter,
-so what is read is exactly what the kernel wrote and what is written is exactly what it reads.
+([block_size, head_size] -> flat offset in the half), which gather reads through, so what is
+read is exactly what the kernel wrote; scatter writes through that same writer op, so what is
+written is exactly what the kernel reads.
 Tested against the documented AMX and vector formulas (client/python/tests/with_vllm/).
 """
 
@@ -72,33 +73,31 @@ class CpuBlockLayout:
         """K and V of the first n_tokens held by block_ids (in order) of one layer's cache
         [num_blocks, kv_heads, block_size, 2 * head_size]: each [kv_heads, n_tokens, head_size]."""
         blocks = self._blocks(cache, block_ids, n_tokens)  # [nb, H, 2, bs*D]
-        k = blocks[:, :, 0][..., self.k_index]  # [nb, H, bs, D]
-        v = blocks[:, :, 1][..., self.v_index]
+        k = blocks[:, :, 0].index_select(-1, self.k_index.reshape(-1))  # [nb, H, bs*D], token-major
+        v = blocks[:, :, 1].index_select(-1, self.v_index.reshape(-1))
         return self._tokens(k, n_tokens), self._tokens(v, n_tokens)
 
     def scatter(self, cache: torch.Tensor, block_ids: Sequence[int], start: int, k: torch.Tensor,
                 v: torch.Tensor) -> None:
         """Writes K and V [kv_heads, n, head_size] as tokens [start, start + n) of the sequence
-        whose blocks are block_ids; start must be a multiple of block_size."""
+        whose blocks are block_ids, through vLLM's own writer (the op the attention layer uses,
+        so the bytes are exactly what the kernel reads); start must be a multiple of
+        block_size. Other slots of the blocks are left as they are."""
+        from vllm import _custom_ops as ops
+
         if start % self.block_size:
             raise ValueError(f"start {start} is not a multiple of the block size {self.block_size}")
         n = int(k.shape[1])
         first = start // self.block_size
-        ids = list(block_ids[first:first + -(-n // self.block_size)])
-        if len(ids) * self.block_size < n:
+        ids = torch.as_tensor(list(block_ids[first:first + -(-n // self.block_size)]), dtype=torch.int64)
+        if int(ids.numel()) * self.block_size < n:
             raise ValueError(f"{n} tokens from {start} need more blocks than the {len(block_ids)} given")
-        flat = _flat(cache)
-        heads = int(cache.shape[1])
-        pad = len(ids) * self.block_size - n
-        for half, (x, index) in enumerate(((k, self.k_index), (v, self.v_index))):
-            x = x.to(cache.dtype)
-            if pad:  # the last block's tail: keep what the cache holds there
-                old = self.gather(cache, ids, len(ids) * self.block_size)[half][:, n:]
-                x = torch.cat([x, old], dim=1)
-            x = x.reshape(heads, len(ids), self.block_size, self.head_size).transpose(0, 1)
-            block = torch.empty(len(ids), heads, self.block_size * self.head_size, dtype=cache.dtype)
-            block[..., index.reshape(-1)] = x.reshape(len(ids), heads, -1)
-            flat[ids, :, half] = block
+        slots = (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)[:n]
+        nb, heads, bs, two_d = (int(x) for x in cache.shape)
+        key_cache, value_cache = cache.view(nb, heads, 2 * bs, two_d // 2).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(k.transpose(0, 1).to(cache.dtype).contiguous(),
+                                       v.transpose(0, 1).to(cache.dtype).contiguous(),
+                                       key_cache, value_cache, slots, self.isa)
 
     def _blocks(self, cache: torch.Tensor, block_ids: Sequence[int], n_tokens: int) -> Any:
         need = -(-n_tokens // self.block_size)
@@ -107,8 +106,10 @@ class CpuBlockLayout:
         return _flat(cache)[list(block_ids[:need])]
 
     def _tokens(self, x: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """[nb, H, bs*D] token-major blocks -> [H, n_tokens, D]."""
         nb, heads = int(x.shape[0]), int(x.shape[1])
-        return x.transpose(0, 1).reshape(heads, nb * self.block_size, self.head_size)[:, :n_tokens]
+        return x.view(nb, heads, self.block_size, self.head_size).transpose(0, 1).reshape(
+            heads, nb * self.block_size, self.head_size)[:, :n_tokens]
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:
