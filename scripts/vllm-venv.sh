@@ -7,7 +7,7 @@
 # Environment: KVQ_VLLM_VENV (default ~/.cache/kvq/vllm-venv), UV_CACHE_DIR (default
 # ~/.cache/uv), KVQ_PYTHON (the interpreter that makes the venv, default python3). The
 # requirements are installed only when one of the two files changed (a stamp holds their hash);
-# the first run downloads about 3 GB and makes a venv of about 6 GB. Progress to stderr.
+# the first run fills a uv cache of about 6 GB (the venv hard-links it). Progress to stderr.
 set -euo pipefail
 if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,10p' "$0" | sed 's/^# //'; exit 0; fi
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$hash_now" ]]; then
   "$VENV/bin/python" -m pip install -q "uv==$UV_VERSION" >&2
-  echo "vllm-venv: installing $REQ into $VENV (first time: minutes, about 3 GB of downloads)" >&2
+  echo "vllm-venv: installing $REQ into $VENV (first time: about 2 minutes)" >&2
   "$VENV/bin/uv" pip install --python "$VENV/bin/python" --override "$OVR" -r "$REQ" >&2
   echo "$hash_now" > "$stamp"
 fi

@@ -14,7 +14,10 @@ prompt is prefilled in one step (max_num_batched_tokens = the longest prompt + 6
 ExampleConnector saves only a chunked prefill's first chunk and then fails to load it.
 
 Usage: bench_vllm_ttft.py [--model smollm2-135m|qwen2.5-coder-0.5b] [--lengths 2048,8000]
-                          [--reps 3] [--server-bin PATH] [--json FILE]
+                          [--reps 3] [--decode-tokens 64] [--server-bin PATH] [--json FILE]
+Decode: each engine then generates --decode-tokens tokens after a 128-token prompt (0: not
+measured); the rate (tokens after the first over the time after the first) with the
+connector on is to match the rate without it.
 Run with the vLLM venv's python (scripts/vllm-venv.sh); starts its own kvq-server
 (build/bin/kvq-server unless --server-bin) on a free loopback port and stops it at the end.
 """
@@ -39,12 +42,12 @@ BASES = {"smollm2-135m": "tests/fixtures/frontend/basis-r4",
          "qwen2.5-coder-0.5b": "tests/fixtures/frontend/qwen-basis-r8"}
 
 
-def run_engine(folder: str, prompts: list, workdir: Path, max_len: int, *flags: str) -> dict:
+def run_engine(folder: str, prompts: list, workdir: Path, max_len: int, decode_tokens: int, *flags: str) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "prompts.json").write_text(json.dumps(prompts))
     args = [sys.executable, str(ENGINE_RUN), "--model", folder, "--prompts", str(workdir / "prompts.json"),
             "--out", str(workdir / "out.json"), "--max-tokens", "1", "--max-model-len", str(max_len),
-            "--max-num-batched-tokens", str(max_len), *flags]
+            "--max-num-batched-tokens", str(max_len), "--decode-tokens", str(decode_tokens), *flags]
     print(f"bench: {' '.join(flags) or 'recompute'} ...", file=sys.stderr, flush=True)
     with open(workdir / "engine.log", "wb") as log:
         if subprocess.run(args, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
@@ -59,6 +62,7 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m", choices=sorted(BASES))
     p.add_argument("--lengths", default="2048")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--server-bin", default=str(REPO / "build/bin/kvq-server"))
     p.add_argument("--json")
     args = p.parse_args()
@@ -87,13 +91,10 @@ def main() -> int:
             with kvq.Client(address) as c:
                 info = kvq.hf.register_basis(c, str(REPO / BASES[args.model]),
                                              config=AutoConfig.from_pretrained(folder))
-            runs = {
-                "recompute": run_engine(folder, [warm] + prompts, Path(tmp, "recompute"), max_len),
-                "kvq": run_engine(folder, [warm] + prompts, Path(tmp, "kvq"), max_len, "--kvq", address,
-                                  "--kvq-model", info.model),
-                "file": run_engine(folder, [warm] + prompts, Path(tmp, "file"), max_len, "--file-connector",
-                                   str(Path(tmp, "files"))),
-            }
+            todo = {"recompute": [], "kvq": ["--kvq", address, "--kvq-model", info.model],
+                    "file": ["--file-connector", str(Path(tmp, "files"))]}
+            runs = {name: run_engine(folder, [warm] + prompts, Path(tmp, name), max_len, args.decode_tokens, *flags)
+                    for name, flags in todo.items()}
             with kvq.Client(address) as c:
                 kvq_bytes = c.stats().stored_bytes
             file_bytes = sum(f.stat().st_size for f in Path(tmp, "files").rglob("*") if f.is_file())
@@ -117,7 +118,8 @@ def main() -> int:
     file_tokens = sum((n - 2) // 128 * 128 for n in lengths)  # ExampleConnector's aligned prefix
     result = {"model": args.model, "kvq_model": info.model, "codec": str(info.codec).replace("\n", " "),
               "rows": rows, "kvq_bytes_per_token": kvq_bytes / kvq_tokens,
-              "file_bytes_per_token": file_bytes / file_tokens, "kvq_connector": runs["kvq"]["connector"]}
+              "file_bytes_per_token": file_bytes / file_tokens, "kvq_connector": runs["kvq"]["connector"],
+              "decode_tokens_per_s": {k: v["decode_tokens_per_s"] for k, v in runs.items()}}
     print(f"{'tokens':>7} {'recompute s':>12} {'kvq hit s':>10} {'x':>6} {'file hit s':>11} {'x':>6} "
           f"{'kvq cached':>10} {'file cached':>11}")
     for r in rows:
@@ -126,6 +128,7 @@ def main() -> int:
               f"{r['file_hit_s'] / r['recompute_s']:>6.3f} {r['kvq_cached_tokens']:>10} {r['file_cached_tokens']:>11}")
     print(f"bytes per prompt token: kvq {result['kvq_bytes_per_token']:.0f}, file {result['file_bytes_per_token']:.0f} "
           f"({result['file_bytes_per_token'] / result['kvq_bytes_per_token']:.2f}x)")
+    print(f"decode tokens/s: {json.dumps(result['decode_tokens_per_s'])}")
     print(f"kvq connector: {json.dumps(runs['kvq']['connector'])}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))

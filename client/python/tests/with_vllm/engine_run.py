@@ -6,7 +6,9 @@ so that a later request can hit what an earlier one stored.
 
 Usage: engine_run.py --model FOLDER --prompts FILE.json --out FILE.json [--kvq ADDRESS --kvq-model NAME
        [--codec JSON] [--tenant T] [--extra JSON] | --file-connector DIR] [--max-tokens N]
-       [--max-model-len N] [--max-num-batched-tokens N]
+       [--max-model-len N] [--max-num-batched-tokens N] [--decode-tokens N]
+--decode-tokens N: afterwards, one more request (the first prompt's first 128 tokens, a fresh
+sampling of N tokens) whose decode rate goes into the output as "decode_tokens_per_s".
 --file-connector runs vLLM's own ExampleConnector (K/V as safetensors files in DIR) instead:
 the uncompressed baseline of client/python/bench/bench_vllm_ttft.py.
 The prompts file is a JSON list of token-id lists. vLLM's own prefix cache is off, so that
@@ -33,6 +35,7 @@ def main() -> int:
     p.add_argument("--file-connector", help="folder of vLLM's ExampleConnector")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--decode-tokens", type=int, default=0)
     p.add_argument("--max-num-batched-tokens", type=int,
                    help="tokens per step (default vLLM's: 4096 on CPU, longer prompts are prefilled in chunks)")
     args = p.parse_args()
@@ -75,11 +78,24 @@ def main() -> int:
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         results.append({"tokens": list(out.outputs[0].token_ids), "num_cached_tokens": out.num_cached_tokens,
                         "seconds": time.monotonic() - t})
+    decode = None
+    if args.decode_tokens:
+        # Time to the first token of the same short prompt, then the whole request: the rest
+        # is decode.
+        short = {"prompt_token_ids": prompts[0][:128]}
+        t = time.monotonic()
+        llm.generate([short], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        first = time.monotonic() - t
+        t = time.monotonic()
+        llm.generate([short], SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True),
+                     use_tqdm=False)
+        decode = (args.decode_tokens - 1) / max(1e-9, time.monotonic() - t - first)
     counts = {}
     if args.kvq:
         counts = _connector_counts(llm)
     with open(args.out, "w") as f:
-        json.dump({"results": results, "connector": counts, "start_seconds": started}, f)
+        json.dump({"results": results, "connector": counts, "start_seconds": started,
+                   "decode_tokens_per_s": decode}, f)
     return 0
 
 
