@@ -1,7 +1,8 @@
 // kvq-bench-codec: codec throughput against baselines measured in the same run.
 //
 //   EncodeKV     fp16 K+V in -> HeadQ blocks through LayerCache::Append (bytes_per_second of
-//                fp16 input), next to Memcpy of the same bytes.
+//                fp16 input), next to Memcpy of the same bytes; EncodeKVk3g128 the
+//                registry's default codec shape (3-bit keys in groups of 128, side code 4 bits).
 //   AttendCodes  fused score + softmax + readout over 2-bit HeadQ codes (one decode query per
 //                query head), AttendDense the same attention over fp16 K/V with the best SIMD
 //                kernels, AttendRef the codec on the scalar reference kernels;
@@ -87,7 +88,9 @@ ModelBasis Basis(int kv, int qh, int d, int r) {
   return RandomBasis({"bench", 1, 1, kv, qh, d, r}, 1);
 }
 
-void EncodeKV(benchmark::State& st, int kv, int d) {
+// key_bits 0: HeadQOptions (k2 g32, rank 4 at 8 bits); else the registry's default codec shape
+// with those key bits and group (rank 4 at 4 bits, v2 g32), what a client encodes by default.
+void EncodeKV(benchmark::State& st, int kv, int d, int key_bits = 0, int key_group = 0) {
   const int T = 4096;
   const size_t per = static_cast<size_t>(kv) * T * d;
   const int layers = static_cast<int>(std::max<size_t>(2, kWorkingSetBytes / (per * 4) + 1));
@@ -96,7 +99,11 @@ void EncodeKV(benchmark::State& st, int kv, int d) {
     k.push_back(RandomHalf(per, 2 * l));
     v.push_back(RandomHalf(per, 2 * l + 1));
   }
-  const CodecOptions o = HeadQOptions(d);
+  CodecOptions o = HeadQOptions(d, key_group > 0 ? key_group : 32);
+  if (key_bits > 0) {
+    o.key_bits = key_bits;
+    o.side_bits = 4;
+  }
   const ModelBasis b = Basis(kv, kv, d, o.rank);
   int l = 0;
   for (auto _ : st) {
@@ -474,7 +481,8 @@ void StreamRead(benchmark::State& st, int threads) {
 void RegisterAll() {
   for (auto [kv, d] : {std::pair{3, 64}, std::pair{8, 128}}) {
     const std::string shape = "/kv:" + std::to_string(kv) + "/d:" + std::to_string(d);
-    benchmark::RegisterBenchmark(("EncodeKV" + shape).c_str(), EncodeKV, kv, d);
+    benchmark::RegisterBenchmark(("EncodeKV" + shape).c_str(), EncodeKV, kv, d, 0, 0);
+    benchmark::RegisterBenchmark(("EncodeKVk3g128" + shape).c_str(), EncodeKV, kv, d, 3, 128);
     benchmark::RegisterBenchmark(("Memcpy" + shape).c_str(), Memcpy, kv, d);
     benchmark::RegisterBenchmark(("MemcpyReused" + shape).c_str(), MemcpyReused, kv, d);
     benchmark::RegisterBenchmark(("DecodeKV" + shape).c_str(), DecodeKV, kv, d);

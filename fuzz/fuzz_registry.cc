@@ -195,7 +195,7 @@ void CheckServes(Registry& registry, const ModelEntry& e) {
   }
   std::vector<float> q(static_cast<size_t>(m.q_heads) * m.head_dim, 0.5f), logits;
   if (!store
-           .Score("t", "s", 0, m.version, q.data(), m.q_heads, 1, m.head_dim, 0, false, &logits,
+           .Score({"t", "s", 0, m.version}, {q.data(), m.q_heads, 1, m.head_dim}, 0, false, &logits,
                   &tokens)
            .ok() ||
       logits.size() != static_cast<size_t>(m.q_heads) * n) {

@@ -15,6 +15,7 @@ PKGS=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   prometheus-cpp-dev libssl-dev openssl
   python3 python3-venv python3-dev gnuplot-nox prometheus docker-compose haproxy
+  docker.io iptables debootstrap
   python3-yaml
   clang libclang-rt-14-dev clang-format-14
 )

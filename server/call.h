@@ -9,7 +9,11 @@
 //   5. a call whose work runs on the worker pool (CallKind::kPooled; a stream for its whole
 //      life) is admitted against --max-inflight: one beyond it is refused at once with
 //      RESOURCE_EXHAUSTED "server overloaded: N calls in flight, limit M" and counted in
-//      kvq_rejected_total{reason="overload"};
+//      kvq_rejected_total{reason="overload"}; and against --max-inflight-per-client, so that
+//      no one client (its tenant with auth on; its tenant and address with auth off) holds
+//      every slot, idle streams included: one beyond it gets RESOURCE_EXHAUSTED "client ...
+//      holds N calls in flight, limit M per client", counted in
+//      kvq_rejected_total{reason="client_limit"};
 //   6. StillWanted says whether the client still waits for it (DEADLINE_EXCEEDED /
 //      CANCELLED otherwise): checked when a worker takes a pooled unary call or GetBlocks up,
 //      and before each item of a batch, so that abandoned work stops early (a PutBlocks
@@ -28,8 +32,11 @@
 #include <string>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "kvq/core/worker_pool.h"
@@ -55,6 +62,8 @@ class CallGate {
     const std::atomic<bool>* ready = nullptr;
     // Pooled calls queued or running at once; 0 = no limit (ServerOptions::max_inflight).
     int64_t max_inflight = 0;
+    // Of those, what one client may hold; 0 = no limit (ServerOptions::max_inflight_per_client).
+    int64_t max_inflight_per_client = 0;
     // Log every call (method, tenant, code, duration, bytes) to stderr, not only failures of the
     // server's own (ServerOptions::log_calls).
     bool log_calls = false;
@@ -67,12 +76,22 @@ class CallGate {
   // whether they did.
   bool Drain(absl::Duration grace);
 
+  // Pooled calls `client` (Call::ClientKey()) holds now, and the limits it is admitted against
+  // (0: none).
+  int64_t HeldBy(const std::string& client);
+  int64_t max_inflight() const { return o_.max_inflight; }
+  int64_t max_inflight_per_client() const { return o_.max_inflight_per_client; }
+
  private:
   friend class Call;
   const Options o_;
   std::atomic<int64_t> inflight_{0};    // every call, from its start to its End
   std::atomic<int64_t> pool_calls_{0};  // admitted pooled calls
   std::atomic<bool> draining_{false};
+  // Pooled calls held per client key (entries removed at zero). A mutex, not atomics: taken
+  // once at a pooled call's admission and once at its end, next to far costlier work.
+  absl::Mutex clients_mu_;
+  absl::flat_hash_map<std::string, int64_t> client_calls_ ABSL_GUARDED_BY(clients_mu_);
 };
 
 // One call, from its start (steps 1-5 above, in the constructor) to End (step 7).
@@ -88,6 +107,8 @@ class Call {
   const absl::Status& admission() const { return admission_; }
   // The caller's tenant (valid once admitted).
   const std::string& tenant() const { return tenant_; }
+  // The caller as --max-inflight-per-client counts it (valid once admitted).
+  std::string ClientKey() const;
   // OK while someone still waits for the answer: CANCELLED once the client cancelled (or went
   // away), DEADLINE_EXCEEDED once its deadline passed. `item` < 0: before any work; else before
   // item `item` of `items` (the message says the rest were skipped).
@@ -100,9 +121,14 @@ class Call {
   const char* method_;
   const grpc::CallbackServerContext& ctx_;
   const absl::Time start_;
-  bool pooled_ = false;  // holds a --max-inflight slot
+  // Step 5: takes a --max-inflight slot and one of the client's; false and admission_ set when
+  // either is full.
+  bool AdmitPooled();
+
+  bool pooled_ = false;  // holds a --max-inflight slot and one of client_'s
   absl::Status admission_;
   std::string tenant_;
+  std::string client_;  // ClientKey() (set when pooled_)
 };
 
 // A unary call under the wrapper: `body(call)` fills *resp and returns the call's status; it runs

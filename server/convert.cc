@@ -35,4 +35,12 @@ absl::Status QueriesToFloat(const v1::Tensor& t, absl::string_view field, std::v
   return absl::OkStatus();
 }
 
+absl::Status CheckId(const std::string& id, absl::string_view field) {
+  if (id.empty() || id.size() > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be 1..256 bytes (got ", id.size(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvq::server

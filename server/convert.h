@@ -25,6 +25,9 @@ inline constexpr int kMaxQueriesPerItem = 1024;
 grpc::Status ToGrpc(const absl::Status& s);
 void SetItemStatus(const absl::Status& s, v1::ItemStatus* out);
 
+// A sequence id of 1..256 bytes (INVALID_ARGUMENT naming `field` otherwise).
+absl::Status CheckId(const std::string& id, absl::string_view field);
+
 // Queries [q_heads, n_q, d] or [q_heads, d] -> fp32 contiguous; sets the three sizes.
 absl::Status QueriesToFloat(const v1::Tensor& t, absl::string_view field, std::vector<float>* q,
                             int* q_heads, int* n_q, int* d);

@@ -87,6 +87,11 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
              "calls queued or running on the workers before new ones get RESOURCE_EXHAUSTED "
              "(default 4096; 0 no limit)",
              integer(&o->max_inflight));
+  flags->Add("max-inflight-per-client", "N",
+             "of those, what one client (tenant; with auth off tenant and address) may hold, "
+             "streams included, before its next call gets RESOURCE_EXHAUSTED (default -1: a "
+             "quarter of --max-inflight; 0 no limit)",
+             integer(&o->max_inflight_per_client));
   flags->Add("stream-idle-timeout", "DURATION",
              "fail a PutBlocks stream quiet this long between messages with DEADLINE_EXCEEDED "
              "(default 60s; 0 never)",

@@ -192,6 +192,11 @@ Metrics::Metrics()
                              .Help("Calls refused before any work, by reason")
                              .Register(*registry_)
                              .Add({{"reason", "overload"}})),
+      rejected_client_limit_(BuildCounter()
+                                 .Name("kvq_rejected_total")
+                                 .Help("Calls refused before any work, by reason")
+                                 .Register(*registry_)
+                                 .Add({{"reason", "client_limit"}})),
       probe_gap_drops_(BuildCounter()
                            .Name("kvq_probe_gap_drops_total")
                            .Help("Times every sequence was dropped because a router's health "
@@ -263,6 +268,7 @@ void Metrics::RecordCall(const std::string& method, int code, double seconds, si
 void Metrics::RecordScrubFailures(int64_t n) { scrub_failures_.Increment(static_cast<double>(n)); }
 
 void Metrics::RecordOverload() { rejected_overload_.Increment(); }
+void Metrics::RecordClientLimit() { rejected_client_limit_.Increment(); }
 
 void Metrics::RecordProbeGapDrop(int64_t sequences) {
   probe_gap_drops_.Increment();

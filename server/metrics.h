@@ -26,7 +26,9 @@
 //   kvq_models                                 gauge     registry entries (model versions)
 //   kvq_ready                                  gauge     1 once the registry is loaded
 //   kvq_rejected_total{reason}                 counter   calls refused before any work;
-//                                                        reason="overload": over --max-inflight
+//                                                        reason="overload": over --max-inflight,
+//                                                        reason="client_limit": over
+//                                                        --max-inflight-per-client
 //   kvq_probe_gap_drops_total                  counter   times every sequence was dropped
 //                                                        after a gap in a router's probes
 //                                                        (--drop-after-probe-gap)
@@ -79,6 +81,7 @@ class Metrics {
                   size_t bytes_out);
   void RecordScrubFailures(int64_t n);
   void RecordOverload();     // a call refused over --max-inflight
+  void RecordClientLimit();  // a call refused over --max-inflight-per-client
   void RecordAttendSplit();  // an Attend item run in parts on idle workers
   void RecordProbeGapDrop(int64_t sequences);
 
@@ -128,6 +131,7 @@ class Metrics {
   prometheus::Gauge& models_;
   prometheus::Gauge& ready_;
   prometheus::Counter& rejected_overload_;
+  prometheus::Counter& rejected_client_limit_;
   prometheus::Counter& probe_gap_drops_;
   prometheus::Counter& probe_gap_dropped_sequences_;
   prometheus::Counter& attend_split_;

@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -58,6 +59,7 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   RETURN_IF_ERROR(CheckRange("--split-attend-min-tokens", o.split_attend_min_tokens, 0, kMax));
   RETURN_IF_ERROR(CheckRange("--worker-poll-us", o.worker_poll_us, 0, 10000));
   RETURN_IF_ERROR(CheckRange("--max-inflight", o.max_inflight, 0, 1000000));
+  RETURN_IF_ERROR(CheckRange("--max-inflight-per-client", o.max_inflight_per_client, -1, 1000000));
   // Below 64 KiB hardly a registration or a prefill fits; gRPC's limit is an int.
   RETURN_IF_ERROR(CheckRange("--max-message-bytes", o.max_message_bytes, 64 << 10, INT32_MAX));
   RETURN_IF_ERROR(CheckRange("--capacity", o.capacity_bytes, 0, kMax));
@@ -160,6 +162,10 @@ absl::Status KvqServer::Impl::Start() {
   calls.metrics = metrics.get();
   calls.ready = &ready;
   calls.max_inflight = opts.max_inflight;
+  calls.max_inflight_per_client =
+      opts.max_inflight_per_client >= 0
+          ? opts.max_inflight_per_client
+          : (opts.max_inflight > 0 ? std::max(1, opts.max_inflight / 4) : 0);
   calls.log_calls = opts.log_calls;
   service =
       std::make_unique<Service>(store.get(), registry.get(), pool.get(), calls, pool_name, backend);
@@ -230,7 +236,9 @@ absl::Status KvqServer::Impl::Start() {
           ? absl::StrCat("layers >= ", opts.split_attend_min_tokens, " tokens on idle workers")
           : "off",
       "; max in flight: ", opts.max_inflight ? absl::StrCat(opts.max_inflight) : "unlimited",
-      "; capacity: ", so.capacity_bytes, " bytes",
+      " (per client: ",
+      calls.max_inflight_per_client ? absl::StrCat(calls.max_inflight_per_client) : "unlimited",
+      ")", "; capacity: ", so.capacity_bytes, " bytes",
       opts.capacity_bytes > 0 ? "" : " (auto: half the physical memory)",
       so.tenant_quota_bytes ? absl::StrCat("; tenant quota: ", so.tenant_quota_bytes) : "",
       "; prefixes retained: ", so.retain_prefixes ? "yes" : "no"));

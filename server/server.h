@@ -66,6 +66,15 @@ struct ServerOptions : core::StoreOptions {
   // would wait long for. 0 = no limit. The default leaves room for thousands of concurrent
   // streams while bounding the queue (and the requests it holds in memory).
   int max_inflight = 4096;
+  // Fairness: of those, what one client may hold at once, streams included, so that one client
+  // (its tenant with auth on; its tenant and address with auth off, where tenants are only
+  // claimed) cannot take every slot, e.g. with idle PutBlocks streams, and starve the others.
+  // One more is refused with RESOURCE_EXHAUSTED ("client ... holds N calls in flight, limit M
+  // per client") and counted in kvq_rejected_total{reason="client_limit"}. -1 (default) = a
+  // quarter of max_inflight (at least 1; none when max_inflight is 0); 0 = no limit. Behind a
+  // router with auth off every caller of one tenant shares the router's address, so one limit:
+  // turn auth on there, or raise it.
+  int max_inflight_per_client = -1;
   // Log every call to stderr (method, tenant, status, duration, bytes), not only those that
   // fail on the server's side (INTERNAL, DATA_LOSS, UNKNOWN), which are always logged. Off by
   // default: a line per call costs more than Echo itself.
@@ -115,7 +124,8 @@ struct ServerOptions : core::StoreOptions {
 // (kvq-server exits 2 on one, as on any usage error; Start checks them too):
 //   --grpc-port 0..65535; --metrics-port -1..65535; --workers 0..1024;
 //   --split-attend-min-tokens >= 0; --worker-poll-us 0..10000;
-//   --max-inflight 0..1000000; --max-message-bytes 64K..2147483647 (gRPC's limit);
+//   --max-inflight 0..1000000; --max-inflight-per-client -1..1000000; --max-message-bytes
+//   64K..2147483647 (gRPC's limit);
 //   --capacity, --tenant-quota >= 0; --sequence-ttl, --shutdown-grace, --scrub-period
 //   finite and >= 0; --stream-idle-timeout 0 or 1ms..24h; --drop-after-probe-gap 0 or
 //   10ms..1h; the housekeeping period > 0.

@@ -82,10 +82,11 @@ const char* kTopHelp =
     "  models show NAME            one model (latest version unless --version)\n"
     "  models register DIR         register what kvq-calibrate wrote (manifest.json +\n"
     "                              basis.safetensors) on every server\n"
-    "  seq put ID FILE             append a sequence's K/V from a safetensors file (--codes:\n"
-    "                              encoded here, HeadQ codes on the wire)\n"
+    "  seq put ID FILE             append a sequence's K/V from a safetensors file (a whole\n"
+    "                              sequence goes as HeadQ codes encoded here where the server\n"
+    "                              takes them; --rows: fp16 rows, the server encodes)\n"
     "  seq get ID FILE             write a sequence's K/V (as attention sees them) to a file\n"
-    "                              (--codes: fetched as codes, decoded here)\n"
+    "                              (fetched as codes and decoded here; --rows: decoded rows)\n"
     "  seq delete ID               drop a sequence\n"
     "  seq shard [ID...]           the server each sequence id is sharded to (no call)\n"
     "Run `kvq COMMAND --help` for a command's flags.\n\n"
@@ -162,7 +163,7 @@ struct CommandFlags {
   int chunk_tokens = 1024;
   std::string dtype = "f16";
   std::string layers;
-  bool codes = false;
+  bool rows = false;  // seq put/get: fp16 rows on the wire instead of HeadQ codes
 };
 
 int Health(Client& c) {
@@ -261,38 +262,58 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
   if (f.chunk_tokens < 1) return Usage("--chunk-tokens must be >= 1");
   // One message per (layer, chunk): each is applied atomically; a re-run re-sends all.
   std::vector<v1::PutBlocksRequest> msgs;
-  if (f.codes) {
-    if (f.start != 0) return Usage("--codes puts a whole sequence: --start must be 0");
-    if (model.empty()) return Usage("--codes needs the model (--model or the file's metadata)");
+  // Codes for a whole sequence of a known model (its groups are fewer bytes than its rows),
+  // where the server gives the model's basis and takes this client's block-format versions.
+  bool in_codes = !f.rows && f.start == 0 && !model.empty();
+  std::unique_ptr<kvq::client::ModelCodes> codes;
+  if (in_codes) {
     absl::StatusOr<v1::RegisterBasisRequest> basis = c.GetBasis(model, f.version, c.ShardOf(id));
-    if (!basis.ok()) return RpcFail(basis.status());
-    auto codes = kvq::client::ModelCodes::Create(*basis);
-    if (!codes.ok()) return LocalFail(codes.status());
-    absl::StatusOr<core::CodecOptions> codec = (*codes)->CodecOf(v1::CodecSettings());
-    if (!codec.ok()) return LocalFail(codec.status());
-    for (size_t l = 0; l < file->layers.size(); ++l) {
-      const kvq::client::SeqLayer& L = file->layers[l];
-      absl::StatusOr<core::DType> dt = wire::FromProto(L.dtype, "dtype");
-      if (!dt.ok()) return LocalFail(dt.status());
-      const auto view = [&](const std::string& b) {
-        return core::TensorView::Contiguous(b.data(), *dt, {L.kv_heads, L.tokens, L.head_dim});
-      };
-      auto appends = (*codes)->EncodeLayer(id, static_cast<int>(l), *codec, view(L.keys),
-                                           view(L.values), f.chunk_tokens);
-      if (!appends.ok()) return LocalFail(appends.status());
-      for (v1::Append& a : *appends) {
-        const int64_t n = static_cast<int64_t>(a.encoded().block_bytes_size()) / (2 * L.kv_heads) *
-                              codec->key_group +
-                          (a.has_keys() ? a.keys().shape(1) : 0);
-        for (int64_t t = a.start(); t < a.start() + n && !file->token_ids.empty(); ++t) {
-          a.add_token_ids(file->token_ids[t]);
-        }
-        *msgs.emplace_back().add_appends() = std::move(a);
-      }
+    if (!basis.ok() && basis.status().code() == absl::StatusCode::kNotFound) {
+      return RpcFail(basis.status());
+    }
+    absl::StatusOr<std::unique_ptr<kvq::client::ModelCodes>> made =
+        basis.ok() ? kvq::client::ModelCodes::Create(*basis)
+                   : absl::StatusOr<std::unique_ptr<kvq::client::ModelCodes>>(basis.status());
+    if (made.ok()) {
+      codes = std::move(*made);
+    } else {
+      std::fprintf(stderr, "kvq: sending rows: %s\n", made.status().ToString().c_str());
+      in_codes = false;
     }
   }
+  // In codes, each layer is encoded when the stream reaches it (PutBlocksStream), so that its
+  // encode overlaps the transfer of the layers before.
+  core::CodecOptions codec;
+  if (in_codes) {
+    absl::StatusOr<core::CodecOptions> c0 = codes->CodecOf(v1::CodecSettings());
+    if (!c0.ok()) return LocalFail(c0.status());
+    codec = *c0;
+  }
+  size_t next_layer = 0;
+  std::vector<v1::Append> encoded;
+  size_t taken = 0;
+  auto encode_next_layer = [&]() -> absl::Status {
+    const size_t l = next_layer++;
+    const kvq::client::SeqLayer& L = file->layers[l];
+    ASSIGN_OR_RETURN(const core::DType dt, wire::FromProto(L.dtype, "dtype"));
+    const auto view = [&](const std::string& b) {
+      return core::TensorView::Contiguous(b.data(), dt, {L.kv_heads, L.tokens, L.head_dim});
+    };
+    ASSIGN_OR_RETURN(encoded, codes->EncodeLayer(id, static_cast<int>(l), codec, view(L.keys),
+                                                 view(L.values), f.chunk_tokens));
+    taken = 0;
+    for (v1::Append& a : encoded) {
+      const int64_t n = static_cast<int64_t>(a.encoded().block_bytes_size()) / (2 * L.kv_heads) *
+                            codec.key_group +
+                        (a.has_keys() ? a.keys().shape(1) : 0);
+      for (int64_t t = a.start(); t < a.start() + n && !file->token_ids.empty(); ++t) {
+        a.add_token_ids(file->token_ids[t]);
+      }
+    }
+    return absl::OkStatus();
+  };
   bool first = true;
-  for (size_t l = 0; l < file->layers.size() && !f.codes; ++l) {
+  for (size_t l = 0; l < file->layers.size() && !in_codes; ++l) {
     const kvq::client::SeqLayer& L = file->layers[l];
     const size_t esize = L.dtype == v1::DTYPE_F32 ? 4 : 2;
     const size_t row = static_cast<size_t>(L.head_dim) * esize;
@@ -322,16 +343,32 @@ int SeqPut(Client& c, const std::string& id, const std::string& path, const Comm
       }
     }
   }
-  size_t sent = 0;
-  for (const auto& m : msgs) sent += m.ByteSizeLong();
-  auto r = c.PutBlocks(msgs);
+  size_t sent = 0, next_msg = 0;
+  absl::Status local;  // a file that cannot be encoded: a local error, not the server's
+  auto next = [&](v1::PutBlocksRequest* m) -> absl::StatusOr<bool> {
+    if (!in_codes) {
+      if (next_msg == msgs.size()) return false;
+      *m = std::move(msgs[next_msg++]);
+    } else {
+      while (taken == encoded.size()) {
+        if (next_layer == file->layers.size()) return false;
+        local = encode_next_layer();
+        if (!local.ok()) return local;
+      }
+      *m->add_appends() = std::move(encoded[taken++]);
+    }
+    sent += m->ByteSizeLong();
+    return true;
+  };
+  auto r = c.PutBlocksStream(id, next);
+  if (!local.ok()) return LocalFail(local);
   if (!r.ok()) return RpcFail(r.status());
   std::printf(
       "%s: %lld tokens written, %lld duplicate, %lld shared, %zu layers on %s, %zu bytes "
       "sent as %s\n",
       id.c_str(), static_cast<long long>(r->tokens_written()),
       static_cast<long long>(r->tokens_duplicate()), static_cast<long long>(r->tokens_shared()),
-      file->layers.size(), c.server(c.ShardOf(id)).c_str(), sent, f.codes ? "codes" : "rows");
+      file->layers.size(), c.server(c.ShardOf(id)).c_str(), sent, in_codes ? "codes" : "rows");
   return kExitOk;
 }
 
@@ -353,25 +390,27 @@ int SeqGet(Client& c, const std::string& id, const std::string& path, const Comm
     if (!absl::SimpleAtoi(s, &l) || l < 0) return Usage("--layers must be a list like 0,1,2");
     req.add_layers(l);
   }
-  // Chunks of a layer arrive in order; each carries [kv_heads, n, head_dim] (with --codes,
-  // decoded here from its groups and rows first).
+  // Chunks of a layer arrive in order; each carries [kv_heads, n, head_dim] (in codes: decoded
+  // here from its groups and rows first; a server that answers rows is read as rows).
   std::map<int, std::vector<v1::GetBlocksResponse>> chunks;
   int basis_version = 0;
   size_t received = 0;
-  if (f.codes) {
+  if (!f.rows) {
     req.set_codes(true);
     req.set_max_block_version(format::kMaxVersion);
   }
+  bool in_codes = false;
   std::unique_ptr<kvq::client::ModelCodes> codes;
   std::map<int, core::CodecOptions> codecs;  // per layer, from its first message
   absl::Status decoded;
   absl::Status st = c.GetBlocks(req, [&](const v1::GetBlocksResponse& r) {
     received += r.ByteSizeLong();
     basis_version = r.basis_version();
-    if (!f.codes) {
+    if (!r.has_codec() && !codecs.count(r.layer())) {  // rows
       chunks[r.layer()].push_back(r);
       return true;
     }
+    in_codes = true;
     decoded = [&]() -> absl::Status {
       if (!codes) {
         absl::StatusOr<v1::RegisterBasisRequest> basis =
@@ -433,7 +472,7 @@ int SeqGet(Client& c, const std::string& id, const std::string& path, const Comm
   if (absl::Status w = kvq::client::WriteSeqFile(path, file); !w.ok()) return LocalFail(w);
   std::printf("%s: %zu layers, %lld tokens in layer 0, written to %s, %zu bytes received as %s\n",
               id.c_str(), file.layers.size(), static_cast<long long>(file.layers[0].tokens),
-              path.c_str(), received, f.codes ? "codes" : "rows");
+              path.c_str(), received, in_codes ? "codes" : "rows");
   return kExitOk;
 }
 
@@ -520,10 +559,10 @@ int main(int argc, char** argv) {
               [&f](const std::string& v) { return kvq::client::ParseIntFlag(v, &f.chunk_tokens); });
   }
   if (name == "seq put" || name == "seq get") {
-    flags.AddBool("codes",
-                  name == "seq put" ? "encode here and send HeadQ codes (a whole sequence, start 0)"
-                                    : "fetch HeadQ codes and decode them here",
-                  &f.codes);
+    flags.AddBool("rows",
+                  name == "seq put" ? "send fp16 rows (the server encodes) instead of HeadQ codes"
+                                    : "fetch rows the server decoded instead of HeadQ codes",
+                  &f.rows);
   }
   if (name == "seq get") {
     flags.Add("dtype", "f16|bf16|f32", "dtype written (default f16)",

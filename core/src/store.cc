@@ -244,104 +244,6 @@ absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& 
   return s;
 }
 
-#define KVQ_READ_PROLOGUE()                                                                 \
-  const BasisManifest& m = s->model->manifest;                                              \
-  if (layer < 0 || layer >= m.layers) {                                                     \
-    return absl::InvalidArgumentError(                                                      \
-        absl::StrCat("layer ", layer, " must be in 0..", m.layers - 1));                    \
-  }                                                                                         \
-  LayerCache* cache = s->layers[layer].get();                                               \
-  if (cache == nullptr || cache->tokens() == 0) {                                           \
-    return absl::FailedPreconditionError(                                                   \
-        absl::StrCat("layer ", layer, " of sequence '", sequence_id, "' holds no tokens")); \
-  }                                                                                         \
-  *tokens = cache->tokens()
-
-absl::Status Store::Score(const std::string& tenant, const std::string& sequence_id, int layer,
-                          int basis_version, const float* q, int q_heads, int n_q, int q_dim,
-                          float scale, bool corrections_only, std::vector<float>* out,
-                          int64_t* tokens) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
-  ReaderMutexLock l(&s->mu);
-  KVQ_READ_PROLOGUE();
-  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ", m.kv_heads));
-  }
-  if (q_dim != m.head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("queries head_dim ", q_dim, " must equal the model's head_dim ", m.head_dim));
-  }
-  out->assign(static_cast<size_t>(q_heads) * n_q * *tokens, 0.0f);
-  return cache->Score(q, q_heads, n_q, out->data(), scale, corrections_only);
-}
-
-absl::Status Store::Readout(const std::string& tenant, const std::string& sequence_id, int layer,
-                            int basis_version, const float* p, int q_heads, int n_q,
-                            int64_t p_tokens, bool as_logits, std::vector<float>* out,
-                            int64_t* tokens) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
-  ReaderMutexLock l(&s->mu);
-  KVQ_READ_PROLOGUE();
-  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("weights.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ", m.kv_heads));
-  }
-  if (p_tokens != *tokens) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("weights.shape[2] ", p_tokens, " must equal the tokens cached in layer ",
-                     layer, " of sequence '", sequence_id, "' (", *tokens, ")"));
-  }
-  std::vector<float> soft;
-  if (as_logits) {
-    soft.resize(static_cast<size_t>(q_heads) * n_q * p_tokens);
-    for (int64_t r = 0; r < int64_t{q_heads} * n_q; ++r) {
-      Softmax(p + r * p_tokens, p_tokens, soft.data() + r * p_tokens);
-    }
-    p = soft.data();
-  }
-  out->assign(static_cast<size_t>(q_heads) * n_q * m.head_dim, 0.0f);
-  return cache->Readout(p, q_heads, n_q, out->data());
-}
-
-absl::Status Store::Attend(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, const float* q, int q_heads, int n_q, int q_dim,
-                           const AttendOptions& ao, std::vector<float>* out, int64_t* tokens) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
-  // Observing attends update the window's A^2 statistics: exclusive.
-  std::optional<MutexLock> wl;
-  std::optional<ReaderMutexLock> rl;
-  if (ao.observe) {
-    wl.emplace(&s->mu);
-  } else {
-    rl.emplace(&s->mu);
-  }
-  KVQ_READ_PROLOGUE();
-  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("queries.shape[0] (q_heads) ", q_heads,
-                                                   " must be a multiple of kv_heads ", m.kv_heads));
-  }
-  if (q_dim != m.head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("queries head_dim ", q_dim, " must equal the model's head_dim ", m.head_dim));
-  }
-  if (ao.causal_offset < -1 || ao.causal_offset >= *tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("causal_offset ", ao.causal_offset,
-                                                   " must be in 0..", *tokens - 1, " (or absent)"));
-  }
-  out->assign(static_cast<size_t>(q_heads) * n_q * m.head_dim, 0.0f);
-  AttendOptions with_backend = ao;
-  if (with_backend.backend == nullptr) with_backend.backend = opts_.attend_backend;
-  return cache->Attend(q, q_heads, n_q, with_backend, out->data());
-}
-
-absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, std::vector<float>* keys, std::vector<float>* values,
-                           int64_t* tokens) {
-  int64_t first = 0;
-  return Decode(tenant, sequence_id, layer, basis_version, 0, -1, keys, values, tokens, &first);
-}
-
 namespace {
 // Layer `layer` of `s`, whose lock the caller holds (null while nothing was appended to it);
 // INVALID_ARGUMENT outside the model's layers.
@@ -353,7 +255,101 @@ absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s,
   }
   return s.layers[layer].get();
 }
+
+// The layer a read (Score, Readout, Attend) reads: one that holds tokens (FAILED_PRECONDITION
+// otherwise), its token count in *tokens.
+absl::StatusOr<LayerCache*> ReadLayer(const Store::Sequence& s, const std::string& sequence_id,
+                                      int layer, int64_t* tokens) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(s, layer));
+  if (cache == nullptr || cache->tokens() == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("layer ", layer, " of sequence '", sequence_id, "' holds no tokens"));
+  }
+  *tokens = cache->tokens();
+  return cache;
+}
+
+// The one check of a read's query-side shape: `field` (queries, weights) of q_heads rows per
+// KV head group and, when q_dim >= 0, head_dim columns.
+absl::Status CheckQueryShape(const BasisManifest& m, const char* field, int q_heads,
+                             int64_t q_dim) {
+  if (q_heads < 1 || q_heads % m.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape[0] (q_heads) ", q_heads,
+                                                   " must be a multiple of kv_heads ", m.kv_heads));
+  }
+  if (q_dim >= 0 && q_dim != m.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " head_dim ", q_dim, " must equal the model's head_dim ", m.head_dim));
+  }
+  return absl::OkStatus();
+}
 }  // namespace
+
+absl::Status Store::Score(const LayerRef& at, const ReadRows& q, float scale, bool corrections_only,
+                          std::vector<float>* out, int64_t* tokens) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
+  ReaderMutexLock l(&s->mu);
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, tokens));
+  RETURN_IF_ERROR(CheckQueryShape(s->model->manifest, "queries", q.q_heads, q.width));
+  out->assign(static_cast<size_t>(q.q_heads) * q.n_q * *tokens, 0.0f);
+  return cache->Score(q.data, q.q_heads, q.n_q, out->data(), scale, corrections_only);
+}
+
+absl::Status Store::Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
+                            std::vector<float>* out, int64_t* tokens) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
+  ReaderMutexLock l(&s->mu);
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, tokens));
+  const BasisManifest& m = s->model->manifest;
+  RETURN_IF_ERROR(CheckQueryShape(m, "weights", p.q_heads, -1));
+  if (p.width != *tokens) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("weights.shape[2] ", p.width, " must equal the tokens cached in layer ",
+                     at.layer, " of sequence '", at.sequence_id, "' (", *tokens, ")"));
+  }
+  const float* weights = p.data;
+  std::vector<float> soft;
+  if (as_logits) {
+    soft.resize(static_cast<size_t>(p.q_heads) * p.n_q * p.width);
+    for (int64_t r = 0; r < int64_t{p.q_heads} * p.n_q; ++r) {
+      Softmax(p.data + r * p.width, p.width, soft.data() + r * p.width);
+    }
+    weights = soft.data();
+  }
+  out->assign(static_cast<size_t>(p.q_heads) * p.n_q * m.head_dim, 0.0f);
+  return cache->Readout(weights, p.q_heads, p.n_q, out->data());
+}
+
+absl::Status Store::Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
+                           std::vector<float>* out, int64_t* tokens) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
+  // Observing attends update the window's A^2 statistics: exclusive.
+  std::optional<MutexLock> wl;
+  std::optional<ReaderMutexLock> rl;
+  if (ao.observe) {
+    wl.emplace(&s->mu);
+  } else {
+    rl.emplace(&s->mu);
+  }
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, tokens));
+  const BasisManifest& m = s->model->manifest;
+  RETURN_IF_ERROR(CheckQueryShape(m, "queries", q.q_heads, q.width));
+  if (ao.causal_offset < -1 || ao.causal_offset >= *tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("causal_offset ", ao.causal_offset,
+                                                   " must be in 0..", *tokens - 1, " (or absent)"));
+  }
+  out->assign(static_cast<size_t>(q.q_heads) * q.n_q * m.head_dim, 0.0f);
+  AttendOptions with_backend = ao;
+  if (with_backend.backend == nullptr) with_backend.backend = opts_.attend_backend;
+  return cache->Attend(q.data, q.q_heads, q.n_q, with_backend, out->data());
+}
+
+absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version, std::vector<float>* keys, std::vector<float>* values,
+                           int64_t* tokens) {
+  int64_t first = 0;
+  return Decode(tenant, sequence_id, layer, basis_version, 0, -1, keys, values, tokens, &first);
+}
 
 absl::Status Store::ReadRange(
     const std::string& tenant, const std::string& sequence_id, int layer, int basis_version,

@@ -1,6 +1,6 @@
 // The fused decode attend's arithmetic and index mapping (attend.cu), as __host__ __device__
 // functions: the CUDA kernels run one thread block's program (AttendCta, DenseCta) with a
-// barrier between its phases, and tests/core/cuda_math_test.cc runs the very same program on
+// barrier between its phases, and tests/kernels/cuda_math_test.cc runs the very same program on
 // the CPU, every phase for every thread in turn, over the whole grid, so that CI without a GPU
 // checks the kernels' math, shared-memory layout and block parsing against core's CPU attend.
 //

@@ -1,6 +1,6 @@
 // XXH3-64 (xxHash's 64-bit hash, any length, any seed) and core's block checksum on top of it,
 // as __host__ __device__ functions: the GPU verifies blocks with them (checksum.cu), the GPU
-// encoder stamps its blocks with WriteBlockChecksum, and tests/core/cuda_checksum_test.cc runs
+// encoder stamps its blocks with WriteBlockChecksum, and tests/kernels/cuda_checksum_test.cc runs
 // the very same code on the CPU against libxxhash and against the checksums core writes.
 //
 // Written from the XXH3 specification (its primes and 192-byte default secret are the

@@ -160,6 +160,9 @@ struct Isa {
     return _mm256_min_epi32(_mm256_max_epi32(q, _mm256_setzero_si256()), _mm256_set1_epi32(maxq));
   }
 
+  // Each lane's code shifted right by k bits (the part of a code that crosses into the next
+  // 64-bit word).
+  static I ShiftRight(I q, int k) { return _mm256_srl_epi32(q, _mm_cvtsi32_si128(k)); }
   static void ClearWords(Words* w) { w->lo = w->hi = _mm256_setzero_si256(); }
   static void OrIntoWords(Words* w, I q, int shift) {
     const __m128i s = _mm_cvtsi32_si128(shift);

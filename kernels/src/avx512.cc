@@ -259,6 +259,9 @@ struct Isa {
     return _mm512_min_epi32(_mm512_max_epi32(q, _mm512_setzero_si512()), _mm512_set1_epi32(maxq));
   }
 
+  // Each lane's code shifted right by k bits (the part of a code that crosses into the next
+  // 64-bit word).
+  static I ShiftRight(I q, int k) { return _mm512_srl_epi32(q, _mm_cvtsi32_si128(k)); }
   static void ClearWords(Words* w) { w->lo = w->hi = _mm512_setzero_si512(); }
   static void OrIntoWords(Words* w, I q, int shift) {
     const __m128i s = _mm_cvtsi32_si128(shift);

@@ -17,7 +17,7 @@ inline typename Isa::F Decode(const uint8_t* p) {
 template <int B, int NQ, int TILES>
 void ScoreT(const uint8_t* codes, int n_ch, int tokens, const float* w, const float* bias,
             bool accumulate, float* out, int64_t os) {
-  const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
+  const int64_t rb = internal::RowBytes(tokens, B);
   for (int t0 = 0; t0 < tokens; t0 += TILES * W) {
     typename Isa::F acc[TILES][NQ];
     for (int k = 0; k < TILES; ++k)
@@ -410,11 +410,13 @@ void readout_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows,
 }
 
 // Per-channel quantization over tokens, W channels per vector. Codes are accumulated into
-// 64-bit words per channel (B divides 64) and written to the channel-major rows.
+// 64-bit words per channel (little-endian bit order, as internal::PutCode writes them) and
+// written to the channel-major rows; a code that crosses a word boundary (B = 3) continues in
+// the next word, and a last partial word writes only the row's remaining bytes.
 template <int B>
 void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_t* scale,
                        uint16_t* zero, uint8_t* codes, float* deq) {
-  const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
+  const int64_t rb = internal::RowBytes(tokens, B);
   const int full = n_ch / W * W;
   for (int c0 = 0; c0 < full; c0 += W) {
     // Two chains (min and max are exact in any order) to halve the latency-bound loop.
@@ -438,18 +440,26 @@ void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_
     Isa::MakeParams(lo, hi, B, scale + c0, zero + c0, &sv, &zv, &iv);
     typename Isa::Words words;
     Isa::ClearWords(&words);
+    alignas(64) uint64_t wv[W];
     for (int t = 0; t < tokens; ++t) {
       typename Isa::I q = Isa::QuantizeLanes(Isa::Load(x + t * ld + c0), zv, iv, (1 << B) - 1);
       if (deq)
         Isa::Store(deq + static_cast<int64_t>(t) * n_ch + c0, Isa::Fmadd(Isa::CvtI(q), sv, zv));
-      Isa::OrIntoWords(&words, q, (t * B) % 64);
-      if (((t + 1) * B) % 64 == 0) {
-        alignas(64) uint64_t wv[W];
+      const int bit = (t * B) % 64;
+      Isa::OrIntoWords(&words, q, bit);
+      if (bit + B >= 64) {  // the word is full
         Isa::StoreWords(&words, wv);
         const int64_t off = (static_cast<int64_t>(t) * B / 64) * 8;
         for (int j = 0; j < W; ++j) std::memcpy(codes + (c0 + j) * rb + off, &wv[j], 8);
         Isa::ClearWords(&words);
+        if (bit + B > 64) Isa::OrIntoWords(&words, Isa::ShiftRight(q, 64 - bit), 0);
       }
+    }
+    const int64_t tail = static_cast<int64_t>(tokens) * B % 64;
+    if (tail != 0) {  // a last partial word: the row's bytes after the full words
+      Isa::StoreWords(&words, wv);
+      const int64_t off = static_cast<int64_t>(tokens) * B / 64 * 8;
+      for (int j = 0; j < W; ++j) std::memcpy(codes + (c0 + j) * rb + off, &wv[j], rb - off);
     }
   }
   if (full < n_ch)
@@ -461,14 +471,14 @@ void quantize_channels_simd(const float* x, int64_t ld, int tokens, int n_ch, in
   if (bits == 8 && deq == nullptr &&
       Isa::QuantizeChannels4x8(x, ld, tokens, n_ch, scale, zero, codes))
     return;
-  if ((tokens * bits) % 64 != 0 || bits == 3)
-    return Ref().quantize_channels(x, ld, tokens, n_ch, bits, scale, zero, codes, deq);
   std::memset(codes, 0, internal::RowBytes(tokens, bits) * n_ch);
   switch (bits) {
     case 1:
       return QuantizeChannelsB<1>(x, ld, tokens, n_ch, scale, zero, codes, deq);
     case 2:
       return QuantizeChannelsB<2>(x, ld, tokens, n_ch, scale, zero, codes, deq);
+    case 3:
+      return QuantizeChannelsB<3>(x, ld, tokens, n_ch, scale, zero, codes, deq);
     case 4:
       return QuantizeChannelsB<4>(x, ld, tokens, n_ch, scale, zero, codes, deq);
     default:
@@ -795,7 +805,7 @@ float max_value_simd(const float* x, int64_t n) {
 template <int B>
 void DequantizeChannelsB(const uint8_t* codes, int n_ch, int tokens, const uint16_t* scale,
                          const uint16_t* zero, float* out, int64_t ld) {
-  const int64_t rb = static_cast<int64_t>(tokens) * B / 8;
+  const int64_t rb = internal::RowBytes(tokens, B);
   for (int c0 = 0; c0 + W <= n_ch; c0 += W) {
     float sf[W], zf[W];
     for (int i = 0; i < W; ++i) {

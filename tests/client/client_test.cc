@@ -303,6 +303,41 @@ struct AttemptLog {
   }
 };
 
+// PutBlocksStream: messages made as the stream reaches them give what PutBlocks of the same
+// messages gives; an append of another sequence, or an error of `next`, ends the call with it.
+TEST(Client, PutBlocksStreamSendsMessagesAsTheyAreMade) {
+  TestServer ts;
+  auto c = MakeClient({ts.address()});
+  ASSERT_TRUE(c->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  std::vector<v1::PutBlocksRequest> msgs = Prefill("st", 77, 3);
+  size_t made = 0;
+  auto from = [&](std::vector<v1::PutBlocksRequest>* src) {
+    return [src, &made](v1::PutBlocksRequest* m) -> absl::StatusOr<bool> {
+      if (made == src->size()) return false;
+      *m = (*src)[made++];
+      return true;
+    };
+  };
+  auto put = c->PutBlocksStream("st", from(&msgs));
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->tokens_written(), 77 * kShape.layers);
+  EXPECT_EQ(made, msgs.size());
+  made = 0;
+  auto again = c->PutBlocks(msgs);  // the same bytes: duplicates
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->tokens_duplicate(), 77 * kShape.layers);
+
+  std::vector<v1::PutBlocksRequest> other = Prefill("not-st", 5, 4);
+  EXPECT_EQ(c->PutBlocksStream("st", from(&other)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto failing = [](v1::PutBlocksRequest*) -> absl::StatusOr<bool> {
+    return absl::DataLossError("the producer's own error");
+  };
+  auto st = c->PutBlocksStream("st", failing).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(st.message(), HasSubstr("the producer's own error"));
+}
+
 TEST(Client, RetriesOnlyIdempotentCalls) {
   std::string dead;
   {
@@ -318,6 +353,16 @@ TEST(Client, RetriesOnlyIdempotentCalls) {
   EXPECT_EQ(c->Echo("x").status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(c->Stats().status().code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(c->PutBlocks(Prefill("a", 3, 1)).status().code(), absl::StatusCode::kUnavailable);
+  // A retried PutBlocksStream sends the messages made so far again, not making them again.
+  std::vector<v1::PutBlocksRequest> msgs = Prefill("a", 8, 5);
+  int made = 0;
+  auto next = [&](v1::PutBlocksRequest* m) -> absl::StatusOr<bool> {
+    if (made == static_cast<int>(msgs.size())) return false;
+    *m = msgs[made++];
+    return true;
+  };
+  EXPECT_EQ(c->PutBlocksStream("a", next).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(made, 1) << "the first message, sent again by each attempt";
   v1::AttendRequest read_only, observing;
   *read_only.add_items() = AttendOf("a", 0, 1, /*observe=*/false);
   *observing.add_items() = AttendOf("a", 0, 1, /*observe=*/true);
@@ -328,7 +373,7 @@ TEST(Client, RetriesOnlyIdempotentCalls) {
 
   EXPECT_EQ(log.attempts["Echo"], 3);
   EXPECT_EQ(log.attempts["Stats"], 3);
-  EXPECT_EQ(log.attempts["PutBlocks"], 3);
+  EXPECT_EQ(log.attempts["PutBlocks"], 3 + 3);
   EXPECT_EQ(log.attempts["Attend"], 4) << "an observing Attend must not be retried";
   EXPECT_EQ(log.attempts["DeleteSequence"], 1);
 }

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -316,9 +317,11 @@ TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {
     }
     EXPECT_NE(f.layers[l].keys.substr(0, 256), L.keys.substr(0, 256)) << "encoded, not raw";
   }
-  // Conflicting re-send: other bytes at the same positions.
+  // Conflicting re-send: other bytes at the same positions (a key far off, so that its group
+  // encodes to other blocks too: a change the codes absorb is a duplicate in codes).
   client::SeqFile other = f;
-  other.layers[0].keys[5] ^= 0x40;
+  const float far = 1000.0f;
+  std::memcpy(other.layers[0].keys.data() + sizeof(float), &far, sizeof(float));
   ASSERT_TRUE(client::WriteSeqFile(in, other).ok());
   ToolRun conflict = Kvq(absl::StrCat("seq put s7 ", in, " ", flags_));
   EXPECT_EQ(conflict.code, 10 + 6) << conflict.err;
@@ -456,21 +459,23 @@ TEST_F(ToolsTest, LoadGetsBlocksBesideStalledReaders) {
 
 // Three servers: sessions carry their stream's hash tag, so each lands where its prompt is and
 // still attaches every whole group.
-// `kvq seq put/get --codes`: encoded in the CLI, the same sequence as a rows put, bit for bit,
-// for fewer bytes each way; decoded in the CLI, the same file as a rows get.
+// `kvq seq put/get` send and fetch codes by default: encoded in the CLI, the same sequence as a
+// `--rows` put, bit for bit, for fewer bytes each way; decoded in the CLI, the same file as a
+// `--rows` get.
 TEST_F(ToolsTest, SeqPutGetInCodesEqualRowsForFewerBytes) {
   testing::Shape shape;
   shape.legacy_codec = true;
   const client::SeqFile f = RegisterWithFile(shape, 300, v1::DTYPE_F16, 30);
   const std::string in = dir_ + "/codes.safetensors";
   ASSERT_TRUE(client::WriteSeqFile(in, f).ok());
-  ToolRun rows = Kvq(absl::StrCat("seq put r ", in, " ", flags_));
+  ToolRun rows = Kvq(absl::StrCat("seq put r ", in, " --rows ", flags_));
+  EXPECT_THAT(rows.out, HasSubstr("sent as rows"));
   ASSERT_EQ(rows.code, 0) << rows.err;
-  ToolRun codes = Kvq(absl::StrCat("seq put c ", in, " --codes --chunk-tokens 128 ", flags_));
+  ToolRun codes = Kvq(absl::StrCat("seq put c ", in, " --chunk-tokens 128 ", flags_));
   ASSERT_EQ(codes.code, 0) << codes.err;
   EXPECT_THAT(codes.out, HasSubstr("600 tokens written, 0 duplicate"));
   EXPECT_THAT(codes.out, HasSubstr("sent as codes"));
-  ToolRun again = Kvq(absl::StrCat("seq put c ", in, " --codes ", flags_));
+  ToolRun again = Kvq(absl::StrCat("seq put c ", in, " ", flags_));
   EXPECT_THAT(again.out, HasSubstr("0 tokens written, 600 duplicate")) << again.err;
   // Sent bytes: the numbers before " bytes sent".
   auto bytes_of = [](const std::string& out, const char* what) {
@@ -481,11 +486,13 @@ TEST_F(ToolsTest, SeqPutGetInCodesEqualRowsForFewerBytes) {
   EXPECT_LT(bytes_of(codes.out, " bytes sent"), 0.35 * bytes_of(rows.out, " bytes sent"));
   const std::string out_rows = dir_ + "/r.safetensors", out_codes = dir_ + "/c.safetensors",
                     out_codes_of_rows = dir_ + "/rc.safetensors";
-  ToolRun get_rows = Kvq(absl::StrCat("seq get r ", out_rows, " ", flags_));
+  ToolRun get_rows = Kvq(absl::StrCat("seq get r ", out_rows, " --rows ", flags_));
+  EXPECT_THAT(get_rows.out, HasSubstr("received as rows"));
   ASSERT_EQ(get_rows.code, 0) << get_rows.err;
-  ToolRun get_codes = Kvq(absl::StrCat("seq get c ", out_codes, " --codes ", flags_));
+  ToolRun get_codes = Kvq(absl::StrCat("seq get c ", out_codes, " ", flags_));
+  EXPECT_THAT(get_codes.out, HasSubstr("received as codes"));
   ASSERT_EQ(get_codes.code, 0) << get_codes.err;
-  ToolRun get_rc = Kvq(absl::StrCat("seq get r ", out_codes_of_rows, " --codes ", flags_));
+  ToolRun get_rc = Kvq(absl::StrCat("seq get r ", out_codes_of_rows, " ", flags_));
   ASSERT_EQ(get_rc.code, 0) << get_rc.err;
   EXPECT_LT(bytes_of(get_codes.out, " bytes received"),
             0.35 * bytes_of(get_rows.out, " bytes received"));

@@ -12,7 +12,7 @@
 
 #include "kvq/core/byte_pool.h"
 #include "kvq/kernels/device.h"
-#include "tests/core/cuda_attend_cases.h"
+#include "tests/kernels/cuda_attend_cases.h"
 
 namespace kvq::testing {
 namespace {

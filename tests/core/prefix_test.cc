@@ -115,7 +115,7 @@ class PrefixTest : public ::testing::Test {
     std::vector<float> out;
     int64_t tokens = 0;
     absl::Status st =
-        store.Score(tenant, id, layer, 0, q.data(), kQ, 1, kD, 0, false, &out, &tokens);
+        store.Score({tenant, id, layer, 0}, {q.data(), kQ, 1, kD}, 0, false, &out, &tokens);
     EXPECT_TRUE(st.ok()) << st;
     return out;
   }
@@ -126,7 +126,7 @@ class PrefixTest : public ::testing::Test {
     int64_t tokens = 0;
     AttendOptions ao;
     ao.observe = false;
-    absl::Status st = store.Attend("t", id, layer, 0, q.data(), kQ, 1, kD, ao, &out, &tokens);
+    absl::Status st = store.Attend({"t", id, layer, 0}, {q.data(), kQ, 1, kD}, ao, &out, &tokens);
     EXPECT_TRUE(st.ok()) << st;
     return out;
   }
@@ -684,7 +684,7 @@ TEST_F(PrefixTest, ConcurrentSharersLeaveExactAccounting) {
           }
           std::vector<float> q(kQ * kD, 0.01f), logits;
           int64_t tokens = 0;
-          (void)store.Score("t", id, 1, 0, q.data(), kQ, 1, kD, 0, false, &logits, &tokens);
+          (void)store.Score({"t", id, 1, 0}, {q.data(), kQ, 1, kD}, 0, false, &logits, &tokens);
           if (j % 3 == 0) (void)store.Delete("t", id);
         }
       });

@@ -111,8 +111,8 @@ class StoreBackendTest : public ::testing::TestWithParam<bool> {
     const auto q = Normal(static_cast<size_t>(kQ) * n_q * kD, seed, 2.0f);
     std::vector<float> a, b;
     int64_t ta = 0, tb = 0;
-    EXPECT_TRUE(plain_->Attend("t", seq, layer, 0, q.data(), kQ, n_q, kD, ao, &a, &ta).ok());
-    EXPECT_TRUE(backend_->Attend("t", seq, layer, 0, q.data(), kQ, n_q, kD, ao, &b, &tb).ok());
+    EXPECT_TRUE(plain_->Attend({"t", seq, layer, 0}, {q.data(), kQ, n_q, kD}, ao, &a, &ta).ok());
+    EXPECT_TRUE(backend_->Attend({"t", seq, layer, 0}, {q.data(), kQ, n_q, kD}, ao, &b, &tb).ok());
     EXPECT_EQ(ta, tb);
     float worst = a.size() == b.size() ? 0.0f : INFINITY;
     for (size_t i = 0; i < a.size() && i < b.size(); ++i)
@@ -124,9 +124,10 @@ class StoreBackendTest : public ::testing::TestWithParam<bool> {
     const auto q = Normal(static_cast<size_t>(kQ) * kD, 99, 2.0f);
     std::vector<float> sa, sb;
     int64_t ta = 0, tb = 0;
-    ASSERT_TRUE(plain_->Score("t", seq, layer, 0, q.data(), kQ, 1, kD, 0.0f, false, &sa, &ta).ok());
     ASSERT_TRUE(
-        backend_->Score("t", seq, layer, 0, q.data(), kQ, 1, kD, 0.0f, false, &sb, &tb).ok());
+        plain_->Score({"t", seq, layer, 0}, {q.data(), kQ, 1, kD}, 0.0f, false, &sa, &ta).ok());
+    ASSERT_TRUE(
+        backend_->Score({"t", seq, layer, 0}, {q.data(), kQ, 1, kD}, 0.0f, false, &sb, &tb).ok());
     EXPECT_EQ(sa, sb);
     std::vector<uint8_t> ka, va, kb, vb;
     int64_t first = 0;
@@ -229,7 +230,7 @@ TEST_P(StoreBackendTest, CorruptionIsFoundBeforeTheAttend) {
   const int64_t calls = HostAttendBackend()->calls();
   const int64_t verifies = HostAttendBackend()->verify_calls();
   const absl::Status st =
-      backend_->Attend("t", "a", 0, 0, q.data(), kQ, 1, kD, AttendOptions{}, &out, &tokens);
+      backend_->Attend({"t", "a", 0, 0}, {q.data(), kQ, 1, kD}, AttendOptions{}, &out, &tokens);
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
   EXPECT_NE(st.message().find("checksum"), std::string::npos) << st;
   EXPECT_EQ(HostAttendBackend()->calls(), calls);

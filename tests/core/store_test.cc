@@ -581,7 +581,7 @@ TEST_F(StoreTest, AFailingAllocationLeavesTheStoreAsItWas) {
   ASSERT_TRUE(store.Append("t", {Spec("s", 0, 0, first)}, &out).ok());
   std::vector<float> q(4 * 64, 0.25f), before, after;
   int64_t tokens = 0;
-  ASSERT_TRUE(store.Score("t", "s", 0, 0, q.data(), 4, 1, 64, 0, false, &before, &tokens).ok());
+  ASSERT_TRUE(store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &before, &tokens).ok());
   const UsageStats used = store.TotalUsage();
   for (int allow : {0, 1, 2, 3}) {  // each pool allocation of the next append in turn
     SCOPED_TRACE(allow);
@@ -591,7 +591,8 @@ TEST_F(StoreTest, AFailingAllocationLeavesTheStoreAsItWas) {
     EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
     EXPECT_NE(st.message().find("block pool"), std::string::npos) << st;
     pool.allow = 1 << 30;
-    ASSERT_TRUE(store.Score("t", "s", 0, 0, q.data(), 4, 1, 64, 0, false, &after, &tokens).ok());
+    ASSERT_TRUE(
+        store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &after, &tokens).ok());
     EXPECT_EQ(tokens, 130);
     EXPECT_EQ(after, before);
     EXPECT_EQ(store.TotalUsage().bytes, used.bytes);
@@ -599,14 +600,14 @@ TEST_F(StoreTest, AFailingAllocationLeavesTheStoreAsItWas) {
   pool.allow = 1 << 30;
   st = store.Append("t", {Spec("s", 0, 130, more)}, &out);
   ASSERT_TRUE(st.ok()) << st;
-  ASSERT_TRUE(store.Score("t", "s", 0, 0, q.data(), 4, 1, 64, 0, false, &after, &tokens).ok());
+  ASSERT_TRUE(store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &after, &tokens).ok());
   EXPECT_EQ(tokens, 300);
   // The same tokens stored in one healthy store read the same.
   Store ref({}, &registry_);
   ASSERT_TRUE(ref.Append("t", {Spec("s", 0, 0, first)}, &out).ok());
   ASSERT_TRUE(ref.Append("t", {Spec("s", 0, 130, more)}, &out).ok());
   std::vector<float> want;
-  ASSERT_TRUE(ref.Score("t", "s", 0, 0, q.data(), 4, 1, 64, 0, false, &want, &tokens).ok());
+  ASSERT_TRUE(ref.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &want, &tokens).ok());
   EXPECT_EQ(after, want);
 }
 
@@ -666,7 +667,8 @@ TEST_F(StoreTest, LruEvictsLeastRecentlyUsedWholeSequences) {
   }
   std::vector<float> q(4 * 64, 0.1f), logits;
   int64_t tokens = 0;
-  ASSERT_TRUE(store.Score("t", "s0", 0, 0, q.data(), 4, 1, 64, 0, false, &logits, &tokens).ok());
+  ASSERT_TRUE(
+      store.Score({"t", "s0", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &logits, &tokens).ok());
   ASSERT_TRUE(store.Append("t", {Spec("s3", 0, 0, d), Spec("s3", 1, 0, d)}, &out).ok());
   EXPECT_TRUE(store.Describe("t", "s0").ok());
   EXPECT_FALSE(store.Describe("t", "s1").ok());  // the LRU one
@@ -693,7 +695,7 @@ TEST_F(StoreTest, ScrubFindsCorruptionAndReadsFailWithDataLoss) {
   EXPECT_EQ(store.Scrub(), 1);
   std::vector<float> q(4 * 64, 0.1f), logits;
   int64_t tokens = 0;
-  absl::Status st = store.Score("t", "x", 0, 0, q.data(), 4, 1, 64, 0, false, &logits, &tokens);
+  absl::Status st = store.Score({"t", "x", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &logits, &tokens);
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
   std::vector<float> k, v;
   EXPECT_EQ(store.Decode("t", "x", 0, 0, &k, &v, &tokens).code(), absl::StatusCode::kDataLoss);

@@ -314,6 +314,67 @@ def wait_until(what, fn, timeout, proc_logs):
     fail(f"{what} (gave up after {timeout} s): {last}")
 
 
+def check_dashboard_and_rules(base, tenant, logs):
+    """Against the Prometheus at base (which scrapes a kvq-server that has served every method,
+    an error and the given tenant): every metric the Grafana dashboard names exists, every
+    panel's query is valid PromQL with data, every alert rule's metrics exist and every rule
+    evaluates cleanly. Shared by `scrape` (loopback) and compose_test.py (the compose stack).
+    Returns the dashboard's metric names."""
+    names = sorted({n for _, e in dashboard_queries()
+                    for n in re.findall(r"\bkvq_[a-z0-9_]+", e)})
+    if len(names) < 15:
+        fail(f"the dashboard names only {len(names)} kvq metrics")
+
+    def all_names_present():
+        missing = []
+        for n in names:
+            res = prom_query(base, f'count({{__name__="{n}"}})')
+            if not res.get("data", {}).get("result"):
+                missing.append(n)
+        return (not missing, missing)
+
+    wait_until("dashboard metrics missing from the kvq scrape", all_names_present, 60, logs)
+
+    def all_queries_answer():
+        empty = []
+        for title, e in dashboard_queries():
+            if e.startswith("label_values("):
+                m = re.match(r"label_values\((\w+),\s*(\w+)\)", e)
+                res = prom_query(base, f"count by ({m.group(2)}) ({m.group(1)})")
+            else:
+                res = prom_query(base, substitute(e))
+            if res.get("status") != "success":
+                fail(f"panel {title!r}: query {e!r} is not valid PromQL: {res.get('error')}")
+            if not res["data"]["result"]:
+                empty.append(f"{title}: {e}")
+        return (not empty, empty)
+
+    wait_until("dashboard queries with no data", all_queries_answer, 60, logs)
+    # Every alert's metrics exist too, and each rule evaluates without error.
+    alerts = open(os.path.join(DEPLOY, "prometheus", "alerts.yml")).read()
+    missing = [n for n in sorted(set(re.findall(r"\bkvq_[a-z0-9_]+", alerts)))
+               if not prom_query(base, f'count({{__name__="{n}"}})')["data"]["result"]]
+    if missing:
+        fail(f"alert rules use metrics kvq does not export: {missing}")
+
+    def rules_healthy():
+        groups = http_json(f"{base}/api/v1/rules")["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        bad = [(r["name"], r.get("health"), r.get("lastError")) for r in rules
+               if r.get("health") != "ok"]
+        return (len(rules) >= 7 and not bad, bad or f"{len(rules)} rules loaded")
+
+    wait_until("alert rules not evaluating cleanly", rules_healthy, 60, logs)
+    def tenant_series():
+        res = prom_query(base, f'kvq_tenant_stored_bytes{{tenant="{tenant}"}}')
+        return (bool(res["data"]["result"]), res["data"]["result"])
+
+    # Waited for: the queries above may all answer (from other traffic) before the scrape
+    # that first sees this tenant.
+    wait_until("no per-tenant series for the load's tenant", tenant_series, 60, logs)
+    return names
+
+
 def check_scrape(args):
     prometheus = need("prometheus")
     promtool = need("promtool")
@@ -383,54 +444,7 @@ def check_scrape(args):
 
         wait_until("Prometheus never scraped kvq-server (up != 1)", target_up, 90, logs)
 
-        names = sorted({n for _, e in dashboard_queries()
-                        for n in re.findall(r"\bkvq_[a-z0-9_]+", e)})
-        if len(names) < 15:
-            fail(f"the dashboard names only {len(names)} kvq metrics")
-
-        def all_names_present():
-            missing = []
-            for n in names:
-                res = prom_query(base, f'count({{__name__="{n}"}})')
-                if not res.get("data", {}).get("result"):
-                    missing.append(n)
-            return (not missing, missing)
-
-        wait_until("dashboard metrics missing from the kvq scrape", all_names_present, 60, logs)
-
-        def all_queries_answer():
-            empty = []
-            for title, e in dashboard_queries():
-                if e.startswith("label_values("):
-                    m = re.match(r"label_values\((\w+),\s*(\w+)\)", e)
-                    res = prom_query(base, f"count by ({m.group(2)}) ({m.group(1)})")
-                else:
-                    res = prom_query(base, substitute(e))
-                if res.get("status") != "success":
-                    fail(f"panel {title!r}: query {e!r} is not valid PromQL: {res.get('error')}")
-                if not res["data"]["result"]:
-                    empty.append(f"{title}: {e}")
-            return (not empty, empty)
-
-        wait_until("dashboard queries with no data", all_queries_answer, 60, logs)
-        # Every alert's metrics exist too, and each rule evaluates without error.
-        alerts = open(os.path.join(DEPLOY, "prometheus", "alerts.yml")).read()
-        missing = [n for n in sorted(set(re.findall(r"\bkvq_[a-z0-9_]+", alerts)))
-                   if not prom_query(base, f'count({{__name__="{n}"}})')["data"]["result"]]
-        if missing:
-            fail(f"alert rules use metrics kvq does not export: {missing}")
-
-        def rules_healthy():
-            groups = http_json(f"{base}/api/v1/rules")["data"]["groups"]
-            rules = [r for g in groups for r in g["rules"]]
-            bad = [(r["name"], r.get("health"), r.get("lastError")) for r in rules
-                   if r.get("health") != "ok"]
-            return (len(rules) >= 7 and not bad, bad or f"{len(rules)} rules loaded")
-
-        wait_until("alert rules not evaluating cleanly", rules_healthy, 60, logs)
-        tenants = prom_query(base, 'kvq_tenant_stored_bytes{tenant="dash-tenant"}')
-        if not tenants["data"]["result"]:
-            fail("no per-tenant series for the load's tenant")
+        names = check_dashboard_and_rules(base, "dash-tenant", logs)
         print(f"scrape: OK ({len(names)} metrics, {len(dashboard_queries())} queries)")
 
         # Graceful shutdown: SIGTERM, exit 0.

@@ -9,6 +9,7 @@
 
 #include "gtest/gtest.h"
 #include "kvq/client/client.h"
+#include "kvq/format/block_format.h"
 #include "kvq/frontend/attention_cache.h"
 #include "kvq/wire/codec_settings.h"
 #include "tests/server/test_util.h"
@@ -418,6 +419,81 @@ TEST_F(RemoteCacheTest, WindowAttachReadsLikeTheSelfAppendedSequence) {
   }
   ASSERT_TRUE(step(*q, 0, 64, out.data()).ok());
   EXPECT_EQ(out, self);
+}
+
+// Codes on the wire: a sequence appended in chunks of every size (prefill chunks that seal
+// groups, decode steps, a chunk within the window) through a cache sending codes and through
+// one sending fp16 rows gives the same outputs bit for bit, the server holds the same blocks,
+// and the codes take fewer bytes. The A^2 value policy goes as rows.
+TEST_F(RemoteCacheTest, CodesOnTheWireHoldWhatRowsHoldInFewerBytes) {
+  const int KVH = shape_.kv_heads, QH = shape_.q_heads, D = shape_.head_dim;
+  const size_t krow = static_cast<size_t>(KVH) * D, qrow = static_cast<size_t>(QH) * D;
+  ASSERT_NE(model_.codes, nullptr) << model_.rows_reason;
+  const std::vector<int> chunks = {50, 7, 1, 60, 33, 1, 1, 47};  // 200 tokens
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> k(200 * krow), v(200 * krow), q(200 * qrow);
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  for (float& x : q) x = nd(rng);
+  core::CodecOptions sinks = Codec(false);
+  sinks.fp16_sinks = 3;
+  for (const auto& [name, o] : std::vector<std::pair<std::string, core::CodecOptions>>{
+           {"uniform", Codec(false)}, {"sinks", sinks}, {"a2", Codec(true)}}) {
+    std::vector<float> outs[2];
+    RemoteStats st[2];
+    for (int codes : {0, 1}) {
+      RemoteBatcher batcher(client_.get());
+      RemoteCache::Options ro;
+      ro.sequence_id = name + (codes ? "-c" : "-r");
+      ro.model = model_;
+      ro.codec = o;
+      ro.codes = codes;
+      auto rc = RemoteCache::Create(client_.get(), &batcher, shape_, ro);
+      ASSERT_TRUE(rc.ok()) << rc.status();
+      int64_t at = 0;
+      for (int n : chunks) {
+        std::vector<float> out(static_cast<size_t>(n) * qrow);
+        for (int l = 0; l < shape_.layers; ++l) {
+          ASSERT_TRUE((*rc)
+                          ->AppendAndAttend(l, &k[at * krow], &v[at * krow], at, n, &q[at * qrow],
+                                            out.data())
+                          .ok());
+          outs[codes].insert(outs[codes].end(), out.begin(), out.end());
+        }
+        at += n;
+      }
+      st[codes] = batcher.stats();
+      ASSERT_TRUE((*rc)->Finish(/*delete_sequence=*/false).ok());
+    }
+    EXPECT_EQ(outs[0], outs[1]) << name;
+    // The stored groups, read back in codes, are the same bytes.
+    std::string stored[2];
+    for (int codes : {0, 1}) {
+      v1::GetBlocksRequest req;
+      req.set_sequence_id(name + (codes ? "-c" : "-r"));
+      req.set_codes(true);
+      req.set_max_block_version(format::kMaxVersion);
+      ASSERT_TRUE(client_
+                      ->GetBlocks(req,
+                                  [&](const v1::GetBlocksResponse& r) {
+                                    stored[codes] += r.encoded().blocks() + r.keys().data();
+                                    return true;
+                                  })
+                      .ok());
+    }
+    EXPECT_FALSE(stored[0].empty());
+    EXPECT_EQ(stored[0], stored[1]) << name;
+    EXPECT_EQ(st[0].appends_in_codes, 0);
+    if (o.per_token_value_bits()) {
+      EXPECT_EQ(st[1].appends_in_codes, 0) << "a2 goes as rows";
+      EXPECT_EQ(st[1].bytes_sent, st[0].bytes_sent);
+    } else {
+      // The chunks of 50, 60, 33 and 47 complete groups covering new rows; the rest do not.
+      EXPECT_EQ(st[1].appends_in_codes, 4 * shape_.layers) << name;
+      EXPECT_LT(st[1].bytes_sent, st[0].bytes_sent) << name;
+    }
+  }
 }
 
 }  // namespace

@@ -150,5 +150,36 @@ TEST_F(RemoteDecode, TokenByTokenThroughTheServerEqualsInProcess) {
   EXPECT_LT(std::abs(remote->ppl - chunked.ppl) / chunked.ppl, 0.05);
 }
 
+// A prompt's prefill then decoding, as a serving frontend runs them: the prefill chunk's K/V
+// go as HeadQ codes encoded in the frontend (client::LayerEncoder), the decode steps as rows.
+// The server holds the same blocks as when it encodes every row itself, so the perplexity is
+// the same bit for bit, in fewer bytes.
+TEST_F(RemoteDecode, PrefillInCodesGivesThePerplexityOfRowsBitForBit) {
+  BasisSet bases;
+  bases.query = basis_;
+  auto cfg = ParseEvalConfig("headq-kv2-r4-fused");
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  PerplexityResult ppl[2];
+  RemoteEvalStats rs[2];
+  for (int codes : {0, 1}) {
+    RemoteEvalOptions ro;
+    ro.client = client_.get();
+    ro.batch = kWindows;
+    ro.prefill = true;
+    ro.codes = codes;
+    auto r = EvaluatePerplexityRemote(*model_, *ids_, kWindows, kWindowLen, *cfg, &bases, ro,
+                                      &rs[codes]);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ppl[codes] = *r;
+  }
+  std::printf("prefill then decode: PPL %.9f with rows, %.9f with codes; %lld vs %lld bytes sent\n",
+              ppl[0].ppl, ppl[1].ppl, static_cast<long long>(rs[0].rpc.bytes_sent),
+              static_cast<long long>(rs[1].rpc.bytes_sent));
+  EXPECT_EQ(ppl[0].ppl, ppl[1].ppl);
+  EXPECT_EQ(rs[0].rpc.appends_in_codes, 0);
+  EXPECT_EQ(rs[1].rpc.appends_in_codes, kWindows * 30) << "each window's prefill, every layer";
+  EXPECT_LT(rs[1].rpc.bytes_sent, rs[0].rpc.bytes_sent);
+}
+
 }  // namespace
 }  // namespace kvq::frontend

@@ -70,7 +70,7 @@ TEST(ServerProcessTest, EnvFlagsDefaultRegistryHealthAndGracefulSigterm) {
   ASSERT_GT(port, 0) << log;
   EXPECT_NE(log.find("memory: auto -> host"), std::string::npos) << log;
   EXPECT_NE(log.find("capacity: 67108864 bytes"), std::string::npos) << log;
-  EXPECT_NE(log.find("max in flight: 7;"), std::string::npos) << log;
+  EXPECT_NE(log.find("max in flight: 7 (per client: 1);"), std::string::npos) << log;
   EXPECT_NE(log.find("prefixes retained: no"), std::string::npos) << log;
   EXPECT_TRUE(std::filesystem::is_directory(home + "/.local/share/kvq/registry")) << log;
 
@@ -392,6 +392,7 @@ TEST(ServerProcessTest, OutOfRangeNumericFlagsExit2NamingTheFlagAndTheRange) {
       {{"--workers", "-3"}, "--workers -3 must be in 0..1024"},
       {{"--workers", "100000"}, "--workers 100000 must be in 0..1024"},
       {{"--max-inflight", "-1"}, "--max-inflight -1 must be in 0..1000000"},
+      {{"--max-inflight-per-client", "-2"}, "--max-inflight-per-client -2 must be in -1..1000000"},
       {{"--split-attend-min-tokens", "-1"},
        "--split-attend-min-tokens -1 must be in 0..9223372036854775807"},
       {{"--worker-poll-us", "20000"}, "--worker-poll-us 20000 must be in 0..10000"},

@@ -2059,7 +2059,7 @@ TEST(ServiceTest, LongAttendSplitsAcrossIdleWorkersWithinTolerance) {
       int64_t tokens = 0;
       ASSERT_TRUE(ts.server()
                       .store()
-                      .Attend("default", seq, 0, 0, q.data(), qh, 1, d, unsplit, &want, &tokens)
+                      .Attend({"default", seq, 0, 0}, {q.data(), qh, 1, d}, unsplit, &want, &tokens)
                       .ok());
       ASSERT_EQ(tokens, T);
       ASSERT_TRUE(ts.server().store().Decode("default", seq, 0, 0, &dk, &dv, &tokens).ok());
@@ -2163,6 +2163,103 @@ TEST(ServiceTest, OverloadIsRefusedFastCountedAndRecovers) {
   EXPECT_THAT(text, HasSubstr(absl::StrCat("kvq_rejected_total{reason=\"overload\"} ",
                                            2 + refused.load())));
   EXPECT_THAT(text, HasSubstr("kvq_requests_total{code=\"RESOURCE_EXHAUSTED\",method=\"Score\"}"));
+}
+
+// Streams of one tenant, opened and left idle (no message): each holds a pooled slot.
+struct IdleStreamsOf {
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
+  std::vector<v1::PutBlocksResponse> resps;
+  std::vector<std::unique_ptr<grpc::ClientWriter<v1::PutBlocksRequest>>> writers;
+  IdleStreamsOf(v1::Kvq::Stub& stub, const std::string& tenant, int n) : resps(n) {
+    for (int i = 0; i < n; ++i) {
+      ctxs.push_back(Ctx(tenant));
+      writers.push_back(stub.PutBlocks(ctxs.back().get(), &resps[i]));
+    }
+  }
+  void Close() {
+    for (auto& w : writers) {
+      w->WritesDone();
+      grpc::Status st = w->Finish();
+      EXPECT_TRUE(st.ok()) << st.error_message();
+    }
+  }
+};
+
+// Polls a pooled call of `tenant` (Score) until it is refused with a message containing `want`:
+// the server has admitted every stream opened before. Returns the message.
+std::string WaitRefused(v1::Kvq::Stub& stub, const Shape& s, const std::vector<float>& q,
+                        const std::string& tenant, const std::string& want) {
+  for (int i = 0; i < 1000; ++i) {
+    grpc::Status st;
+    ScoreOne(stub, "none", 0, q, s.q_heads, 1, s.head_dim, tenant, &st);
+    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED &&
+        st.error_message().find(want) != std::string::npos) {
+      return st.error_message();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ADD_FAILURE() << "never refused with '" << want << "'";
+  return "";
+}
+
+// Fair admission (issue 30): one client that opens as many idle PutBlocks streams as it may
+// holds a quarter of --max-inflight (the default --max-inflight-per-client), not every slot:
+// its next call is refused naming the per-client limit (counted as client_limit), while
+// another client's calls are still served. Without the per-client limit (0) the same idle
+// streams take every slot and the other client is refused: the defect this guards against.
+TEST(ServiceTest, OneClientsIdleStreamsDoNotStarveAnother) {
+  for (const bool per_client : {true, false}) {
+    SCOPED_TRACE(per_client ? "per-client limit (default)" : "no per-client limit");
+    server::ServerOptions o = WithLocalMetrics();
+    o.max_inflight = 32;
+    if (!per_client) o.max_inflight_per_client = 0;
+    TestServer ts(o);
+    auto stub = ts.Stub();
+    Shape s;
+    const auto q = RandomQueries(s.q_heads, 1, s.head_dim, 5);
+    ASSERT_NO_FATAL_FAILURE(Register(*stub, MakeRegister(s, kBasisSeed)));
+    auto k = RandomKV(s.kv_heads, 16, s.head_dim, 9);
+    v1::PutBlocksRequest m;
+    *m.add_appends() = MakeAppend("mine", 0, 0, k, k, s.kv_heads, 16, s.head_dim, "tiny");
+    v1::PutBlocksResponse pr;
+    ASSERT_TRUE(Put(*stub, {m}, &pr, "polite").ok());
+
+    IdleStreamsOf greedy(*stub, "greedy", per_client ? 8 : 32);
+    grpc::Status st;
+    if (per_client) {
+      const std::string msg = WaitRefused(*stub, s, q, "greedy", "per client");
+      EXPECT_THAT(msg, HasSubstr("client tenant 'greedy' at "));
+      EXPECT_THAT(msg, HasSubstr(" holds 8 calls in flight, limit 8 per client "
+                                 "(--max-inflight-per-client)"));
+      v1::ScoreResponse r = ScoreOne(*stub, "mine", 0, q, s.q_heads, 1, s.head_dim, "polite", &st);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      EXPECT_EQ(r.results(0).tokens(), 16);
+      // Stats tells each client what it holds and may hold.
+      for (const auto& [tenant, held] : {std::pair<std::string, int>{"greedy", 8}, {"polite", 0}}) {
+        v1::StatsResponse stats;
+        auto c = Ctx(tenant);
+        ASSERT_TRUE(stub->Stats(c.get(), {}, &stats).ok());
+        EXPECT_EQ(stats.client_inflight(), held) << tenant;
+        EXPECT_EQ(stats.client_inflight_limit(), 8);
+        EXPECT_EQ(stats.server_inflight_limit(), 32);
+      }
+      // One more stream of the greedy client is refused too, at once.
+      auto c = Ctx("greedy");
+      v1::PutBlocksResponse r9;
+      auto w = stub->PutBlocks(c.get(), &r9);
+      w->WritesDone();
+      st = w->Finish();
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+      const std::string text = HttpGet(ts.server().metrics_port(), "/metrics");
+      EXPECT_THAT(text, HasSubstr("kvq_rejected_total{reason=\"client_limit\"} "));
+      EXPECT_THAT(text, HasSubstr("kvq_rejected_total{reason=\"overload\"} 0"));
+    } else {
+      WaitRefused(*stub, s, q, "polite", "server overloaded: 32 calls in flight, limit 32");
+    }
+    greedy.Close();
+    ScoreOne(*stub, "mine", 0, q, s.q_heads, 1, s.head_dim, "polite", &st);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+  }
 }
 
 // --stream-idle-timeout: a PutBlocks stream that goes quiet fails with DEADLINE_EXCEEDED

@@ -321,12 +321,14 @@ grpc::Status Put(v1::Kvq::Stub& stub, const std::vector<v1::PutBlocksRequest>& m
   return w->Finish();
 }
 
-int ConnectLocal(int port) {
+int ConnectLocal(int port) { return ConnectTo("127.0.0.1", port); }
+
+int ConnectTo(const std::string& ipv4, int port) {
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
-  inet_pton(AF_INET, "127.0.0.1", &addr.sin_addr);
+  inet_pton(AF_INET, ipv4.c_str(), &addr.sin_addr);
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     close(fd);
     return -1;

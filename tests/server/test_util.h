@@ -105,6 +105,8 @@ grpc::Status Put(v1::Kvq::Stub& stub, const std::vector<v1::PutBlocksRequest>& m
 
 // A TCP connection to 127.0.0.1:port (-1 when refused).
 int ConnectLocal(int port);
+// The same to an IPv4 address.
+int ConnectTo(const std::string& ipv4, int port);
 // GET path over HTTP/1.0 from 127.0.0.1:port (the metrics port): the whole answer, or what
 // came before `timeout_s` passed without a byte. extra_headers: "Name: value\r\n" lines.
 std::string HttpGet(int port, const std::string& path, int timeout_s = 30,

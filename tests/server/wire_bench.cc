@@ -9,12 +9,17 @@
 //     client talks to the server through a relay on 127.0.0.1 that counts every byte it
 //     forwards), per token and layer, and codes / rows;
 //   * put and get throughput over loopback (tokens/s and GB/s of fp16 K+V equivalent), codes
-//     with the client's encode or decode included;
+//     with the client's encode (overlapping the transfer: PutBlocksStream) or decode included;
 //   * the client's encode and decode speed against a memcpy of the same fp16 bytes in the same
 //     run (the ratio is the figure; the memcpy is the baseline).
 // Client, relay and server share the machine's cores. Medians of --reps repetitions.
+// --server IP:PORT measures against a kvq-server started elsewhere instead of one in this
+// process (scripts/bench-link.sh: one in a network namespace behind a rate-limited veth pair);
+// --only TEXT keeps the configurations whose name contains TEXT; --delay-us N has the relay hold
+// each direction's bytes back N microseconds (a round trip of 2N).
 //
-//   kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024]
+//   kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024] [--server IP:PORT] [--only TEXT]
+//                  [--delay-us N]
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -24,8 +29,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,10 +60,13 @@ double Median(std::vector<double> x) {
   return x.empty() ? 0.0 : x[x.size() / 2];
 }
 
-// A TCP relay on 127.0.0.1:0 to `target_port`, counting the bytes it forwards each way.
+// A TCP relay on 127.0.0.1:0 to target_ip:target_port, counting the bytes it forwards each way
+// and, with delay_us > 0, holding each read back that long before writing it on (a delay line
+// per direction: the link's one-way delay, which tc's netem would add where the kernel has it).
 class CountingRelay {
  public:
-  explicit CountingRelay(int target_port) : target_(target_port) {
+  CountingRelay(std::string target_ip, int target_port, int delay_us)
+      : target_ip_(std::move(target_ip)), target_(target_port), delay_(delay_us) {
     listen_ = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
@@ -81,40 +93,73 @@ class CountingRelay {
     while (!stop_) {
       const int c = accept(listen_, nullptr, nullptr);
       if (c < 0) return;
-      const int s = ConnectLocal(target_);
+      const int s = ConnectTo(target_ip_, target_);
       if (s < 0) {
         close(c);
         continue;
       }
-      pumps_.emplace_back([this, c, s] { Pump(c, s); });
+      // Each direction ends by shutting down its write side; the second to end closes both.
+      auto open = std::make_shared<std::atomic<int>>(2);
+      pumps_.emplace_back([this, c, s, open] { Forward(c, s, &up_, open.get(), c, s); });
+      pumps_.emplace_back([this, c, s, open] { Forward(s, c, &down_, open.get(), c, s); });
     }
   }
-  void Pump(int c, int s) {
-    std::vector<char> buf(1 << 16);
-    pollfd fds[2] = {{c, POLLIN, 0}, {s, POLLIN, 0}};
-    while (!stop_) {
-      if (poll(fds, 2, 100) <= 0) continue;
-      for (int i = 0; i < 2; ++i) {
-        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        const ssize_t n = read(fds[i].fd, buf.data(), buf.size());
-        if (n <= 0) {
-          close(c);
-          close(s);
-          return;
+  // Copies `from` to `to` through a delay line of delay_ microseconds (none at 0).
+  void Forward(int from, int to, std::atomic<int64_t>* counted, std::atomic<int>* open, int c,
+               int s) {
+    struct Chunk {
+      Clock::time_point due;
+      std::string bytes;
+    };
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Chunk> line;
+    bool done = false;
+    std::thread writer([&] {
+      for (;;) {
+        Chunk ch;
+        {
+          std::unique_lock<std::mutex> l(mu);
+          cv.wait(l, [&] { return done || !line.empty(); });
+          if (line.empty()) return;
+          ch = std::move(line.front());
+          line.pop_front();
         }
-        (i == 0 ? up_ : down_) += n;
-        for (ssize_t off = 0; off < n;) {
-          const ssize_t w = write(fds[1 - i].fd, buf.data() + off, n - off);
-          if (w <= 0) break;
-          off += w;
+        std::this_thread::sleep_until(ch.due);
+        for (size_t off = 0; off < ch.bytes.size();) {
+          const ssize_t w = write(to, ch.bytes.data() + off, ch.bytes.size() - off);
+          if (w <= 0) return;
+          off += static_cast<size_t>(w);
         }
       }
+    });
+    std::vector<char> buf(1 << 16);
+    pollfd fd = {from, POLLIN, 0};
+    while (!stop_) {
+      if (poll(&fd, 1, 100) <= 0) continue;
+      const ssize_t n = read(from, buf.data(), buf.size());
+      if (n <= 0) break;
+      *counted += n;
+      std::lock_guard<std::mutex> l(mu);
+      line.push_back(
+          {Clock::now() + std::chrono::microseconds(delay_), std::string(buf.data(), n)});
+      cv.notify_one();
     }
-    close(c);
-    close(s);
+    {
+      std::lock_guard<std::mutex> l(mu);
+      done = true;
+      cv.notify_one();
+    }
+    writer.join();
+    shutdown(to, SHUT_WR);
+    if (--*open == 0) {
+      close(c);
+      close(s);
+    }
   }
 
-  int target_, listen_ = -1, port_ = 0;
+  std::string target_ip_;
+  int target_, delay_, listen_ = -1, port_ = 0;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> up_{0}, down_{0};
   std::thread accepter_;
@@ -159,26 +204,51 @@ std::vector<Config> Configs() {
 }
 
 int Main(int argc, char** argv) {
-  int tokens = 4096, reps = 3, chunk = 1024;
+  int tokens = 4096, reps = 3, chunk = 1024, delay_us = 0;
+  std::string server, only;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--help" || f == "-h") {
       std::printf(
           "kvq-bench-wire: bytes on the wire, throughput and client encode/decode speed of codes "
           "against fp16 rows (docs/BENCHMARKS.md, \"Codes on the wire\").\n"
-          "  kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024]\n");
+          "  kvq-bench-wire [--tokens 4096] [--reps 3] [--chunk 1024] [--server IP:PORT] "
+          "[--only TEXT] [--delay-us N]\n"
+          "  --server: a running kvq-server (default: one in this process)\n"
+          "  --only: the configurations whose name contains TEXT\n"
+          "  --delay-us: one-way delay the relay adds to each direction (RTT = 2N)\n");
       return 0;
     }
-    int* p = f == "--tokens" ? &tokens : f == "--reps" ? &reps : f == "--chunk" ? &chunk : nullptr;
-    if (p == nullptr || i + 1 >= argc || !absl::SimpleAtoi(argv[i + 1], p) || *p < 1) {
+    if ((f == "--server" || f == "--only") && i + 1 < argc) {
+      (f == "--server" ? server : only) = argv[++i];
+      continue;
+    }
+    int* p = f == "--tokens"     ? &tokens
+             : f == "--reps"     ? &reps
+             : f == "--chunk"    ? &chunk
+             : f == "--delay-us" ? &delay_us
+                                 : nullptr;
+    if (p == nullptr || i + 1 >= argc || !absl::SimpleAtoi(argv[i + 1], p) ||
+        *p < (p == &delay_us ? 0 : 1)) {
       std::fprintf(stderr, "kvq-bench-wire: bad flag %s (--help)\n", f.c_str());
       return 2;
     }
     ++i;
   }
-  TestServer ts;
-  const int server_port = std::stoi(ts.address().substr(ts.address().rfind(':') + 1));
-  CountingRelay relay(server_port);
+  std::unique_ptr<TestServer> ts;
+  if (server.empty()) {
+    ts = std::make_unique<TestServer>();
+    server = ts->address();
+  }
+  const size_t colon = server.rfind(':');
+  int server_port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(server.substr(colon + 1), &server_port)) {
+    std::fprintf(stderr, "kvq-bench-wire: --server %s is not IP:PORT\n", server.c_str());
+    return 2;
+  }
+  const std::string ip =
+      server.substr(0, colon) == "localhost" ? "127.0.0.1" : server.substr(0, colon);
+  CountingRelay relay(ip, server_port, delay_us);
   client::ClientOptions co;
   co.servers = {absl::StrCat("127.0.0.1:", relay.port())};
   co.timeout = absl::Seconds(300);
@@ -189,6 +259,7 @@ int Main(int argc, char** argv) {
   std::printf("%-32s %-6s %12s %12s %8s %10s %10s %9s\n", "configuration", "call", "rows B/t/l",
               "codes B/t/l", "ratio", "rows GB/s", "codes GB/s", "codes/rows");
   for (const Config& cfg : Configs()) {
+    if (std::string(cfg.name).find(only) == std::string::npos) continue;
     const Shape& s = cfg.shape;
     v1::RegisterBasisRequest reg = MakeRegister(s, 11);
     if (cfg.codec.ByteSizeLong() > 0) *reg.mutable_info()->mutable_codec() = cfg.codec;
@@ -235,23 +306,35 @@ int Main(int argc, char** argv) {
       if (!cl.PutBlocks(rows).ok()) return 1;
       put_rows_s.push_back(Seconds(t0, Clock::now()));
       put_rows_b.push_back(static_cast<double>(relay.bytes() - b0));
-      // Codes: encoded here, then sent.
-      t0 = Clock::now();
-      std::vector<v1::PutBlocksRequest> coded;
-      for (int l = 0; l < L; ++l) {
-        auto view = [&](const std::string& b) {
-          return core::TensorView::Contiguous(b.data(), core::DType::kF16, {kv, tokens, d});
-        };
-        auto appends = (*codes)->EncodeLayer("codes", l, codec, view(kb[l]), view(vb[l]), chunk);
-        if (!appends.ok()) return 1;
-        for (auto& a : *appends) *coded.emplace_back().add_appends() = std::move(a);
-      }
-      const auto t1 = Clock::now();
+      // Codes: each layer encoded here as the stream reaches it (PutBlocksStream), so that the
+      // encode of one layer overlaps the transfer of the ones before, as kvq seq put does.
+      int next_layer = 0;
+      std::vector<v1::Append> pending;
+      size_t sent = 0;
+      double encoding = 0;
+      auto next = [&](v1::PutBlocksRequest* m) -> absl::StatusOr<bool> {
+        while (sent == pending.size()) {
+          if (next_layer == L) return false;
+          const auto e0 = Clock::now();
+          auto view = [&](const std::string& b) {
+            return core::TensorView::Contiguous(b.data(), core::DType::kF16, {kv, tokens, d});
+          };
+          const int l = next_layer++;
+          absl::StatusOr<std::vector<v1::Append>> appends =
+              (*codes)->EncodeLayer("codes", l, codec, view(kb[l]), view(vb[l]), chunk);
+          if (!appends.ok()) return appends.status();
+          pending = std::move(*appends);
+          sent = 0;
+          encoding += Seconds(e0, Clock::now());
+        }
+        *m->add_appends() = std::move(pending[sent++]);
+        return true;
+      };
       b0 = relay.bytes();
-      if (!cl.PutBlocks(coded).ok()) return 1;
-      const auto t2 = Clock::now();
-      enc_s.push_back(Seconds(t0, t1));
-      put_codes_s.push_back(Seconds(t0, t2));
+      t0 = Clock::now();
+      if (!cl.PutBlocksStream("codes", next).ok()) return 1;
+      enc_s.push_back(encoding);
+      put_codes_s.push_back(Seconds(t0, Clock::now()));
       put_codes_b.push_back(static_cast<double>(relay.bytes() - b0));
       // The baseline of the client's codec: a memcpy of the same fp16 bytes.
       std::vector<char> dst(kb[0].size());

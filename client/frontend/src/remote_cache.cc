@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvq/core/status.h"
 #include "kvq/core/tensor.h"
+#include "kvq/format/block_format.h"
 #include "kvq/wire/codec_settings.h"
 #include "kvq/wire/model.h"
 
@@ -34,7 +35,7 @@ absl::Status ItemError(const v1::ItemStatus& s, const std::string& what) {
 
 absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const CacheShape& s,
                                                 const core::ModelBasis* basis,
-                                                const std::string& name) {
+                                                const std::string& name, bool codes) {
   v1::RegisterBasisRequest req;
   v1::ModelInfo* info = req.mutable_info();
   info->set_layers(s.layers);
@@ -60,7 +61,21 @@ absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const Ca
     info->set_basis_rank(0);
   }
   ASSIGN_OR_RETURN(v1::RegisterBasisResponse resp, client.RegisterBasis(req));
-  return RemoteModel{resp.model().model(), resp.model().version()};
+  RemoteModel out{resp.model().model(), resp.model().version()};
+  const v1::ModelInfo& got = resp.model();
+  if (!codes) {
+    out.rows_reason = "codes on the wire not asked for";
+  } else if (got.block_version_max() < format::kMinVersion ||
+             got.block_version_min() > format::kMaxVersion) {
+    out.rows_reason =
+        absl::StrCat("the server takes block-format versions ", got.block_version_min(), " to ",
+                     got.block_version_max(), "; this client ", format::kMinVersion, " to ",
+                     format::kMaxVersion);
+  } else {
+    ASSIGN_OR_RETURN(v1::RegisterBasisRequest b, client.GetBasis(out.model, out.version));
+    ASSIGN_OR_RETURN(out.codes, client::ModelCodes::Create(b));
+  }
+  return out;
 }
 
 // ------------------------------------------------------------------------------ batcher
@@ -131,6 +146,7 @@ void RemoteBatcher::FlushLocked() {
         if (r->has_append) {
           *item->mutable_append() = std::move(r->append);
           ++stats_.appends_in_attend;
+          stats_.appends_in_codes += r->codes;
         }
         att.push_back(r);
       }
@@ -204,6 +220,9 @@ absl::StatusOr<std::unique_ptr<RemoteCache>> RemoteCache::Create(client::Client*
   }
   c->tokens_.assign(shape.layers, 0);
   if (c->o_.keys_only) c->dense_v_.resize(shape.layers);
+  c->encode_ =
+      c->o_.codes && c->o_.model.codes && !c->o_.keys_only && !c->o_.codec.per_token_value_bits();
+  c->encoders_.resize(shape.layers);
   c->batcher_->Join();
   c->joined_ = true;
   return c;
@@ -285,6 +304,32 @@ absl::StatusOr<int64_t> RemoteCache::AttachPrefix(int64_t max_tokens) {
   }
 }
 
+absl::Status RemoteCache::Encode(int layer, int64_t at, int m, RemoteBatcher::Request* req) {
+  std::unique_ptr<client::LayerEncoder>& enc = encoders_[layer];
+  if (encode_ && at == 0) {
+    ASSIGN_OR_RETURN(enc, o_.model.codes->Encoder(layer, o_.codec));
+  }
+  if (!enc) return absl::OkStatus();
+  if (enc->tokens() != at) {  // rows reached the server some other way: rows from now on
+    enc.reset();
+    return absl::OkStatus();
+  }
+  v1::Append& a = req->append;
+  // Views of the fp16 rows the append carries; Append reads them before it rewrites `a`.
+  const core::TensorView k = core::TensorView::Contiguous(a.keys().data().data(), core::DType::kF16,
+                                                          {s_.kv_heads, m, s_.head_dim});
+  const core::TensorView v = core::TensorView::Contiguous(
+      a.values().data().data(), core::DType::kF16, {s_.kv_heads, m, s_.head_dim});
+  absl::StatusOr<bool> coded = enc->Append(k, v, &a);
+  if (!coded.ok()) {
+    enc.reset();
+    return absl::Status(coded.status().code(), absl::StrCat("remote cache: encoding layer ", layer,
+                                                            ": ", coded.status().message()));
+  }
+  req->codes = *coded;
+  return absl::OkStatus();
+}
+
 int64_t RemoteCache::NextEncodeBoundary(int64_t tokens) const {
   const int64_t G = o_.codec.key_group, R = o_.codec.window;
   const int64_t encoded = tokens >= R + G ? (tokens - R) / G * G : 0;
@@ -324,7 +369,6 @@ absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float
       a.set_basis_version(o_.model.version);
       *a.mutable_codec() = wire_codec_;
     }
-    if (o_.share) a.mutable_token_ids()->Add(ids_.begin() + at, ids_.begin() + at + m);
     // [n][kv][d] fp32 -> [kv][m][d] fp16 (rows skip..n-1), the wire dtype (CodecCache rounds
     // the same way).
     std::vector<float> tr(cnt);
@@ -337,6 +381,10 @@ absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float
       std::string* bytes = t->mutable_data();
       bytes->resize(cnt * 2);
       core::FromFloat(core::DType::kF16, tr.data(), bytes->data(), cnt);
+    }
+    RETURN_IF_ERROR(Encode(layer, at, m, &req));
+    if (o_.share) {
+      a.mutable_token_ids()->Add(ids_.begin() + a.start(), ids_.begin() + at + m);
     }
   }
   const size_t qbytes = static_cast<size_t>(QH) * n * D * sizeof(float);
@@ -371,6 +419,7 @@ absl::Status RemoteCache::AppendAndAttend(int layer, const float* k, const float
   absl::Status st = batcher_->Run(&req);
   if (!st.ok()) {
     if (o_.keys_only) dense_v_[layer].resize(dense_v_[layer].size() - cnt);
+    encoders_[layer].reset();  // the server may not hold what the encoder took
     return st;
   }
   tokens_[layer] = std::max(tokens_[layer], start + n);

@@ -117,8 +117,8 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
   if (basis && (!name.empty() || !suffix.empty())) {
     name = (name.empty() ? basis->manifest.model : name) + suffix;
   }
-  ASSIGN_OR_RETURN(RemoteModel rm,
-                   RegisterRemoteModel(*options.client, mc.cache_shape(), basis, name));
+  ASSIGN_OR_RETURN(RemoteModel rm, RegisterRemoteModel(*options.client, mc.cache_shape(), basis,
+                                                       name, options.codes));
 
   core::CodecOptions o = config.codec;
   o.head_dim = mc.head_dim;
@@ -147,6 +147,7 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
       co.codec = o;
       co.keys_only = config.keys_only;
       co.share = options.share;
+      co.codes = options.codes;
       ASSIGN_OR_RETURN(caches[b],
                        RemoteCache::Create(options.client, &batcher, mc.cache_shape(), co));
     }
@@ -182,6 +183,15 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
         cache.Finish(/*delete_sequence=*/false).IgnoreError();
         return;
       }
+      if (options.prefill && a < first) {  // the unscored first half in one forward call
+        absl::Status s = model.Forward(tok + a, first - a, a, &cache, first - a, nullptr);
+        if (!s.ok()) {
+          status[b] = s;
+          cache.Finish(/*delete_sequence=*/false).IgnoreError();
+          return;
+        }
+        a = first;
+      }
       for (int p = a; p < window_len - 1; ++p) {
         const bool scored = p >= first;
         absl::Status s = model.Forward(tok + p, 1, p, &cache, scored ? 0 : 1, &logits);
@@ -215,6 +225,7 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
     st.rpc.tokens_attached += bs.tokens_attached;
     st.rpc.put_rpcs += bs.put_rpcs;
     st.rpc.appends_in_attend += bs.appends_in_attend;
+    st.rpc.appends_in_codes += bs.appends_in_codes;
     st.rpc.attend_rpcs += bs.attend_rpcs;
     st.rpc.score_rpcs += bs.score_rpcs;
     st.rpc.put_seconds += bs.put_seconds;

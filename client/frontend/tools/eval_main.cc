@@ -72,7 +72,13 @@ Usage: kvq-eval [--model GGUF] [--basis DIR] [--text FILE] [--windows N] [--wind
   --kv-decode M     remote mode: token (default; one token per forward call, as a serving
                     frontend decodes) or chunks (the in-process run's decode-faithful chunks:
                     the same K/V bits reach the codec, so PPL matches the in-process run of
-                    the same read path; steps/s then counts tokens)
+                    the same read path; steps/s then counts tokens) or prefill (each
+                    window's unscored first half in one forward call, as a serving frontend
+                    prefills a prompt, then token by token)
+  --kv-wire W       remote mode: codes (default; appends whose rows complete groups go as
+                    HeadQ codes encoded here, where the server takes them and the codec's
+                    value policy is uniform) or fp16 (every append as fp16 rows, the server
+                    encodes). The server holds the same blocks either way: same perplexity
   --dump-tokens F   write the token ids of --text to F (one per line) and exit
   --calib-text F    validation text for the "-adapt" / "-hadapt" rank allocations and the
                     "-nuq" code books (default $KVQ_DATA_DIR/wikitext-2/wiki.valid.tokens;
@@ -371,6 +377,7 @@ int Main(int argc, char** argv) {
                {"kv", "local"},
                {"kv-batch", "8"},
                {"kv-decode", "token"},
+               {"kv-wire", "codes"},
                {"dump-tokens", ""},
                {"calib-text", DataFile("wikitext-2/wiki.valid.tokens")},
                {"adapt-tokens", "4096"},
@@ -516,8 +523,12 @@ int Main(int argc, char** argv) {
   ProgressBar bar("kvq-eval", static_cast<int64_t>(windows) * configs->size());
   int64_t done = 0;
   const std::string kv = flags.Get("kv");
-  if (flags.Get("kv-decode") != "token" && flags.Get("kv-decode") != "chunks") {
-    return Fail(absl::InvalidArgumentError("--kv-decode must be token or chunks"));
+  if (flags.Get("kv-decode") != "token" && flags.Get("kv-decode") != "chunks" &&
+      flags.Get("kv-decode") != "prefill") {
+    return Fail(absl::InvalidArgumentError("--kv-decode must be token, chunks or prefill"));
+  }
+  if (flags.Get("kv-wire") != "codes" && flags.Get("kv-wire") != "fp16") {
+    return Fail(absl::InvalidArgumentError("--kv-wire must be codes or fp16"));
   }
   if (kv != "local" && kv.rfind("remote=", 0) != 0) {
     return Fail(absl::InvalidArgumentError("--kv must be local or remote=ADDR[,ADDR...][,share]"));
@@ -554,6 +565,8 @@ int Main(int argc, char** argv) {
       ro.client = remote.get();
       ro.batch = static_cast<int>(flags.GetInt("kv-batch"));
       ro.chunks = flags.Get("kv-decode") == "chunks";
+      ro.prefill = flags.Get("kv-decode") == "prefill";
+      ro.codes = flags.Get("kv-wire") == "codes";
       ro.share = kv_share;
       RemoteEvalStats rs;
       r = EvaluatePerplexityRemote(**model, ids, windows, wlen, c, &bases, ro, &rs, on_window);
@@ -572,7 +585,13 @@ int Main(int argc, char** argv) {
                                {"items", rs.rpc.items},
                                {"put_rpcs", rs.rpc.put_rpcs},
                                {"appends_in_attend", rs.rpc.appends_in_attend},
+                               {"appends_in_codes", rs.rpc.appends_in_codes},
                                {"bytes_sent", rs.rpc.bytes_sent}};
+        std::fprintf(stderr, "kvq-eval: %s: %lld bytes sent, %lld of %lld appends in codes%s%s\n",
+                     c.name.c_str(), static_cast<long long>(rs.rpc.bytes_sent),
+                     static_cast<long long>(rs.rpc.appends_in_codes),
+                     static_cast<long long>(rs.rpc.appends_in_attend),
+                     rs.model.codes ? "" : "; rows only: ", rs.model.rows_reason.c_str());
         std::fprintf(
             stderr,
             "kvq-eval: %s through %s: %lld decode steps in %.2fs = %.1f steps/s "

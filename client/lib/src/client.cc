@@ -494,6 +494,56 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& req) 
   return impl_->Batched("Attend", req, read_only, PlaceItems(req), &v1::Kvq::Stub::Attend);
 }
 
+absl::StatusOr<v1::PutBlocksResponse> Client::PutBlocksStream(
+    const std::string& sequence_id,
+    const std::function<absl::StatusOr<bool>(v1::PutBlocksRequest*)>& next) {
+  const int s = ShardOf(sequence_id);
+  const std::string route = options_.router ? RouteKey(sequence_id) : std::string();
+  std::vector<v1::PutBlocksRequest> made;  // for a retry
+  bool ended = false;
+  absl::Status failed;  // from `next`: not retried
+  v1::PutBlocksResponse resp;
+  grpc::Status st = impl_->Run(
+      "PutBlocks", s, true,
+      [&](grpc::ClientContext* ctx) {
+        resp.Clear();
+        auto writer = impl_->stubs[s]->PutBlocks(ctx, &resp);
+        bool open = true;
+        for (size_t i = 0; open && i < made.size(); ++i) open = writer->Write(made[i]);
+        while (open && !ended) {
+          v1::PutBlocksRequest m;
+          absl::StatusOr<bool> more = next(&m);
+          if (!more.ok() || !*more) {
+            ended = true;
+            failed = more.status();
+            break;
+          }
+          for (const v1::Append& a : m.appends()) {
+            if (a.sequence_id() != sequence_id) {
+              ended = true;
+              failed = absl::InvalidArgumentError(
+                  absl::StrCat("PutBlocksStream: an append of sequence '", a.sequence_id(),
+                               "' in a stream of '", sequence_id, "'"));
+            }
+          }
+          if (!failed.ok()) break;
+          open = writer->Write(m);  // the stream ended early when false: Finish() says why
+          made.push_back(std::move(m));
+        }
+        if (!failed.ok()) {
+          ctx->TryCancel();
+          writer->Finish();
+          return grpc::Status::OK;
+        }
+        writer->WritesDone();
+        return writer->Finish();
+      },
+      nullptr, route);
+  if (!failed.ok()) return failed;
+  if (!st.ok()) return ToAbsl(st, impl_->Label(s, route));
+  return resp;
+}
+
 absl::Status Client::GetBlocks(const v1::GetBlocksRequest& req,
                                const std::function<bool(const v1::GetBlocksResponse&)>& on_chunk) {
   const int s = ShardOf(req.sequence_id());

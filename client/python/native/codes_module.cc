@@ -523,6 +523,10 @@ NB_MODULE(_codes, m) {
   m.doc() =
       "HeadQ codes encoded and decoded by kvq's own codec (core), bit for bit the server's. "
       "Use kvq.codes, which wraps this module.";
+  // Clients keep their models' codes (kvq._wire_codes) for their lifetime, and a client may
+  // live until the interpreter exits: those objects are then alive at teardown by design, not
+  // leaked by reference counting, so nanobind's teardown report would only be noise.
+  nb::set_leak_warnings(false);
 
   g_error = PyErr_NewException("kvq._codes.Error", PyExc_Exception, nullptr);
   m.attr("Error") = nb::handle(g_error);

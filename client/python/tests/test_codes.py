@@ -21,7 +21,7 @@ import kvq.codes
 from kvq import _codes
 from kvq._proto.kvq.v1 import kvq_pb2
 
-from conftest import random_basis
+from conftest import metric, metric_at_least, random_basis
 
 LAYERS, KV, Q, D, RANK = 2, 2, 4, 64, 8
 
@@ -368,3 +368,78 @@ def test_the_module_matches_its_stub_and_the_codec_table():
             continue
         have = {n for n in dir(getattr(_codes, cls)) if not n.startswith("_")}
         assert members == have, cls
+
+
+@pytest.mark.parametrize("name", ["default", "rank8-side4", "sinks-a2", "sparse"])
+def test_the_client_sends_and_fetches_codes_by_default(kvq_server_factory, name):
+    """kvq.Client (codes on by default) against one with codes=False, the same appends: a
+    prompt's prefill, decode steps, a chunk within the window, more chunks, with token ids. The
+    server holds the same blocks and both read back the same bits; the prefill and the long
+    chunks go as codes in fewer bytes, the A^2 policy as rows."""
+    server = kvq_server_factory(metrics=True)
+    sizes = (300, 1, 1, 30, 130, 2, 200)
+    k, v = rows(sum(sizes), seed=7)
+    ids = np.arange(sum(sizes), dtype=np.uint32) + 1000
+    received: Dict[bool, float] = {}
+    with kvq.Client(server.address) as c:
+        register(c, name, CODECS[name])
+    for codes_on in (False, True):
+        before = metric(server, "kvq_received_bytes_total", method="PutBlocks")
+        with kvq.Client(server.address, codes=codes_on) as c:
+            at = 0
+            seq = f"s-{int(codes_on)}"
+            for size in sizes:
+                c.put_blocks([kvq.Append(seq, layer, at, k[:, at:at + size], v[:, at:at + size],
+                                         token_ids=ids[at:at + size], model=name if at == 0 else None)
+                              for layer in range(LAYERS)])
+                at += size
+        received[codes_on] = metric_at_least(server, before + 1, "kvq_received_bytes_total",
+                                             method="PutBlocks") - before
+    with kvq.Client(server.address, codes=False) as rows_client, kvq.Client(server.address) as codes_client:
+        for dtype in ("f32", "f16", "bf16"):
+            for seq in ("s-0", "s-1"):
+                a = per_layer(rows_client.get_blocks(seq, dtype=dtype, max_tokens_per_message=64))
+                b = per_layer(codes_client.get_blocks(seq, dtype=dtype, max_tokens_per_message=64))
+                for layer in range(LAYERS):
+                    assert same_bits(a[layer][0], b[layer][0]) and same_bits(a[layer][1], b[layer][1])
+            # The same chunks as rows give, and a range starting inside a group.
+            got = [(x.layer, x.start, x.keys.shape[1]) for x in codes_client.get_blocks(
+                "s-1", dtype=dtype, from_token=70, to_token=400, max_tokens_per_message=100)]
+            assert got == [(layer, s, min(100, 400 - s)) for layer in range(LAYERS) for s in (70, 170, 270, 370)]
+        assert [m.encoded.SerializeToString() for m in codes_stream(codes_client, "s-0")] == [
+            m.encoded.SerializeToString() for m in codes_stream(codes_client, "s-1")]
+    print(f"{name}: PutBlocks bytes received: rows {received[False]:.0f}, codes {received[True]:.0f} "
+          f"({received[True] / received[False]:.3f}x)")
+    if CODECS[name].value_policy == "a2":
+        assert received[True] == received[False]
+    else:
+        assert received[True] < 0.8 * received[False]
+
+
+def test_attend_items_carry_their_prefill_as_codes(kvq_server_factory):
+    """A frontend that appends inside its Attend items (as kvq.hf does): a prefill chunk goes as
+    codes, decode steps as rows, with the outputs of a client that sends rows, bit for bit
+    (each item's append is applied before its attention, in codes as in rows)."""
+    server = kvq_server_factory(metrics=True)
+    with kvq.Client(server.address) as c:
+        register(c, "default", CODECS["default"])
+    sizes = (300, 1, 1, 1, 200, 1)
+    k, v = rows(sum(sizes), seed=8)
+    q = np.random.default_rng(9).standard_normal((Q, max(sizes), D)).astype(np.float32)
+    outs: Dict[bool, List[np.ndarray]] = {}
+    received: Dict[bool, float] = {}
+    for codes_on in (False, True):
+        before = metric(server, "kvq_received_bytes_total", method="Attend")
+        with kvq.Client(server.address, codes=codes_on) as c:
+            at, outs[codes_on], seq = 0, [], f"a-{int(codes_on)}"
+            for n in sizes:
+                model = "default" if at == 0 else None
+                items = [kvq.AttendItem(seq, layer, q[:, :n], causal_offset=at, append=kvq.Append(
+                    seq, layer, at, k[:, at:at + n], v[:, at:at + n], model=model)) for layer in range(LAYERS)]
+                outs[codes_on] += [r.outputs for r in c.attend(items)]
+                at += n
+        received[codes_on] = metric_at_least(server, before + 1, "kvq_received_bytes_total", method="Attend") - before
+    assert all(same_bits(a, b) for a, b in zip(outs[False], outs[True], strict=True))
+    print(f"Attend bytes received: rows {received[False]:.0f}, codes {received[True]:.0f} "
+          f"({received[True] / received[False]:.3f}x; the fp32 queries travel either way)")
+    assert received[True] < 0.9 * received[False]

@@ -47,6 +47,8 @@ from ._requests import (
     register_request,
     score_request,
 )
+from ._wire_codes import StreamDecoder as StreamDecoder
+from ._wire_codes import WireCodes
 from .errors import KvqError
 from .ring import HashRing, key_of
 from .tensors import dtype_enum
@@ -55,6 +57,7 @@ from .types import AnyAppend, AttendItem, ItemResult, ReadoutItem, ScoreItem
 __all__ = ["ClientOptions", "AttemptHook", "split_servers", "MAX_MESSAGE_BYTES", "ROUTE_HEADER"]
 
 T = TypeVar("T")
+_ItemT = TypeVar("_ItemT", AttendItem, ScoreItem)  # items that may carry an append
 
 # Router mode's routing header (deploy/haproxy/haproxy.cfg balances on it).
 ROUTE_HEADER = "x-kvq-route"
@@ -147,6 +150,14 @@ class ClientOptions:
     # the proxy picks for it), batched calls are split by routing key. register_basis is
     # refused (the proxy reaches one shard per call): register on the shards directly.
     router: bool = False
+    # HeadQ codes on the wire where the server takes them (docs/API.md, "Codes on the wire"):
+    # puts of appends that complete groups go as codes encoded here, GetBlocks fetches codes
+    # and decodes them here; the server holds and returns the same bits either way. False:
+    # fp16 rows both ways (the server encodes and decodes).
+    codes: bool = True
+    # Layers whose encoder a client keeps so that later appends to them can go as codes
+    # (>= 0; least recently used dropped, their later appends then go as rows).
+    encoders: int = 1024
 
 
 _OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ClientOptions))
@@ -185,6 +196,8 @@ class Settings:
             raise KvqError.invalid(m, "initial_backoff/max_backoff: must be >= 0")
         if o.virtual_nodes < 1:
             raise KvqError.invalid(m, f"virtual_nodes: must be >= 1, got {o.virtual_nodes}")
+        if o.encoders < 0:
+            raise KvqError.invalid(m, f"encoders: must be >= 0, got {o.encoders}")
         if o.token and not o.tls and not o.allow_insecure_token:
             raise KvqError.invalid(
                 m,
@@ -424,8 +437,11 @@ class ClientCore:
         allow_insecure_token: Optional[bool] = None,
         on_attempt: Optional[AttemptHook] = None,
         router: Optional[bool] = None,
+        codes: Optional[bool] = None,
+        encoders: Optional[int] = None,
     ) -> None:
         self._s = Settings(merge_options(options, locals()))
+        self._wire = WireCodes(bool(self._s.options.codes), int(self._s.options.encoders))
         self._start()
 
     def _start(self) -> None:
@@ -514,13 +530,41 @@ class ClientCore:
         return out
 
     def _items(self, method: str, req: Any, field: str, idempotent: bool, check: bool,
-               deadline: Optional[float]) -> Plan[List[ItemResult]]:
-        resp = yield from self._batched(method, req, idempotent, deadline)
+               deadline: Optional[float], items: Sequence[Any] = ()) -> Plan[List[ItemResult]]:
+        """A batched call; items: the request's items when they may carry appends (the layer
+        encoders of those that fail are dropped: the server may not hold what they took)."""
+        appends = [[it.append] if getattr(it, "append", None) is not None else [] for it in items]
+        try:
+            resp = yield from self._batched(method, req, idempotent, deadline)
+        except KvqError:
+            self._wire.forget(appends)
+            raise
+        self._wire.forget(a for a, r in zip(appends, resp.results, strict=False) if r.status.code)
         out = item_results(method, resp.results, field)
         return check_results(out) if check else out
 
+    def _fetch_bases(self, messages: Sequence[Sequence[AnyAppend]], deadline: Optional[float]) -> Plan[None]:
+        """Fetches (once per client) the bases of the models these appends create sequences
+        of, so that they can go as codes."""
+        wanted = self._wire.models_to_fetch(messages)
+        if wanted:
+            req = [kvq_pb2.GetModelRequest(model=m, version=v) for m, v in wanted]
+            bases = yield [Call("GetBasis", 0, None, r, True, deadline) for r in req]
+            for key, basis in zip(wanted, bases, strict=True):
+                self._wire.add_model(key, basis)
+
+    def _item_appends(self, items: Sequence[_ItemT], deadline: Optional[float]) -> Plan[List[_ItemT]]:
+        """The items with each append in the form it goes in (codes where they pay)."""
+        given: List[List[AnyAppend]] = [[it.append] for it in items if it.append is not None]
+        if not given or not self._wire.enabled:
+            return list(items)
+        yield from self._fetch_bases(given, deadline)
+        sent = iter(self._wire.encode(given))  # each its own message: the first of its layer
+        return [dataclasses.replace(it, append=next(sent)[0]) if it.append is not None else it for it in items]
+
     def _score(self, items: Sequence[ScoreItem], check: bool, deadline: Optional[float]) -> Plan[List[ItemResult]]:
-        return self._items("Score", score_request(items), "logits", True, check, deadline)
+        items = yield from self._item_appends(items, deadline)
+        return (yield from self._items("Score", score_request(items), "logits", True, check, deadline, items))
 
     def _readout(self, items: Sequence[ReadoutItem], check: bool,
                  deadline: Optional[float]) -> Plan[List[ItemResult]]:
@@ -530,7 +574,9 @@ class ClientCore:
         # Retried only when every item is read-only: an observing call records A^2
         # statistics, and a retry would count them twice.
         read_only = bool(items) and all(getattr(it, "observe", None) is False for it in items)
-        return self._items("Attend", attend_request(items), "outputs", read_only, check, deadline)
+        items = yield from self._item_appends(items, deadline)
+        return (yield from self._items("Attend", attend_request(items), "outputs", read_only, check, deadline,
+                                       items))
 
     def _health_plan(self, deadline: Optional[float]) -> Plan[List[Tuple[str, bool]]]:
         out = []
@@ -576,14 +622,20 @@ class ClientCore:
             messages = [appends]
         elif appends:
             raise KvqError.invalid(method, "appends/messages: give one of them, not both")
-        per_shard = put_requests(messages, self._s.by_shard, method)
+        given = [list(m) for m in messages]
+        yield from self._fetch_bases(given, deadline)
+        sent = self._wire.encode(given)
+        per_shard = put_requests(sent, self._s.by_shard, method)
         # Retried: appends carry their start, so a re-sent range is a duplicate.
         results = yield [Call(method, *self._s.target(g), per_shard[g], True, deadline) for g in per_shard]
+        if any(isinstance(r, KvqError) for r in results):
+            self._wire.forget(given)  # the encoders may hold rows a server did not take
         return merge_put(_raise_any(results))
 
     def _get_blocks_call(self, sequence_id: str, layers: Optional[Sequence[int]], dtype: str, from_token: int,
                          to_token: Optional[int], max_tokens_per_message: Optional[int],
-                         basis_version: Optional[int], deadline: Optional[float]) -> Tuple[Call, Tries]:
+                         basis_version: Optional[int], codes: Optional[bool],
+                         deadline: Optional[float]) -> Tuple[Call, Tries]:
         """The GetBlocks call and its attempts (checked now, before the stream starts)."""
         req = kvq_pb2.GetBlocksRequest(
             sequence_id=sequence_id,
@@ -594,10 +646,13 @@ class ClientCore:
             from_token=int(from_token or 0),
             to_token=int(to_token or 0),
         )
+        if codes is not False:
+            self._wire.request_codes(req)
         call = self._sequence_call("GetBlocks", sequence_id, req, True, deadline)
         return call, Tries(self._s, call)
 
     def _delete_sequence(self, sequence_id: str, deadline: Optional[float]) -> Plan[int]:
+        self._wire.forget_sequence(sequence_id)
         req = kvq_pb2.DeleteSequenceRequest(sequence_id=sequence_id)
         # Never retried: a second attempt would not be a no-op.
         resp = yield from _one(self._sequence_call("DeleteSequence", sequence_id, req, False, deadline))

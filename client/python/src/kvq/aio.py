@@ -15,10 +15,9 @@ from typing import Any, AsyncIterator, List, Mapping, Optional, Sequence, Tuple,
 import grpc
 import grpc.aio
 
-from ._core import HEALTH_CHECK, ROUTER_PARALLEL, Call, ClientCore, Done, Plan, T, Tries, advance
+from ._core import HEALTH_CHECK, ROUTER_PARALLEL, Call, ClientCore, Done, Plan, StreamDecoder, T, Tries, advance
 from ._core import ClientOptions as ClientOptions
 from ._proto.kvq.v1 import kvq_pb2, kvq_pb2_grpc
-from ._requests import block_of
 from .errors import KvqError
 from .types import AnyAppend, AttendItem, Block, ItemResult, ReadoutItem, ScoreItem
 
@@ -138,16 +137,24 @@ class Client(ClientCore):
     async def get_blocks(self, sequence_id: str, layers: Optional[Sequence[int]] = None, *, dtype: str = "f32",
                          from_token: int = 0, to_token: Optional[int] = None,
                          max_tokens_per_message: Optional[int] = None, basis_version: Optional[int] = None,
-                         bf16: str = "uint16", deadline: Optional[float] = None) -> AsyncIterator[Block]:
+                         bf16: str = "uint16", codes: Optional[bool] = None,
+                         deadline: Optional[float] = None) -> AsyncIterator[Block]:
         """Async iterator of Blocks; retried only until the first chunk arrived."""
         call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token,
-                                            max_tokens_per_message, basis_version, deadline)
+                                            max_tokens_per_message, basis_version, codes, deadline)
         self._open()
         for _ in tries:
+            decoder = StreamDecoder(self._wire, call.request)
             stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout, metadata=tries.metadata)
             try:
                 async for chunk in stream:
-                    yield tries.got(block_of(chunk, bf16, call.method))
+                    need = decoder.needs(chunk)
+                    if need is not None:  # codes of a model met for the first time: its basis
+                        self._wire.add_model(need, await self.get_basis(*need, shard=call.shard))
+                    for block in decoder.blocks(chunk, bf16):
+                        yield tries.got(block)
+                for block in decoder.finish():
+                    yield tries.got(block)
             except grpc.RpcError as e:
                 await asyncio.sleep(tries.failed(e))
                 continue

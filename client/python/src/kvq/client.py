@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, T
 
 import grpc
 
-from ._core import HEALTH_CHECK, ROUTER_PARALLEL, Call, ClientCore, Done, Plan, T, Tries, advance
+from ._core import HEALTH_CHECK, ROUTER_PARALLEL, Call, ClientCore, Done, Plan, StreamDecoder, T, Tries, advance
 from ._core import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
 from ._core import ROUTE_HEADER as ROUTE_HEADER
 from ._core import AttemptHook as AttemptHook
@@ -244,24 +244,33 @@ class Client(ClientCore):
         max_tokens_per_message: Optional[int] = None,
         basis_version: Optional[int] = None,
         bf16: str = "uint16",
+        codes: Optional[bool] = None,
         deadline: Optional[float] = None,
     ) -> Iterator[Block]:
         """The sequence's cached K/V as attention sees them, chunk by chunk (Blocks of at
         most max_tokens_per_message tokens; None or 0: the server's 4096). Only tokens
         [from_token, to_token) of each layer (to_token None or 0: to the end). basis_version
         None or 0: any. dtype: of the returned tensors ("f32", "f16", "bf16": uint16 bits,
-        or float32 with bf16="f32").
+        or float32 with bf16="f32"). codes: fetch HeadQ codes and decode them here (the same
+        bits; None: ClientOptions.codes); False for a call that reads no block (an empty range).
         The call starts when iteration does; retried only until the first chunk arrived."""
         call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token,
-                                            max_tokens_per_message, basis_version, deadline)
+                                            max_tokens_per_message, basis_version, codes, deadline)
         return self._stream_blocks(call, tries, bf16)
 
     def _stream_blocks(self, call: Call, tries: Tries, bf16: str) -> Iterator[Block]:
         for _ in tries:
+            decoder = StreamDecoder(self._wire, call.request)
             stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout, metadata=tries.metadata)
             try:
                 for chunk in stream:
-                    yield tries.got(block_of(chunk, bf16, call.method))
+                    need = decoder.needs(chunk)
+                    if need is not None:  # codes of a model met for the first time: its basis
+                        self._wire.add_model(need, self.get_basis(*need, shard=call.shard))
+                    for block in decoder.blocks(chunk, bf16):
+                        yield tries.got(block)
+                for block in decoder.finish():
+                    yield tries.got(block)
             except grpc.RpcError as e:
                 time.sleep(tries.failed(e))
                 continue

@@ -169,6 +169,24 @@ struct UsageStats {
   }
 };
 
+// The layer a read reads: a sequence of the tenant, and the basis version it must be pinned to
+// (0: any). The strings are the caller's; they must outlive the call.
+struct LayerRef {
+  const std::string& tenant;
+  const std::string& sequence_id;
+  int layer = 0;
+  int basis_version = 0;
+};
+
+// A read's rows, fp32 [q_heads][n_q][width]: queries (width head_dim) or attention weights
+// (width the layer's tokens).
+struct ReadRows {
+  const float* data = nullptr;
+  int q_heads = 0;
+  int n_q = 0;
+  int64_t width = 0;
+};
+
 class Store {
  public:
   Store(StoreOptions opts, Registry* registry);
@@ -183,19 +201,20 @@ class Store {
   absl::Status Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
                       AppendOutcome* outcome);
 
-  // Logits over every cached token of `layer`: out [q_heads][n_q][*tokens].
-  // basis_version 0 accepts the sequence's version. q: [q_heads][n_q][head_dim] fp32.
-  absl::Status Score(const std::string& tenant, const std::string& sequence_id, int layer,
-                     int basis_version, const float* q, int q_heads, int n_q, int q_dim,
-                     float scale, bool corrections_only, std::vector<float>* out, int64_t* tokens);
-  // p: [q_heads][n_q][p_tokens], p_tokens must equal the layer's tokens; as_logits: softmax
-  // each row first. out [q_heads][n_q][head_dim].
-  absl::Status Readout(const std::string& tenant, const std::string& sequence_id, int layer,
-                       int basis_version, const float* p, int q_heads, int n_q, int64_t p_tokens,
-                       bool as_logits, std::vector<float>* out, int64_t* tokens);
-  absl::Status Attend(const std::string& tenant, const std::string& sequence_id, int layer,
-                      int basis_version, const float* q, int q_heads, int n_q, int q_dim,
-                      const AttendOptions& ao, std::vector<float>* out, int64_t* tokens);
+  // The reads. Each reads one layer (`at`) that holds tokens, *tokens of them, under the
+  // sequence's reader lock (Attend with observe: its writer lock).
+  //
+  // Score: logits of the queries q ([q_heads][n_q][head_dim]) over every cached token,
+  // out [q_heads][n_q][*tokens].
+  absl::Status Score(const LayerRef& at, const ReadRows& q, float scale, bool corrections_only,
+                     std::vector<float>* out, int64_t* tokens);
+  // Readout: the rows' weights p ([q_heads][n_q][width], width the layer's tokens) over the
+  // values, softmaxed first when as_logits; out [q_heads][n_q][head_dim].
+  absl::Status Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
+                       std::vector<float>* out, int64_t* tokens);
+  // Attend: score, softmax and readout fused; out [q_heads][n_q][head_dim].
+  absl::Status Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
+                      std::vector<float>* out, int64_t* tokens);
   // Keys as attention sees them and decoded values, [kv_heads][tokens][d] fp32 each;
   // verifies every block's checksum first (DATA_LOSS on mismatch).
   absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,

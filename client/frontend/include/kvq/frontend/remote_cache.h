@@ -2,8 +2,15 @@
 // library (kvq_client), as a serving frontend uses the service.
 //
 // Per forward call and layer, AppendAndAttend sends the chunk's post-RoPE keys and values
-// (PutBlocks, explicit start position, fp16 on the wire as CodecCache rounds them) and then
-// asks for the chunk's attention:
+// (explicit start position, rounded to fp16 as CodecCache rounds them) and then asks for the
+// chunk's attention. Codes on the wire (Options::codes, on by default where the model's codes
+// are known: RemoteModel::codes): each layer keeps a client::LayerEncoder, and an append whose
+// new rows complete groups goes as those groups' HeadQ codes plus the rows after them (a
+// prefill chunk), one that completes none as fp16 rows (a decode step: the server encodes the
+// groups it completes into the same bytes). Either way the server holds the same blocks, so
+// reads do not depend on the form. Rows go as fp16 for the A^2 value policy (its widths follow
+// what the server observes), keys-only configurations, and sequences started by AttachPrefix.
+// The chunk's attention:
 //   * kv configurations: Attend (score, softmax and readout fused server-side, causal offset
 //     = the chunk's start; observe=true only for the A^2 value policy, whose widths come from
 //     the readouts the server observes, exactly as CodecCache's fused path does);
@@ -44,6 +51,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kvq/client/client.h"
+#include "kvq/client/codes.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/codec.h"
 #include "kvq/frontend/attention_cache.h"
@@ -55,16 +63,23 @@ namespace kvq::frontend {
 struct RemoteModel {
   std::string model;
   int version = 1;
+  // Its encoder and decoder (from GetBasis) when codes go on the wire; null: rows only, for
+  // the reason in rows_reason (not asked for, or the server does not take this client's
+  // block-format versions).
+  std::shared_ptr<const client::ModelCodes> codes;
+  std::string rows_reason;
 };
 
 // Registers the model (with `basis`, or without one when basis is null: rank-0 codecs only)
 // on every server of the client. `name` overrides the entry name (default: the basis
 // manifest's model, or "kvq-frontend-<layers>x<kv_heads>x<head_dim>" without a basis).
 // Idempotent: an identical entry already registered is used as is; a different entry under
-// the same (name, version) is ALREADY_EXISTS (register under another name).
+// the same (name, version) is ALREADY_EXISTS (register under another name). codes: also fetch
+// the entry's basis (GetBasis) for codes on the wire, when the server's block-format versions
+// overlap this client's (ModelInfo.block_version_min/max).
 absl::StatusOr<RemoteModel> RegisterRemoteModel(client::Client& client, const CacheShape& shape,
                                                 const core::ModelBasis* basis,
-                                                const std::string& name = "");
+                                                const std::string& name = "", bool codes = true);
 
 // Counters of a batcher (all its caches together).
 struct RemoteStats {
@@ -76,6 +91,7 @@ struct RemoteStats {
   int64_t items = 0;            // (sequence, layer) items sent
   int64_t put_rpcs = 0, attend_rpcs = 0, score_rpcs = 0;
   int64_t appends_in_attend = 0;  // appends carried by Attend / Score items (no PutBlocks)
+  int64_t appends_in_codes = 0;   // of those, appends sent as HeadQ codes (+ rows after them)
   double put_seconds = 0;         // wall time inside PutBlocks calls
   double read_seconds = 0;        // wall time inside Attend / Score calls
   int64_t bytes_sent = 0;         // serialized request bytes
@@ -95,6 +111,7 @@ class RemoteBatcher {
   struct Request {
     bool has_append = true;  // false: every row is held already (attached); attend only
     v1::Append append;
+    bool codes = false;  // the append carries encoded groups
     bool score = false;  // keys-only: Score instead of Attend
     v1::AttendItem attend;
     v1::ScoreItem score_item;
@@ -126,6 +143,8 @@ class RemoteCache : public AttentionCache {
     bool keys_only = false;    // values fp16, read out here (CodecCache keys_only)
     // Prefix sharing: every append carries its tokens' ids (SetTokenIds), AttachPrefix works.
     bool share = false;
+    // Codes on the wire where model.codes allows them (see the top of this file).
+    bool codes = true;
   };
   // batcher: shared with the other caches decoded in lockstep, or null (a private one).
   // The cache joins the batcher now and leaves it in Finish() or its destructor.
@@ -176,6 +195,9 @@ class RemoteCache : public AttentionCache {
  private:
   RemoteCache(client::Client* client, RemoteBatcher* batcher, const CacheShape& s, Options o)
       : client_(client), batcher_(batcher), s_(s), o_(std::move(o)) {}
+  // Codes on the wire: feeds the append's fp16 rows [at, at + m) of `layer` to its encoder and
+  // rewrites req->append in codes when they complete groups (start then before `at`).
+  absl::Status Encode(int layer, int64_t at, int m, RemoteBatcher::Request* req);
   client::Client* client_;
   std::unique_ptr<RemoteBatcher> own_batcher_;
   RemoteBatcher* batcher_;
@@ -187,6 +209,10 @@ class RemoteCache : public AttentionCache {
   std::vector<int64_t> tokens_;
   std::vector<uint32_t> ids_;                // share: token ids from position 0
   std::vector<std::vector<float>> dense_v_;  // keys_only: per layer [tokens][kv_heads][d]
+  // Codes on the wire: per layer, the encoder of the rows sent so far (null: rows only; made
+  // by the layer's first append at token 0, dropped when an append fails).
+  bool encode_ = false;
+  std::vector<std::unique_ptr<client::LayerEncoder>> encoders_;
 };
 
 }  // namespace kvq::frontend

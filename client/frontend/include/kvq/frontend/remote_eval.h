@@ -42,12 +42,17 @@ struct RemoteEvalOptions {
   // decoding; they differ only in float rounding of the forward pass (BLAS over n rows vs
   // one), which low-bit rounding decisions amplify (see docs/RESULTS.md).
   bool chunks = false;
+  // true (and chunks false): each window's unscored first half in one forward call (a prompt's
+  // prefill, whose K/V go as HeadQ codes with codes on), then token by token.
+  bool prefill = false;
   // Prefix sharing (kvq-eval --kv remote=ADDR,share): every append carries its token ids,
   // and each window first attaches whatever the tenant's prefix index holds of its unscored
   // first half (whole groups of G; tokens [0, L/2) need no logits), then runs the forward
   // pass from there. Windows of one text rarely share a prefix; a second run over the same
   // text on the same server attaches what the first one left (retained prefixes).
   bool share = false;
+  // Codes on the wire (RemoteCache::Options::codes) where the server takes them.
+  bool codes = true;
 };
 
 struct RemoteEvalStats {

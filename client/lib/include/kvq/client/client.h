@@ -148,6 +148,16 @@ class Client {
   // appends stay applied; re-sending is safe).
   absl::StatusOr<v1::PutBlocksResponse> PutBlocks(const std::vector<v1::PutBlocksRequest>& msgs);
 
+  // One sequence's appends streamed as they are made, so that making the next message (e.g.
+  // encoding its codes) overlaps sending the previous ones: `next` fills one message and
+  // returns true, false at the end, or an error (which ends the call with it). Every append
+  // must be of `sequence_id` (its shard, or its route in router mode). Retried on UNAVAILABLE
+  // as PutBlocks is: the messages made so far are sent again (they are kept until the call
+  // ends), then `next` continues.
+  absl::StatusOr<v1::PutBlocksResponse> PutBlocksStream(
+      const std::string& sequence_id,
+      const std::function<absl::StatusOr<bool>(v1::PutBlocksRequest*)>& next);
+
   // Batched reads; results in the order of the request's items.
   absl::StatusOr<v1::ScoreResponse> Score(const v1::ScoreRequest& req);
   absl::StatusOr<v1::ReadoutResponse> Readout(const v1::ReadoutRequest& req);

@@ -41,6 +41,7 @@ KNOWN_KEYS = {
     "deadline_s": "deadline of each RPC, seconds",
     "sequence_prefix": "prefix of the kvq sequence id of each chunk",
     "max_workers": "threads that run the blocking RPCs off LMCache's event loop",
+    "codes": "true (default): chunks travel as HeadQ codes encoded and decoded here; false: fp16",
 }
 _LMCACHE_KEYS = {"module_path", "class_name"}
 
@@ -68,6 +69,7 @@ class PluginConfig:
     deadline_s: float = 30.0
     sequence_prefix: str = "lmcache/"
     max_workers: int = 4
+    codes: bool = True
 
     def key(self, name: str) -> str:
         """The full extra_config key of one of this plugin's settings."""
@@ -196,6 +198,8 @@ def parse_plugin_config(plugin_name: str, extra_config: Optional[Mapping[str, An
         if len(p.encode()) > 64:
             raise PluginConfigError(prefix + "sequence_prefix", "longer than 64 bytes")
         kwargs["sequence_prefix"] = p
+    if "codes" in mine:
+        kwargs["codes"] = _as_bool(prefix + "codes", mine["codes"])
     if "max_workers" in mine:
         kwargs["max_workers"] = _as_int(prefix + "max_workers", mine["max_workers"], 1, 64)
     return PluginConfig(plugin_name=plugin_name, servers=servers, model=model, **kwargs)

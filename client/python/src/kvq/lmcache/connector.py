@@ -5,8 +5,11 @@ is one kvq sequence in the caller's tenant, id `sequence_prefix + key.to_string(
 when over 256 bytes). A put sends every layer as one Append in a single PutBlocks message, so
 the server applies a chunk whole or not at all; a get reads it back with GetBlocks in the
 chunk's dtype (keys as attention sees them: base code plus side code) and reassembles
-LMCache's layout. exists asks GetBlocks for the empty range at the end of the last layer:
-the server answers one header-only message (n = 0, layer_tokens) and reads no block. A chunk
+LMCache's layout. Both ways the chunk travels as HeadQ codes where the server takes them
+(kvq.Client's default, ClientOptions.codes: encoded and decoded here, the same bits as the
+server's; plugin option `codes: false` sends fp16). exists asks GetBlocks (in rows) for the
+empty range at the end of the last layer: the server answers one header-only message (n = 0,
+layer_tokens) and reads no block. A chunk
 kvq does not hold (never stored, deleted, evicted) is a miss: None / False, never an error.
 
 Loaded through LMCache's plugin framework (lmcache/v1/storage_backend/connector/__init__.py,
@@ -116,7 +119,7 @@ class KvqConnector(RemoteConnector):
         self.client = Client(
             list(s.servers), tenant=s.tenant, token=s.token, tls=s.tls,
             root_certificates=s.root_certificates, certificate_chain=s.certificate_chain,
-            private_key=s.private_key, deadline=s.deadline_s)
+            private_key=s.private_key, deadline=s.deadline_s, codes=s.codes)
         try:
             info = self.client.get_model(s.model, s.basis_version)
         except KvqError as e:
@@ -203,7 +206,8 @@ class KvqConnector(RemoteConnector):
     def _probe(self, key: CacheEngineKey) -> bool:
         try:
             for b in self.client.get_blocks(self.sequence_id(key), layers=[self.layers - 1],
-                                            dtype=self.wire_dtype, from_token=_PAST_END, to_token=_PAST_END):
+                                            dtype=self.wire_dtype, from_token=_PAST_END, to_token=_PAST_END,
+                                            codes=False):
                 return b.layer_tokens > 0
             return False  # the layer is empty: no message
         except KvqError as e:

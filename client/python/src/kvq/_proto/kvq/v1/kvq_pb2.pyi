@@ -414,7 +414,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("tenant", "sequences", "tokens", "stored_bytes", "quota_bytes", "evictions", "k_bits_per_element", "v_bits_per_element", "prefix_blocks", "prefix_bytes", "retained_prefix_bytes", "shared_tokens", "server_stored_bytes", "server_capacity_bytes", "memory_pool", "compute_backend", "uptime_seconds")
+    __slots__ = ("tenant", "sequences", "tokens", "stored_bytes", "quota_bytes", "evictions", "k_bits_per_element", "v_bits_per_element", "prefix_blocks", "prefix_bytes", "retained_prefix_bytes", "shared_tokens", "client_inflight", "client_inflight_limit", "server_inflight_limit", "server_stored_bytes", "server_capacity_bytes", "memory_pool", "compute_backend", "uptime_seconds")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +427,9 @@ class StatsResponse(_message.Message):
     PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     RETAINED_PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_INFLIGHT_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INFLIGHT_LIMIT_FIELD_NUMBER: _ClassVar[int]
     SERVER_STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_POOL_FIELD_NUMBER: _ClassVar[int]
@@ -444,12 +447,15 @@ class StatsResponse(_message.Message):
     prefix_bytes: int
     retained_prefix_bytes: int
     shared_tokens: int
+    client_inflight: int
+    client_inflight_limit: int
+    server_inflight_limit: int
     server_stored_bytes: int
     server_capacity_bytes: int
     memory_pool: str
     compute_backend: str
     uptime_seconds: float
-    def __init__(self, tenant: _Optional[str] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., k_bits_per_element: _Optional[float] = ..., v_bits_per_element: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., retained_prefix_bytes: _Optional[int] = ..., shared_tokens: _Optional[int] = ..., server_stored_bytes: _Optional[int] = ..., server_capacity_bytes: _Optional[int] = ..., memory_pool: _Optional[str] = ..., compute_backend: _Optional[str] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, tenant: _Optional[str] = ..., sequences: _Optional[int] = ..., tokens: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., quota_bytes: _Optional[int] = ..., evictions: _Optional[int] = ..., k_bits_per_element: _Optional[float] = ..., v_bits_per_element: _Optional[float] = ..., prefix_blocks: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., retained_prefix_bytes: _Optional[int] = ..., shared_tokens: _Optional[int] = ..., client_inflight: _Optional[int] = ..., client_inflight_limit: _Optional[int] = ..., server_inflight_limit: _Optional[int] = ..., server_stored_bytes: _Optional[int] = ..., server_capacity_bytes: _Optional[int] = ..., memory_pool: _Optional[str] = ..., compute_backend: _Optional[str] = ..., uptime_seconds: _Optional[float] = ...) -> None: ...
 
 class EchoRequest(_message.Message):
     __slots__ = ("payload",)

@@ -4,16 +4,16 @@
 // (the GPU machine's check: a missing device is then a failure); runs on a GPU machine.
 //
 //   score_codes   the kernel table's op against its scalar reference, random codes.
-//   attend        the fused decode attend over real blocks (tests/core/cuda_attend_cases.h:
+//   attend        the fused decode attend over real blocks (tests/kernels/cuda_attend_cases.h:
 //                 the server's default codec, the legacy one, A^2, rotations, fp16 sinks, rank
 //                 0, d 32..256, 1 to 33 blocks) at 1, 3 and automatic split counts, its
 //                 partial merged with the CPU's over sinks and window against LayerCache's
 //                 attend on the reference kernels; the header check must stay silent.
-//   block_codec   encode, decode, scores and readout of blocks (tests/core/cuda_codec_cases.h)
+//   block_codec   encode, decode, scores and readout of blocks (tests/kernels/cuda_codec_cases.h)
 //                 against their CPU stand-ins, bit for bit.
 //   dense_attend  the fp16 baseline of kvq-bench-cuda against double-precision attention.
 // VerifyBlocks, the batched checksum op, gets its own test: its verdicts over good and
-// corrupted blocks of every version (tests/core/cuda_checksum_cases.h) at odd device addresses
+// corrupted blocks of every version (tests/kernels/cuda_checksum_cases.h) at odd device addresses
 // against VerifyBlocksOnHost's, byte for byte.
 #include <gtest/gtest.h>
 
@@ -30,9 +30,9 @@
 #include "kvq/kernels/cuda_checksum.h"
 #include "kvq/kernels/device.h"
 #include "kvq/kernels/kernels.h"
-#include "tests/core/cuda_attend_cases.h"
-#include "tests/core/cuda_checksum_cases.h"
-#include "tests/core/cuda_codec_cases.h"
+#include "tests/kernels/cuda_attend_cases.h"
+#include "tests/kernels/cuda_checksum_cases.h"
+#include "tests/kernels/cuda_codec_cases.h"
 
 #ifdef KVQ_HAVE_CUDA
 #include "kvq/kernels/cuda.h"

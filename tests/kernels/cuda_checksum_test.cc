@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "kernels/cuda/xxh3_math.h"
-#include "tests/core/cuda_checksum_cases.h"
+#include "tests/kernels/cuda_checksum_cases.h"
 
 namespace kvq::testing {
 namespace {

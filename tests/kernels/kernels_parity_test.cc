@@ -13,7 +13,7 @@
 
 #include "kvq/core/half.h"
 #include "kvq/kernels/kernels.h"
-#include "test_util.h"
+#include "tests/core/test_util.h"
 
 namespace kvq::kernels {
 namespace {
@@ -36,7 +36,7 @@ TEST(KernelParity, AtLeastOneOptimizedTableOnThisMachine) {
 TEST(KernelParity, QuantizeChannels) {
   for (const KernelTable* kt : Optimized())
     for (int bits : {1, 2, 3, 4, 8})
-      for (int tokens : {32, 64, 128})
+      for (int tokens : {1, 7, 21, 22, 32, 33, 64, 96, 128})  // partial words too
         for (int n_ch : {4, 19, 64, 80, 128}) {
           SCOPED_TRACE(::testing::Message()
                        << kt->name << " bits=" << bits << " T=" << tokens << " ch=" << n_ch);

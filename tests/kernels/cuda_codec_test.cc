@@ -17,7 +17,7 @@
 #include "kernels/src/common.h"
 #include "kvq/core/codec.h"
 #include "kvq/kernels/kernels.h"
-#include "tests/core/cuda_codec_cases.h"
+#include "tests/kernels/cuda_codec_cases.h"
 
 namespace kvq::kernels::cuda {
 namespace {

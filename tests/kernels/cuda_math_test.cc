@@ -16,7 +16,7 @@
 #include "kernels/cuda/attend_math.h"
 #include "kernels/cuda/host_cta.h"
 #include "kvq/core/partial_attention.h"
-#include "tests/core/cuda_attend_cases.h"
+#include "tests/kernels/cuda_attend_cases.h"
 
 namespace kvq::testing {
 namespace {
