@@ -198,7 +198,7 @@ class KvqConnector(KVConnectorBase_V1):
         last = int(self.model_info.layers) - 1
         try:
             # A range past the end is empty: one message with the layer's length, no K/V.
-            for block in self.client.get_blocks(name, [last], from_token=1 << 40,
+            for block in self.client.get_blocks(name, [last], from_token=1 << 40, codes=False,
                                                 deadline=self.config.lookup_deadline_s):
                 return int(block.layer_tokens)
         except kvq.KvqError as e:
