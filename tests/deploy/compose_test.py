@@ -22,7 +22,8 @@ file only drives docker-compose and checks what the stack answers. Phases, in or
               again, then shard 2 restarted (SIGTERM, graceful): only that shard's
               sequences fail, UNAVAILABLE for a window bounded by the router's checks, then
               NOT_FOUND; no read returns another sequence's data; back UP it is empty and its
-              registry (its volume) intact; kvq-load sees only UNAVAILABLE and NOT_FOUND
+              registry (its volume) intact; kvq-load sees only UNAVAILABLE, NOT_FOUND and
+              FAILED_PRECONDITION (its restarted sequences; phase_outages says why)
   dashboard   traffic for every dashboard series on kvq-server, then every Grafana panel's
               PromQL and every alert rule against the stack's Prometheus
               (deploy_test.check_dashboard_and_rules), kvq's target up, the loaded rule
@@ -420,8 +421,9 @@ def check_own_data_ok(ids: List[int], res: List[kvq.ItemResult]) -> None:
 
 def phase_outages(stack: Stack, kvq_bin: str, owner: List[int], tmp: str) -> None:
     """One shard killed and restarted, another restarted gracefully (a rolling restart's
-    step), while kvq-load runs through the router: kvq-load sees only UNAVAILABLE and
-    NOT_FOUND (its sequences on those shards), the probes above hold."""
+    step), while kvq-load runs through the router: kvq-load sees only UNAVAILABLE, NOT_FOUND
+    and FAILED_PRECONDITION (its sequences on those shards; see below), the probes above
+    hold."""
     name = f"{stack.project}-load-outage"
     load = subprocess.Popen(
         stack.base + ["run", "-T", "--name", name]
@@ -456,7 +458,12 @@ def phase_outages(stack: Stack, kvq_bin: str, owner: List[int], tmp: str) -> Non
     # (README, deployment test). Allowed up to CUT_CALLS_MAX, a weakness to fix in the router
     # or the clients, not hidden: anything else fails the test.
     cut = errors.get("UNKNOWN", 0) + errors.get("CANCELLED", 0)
-    allowed = {"UNAVAILABLE", "NOT_FOUND", "UNKNOWN", "CANCELLED"}
+    # FAILED_PRECONDITION: kvq-load answers a NOT_FOUND put by starting every sequence of its
+    # session again from token 0 (client/load/main.cc), so its next calls on a sequence that
+    # came back shorter on the emptied shard can refuse a position or an empty layer (53 of
+    # 41,275 in one CI run). kvq-load's report does not say which shard a failed call went to;
+    # the probes above check, sequence by sequence, that only the lost shard's fail.
+    allowed = {"UNAVAILABLE", "NOT_FOUND", "FAILED_PRECONDITION", "UNKNOWN", "CANCELLED"}
     if not set(errors) <= allowed or cut > CUT_CALLS_MAX or total == 0:
         per_method = {m: v.get("errors") for m, v in rep["methods"].items()}
         dt.fail(f"kvq-load under the outages: {total} requests, errors {errors}; by method "
