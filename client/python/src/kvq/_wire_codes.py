@@ -290,17 +290,16 @@ class StreamDecoder:
             raise KvqError("GetBlocks", grpc.StatusCode.INTERNAL, "codes of a model the stream did not name")
         if msg.HasField("codec"):
             self._codecs[msg.layer] = codes.codec(msg.codec)  # type: ignore[attr-defined]
-        start = int(msg.start)
         if not msg.encoded.block_bytes:  # window rows only (start need not be a group's)
-            rows = block_of(msg, bf16)
-            lo = max(0, self._from - start)
-            hi = rows.keys.shape[1] if self._to <= 0 else max(lo, min(rows.keys.shape[1], self._to - start))
-            return dataclasses.replace(rows, start=start + lo, keys=rows.keys[:, lo:hi], values=rows.values[:, lo:hi])
-        keys, values = codes.decode(msg, self._codecs[msg.layer], dtype=self._dtype)  # type: ignore[attr-defined]
-        lo = max(0, self._from - start)
-        n = int(keys.shape[1])
-        hi = n if self._to <= 0 else max(lo, min(n, self._to - start))
-        keys, values = keys[:, lo:hi], values[:, lo:hi]
-        if self._dtype == "bf16" and bf16 == "f32":
-            keys, values = bf16_to_f32(keys), bf16_to_f32(values)
-        return Block(int(msg.layer), start + lo, keys, values, int(msg.layer_tokens), int(msg.basis_version))
+            block = block_of(msg, bf16)
+        else:
+            keys, values = codes.decode(msg, self._codecs[msg.layer], dtype=self._dtype)  # type: ignore[attr-defined]
+            if self._dtype == "bf16" and bf16 == "f32":
+                keys, values = bf16_to_f32(keys), bf16_to_f32(values)
+            block = Block(int(msg.layer), int(msg.start), keys, values, int(msg.layer_tokens), int(msg.basis_version))
+        # Clipped to the range asked for [from_token, to_token).
+        n = int(block.keys.shape[1])
+        lo = max(0, self._from - block.start)
+        hi = n if self._to <= 0 else max(lo, min(n, self._to - block.start))
+        return dataclasses.replace(block, start=block.start + lo, keys=block.keys[:, lo:hi],
+                                   values=block.values[:, lo:hi])
