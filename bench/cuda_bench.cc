@@ -1,10 +1,11 @@
 // kvq-bench-cuda: the fused decode attend on the GPU against two baselines measured in the
 // same run, on the same bytes or the same tokens.
 //
-//   Attend/<codec>/d<d>/t<tokens>  one launch of kernels::cuda::Attend over `items` KV heads
+//   Attend/<codec>/d<d>/t<tokens>[/rows<n>]  one launch of kernels::cuda::Attend (its default
+//       program: the tensor-core one wherever it runs) over `items` KV heads
 //       (independent sequences) of `tokens` tokens each, 4 query rows per KV head (GQA 4:1, as
-//       Llama-3-8B; SmolLM2 has 3, Qwen2.5-0.5B 7), items chosen so that the codes of one
-//       launch are >= 1 GiB (far beyond the 60 MB L2: every byte comes from HBM). Time per
+//       Llama-3-8B; SmolLM2 has 3, Qwen2.5-0.5B 7; /rows<n>: n), items chosen so that the codes of
+//       one launch are >= 1 GiB (far beyond the 60 MB L2: every byte comes from HBM). Time per
 //       launch by CUDA events (manual time), attend and merge included. Counters:
 //         attend_GBps    code bytes the attend reads (key + value blocks) / attend time
 //         stream_GBps    the buffer holding them read by StreamRead (16-byte loads,
@@ -15,11 +16,17 @@
 //                        the memory bandwidth (a fair fp16 decode kernel is near 1)
 //         dense_speedup  DenseAttend time / attend time (same tokens, same rows)
 //         attend_us, dense_us, stream_us  the three mean times per launch
+//         tensor_cores   1 when the default program is the tensor-core one
+//         cuda_core_us   the same launch on the CUDA-core program (kAttendCudaCores)
+//         vs_cuda_cores  cuda_core_us / attend_us
 //   Encode/<codec>/d<d>  kernels::cuda::EncodeKeys then EncodeValues (cuda_codec.h) over
 //       2^20 tokens (2^20 / G blocks) of fp32 keys and values already in device memory, each block
 //       from its own rows and basis. Counters: encode_GBps (fp32 K and V bytes in / encode time),
 //       stream_GBps (StreamRead of those fp32 bytes in the same run), frac_of_stream, and
 //       blocks_per_s.
+//   Decode/<codec>/d<d>  kernels::cuda::DecodeKeys then DecodeValues over the same blocks, back
+//       to fp32 rows: decode_GBps (fp32 K and V bytes out / time), frac_of_stream against
+//       StreamRead of as many fp32 bytes.
 //   Verify/<codec>/d<d>  kernels::cuda::VerifyBlocks over the encoded blocks (one thread a
 //       block): verify_GBps (block bytes / time) and its frac_of_stream against StreamRead of
 //       the same bytes.
@@ -53,7 +60,7 @@ using namespace kvq::core;
 namespace kc = kvq::kernels::cuda;
 
 constexpr size_t kLaunchBytes = size_t{1} << 30;  // codes per launch, >> 60 MB L2
-constexpr int kRows = 4;                          // query rows per KV head
+constexpr int kRows = 4;                          // query rows per KV head (default)
 constexpr int kUniqueBlocks = 64;                 // distinct encoded groups, tiled
 
 CodecOptions Codec(int d, int kb, int G, int r, int sb, int vb, int vg) {
@@ -155,7 +162,7 @@ class EventTimer {
   cudaEvent_t e0_, e1_;
 };
 
-void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
+void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens, int rows) {
   CodecOptions o = Codec(d, nc.kb, nc.G, nc.r, nc.sb, nc.vb, nc.vg);
   if (nc.a2_budget > 0) {
     o.value_policy = ValuePolicy::kA2;
@@ -195,7 +202,7 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   }
   auto** dkp = dev.Alloc<const uint8_t*>(kp.size());
   auto** dvp = dev.Alloc<const uint8_t*>(vp.size());
-  const size_t R = static_cast<size_t>(items) * kRows;
+  const size_t R = static_cast<size_t>(items) * rows;
   std::vector<float> q(R * d), uq(R * std::max(o.rank, 1));
   std::mt19937 rng(9);
   std::normal_distribution<float> nd;
@@ -214,7 +221,7 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   kc::AttendParams p;
   p.codec = BlockCodecOf(o);
   p.items = items;
-  p.rows = kRows;
+  p.rows = rows;
   p.blocks = nb;
   p.key_blocks = dkp;
   p.value_blocks = dvp;
@@ -234,7 +241,7 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   kc::DenseAttendParams dp;
   dp.head_dim = d;
   dp.items = items;
-  dp.rows = kRows;
+  dp.rows = rows;
   dp.tokens = static_cast<int64_t>(nb) * o.key_group;
   const size_t kv_elems = static_cast<size_t>(items) * dp.tokens * d;
   uint16_t* dk = dev.Alloc<uint16_t>(kv_elems);
@@ -252,19 +259,31 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   dp.workspace = dev.Alloc<uint8_t>(dp.workspace_bytes);
   if (!dp.workspace) return state.SkipWithError("cudaMalloc (dense workspace) failed");
 
+  // The same launch on the CUDA-core program (the tensor-core one is the default wherever it
+  // runs): its own split count and workspace.
+  kc::AttendParams pc = p;
+  pc.program = kc::kAttendCudaCores;
+  pc.splits = 0;
+  pc.splits = kc::AttendSplits(pc);
+  pc.workspace_bytes = kc::AttendWorkspaceBytes(pc);
+  pc.workspace = dev.Alloc<uint8_t>(pc.workspace_bytes);
+  if (!pc.workspace) return state.SkipWithError("cudaMalloc (workspace) failed");
+
   EventTimer timed;
   auto attend = [&] { return kc::Attend(p, nullptr); };
+  auto attend_cc = [&] { return kc::Attend(pc, nullptr); };
   auto stream = [&] { return kc::StreamRead(codes, code_bytes, sink, nullptr); };
   auto dense = [&] { return kc::DenseAttend(dp, nullptr); };
   for (int w = 0; w < 2; ++w)
-    if (timed(attend) < 0 || timed(stream) < 0 || timed(dense) < 0)
+    if (timed(attend) < 0 || timed(attend_cc) < 0 || timed(stream) < 0 || timed(dense) < 0)
       return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
-  double attend_s = 0, stream_s = 0, dense_s = 0;
+  double attend_s = 0, cc_s = 0, stream_s = 0, dense_s = 0;
   for (auto _ : state) {
     const float a = timed(attend);
     if (a < 0) return state.SkipWithError("Attend failed");
     state.SetIterationTime(a);
     attend_s += a;
+    cc_s += timed(attend_cc);
     stream_s += timed(stream);
     dense_s += timed(dense);
   }
@@ -290,6 +309,9 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens) {
   state.counters["dense_GBps"] = dense_rate / 1e9;
   state.counters["dense_frac_of_stream"] = dense_rate / stream_rate;
   state.counters["dense_speedup"] = dense_s / attend_s;
+  state.counters["tensor_cores"] = kc::AttendOnTensorCores(p) ? 1 : 0;
+  state.counters["cuda_core_us"] = cc_s / n * 1e6;
+  state.counters["vs_cuda_cores"] = cc_s / attend_s;
   state.counters["attend_us"] = attend_s / n * 1e6;
   state.counters["dense_us"] = dense_s / n * 1e6;
   state.counters["stream_us"] = stream_s / n * 1e6;
@@ -306,7 +328,10 @@ kc::BlockCodec BlockCodecOf(const NamedCodec& nc, int d) {
 
 // Encodes 2^20 / G key and value blocks on the device (and, for the Verify benchmark,
 // verifies them): time per launch pair by CUDA events.
-void BM_EncodeOrVerify(benchmark::State& state, NamedCodec nc, int d, bool verify) {
+enum class CodecOp { kEncode, kDecode, kVerify };
+
+void BM_CodecOp(benchmark::State& state, NamedCodec nc, int d, CodecOp op) {
+  const bool verify = op == CodecOp::kVerify, decode = op == CodecOp::kDecode;
   const kc::BlockCodec c = BlockCodecOf(nc, d);
   if (const char* why = kc::BlockCodecUnsupported(c)) return state.SkipWithError(why);
   const size_t G = c.key_group, n = kEncodeTokens / G, r = std::max(c.rank, 1);
@@ -369,8 +394,29 @@ void BM_EncodeOrVerify(benchmark::State& state, NamedCodec nc, int d, bool verif
   vf.block_ptrs = up(all);
   vf.sizes = up(sizes);
   vf.verdicts = dev.Alloc<uint8_t>(2 * n);
+  // Decode writes the rows back over the keys and values it was encoded from.
+  std::vector<const uint8_t*> kin(ko.begin(), ko.end()), vin(vo.begin(), vo.end());
+  std::vector<float*> kdst(n), vdst(n);
+  for (size_t b = 0; b < n; ++b) {
+    kdst[b] = keys + b * G * d;
+    vdst[b] = values + b * G * d;
+  }
+  kc::DecodeKeyParams dk;
+  dk.codec = c;
+  dk.blocks = static_cast<int>(n);
+  dk.in = up(kin);
+  dk.basis = up(bp);
+  dk.out = up(kdst);
+  dk.ld = d;
+  kc::DecodeValueParams dv;
+  dv.codec = c;
+  dv.blocks = static_cast<int>(n);
+  dv.in = up(vin);
+  dv.out = up(vdst);
+  dv.ld = d;
   if (!ek.keys || !ek.basis_t || !ek.out || !ek.workspace || !ev.values || !ev.out ||
-      !vf.block_ptrs || !vf.sizes || !vf.verdicts)
+      !vf.block_ptrs || !vf.sizes || !vf.verdicts || !dk.in || !dk.basis || !dk.out || !dv.in ||
+      !dv.out)
     return state.SkipWithError("cudaMalloc failed");
   EventTimer timed;
   auto encode = [&] {
@@ -378,19 +424,25 @@ void BM_EncodeOrVerify(benchmark::State& state, NamedCodec nc, int d, bool verif
     return e != 0 ? e : kc::EncodeValues(ev, nullptr);
   };
   auto check = [&] { return kc::VerifyBlocks(vf, nullptr); };
-  // The baseline reads what the op reads: the fp32 rows (encode) or the blocks (verify).
+  auto decode_all = [&] {
+    const int e = kc::DecodeKeys(dk, nullptr);
+    return e != 0 ? e : kc::DecodeValues(dv, nullptr);
+  };
+  // The baseline reads what the op reads: the fp32 rows (encode) or the blocks (verify); for
+  // decode, what it writes (the fp32 rows, the larger side).
   auto stream = [&] {
     if (verify) return kc::StreamRead(blocks, n * (kb + vb) / 16 * 16, sink, nullptr);
     const int e = kc::StreamRead(keys, rows * 4, sink, nullptr);
     return e != 0 ? e : kc::StreamRead(values, rows * 4, sink, nullptr);
   };
   if (timed(encode) < 0) return state.SkipWithError("encode failed");
+  auto run = [&] { return verify ? check() : decode ? decode_all() : encode(); };
   for (int w = 0; w < 2; ++w)
-    if ((verify && timed(check) < 0) || timed(stream) < 0)
+    if (timed(run) < 0 || timed(stream) < 0)
       return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
   double op_s = 0, stream_s = 0;
   for (auto _ : state) {
-    const float t = verify ? timed(check) : timed(encode);
+    const float t = timed(run);
     if (t < 0) return state.SkipWithError("launch failed");
     state.SetIterationTime(t);
     op_s += t;
@@ -405,7 +457,9 @@ void BM_EncodeOrVerify(benchmark::State& state, NamedCodec nc, int d, bool verif
     if (v != kc::kVerifyOk) return state.SkipWithError("an encoded block fails its checksum");
   const double iters = static_cast<double>(state.iterations());
   const double in_bytes = verify ? static_cast<double>(n * (kb + vb)) : 2.0 * rows * 4;
-  state.counters[verify ? "verify_GBps" : "encode_GBps"] = in_bytes / (op_s / iters) / 1e9;
+  state.counters[verify   ? "verify_GBps"
+                 : decode ? "decode_GBps"
+                          : "encode_GBps"] = in_bytes / (op_s / iters) / 1e9;
   state.counters["stream_GBps"] = in_bytes / (stream_s / iters) / 1e9;
   state.counters["frac_of_stream"] = stream_s / op_s;
   state.counters["blocks_per_s"] = 2.0 * n / (op_s / iters);
@@ -415,10 +469,12 @@ void RegisterAll() {
   for (const NamedCodec& nc : kCodecs) {
     if (nc.a2_budget > 0) continue;  // the A^2 widths are chosen on the CPU
     for (int d : {64, 128})
-      for (bool verify : {false, true}) {
-        const std::string name =
-            std::string(verify ? "Verify/" : "Encode/") + nc.name + "/d" + std::to_string(d);
-        benchmark::RegisterBenchmark(name.c_str(), BM_EncodeOrVerify, nc, d, verify)
+      for (CodecOp op : {CodecOp::kEncode, CodecOp::kDecode, CodecOp::kVerify}) {
+        const char* what = op == CodecOp::kEncode   ? "Encode/"
+                           : op == CodecOp::kDecode ? "Decode/"
+                                                    : "Verify/";
+        const std::string name = std::string(what) + nc.name + "/d" + std::to_string(d);
+        benchmark::RegisterBenchmark(name.c_str(), BM_CodecOp, nc, d, op)
             ->UseManualTime()
             ->Iterations(10)
             ->Unit(benchmark::kMicrosecond);
@@ -426,14 +482,18 @@ void RegisterAll() {
   }
   for (const NamedCodec& nc : kCodecs)
     for (int d : {64, 128})
-      for (int64_t tokens : {4096, 32768, 131072}) {
-        const std::string name = std::string("Attend/") + nc.name + "/d" + std::to_string(d) +
-                                 "/t" + std::to_string(tokens);
-        benchmark::RegisterBenchmark(name.c_str(), BM_Attend, nc, d, tokens)
-            ->UseManualTime()
-            ->Iterations(20)
-            ->Unit(benchmark::kMicrosecond);
-      }
+      for (int64_t tokens : {4096, 32768, 131072})
+        for (int rows : {1, 4, 8}) {
+          // GQA 1:1 and 8:1 for the default codec at d 128 only.
+          if (rows != kRows && (&nc != &kCodecs[0] || d != 128 || tokens == 4096)) continue;
+          const std::string name = std::string("Attend/") + nc.name + "/d" + std::to_string(d) +
+                                   "/t" + std::to_string(tokens) +
+                                   (rows != kRows ? "/rows" + std::to_string(rows) : "");
+          benchmark::RegisterBenchmark(name.c_str(), BM_Attend, nc, d, tokens, rows)
+              ->UseManualTime()
+              ->Iterations(20)
+              ->Unit(benchmark::kMicrosecond);
+        }
 }
 
 }  // namespace

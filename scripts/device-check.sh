@@ -34,7 +34,7 @@ done
 [[ "${1:-}" == "--tests-only" ]] && exit $status
 if [[ -x $bin/kvq-bench-cuda ]]; then
   start=$SECONDS
-  timeout 180 "$bin/kvq-bench-cuda" --benchmark_out="$OUTDIR/bench-cuda.json" \
+  timeout 300 "$bin/kvq-bench-cuda" --benchmark_out="$OUTDIR/bench-cuda.json" \
     --benchmark_out_format=json > "$OUTDIR/bench-cuda.txt" 2>&1 || status=1
   echo "device-check: kvq-bench-cuda in $((SECONDS - start)) s"; tail -40 "$OUTDIR/bench-cuda.txt"
 fi

@@ -9,9 +9,11 @@
 #include "attend_math.h"
 #include "host_call_scratch.h"
 #include "kvq/kernels/cuda.h"
+#include "tc_attend_math.h"
 
 namespace kvq::kernels::cuda {
 namespace am = attend_math;
+namespace tc = tc_attend;
 
 namespace {
 
@@ -24,6 +26,13 @@ struct DeviceCta {
     f(static_cast<int>(threadIdx.x), state);
     __syncthreads();
   }
+  // A phase of warp programs: each thread runs its lane of its warp's (f(warp, DeviceWarp&)).
+  template <class F>
+  __device__ __forceinline__ void WarpPhase(F&& f) {
+    warp_mma::DeviceWarp w;
+    f(static_cast<int>(threadIdx.x >> 5), w);
+    __syncthreads();
+  }
 };
 
 template <int MaxRows>
@@ -32,6 +41,14 @@ __global__ void AttendKernel(AttendParams p, am::Geometry g, int splits) {
   DeviceCta<am::AttendState<MaxRows>> cta;
   am::AttendCta<MaxRows>(cta, p, g, smem, static_cast<int>(blockIdx.y),
                          static_cast<int>(blockIdx.x), splits);
+}
+
+__global__ void __launch_bounds__(tc::kThreads)
+    TcAttendKernel(AttendParams p, tc::TcGeometry g, int splits) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  DeviceCta<tc::NoState> cta;
+  tc::TcAttendCta(cta, p, g, smem, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x),
+                  splits);
 }
 
 template <int MaxRows>
@@ -100,6 +117,28 @@ int LaunchAttend(const AttendParams& p, const am::Geometry& g, int splits, cudaS
   return static_cast<int>(cudaGetLastError());
 }
 
+int LaunchTcAttend(const AttendParams& p, const tc::TcGeometry& g, int splits,
+                   cudaStream_t stream) {
+  if (cudaError_t e = AllowSmem(TcAttendKernel, g.sm_bytes); e != cudaSuccess)
+    return static_cast<int>(e);
+  TcAttendKernel<<<dim3(splits, p.items), tc::kThreads, g.sm_bytes, stream>>>(p, g, splits);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// Whether the current device has tensor cores that take bf16 mma.sync (compute capability 8.0+).
+bool DeviceHasBf16Mma() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return false;
+  return major >= 8;
+}
+
+// The program a launch runs: the tensor-core one where the params and the device allow it.
+bool UseTensorCores(const AttendParams& p) {
+  return AttendOnTensorCores(p) && (p.program == kAttendTensorCores || DeviceHasBf16Mma());
+}
+
 template <int MaxRows>
 int LaunchDense(const DenseAttendParams& p, const am::DenseGeometry& g, int splits,
                 cudaStream_t stream) {
@@ -121,6 +160,12 @@ int LaunchMerge(void* workspace, int items, int rows, int d, int splits, float* 
 
 int AttendSplits(const AttendParams& p) {
   if (p.splits > 0) return std::max(1, std::min(p.splits, std::max(1, p.blocks)));
+  if (UseTensorCores(p)) {
+    const tc::TcGeometry tg = tc::MakeTcGeometry(p);
+    AllowSmem(TcAttendKernel, tg.sm_bytes);
+    return ChooseSplits(p.items, p.blocks,
+                        ResidentPerSm(TcAttendKernel, tc::kThreads, tg.sm_bytes));
+  }
   const am::Geometry g = am::MakeGeometry(p);
   int per_sm = 1;
   switch (RowsBucket(p.rows)) {
@@ -147,17 +192,23 @@ int Attend(const AttendParams& p, void* stream_ptr) {
                                                         p.rows * (p.codec.head_dim + 2))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const am::Geometry g = am::MakeGeometry(p);
+  if (p.program == kAttendTensorCores && !DeviceHasBf16Mma())
+    return static_cast<int>(cudaErrorInvalidDeviceFunction);
   int e = 0;
-  switch (RowsBucket(p.rows)) {
-    case 4:
-      e = LaunchAttend<4>(p, g, splits, stream);
-      break;
-    case 8:
-      e = LaunchAttend<8>(p, g, splits, stream);
-      break;
-    default:
-      e = LaunchAttend<16>(p, g, splits, stream);
+  const am::Geometry g = am::MakeGeometry(p);
+  if (UseTensorCores(p)) {
+    e = LaunchTcAttend(p, tc::MakeTcGeometry(p), splits, stream);
+  } else {
+    switch (RowsBucket(p.rows)) {
+      case 4:
+        e = LaunchAttend<4>(p, g, splits, stream);
+        break;
+      case 8:
+        e = LaunchAttend<8>(p, g, splits, stream);
+        break;
+      default:
+        e = LaunchAttend<16>(p, g, splits, stream);
+    }
   }
   if (e != 0) return e;
   return LaunchMerge(p.workspace, p.items, p.rows, p.codec.head_dim, splits, p.out, p.out_max,

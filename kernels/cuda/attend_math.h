@@ -618,6 +618,45 @@ KVQ_HD int ValueBlockBytes(const Geometry& g, const uint8_t* v) {
          g.d / 8 * (g.G + TagSum(v + kHeaderBytes, g.G));
 }
 
+// An item's range of blocks for one thread block, and its two staging buffers at `stage`
+// (block b in buffer b & 1 while b + 1 arrives in the other; each a key block, then a value
+// block at stage_value, both at their source's offset within a 16-byte word).
+struct ItemRun {
+  int b0, b1;
+  const float* q;   // the item's [rows][d]
+  const float* uq;  // the item's [rows][rank], or null
+  const uint8_t* const* kblocks;
+  const uint8_t* const* vblocks;
+  uint8_t* stage;
+  int stage_bytes, stage_value;
+  KVQ_HD uint8_t* Buffer(int b) const { return stage + ((b - b0) & 1) * stage_bytes; }
+  KVQ_HD const uint8_t* Key(int b) const {
+    return Buffer(b) + (reinterpret_cast<uintptr_t>(kblocks[b]) & 15u);
+  }
+  KVQ_HD const uint8_t* Value(int b) const {
+    return Buffer(b) + stage_value + (reinterpret_cast<uintptr_t>(vblocks[b]) & 15u);
+  }
+  // Thread tid's share of block b's copies (of `threads`).
+  KVQ_HD void Stage(const Geometry& g, int b, int tid, int threads) const {
+    StageAsync(kblocks[b], g.key_bytes, Buffer(b), tid, threads);
+    StageAsync(vblocks[b], ValueBlockBytes(g, vblocks[b]), Buffer(b) + stage_value, tid, threads);
+  }
+};
+
+KVQ_HD ItemRun ItemRunOf(const AttendParams& p, const Geometry& g, uint8_t* stage, int item,
+                         int split, int splits) {
+  ItemRun r{};
+  SplitRange(p.item_blocks ? p.item_blocks[item] : p.blocks, splits, split, &r.b0, &r.b1);
+  r.q = p.q + static_cast<int64_t>(item) * p.rows * g.d;
+  r.uq = g.rank > 0 ? p.uq + static_cast<int64_t>(item) * p.rows * g.rank : nullptr;
+  r.kblocks = p.key_blocks + static_cast<int64_t>(item) * p.block_stride;
+  r.vblocks = p.value_blocks + static_cast<int64_t>(item) * p.block_stride;
+  r.stage = stage;
+  r.stage_bytes = g.stage_bytes;
+  r.stage_value = g.stage_value;
+  return r;
+}
+
 // One thread block of the attend: item `item`, blocks of range `split` of `splits`. `sm`: the
 // thread block's shared memory (g.sm_bytes, 16-aligned). Block b + 1 is staged (cp.async)
 // while block b is scored and read out, so that a thread block's loads overlap its arithmetic;
@@ -647,29 +686,10 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
   float* corr = reinterpret_cast<float*>(sm + g.sm_corr);
   float* red = reinterpret_cast<float*>(sm + g.sm_red);
 
-  const int nb = p.item_blocks ? p.item_blocks[item] : p.blocks;
-  int b0, b1;
-  SplitRange(nb, splits, split, &b0, &b1);
-  const float* q = p.q + static_cast<int64_t>(item) * rows * d;
-  const float* uq = g.rank > 0 ? p.uq + static_cast<int64_t>(item) * rows * g.rank : nullptr;
-  const uint8_t* const* kblocks = p.key_blocks + static_cast<int64_t>(item) * p.block_stride;
-  const uint8_t* const* vblocks = p.value_blocks + static_cast<int64_t>(item) * p.block_stride;
-  // Where block b's key and value bytes sit in its staging buffer.
-  auto staged_key = [&](int b) {
-    return sm + g.sm_stage + ((b - b0) & 1) * g.stage_bytes +
-           (reinterpret_cast<uintptr_t>(kblocks[b]) & 15u);
-  };
-  auto staged_value = [&](int b) {
-    return sm + g.sm_stage + ((b - b0) & 1) * g.stage_bytes + g.stage_value +
-           (reinterpret_cast<uintptr_t>(vblocks[b]) & 15u);
-  };
-  auto stage = [&](int b, int tid) {
-    const uint8_t* kg = kblocks[b];
-    const uint8_t* vg = vblocks[b];
-    uint8_t* buf = sm + g.sm_stage + ((b - b0) & 1) * g.stage_bytes;
-    StageAsync(kg, g.key_bytes, buf, tid, T);
-    StageAsync(vg, ValueBlockBytes(g, vg), buf + g.stage_value, tid, T);
-  };
+  const ItemRun run = ItemRunOf(p, g, sm + g.sm_stage, item, split, splits);
+  const int b0 = run.b0, b1 = run.b1;
+  const float *q = run.q, *uq = run.uq;
+  auto stage = [&](int b, int tid) { run.Stage(g, b, tid, T); };
 
   cta.Phase([&](int tid, State& st) {
     if (b0 < b1) stage(b0, tid);
@@ -697,8 +717,8 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
   });
 
   for (int b = b0; b < b1; ++b) {
-    const uint8_t* kb = staged_key(b);
-    const uint8_t* vb = staged_value(b);
+    const uint8_t* kb = run.Key(b);
+    const uint8_t* vb = run.Value(b);
     // The next block's copies; this block's folded queries and score bias, and (per-token
     // widths) its record widths and offsets from the staged tags.
     cta.Phase([&](int tid, State&) {

@@ -8,13 +8,21 @@
 
 #include "../cuda/attend_math.h"
 #include "../cuda/host_cta.h"
+#include "../cuda/tc_attend_math.h"
 #include "kvq/kernels/cuda.h"
 #include "kvq/kernels/cuda_codec.h"
 
 namespace kvq::kernels::cuda {
 namespace am = attend_math;
+namespace tc = tc_attend;
 
 namespace {
+
+void MergeAll(const AttendParams& p, int splits) {
+  const int d = p.codec.head_dim;
+  for (int64_t w = 0; w < static_cast<int64_t>(p.items) * p.rows * d; ++w)
+    am::MergeOne(p.workspace, p.items, p.rows, d, splits, w, p.out, p.out_max, p.out_sum);
+}
 
 template <int MaxRows>
 void RunGrid(const AttendParams& p, const am::Geometry& g, int splits) {
@@ -28,9 +36,21 @@ void RunGrid(const AttendParams& p, const am::Geometry& g, int splits) {
       HostCta<am::AttendState<MaxRows>> cta(g.threads);
       am::AttendCta<MaxRows>(cta, p, g, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
     }
-  const int d = p.codec.head_dim;
-  for (int64_t w = 0; w < static_cast<int64_t>(p.items) * p.rows * d; ++w)
-    am::MergeOne(p.workspace, p.items, p.rows, d, splits, w, p.out, p.out_max, p.out_sum);
+  MergeAll(p, splits);
+}
+
+// The tensor-core program: its warps' products by warp_mma::HostWarp, lane by lane.
+void RunTcGrid(const AttendParams& p, int splits) {
+  const tc::TcGeometry tg = tc::MakeTcGeometry(p);
+  thread_local std::vector<am::Vec16> sm;
+  sm.resize((tg.sm_bytes + 15) / 16);
+  for (int item = 0; item < p.items; ++item)
+    for (int split = 0; split < splits; ++split) {
+      std::memset(sm.data(), 0xFF, sm.size() * sizeof(am::Vec16));
+      HostCta<tc::NoState> cta(tc::kThreads);
+      tc::TcAttendCta(cta, p, tg, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
+    }
+  MergeAll(p, splits);
 }
 
 }  // namespace
@@ -48,9 +68,17 @@ const char* AttendUnsupported(const AttendParams& p) {
   if (p.blocks > 0 && (!p.key_blocks || !p.value_blocks)) return "key_blocks, value_blocks: null";
   if (!p.q || (p.codec.rank > 0 && !p.uq)) return "q (and uq when rank > 0): null";
   if (!p.out || !p.out_max || !p.out_sum) return "out, out_max, out_sum: null";
+  if (p.program < kAttendAuto || p.program > kAttendCudaCores)
+    return "program: must be kAttendAuto, kAttendTensorCores or kAttendCudaCores";
+  if (p.program == kAttendTensorCores) return tc::TcUnsupported(p);
   if (am::MakeGeometry(p).sm_bytes > 227 * 1024)
     return "rows x head_dim x key_group: the thread block's shared memory exceeds 227 KiB";
   return nullptr;
+}
+
+bool AttendOnTensorCores(const AttendParams& p) {
+  return p.program == kAttendTensorCores ||
+         (p.program == kAttendAuto && tc::TcUnsupported(p) == nullptr);
 }
 
 int AttendOnHost(const AttendParams& p) {
@@ -64,6 +92,10 @@ int AttendOnHost(const AttendParams& p) {
   AttendParams hp = p;
   hp.workspace = ws.data();
   hp.workspace_bytes = 4 * ws.size();
+  if (AttendOnTensorCores(hp)) {
+    RunTcGrid(hp, splits);
+    return 0;
+  }
   const am::Geometry g = am::MakeGeometry(hp);
   if (p.rows <= 4) {
     RunGrid<4>(hp, g, splits);

@@ -15,6 +15,7 @@
 
 #include "kernels/cuda/attend_math.h"
 #include "kernels/cuda/host_cta.h"
+#include "kernels/cuda/tc_attend_math.h"
 #include "kvq/core/partial_attention.h"
 #include "tests/kernels/cuda_attend_cases.h"
 
@@ -38,7 +39,8 @@ struct HostRun {
   int error_flags = 0;
 };
 
-HostRun RunCase(const PreparedAttend& pa, int splits, std::vector<uint8_t>* pool = nullptr) {
+HostRun RunCase(const PreparedAttend& pa, int splits, std::vector<uint8_t>* pool = nullptr,
+                int program = kernels::cuda::kAttendAuto) {
   const int items = pa.cs.kv, rows = pa.rows(), d = pa.cs.o.head_dim;
   const uint8_t* base = pool ? pool->data() : pa.pool.data();
   std::vector<const uint8_t*> kp(pa.key_at.size()), vp(pa.value_at.size());
@@ -53,6 +55,7 @@ HostRun RunCase(const PreparedAttend& pa, int splits, std::vector<uint8_t>* pool
   AttendParams p = ParamsFor(pa, kp.data(), vp.data(), pa.q_base.data(), pa.uq.data(), r.out.data(),
                              r.mx.data(), r.sum.data());
   p.splits = splits;
+  p.program = program;
   p.error_flags = &r.error_flags;
   EXPECT_EQ(kernels::cuda::AttendOnHost(p), 0);
   return r;
@@ -64,27 +67,44 @@ HostRun RunCase(const PreparedAttend& pa, int splits, std::vector<uint8_t>* pool
 // difference). Observed up to 2.6e-6 * max|v| (legacy d128 gq7, one split over 33 blocks);
 // a wrong sign of the score bias fails it by far.
 constexpr float kTolerance = 4e-6f;
+// The tensor-core program's products carry the folded queries and weights as two bf16 each
+// (2^-17 relative) and sum in fp32. Observed up to 7.6e-6 * max|v| (d32 v1g16); a wrong
+// fragment index or a lost zero-point term fails it by far.
+constexpr float kTensorTolerance = 2e-5f;
 
 TEST(CudaAttendMath, MatchesCoreAttendOnEveryCaseAndSplitCount) {
-  for (const AttendCase& cs : AttendCases()) {
-    SCOPED_TRACE(cs.name);
-    const PreparedAttend pa = Prepare(cs);
-    ASSERT_EQ(pa.cache->sealed().size(), static_cast<size_t>(cs.nb));
-    ASSERT_FALSE(pa.want.empty());
-    for (int splits : {1, 3, 7, cs.nb + 2}) {  // more ranges than blocks: some are empty
-      SCOPED_TRACE(::testing::Message() << splits << " splits");
-      const HostRun r = RunCase(pa, splits);
-      EXPECT_EQ(r.error_flags, 0);
-      for (size_t i = 0; i < r.mx.size(); ++i) {
-        EXPECT_TRUE(std::isfinite(r.mx[i]));
-        EXPECT_GT(r.sum[i], 0.0f);
+  for (const AttendCase& cs : AttendCases())
+    for (int program : {kernels::cuda::kAttendCudaCores, kernels::cuda::kAttendTensorCores}) {
+      const bool tensor = program == kernels::cuda::kAttendTensorCores;
+      SCOPED_TRACE(cs.name + (tensor ? " tensor cores" : " cuda cores"));
+      const PreparedAttend pa = Prepare(cs);
+      ASSERT_EQ(pa.cache->sealed().size(), static_cast<size_t>(cs.nb));
+      ASSERT_FALSE(pa.want.empty());
+      if (tensor) {
+        std::vector<float> none(1);
+        AttendParams p = ParamsFor(pa, nullptr, nullptr, pa.q_base.data(), pa.uq.data(),
+                                   none.data(), none.data(), none.data());
+        p.blocks = 0;
+        if (const char* why = kernels::cuda::tc_attend::TcUnsupported(p)) {
+          printf("%-40s tensor cores: not run (%s)\n", cs.name.c_str(), why);
+          continue;
+        }
       }
-      const std::vector<float> got = CompleteOnCpu(pa, r.out, r.mx, r.sum);
-      const float worst = WorstError(got, pa.want);
-      EXPECT_LE(worst, kTolerance * pa.vmax);
-      printf("%-40s splits %2d: worst %.3g of max|v|\n", cs.name.c_str(), splits, worst / pa.vmax);
+      for (int splits : {1, 3, 7, cs.nb + 2}) {  // more ranges than blocks: some are empty
+        SCOPED_TRACE(::testing::Message() << splits << " splits");
+        const HostRun r = RunCase(pa, splits, nullptr, program);
+        EXPECT_EQ(r.error_flags, 0);
+        for (size_t i = 0; i < r.mx.size(); ++i) {
+          EXPECT_TRUE(std::isfinite(r.mx[i]));
+          EXPECT_GT(r.sum[i], 0.0f);
+        }
+        const std::vector<float> got = CompleteOnCpu(pa, r.out, r.mx, r.sum);
+        const float worst = WorstError(got, pa.want);
+        EXPECT_LE(worst, (tensor ? kTensorTolerance : kTolerance) * pa.vmax);
+        printf("%-40s %s splits %2d: worst %.3g of max|v|\n", cs.name.c_str(),
+               tensor ? "tensor" : "cuda  ", splits, worst / pa.vmax);
+      }
     }
-  }
 }
 
 // The A^2 case really has mixed widths (else its per-token offsets would go untested).

@@ -9,6 +9,9 @@
 //                 0, d 32..256, 1 to 33 blocks) at 1, 3 and automatic split counts, its
 //                 partial merged with the CPU's over sinks and window against LayerCache's
 //                 attend on the reference kernels; the header check must stay silent.
+//   attend_tc     the same on the tensor-core program (warp_mma.h's mma.sync), every case of
+//                 at most 8 rows: the real tensor cores against the fragment layouts that
+//                 cuda_math_test emulates.
 //   block_codec   encode, decode, scores and readout of blocks (tests/kernels/cuda_codec_cases.h)
 //                 against their CPU stand-ins, bit for bit.
 //   dense_attend  the fp16 baseline of kvq-bench-cuda against double-precision attention.
@@ -114,48 +117,57 @@ void ScoreCodesRows(std::vector<Row>* rows) {
                          }});
 }
 
+// Every case on each program that runs it (the tensor-core one takes at most 8 rows).
 void AttendRows(std::vector<Row>* rows) {
   for (const testing::AttendCase& cs : testing::AttendCases())
-    for (int splits : {1, 3, 0}) {
-      rows->push_back(
-          {"attend", absl::StrCat(cs.name, " splits ", splits ? absl::StrCat(splits) : "auto"),
-           [cs, splits](float* worst, float* tol) {
-             const testing::PreparedAttend pa = testing::Prepare(cs);
-             ASSERT_FALSE(pa.want.empty());
-             DeviceBuffers dev;
-             const uint8_t* pool = dev.Upload(pa.pool);
-             ASSERT_TRUE(pool) << dev.err;
-             std::vector<const uint8_t*> kp(pa.key_at.size()), vp(pa.value_at.size());
-             for (size_t i = 0; i < kp.size(); ++i) {
-               kp[i] = pool + pa.key_at[i];
-               vp[i] = pool + pa.value_at[i];
-             }
-             const size_t R = static_cast<size_t>(cs.kv) * cs.gq, d = cs.o.head_dim;
-             auto** dkp = dev.Upload(kp);
-             auto** dvp = dev.Upload(vp);
-             float *dq = dev.Upload(pa.q_base), *duq = dev.Upload(pa.uq);
-             float *dout = dev.Alloc<float>(R * d), *dmx = dev.Alloc<float>(R),
-                   *dsum = dev.Alloc<float>(R);
-             int* flags = dev.Upload(std::vector<int>{0});
-             ASSERT_TRUE(dkp && dvp && dq && duq && dout && dmx && dsum && flags) << dev.err;
-             cuda::AttendParams p = testing::ParamsFor(pa, dkp, dvp, dq, duq, dout, dmx, dsum);
-             p.splits = splits;
-             p.error_flags = flags;
-             ASSERT_EQ(cuda::AttendUnsupported(p), nullptr);
-             p.workspace_bytes = cuda::AttendWorkspaceBytes(p);
-             p.workspace = dev.Alloc<uint8_t>(p.workspace_bytes);
-             ASSERT_TRUE(p.workspace) << dev.err;
-             ASSERT_EQ(cuda::Attend(p, nullptr), 0);
-             const auto out = dev.Download(dout, R * d), mx = dev.Download(dmx, R),
-                        sum = dev.Download(dsum, R);
-             EXPECT_EQ(dev.Download(flags, 1).at(0), 0) << "a header check failed";
-             const auto got = testing::CompleteOnCpu(pa, out, mx, sum);
-             *worst = testing::WorstError(got, pa.want) / pa.vmax;
-             // FMA contraction and the device's expf against the host's: a few times
-             // the CPU program's worst (cuda_math_test prints it; 2.6e-6 at most).
-             *tol = 2e-5f;
-           }});
-    }
+    for (int program : {cuda::kAttendCudaCores, cuda::kAttendTensorCores})
+      for (int splits : {1, 3, 0}) {
+        const bool tensor = program == cuda::kAttendTensorCores;
+        if (tensor && cs.gq > 8) continue;
+        rows->push_back({tensor ? "attend_tc" : "attend",
+                         absl::StrCat(cs.name, " splits ", splits ? absl::StrCat(splits) : "auto"),
+                         [cs, splits, program, tensor](float* worst, float* tol) {
+                           const testing::PreparedAttend pa = testing::Prepare(cs);
+                           ASSERT_FALSE(pa.want.empty());
+                           DeviceBuffers dev;
+                           const uint8_t* pool = dev.Upload(pa.pool);
+                           ASSERT_TRUE(pool) << dev.err;
+                           std::vector<const uint8_t*> kp(pa.key_at.size()), vp(pa.value_at.size());
+                           for (size_t i = 0; i < kp.size(); ++i) {
+                             kp[i] = pool + pa.key_at[i];
+                             vp[i] = pool + pa.value_at[i];
+                           }
+                           const size_t R = static_cast<size_t>(cs.kv) * cs.gq, d = cs.o.head_dim;
+                           auto** dkp = dev.Upload(kp);
+                           auto** dvp = dev.Upload(vp);
+                           float *dq = dev.Upload(pa.q_base), *duq = dev.Upload(pa.uq);
+                           float *dout = dev.Alloc<float>(R * d), *dmx = dev.Alloc<float>(R),
+                                 *dsum = dev.Alloc<float>(R);
+                           int* flags = dev.Upload(std::vector<int>{0});
+                           ASSERT_TRUE(dkp && dvp && dq && duq && dout && dmx && dsum && flags)
+                               << dev.err;
+                           cuda::AttendParams p =
+                               testing::ParamsFor(pa, dkp, dvp, dq, duq, dout, dmx, dsum);
+                           p.splits = splits;
+                           p.program = program;
+                           p.error_flags = flags;
+                           ASSERT_EQ(cuda::AttendUnsupported(p), nullptr);
+                           p.workspace_bytes = cuda::AttendWorkspaceBytes(p);
+                           p.workspace = dev.Alloc<uint8_t>(p.workspace_bytes);
+                           ASSERT_TRUE(p.workspace) << dev.err;
+                           ASSERT_EQ(cuda::Attend(p, nullptr), 0);
+                           const auto out = dev.Download(dout, R * d), mx = dev.Download(dmx, R),
+                                      sum = dev.Download(dsum, R);
+                           EXPECT_EQ(dev.Download(flags, 1).at(0), 0) << "a header check failed";
+                           const auto got = testing::CompleteOnCpu(pa, out, mx, sum);
+                           *worst = testing::WorstError(got, pa.want) / pa.vmax;
+                           // FMA contraction and the device's expf against the host's: a few times
+                           // the CPU program's worst (cuda_math_test prints it; 2.6e-6 at most for
+                           // the CUDA-core program, 7.6e-6 for the tensor-core one, whose tensor
+                           // cores also sum in an order of their own).
+                           *tol = tensor ? 6e-5f : 2e-5f;
+                         }});
+      }
 }
 
 // The block codec's six ops (encode keys and values, decode both, scores, readout) on the
