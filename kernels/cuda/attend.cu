@@ -43,12 +43,13 @@ __global__ void AttendKernel(AttendParams p, am::Geometry g, int splits) {
                          static_cast<int>(blockIdx.x), splits);
 }
 
+template <int KJ, int VJ>
 __global__ void __launch_bounds__(tc::kThreads)
     TcAttendKernel(AttendParams p, tc::TcGeometry g, int splits) {
   extern __shared__ __align__(16) uint8_t smem[];
   DeviceCta<tc::NoState> cta;
-  tc::TcAttendCta(cta, p, g, smem, static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x),
-                  splits);
+  tc::TcAttendCta<KJ, VJ>(cta, p, g, smem, static_cast<int>(blockIdx.y),
+                          static_cast<int>(blockIdx.x), splits);
 }
 
 template <int MaxRows>
@@ -119,10 +120,28 @@ int LaunchAttend(const AttendParams& p, const am::Geometry& g, int splits, cudaS
 
 int LaunchTcAttend(const AttendParams& p, const tc::TcGeometry& g, int splits,
                    cudaStream_t stream) {
-  if (cudaError_t e = AllowSmem(TcAttendKernel, g.sm_bytes); e != cudaSuccess)
-    return static_cast<int>(e);
-  TcAttendKernel<<<dim3(splits, p.items), tc::kThreads, g.sm_bytes, stream>>>(p, g, splits);
-  return static_cast<int>(cudaGetLastError());
+  int e = 0;
+  tc::WithTilings(g, [&](auto kj, auto vj) {
+    auto kernel = TcAttendKernel<decltype(kj)::value, decltype(vj)::value>;
+    if (cudaError_t r = AllowSmem(kernel, g.sm_bytes); r != cudaSuccess) {
+      e = static_cast<int>(r);
+      return;
+    }
+    kernel<<<dim3(splits, p.items), tc::kThreads, g.sm_bytes, stream>>>(p, g, splits);
+    e = static_cast<int>(cudaGetLastError());
+  });
+  return e;
+}
+
+// Resident tensor-core thread blocks per SM for these params.
+int TcResidentPerSm(const tc::TcGeometry& g) {
+  int n = 1;
+  tc::WithTilings(g, [&](auto kj, auto vj) {
+    auto kernel = TcAttendKernel<decltype(kj)::value, decltype(vj)::value>;
+    AllowSmem(kernel, g.sm_bytes);
+    n = ResidentPerSm(kernel, tc::kThreads, g.sm_bytes);
+  });
+  return n;
 }
 
 // Whether the current device has tensor cores that take bf16 mma.sync (compute capability 8.0+).
@@ -161,10 +180,7 @@ int LaunchMerge(void* workspace, int items, int rows, int d, int splits, float* 
 int AttendSplits(const AttendParams& p) {
   if (p.splits > 0) return std::max(1, std::min(p.splits, std::max(1, p.blocks)));
   if (UseTensorCores(p)) {
-    const tc::TcGeometry tg = tc::MakeTcGeometry(p);
-    AllowSmem(TcAttendKernel, tg.sm_bytes);
-    return ChooseSplits(p.items, p.blocks,
-                        ResidentPerSm(TcAttendKernel, tc::kThreads, tg.sm_bytes));
+    return ChooseSplits(p.items, p.blocks, TcResidentPerSm(tc::MakeTcGeometry(p)));
   }
   const am::Geometry g = am::MakeGeometry(p);
   int per_sm = 1;

@@ -14,8 +14,10 @@
 // A lane's rows of an A tile are picked so that its codes sit next to each other in the
 // block: tile row g holds token (or channel) 2g and row g + 8 token 2g + 1, so one window of
 // the packed codes gives both (the score and readout tiles are permuted back on the way out).
-// Query rows are the mma's n: up to 8 rows per item (GQA groups of 1-8); rows beyond `rows`
-// carry zero queries and weights.
+// Query rows are the mma's n: up to 8 rows per item (GQA groups of 1-8); B's columns beyond
+// `rows` repeat its rows and C's are never read (a column of C depends on its column of B alone).
+// A warp takes J tiles side by side (KJ token tiles, VJ channel tiles), so that a lane's 2J
+// codes of a row share one window and every B fragment serves J products.
 #pragma once
 
 #include <type_traits>
@@ -43,6 +45,7 @@ struct TcGeometry {
   int kq, bq_stride;          // the scores' k extent (16 (key_steps + side_steps)), B row stride
   int bv_stride;              // the readout's B row stride (G + kPad)
   int zpairs, zslices;        // (value group + the denominator) x rows, token slices of their sums
+  int kj, vj;                 // tiles a warp takes side by side: score tiles, readout tiles
   int sm_q, sm_uq, sm_bq_hi, sm_bq_lo, sm_zpart, sm_vs, sm_vz, sm_width, sm_off, sm_part, sm_p,
       sm_w, sm_pmax, sm_m, sm_corr, sm_bv_hi, sm_bv_lo, sm_zt, sm_o, sm_l, sm_stage, sm_bytes;
 };
@@ -57,8 +60,12 @@ KVQ_HD TcGeometry MakeTcGeometry(const AttendParams& p) {
   tg.kq = 16 * (tg.key_steps + tg.side_steps);
   tg.bq_stride = tg.kq + kPad;
   tg.bv_stride = g.G + kPad;
-  tg.zpairs = (g.ng + 1) * kRows;
+  tg.zpairs = (g.ng + 1) * p.rows;
   tg.zslices = tg.zpairs >= kThreads ? 1 : kThreads / tg.zpairs;
+  // Two tiles a warp where the four warps still all get work, and (readout) a value group
+  // spans both.
+  tg.kj = g.G >= 128 ? 2 : 1;
+  tg.vj = g.d >= 128 && g.value_group % 32 == 0 ? 2 : 1;
   int at = 0;
   auto take = [&at](int bytes) {
     const int o = at;
@@ -67,23 +74,23 @@ KVQ_HD TcGeometry MakeTcGeometry(const AttendParams& p) {
   };
   tg.sm_q = take(4 * kRows * g.d);  // [d][kRows]
   tg.sm_uq = take(4 * kRows * g.rank);
-  tg.sm_bq_hi = take(2 * kRows * tg.bq_stride);  // [kRows][bq_stride] bf16
-  tg.sm_bq_lo = take(2 * kRows * tg.bq_stride);
+  tg.sm_bq_hi = take(2 * p.rows * tg.bq_stride);  // [rows][bq_stride] bf16
+  tg.sm_bq_lo = take(2 * p.rows * tg.bq_stride);
   tg.sm_zpart = take(4 * kBiasSlices * kRows);
   tg.sm_vs = take(4 * g.G * g.ng);  // [G][ng]: raw value scales, zero points
   tg.sm_vz = take(4 * g.G * g.ng);
   tg.sm_width = take(4 * g.G);
   tg.sm_off = take(4 * (g.G + 1));
-  tg.sm_part = take(4 * kRows * g.G);  // raw scores [rows][G]
-  tg.sm_p = take(4 * kRows * g.G);     // logits [rows][G]
-  tg.sm_w = take(4 * g.G * kRows);     // weights [G][kRows]
+  tg.sm_part = take(4 * p.rows * g.G);  // raw scores [rows][G]
+  tg.sm_p = take(4 * p.rows * g.G);     // logits [rows][G]
+  tg.sm_w = take(4 * g.G * kRows);      // weights [G][kRows]
   tg.sm_pmax = take(4 * kThreads);
   tg.sm_m = take(4 * kRows);
   tg.sm_corr = take(4 * kRows);
-  tg.sm_bv_hi = take(2 * g.ng * kRows * tg.bv_stride);  // [ng][kRows][bv_stride] bf16
-  tg.sm_bv_lo = take(2 * g.ng * kRows * tg.bv_stride);
-  tg.sm_zt = take(4 * tg.zslices * tg.zpairs);  // [zslices][ng + 1][kRows]
-  tg.sm_o = take(4 * kRows * g.d);              // the running output [kRows][d]
+  tg.sm_bv_hi = take(2 * g.ng * p.rows * tg.bv_stride);  // [ng][rows][bv_stride] bf16
+  tg.sm_bv_lo = take(2 * g.ng * p.rows * tg.bv_stride);
+  tg.sm_zt = take(4 * tg.zslices * tg.zpairs);  // [zslices][ng + 1][rows]
+  tg.sm_o = take(4 * p.rows * g.d);             // the running output [rows][d]
   tg.sm_l = take(4 * kRows);
   tg.sm_stage = take(2 * g.stage_bytes);
   tg.sm_bytes = at;
@@ -101,6 +108,24 @@ KVQ_HD const char* TcUnsupported(const AttendParams& p) {
   return nullptr;
 }
 
+// Calls f(KJ, VJ) with tg's tilings as std::integral_constant values (one program each).
+template <class F>
+inline void WithTilings(const TcGeometry& tg, F&& f) {
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  if (tg.kj == 2) {
+    if (tg.vj == 2)
+      f(Two{}, Two{});
+    else
+      f(Two{}, One{});
+  } else {
+    if (tg.vj == 2)
+      f(One{}, Two{});
+    else
+      f(One{}, One{});
+  }
+}
+
 // Two bf16 at p (4-aligned) as one register.
 KVQ_HD uint32_t LoadPair(const uint16_t* p) {
 #ifdef __CUDA_ARCH__
@@ -112,64 +137,109 @@ KVQ_HD uint32_t LoadPair(const uint16_t* p) {
 #endif
 }
 
-// Two adjacent codes of `bits` from bit `bit` of the packed row at `row`.
-KVQ_HD void CodesAt(const uint8_t* row, int bit, int bits, uint32_t* c0, uint32_t* c1) {
-  const uint32_t w = Window32(row + (bit >> 3)) >> (bit & 7), mask = (1u << bits) - 1u;
-  *c0 = w & mask;
-  *c1 = (w >> bits) & mask;
+// The packed codes from bit `bit` of the row at `row` on, shifted down to bit 0 (at least 25
+// bits of them; 32 when `bit` is a multiple of 8).
+KVQ_HD uint32_t WindowAt(const uint8_t* row, int bit) {
+  return Window32(row + (bit >> 3)) >> (bit & 7);
 }
 
-// A lane's A fragment of the scores: token tile `tile` (tokens 16 tile + 2 (lane / 4) and the
-// next in rows g and g + 8), k step ks (key channels 16 ks.., or side coefficients past
-// key_steps; those beyond rank are zero).
-KVQ_HD void KeyFragment(const TcGeometry& tg, const uint8_t* kb, int tile, int ks, int lane,
-                        uint32_t (&a)[4]) {
-  const Geometry& g = tg.b;
-  const int gq = lane >> 2, t4 = lane & 3, tok = 16 * tile + 2 * gq;
-  const bool side = ks >= tg.key_steps;
-  const int bits = side ? g.side_bits : g.key_bits;
-  uint32_t c[4][2];
+// The low 16 bits of x, then those of y, as one register.
+KVQ_HD uint32_t Halves(uint32_t x, uint32_t y) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(x, y, 0x5410);
+#else
+  return (x & 0xFFFFu) | (y << 16);
+#endif
+}
+
+// The A fragments of J tiles from a lane's four windows w[e] (code k of window e at bit
+// k bits[e]): a[j][r + 2h] pairs code 2j + r of windows 2h and 2h + 1 (the m16n8k16 A layout,
+// warp_mma.h, once the caller has put the lane's rows g and g + 8 of tile j at codes 2j and
+// 2j + 1 and its k columns 2t, 2t + 1, 2t + 8, 2t + 9 in windows 0..3). When every window has
+// the same width and a pair of windows fits a register's halves, two codes a shift and a mask
+// (bits_max: the widest code, for warp_mma::CodePair).
+template <int J>
+KVQ_HD void FragmentsFromWindows(const uint32_t (&w)[4], const int (&bits)[4], bool uniform,
+                                 int bits_max, uint32_t (&a)[J][4]) {
+  if (uniform && 2 * J * bits[0] <= 16) {
+    const int b = bits[0];
+    const uint32_t mask = ((1u << b) - 1u) * 0x10001u;
+    const uint32_t p0 = Halves(w[0], w[1]), p1 = Halves(w[2], w[3]);
+    KVQ_UNROLL
+    for (int j = 0; j < J; ++j) {
+      KVQ_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        a[j][r] = warp_mma::CodePair((p0 >> ((2 * j + r) * b)) & mask, b);
+        a[j][r + 2] = warp_mma::CodePair((p1 >> ((2 * j + r) * b)) & mask, b);
+      }
+    }
+    return;
+  }
   KVQ_UNROLL
-  for (int e = 0; e < 4; ++e) {
-    const int kk = 2 * t4 + (e & 1) + 8 * (e >> 1);
-    if (!side) {
-      CodesAt(kb + g.k_codes + (16 * ks + kk) * g.key_row, tok * bits, bits, &c[e][0], &c[e][1]);
-    } else if (const int j = 16 * (ks - tg.key_steps) + kk; j < g.rank) {
-      CodesAt(kb + g.s_codes + j * g.side_row, tok * bits, bits, &c[e][0], &c[e][1]);
-    } else {
-      c[e][0] = c[e][1] = 0;
+  for (int j = 0; j < J; ++j) {
+    KVQ_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      KVQ_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int b0 = bits[2 * h], b1 = bits[2 * h + 1];
+        const uint32_t lo = (w[2 * h] >> ((2 * j + r) * b0)) & ((1u << b0) - 1u);
+        const uint32_t hi = (w[2 * h + 1] >> ((2 * j + r) * b1)) & ((1u << b1) - 1u);
+        a[j][r + 2 * h] = warp_mma::CodePair(lo | (hi << 16), bits_max);
+      }
     }
   }
-  a[0] = warp_mma::CodePair(c[0][0], c[1][0], bits);  // token tok, channels 2t4, 2t4 + 1
-  a[1] = warp_mma::CodePair(c[0][1], c[1][1], bits);  // token tok + 1
-  a[2] = warp_mma::CodePair(c[2][0], c[3][0], bits);  // channels 2t4 + 8, 2t4 + 9
-  a[3] = warp_mma::CodePair(c[2][1], c[3][1], bits);
 }
 
-// A lane's A fragment of the readout: channels c0 + 2 (lane / 4) and the next in rows g and
-// g + 8, tokens 16 ks + 2 (lane % 4) + {0, 1, 8, 9} (each record at off[t], width[t] bits).
-KVQ_HD void ValueFragment(const TcGeometry& tg, const uint8_t* vb, const int* off, const int* width,
-                          int c0, int ks, int lane, uint32_t (&a)[4]) {
+// A lane's A fragments of J score tiles over the warp's 16 J tokens from tok0: the lane's 2J
+// tokens tok0 + 2J (lane / 4) + 0 .. 2J - 1 sit next to each other in every channel's row (tile
+// j's rows g and g + 8 take its tokens 2j and 2j + 1); k step ks: key channels 16 ks + 2 (lane
+// % 4) + {0, 1, 8, 9}, or past key_steps the side coefficients (zero beyond rank).
+template <int J>
+KVQ_HD void KeyFragments(const TcGeometry& tg, const uint8_t* kb, int tok0, int ks, int lane,
+                         uint32_t (&a)[J][4]) {
   const Geometry& g = tg.b;
-  const int gq = lane >> 2, t4 = lane & 3, ch = c0 + 2 * gq;
-  uint32_t c[4][2];
+  const bool side = ks >= tg.key_steps;
+  const int bits = side ? g.side_bits : g.key_bits;
+  const uint8_t* rows = side ? kb + g.s_codes : kb + g.k_codes;
+  const int row_bytes = side ? g.side_row : g.key_row;
+  const int c0 = 16 * (side ? ks - tg.key_steps : ks), limit = side ? g.rank : g.d;
+  const int bit = (tok0 + 2 * J * (lane >> 2)) * bits;
+  uint32_t w[4];
   KVQ_UNROLL
   for (int e = 0; e < 4; ++e) {
-    const int t = 16 * ks + 2 * t4 + (e & 1) + 8 * (e >> 1), bits = width[t];
-    CodesAt(vb + off[t] + 4 * g.ng, ch * bits, bits, &c[e][0], &c[e][1]);
+    const int c = c0 + 2 * (lane & 3) + (e & 1) + 8 * (e >> 1);
+    w[e] = c < limit ? WindowAt(rows + c * row_bytes, bit) : 0u;
   }
-  const int bits = g.value_bits == 0 ? 4 : g.value_bits;  // per-token widths: at most 4
-  a[0] = warp_mma::CodePair(c[0][0], c[1][0], bits);      // channel ch, tokens t, t + 1
-  a[1] = warp_mma::CodePair(c[0][1], c[1][1], bits);      // channel ch + 1
-  a[2] = warp_mma::CodePair(c[2][0], c[3][0], bits);      // tokens t + 8, t + 9
-  a[3] = warp_mma::CodePair(c[2][1], c[3][1], bits);
+  const int widths[4] = {bits, bits, bits, bits};
+  FragmentsFromWindows<J>(w, widths, true, bits, a);
 }
 
-// A lane's B fragments (hi and lo) from rows [n][k] of bf16 at `stride`: n = lane / 4,
-// k = k0 + 2 (lane % 4) (+ 8).
-KVQ_HD void BFragments(const uint16_t* hi, const uint16_t* lo, int stride, int k0, int lane,
-                       uint32_t (&bh)[2], uint32_t (&bl)[2]) {
-  const int at = (lane >> 2) * stride + k0 + 2 * (lane & 3);
+// A lane's A fragments of J readout tiles over the warp's 16 J channels from ch0: the lane's 2J
+// channels ch0 + 2J (lane / 4) + 0 .. 2J - 1 sit next to each other in every token's record
+// (tile j's rows g and g + 8 take its channels 2j and 2j + 1); k step ks: tokens 16 ks +
+// 2 (lane % 4) + {0, 1, 8, 9}, each record at off[t], width[t] bits.
+template <int J>
+KVQ_HD void ValueFragments(const TcGeometry& tg, const uint8_t* vb, const int* off,
+                           const int* width, int ch0, int ks, int lane, uint32_t (&a)[J][4]) {
+  const Geometry& g = tg.b;
+  const int ch = ch0 + 2 * J * (lane >> 2);
+  uint32_t w[4];
+  int bits[4];
+  KVQ_UNROLL
+  for (int e = 0; e < 4; ++e) {
+    const int t = 16 * ks + 2 * (lane & 3) + (e & 1) + 8 * (e >> 1);
+    bits[e] = width[t];
+    w[e] = WindowAt(vb + off[t] + 4 * g.ng, ch * bits[e]);
+  }
+  FragmentsFromWindows<J>(w, bits, g.value_bits != 0, g.value_bits == 0 ? 4 : g.value_bits, a);
+}
+
+// A lane's B fragments (hi and lo) from `rows` rows [n][k] of bf16 at `stride`: n = lane / 4,
+// k = k0 + 2 (lane % 4) (+ 8). The columns n >= rows repeat row n % rows (results never read;
+// the same address as another lane's, so no bank conflict).
+KVQ_HD void BFragments(const uint16_t* hi, const uint16_t* lo, int stride, int rows, int k0,
+                       int lane, uint32_t (&bh)[2], uint32_t (&bl)[2]) {
+  const int at = (lane >> 2) % rows * stride + k0 + 2 * (lane & 3);
   bh[0] = LoadPair(hi + at);
   bh[1] = LoadPair(hi + at + 8);
   bl[0] = LoadPair(lo + at);
@@ -183,7 +253,7 @@ struct NoState {};
 // copies; the scores' B and bias; per-token record offsets), Scores (warps over token tiles;
 // the value scales to fp32), Logits, RowMax, Weights, ValueB (the readout's B and the zero
 // point and denominator sums), Readout (warps over channel tiles).
-template <class Cta>
+template <int KJ, int VJ, class Cta>
 KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, uint8_t* sm,
                         int item, int split, int splits) {
   const Geometry& g = tg.b;
@@ -220,8 +290,8 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
     for (int w = tid; w < kRows * d; w += T) {
       const int c = w / kRows, i = w % kRows;
       qs[w] = i < rows ? q[i * d + c] : 0.0f;
-      o[w] = 0.0f;
     }
+    for (int w = tid; w < rows * d; w += T) o[w] = 0.0f;
     for (int w = tid; w < kRows * g.rank; w += T) {
       const int c = w / kRows, i = w % kRows;
       uqs[w] = i < rows ? p.side_sign * uq[i * g.rank + c] : 0.0f;
@@ -243,7 +313,7 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
     cta.Phase([&](int tid, NoState&) {
       if (b + 1 < b1) stage(b + 1, tid);
       // The scores' B: bq[i][k] = q_ik s_k (k < d), side_sign uq_ij ss_j (k = d + j, j < rank).
-      for (int w = tid; w < kRows * tg.kq; w += T) {
+      for (int w = tid; w < rows * tg.kq; w += T) {
         const int i = w / tg.kq, k = w % tg.kq, j = k - d;
         float x = 0.0f;
         if (k < d)
@@ -268,25 +338,35 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
                  d / 8 * (t + attend_math::TagSum(vb + format::kHeaderBytes, t));
       }
     });
+    // Scores: warps over runs of 16 KJ tokens (KJ tiles sharing each B fragment).
     cta.WarpPhase([&](int warp, auto& wp) {
       constexpr int L = std::remove_reference_t<decltype(wp)>::kLanes;
-      for (int tile = warp; tile < G / 16; tile += kWarps) {
-        float c[L][4] = {};
+      for (int run0 = 16 * KJ * warp; run0 < G; run0 += 16 * KJ * kWarps) {
+        float c[KJ][L][4] = {};
         for (int ks = 0; ks < tg.key_steps + tg.side_steps; ++ks) {
-          uint32_t a[L][4], bh[L][2], bl[L][2];
+          uint32_t a[KJ][L][4], bh[L][2], bl[L][2];
           for (int x = 0; x < L; ++x) {
             const int lane = wp.Lane(x);
-            KeyFragment(tg, kb, tile, ks, lane, a[x]);
-            BFragments(bq_hi, bq_lo, tg.bq_stride, 16 * ks, lane, bh[x], bl[x]);
+            uint32_t ax[KJ][4];
+            KeyFragments<KJ>(tg, kb, run0, ks, lane, ax);
+            KVQ_UNROLL
+            for (int j = 0; j < KJ; ++j) KVQ_UNROLL
+            for (int r = 0; r < 4; ++r) a[j][x][r] = ax[j][r];
+            BFragments(bq_hi, bq_lo, tg.bq_stride, rows, 16 * ks, lane, bh[x], bl[x]);
           }
-          wp.Mma(a, bh, c);
-          wp.Mma(a, bl, c);
-        }
-        for (int x = 0; x < L; ++x) {
-          const int lane = wp.Lane(x), tok = 16 * tile + 2 * (lane >> 2), n = 2 * (lane & 3);
           KVQ_UNROLL
+          for (int j = 0; j < KJ; ++j) {
+            wp.Mma(a[j], bh, c[j]);
+            wp.Mma(a[j], bl, c[j]);
+          }
+        }
+        // Tile j's row g (g + 8) is the lane's token 2j (2j + 1); columns 2t, 2t + 1 its rows.
+        for (int x = 0; x < L; ++x) {
+          const int lane = wp.Lane(x), tok = run0 + 2 * KJ * (lane >> 2), n = 2 * (lane & 3);
+          KVQ_UNROLL
+          for (int j = 0; j < KJ; ++j) KVQ_UNROLL
           for (int e = 0; e < 4; ++e)
-            if (n + (e & 1) < rows) part[(n + (e & 1)) * G + tok + (e >> 1)] = c[x][e];
+            if (n + (e & 1) < rows) part[(n + (e & 1)) * G + tok + 2 * j + (e >> 1)] = c[j][x][e];
         }
       }
       for (int x = 0; x < L; ++x) {
@@ -323,13 +403,13 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
     // The readout's B: bv[grp][i][t] = p_it s_tg; and the sums over token slices of p_it z_tg
     // (group ng: of p_it, the denominator's terms).
     cta.Phase([&](int tid, NoState&) {
-      for (int w = tid; w < ng * kRows * G; w += T) {
-        const int gr = w / (kRows * G), i = w / G % kRows, t = w % G;
-        const int at = (gr * kRows + i) * tg.bv_stride + t;
+      for (int w = tid; w < ng * rows * G; w += T) {
+        const int gr = w / (rows * G), i = w / G % rows, t = w % G;
+        const int at = (gr * rows + i) * tg.bv_stride + t;
         warp_mma::SplitBf16(pw[t * kRows + i] * vs[t * ng + gr], bv_hi + at, bv_lo + at);
       }
       for (int w = tid; w < tg.zpairs * tg.zslices; w += T) {
-        const int pair = w % tg.zpairs, sl = w / tg.zpairs, gr = pair / kRows, i = pair % kRows;
+        const int pair = w % tg.zpairs, sl = w / tg.zpairs, gr = pair / rows, i = pair % rows;
         float a = 0.0f;
         for (int t = sl; t < G; t += tg.zslices)
           a += pw[t * kRows + i] * (gr < ng ? vz[t * ng + gr] : 1.0f);
@@ -344,33 +424,42 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
         for (int sl = 0; sl < tg.zslices; ++sl) z += zt[sl * tg.zpairs + pair];
         return z;
       };
-      for (int ct = warp; ct < d / 16; ct += kWarps) {
-        const int c0 = 16 * ct, gr = c0 / g.value_group;
-        const uint16_t* hi = bv_hi + gr * kRows * tg.bv_stride;
-        const uint16_t* lo = bv_lo + gr * kRows * tg.bv_stride;
-        float c[L][4] = {};
+      for (int ch0 = 16 * VJ * warp; ch0 < d; ch0 += 16 * VJ * kWarps) {
+        const int gr = ch0 / g.value_group;  // one group: value_group a multiple of 16 VJ
+        const uint16_t* hi = bv_hi + gr * rows * tg.bv_stride;
+        const uint16_t* lo = bv_lo + gr * rows * tg.bv_stride;
+        float c[VJ][L][4] = {};
         for (int ks = 0; ks < G / 16; ++ks) {
-          uint32_t a[L][4], bh[L][2], bl[L][2];
+          uint32_t a[VJ][L][4], bh[L][2], bl[L][2];
           for (int x = 0; x < L; ++x) {
             const int lane = wp.Lane(x);
-            ValueFragment(tg, vb, off, width, c0, ks, lane, a[x]);
-            BFragments(hi, lo, tg.bv_stride, 16 * ks, lane, bh[x], bl[x]);
+            uint32_t ax[VJ][4];
+            ValueFragments<VJ>(tg, vb, off, width, ch0, ks, lane, ax);
+            KVQ_UNROLL
+            for (int j = 0; j < VJ; ++j) KVQ_UNROLL
+            for (int r = 0; r < 4; ++r) a[j][x][r] = ax[j][r];
+            BFragments(hi, lo, tg.bv_stride, rows, 16 * ks, lane, bh[x], bl[x]);
           }
-          wp.Mma(a, bh, c);
-          wp.Mma(a, bl, c);
-        }
-        for (int x = 0; x < L; ++x) {
-          const int lane = wp.Lane(x), ch = c0 + 2 * (lane >> 2), n = 2 * (lane & 3);
           KVQ_UNROLL
+          for (int j = 0; j < VJ; ++j) {
+            wp.Mma(a[j], bh, c[j]);
+            wp.Mma(a[j], bl, c[j]);
+          }
+        }
+        // Tile j's row g (g + 8) is the lane's channel 2j (2j + 1); columns 2t, 2t + 1 its rows.
+        for (int x = 0; x < L; ++x) {
+          const int lane = wp.Lane(x), ch = ch0 + 2 * VJ * (lane >> 2), n = 2 * (lane & 3);
+          KVQ_UNROLL
+          for (int j = 0; j < VJ; ++j) KVQ_UNROLL
           for (int e = 0; e < 4; ++e) {
-            const int i = n + (e & 1), at = i * d + ch + (e >> 1);
-            if (i < rows) o[at] = o[at] * corr[i] + c[x][e] + zsum(gr * kRows + i);
+            const int i = n + (e & 1), at = i * d + ch + 2 * j + (e >> 1);
+            if (i < rows) o[at] = o[at] * corr[i] + c[j][x][e] + zsum(gr * rows + i);
           }
         }
       }
       for (int x = 0; x < L; ++x) {
         const int tid = 32 * warp + wp.Lane(x);
-        if (tid < rows) l[tid] = l[tid] * corr[tid] + zsum(ng * kRows + tid);
+        if (tid < rows) l[tid] = l[tid] * corr[tid] + zsum(ng * rows + tid);
         attend_math::WaitStaged();
       }
     });

@@ -36,22 +36,23 @@ KVQ_HD void SplitBf16(float x, uint16_t* hi, uint16_t* lo) {
   *lo = static_cast<uint16_t>(Bf16Bits(x - Bf16Value(h)));
 }
 
-// Two codes (integers in [0, 2^bits), bits <= 8) as a bf16 pair, lo in the low half: exact.
-// On the GPU for bits <= 7 without a conversion: 0x4300 | code is the bf16 128 + code, and one
-// packed fma (x 1 - 128, exact) leaves the code (Marlin's magic-number dequantization).
-KVQ_HD uint32_t CodePair(uint32_t lo, uint32_t hi, int bits) {
+// Two codes (integers in [0, 2^bits), bits <= 8) in the low and high halves of `halves` as a
+// bf16 pair: exact. On the GPU for bits <= 7 without a conversion: 0x4300 | code is the bf16
+// 128 + code, and one packed fma (x 1 - 128, exact) leaves the code (Marlin's magic-number
+// dequantization).
+KVQ_HD uint32_t CodePair(uint32_t halves, int bits) {
 #ifdef __CUDA_ARCH__
   if (bits <= 7) {
-    const uint32_t biased = 0x43004300u | lo | (hi << 16);
     uint32_t out;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
         : "=r"(out)
-        : "r"(biased), "r"(0x3F803F80u), "r"(0xC300C300u));
+        : "r"(0x43004300u | halves), "r"(0x3F803F80u), "r"(0xC300C300u));
     return out;
   }
 #endif
   (void)bits;
-  return Bf16Bits(static_cast<float>(lo)) | (Bf16Bits(static_cast<float>(hi)) << 16);
+  return Bf16Bits(static_cast<float>(halves & 0xFFFFu)) |
+         (Bf16Bits(static_cast<float>(halves >> 16)) << 16);
 }
 
 #ifdef __CUDACC__

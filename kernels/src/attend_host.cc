@@ -48,7 +48,10 @@ void RunTcGrid(const AttendParams& p, int splits) {
     for (int split = 0; split < splits; ++split) {
       std::memset(sm.data(), 0xFF, sm.size() * sizeof(am::Vec16));
       HostCta<tc::NoState> cta(tc::kThreads);
-      tc::TcAttendCta(cta, p, tg, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
+      tc::WithTilings(tg, [&](auto kj, auto vj) {
+        tc::TcAttendCta<decltype(kj)::value, decltype(vj)::value>(
+            cta, p, tg, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
+      });
     }
   MergeAll(p, splits);
 }
