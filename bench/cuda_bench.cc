@@ -2,7 +2,7 @@
 // same run, on the same bytes or the same tokens.
 //
 //   Attend/<codec>/d<d>/t<tokens>[/rows<n>]  one launch of kernels::cuda::Attend (its default
-//       program: the tensor-core one wherever it runs) over `items` KV heads
+//       program, the CUDA-core one) over `items` KV heads
 //       (independent sequences) of `tokens` tokens each, 4 query rows per KV head (GQA 4:1, as
 //       Llama-3-8B; SmolLM2 has 3, Qwen2.5-0.5B 7; /rows<n>: n), items chosen so that the codes of
 //       one launch are >= 1 GiB (far beyond the 60 MB L2: every byte comes from HBM). Time per
@@ -16,9 +16,10 @@
 //                        the memory bandwidth (a fair fp16 decode kernel is near 1)
 //         dense_speedup  DenseAttend time / attend time (same tokens, same rows)
 //         attend_us, dense_us, stream_us  the three mean times per launch
-//         tensor_cores   1 when the default program is the tensor-core one
-//         cuda_core_us   the same launch on the CUDA-core program (kAttendCudaCores)
-//         vs_cuda_cores  cuda_core_us / attend_us
+//         tensor_us      the same launch on the tensor-core program (kAttendTensorCores),
+//                        timed interleaved with the others
+//         tensor_speedup attend_us / tensor_us; tensor_frac_of_stream, tensor_dense_speedup
+//                        as frac_of_stream and dense_speedup for the tensor-core program
 //   Encode/<codec>/d<d>  kernels::cuda::EncodeKeys then EncodeValues (cuda_codec.h) over
 //       2^20 tokens (2^20 / G blocks) of fp32 keys and values already in device memory, each block
 //       from its own rows and basis. Counters: encode_GBps (fp32 K and V bytes in / encode time),
@@ -259,10 +260,12 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens, in
   dp.workspace = dev.Alloc<uint8_t>(dp.workspace_bytes);
   if (!dp.workspace) return state.SkipWithError("cudaMalloc (dense workspace) failed");
 
-  // The same launch on the CUDA-core program (the tensor-core one is the default wherever it
-  // runs): its own split count and workspace.
+  // The same launch on the tensor-core program where it runs (at most 8 rows; the default is the
+  // CUDA-core one): its own split count and workspace.
   kc::AttendParams pc = p;
-  pc.program = kc::kAttendCudaCores;
+  pc.program = kc::kAttendTensorCores;
+  const bool tensor = kc::AttendUnsupported(pc) == nullptr;
+  if (!tensor) pc.program = kc::kAttendCudaCores;
   pc.splits = 0;
   pc.splits = kc::AttendSplits(pc);
   pc.workspace_bytes = kc::AttendWorkspaceBytes(pc);
@@ -271,19 +274,19 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens, in
 
   EventTimer timed;
   auto attend = [&] { return kc::Attend(p, nullptr); };
-  auto attend_cc = [&] { return kc::Attend(pc, nullptr); };
+  auto attend_tc = [&] { return kc::Attend(pc, nullptr); };
   auto stream = [&] { return kc::StreamRead(codes, code_bytes, sink, nullptr); };
   auto dense = [&] { return kc::DenseAttend(dp, nullptr); };
   for (int w = 0; w < 2; ++w)
-    if (timed(attend) < 0 || timed(attend_cc) < 0 || timed(stream) < 0 || timed(dense) < 0)
+    if (timed(attend) < 0 || timed(attend_tc) < 0 || timed(stream) < 0 || timed(dense) < 0)
       return state.SkipWithError(cudaGetErrorString(cudaGetLastError()));
-  double attend_s = 0, cc_s = 0, stream_s = 0, dense_s = 0;
+  double attend_s = 0, tc_s = 0, stream_s = 0, dense_s = 0;
   for (auto _ : state) {
     const float a = timed(attend);
     if (a < 0) return state.SkipWithError("Attend failed");
     state.SetIterationTime(a);
     attend_s += a;
-    cc_s += timed(attend_cc);
+    tc_s += timed(attend_tc);
     stream_s += timed(stream);
     dense_s += timed(dense);
   }
@@ -309,9 +312,12 @@ void BM_Attend(benchmark::State& state, NamedCodec nc, int d, int64_t tokens, in
   state.counters["dense_GBps"] = dense_rate / 1e9;
   state.counters["dense_frac_of_stream"] = dense_rate / stream_rate;
   state.counters["dense_speedup"] = dense_s / attend_s;
-  state.counters["tensor_cores"] = kc::AttendOnTensorCores(p) ? 1 : 0;
-  state.counters["cuda_core_us"] = cc_s / n * 1e6;
-  state.counters["vs_cuda_cores"] = cc_s / attend_s;
+  if (tensor) {
+    state.counters["tensor_us"] = tc_s / n * 1e6;
+    state.counters["tensor_speedup"] = attend_s / tc_s;
+    state.counters["tensor_frac_of_stream"] = attended_bytes / (tc_s / n) / stream_rate;
+    state.counters["tensor_dense_speedup"] = dense_s / tc_s;
+  }
   state.counters["attend_us"] = attend_s / n * 1e6;
   state.counters["dense_us"] = dense_s / n * 1e6;
   state.counters["stream_us"] = stream_s / n * 1e6;

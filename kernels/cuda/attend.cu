@@ -47,7 +47,7 @@ template <int KJ, int VJ>
 __global__ void __launch_bounds__(tc::kThreads)
     TcAttendKernel(AttendParams p, tc::TcGeometry g, int splits) {
   extern __shared__ __align__(16) uint8_t smem[];
-  DeviceCta<tc::NoState> cta;
+  DeviceCta<tc::TcState> cta;
   tc::TcAttendCta<KJ, VJ>(cta, p, g, smem, static_cast<int>(blockIdx.y),
                           static_cast<int>(blockIdx.x), splits);
 }
@@ -153,11 +153,6 @@ bool DeviceHasBf16Mma() {
   return major >= 8;
 }
 
-// The program a launch runs: the tensor-core one where the params and the device allow it.
-bool UseTensorCores(const AttendParams& p) {
-  return AttendOnTensorCores(p) && (p.program == kAttendTensorCores || DeviceHasBf16Mma());
-}
-
 template <int MaxRows>
 int LaunchDense(const DenseAttendParams& p, const am::DenseGeometry& g, int splits,
                 cudaStream_t stream) {
@@ -179,7 +174,7 @@ int LaunchMerge(void* workspace, int items, int rows, int d, int splits, float* 
 
 int AttendSplits(const AttendParams& p) {
   if (p.splits > 0) return std::max(1, std::min(p.splits, std::max(1, p.blocks)));
-  if (UseTensorCores(p)) {
+  if (AttendOnTensorCores(p)) {
     return ChooseSplits(p.items, p.blocks, TcResidentPerSm(tc::MakeTcGeometry(p)));
   }
   const am::Geometry g = am::MakeGeometry(p);
@@ -212,7 +207,7 @@ int Attend(const AttendParams& p, void* stream_ptr) {
     return static_cast<int>(cudaErrorInvalidDeviceFunction);
   int e = 0;
   const am::Geometry g = am::MakeGeometry(p);
-  if (UseTensorCores(p)) {
+  if (AttendOnTensorCores(p)) {
     e = LaunchTcAttend(p, tc::MakeTcGeometry(p), splits, stream);
   } else {
     switch (RowsBucket(p.rows)) {

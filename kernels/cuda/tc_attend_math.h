@@ -46,8 +46,9 @@ struct TcGeometry {
   int bv_stride;              // the readout's B row stride (G + kPad)
   int zpairs, zslices;        // (value group + the denominator) x rows, token slices of their sums
   int kj, vj;                 // tiles a warp takes side by side: score tiles, readout tiles
-  int sm_q, sm_uq, sm_bq_hi, sm_bq_lo, sm_zpart, sm_vs, sm_vz, sm_width, sm_off, sm_part, sm_p,
-      sm_w, sm_pmax, sm_m, sm_corr, sm_bv_hi, sm_bv_lo, sm_zt, sm_o, sm_l, sm_stage, sm_bytes;
+  int g_shift;                // log2 G (G is 32, 64 or 128): threads tid & (G - 1) take token t
+  int sm_q, sm_uq, sm_bq_hi, sm_bq_lo, sm_zpart, sm_vz, sm_width, sm_off, sm_part, sm_p, sm_w,
+      sm_pmax, sm_m, sm_corr, sm_bv_hi, sm_bv_lo, sm_zt, sm_o, sm_l, sm_stage, sm_bytes;
 };
 
 KVQ_HD TcGeometry MakeTcGeometry(const AttendParams& p) {
@@ -65,6 +66,7 @@ KVQ_HD TcGeometry MakeTcGeometry(const AttendParams& p) {
   // Two tiles a warp where the four warps still all get work, and (readout) a value group
   // spans both.
   tg.kj = g.G >= 128 ? 2 : 1;
+  tg.g_shift = g.G == 128 ? 7 : g.G == 64 ? 6 : 5;
   tg.vj = g.d >= 128 && g.value_group % 32 == 0 ? 2 : 1;
   int at = 0;
   auto take = [&at](int bytes) {
@@ -72,12 +74,11 @@ KVQ_HD TcGeometry MakeTcGeometry(const AttendParams& p) {
     at += attend_math::RoundUp16(bytes);
     return o;
   };
-  tg.sm_q = take(4 * kRows * g.d);  // [d][kRows]
-  tg.sm_uq = take(4 * kRows * g.rank);
+  tg.sm_q = take(4 * p.rows * g.d);  // [d][rows]
+  tg.sm_uq = take(4 * p.rows * g.rank);
   tg.sm_bq_hi = take(2 * p.rows * tg.bq_stride);  // [rows][bq_stride] bf16
   tg.sm_bq_lo = take(2 * p.rows * tg.bq_stride);
   tg.sm_zpart = take(4 * kBiasSlices * kRows);
-  tg.sm_vs = take(4 * g.G * g.ng);  // [G][ng]: raw value scales, zero points
   tg.sm_vz = take(4 * g.G * g.ng);
   tg.sm_width = take(4 * g.G);
   tg.sm_off = take(4 * (g.G + 1));
@@ -139,8 +140,16 @@ KVQ_HD uint32_t LoadPair(const uint16_t* p) {
 
 // The packed codes from bit `bit` of the row at `row` on, shifted down to bit 0 (at least 25
 // bits of them; 32 when `bit` is a multiple of 8).
+// On the GPU by two aligned 4-byte loads and one funnel shift from the row's aligned base.
 KVQ_HD uint32_t WindowAt(const uint8_t* row, int bit) {
+#ifdef __CUDA_ARCH__
+  const int lo = static_cast<int>(reinterpret_cast<uintptr_t>(row) & 3u);
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(row - lo);
+  const int at = 8 * lo + bit;
+  return __funnelshift_r(w[at >> 5], w[(at >> 5) + 1], at & 31);
+#else
   return Window32(row + (bit >> 3)) >> (bit & 7);
+#endif
 }
 
 // The low 16 bits of x, then those of y, as one register.
@@ -234,19 +243,26 @@ KVQ_HD void ValueFragments(const TcGeometry& tg, const uint8_t* vb, const int* o
   FragmentsFromWindows<J>(w, bits, g.value_bits != 0, g.value_bits == 0 ? 4 : g.value_bits, a);
 }
 
-// A lane's B fragments (hi and lo) from `rows` rows [n][k] of bf16 at `stride`: n = lane / 4,
-// k = k0 + 2 (lane % 4) (+ 8). The columns n >= rows repeat row n % rows (results never read;
-// the same address as another lane's, so no bank conflict).
-KVQ_HD void BFragments(const uint16_t* hi, const uint16_t* lo, int stride, int rows, int k0,
+// The B row a lane reads (BFragments): its column n = lane / 4, or for n >= rows row n % rows
+// (results never read; the same address as another lane's, so no bank conflict).
+KVQ_HD int BRow(int lane, int rows) { return (lane >> 2) % rows; }
+
+// A lane's B fragments (hi and lo) from rows [n][k] of bf16 at `stride`: row `row` (BRow),
+// k = k0 + 2 (lane % 4) (+ 8).
+KVQ_HD void BFragments(const uint16_t* hi, const uint16_t* lo, int stride, int row, int k0,
                        int lane, uint32_t (&bh)[2], uint32_t (&bl)[2]) {
-  const int at = (lane >> 2) % rows * stride + k0 + 2 * (lane & 3);
+  const int at = row * stride + k0 + 2 * (lane & 3);
   bh[0] = LoadPair(hi + at);
   bh[1] = LoadPair(hi + at + 8);
   bl[0] = LoadPair(lo + at);
   bl[1] = LoadPair(lo + at + 8);
 }
 
-struct NoState {};
+// A thread's registers across blocks: which (value group, row, token slice) of the zero-point
+// sums it adds (zpair_i < 0: none), found once rather than by a division per block.
+struct TcState {
+  int zpair_gr = 0, zpair_i = -1, zslice = 0;
+};
 
 // One thread block of the tensor-core attend: item `item`, blocks of range `split` of
 // `splits`; sm: tg.sm_bytes of shared memory (16-aligned). Per block: Prep (the next block's
@@ -263,7 +279,6 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
   uint16_t* bq_hi = reinterpret_cast<uint16_t*>(sm + tg.sm_bq_hi);
   uint16_t* bq_lo = reinterpret_cast<uint16_t*>(sm + tg.sm_bq_lo);
   float* zpart = reinterpret_cast<float*>(sm + tg.sm_zpart);
-  float* vs = reinterpret_cast<float*>(sm + tg.sm_vs);
   float* vz = reinterpret_cast<float*>(sm + tg.sm_vz);
   int* width = reinterpret_cast<int*>(sm + tg.sm_width);
   int* off = reinterpret_cast<int*>(sm + tg.sm_off);
@@ -285,17 +300,20 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
   const float *q = run.q, *uq = run.uq;
   auto stage = [&](int b, int tid) { run.Stage(g, b, tid, T); };
 
-  cta.Phase([&](int tid, NoState&) {
+  cta.Phase([&](int tid, TcState& st) {
     if (b0 < b1) stage(b0, tid);
-    for (int w = tid; w < kRows * d; w += T) {
-      const int c = w / kRows, i = w % kRows;
-      qs[w] = i < rows ? q[i * d + c] : 0.0f;
+    if (tid < tg.zpairs * tg.zslices) {
+      const int pair = tid % tg.zpairs;
+      st.zslice = tid / tg.zpairs;
+      st.zpair_gr = pair / rows;
+      st.zpair_i = pair % rows;
     }
-    for (int w = tid; w < rows * d; w += T) o[w] = 0.0f;
-    for (int w = tid; w < kRows * g.rank; w += T) {
-      const int c = w / kRows, i = w % kRows;
-      uqs[w] = i < rows ? p.side_sign * uq[i * g.rank + c] : 0.0f;
+    for (int w = tid; w < rows * d; w += T) {
+      qs[w] = q[w % rows * d + w / rows];
+      o[w] = 0.0f;
     }
+    for (int w = tid; w < rows * g.rank; w += T)
+      uqs[w] = p.side_sign * uq[w % rows * g.rank + w / rows];
     if (tid < kRows) {
       m[tid] = kNegInf;
       l[tid] = 0.0f;
@@ -310,27 +328,28 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
   for (int b = b0; b < b1; ++b) {
     const uint8_t* kb = run.Key(b);
     const uint8_t* vb = run.Value(b);
-    cta.Phase([&](int tid, NoState&) {
+    cta.Phase([&](int tid, TcState&) {
       if (b + 1 < b1) stage(b + 1, tid);
       // The scores' B: bq[i][k] = q_ik s_k (k < d), side_sign uq_ij ss_j (k = d + j, j < rank).
-      for (int w = tid; w < rows * tg.kq; w += T) {
-        const int i = w / tg.kq, k = w % tg.kq, j = k - d;
-        float x = 0.0f;
-        if (k < d)
-          x = qs[k * kRows + i] * LoadHalf(kb + g.k_scale + 2 * k);
-        else if (j < g.rank)
-          x = uqs[j * kRows + i] * LoadHalf(kb + g.s_scale + 2 * j);
-        warp_mma::SplitBf16(x, bq_hi + i * tg.bq_stride + k, bq_lo + i * tg.bq_stride + k);
+      for (int k = tid; k < tg.kq; k += T) {
+        const int j = k - d;
+        const float s = k < d        ? LoadHalf(kb + g.k_scale + 2 * k)
+                        : j < g.rank ? LoadHalf(kb + g.s_scale + 2 * j)
+                                     : 0.0f;
+        const float* qrow = k < d ? qs + k * rows : uqs + (j < g.rank ? j : 0) * rows;
+        for (int i = 0; i < rows; ++i)
+          warp_mma::SplitBf16(qrow[i] * s, bq_hi + i * tg.bq_stride + k,
+                              bq_lo + i * tg.bq_stride + k);
       }
       // The zero points' part of the scores: zpart[sl][i] = sum_c q_ic z_c + side alike.
-      for (int w = tid; w < kRows * kBiasSlices; w += T) {
-        const int i = w % kRows, sl = w / kRows;
+      for (int w = tid; w < rows * kBiasSlices; w += T) {
+        const int i = w % rows, sl = w / rows;
         float a = 0.0f;
         for (int c = sl; c < d; c += kBiasSlices)
-          a += qs[c * kRows + i] * LoadHalf(kb + g.k_zero + 2 * c);
+          a += qs[c * rows + i] * LoadHalf(kb + g.k_zero + 2 * c);
         for (int c = sl; c < g.rank; c += kBiasSlices)
-          a += uqs[c * kRows + i] * LoadHalf(kb + g.s_zero + 2 * c);
-        zpart[w] = a;
+          a += uqs[c * rows + i] * LoadHalf(kb + g.s_zero + 2 * c);
+        zpart[sl * kRows + i] = a;
       }
       for (int t = tid; g.value_bits == 0 && t <= G; t += T) {
         if (t < G) width[t] = format::TagWidth(vb + format::kHeaderBytes, t);
@@ -341,6 +360,8 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
     // Scores: warps over runs of 16 KJ tokens (KJ tiles sharing each B fragment).
     cta.WarpPhase([&](int warp, auto& wp) {
       constexpr int L = std::remove_reference_t<decltype(wp)>::kLanes;
+      int brow[L];
+      for (int x = 0; x < L; ++x) brow[x] = BRow(wp.Lane(x), rows);
       for (int run0 = 16 * KJ * warp; run0 < G; run0 += 16 * KJ * kWarps) {
         float c[KJ][L][4] = {};
         for (int ks = 0; ks < tg.key_steps + tg.side_steps; ++ks) {
@@ -352,7 +373,7 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
             KVQ_UNROLL
             for (int j = 0; j < KJ; ++j) KVQ_UNROLL
             for (int r = 0; r < 4; ++r) a[j][x][r] = ax[j][r];
-            BFragments(bq_hi, bq_lo, tg.bq_stride, rows, 16 * ks, lane, bh[x], bl[x]);
+            BFragments(bq_hi, bq_lo, tg.bq_stride, brow[x], 16 * ks, lane, bh[x], bl[x]);
           }
           KVQ_UNROLL
           for (int j = 0; j < KJ; ++j) {
@@ -384,41 +405,55 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
 #endif
           }
         }
-        for (int w = tid; w < G * ng; w += T) {
-          const uint8_t* rec = vb + off[w / ng];
-          vs[w] = LoadHalf(rec + 2 * (w % ng));
-          vz[w] = LoadHalf(rec + 2 * (ng + w % ng));
-        }
+        const int t = tid & (G - 1);
+        const uint8_t* rec = vb + off[t];
+        for (int gr = tid >> tg.g_shift; gr < ng; gr += T >> tg.g_shift)
+          vz[t * ng + gr] = LoadHalf(rec + 2 * (ng + gr));
       }
     });
     const int masked = b == 0 ? p.masked_prefix : 0;
-    cta.Phase([&](int tid, NoState&) {
+    cta.Phase([&](int tid, TcState&) {
       attend_math::LogitsPhase(tid, T, rows, G, G, 1, part, 0, p.scale, masked, pr, pmax, zpart,
                                kRows);
     });
     cta.Phase(
-        [&](int tid, NoState&) { attend_math::RowMaxPhase(tid, rows, T / rows, pmax, m, corr); });
+        [&](int tid, TcState&) { attend_math::RowMaxPhase(tid, rows, T / rows, pmax, m, corr); });
     cta.Phase(
-        [&](int tid, NoState&) { attend_math::WeightsPhase(tid, T, rows, kRows, G, pr, m, pw); });
+        [&](int tid, TcState&) { attend_math::WeightsPhase(tid, T, rows, kRows, G, pr, m, pw); });
     // The readout's B: bv[grp][i][t] = p_it s_tg; and the sums over token slices of p_it z_tg
     // (group ng: of p_it, the denominator's terms).
-    cta.Phase([&](int tid, NoState&) {
-      for (int w = tid; w < ng * rows * G; w += T) {
-        const int gr = w / (rows * G), i = w / G % rows, t = w % G;
-        const int at = (gr * rows + i) * tg.bv_stride + t;
-        warp_mma::SplitBf16(pw[t * kRows + i] * vs[t * ng + gr], bv_hi + at, bv_lo + at);
+    cta.Phase([&](int tid, TcState& st) {
+      {
+        const int t = tid & (G - 1);
+        const uint8_t* rec = vb + off[t];
+        float pt[kRows];
+        attend_math::LoadRows<kRows>(pw + t * kRows, pt);
+        for (int gr = tid >> tg.g_shift; gr < ng; gr += T >> tg.g_shift) {
+          const float sc = LoadHalf(rec + 2 * gr);
+          uint16_t* hi = bv_hi + gr * rows * tg.bv_stride + t;
+          uint16_t* lo = bv_lo + gr * rows * tg.bv_stride + t;
+          KVQ_UNROLL
+          for (int i = 0; i < kRows; ++i)
+            if (i < rows)
+              warp_mma::SplitBf16(pt[i] * sc, hi + i * tg.bv_stride, lo + i * tg.bv_stride);
+        }
       }
-      for (int w = tid; w < tg.zpairs * tg.zslices; w += T) {
-        const int pair = w % tg.zpairs, sl = w / tg.zpairs, gr = pair / rows, i = pair % rows;
+      if (st.zpair_i >= 0) {
+        const int gr = st.zpair_gr, i = st.zpair_i;
         float a = 0.0f;
-        for (int t = sl; t < G; t += tg.zslices)
-          a += pw[t * kRows + i] * (gr < ng ? vz[t * ng + gr] : 1.0f);
-        zt[w] = a;
+        if (gr < ng) {
+          for (int t = st.zslice; t < G; t += tg.zslices) a += pw[t * kRows + i] * vz[t * ng + gr];
+        } else {
+          for (int t = st.zslice; t < G; t += tg.zslices) a += pw[t * kRows + i];
+        }
+        zt[st.zslice * tg.zpairs + gr * rows + i] = a;
       }
     });
     // Readout: warps over 16-channel tiles; o[i][c] = o[i][c] corr_i + this block's terms.
     cta.WarpPhase([&](int warp, auto& wp) {
       constexpr int L = std::remove_reference_t<decltype(wp)>::kLanes;
+      int brow[L];
+      for (int x = 0; x < L; ++x) brow[x] = BRow(wp.Lane(x), rows);
       auto zsum = [&](int pair) {
         float z = 0.0f;
         for (int sl = 0; sl < tg.zslices; ++sl) z += zt[sl * tg.zpairs + pair];
@@ -426,6 +461,13 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
       };
       for (int ch0 = 16 * VJ * warp; ch0 < d; ch0 += 16 * VJ * kWarps) {
         const int gr = ch0 / g.value_group;  // one group: value_group a multiple of 16 VJ
+        // This lane's columns' zero-point terms (rows 2 (lane % 4) and the next).
+        float z[L][2];
+        for (int x = 0; x < L; ++x) {
+          const int n = 2 * (wp.Lane(x) & 3);
+          z[x][0] = n < rows ? zsum(gr * rows + n) : 0.0f;
+          z[x][1] = n + 1 < rows ? zsum(gr * rows + n + 1) : 0.0f;
+        }
         const uint16_t* hi = bv_hi + gr * rows * tg.bv_stride;
         const uint16_t* lo = bv_lo + gr * rows * tg.bv_stride;
         float c[VJ][L][4] = {};
@@ -438,7 +480,7 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
             KVQ_UNROLL
             for (int j = 0; j < VJ; ++j) KVQ_UNROLL
             for (int r = 0; r < 4; ++r) a[j][x][r] = ax[j][r];
-            BFragments(hi, lo, tg.bv_stride, rows, 16 * ks, lane, bh[x], bl[x]);
+            BFragments(hi, lo, tg.bv_stride, brow[x], 16 * ks, lane, bh[x], bl[x]);
           }
           KVQ_UNROLL
           for (int j = 0; j < VJ; ++j) {
@@ -453,7 +495,7 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
           for (int j = 0; j < VJ; ++j) KVQ_UNROLL
           for (int e = 0; e < 4; ++e) {
             const int i = n + (e & 1), at = i * d + ch + 2 * j + (e >> 1);
-            if (i < rows) o[at] = o[at] * corr[i] + c[j][x][e] + zsum(gr * rows + i);
+            if (i < rows) o[at] = o[at] * corr[i] + c[j][x][e] + z[x][e & 1];
           }
         }
       }
@@ -466,7 +508,7 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
   }
   const attend_math::Partials pt = attend_math::PartialsIn(p.workspace, p.items, splits, rows);
   const int64_t at = (static_cast<int64_t>(item) * splits + split) * rows;
-  cta.Phase([&](int tid, NoState&) {
+  cta.Phase([&](int tid, TcState&) {
     attend_math::WritePartialPhase(tid, T, rows, d, 1, o, l, m, pt.m + at, pt.l + at,
                                    pt.o + at * d);
   });

@@ -47,7 +47,7 @@ void RunTcGrid(const AttendParams& p, int splits) {
   for (int item = 0; item < p.items; ++item)
     for (int split = 0; split < splits; ++split) {
       std::memset(sm.data(), 0xFF, sm.size() * sizeof(am::Vec16));
-      HostCta<tc::NoState> cta(tc::kThreads);
+      HostCta<tc::TcState> cta(tc::kThreads);
       tc::WithTilings(tg, [&](auto kj, auto vj) {
         tc::TcAttendCta<decltype(kj)::value, decltype(vj)::value>(
             cta, p, tg, reinterpret_cast<uint8_t*>(sm.data()), item, split, splits);
@@ -79,10 +79,7 @@ const char* AttendUnsupported(const AttendParams& p) {
   return nullptr;
 }
 
-bool AttendOnTensorCores(const AttendParams& p) {
-  return p.program == kAttendTensorCores ||
-         (p.program == kAttendAuto && tc::TcUnsupported(p) == nullptr);
-}
+bool AttendOnTensorCores(const AttendParams& p) { return p.program == kAttendTensorCores; }
 
 int AttendOnHost(const AttendParams& p) {
   if (AttendUnsupported(p) != nullptr) return 1;  // cudaErrorInvalidValue

@@ -20,10 +20,9 @@ namespace {
 using core::AttendOptions;
 using core::LayerCache;
 
-// cuda_math_test's tolerance for the tensor-core program, which GQA groups of up to 8 run by
-// default: queries and weights as two bf16 each, sums in other orders (observed there up to
-// 7.6e-6 of max|v|; the CUDA-core program's, for larger groups, up to 2.6e-6).
-constexpr float kTolerance = 2e-5f;
+// cuda_math_test's tolerance: the kernel sums in other orders and folds scales and zero
+// points (observed there up to 2.6e-6 of max|v|).
+constexpr float kTolerance = 4e-6f;
 
 // A case's layer on a slab pool (as a store's), its rows appended in one go.
 struct Layer {

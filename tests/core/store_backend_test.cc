@@ -26,10 +26,9 @@ namespace kvq::core {
 namespace {
 
 constexpr int kKv = 2, kQ = 6, kD = 64;
-// Of max|v|: cuda_math_test's for the CPU stand-in, cuda_parity_test's on a device (FMA
-// contraction, the device's expf and the tensor cores' order of sums besides), both for the
-// tensor-core program that a GQA group of 3 runs by default (queries and weights as two bf16).
-constexpr float kStandInTolerance = 2e-5f, kDeviceTolerance = 6e-5f;
+// Of max|v|: cuda_math_test's for the CPU stand-in (the kernel sums in other orders and folds
+// scales), cuda_parity_test's on a device (FMA contraction and the device's expf besides).
+constexpr float kStandInTolerance = 4e-6f, kDeviceTolerance = 2e-5f;
 
 std::vector<float> Normal(size_t n, uint32_t seed, float sigma = 1.0f) {
   std::mt19937 rng(seed);

@@ -67,9 +67,9 @@ HostRun RunCase(const PreparedAttend& pa, int splits, std::vector<uint8_t>* pool
 // difference). Observed up to 2.6e-6 * max|v| (legacy d128 gq7, one split over 33 blocks);
 // a wrong sign of the score bias fails it by far.
 constexpr float kTolerance = 4e-6f;
-// The tensor-core program's products carry the folded queries and weights as two bf16 each
-// (2^-17 relative) and sum in fp32. Observed up to 7.6e-6 * max|v| (d32 v1g16); a wrong
-// fragment index or a lost zero-point term fails it by far.
+// The tensor-core program (kAttendTensorCores) carries the folded queries and weights as two
+// bf16 each (2^-17 relative) and sums in fp32. Observed up to 7.6e-6 * max|v| (d32 v1g16); a
+// wrong fragment index or a lost zero-point term fails it by far.
 constexpr float kTensorTolerance = 2e-5f;
 
 TEST(CudaAttendMath, MatchesCoreAttendOnEveryCaseAndSplitCount) {

@@ -79,17 +79,18 @@ struct AttendParams {
   float* out_sum = nullptr;    // device [items][rows]
   int* error_flags = nullptr;  // device int, OR-ed with kAttend* flags; null: no header checks
 
-  // Which thread-block program runs: kAttendAuto takes the tensor-core one wherever it runs
-  // (AttendOnTensorCores), else the CUDA-core one; the others ask for one (the tensor-core
-  // program where it cannot run is refused by AttendUnsupported).
+  // Which thread-block program runs (kAttendCudaCores or kAttendTensorCores); kAttendAuto
+  // takes the one measured faster, today the CUDA-core one for every shape (docs/BENCHMARKS.md,
+  // "GPU: the tensor-core attend": on an H100 the tensor-core program ran at 0.50-0.92x of it
+  // with 4 query rows and 0.98-1.08x with 8).
   int program = 0;
 };
 // AttendParams::program.
 inline constexpr int kAttendAuto = 0;
 // Both products of each block on the tensor cores (mma.sync bf16, fp32 sums; queries and
 // weights carried as two bf16 each, so that outputs stay within about 2^-17 relative of the
-// fp32 program's): at most 8 query rows, value_group a multiple of 16, a device of compute
-// capability 8.0 or later.
+// fp32 program's: cuda_math_test's tolerance 2e-5 of max|v| against 4e-6): at most 8 query
+// rows, value_group a multiple of 16, a device of compute capability 8.0 or later.
 inline constexpr int kAttendTensorCores = 1;
 // One fp32 FMA per code and query row on the CUDA cores: every supported codec and row count.
 inline constexpr int kAttendCudaCores = 2;
@@ -99,9 +100,7 @@ inline constexpr int kAttendMaxRows = 16;
 // Why the params are outside what the kernel supports (naming the field and its limit), or
 // null when they are supported. Checks sizes and pointers only, never device memory.
 const char* AttendUnsupported(const AttendParams& p);
-// Whether supported params run the tensor-core program: program kAttendTensorCores, or
-// kAttendAuto where the codec and rows allow it (the device's compute capability aside, which
-// Attend checks at launch: below 8.0 auto runs the CUDA-core program).
+// Whether supported params run the tensor-core program (program kAttendTensorCores).
 bool AttendOnTensorCores(const AttendParams& p);
 // The ranges per item a launch uses: p.splits when given, else enough thread blocks to fill
 // the current device (at least two waves), each range at least 4 blocks; clamped to
