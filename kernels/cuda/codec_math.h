@@ -297,7 +297,7 @@ KVQ_HD void EncodeValueHeader(const EncodeValueParams& p, int b, int /*one index
   xxh3_math::WriteBlockChecksum(p.out[b], static_cast<uint64_t>(ValueBlockBytes(c, p.out[b])));
 }
 
-// ---- Reads: one launch each, a thread per (block, token) or per output element ----
+// ---- Reads: one launch each, a thread per (block, token), (block, channel) or output element ----
 
 KVQ_HD void RaiseFlag(int* flags, int bit) {
   if (flags == nullptr) return;
@@ -340,6 +340,56 @@ KVQ_HD void DecodeKeyToken(const DecodeKeyParams& p, int b, int t) {
       acc += basis[static_cast<int64_t>(ch) * k.r + j] * z;
     }
     out[ch] += acc;
+  }
+}
+
+// Decode key block b's channel ch for every token: DecodeKeyToken's arithmetic element for
+// element (the same operations in the same order), a thread per channel so that a warp's
+// stores of a token's row are contiguous. Unrotated keys only (a rotation mixes a row's
+// channels); the thread of channel 0 raises the header flag.
+KVQ_HD void DecodeKeyChannel(const DecodeKeyParams& p, int b, int ch) {
+  const KeyLayout k = MakeKeyLayout(p.codec);
+  const uint8_t* in = p.in[b];
+  if (!Readable(in, p.codec, kKindKey, ch, p.error_flags)) return;
+  const float zero = HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.zero + 2 * ch)));
+  const float scale = HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.scale + 2 * ch)));
+  const float* basis = p.basis ? p.basis[b] : nullptr;
+  const bool side = k.r > 0 && basis != nullptr;
+  float* out = p.out[b] + ch;
+  for (int t = 0; t < k.G; ++t) {
+    float v = zero + scale * static_cast<float>(GetCode(in + k.codes + ch * k.row, k.bits, t));
+    if (side) {
+      float acc = 0;
+      for (int j = 0; j < k.r; ++j) {
+        const float z =
+            p.side_sign *
+            (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_zero + 2 * j))) +
+             HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_scale + 2 * j))) *
+                 static_cast<float>(GetCode(in + k.side_codes + j * k.side_row, k.side_bits, t)));
+        acc += basis[static_cast<int64_t>(ch) * k.r + j] * z;
+      }
+      v += acc;
+    }
+    out[t * p.ld] = v;
+  }
+}
+
+// Decode value block b's channel ch for every token: DecodeValueToken's arithmetic element for
+// element, a thread per channel (contiguous stores); unrotated values only.
+KVQ_HD void DecodeValueChannel(const DecodeValueParams& p, int b, int ch) {
+  const BlockCodec& c = p.codec;
+  const uint8_t* in = p.in[b];
+  if (!Readable(in, c, kKindValue, ch, p.error_flags)) return;
+  const int ng = ValueGroups(c), g = ch / c.value_group;
+  float* out = p.out[b] + ch;
+  int64_t at = ValueRecordOffset(c, in, 0);
+  for (int t = 0; t < c.key_group; ++t) {
+    const int bits = TokenWidth(c, in, t);
+    const uint8_t* rec = in + at;
+    out[t * p.ld] = HalfToFloat(static_cast<uint16_t>(LoadU16(rec + 2 * (ng + g)))) +
+                    HalfToFloat(static_cast<uint16_t>(LoadU16(rec + 2 * g))) *
+                        static_cast<float>(GetCode(rec + 4 * ng, bits, ch));
+    at += ValueRecordBytes(c, bits);
   }
 }
 
@@ -439,11 +489,17 @@ void EncodeValueSteps(const EncodeValueParams& p, Run& run) {
 }
 template <class Run>
 void DecodeKeySteps(const DecodeKeyParams& p, Run& run) {
-  run.template Step<DecodeKeyToken>(p, p.blocks, p.codec.key_group);
+  if (p.codec.rotate_keys)
+    run.template Step<DecodeKeyToken>(p, p.blocks, p.codec.key_group);
+  else
+    run.template Step<DecodeKeyChannel>(p, p.blocks, p.codec.head_dim);
 }
 template <class Run>
 void DecodeValueSteps(const DecodeValueParams& p, Run& run) {
-  run.template Step<DecodeValueToken>(p, p.blocks, p.codec.key_group);
+  if (p.codec.rotate_values)
+    run.template Step<DecodeValueToken>(p, p.blocks, p.codec.key_group);
+  else
+    run.template Step<DecodeValueChannel>(p, p.blocks, p.codec.head_dim);
 }
 template <class Run>
 void ScoreSteps(const ScoreBlocksParams& p, Run& run) {
