@@ -204,20 +204,31 @@ KVQ_HD void EncodeKeyChannel(const EncodeKeyParams& p, int b, int ch) {
                   out + k.codes + ch * k.row, k.r > 0 ? KeyWorkOf(p, b).deq : nullptr, k.d);
 }
 
-// Launch 3 (rank > 0), index i < G r: coefficient j = i % r of token t = i / r,
-// sum over c in order of (k_c - k_base_c) u_jc (ref.cc's project_residual), clamped to fp16's
-// range as core's encoder does.
-KVQ_HD void EncodeKeyProject(const EncodeKeyParams& p, int b, int i) {
+// Launch 3 (rank > 0), index t < G: token t's coefficients j < r, each the sum over c in
+// order of (k_c - k_base_c) u_jc (ref.cc's project_residual), clamped to fp16's range as core's
+// encoder does. A thread per token reads the token's keys and dequantized base once for 8
+// coefficients at a time.
+KVQ_HD void EncodeKeyProject(const EncodeKeyParams& p, int b, int t) {
+  constexpr int kAtOnce = 8;
   const int d = p.codec.head_dim, r = p.codec.rank;
-  const int t = i / r, j = i % r;
   int64_t ld = 0;
   const float* x = EncodedKeys(p, b, &ld) + t * ld;
   const KeyWork w = KeyWorkOf(p, b);
   const float* deq = w.deq + static_cast<int64_t>(t) * d;
-  const float* u = EncodedBasis(p, b) + static_cast<int64_t>(j) * d;
-  float acc = 0;
-  for (int c = 0; c < d; ++c) acc += (x[c] - deq[c]) * u[c];
-  w.coef[i] = MinF(MaxF(acc, -kMaxStorable), kMaxStorable);
+  const float* basis = EncodedBasis(p, b);
+  for (int j0 = 0; j0 < r; j0 += kAtOnce) {
+    const int n = r - j0 < kAtOnce ? r - j0 : kAtOnce;
+    float acc[kAtOnce] = {};
+    for (int c = 0; c < d; ++c) {
+      const float e = x[c] - deq[c];
+      KVQ_UNROLL
+      for (int j = 0; j < kAtOnce; ++j)
+        if (j < n) acc[j] += e * basis[static_cast<int64_t>(j0 + j) * d + c];
+    }
+    KVQ_UNROLL
+    for (int j = 0; j < kAtOnce; ++j)
+      if (j < n) w.coef[t * r + j0 + j] = MinF(MaxF(acc[j], -kMaxStorable), kMaxStorable);
+  }
 }
 
 // Launch 4 (rank > 0), index j < r: the side code's coefficient j over the G tokens.
@@ -264,10 +275,13 @@ KVQ_HD void EncodeValueToken(const EncodeValueParams& p, int b, int t) {
     out[kHeaderBytes + t / 4] = tag;
   }
   const int bits = c.value_bits != 0 ? c.value_bits : p.widths[b][t];
-  // The record's offset from the widths (the tags may not be written yet).
+  // The record's offset: fixed records, or from the widths (the tags may not be written yet).
   int64_t at = kHeaderBytes + ValueTagBytes(c);
-  for (int u = 0; u < t; ++u)
-    at += ValueRecordBytes(c, c.value_bits != 0 ? c.value_bits : p.widths[b][u]);
+  if (c.value_bits != 0) {
+    at += t * ValueRecordBytes(c, c.value_bits);
+  } else {
+    for (int u = 0; u < t; ++u) at += ValueRecordBytes(c, p.widths[b][u]);
+  }
   uint8_t* rec = out + at;
   uint8_t* codes = rec + 4 * ng;
   const int maxq = (1 << bits) - 1;
@@ -477,7 +491,7 @@ void EncodeKeySteps(const EncodeKeyParams& p, Run& run) {
   if (c.rotate_keys) run.template Step<EncodeKeyRotate>(p, p.blocks, c.key_group + c.rank);
   run.template Step<EncodeKeyChannel>(p, p.blocks, c.head_dim);
   if (c.rank > 0) {
-    run.template Step<EncodeKeyProject>(p, p.blocks, c.key_group * c.rank);
+    run.template Step<EncodeKeyProject>(p, p.blocks, c.key_group);
     run.template Step<EncodeKeySide>(p, p.blocks, c.rank);
   }
   run.template Step<EncodeKeyHeader>(p, p.blocks, 1);

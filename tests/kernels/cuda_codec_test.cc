@@ -71,7 +71,7 @@ TEST(CudaCodecMath, EncodeStepsComputeTheReferenceFloats) {
   p.workspace = work.data();
   p.workspace_bytes = 4 * work.size();
   for (int c = 0; c < d; ++c) codec_math::EncodeKeyChannel(p, 0, c);
-  for (int i = 0; i < G * r; ++i) codec_math::EncodeKeyProject(p, 0, i);
+  for (int t = 0; t < G; ++t) codec_math::EncodeKeyProject(p, 0, t);
   const codec_math::KeyWork w = codec_math::KeyWorkOf(p, 0);
 
   std::vector<uint16_t> scale(d), zero(d);
