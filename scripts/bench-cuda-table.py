@@ -42,34 +42,38 @@ def main(argv):
         return 0 if len(argv) > 1 and argv[1] in ("-h", "--help") else 2
     attend, codec = load(argv[1])
     before = load(argv[2])[0] if len(argv) == 3 else None
-    head = ("| codec | d | tokens | rows | default us | code GB/s | % stream | tensor us | tensor % stream"
-            " | tensor / default | dense % stream | x dense | tensor x dense | splits |")
-    if before is not None:
-        head += " before us | tensor after/before |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    for key, b in attend.items():
-        b.setdefault("attend_us", b["real_time"])  # runs before 2026-12 had no attend_us
-        b.setdefault("dense_us", b["real_time"] * b["dense_speedup"])
-        t = tensor_time(b)
-        stream = b["stream_GBps"]
-        dense_frac = b.get("dense_frac_of_stream", b["dense_GBps"] / stream)
-        cells = [key[0], key[1], key[2], key[3], f"{b['attend_us']:.0f}", f"{b['attend_GBps']:.0f}",
-                 f"{100 * b['frac_of_stream']:.1f}%"]
-        if t is not None:
-            cells += [f"{t:.0f}", f"{100 * b['frac_of_stream'] * b['attend_us'] / t:.1f}%",
-                      f"{b['attend_us'] / t:.2f}x"]
-        else:
-            cells += ["-", "-", "-"]
-        cells += [f"{100 * dense_frac:.1f}%", f"{b['dense_speedup']:.2f}x",
-                  f"{b['dense_us'] / t:.2f}x" if t else "-", int(b["splits"])]
+    if not attend:
+        head = None
+    else:
+        head = ("| codec | d | tokens | rows | default us | code GB/s | % stream | tensor us | tensor % stream"
+                " | tensor / default | dense % stream | x dense | tensor x dense | splits |")
         if before is not None:
-            old = before.get(key)
-            old_t = tensor_time(old) if old else None
-            cells += [f"{old_t:.0f}", f"{t / old_t:.2f}"] if old_t and t else ["-", "-"]
-        print("| " + " | ".join(str(c) for c in cells) + " |")
+            head += " before us | tensor after/before |"
+        print(head)
+        print("|" + "---|" * (head.count("|") - 1))
+        for key, b in attend.items():
+            b.setdefault("attend_us", b["real_time"])  # runs before 2026-12 had no attend_us
+            b.setdefault("dense_us", b["real_time"] * b["dense_speedup"])
+            t = tensor_time(b)
+            stream = b["stream_GBps"]
+            dense_frac = b.get("dense_frac_of_stream", b["dense_GBps"] / stream)
+            cells = [key[0], key[1], key[2], key[3], f"{b['attend_us']:.0f}", f"{b['attend_GBps']:.0f}",
+                     f"{100 * b['frac_of_stream']:.1f}%"]
+            if t is not None:
+                cells += [f"{t:.0f}", f"{100 * b['frac_of_stream'] * b['attend_us'] / t:.1f}%",
+                          f"{b['attend_us'] / t:.2f}x"]
+            else:
+                cells += ["-", "-", "-"]
+            cells += [f"{100 * dense_frac:.1f}%", f"{b['dense_speedup']:.2f}x",
+                      f"{b['dense_us'] / t:.2f}x" if t else "-", int(b["splits"])]
+            if before is not None:
+                old = before.get(key)
+                old_t = tensor_time(old) if old else None
+                cells += [f"{old_t:.0f}", f"{t / old_t:.2f}"] if old_t and t else ["-", "-"]
+            print("| " + " | ".join(str(c) for c in cells) + " |")
     if codec:
-        print()
+        if attend:
+            print()
         print("| op | codec | d | GB/s | stream GB/s | % stream |")
         print("|---|---|---|---|---|---|")
         for (op, name, d), b in codec.items():
