@@ -137,6 +137,38 @@ TEST(CudaAttendMath, HeaderMismatchSetsTheErrorFlag) {
   EXPECT_EQ(RunCase(pa, 1, &pool).error_flags, kernels::cuda::kAttendHeaderMismatch);
 }
 
+// What the tensor-core program cannot run is refused naming the field and its limit (and
+// AttendOnHost answers 1, as Attend answers cudaErrorInvalidValue); the CUDA-core program
+// runs the same params.
+TEST(CudaAttendMath, TensorCoreLimitsAreNamed) {
+  const PreparedAttend pa = Prepare(AttendCases()[5]);  // a2 d64 gq12: 12 rows
+  std::vector<const uint8_t*> kp(pa.key_at.size()), vp(pa.value_at.size());
+  for (size_t i = 0; i < kp.size(); ++i) {
+    kp[i] = pa.pool.data() + pa.key_at[i];
+    vp[i] = pa.pool.data() + pa.value_at[i];
+  }
+  std::vector<float> out(pa.q.size()), mx(pa.q.size() / pa.cs.o.head_dim), sum(mx.size());
+  AttendParams p = ParamsFor(pa, kp.data(), vp.data(), pa.q_base.data(), pa.uq.data(), out.data(),
+                             mx.data(), sum.data());
+  auto names = [](const AttendParams& q, const char* field) {
+    const char* why = kernels::cuda::AttendUnsupported(q);
+    return why != nullptr && std::strncmp(why, field, std::strlen(field)) == 0;
+  };
+  p.program = kernels::cuda::kAttendTensorCores;
+  EXPECT_TRUE(names(p, "rows:")) << kernels::cuda::AttendUnsupported(p);
+  EXPECT_EQ(kernels::cuda::AttendOnHost(p), 1);
+  p.program = 7;
+  EXPECT_TRUE(names(p, "program:"));
+  p.program = kernels::cuda::kAttendCudaCores;
+  EXPECT_EQ(kernels::cuda::AttendUnsupported(p), nullptr);
+  EXPECT_EQ(kernels::cuda::AttendOnHost(p), 0);
+  p.rows = 8;
+  p.items = 1;
+  p.codec.value_group = 8;  // a block's header then disagrees; only the check is asked here
+  p.program = kernels::cuda::kAttendTensorCores;
+  EXPECT_TRUE(names(p, "value_group:")) << kernels::cuda::AttendUnsupported(p);
+}
+
 // An item with no blocks (item_blocks) is a row no part saw: m = -inf, l = 0, output 0; the
 // other item is unaffected by its neighbour's shorter run.
 TEST(CudaAttendMath, ItemWithoutBlocksGivesAnEmptyPartial) {
