@@ -16,6 +16,11 @@ Every key, its default and why (client/python/README.md "kvq behind vLLM" lists 
   load_deadline_s  seconds a hit's load may take (default 5): past it the load stops and its
                    blocks are reported as failed loads, which vLLM recomputes under
                    kv_load_failure_policy="recompute" (the request never fails or waits longer).
+  save_buffer_mb   0 (default): a step's saves finish inside the step (wait_for_save), so a
+                   prompt is in kvq when its request's step ends. > 0: the step hands its saves
+                   (copies of the K/V) to a background thread and goes on; saves past this many
+                   MiB of pending K/V are dropped and counted (kvq.vllm.save_queue), so a slow
+                   or stopped kvq costs the engine at most this memory and never a step.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class KvqConnectorConfig:
     deadline_s: float = 10.0
     lookup_deadline_s: float = 2.0
     load_deadline_s: float = 5.0
+    save_buffer_mb: float = 0.0
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> KvqConnectorConfig:
@@ -55,6 +61,10 @@ class KvqConnectorConfig:
         for key in ("deadline_s", "lookup_deadline_s", "load_deadline_s"):
             if key in extra and not (isinstance(extra[key], (int, float)) and extra[key] > 0):
                 raise ValueError(f"kv_connector_extra_config.{key}: must be a number > 0, got {extra[key]!r}")
+        if "save_buffer_mb" in extra and not (isinstance(extra["save_buffer_mb"], (int, float))
+                                              and extra["save_buffer_mb"] >= 0):
+            raise ValueError(f"kv_connector_extra_config.save_buffer_mb: must be a number >= 0, "
+                             f"got {extra['save_buffer_mb']!r}")
         if extra.get("codec") is not None and not isinstance(extra["codec"], dict):
             raise ValueError("kv_connector_extra_config.codec: must be a dict of kvq.CodecSettings fields")
         return cls(**extra)

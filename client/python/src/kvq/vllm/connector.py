@@ -12,8 +12,11 @@ block-aligned prefix name of its prompt (no K/V moves) and takes the longest tha
 the worker then reads that prefix with GetBlocks into the request's blocks of the paged cache
 (kvq.vllm.layout: the CPU backend's packed layout), before the forward pass. The prompt's
 whole blocks are saved in the step whose forward computes the last of them, one PutBlocks
-message for all layers (atomic: a lookup never sees half a prompt), synchronously at the end
-of the step, so no block is freed while its save is in flight.
+message for all layers (atomic: a lookup never sees half a prompt), from copies of the K/V
+gathered during the step (so vLLM may free the blocks when the step ends): by default
+synchronously at the end of the step; with save_buffer_mb > 0 on a background thread, the
+pending copies bounded in bytes and saves past the bound dropped and counted
+(kvq.vllm.save_queue).
 
 Failure: a lookup that fails or runs past lookup_deadline_s is a miss; a load that fails
 reports its blocks through get_block_ids_with_load_errors (with
@@ -24,6 +27,7 @@ counted, never raised into the engine.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -43,6 +47,7 @@ import kvq
 from .config import KvqConnectorConfig
 from .layout import CpuBlockLayout
 from .naming import PrefixNames
+from .save_queue import SaveQueue
 
 __all__ = ["KvqConnector", "register_command"]
 
@@ -132,12 +137,13 @@ class KvqConnector(KVConnectorBase_V1):
         self._layer_index: Dict[str, int] = {}
         self._layout: Optional[CpuBlockLayout] = None
         self._pending: Dict[str, List[kvq.Append]] = {}
+        self._saves = SaveQueue(int(c.save_buffer_mb * 2**20)) if c.save_buffer_mb > 0 else None
         self._failed_blocks: Set[int] = set()
         self._lock = threading.Lock()
         # Counters (read by tests and logged at shutdown).
         self.counts: Dict[str, float] = {
             "lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "loads": 0, "load_errors": 0, "loaded_tokens": 0,
-            "saves": 0, "save_errors": 0, "saved_tokens": 0,
+            "saves": 0, "save_errors": 0, "saved_tokens": 0, "saves_dropped": 0,
             # Wall seconds inside the connector: the lookups, the loads (of which in GetBlocks'
             # stream, the rest writing the paged cache), the saves' gathers and PutBlocks.
             "lookup_s": 0.0, "load_s": 0.0, "load_rpc_s": 0.0, "save_gather_s": 0.0, "save_rpc_s": 0.0}
@@ -347,18 +353,32 @@ class KvqConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         pending, self._pending = self._pending, {}
-        t0 = time.monotonic()
         for name, appends in pending.items():
-            try:
-                self.client.put_blocks(sorted(appends, key=lambda a: a.layer))
+            if self._saves is None:
+                self._put(name, appends)
+                continue
+            nbytes = sum(a.keys.nbytes + a.values.nbytes for a in appends)
+            if not self._saves.submit(functools.partial(self._put, name, appends), nbytes):
+                with self._lock:
+                    self.counts["saves_dropped"] += 1
+                log.warning("kvq.vllm: save of %s dropped: %d bytes of saves already pending (save_buffer_mb)",
+                            name, self._saves.pending_bytes)
+
+    def _put(self, name: str, appends: List[kvq.Append]) -> None:
+        """One prompt's PutBlocks (all layers); a failure is logged and counted, never raised."""
+        t0 = time.monotonic()
+        try:
+            self.client.put_blocks(sorted(appends, key=lambda a: a.layer))
+            with self._lock:
                 self.counts["saves"] += 1
                 self.counts["saved_tokens"] += int(appends[0].keys.shape[1])
-            except kvq.KvqError as e:
-                # ALREADY_EXISTS: another engine stored these ids first (with other bytes); a miss
-                # either way for nobody, so only counted.
+        except kvq.KvqError as e:
+            # ALREADY_EXISTS: another engine stored these ids first (with other bytes); a miss
+            # either way for nobody, so only counted.
+            with self._lock:
                 self.counts["save_errors"] += 1
-                log.warning("kvq.vllm: saving %s failed (a later request recomputes it): %s", name, e)
-        if pending:
+            log.warning("kvq.vllm: saving %s failed (a later request recomputes it): %s", name, e)
+        with self._lock:
             self.counts["save_rpc_s"] += time.monotonic() - t0
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
@@ -367,6 +387,8 @@ class KvqConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._saves is not None and not self._saves.close(timeout=self.config.deadline_s):
+            log.warning("kvq.vllm: saves still pending at shutdown were abandoned")
         log.info("kvq.vllm: %s", self.counts)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
