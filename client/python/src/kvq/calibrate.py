@@ -24,6 +24,8 @@ Calibrate on text the evaluation does not use (wiki.valid.tokens; wiki.test.raw 
 Refused (exit 3, naming the feature): sliding-window, chunked or linear-attention layers,
 attention logit soft-capping, MLA, cross-layer KV sharing, non-RoPE positions, encoder-decoder.
 No codec is chosen (no codec.json): the server serves the entry with its default codec.
+Exit: 0 written (and registered), 2 a bad option or input (named), 3 a refused model, 4 the
+server of --register not SERVING (checked before calibrating) or the registration failed.
 """
 
 
@@ -78,7 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.threads is not None:
         if args.threads < 1:
-            print(f"kvq-calibrate-hf: --threads = {args.threads}: must be >= 1", file=sys.stderr)
+            print(f"kvq-calibrate-hf: --threads: {args.threads}: must be >= 1", file=sys.stderr)
             return 2
         import torch
 
