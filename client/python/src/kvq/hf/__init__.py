@@ -14,6 +14,7 @@ from .attention import ATTENTION_NAME, disable, enable, kvq_attention_forward, k
 from .basis import (
     BasisFiles,
     BasisOrderError,
+    basis_fingerprint,
     captured_query_energy,
     check_basis_order,
     hf_channel_order,
@@ -21,6 +22,7 @@ from .basis import (
     register_basis,
     register_model,
     to_model_order,
+    write_basis,
 )
 from .cache import KvqCache, KvqCacheStats, generate_with_prefix
 
@@ -30,6 +32,7 @@ __all__ = [
     "BasisOrderError",
     "KvqCache",
     "KvqCacheStats",
+    "basis_fingerprint",
     "captured_query_energy",
     "check_basis_order",
     "disable",
@@ -43,4 +46,5 @@ __all__ = [
     "register_basis",
     "register_model",
     "to_model_order",
+    "write_basis",
 ]

@@ -33,6 +33,8 @@ __all__ = [
     "BasisFiles",
     "BasisOrderError",
     "read_basis",
+    "write_basis",
+    "basis_fingerprint",
     "hf_channel_order",
     "to_model_order",
     "register_basis",
@@ -142,14 +144,7 @@ def read_basis(path: str, *, verify_fingerprint: bool = True) -> BasisFiles:
     encode = tensors("encode", R, "rank") if oblique else []
     moment = tensors("query_moment", D, "head_dim") if has_moment else []
     if verify_fingerprint:
-        import xxhash
-
-        # core::BasisFingerprint: XXH3-64 of U, chained (as the seed) through A and the moments.
-        fp = xxhash.xxh3_64_intdigest(b"".join(x.tobytes() for x in u))
-        for extra in (encode, moment):
-            if extra:
-                fp = xxhash.xxh3_64_intdigest(b"".join(x.tobytes() for x in extra), seed=fp)
-        fp_hex = f"{fp:016x}"
+        fp_hex = basis_fingerprint(u, encode, moment)
         if fp_hex != manifest["fingerprint"]:
             raise _bad(path, f"fingerprint {fp_hex} does not match the manifest's {manifest['fingerprint']}")
     codec = None
@@ -159,6 +154,73 @@ def read_basis(path: str, *, verify_fingerprint: bool = True) -> BasisFiles:
             codec = json.loads(f.read())
     return BasisFiles(manifest=manifest, u=u, codec=codec, path=path, encode=encode,
                       query_moment=moment)
+
+
+def basis_fingerprint(u: Sequence[np.ndarray], encode: Sequence[np.ndarray] = (),
+                      query_moment: Sequence[np.ndarray] = ()) -> str:
+    """core::BasisFingerprint: hex XXH3-64 of U's f32 bytes in layer order, chained (as the
+    seed) through A's and then the query moments' bytes when present."""
+    import xxhash
+
+    fp = xxhash.xxh3_64_intdigest(b"".join(np.ascontiguousarray(x, dtype="<f4").tobytes() for x in u))
+    for extra in (encode, query_moment):
+        if len(extra):
+            data = b"".join(np.ascontiguousarray(x, dtype="<f4").tobytes() for x in extra)
+            fp = xxhash.xxh3_64_intdigest(data, seed=fp)
+    return f"{fp:016x}"
+
+
+# manifest.json's fields in the order core::WriteBasis lists them (nlohmann's json writes
+# them sorted by name, as json.dumps(sort_keys=True) does).
+_MANIFEST_FIELDS = ("format", "format_version", "model", "version", "layers", "kv_heads", "q_heads",
+                    "head_dim", "rank", "rope_layout", "channel_order", "kind", "calibration_tokens",
+                    "calibration_text", "fingerprint")
+
+
+def write_basis(path: str, manifest: Dict[str, Any], u: Sequence[np.ndarray],
+                query_moment: Sequence[np.ndarray] = ()) -> Dict[str, Any]:
+    """Writes a registry entry folder as core::WriteBasis does: basis.safetensors (F32
+    "layer.{l}.u" [kv_heads, head_dim, rank], then "layer.{l}.query_moment" [kv_heads,
+    head_dim, head_dim] when given; metadata format "kvq-basis" and the fingerprint) and
+    manifest.json (every field of core's manifest, format_version 1: no value metrics), each
+    through a temporary file and a rename. `manifest` gives model, version, rope_layout,
+    channel_order, kind, calibration_tokens and calibration_text; the shape fields and the
+    fingerprint are taken from the tensors. Returns the manifest written. The result is
+    read back with read_basis (every check core::ReadBasis makes of it)."""
+    from safetensors.numpy import save_file
+
+    if not len(u):
+        raise ValueError("write_basis: no layers")
+    H, D, R = (int(v) for v in u[0].shape)
+    if query_moment and len(query_moment) != len(u):
+        raise ValueError(f"write_basis: {len(query_moment)} query moments for {len(u)} layers")
+    for layer, x in enumerate(u):
+        if tuple(x.shape) != (H, D, R):
+            raise ValueError(f"write_basis: layer.{layer}.u has shape {tuple(x.shape)}, layer 0 {(H, D, R)}")
+    for layer, x in enumerate(query_moment):
+        if tuple(x.shape) != (H, D, D):
+            raise ValueError(f"write_basis: layer.{layer}.query_moment has shape {tuple(x.shape)}, "
+                             f"want [kv_heads, head_dim, head_dim] = {(H, D, D)}")
+    u32 = [np.ascontiguousarray(x, dtype="<f4") for x in u]
+    qm32 = [np.ascontiguousarray(x, dtype="<f4") for x in query_moment]
+    fp = basis_fingerprint(u32, (), qm32)
+    full = dict(manifest, format="kvq-basis", format_version=1, layers=len(u), kv_heads=H,
+                head_dim=D, rank=R, fingerprint=fp)
+    missing = [k for k in _MANIFEST_FIELDS if k not in full]
+    if missing:
+        raise ValueError(f"write_basis: manifest field(s) {missing} missing")
+    full = {k: full[k] for k in _MANIFEST_FIELDS}
+    tensors = {f"layer.{layer}.u": x for layer, x in enumerate(u32)}
+    tensors.update({f"layer.{layer}.query_moment": x for layer, x in enumerate(qm32)})
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, f".basis.safetensors.tmp{os.getpid()}")
+    save_file(tensors, tmp, metadata={"format": "kvq-basis", "fingerprint": fp})
+    os.replace(tmp, os.path.join(path, "basis.safetensors"))
+    tmp = os.path.join(path, f".manifest.json.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(full, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    os.replace(tmp, os.path.join(path, "manifest.json"))
+    return full
 
 
 def hf_channel_order(head_dim: int) -> np.ndarray:
@@ -194,10 +256,13 @@ def to_model_order(basis: BasisFiles, config: Any) -> BasisFiles:
                 f"(model_type {getattr(config, 'model_type', '?')})")
     order, rope = str(m.get("channel_order", "gguf")), str(m["rope_layout"])
     if order == HF_CHANNEL_ORDER:
-        if rope != "halves":
+        from .support import rope_layout
+
+        want_rope = rope_layout(config)
+        if rope != want_rope:
             raise BasisOrderError(
                 f"basis {basis.path}: channel_order 'hf' with rope_layout '{rope}': transformers "
-                "applies RoPE on halves")
+                f"applies RoPE on {want_rope} for model_type '{getattr(config, 'model_type', '?')}'")
         return basis
     if order != "gguf":
         raise BasisOrderError(
@@ -335,12 +400,13 @@ def register_basis(
     """Registers kvq-calibrate's output DIR for a transformers model, in one call.
 
     The basis rows are mapped into the order the model computes in (see to_model_order) and
-    registered with channel_order "hf" under `name` (default: the manifest's model name +
-    "-hf", so that it never collides with the GGUF-order entry that kvq-eval or the C++
-    frontend register under the plain name). With `model` given and check=True, a forward
-    pass over `probe_ids` (default 96 fixed pseudo-random ids) confirms that the mapped basis
-    captures more of the model's query energy than the other order would, and raises
-    BasisOrderError otherwise. Returns the server's ModelInfo (pb) of the entry."""
+    registered with channel_order "hf" under `name` (default: a basis mapped from GGUF order
+    gets the manifest's model name + "-hf", so that it never collides with the GGUF-order
+    entry that kvq-eval or the C++ frontend register under the plain name; a basis already in
+    transformers' order, as kvq.calibrate writes it, keeps its manifest's name). With `model`
+    given and check=True, a forward pass over `probe_ids` (default 96 fixed pseudo-random ids)
+    confirms that the mapped basis captures more of the model's query energy than the other
+    order would, and raises BasisOrderError otherwise. Returns the server's ModelInfo (pb) of the entry."""
     if model is None and config is None:
         raise KvqError.invalid("RegisterBasis", "model/config: one is needed to know the channel order")
     cfg = config if config is not None else model.config
@@ -350,7 +416,8 @@ def register_basis(
     mapped.extra["source_channel_order"] = source
     if check and model is not None:
         check_basis_order(model, mapped, probe_ids)
-    entry = name or f"{files.manifest['model']}-{HF_CHANNEL_ORDER}"
+    entry = name or (files.manifest["model"] if source == HF_CHANNEL_ORDER
+                     else f"{files.manifest['model']}-{HF_CHANNEL_ORDER}")
     resp = client.register_basis(_info(mapped, entry, True), mapped.u,
                                  encode_basis=mapped.encode, query_moment=mapped.query_moment)
     return resp.model

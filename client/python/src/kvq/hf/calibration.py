@@ -1,0 +1,322 @@
+"""HeadQ calibration of a transformers checkpoint: what kvq-calibrate fits for a GGUF model of
+kvq's own frontend (client/frontend/tools/calibrate_main.cc), for any model transformers runs
+and kvq serves (support.py).
+
+The calibration text's first `tokens` tokens (the tokenizer's ids, no special tokens added:
+the text is used verbatim, WikiText's <unk> markers kept as text, as kvq-calibrate does) are
+cut into independent windows of `window_len` tokens, each starting at position 0 (the last
+window may be shorter); full windows run `batch` at a time through the model's own forward
+pass (no LM head, no KV cache). An attention function registered in transformers'
+AttentionInterface sees each layer's post-RoPE queries [batch, q_heads, tokens, head_dim]
+before it hands them to SDPA, and adds them to float64 sums per layer and KV head
+(query_stats.py); no query is kept. The basis is the top-`rank` eigenvectors of each head's
+uncentred E[q q^T], stored with E[q q^T] itself (the query moment the codec's metric rounding
+needs), in the channel order transformers computes in: the manifest says channel_order "hf",
+so that kvq.hf registers it unmapped and refuses to mix it with a GGUF-order basis.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from .basis import HF_CHANNEL_ORDER, _model_fields, write_basis
+from .query_stats import QueryStats
+from .support import check_supported, rope_layout
+
+__all__ = ["CalibrationError", "CalibrationResult", "calibrate", "collect_query_stats", "load_checkpoint",
+           "model_shape", "read_tokens", "default_model_name", "default_text"]
+
+_CAPTURE = "kvq_calibrate_capture"
+# The evaluation text: never calibrated on (its perplexity is what the results report).
+_EVAL_TEXTS = ("wiki.test.raw", "wiki.test.tokens")
+
+
+class CalibrationError(ValueError):
+    """A bad argument or input: `field` is calibrate()'s argument at fault, the message says
+    what it must be."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field, self.message = field, message
+
+
+@dataclass
+class CalibrationResult:
+    path: str  # the entry folder written (manifest.json + basis.safetensors)
+    manifest: Dict[str, Any]
+    captured_energy: np.ndarray  # [layers, kv_heads]: tr(U^T M U) / tr(M) on the calibration queries
+    seconds: float  # the forward passes and the fit (not the model load)
+    load_seconds: float
+    peak_rss_bytes: int  # the process's peak resident memory so far
+    registered: Any = None  # the server's ModelInfo when register= was given
+
+
+def default_text() -> str:
+    """$KVQ_DATA_DIR/wikitext-2/wiki.valid.tokens (KVQ_DATA_DIR default ../shared/data), the
+    default of kvq-calibrate: the calibration split, never the evaluation text."""
+    return os.path.join(os.environ.get("KVQ_DATA_DIR") or os.path.join("..", "shared", "data"),
+                        "wikitext-2", "wiki.valid.tokens")
+
+
+def default_model_name(model: str) -> str:
+    """The checkpoint's file or folder name, lower case, without .gguf and a llama.cpp
+    quantization tag (as kvq-calibrate names a GGUF), ending in "-hf" (the channel order: kvq.hf
+    names transformers-order entries so, beside the GGUF-order entry of the same model):
+    SmolLM2-135M-Instruct.Q4_1.gguf -> smollm2-135m-instruct-hf."""
+    name = os.path.basename(os.path.normpath(model)).lower()
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    name = re.sub(r"[.-](i?q[0-9][a-z0-9_]*|f16|f32|bf16)$", "", name)
+    return name if name.endswith("-" + HF_CHANNEL_ORDER) else f"{name}-{HF_CHANNEL_ORDER}"
+
+
+def _split_checkpoint(model: str, gguf_file: Optional[str]) -> Tuple[str, Dict[str, Any]]:
+    """(from_pretrained's path, its extra kwargs): a .gguf file is its folder + gguf_file."""
+    if gguf_file is None and model.lower().endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise CalibrationError("model", f"GGUF file {model} not found")
+        return os.path.dirname(os.path.abspath(model)), {"gguf_file": os.path.basename(model)}
+    if gguf_file is not None:
+        return model, {"gguf_file": gguf_file}
+    return model, {}
+
+
+def read_tokens(tokenizer: Any, path: str, want: int) -> List[int]:
+    """The first `want` token ids of the text file, tokenizing it a line-aligned chunk at a time
+    (memory bounded by the chunk, whatever the file's size). Raises CalibrationError naming
+    --text when the file is missing or too short."""
+    ids: List[int] = []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise CalibrationError("text", f"cannot read {path}: {e.strerror}") from None
+    with f:
+        rest = ""
+        while len(ids) < want:
+            chunk = f.read(1 << 18)
+            if not chunk:
+                if rest:
+                    ids.extend(tokenizer(rest, add_special_tokens=False)["input_ids"])
+                    rest = ""
+                break
+            chunk = rest + chunk
+            cut = chunk.rfind("\n") + 1
+            if cut == 0:
+                rest = chunk
+                continue
+            rest = chunk[cut:]
+            ids.extend(tokenizer(chunk[:cut], add_special_tokens=False)["input_ids"])
+    if len(ids) < want:
+        raise CalibrationError("text", f"{path} has {len(ids)} tokens, tokens = {want} were asked for")
+    return ids[:want]
+
+
+def _windows(n: int, window_len: int, batch: int) -> Iterator[Tuple[int, int, int]]:
+    """(start, windows, length) per forward: `batch` full windows at a time, then the tail."""
+    full = n // window_len
+    for w in range(0, full, batch):
+        yield w * window_len, min(batch, full - w), window_len
+    if n % window_len:
+        yield full * window_len, 1, n % window_len
+
+
+def load_checkpoint(model: str, gguf_file: Optional[str], dtype: str, device: str) -> Tuple[Any, Any, Any]:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path, extra = _split_checkpoint(model, gguf_file)
+    try:
+        config = AutoConfig.from_pretrained(path, **extra)
+    except (OSError, ValueError) as e:
+        raise CalibrationError("model", f"cannot load the config of {model}: {e}") from None
+    config = config.get_text_config()  # the decoder's config (itself for a text-only model)
+    check_supported(config)  # before the weights: a refused model costs nothing
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise CalibrationError("dtype", f"'{dtype}' is not a torch floating-point dtype (e.g. float32, bfloat16)")
+    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa", **extra)
+    # transformers types .to through a decorator that mypy reads as unbound (self = device).
+    lm.to(device)  # type: ignore[arg-type]
+    lm.eval()
+    return config, tokenizer, lm
+
+
+def model_shape(config: Any) -> Tuple[int, int, int, int]:
+    """(layers, q_heads, kv_heads, head_dim) of a transformers config: QueryStats' arguments."""
+    f = _model_fields(config)
+    return f["layers"], f["q_heads"], f["kv_heads"], f["head_dim"]
+
+
+def collect_query_stats(lm: Any, ids: List[int], stats: QueryStats, *, window_len: int = 512,
+                        batch: int = 4, progress: bool = False) -> QueryStats:
+    """Runs `ids` through the transformers model `lm` in independent windows of `window_len`
+    tokens (`batch` full windows per forward pass, then the shorter tail alone), adding every
+    layer's post-RoPE queries to `stats` from an attention function registered in
+    transformers' AttentionInterface (it then attends with SDPA, so the forward is the model's
+    own). The model's attention implementation is restored afterwards. Returns `stats`."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def capture(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+        stats.add(int(module.layer_idx), query)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(_CAPTURE, capture)
+    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
+    before = lm.config._attn_implementation
+    lm.set_attn_implementation(_CAPTURE)
+    device = next(lm.parameters()).device
+    bar = _progress(len(ids), progress)
+    try:
+        body = lm.base_model  # the decoder without the LM head: no [tokens, vocab] logits
+        with torch.inference_mode():
+            for start, n_win, length in _windows(len(ids), window_len, batch):
+                x = torch.tensor(ids[start : start + n_win * length], dtype=torch.long, device=device)
+                body(input_ids=x.view(n_win, length), use_cache=False)
+                bar.update(n_win * length)
+    finally:
+        bar.close()
+        lm.set_attn_implementation(before)
+    return stats
+
+
+def calibrate(
+    model: str,
+    *,
+    out: Optional[str] = None,
+    registry: Optional[str] = None,
+    text: Optional[str] = None,
+    tokens: int = 32768,
+    rank: int = 8,
+    window_len: int = 512,
+    batch: int = 4,
+    model_name: Optional[str] = None,
+    version: int = 1,
+    centred: bool = False,
+    query_moment: bool = True,
+    gguf_file: Optional[str] = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    register: Optional[str] = None,
+    progress: bool = True,
+) -> CalibrationResult:
+    """Calibrates `model` (a transformers checkpoint folder or hub id, or a .gguf file) and
+    writes its registry entry: into `out` (the entry folder, as kvq-calibrate --out), or into
+    `registry`/<model_name>/v<version> (a server's registry folder layout); exactly one of the
+    two. Defaults are kvq-calibrate's (32768 tokens of wiki.valid.tokens in windows of 512,
+    rank 8, query moments stored). `register`: a kvq-server address to register the entry with
+    (kvq.hf.register_basis; its codec is the server's default: no codec.json is chosen here).
+    centred=True fits the covariance instead (kind "query_pca_centred"). Raises
+    CalibrationError (bad argument, naming it), UnsupportedModelError (a refused feature)."""
+    if (out is None) == (registry is None):
+        raise CalibrationError("out/registry", "exactly one is needed (the entry folder, or a registry folder)")
+    for name, value, low in (("tokens", tokens, 1), ("rank", rank, 1), ("window_len", window_len, 1),
+                             ("batch", batch, 1), ("version", version, 1)):
+        if int(value) < low:
+            raise CalibrationError(name, f"{value}: must be >= {low}")
+    text = text or default_text()
+    if os.path.basename(text) in _EVAL_TEXTS:
+        raise CalibrationError("text", f"{text} is the evaluation text; calibrate on wiki.valid.tokens "
+                               "(or other text the evaluation does not use)")
+    if register:
+        _check_serving(register)  # before the minutes of calibration, not after them
+    t0 = time.monotonic()
+    config, tokenizer, lm = load_checkpoint(model, gguf_file, dtype, device)
+    layers, q_heads, kv_heads, head_dim = model_shape(config)
+    if rank > head_dim:
+        raise CalibrationError("rank", f"{rank}: must be <= head_dim = {head_dim}")
+    name = model_name or default_model_name(model)
+    if not 1 <= len(name) <= 128:
+        raise CalibrationError("model_name", f"'{name}' must be 1..128 characters")
+    ids = read_tokens(tokenizer, text, tokens)
+    load_seconds = time.monotonic() - t0
+
+    t1 = time.monotonic()
+    stats = QueryStats(layers, q_heads, kv_heads, head_dim)
+    collect_query_stats(lm, ids, stats, window_len=window_len, batch=batch, progress=progress)
+    fitted = stats.fit(rank, centred=centred)
+    path = out if out is not None else os.path.join(str(registry), name, f"v{version}")
+    manifest = write_basis(path, {
+        "model": name,
+        "version": int(version),
+        "q_heads": q_heads,
+        "rope_layout": rope_layout(config),
+        "channel_order": HF_CHANNEL_ORDER,
+        "kind": fitted.kind,
+        "calibration_tokens": fitted.calibration_tokens,
+        "calibration_text": text,
+    }, fitted.u, fitted.query_moment if query_moment else ())
+    energy = stats.captured_energy(fitted.u)
+    seconds = time.monotonic() - t1
+    registered = None
+    if register:
+        registered = _register(register, path, config)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return CalibrationResult(path, manifest, energy, seconds, load_seconds, peak, registered)
+
+
+def _check_serving(address: str) -> None:
+    import grpc
+
+    from ..client import Client
+    from ..errors import KvqError
+
+    with Client(address, deadline=5.0) as client:
+        down = [server for server, serving in client.health(deadline=5.0) if not serving]
+    if down:
+        raise KvqError("Health", grpc.StatusCode.UNAVAILABLE,
+                       f"kvq-server {', '.join(down)} is not SERVING (nothing was calibrated)")
+
+
+def _register(address: str, path: str, config: Any) -> Any:
+    from ..client import Client
+    from .basis import register_basis
+
+    with Client(address, deadline=30.0) as client:
+        return register_basis(client, path, config=config, check=False)
+
+
+class _Counter:
+    """A stderr token counter for when tqdm is not importable (it comes with transformers)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.last = total, 0, 0.0
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self.last > 1.0 or self.done >= self.total:
+            self.last = time.monotonic()
+            sys.stderr.write(f"\rkvq calibrate: {self.done}/{self.total} tokens")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _Null()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _Counter(total)
+    return tqdm(total=total, unit="tok", desc="kvq calibrate", file=sys.stderr, dynamic_ncols=True)
+
+
+class _Null:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
