@@ -329,6 +329,22 @@ KVQ_HD bool Readable(const uint8_t* block, const BlockCodec& c, uint8_t kind, in
   return false;
 }
 
+// Channel ch's side-code term of token t: sum over j in order of u_cj side_sign z_hat_j(t)
+// (ref.cc's add_low_rank), shared by both key decodes so they stay bit for bit the same.
+KVQ_HD float SideTerm(const DecodeKeyParams& p, const KeyLayout& k, const uint8_t* in,
+                      const float* basis, int ch, int t) {
+  float acc = 0;
+  for (int j = 0; j < k.r; ++j) {
+    const float z =
+        p.side_sign *
+        (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_zero + 2 * j))) +
+         HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_scale + 2 * j))) *
+             static_cast<float>(GetCode(in + k.side_codes + j * k.side_row, k.side_bits, t)));
+    acc += basis[static_cast<int64_t>(ch) * k.r + j] * z;
+  }
+  return acc;
+}
+
 // Decode key block b's token t into its row (core's DecodeKeyBlock: dequantize, rotate back,
 // then add side_sign U z_hat with the sum over j in order, ref.cc's add_low_rank).
 KVQ_HD void DecodeKeyToken(const DecodeKeyParams& p, int b, int t) {
@@ -343,18 +359,7 @@ KVQ_HD void DecodeKeyToken(const DecodeKeyParams& p, int b, int t) {
   if (p.codec.rotate_keys) Rotate(out, k.d);
   const float* basis = p.basis ? p.basis[b] : nullptr;
   if (k.r == 0 || basis == nullptr) return;
-  for (int ch = 0; ch < k.d; ++ch) {
-    float acc = 0;
-    for (int j = 0; j < k.r; ++j) {
-      const float z =
-          p.side_sign *
-          (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_zero + 2 * j))) +
-           HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_scale + 2 * j))) *
-               static_cast<float>(GetCode(in + k.side_codes + j * k.side_row, k.side_bits, t)));
-      acc += basis[static_cast<int64_t>(ch) * k.r + j] * z;
-    }
-    out[ch] += acc;
-  }
+  for (int ch = 0; ch < k.d; ++ch) out[ch] += SideTerm(p, k, in, basis, ch, t);
 }
 
 // Decode key block b's channel ch for every token: DecodeKeyToken's arithmetic element for
@@ -372,18 +377,7 @@ KVQ_HD void DecodeKeyChannel(const DecodeKeyParams& p, int b, int ch) {
   float* out = p.out[b] + ch;
   for (int t = 0; t < k.G; ++t) {
     float v = zero + scale * static_cast<float>(GetCode(in + k.codes + ch * k.row, k.bits, t));
-    if (side) {
-      float acc = 0;
-      for (int j = 0; j < k.r; ++j) {
-        const float z =
-            p.side_sign *
-            (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_zero + 2 * j))) +
-             HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_scale + 2 * j))) *
-                 static_cast<float>(GetCode(in + k.side_codes + j * k.side_row, k.side_bits, t)));
-        acc += basis[static_cast<int64_t>(ch) * k.r + j] * z;
-      }
-      v += acc;
-    }
+    if (side) v += SideTerm(p, k, in, basis, ch, t);
     out[t * p.ld] = v;
   }
 }
