@@ -1,6 +1,5 @@
 #include "kvq/core/cache.h"
 
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
@@ -12,8 +11,8 @@
 #include "absl/strings/str_cat.h"
 #include "kvq/core/partial_attention.h"
 #include "kvq/core/status.h"
-#include "kvq/core/value_policy.h"
 #include "kvq/kernels/kernels.h"
+#include "value_policy.h"
 
 namespace kvq::core {
 
@@ -46,33 +45,6 @@ SizeReport& SizeReport::operator+=(const SizeReport& o) {
   value_sink_bytes += o.value_sink_bytes;
   sealed_block_bytes += o.sealed_block_bytes;
   return *this;
-}
-
-uint64_t SinkRows::Hash() const {
-  const uint64_t k = XXH3_64bits(keys.data(), keys.size() * 2);
-  return XXH3_64bits_withSeed(values.data(), values.size() * 2, k);
-}
-
-absl::Status SinkRows::Verify() const {
-  if (Hash() == checksum) return absl::OkStatus();
-  return absl::DataLossError(
-      absl::StrCat("fp16 sink rows (", sinks, " tokens): checksum mismatch"));
-}
-
-absl::Status SealedBlock::Verify() const {
-  std::vector<uint8_t> scratch;
-  for (size_t i = 0; i + 1 < offsets.size(); ++i) {
-    ASSIGN_OR_RETURN(
-        std::span<const uint8_t> b,
-        CpuView(*bytes.pool(), {bytes.data() + offsets[i], offsets[i + 1] - offsets[i]}, &scratch));
-    RETURN_IF_ERROR(VerifyBlock(b));
-  }
-  return sinks ? sinks->Verify() : absl::OkStatus();
-}
-
-int64_t SealedBlock::stored_bytes() const {
-  return static_cast<int64_t>(bytes.size() + offsets.size() * sizeof(uint32_t)) +
-         (sinks ? sinks->bytes() : 0);
 }
 
 std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions& o, int kv_heads,
@@ -1085,16 +1057,6 @@ SizeReport LayerCache::Size() const {
     s.value_window_bytes += hd.vwin.size();
   }
   return s;
-}
-
-int64_t SealedBlock::key_bytes() const {
-  int64_t n = 0;
-  for (size_t i = 0; i + 1 < offsets.size(); i += 2) n += offsets[i + 1] - offsets[i];
-  return n;
-}
-
-int64_t SealedBlock::value_bytes() const {
-  return static_cast<int64_t>(bytes.size()) - key_bytes();
 }
 
 std::span<const uint8_t> LayerCache::KeyBlock(int h, int64_t b) const {

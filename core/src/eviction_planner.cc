@@ -1,4 +1,4 @@
-#include "kvq/core/eviction_planner.h"
+#include "eviction_planner.h"
 
 #include <algorithm>
 

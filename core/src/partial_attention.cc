@@ -2,12 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <condition_variable>
 #include <limits>
-#include <memory>
-#include <mutex>
-
-#include "kvq/core/cache.h"
 
 namespace kvq::core {
 
@@ -32,45 +27,6 @@ void MergePartials(const float* m, const float* l, const float* o, int parts, in
     const float inv = 1.0f / denom;
     for (int c = 0; c < d; ++c) y[c] *= inv;
   }
-}
-
-namespace {
-// One Run's parts; shared with the helpers, which may start after Run returned.
-struct Claims {
-  std::mutex mu;
-  std::condition_variable idle;
-  const std::function<void(int)>* task = nullptr;  // valid while next < n
-  int n = 0, next = 0, running = 0;
-  // Claims and runs parts until none is left.
-  void Work() {
-    std::unique_lock<std::mutex> l(mu);
-    while (next < n) {
-      const int k = next++;
-      ++running;
-      l.unlock();
-      (*task)(k);
-      l.lock();
-      if (--running == 0 && next >= n) idle.notify_all();
-    }
-  }
-};
-}  // namespace
-
-RunParts ClaimingRunParts(std::function<void(std::function<void()>)> submit, int helpers) {
-  return [submit = std::move(submit), helpers](int n, const std::function<void(int)>& task) {
-    auto c = std::make_shared<Claims>();
-    c->task = &task;
-    c->n = n;
-    for (int i = 0; i < std::min(helpers, n - 1); ++i) submit([c] { c->Work(); });
-    c->Work();
-    std::unique_lock<std::mutex> l(c->mu);
-    c->idle.wait(l, [&] { return c->running == 0; });
-  };
-}
-
-int AttendSplitParts(int64_t min_tokens, int idle, int workers) {
-  if (min_tokens <= 0 || idle <= 0) return 1;
-  return std::max(1, std::min({idle + 1, kMaxAttendParts, workers}));
 }
 
 }  // namespace kvq::core

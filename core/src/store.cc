@@ -1,35 +1,34 @@
 // The block store: sequences per tenant, their reads, capacity and LRU eviction (the write
-// path, Store::Append, is store_append.cc).
-#include "kvq/core/store.h"
-
+// path, StoreImpl::Append, is store_append.cc).
 #include <algorithm>
 #include <deque>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "kvq/core/eviction_planner.h"
+#include "eviction_planner.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/status.h"
-#include "store_state.h"
+#include "store_impl.h"
 
 namespace kvq::core {
 
 namespace {}  // namespace
 
-Store::Store(StoreOptions opts, Registry* registry) : opts_(std::move(opts)), registry_(registry) {}
+StoreImpl::StoreImpl(StoreOptions opts, Registry* registry)
+    : opts_(std::move(opts)), registry_(registry) {}
 
-Store::~Store() {
+StoreImpl::~StoreImpl() {
   MutexLock l(&mu_);
   lru_.clear();
   tenants_.clear();
 }
 
-void Store::TouchLocked(Sequence* s) {
+void StoreImpl::TouchLocked(Sequence* s) {
   s->last_used = opts_.now();
   if (s->linked) lru_.splice(lru_.begin(), lru_, s->lru);
 }
 
-void Store::UnlinkLocked(Sequence* s, bool drop) {
+void StoreImpl::UnlinkLocked(Sequence* s, bool drop) {
   if (!s->linked) return;
   Tenant& t = *tenants_[s->tenant];
   t.bytes -= s->bytes;
@@ -45,27 +44,27 @@ void Store::UnlinkLocked(Sequence* s, bool drop) {
   t.seqs.erase(s->id);  // may destroy *s when nobody else holds it: do this last
 }
 
-void Store::ReleasePrefixLocked(Tenant& t, const PrefixKey& key, bool drop) {
+void StoreImpl::ReleasePrefixLocked(Tenant& t, const PrefixKey& key, bool drop) {
   if (t.prefixes.Release(key) && (drop || !opts_.retain_prefixes)) DropPrefixLocked(t, key);
 }
 
-int64_t Store::DropPrefixLocked(Tenant& t, const PrefixKey& key) {
+int64_t StoreImpl::DropPrefixLocked(Tenant& t, const PrefixKey& key) {
   const int64_t freed = t.prefixes.Drop(key);
   t.bytes -= freed;
   used_bytes_ -= freed;
   return freed;
 }
 
-int64_t Store::DropRetainedLocked(Tenant& t, int64_t need, absl::Time older_than) {
+int64_t StoreImpl::DropRetainedLocked(Tenant& t, int64_t need, absl::Time older_than) {
   const int64_t freed = t.prefixes.DropRetained(need, older_than);
   t.bytes -= freed;
   used_bytes_ -= freed;
   return freed;
 }
 
-absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
-                                  const std::vector<Sequence*>& keep,
-                                  std::vector<std::shared_ptr<Sequence>>* evicted) {
+absl::Status StoreImpl::ReserveLocked(const std::string& tenant, int64_t bytes,
+                                      const std::vector<Sequence*>& keep,
+                                      std::vector<std::shared_ptr<Sequence>>* evicted) {
   auto& tp = tenants_[tenant];
   if (!tp) tp = std::make_unique<Tenant>();
   Tenant& T = *tp;
@@ -149,8 +148,8 @@ absl::Status Store::ReserveLocked(const std::string& tenant, int64_t bytes,
   return absl::OkStatus();
 }
 
-std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& model, int layer,
-                                                           const CodecOptions& codec) {
+std::shared_ptr<const LayerCodecTables> StoreImpl::LayerTables(const ModelEntry& model, int layer,
+                                                               const CodecOptions& codec) {
   // What the tables depend on: the entry's tensors (name, version, fingerprint) and the
   // codec fields that shape them.
   const std::string key =
@@ -172,14 +171,14 @@ std::shared_ptr<const LayerCodecTables> Store::LayerTables(const ModelEntry& mod
 // capacity and quota so that many tiny sequences cannot take memory the count does not see:
 // the object and its strings, the per-layer vectors and caches (with malloc's 16-byte header
 // per heap block), and an estimate of the tenant map's slot and the LRU node (kIndexBytes).
-int64_t SequenceOverheadBytes(const Store::Sequence& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+int64_t SequenceOverheadBytes(const StoreImpl::Sequence& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   constexpr int64_t kIndexBytes = 96;
   auto held = [](const auto& v) -> int64_t {
     return v.capacity() ? static_cast<int64_t>(v.capacity() * sizeof(v[0])) + 16 : 0;
   };
-  int64_t b = kIndexBytes + static_cast<int64_t>(sizeof(Store::Sequence)) + 16 + held(s.tenant) +
-              held(s.id) + held(s.layers) + held(s.hashes) + held(s.hash_base) + held(s.prefix) +
-              held(s.node_keys);
+  int64_t b = kIndexBytes + static_cast<int64_t>(sizeof(StoreImpl::Sequence)) + 16 +
+              held(s.tenant) + held(s.id) + held(s.layers) + held(s.hashes) + held(s.hash_base) +
+              held(s.prefix) + held(s.node_keys);
   // The hashes' capacity is counted with the sequence's data (Remeasure); here their headers.
   for (const auto& h : s.hashes) b += h.capacity() ? 16 : 0;
   for (const auto& p : s.prefix) b += held(p.block_keys) + held(p.pending_ids);
@@ -188,7 +187,7 @@ int64_t SequenceOverheadBytes(const Store::Sequence& s) ABSL_NO_THREAD_SAFETY_AN
   return b;
 }
 
-void Store::Remeasure(Sequence* s, int64_t reserved) {
+void StoreImpl::Remeasure(Sequence* s, int64_t reserved) {
   SizeReport size;
   int64_t tokens = 0, blocks = 0, elements = 0;
   for (const auto& l : s->layers) {
@@ -219,9 +218,9 @@ void Store::Remeasure(Sequence* s, int64_t reserved) {
   s->size = size;
 }
 
-absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& tenant,
-                                                             const std::string& id,
-                                                             int basis_version) {
+absl::StatusOr<std::shared_ptr<StoreImpl::Sequence>> StoreImpl::Find(const std::string& tenant,
+                                                                     const std::string& id,
+                                                                     int basis_version) {
   MutexLock l(&mu_);
   auto t = tenants_.find(tenant);
   std::shared_ptr<Sequence> s;
@@ -247,7 +246,7 @@ absl::StatusOr<std::shared_ptr<Store::Sequence>> Store::Find(const std::string& 
 namespace {
 // Layer `layer` of `s`, whose lock the caller holds (null while nothing was appended to it);
 // INVALID_ARGUMENT outside the model's layers.
-absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s,
+absl::StatusOr<LayerCache*> LayerAt(const StoreImpl::Sequence& s,
                                     int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const int layers = s.model->manifest.layers;
   if (layer < 0 || layer >= layers) {
@@ -258,7 +257,7 @@ absl::StatusOr<LayerCache*> LayerAt(const Store::Sequence& s,
 
 // The layer a read (Score, Readout, Attend) reads: one that holds tokens (FAILED_PRECONDITION
 // otherwise), its token count in *tokens.
-absl::StatusOr<LayerCache*> ReadLayer(const Store::Sequence& s, const std::string& sequence_id,
+absl::StatusOr<LayerCache*> ReadLayer(const StoreImpl::Sequence& s, const std::string& sequence_id,
                                       int layer, int64_t* tokens) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(s, layer));
   if (cache == nullptr || cache->tokens() == 0) {
@@ -285,8 +284,8 @@ absl::Status CheckQueryShape(const BasisManifest& m, const char* field, int q_he
 }
 }  // namespace
 
-absl::Status Store::Score(const LayerRef& at, const ReadRows& q, float scale, bool corrections_only,
-                          std::vector<float>* out, int64_t* tokens) {
+absl::Status StoreImpl::Score(const LayerRef& at, const ReadRows& q, float scale,
+                              bool corrections_only, std::vector<float>* out, int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
   ReaderMutexLock l(&s->mu);
   ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, tokens));
@@ -295,8 +294,8 @@ absl::Status Store::Score(const LayerRef& at, const ReadRows& q, float scale, bo
   return cache->Score(q.data, q.q_heads, q.n_q, out->data(), scale, corrections_only);
 }
 
-absl::Status Store::Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
-                            std::vector<float>* out, int64_t* tokens) {
+absl::Status StoreImpl::Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
+                                std::vector<float>* out, int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
   ReaderMutexLock l(&s->mu);
   ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, tokens));
@@ -320,8 +319,8 @@ absl::Status Store::Readout(const LayerRef& at, const ReadRows& p, bool as_logit
   return cache->Readout(weights, p.q_heads, p.n_q, out->data());
 }
 
-absl::Status Store::Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
-                           std::vector<float>* out, int64_t* tokens) {
+absl::Status StoreImpl::Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
+                               std::vector<float>* out, int64_t* tokens) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
   // Observing attends update the window's A^2 statistics: exclusive.
   std::optional<MutexLock> wl;
@@ -344,14 +343,14 @@ absl::Status Store::Attend(const LayerRef& at, const ReadRows& q, const AttendOp
   return cache->Attend(q.data, q.q_heads, q.n_q, with_backend, out->data());
 }
 
-absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, std::vector<float>* keys, std::vector<float>* values,
-                           int64_t* tokens) {
+absl::Status StoreImpl::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                               int basis_version, std::vector<float>* keys,
+                               std::vector<float>* values, int64_t* tokens) {
   int64_t first = 0;
   return Decode(tenant, sequence_id, layer, basis_version, 0, -1, keys, values, tokens, &first);
 }
 
-absl::Status Store::ReadRange(
+absl::Status StoreImpl::ReadRange(
     const std::string& tenant, const std::string& sequence_id, int layer, int basis_version,
     int64_t from, int64_t to, int64_t* tokens, int64_t* first,
     const std::function<absl::Status(const LayerCache* cache, int64_t from, int64_t end)>& read) {
@@ -372,9 +371,10 @@ absl::Status Store::ReadRange(
   return read(cache, *first, end);  // verifies every block it reads
 }
 
-absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
-                           std::vector<float>* values, int64_t* tokens, int64_t* first) {
+absl::Status StoreImpl::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                               int basis_version, int64_t from, int64_t to,
+                               std::vector<float>* keys, std::vector<float>* values,
+                               int64_t* tokens, int64_t* first) {
   return ReadRange(tenant, sequence_id, layer, basis_version, from, to, tokens, first,
                    [&](const LayerCache* cache, int64_t a, int64_t b) {
                      if (cache != nullptr) return cache->Decode(a, b, keys, values);
@@ -384,10 +384,10 @@ absl::Status Store::Decode(const std::string& tenant, const std::string& sequenc
                    });
 }
 
-absl::Status Store::DecodeAs(const std::string& tenant, const std::string& sequence_id, int layer,
-                             int basis_version, int64_t from, int64_t to, DType dtype,
-                             std::vector<uint8_t>* keys, std::vector<uint8_t>* values,
-                             int64_t* tokens, int64_t* first) {
+absl::Status StoreImpl::DecodeAs(const std::string& tenant, const std::string& sequence_id,
+                                 int layer, int basis_version, int64_t from, int64_t to,
+                                 DType dtype, std::vector<uint8_t>* keys,
+                                 std::vector<uint8_t>* values, int64_t* tokens, int64_t* first) {
   return ReadRange(tenant, sequence_id, layer, basis_version, from, to, tokens, first,
                    [&](const LayerCache* cache, int64_t a, int64_t b) {
                      if (cache != nullptr) return cache->DecodeAs(a, b, dtype, keys, values);
@@ -397,10 +397,10 @@ absl::Status Store::DecodeAs(const std::string& tenant, const std::string& seque
                    });
 }
 
-absl::Status Store::ReadEncoded(const std::string& tenant, const std::string& sequence_id,
-                                int layer, int basis_version, int64_t from, int64_t to, DType dtype,
-                                EncodedGroups* groups, std::vector<uint8_t>* keys,
-                                std::vector<uint8_t>* values, int64_t* tokens, int64_t* first) {
+absl::Status StoreImpl::ReadEncoded(const std::string& tenant, const std::string& sequence_id,
+                                    int layer, int basis_version, int64_t from, int64_t to,
+                                    DType dtype, EncodedGroups* groups, std::vector<uint8_t>* keys,
+                                    std::vector<uint8_t>* values, int64_t* tokens, int64_t* first) {
   *groups = EncodedGroups{};
   keys->clear();
   values->clear();
@@ -420,16 +420,16 @@ absl::Status Store::ReadEncoded(const std::string& tenant, const std::string& se
       });
 }
 
-absl::Status Store::VerifyLayer(const std::string& tenant, const std::string& sequence_id,
-                                int layer, int basis_version) {
+absl::Status StoreImpl::VerifyLayer(const std::string& tenant, const std::string& sequence_id,
+                                    int layer, int basis_version) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
   ReaderMutexLock l(&s->mu);
   ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(*s, layer));
   return cache == nullptr ? absl::OkStatus() : cache->VerifyAll();
 }
 
-absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
-                                             const std::string& sequence_id) {
+absl::StatusOr<SequenceInfo> StoreImpl::Describe(const std::string& tenant,
+                                                 const std::string& sequence_id) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, 0));
   SequenceInfo info;
   info.model = s->model;
@@ -443,7 +443,8 @@ absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
   return info;
 }
 
-absl::StatusOr<int64_t> Store::Delete(const std::string& tenant, const std::string& sequence_id) {
+absl::StatusOr<int64_t> StoreImpl::Delete(const std::string& tenant,
+                                          const std::string& sequence_id) {
   MutexLock l(&mu_);
   auto t = tenants_.find(tenant);
   if (t != tenants_.end()) {
@@ -458,7 +459,7 @@ absl::StatusOr<int64_t> Store::Delete(const std::string& tenant, const std::stri
   return absl::NotFoundError(absl::StrCat("sequence '", sequence_id, "' not found"));
 }
 
-UsageStats Store::TenantUsage(const std::string& tenant) const {
+UsageStats StoreImpl::TenantUsage(const std::string& tenant) const {
   UsageStats u;
   MutexLock l(&mu_);
   auto t = tenants_.find(tenant);
@@ -481,7 +482,7 @@ UsageStats Store::TenantUsage(const std::string& tenant) const {
   return u;
 }
 
-UsageStats Store::TotalUsage() const {
+UsageStats StoreImpl::TotalUsage() const {
   UsageStats u;
   MutexLock l(&mu_);
   u.evictions = evictions_;
@@ -503,7 +504,7 @@ UsageStats Store::TotalUsage() const {
   return u;
 }
 
-std::vector<std::pair<std::string, UsageStats>> Store::AllTenants() const {
+std::vector<std::pair<std::string, UsageStats>> StoreImpl::AllTenants() const {
   std::vector<std::string> names;
   {
     MutexLock l(&mu_);
@@ -514,7 +515,7 @@ std::vector<std::pair<std::string, UsageStats>> Store::AllTenants() const {
   return out;
 }
 
-int64_t Store::LiveSequences(const std::string& model, int version) const {
+int64_t StoreImpl::LiveSequences(const std::string& model, int version) const {
   MutexLock l(&mu_);
   int64_t n = 0;
   for (const Sequence* s : lru_) {
@@ -523,7 +524,7 @@ int64_t Store::LiveSequences(const std::string& model, int version) const {
   return n;
 }
 
-int64_t Store::Sweep() {
+int64_t StoreImpl::Sweep() {
   if (opts_.ttl <= absl::ZeroDuration()) return 0;
   MutexLock l(&mu_);
   const absl::Time cutoff = opts_.now() - opts_.ttl;
@@ -539,7 +540,7 @@ int64_t Store::Sweep() {
   return n;
 }
 
-Store::Dropped Store::DropAll() {
+Store::Dropped StoreImpl::DropAll() {
   Dropped d;
   // Destroyed once the store's lock is released, not under it (as evicted sequences are).
   std::vector<std::shared_ptr<Sequence>> gone;
@@ -558,7 +559,7 @@ Store::Dropped Store::DropAll() {
   return d;
 }
 
-int64_t Store::Scrub() {
+int64_t StoreImpl::Scrub() {
   std::vector<std::shared_ptr<Sequence>> all;
   {
     MutexLock l(&mu_);
@@ -588,8 +589,8 @@ int64_t Store::Scrub() {
   return bad;
 }
 
-LayerCache* Store::LayerForTest(const std::string& tenant, const std::string& sequence_id,
-                                int layer) {
+LayerCache* StoreImpl::LayerForTest(const std::string& tenant, const std::string& sequence_id,
+                                    int layer) {
   absl::StatusOr<std::shared_ptr<Sequence>> s = Find(tenant, sequence_id, 0);
   if (!s.ok()) return nullptr;
   ReaderMutexLock l(&(*s)->mu);

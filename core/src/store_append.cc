@@ -1,4 +1,4 @@
-// The store's write path: Store::Append and its steps (store_append.h).
+// The store's write path: StoreImpl::Append and its steps (store_append.h).
 #include "store_append.h"
 
 #include <algorithm>
@@ -118,24 +118,24 @@ EncodedGroupsView SubRun(const EncodedGroupsView& run, const std::vector<size_t>
 // other in a cycle) and unlocked in reverse when it goes out of scope, on every path.
 class SequenceLocks {
  public:
-  explicit SequenceLocks(std::vector<Store::Sequence*> seqs) ABSL_NO_THREAD_SAFETY_ANALYSIS
+  explicit SequenceLocks(std::vector<StoreImpl::Sequence*> seqs) ABSL_NO_THREAD_SAFETY_ANALYSIS
       : seqs_(std::move(seqs)) {
     std::sort(seqs_.begin(), seqs_.end());
-    for (Store::Sequence* s : seqs_) s->mu.Lock();
+    for (StoreImpl::Sequence* s : seqs_) s->mu.Lock();
   }
   ~SequenceLocks() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     for (auto it = seqs_.rbegin(); it != seqs_.rend(); ++it) (*it)->mu.Unlock();
   }
   SequenceLocks(const SequenceLocks&) = delete;
   SequenceLocks& operator=(const SequenceLocks&) = delete;
-  const std::vector<Store::Sequence*>& held() const { return seqs_; }
+  const std::vector<StoreImpl::Sequence*>& held() const { return seqs_; }
 
  private:
-  std::vector<Store::Sequence*> seqs_;
+  std::vector<StoreImpl::Sequence*> seqs_;
 };
 
 // A sequence that item i of a batch creates, checked against its model; not yet in the store.
-absl::StatusOr<std::shared_ptr<Store::Sequence>> NewSequence(
+absl::StatusOr<std::shared_ptr<StoreImpl::Sequence>> NewSequence(
     Registry& registry, const std::string& tenant, const AppendSpec& a,
     size_t i) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const std::string& id = a.sequence_id;
@@ -145,7 +145,7 @@ absl::StatusOr<std::shared_ptr<Store::Sequence>> NewSequence(
   }
   absl::StatusOr<std::shared_ptr<const ModelEntry>> m = registry.Get(a.model, a.basis_version);
   if (!m.ok()) return AppendError(m.status().code(), i, ".model: ", m.status().message());
-  auto s = std::make_shared<Store::Sequence>();
+  auto s = std::make_shared<StoreImpl::Sequence>();
   s->tenant = tenant;
   s->id = id;
   s->model = *m;
@@ -180,8 +180,8 @@ absl::StatusOr<std::shared_ptr<Store::Sequence>> NewSequence(
 
 }  // namespace
 
-absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
-                           AppendOutcome* outcome) {
+absl::Status StoreImpl::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
+                               AppendOutcome* outcome) {
   *outcome = AppendOutcome{};
   if (batch.empty()) return absl::OkStatus();
   for (int attempt = 0;; ++attempt) {
@@ -197,7 +197,7 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
   }
 }
 
-Store::AppendBatch::~AppendBatch() {
+StoreImpl::AppendBatch::~AppendBatch() {
   // Only an exception leaves pins here. Running out of memory again while releasing them
   // leaves those groups held (counted, never dropped): better than terminating.
   try {
@@ -206,7 +206,7 @@ Store::AppendBatch::~AppendBatch() {
   }
 }
 
-absl::Status Store::AppendBatch::FindOrCreateSequences() {
+absl::Status StoreImpl::AppendBatch::FindOrCreateSequences() {
   for (size_t i = 0; i < batch_.size(); ++i) {
     const std::string& id = batch_[i].sequence_id;
     if (id.empty() || id.size() > 256) {
@@ -229,13 +229,13 @@ absl::Status Store::AppendBatch::FindOrCreateSequences() {
   return absl::OkStatus();
 }
 
-std::vector<Store::Sequence*> Store::AppendBatch::sequences() const {
+std::vector<StoreImpl::Sequence*> StoreImpl::AppendBatch::sequences() const {
   std::vector<Sequence*> all;
   for (const auto& [id, s] : seqs_) all.push_back(s.get());
   return all;
 }
 
-absl::Status Store::AppendBatch::Plan() {
+absl::Status StoreImpl::AppendBatch::Plan() {
   plans_.resize(batch_.size());
   runs_.resize(batch_.size());
   for (size_t i = 0; i < batch_.size(); ++i) {
@@ -247,7 +247,7 @@ absl::Status Store::AppendBatch::Plan() {
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::PlanItem(size_t i) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status StoreImpl::AppendBatch::PlanItem(size_t i) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   Sequence* s = seqs_.at(a.sequence_id).get();
   RETURN_IF_ERROR(CheckTarget(i, *s));
@@ -291,7 +291,7 @@ absl::Status Store::AppendBatch::PlanItem(size_t i) ABSL_NO_THREAD_SAFETY_ANALYS
 }
 
 // The model, version and layer item i names.
-absl::Status Store::AppendBatch::CheckTarget(size_t i, const Sequence& s) const {
+absl::Status StoreImpl::AppendBatch::CheckTarget(size_t i, const Sequence& s) const {
   const AppendSpec& a = batch_[i];
   const BasisManifest& m = s.model->manifest;
   if (!a.model.empty() && a.model != m.model) {
@@ -312,7 +312,7 @@ absl::Status Store::AppendBatch::CheckTarget(size_t i, const Sequence& s) const 
 
 // Item i's shapes, dtypes, token ids and (in a batch of more than one) every element, against
 // the model and the sequence.
-absl::Status Store::AppendBatch::CheckTensors(size_t i, const Sequence& s) const
+absl::Status StoreImpl::AppendBatch::CheckTensors(size_t i, const Sequence& s) const
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   const BasisManifest& m = s.model->manifest;
@@ -377,7 +377,7 @@ absl::Status Store::AppendBatch::CheckTensors(size_t i, const Sequence& s) const
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::CheckResentAttach(
+absl::Status StoreImpl::AppendBatch::CheckResentAttach(
     size_t i, const Sequence& s, int64_t overlap) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   const Sequence::LayerPrefix& lp = s.prefix[a.layer];
@@ -401,7 +401,7 @@ absl::Status Store::AppendBatch::CheckResentAttach(
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::CheckResentTokens(
+absl::Status StoreImpl::AppendBatch::CheckResentTokens(
     size_t i, const Sequence& s, int64_t pos0, int64_t overlap,
     const std::vector<uint64_t>& pending) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
@@ -438,9 +438,9 @@ absl::Status Store::AppendBatch::CheckResentTokens(
   return absl::OkStatus();
 }
 
-void Store::AppendBatch::PinIndexedGroups(size_t i, const Sequence& s, int64_t len,
-                                          bool pending_empty,
-                                          int64_t max_groups) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void StoreImpl::AppendBatch::PinIndexedGroups(size_t i, const Sequence& s, int64_t len,
+                                              bool pending_empty,
+                                              int64_t max_groups) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   ItemPlan& p = plans_[i];
   const Sequence::LayerPrefix& lp = s.prefix[a.layer];
@@ -468,7 +468,8 @@ void Store::AppendBatch::PinIndexedGroups(size_t i, const Sequence& s, int64_t l
   if (IsAttach(a)) p.new_hashes = std::move(run.hashes);
 }
 
-absl::Status Store::AppendBatch::PlanEncoded(size_t i, Sequence* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status StoreImpl::AppendBatch::PlanEncoded(size_t i,
+                                                 Sequence* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   const int G = s->codec.key_group;
   const int kv_heads = s->model->manifest.kv_heads;
@@ -563,7 +564,7 @@ absl::Status Store::AppendBatch::PlanEncoded(size_t i, Sequence* s) ABSL_NO_THRE
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::CheckResentGroups(
+absl::Status StoreImpl::AppendBatch::CheckResentGroups(
     size_t i, const Sequence& s, int64_t g0, int64_t g1) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   const EncodedGroupsView& run = runs_[i];
@@ -592,7 +593,7 @@ absl::Status Store::AppendBatch::CheckResentGroups(
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::CheckProbeWeights(size_t i, int64_t n) const {
+absl::Status StoreImpl::AppendBatch::CheckProbeWeights(size_t i, int64_t n) const {
   const float* w = batch_[i].probe_weights;
   if (w == nullptr) return absl::OkStatus();
   for (int64_t j = 0; j < n; ++j) {
@@ -604,7 +605,7 @@ absl::Status Store::AppendBatch::CheckProbeWeights(size_t i, int64_t n) const {
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::Publish(const std::vector<Sequence*>& locked) {
+absl::Status StoreImpl::AppendBatch::Publish(const std::vector<Sequence*>& locked) {
   // Sequences evicted for the room are destroyed (their memory freed) after the store's
   // lock is released: declared before it.
   std::vector<std::shared_ptr<Sequence>> evicted;
@@ -634,8 +635,8 @@ absl::Status Store::AppendBatch::Publish(const std::vector<Sequence*>& locked) {
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::Apply(const std::vector<Sequence*>& locked,
-                                       AppendOutcome* outcome) {
+absl::Status StoreImpl::AppendBatch::Apply(const std::vector<Sequence*>& locked,
+                                           AppendOutcome* outcome) {
   outcome->tokens_duplicate = duplicates_;
   absl::Status applied;
   size_t item = 0;
@@ -659,8 +660,8 @@ absl::Status Store::AppendBatch::Apply(const std::vector<Sequence*>& locked,
   return applied;
 }
 
-absl::Status Store::AppendBatch::ApplyItem(size_t i,
-                                           AppendOutcome* outcome) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status StoreImpl::AppendBatch::ApplyItem(size_t i, AppendOutcome* outcome)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   const ItemPlan& p = plans_[i];
   if (p.n == 0) return absl::OkStatus();
@@ -689,7 +690,8 @@ absl::Status Store::AppendBatch::ApplyItem(size_t i,
   return absl::OkStatus();
 }
 
-LayerCache& Store::AppendBatch::CacheFor(Sequence* s, int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+LayerCache& StoreImpl::AppendBatch::CacheFor(Sequence* s,
+                                             int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   std::unique_ptr<LayerCache>& cache = s->layers[layer];
   if (!cache) {
     const ModelEntry& model = *s->model;
@@ -700,7 +702,7 @@ LayerCache& Store::AppendBatch::CacheFor(Sequence* s, int layer) ABSL_NO_THREAD_
   return *cache;
 }
 
-absl::Status Store::AppendBatch::ApplyEncoded(size_t i, AppendOutcome* outcome)
+absl::Status StoreImpl::AppendBatch::ApplyEncoded(size_t i, AppendOutcome* outcome)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   const ItemPlan& p = plans_[i];
@@ -749,7 +751,7 @@ absl::Status Store::AppendBatch::ApplyEncoded(size_t i, AppendOutcome* outcome)
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> Store::AppendBatch::AttachPinned(size_t i, Sequence* s, LayerCache& cache)
+absl::StatusOr<bool> StoreImpl::AppendBatch::AttachPinned(size_t i, Sequence* s, LayerCache& cache)
     ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   ItemPlan& p = plans_[i];
@@ -774,8 +776,9 @@ absl::StatusOr<bool> Store::AppendBatch::AttachPinned(size_t i, Sequence* s, Lay
   return true;
 }
 
-absl::Status Store::AppendBatch::AppendData(size_t i, Sequence* s, LayerCache& cache, int64_t from,
-                                            int64_t n) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status StoreImpl::AppendBatch::AppendData(size_t i, Sequence* s, LayerCache& cache,
+                                                int64_t from,
+                                                int64_t n) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   const AppendSpec& a = batch_[i];
   std::vector<float> probe;
   if (a.probe_weights) {
@@ -798,8 +801,8 @@ absl::Status Store::AppendBatch::AppendData(size_t i, Sequence* s, LayerCache& c
   return absl::OkStatus();
 }
 
-absl::Status Store::AppendBatch::IndexSealedGroups(Sequence* s,
-                                                   int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+absl::Status StoreImpl::AppendBatch::IndexSealedGroups(Sequence* s,
+                                                       int layer) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   Sequence::LayerPrefix& lp = s->prefix[layer];
   LayerCache& cache = *s->layers[layer];
   const int G = s->codec.key_group;
@@ -842,8 +845,8 @@ absl::Status Store::AppendBatch::IndexSealedGroups(Sequence* s,
   return absl::OkStatus();
 }
 
-void Store::AppendBatch::Finish(const std::vector<Sequence*>& locked, bool failed,
-                                AppendOutcome* outcome) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+void StoreImpl::AppendBatch::Finish(const std::vector<Sequence*>& locked, bool failed,
+                                    AppendOutcome* outcome) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // The whole reservation is given back once, with the first sequence's real size.
   int64_t reserved = estimate_;
   for (Sequence* s : locked) {
@@ -868,12 +871,12 @@ void Store::AppendBatch::Finish(const std::vector<Sequence*>& locked, bool faile
   }
 }
 
-void Store::AppendBatch::ReleasePins() {
+void StoreImpl::AppendBatch::ReleasePins() {
   MutexLock g(&store_.mu_);
   ReleasePinsLocked();
 }
 
-void Store::AppendBatch::ReleasePinsLocked(size_t from, size_t to) {
+void StoreImpl::AppendBatch::ReleasePinsLocked(size_t from, size_t to) {
   auto t = store_.tenants_.find(tenant_);
   if (t == store_.tenants_.end()) return;
   for (size_t i = from; i < std::min(to, plans_.size()); ++i) {

@@ -1,4 +1,4 @@
-// Store::Append's steps, in the order Append takes them (LevelDB's DBImpl::Write split into
+// StoreImpl::Append's steps, in the order Append takes them (LevelDB's DBImpl::Write split into
 // named steps): find or create the sequences, lock them, plan every item, publish and reserve,
 // apply. One AppendBatch is one attempt; a race with another writer starts a new one.
 #pragma once
@@ -13,13 +13,13 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
-#include "store_state.h"
+#include "store_impl.h"
 
 namespace kvq::core {
 
-class Store::AppendBatch {
+class StoreImpl::AppendBatch {
  public:
-  AppendBatch(Store& store, const std::string& tenant, const std::vector<AppendSpec>& batch)
+  AppendBatch(StoreImpl& store, const std::string& tenant, const std::vector<AppendSpec>& batch)
       : store_(store), tenant_(tenant), batch_(batch) {}
   // Releases the prefix groups still pinned (an attempt that failed, raced or threw).
   ~AppendBatch();
@@ -100,7 +100,7 @@ class Store::AppendBatch {
   void ReleasePinsLocked(size_t from = 0, size_t to = SIZE_MAX)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_.mu_);
 
-  Store& store_;
+  StoreImpl& store_;
   const std::string& tenant_;
   const std::vector<AppendSpec>& batch_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> seqs_;

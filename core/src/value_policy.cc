@@ -1,4 +1,4 @@
-#include "kvq/core/value_policy.h"
+#include "value_policy.h"
 
 #include <algorithm>
 #include <cmath>

@@ -9,12 +9,12 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "core/src/value_policy.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/calibration.h"
 #include "kvq/core/half.h"
 #include "kvq/core/metrics.h"
-#include "kvq/core/value_policy.h"
 #include "kvq/kernels/kernels.h"
 #include "test_util.h"
 

@@ -47,15 +47,12 @@
 
 #include <cstdint>
 #include <functional>
-#include <list>
 #include <map>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -63,7 +60,6 @@
 #include "kvq/core/byte_pool.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/codec.h"
-#include "kvq/core/mutex.h"
 #include "kvq/core/registry.h"
 #include "kvq/core/tensor.h"
 #include "kvq/kernels/device.h"
@@ -187,6 +183,8 @@ struct ReadRows {
   int64_t width = 0;
 };
 
+class StoreImpl;
+
 class Store {
  public:
   Store(StoreOptions opts, Registry* registry);
@@ -194,7 +192,7 @@ class Store {
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
-  const StoreOptions& options() const { return opts_; }
+  const StoreOptions& options() const;
 
   // Validates every append, then applies them in order. Error messages start with
   // "appends[i]" (the index in `batch`) and name the field and the limit.
@@ -275,81 +273,15 @@ class Store {
   // (they are kept: reads of them fail with DATA_LOSS). Retained prefix groups that fail are
   // dropped (with their extensions) and counted in RetainedScrubDrops().
   int64_t Scrub();
-  int64_t RetainedScrubDrops() const {
-    MutexLock l(&mu_);
-    return retained_scrub_drops_;
-  }
+  int64_t RetainedScrubDrops() const;
 
   // Test seam: the LRU-list steps the last eviction plan took (linear in the sequences).
-  int64_t LastEvictionPlanStepsForTest() const {
-    MutexLock l(&mu_);
-    return last_plan_steps_;
-  }
+  int64_t LastEvictionPlanStepsForTest() const;
   // Test seam: the layer cache of a sequence (null when absent). Not for production use.
   LayerCache* LayerForTest(const std::string& tenant, const std::string& sequence_id, int layer);
 
-  struct Sequence;
-  struct Tenant;
-
  private:
-  // One attempt of Append, in named steps (core/src/store_append.h).
-  class AppendBatch;
-
-  absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant, const std::string& id,
-                                                 int basis_version);
-  // The range reads' common part: finds the layer, resolves [from, to) against its length
-  // under the sequence's reader lock (verifying every block first when the range is the whole
-  // layer) and calls read(cache, first, end) there; cache is null for a layer never appended.
-  absl::Status ReadRange(
-      const std::string& tenant, const std::string& sequence_id, int layer, int basis_version,
-      int64_t from, int64_t to, int64_t* tokens, int64_t* first,
-      const std::function<absl::Status(const LayerCache* cache, int64_t from, int64_t end)>& read);
-  // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`; the
-  // evicted sequences go into *evicted (when given) so that the caller destroys them after
-  // releasing mu_.
-  absl::Status ReserveLocked(const std::string& tenant, int64_t bytes,
-                             const std::vector<Sequence*>& keep,
-                             std::vector<std::shared_ptr<Sequence>>* evicted = nullptr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // drop: also drop the prefix blocks only this sequence held (eviction); else they stay
-  // retained when StoreOptions::retain_prefixes.
-  void UnlinkLocked(Sequence* s, bool drop) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The prefix index's steps that change what the tenant and the store count (prefix_index.h
-  // for the rules). Release: one holder of `key` fewer; once none is left it stays retained,
-  // or goes when `drop` or retaining is off.
-  void ReleasePrefixLocked(Tenant& t, const std::pair<uint64_t, uint64_t>& key, bool drop)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops an entry and every entry that extends it; returns the bytes freed.
-  int64_t DropPrefixLocked(Tenant& t, const std::pair<uint64_t, uint64_t>& key)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops retained entries of tenant t, least recently used first with their extensions,
-  // until `need` bytes are freed (or none is left; need <= 0: every one idle since before
-  // older_than); returns the bytes freed.
-  int64_t DropRetainedLocked(Tenant& t, int64_t need,
-                             absl::Time older_than = absl::InfiniteFuture())
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void TouchLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Re-measures a sequence after a change and fixes the accounting.
-  void Remeasure(Sequence* s, int64_t reserved);
-  // The codec tables of (model entry, layer, codec), built on first use and shared by every
-  // sequence's cache of that layer for as long as one holds them (kept weakly here).
-  std::shared_ptr<const LayerCodecTables> LayerTables(const ModelEntry& model, int layer,
-                                                      const CodecOptions& codec)
-      ABSL_LOCKS_EXCLUDED(tables_mu_);
-
-  StoreOptions opts_;
-  Registry* registry_;
-  mutable Mutex mu_;
-  absl::flat_hash_map<std::string, std::unique_ptr<Tenant>> tenants_ ABSL_GUARDED_BY(mu_);
-  std::list<Sequence*> lru_ ABSL_GUARDED_BY(mu_);  // front: most recent
-  int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t expirations_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t retained_scrub_drops_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t last_plan_steps_ ABSL_GUARDED_BY(mu_) = 0;
-  Mutex tables_mu_;
-  absl::flat_hash_map<std::string, std::weak_ptr<const LayerCodecTables>> tables_
-      ABSL_GUARDED_BY(tables_mu_);
+  std::unique_ptr<StoreImpl> impl_;  // core/src/store_impl.h: the locks, maps and LRU list
 };
 
 }  // namespace kvq::core

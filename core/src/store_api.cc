@@ -1,0 +1,102 @@
+// Store's public methods: each forwards to StoreImpl (store_impl.h), which holds the state.
+#include <utility>
+
+#include "kvq/core/store.h"
+#include "store_impl.h"
+
+namespace kvq::core {
+
+Store::Store(StoreOptions opts, Registry* registry)
+    : impl_(std::make_unique<StoreImpl>(std::move(opts), registry)) {}
+Store::~Store() = default;
+
+const StoreOptions& Store::options() const { return impl_->options(); }
+
+absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
+                           AppendOutcome* outcome) {
+  return impl_->Append(tenant, batch, outcome);
+}
+
+absl::Status Store::Score(const LayerRef& at, const ReadRows& q, float scale, bool corrections_only,
+                          std::vector<float>* out, int64_t* tokens) {
+  return impl_->Score(at, q, scale, corrections_only, out, tokens);
+}
+
+absl::Status Store::Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
+                            std::vector<float>* out, int64_t* tokens) {
+  return impl_->Readout(at, p, as_logits, out, tokens);
+}
+
+absl::Status Store::Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
+                           std::vector<float>* out, int64_t* tokens) {
+  return impl_->Attend(at, q, ao, out, tokens);
+}
+
+absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version, std::vector<float>* keys, std::vector<float>* values,
+                           int64_t* tokens) {
+  return impl_->Decode(tenant, sequence_id, layer, basis_version, keys, values, tokens);
+}
+
+absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
+                           int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
+                           std::vector<float>* values, int64_t* tokens, int64_t* first) {
+  return impl_->Decode(tenant, sequence_id, layer, basis_version, from, to, keys, values, tokens,
+                       first);
+}
+
+absl::Status Store::DecodeAs(const std::string& tenant, const std::string& sequence_id, int layer,
+                             int basis_version, int64_t from, int64_t to, DType dtype,
+                             std::vector<uint8_t>* keys, std::vector<uint8_t>* values,
+                             int64_t* tokens, int64_t* first) {
+  return impl_->DecodeAs(tenant, sequence_id, layer, basis_version, from, to, dtype, keys, values,
+                         tokens, first);
+}
+
+absl::Status Store::ReadEncoded(const std::string& tenant, const std::string& sequence_id,
+                                int layer, int basis_version, int64_t from, int64_t to, DType dtype,
+                                EncodedGroups* groups, std::vector<uint8_t>* keys,
+                                std::vector<uint8_t>* values, int64_t* tokens, int64_t* first) {
+  return impl_->ReadEncoded(tenant, sequence_id, layer, basis_version, from, to, dtype, groups,
+                            keys, values, tokens, first);
+}
+
+absl::Status Store::VerifyLayer(const std::string& tenant, const std::string& sequence_id,
+                                int layer, int basis_version) {
+  return impl_->VerifyLayer(tenant, sequence_id, layer, basis_version);
+}
+
+absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
+                                             const std::string& sequence_id) {
+  return impl_->Describe(tenant, sequence_id);
+}
+
+absl::StatusOr<int64_t> Store::Delete(const std::string& tenant, const std::string& sequence_id) {
+  return impl_->Delete(tenant, sequence_id);
+}
+
+UsageStats Store::TenantUsage(const std::string& tenant) const {
+  return impl_->TenantUsage(tenant);
+}
+UsageStats Store::TotalUsage() const { return impl_->TotalUsage(); }
+std::vector<std::pair<std::string, UsageStats>> Store::AllTenants() const {
+  return impl_->AllTenants();
+}
+int64_t Store::LiveSequences(const std::string& model, int version) const {
+  return impl_->LiveSequences(model, version);
+}
+
+int64_t Store::Sweep() { return impl_->Sweep(); }
+Store::Dropped Store::DropAll() { return impl_->DropAll(); }
+int64_t Store::Scrub() { return impl_->Scrub(); }
+int64_t Store::RetainedScrubDrops() const { return impl_->RetainedScrubDrops(); }
+
+int64_t Store::LastEvictionPlanStepsForTest() const {
+  return impl_->LastEvictionPlanStepsForTest();
+}
+LayerCache* Store::LayerForTest(const std::string& tenant, const std::string& sequence_id,
+                                int layer) {
+  return impl_->LayerForTest(tenant, sequence_id, layer);
+}
+
+}  // namespace kvq::core
