@@ -1,6 +1,5 @@
 #include "kvq/core/cache.h"
 
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
