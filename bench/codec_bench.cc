@@ -237,7 +237,7 @@ double FpBytes(int T, int kv, int d) { return 4.0 * kv * T * d; }
 // against AttendDense and StreamRead of the same run): code_bytes read per call (every block,
 // header and fp16 sink row of the layer), bits_per_elem of K and V together, and
 // target_x_dense = 0.6 x (fp16 bytes / code bytes), the speed-up over fp16 attention that
-// issue 15 asks of a codec reading that many bytes. GB/s of code bytes is bytes_per_second.
+// the attend goal asks of a codec reading that many bytes. GB/s of code bytes is bytes_per_second.
 void SetByteCounters(benchmark::State& st, double code_bytes, double fp16_bytes) {
   st.counters["code_bytes"] = code_bytes;
   st.counters["bits_per_elem"] = 16.0 * code_bytes / fp16_bytes;
@@ -540,7 +540,7 @@ void RegisterAll() {
               ->Unit(benchmark::kMicrosecond);
         }
       }
-  // Issue 15's shapes (the evaluation models' head_dim 64 with 9:3 heads, and 128 with 32:8):
+  // The goal's shapes (the evaluation models' head_dim 64 with 9:3 heads, and 128 with 32:8):
   // one row per frontier codec beside AttendDense and StreamRead/threads:1 of the same run.
   for (auto [d, sh] : {std::pair{64, Shape{9, 3}}, std::pair{128, Shape{32, 8}}})
     for (const CodecRow& row : FrontierCodecs(d)) {

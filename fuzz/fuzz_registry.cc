@@ -185,9 +185,9 @@ void CheckServes(Registry& registry, const ModelEntry& e) {
     std::abort();
   }
   std::vector<float> keys, values;
-  int64_t tokens = 0;
-  if (!store.Decode("t", "s", 0, m.version, &keys, &values, &tokens).ok() || tokens != n ||
-      keys.size() != k.size() || values.size() != k.size()) {
+  const absl::StatusOr<kvq::core::RangeRead> read =
+      store.Decode({"t", "s", 0, m.version}, {}, &keys, &values);
+  if (!read.ok() || read->tokens != n || keys.size() != k.size() || values.size() != k.size()) {
     std::abort();
   }
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -195,8 +195,7 @@ void CheckServes(Registry& registry, const ModelEntry& e) {
   }
   std::vector<float> q(static_cast<size_t>(m.q_heads) * m.head_dim, 0.5f), logits;
   if (!store
-           .Score({"t", "s", 0, m.version}, {q.data(), m.q_heads, 1, m.head_dim}, 0, false, &logits,
-                  &tokens)
+           .Score({"t", "s", 0, m.version}, {q.data(), m.q_heads, 1, m.head_dim}, 0, false, &logits)
            .ok() ||
       logits.size() != static_cast<size_t>(m.q_heads) * n) {
     std::abort();

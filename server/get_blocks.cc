@@ -141,8 +141,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       end_ = req_.to_token() > 0 ? std::min<int64_t>(req_.to_token(), length) : length;
       if (req_.from_token() == 0 && end_ == length) {
         // The whole layer: every block checked before its first message goes out.
-        RETURN_IF_ERROR(svc_->store()->VerifyLayer(call_.tenant(), req_.sequence_id(), layer_,
-                                                   req_.basis_version()));
+        RETURN_IF_ERROR(svc_->store()->VerifyLayer(At()));
       }
       offset_ = decoded_ = 0;
       RETURN_IF_ERROR(DecodeWindow(req_.from_token()));
@@ -178,17 +177,17 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
       layer_open_ = length_ > 0;  // an empty layer sends nothing
       layer_sent_ = false;
       if (layer_open_ && req_.from_token() == 0 && end_ == length_) {
-        RETURN_IF_ERROR(svc_->store()->VerifyLayer(call_.tenant(), req_.sequence_id(), layer_,
-                                                   req_.basis_version()));
+        RETURN_IF_ERROR(svc_->store()->VerifyLayer(At()));
       }
     }
     const int64_t chunk = std::max<int64_t>(group_, chunk_ / group_ * group_);
     const int64_t to = end_ - pos_ <= chunk ? end_ : pos_ + chunk;
     core::EncodedGroups groups;
-    int64_t first = 0;
-    RETURN_IF_ERROR(svc_->store()->ReadEncoded(call_.tenant(), req_.sequence_id(), layer_,
-                                               req_.basis_version(), pos_, to, dtype_, &groups,
-                                               &keys_, &values_, &tokens_, &first));
+    ASSIGN_OR_RETURN(
+        const core::RangeRead found,
+        svc_->store()->ReadEncoded(At(), {pos_, to}, dtype_, &groups, &keys_, &values_));
+    tokens_ = found.tokens;
+    const int64_t first = found.first;
     const std::vector<size_t> at = core::RunOffsets(core::ViewOf(groups));
     for (size_t b = 0; b < groups.sizes.size(); ++b) {
       const int version = groups.bytes[at[b] + format::kVersionAt];
@@ -242,15 +241,21 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
   absl::Status DecodeWindow(int64_t from) {
     // Whole messages per window: only the range's last message is short.
     const int64_t window = std::max<int64_t>(chunk_, kDecodeWindow / chunk_ * chunk_);
-    RETURN_IF_ERROR(svc_->store()->DecodeAs(
-        call_.tenant(), req_.sequence_id(), layer_, req_.basis_version(), from,
-        // (end_ - from, not from + window: a request's start may lie near INT64_MAX)
-        end_ - from <= window ? end_ : from + window, dtype_, &keys_, &values_, &tokens_, &first_));
-    tokens_ = std::min(tokens_, length_);  // appends after the call started are not seen
+    // (end_ - from, not from + window: a request's start may lie near INT64_MAX)
+    const core::TokenRange range{from, end_ - from <= window ? end_ : from + window};
+    ASSIGN_OR_RETURN(const core::RangeRead found,
+                     svc_->store()->DecodeAs(At(), range, dtype_, &keys_, &values_));
+    first_ = found.first;
+    tokens_ = std::min(found.tokens, length_);  // appends after the call started are not seen
     decoded_ =
         static_cast<int64_t>(keys_.size() / core::DTypeSize(dtype_)) / (int64_t{kv_heads_} * d_);
     offset_ = 0;
     return absl::OkStatus();
+  }
+
+  // The layer being read, as the store names it.
+  core::LayerRef At() const {
+    return {call_.tenant(), req_.sequence_id(), layer_, req_.basis_version()};
   }
 
   void Done(const absl::Status& st) { Finish(call_.End(st, bytes_in_, bytes_out_)); }

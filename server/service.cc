@@ -31,6 +31,14 @@ absl::Status Prefix(const absl::Status& st, absl::string_view prefix) {
   return absl::Status(st.code(), absl::StrCat(prefix, ": ", st.message()));
 }
 
+// A store read's outcome for item `at`: its error prefixed with the item's path, or OK with
+// *tokens the tokens it read.
+absl::Status ItemRead(const absl::StatusOr<int64_t>& read, absl::string_view at, int64_t* tokens) {
+  if (!read.ok()) return Prefix(read.status(), at);
+  *tokens = *read;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 Service::Service(core::Store* store, core::Registry* registry, core::WorkerPool* pool,
@@ -273,10 +281,10 @@ grpc::ServerUnaryReactor* Service::Score(grpc::CallbackServerContext* ctx,
       if (st.ok()) st = QueriesToFloat(item.queries(), at + ".queries", &q, &q_heads, &n_q, &d);
       if (st.ok() && item.has_append()) st = ItemAppend(tenant, item, at);
       if (st.ok()) {
-        st = Prefix(store_->Score({tenant, item.sequence_id(), item.layer(), item.basis_version()},
-                                  {q.data(), q_heads, n_q, d}, item.scale(),
-                                  item.corrections_only(), &out, &tokens),
-                    at);
+        st = ItemRead(
+            store_->Score({tenant, item.sequence_id(), item.layer(), item.basis_version()},
+                          {q.data(), q_heads, n_q, d}, item.scale(), item.corrections_only(), &out),
+            at, &tokens);
       }
       if (st.ok()) {
         wire::FillTensor(out.data(), {q_heads, n_q, tokens}, v1::DTYPE_F32, r->mutable_logits());
@@ -322,11 +330,10 @@ grpc::ServerUnaryReactor* Service::Readout(grpc::CallbackServerContext* ctx,
         n_q = static_cast<int>(w->shape[1]);
         p.resize(w->numel());
         core::ToFloat(core::DType::kF32, w->data, p.data(), p.size());
-        st =
-            Prefix(store_->Readout({tenant, item.sequence_id(), item.layer(), item.basis_version()},
-                                   {p.data(), q_heads, n_q, w->shape[2]}, item.weights_are_logits(),
-                                   &out, &tokens),
-                   at);
+        st = ItemRead(
+            store_->Readout({tenant, item.sequence_id(), item.layer(), item.basis_version()},
+                            {p.data(), q_heads, n_q, w->shape[2]}, item.weights_are_logits(), &out),
+            at, &tokens);
       }
       if (st.ok()) {
         const int64_t d = static_cast<int64_t>(out.size()) / (int64_t{q_heads} * n_q);
@@ -380,9 +387,10 @@ grpc::ServerUnaryReactor* Service::Attend(grpc::CallbackServerContext* ctx,
           };
           ao.run_parts = &run_parts;
         }
-        st = Prefix(store_->Attend({tenant, item.sequence_id(), item.layer(), item.basis_version()},
-                                   {q.data(), q_heads, n_q, d}, ao, &out, &tokens),
-                    at);
+        st = ItemRead(
+            store_->Attend({tenant, item.sequence_id(), item.layer(), item.basis_version()},
+                           {q.data(), q_heads, n_q, d}, ao, &out),
+            at, &tokens);
       }
       if (st.ok()) {
         wire::FillTensor(out.data(), {q_heads, n_q, d}, item.output_dtype(), r->mutable_outputs());

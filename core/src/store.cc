@@ -284,27 +284,30 @@ absl::Status CheckQueryShape(const BasisManifest& m, const char* field, int q_he
 }
 }  // namespace
 
-absl::Status StoreImpl::Score(const LayerRef& at, const ReadRows& q, float scale,
-                              bool corrections_only, std::vector<float>* out, int64_t* tokens) {
+absl::StatusOr<int64_t> StoreImpl::Score(const LayerRef& at, const ReadRows& q, float scale,
+                                         bool corrections_only, std::vector<float>* out) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
   ReaderMutexLock l(&s->mu);
-  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, tokens));
+  int64_t tokens = 0;
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, &tokens));
   RETURN_IF_ERROR(CheckQueryShape(s->model->manifest, "queries", q.q_heads, q.width));
-  out->assign(static_cast<size_t>(q.q_heads) * q.n_q * *tokens, 0.0f);
-  return cache->Score(q.data, q.q_heads, q.n_q, out->data(), scale, corrections_only);
+  out->assign(static_cast<size_t>(q.q_heads) * q.n_q * tokens, 0.0f);
+  RETURN_IF_ERROR(cache->Score(q.data, q.q_heads, q.n_q, out->data(), scale, corrections_only));
+  return tokens;
 }
 
-absl::Status StoreImpl::Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
-                                std::vector<float>* out, int64_t* tokens) {
+absl::StatusOr<int64_t> StoreImpl::Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
+                                           std::vector<float>* out) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
   ReaderMutexLock l(&s->mu);
-  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, tokens));
+  int64_t tokens = 0;
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, &tokens));
   const BasisManifest& m = s->model->manifest;
   RETURN_IF_ERROR(CheckQueryShape(m, "weights", p.q_heads, -1));
-  if (p.width != *tokens) {
+  if (p.width != tokens) {
     return absl::FailedPreconditionError(
         absl::StrCat("weights.shape[2] ", p.width, " must equal the tokens cached in layer ",
-                     at.layer, " of sequence '", at.sequence_id, "' (", *tokens, ")"));
+                     at.layer, " of sequence '", at.sequence_id, "' (", tokens, ")"));
   }
   const float* weights = p.data;
   std::vector<float> soft;
@@ -316,11 +319,12 @@ absl::Status StoreImpl::Readout(const LayerRef& at, const ReadRows& p, bool as_l
     weights = soft.data();
   }
   out->assign(static_cast<size_t>(p.q_heads) * p.n_q * m.head_dim, 0.0f);
-  return cache->Readout(weights, p.q_heads, p.n_q, out->data());
+  RETURN_IF_ERROR(cache->Readout(weights, p.q_heads, p.n_q, out->data()));
+  return tokens;
 }
 
-absl::Status StoreImpl::Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
-                               std::vector<float>* out, int64_t* tokens) {
+absl::StatusOr<int64_t> StoreImpl::Attend(const LayerRef& at, const ReadRows& q,
+                                          const AttendOptions& ao, std::vector<float>* out) {
   ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
   // Observing attends update the window's A^2 statistics: exclusive.
   std::optional<MutexLock> wl;
@@ -330,87 +334,79 @@ absl::Status StoreImpl::Attend(const LayerRef& at, const ReadRows& q, const Atte
   } else {
     rl.emplace(&s->mu);
   }
-  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, tokens));
+  int64_t tokens = 0;
+  ASSIGN_OR_RETURN(LayerCache * cache, ReadLayer(*s, at.sequence_id, at.layer, &tokens));
   const BasisManifest& m = s->model->manifest;
   RETURN_IF_ERROR(CheckQueryShape(m, "queries", q.q_heads, q.width));
-  if (ao.causal_offset < -1 || ao.causal_offset >= *tokens) {
+  if (ao.causal_offset < -1 || ao.causal_offset >= tokens) {
     return absl::InvalidArgumentError(absl::StrCat("causal_offset ", ao.causal_offset,
-                                                   " must be in 0..", *tokens - 1, " (or absent)"));
+                                                   " must be in 0..", tokens - 1, " (or absent)"));
   }
   out->assign(static_cast<size_t>(q.q_heads) * q.n_q * m.head_dim, 0.0f);
   AttendOptions with_backend = ao;
   if (with_backend.backend == nullptr) with_backend.backend = opts_.attend_backend;
-  return cache->Attend(q.data, q.q_heads, q.n_q, with_backend, out->data());
+  RETURN_IF_ERROR(cache->Attend(q.data, q.q_heads, q.n_q, with_backend, out->data()));
+  return tokens;
 }
 
-absl::Status StoreImpl::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                               int basis_version, std::vector<float>* keys,
-                               std::vector<float>* values, int64_t* tokens) {
-  int64_t first = 0;
-  return Decode(tenant, sequence_id, layer, basis_version, 0, -1, keys, values, tokens, &first);
-}
-
-absl::Status StoreImpl::ReadRange(
-    const std::string& tenant, const std::string& sequence_id, int layer, int basis_version,
-    int64_t from, int64_t to, int64_t* tokens, int64_t* first,
-    const std::function<absl::Status(const LayerCache* cache, int64_t from, int64_t end)>& read) {
-  if (from < 0) return absl::InvalidArgumentError(absl::StrCat("from ", from, " must be >= 0"));
-  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
+absl::StatusOr<RangeRead> StoreImpl::ReadRange(
+    const LayerRef& at, TokenRange range,
+    const std::function<absl::Status(const LayerCache* cache, int64_t from, int64_t end,
+                                     RangeRead* found)>& read) {
+  if (range.from < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("from ", range.from, " must be >= 0"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
   ReaderMutexLock l(&s->mu);
-  ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(*s, layer));
+  ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(*s, at.layer));
+  RangeRead found;
   if (cache == nullptr) {
-    *tokens = 0;
-    *first = 0;
-    return read(nullptr, 0, 0);
+    RETURN_IF_ERROR(read(nullptr, 0, 0, &found));
+    return found;
   }
   const int64_t T = cache->tokens();
-  *tokens = T;
-  const int64_t end = to < 0 ? T : std::min(to, T);
-  *first = std::min(from, end);
-  if (*first == 0 && end == T) RETURN_IF_ERROR(cache->VerifyAll());  // all before any
-  return read(cache, *first, end);  // verifies every block it reads
+  found.tokens = T;
+  const int64_t end = range.to < 0 ? T : std::min(range.to, T);
+  found.first = std::min(range.from, end);
+  if (found.first == 0 && end == T) RETURN_IF_ERROR(cache->VerifyAll());  // all before any
+  RETURN_IF_ERROR(read(cache, found.first, end, &found));  // verifies every block it reads
+  return found;
 }
 
-absl::Status StoreImpl::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                               int basis_version, int64_t from, int64_t to,
-                               std::vector<float>* keys, std::vector<float>* values,
-                               int64_t* tokens, int64_t* first) {
-  return ReadRange(tenant, sequence_id, layer, basis_version, from, to, tokens, first,
-                   [&](const LayerCache* cache, int64_t a, int64_t b) {
-                     if (cache != nullptr) return cache->Decode(a, b, keys, values);
-                     keys->clear();
-                     values->clear();
-                     return absl::OkStatus();
-                   });
+absl::StatusOr<RangeRead> StoreImpl::Decode(const LayerRef& at, TokenRange range,
+                                            std::vector<float>* keys, std::vector<float>* values) {
+  return ReadRange(at, range, [&](const LayerCache* cache, int64_t a, int64_t b, RangeRead*) {
+    if (cache != nullptr) return cache->Decode(a, b, keys, values);
+    keys->clear();
+    values->clear();
+    return absl::OkStatus();
+  });
 }
 
-absl::Status StoreImpl::DecodeAs(const std::string& tenant, const std::string& sequence_id,
-                                 int layer, int basis_version, int64_t from, int64_t to,
-                                 DType dtype, std::vector<uint8_t>* keys,
-                                 std::vector<uint8_t>* values, int64_t* tokens, int64_t* first) {
-  return ReadRange(tenant, sequence_id, layer, basis_version, from, to, tokens, first,
-                   [&](const LayerCache* cache, int64_t a, int64_t b) {
-                     if (cache != nullptr) return cache->DecodeAs(a, b, dtype, keys, values);
-                     keys->clear();
-                     values->clear();
-                     return absl::OkStatus();
-                   });
+absl::StatusOr<RangeRead> StoreImpl::DecodeAs(const LayerRef& at, TokenRange range, DType dtype,
+                                              std::vector<uint8_t>* keys,
+                                              std::vector<uint8_t>* values) {
+  return ReadRange(at, range, [&](const LayerCache* cache, int64_t a, int64_t b, RangeRead*) {
+    if (cache != nullptr) return cache->DecodeAs(a, b, dtype, keys, values);
+    keys->clear();
+    values->clear();
+    return absl::OkStatus();
+  });
 }
 
-absl::Status StoreImpl::ReadEncoded(const std::string& tenant, const std::string& sequence_id,
-                                    int layer, int basis_version, int64_t from, int64_t to,
-                                    DType dtype, EncodedGroups* groups, std::vector<uint8_t>* keys,
-                                    std::vector<uint8_t>* values, int64_t* tokens, int64_t* first) {
+absl::StatusOr<RangeRead> StoreImpl::ReadEncoded(const LayerRef& at, TokenRange range, DType dtype,
+                                                 EncodedGroups* groups, std::vector<uint8_t>* keys,
+                                                 std::vector<uint8_t>* values) {
   *groups = EncodedGroups{};
   keys->clear();
   values->clear();
   return ReadRange(
-      tenant, sequence_id, layer, basis_version, from, to, tokens, first,
-      [&](const LayerCache* cache, int64_t a, int64_t b) -> absl::Status {
+      at, range,
+      [&](const LayerCache* cache, int64_t a, int64_t b, RangeRead* found) -> absl::Status {
         if (cache == nullptr || a == b) return absl::OkStatus();
         const int64_t G = cache->options().key_group, E = cache->encoded_tokens();
         if (a < E) {
-          *first = a / G * G;
+          found->first = a / G * G;
           RETURN_IF_ERROR(cache->ExportGroups(a / G, std::min(E, b + G - 1) / G, groups));
         }
         if (b > E) {
@@ -420,11 +416,10 @@ absl::Status StoreImpl::ReadEncoded(const std::string& tenant, const std::string
       });
 }
 
-absl::Status StoreImpl::VerifyLayer(const std::string& tenant, const std::string& sequence_id,
-                                    int layer, int basis_version) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(tenant, sequence_id, basis_version));
+absl::Status StoreImpl::VerifyLayer(const LayerRef& at) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Sequence> s, Find(at.tenant, at.sequence_id, at.basis_version));
   ReaderMutexLock l(&s->mu);
-  ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(*s, layer));
+  ASSIGN_OR_RETURN(LayerCache * cache, LayerAt(*s, at.layer));
   return cache == nullptr ? absl::OkStatus() : cache->VerifyAll();
 }
 

@@ -17,54 +17,39 @@ absl::Status Store::Append(const std::string& tenant, const std::vector<AppendSp
   return impl_->Append(tenant, batch, outcome);
 }
 
-absl::Status Store::Score(const LayerRef& at, const ReadRows& q, float scale, bool corrections_only,
-                          std::vector<float>* out, int64_t* tokens) {
-  return impl_->Score(at, q, scale, corrections_only, out, tokens);
+absl::StatusOr<int64_t> Store::Score(const LayerRef& at, const ReadRows& q, float scale,
+                                     bool corrections_only, std::vector<float>* out) {
+  return impl_->Score(at, q, scale, corrections_only, out);
 }
 
-absl::Status Store::Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
-                            std::vector<float>* out, int64_t* tokens) {
-  return impl_->Readout(at, p, as_logits, out, tokens);
+absl::StatusOr<int64_t> Store::Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
+                                       std::vector<float>* out) {
+  return impl_->Readout(at, p, as_logits, out);
 }
 
-absl::Status Store::Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
-                           std::vector<float>* out, int64_t* tokens) {
-  return impl_->Attend(at, q, ao, out, tokens);
+absl::StatusOr<int64_t> Store::Attend(const LayerRef& at, const ReadRows& q,
+                                      const AttendOptions& ao, std::vector<float>* out) {
+  return impl_->Attend(at, q, ao, out);
 }
 
-absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, std::vector<float>* keys, std::vector<float>* values,
-                           int64_t* tokens) {
-  return impl_->Decode(tenant, sequence_id, layer, basis_version, keys, values, tokens);
+absl::StatusOr<RangeRead> Store::Decode(const LayerRef& at, TokenRange range,
+                                        std::vector<float>* keys, std::vector<float>* values) {
+  return impl_->Decode(at, range, keys, values);
 }
 
-absl::Status Store::Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
-                           std::vector<float>* values, int64_t* tokens, int64_t* first) {
-  return impl_->Decode(tenant, sequence_id, layer, basis_version, from, to, keys, values, tokens,
-                       first);
+absl::StatusOr<RangeRead> Store::DecodeAs(const LayerRef& at, TokenRange range, DType dtype,
+                                          std::vector<uint8_t>* keys,
+                                          std::vector<uint8_t>* values) {
+  return impl_->DecodeAs(at, range, dtype, keys, values);
 }
 
-absl::Status Store::DecodeAs(const std::string& tenant, const std::string& sequence_id, int layer,
-                             int basis_version, int64_t from, int64_t to, DType dtype,
-                             std::vector<uint8_t>* keys, std::vector<uint8_t>* values,
-                             int64_t* tokens, int64_t* first) {
-  return impl_->DecodeAs(tenant, sequence_id, layer, basis_version, from, to, dtype, keys, values,
-                         tokens, first);
+absl::StatusOr<RangeRead> Store::ReadEncoded(const LayerRef& at, TokenRange range, DType dtype,
+                                             EncodedGroups* groups, std::vector<uint8_t>* keys,
+                                             std::vector<uint8_t>* values) {
+  return impl_->ReadEncoded(at, range, dtype, groups, keys, values);
 }
 
-absl::Status Store::ReadEncoded(const std::string& tenant, const std::string& sequence_id,
-                                int layer, int basis_version, int64_t from, int64_t to, DType dtype,
-                                EncodedGroups* groups, std::vector<uint8_t>* keys,
-                                std::vector<uint8_t>* values, int64_t* tokens, int64_t* first) {
-  return impl_->ReadEncoded(tenant, sequence_id, layer, basis_version, from, to, dtype, groups,
-                            keys, values, tokens, first);
-}
-
-absl::Status Store::VerifyLayer(const std::string& tenant, const std::string& sequence_id,
-                                int layer, int basis_version) {
-  return impl_->VerifyLayer(tenant, sequence_id, layer, basis_version);
-}
+absl::Status Store::VerifyLayer(const LayerRef& at) { return impl_->VerifyLayer(at); }
 
 absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
                                              const std::string& sequence_id) {

@@ -32,28 +32,20 @@ class StoreImpl {
   absl::Status Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
                       AppendOutcome* outcome);
 
-  absl::Status Score(const LayerRef& at, const ReadRows& q, float scale, bool corrections_only,
-                     std::vector<float>* out, int64_t* tokens);
-  absl::Status Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
-                       std::vector<float>* out, int64_t* tokens);
-  absl::Status Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
-                      std::vector<float>* out, int64_t* tokens);
-  absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                      int basis_version, std::vector<float>* keys, std::vector<float>* values,
-                      int64_t* tokens);
-  absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                      int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
-                      std::vector<float>* values, int64_t* tokens, int64_t* first);
-  absl::Status DecodeAs(const std::string& tenant, const std::string& sequence_id, int layer,
-                        int basis_version, int64_t from, int64_t to, DType dtype,
-                        std::vector<uint8_t>* keys, std::vector<uint8_t>* values, int64_t* tokens,
-                        int64_t* first);
-  absl::Status ReadEncoded(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, int64_t from, int64_t to, DType dtype,
-                           EncodedGroups* groups, std::vector<uint8_t>* keys,
-                           std::vector<uint8_t>* values, int64_t* tokens, int64_t* first);
-  absl::Status VerifyLayer(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version);
+  absl::StatusOr<int64_t> Score(const LayerRef& at, const ReadRows& q, float scale,
+                                bool corrections_only, std::vector<float>* out);
+  absl::StatusOr<int64_t> Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
+                                  std::vector<float>* out);
+  absl::StatusOr<int64_t> Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
+                                 std::vector<float>* out);
+  absl::StatusOr<RangeRead> Decode(const LayerRef& at, TokenRange range, std::vector<float>* keys,
+                                   std::vector<float>* values);
+  absl::StatusOr<RangeRead> DecodeAs(const LayerRef& at, TokenRange range, DType dtype,
+                                     std::vector<uint8_t>* keys, std::vector<uint8_t>* values);
+  absl::StatusOr<RangeRead> ReadEncoded(const LayerRef& at, TokenRange range, DType dtype,
+                                        EncodedGroups* groups, std::vector<uint8_t>* keys,
+                                        std::vector<uint8_t>* values);
+  absl::Status VerifyLayer(const LayerRef& at);
 
   absl::StatusOr<SequenceInfo> Describe(const std::string& tenant, const std::string& sequence_id);
   absl::StatusOr<int64_t> Delete(const std::string& tenant, const std::string& sequence_id);
@@ -87,13 +79,14 @@ class StoreImpl {
 
   absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant, const std::string& id,
                                                  int basis_version);
-  // The range reads' common part: finds the layer, resolves [from, to) against its length
+  // The range reads' common part: finds the layer, resolves the range against its length
   // under the sequence's reader lock (verifying every block first when the range is the whole
-  // layer) and calls read(cache, first, end) there; cache is null for a layer never appended.
-  absl::Status ReadRange(
-      const std::string& tenant, const std::string& sequence_id, int layer, int basis_version,
-      int64_t from, int64_t to, int64_t* tokens, int64_t* first,
-      const std::function<absl::Status(const LayerCache* cache, int64_t from, int64_t end)>& read);
+  // layer) and calls read(cache, first, end, &found) there (found: what the read returns, its
+  // first position already set); cache is null for a layer never appended.
+  absl::StatusOr<RangeRead> ReadRange(
+      const LayerRef& at, TokenRange range,
+      const std::function<absl::Status(const LayerCache* cache, int64_t from, int64_t end,
+                                       RangeRead* found)>& read);
   // Makes room for `bytes` more for `tenant`, evicting LRU sequences not in `keep`; the
   // evicted sequences go into *evicted (when given) so that the caller destroys them after
   // releasing mu_.

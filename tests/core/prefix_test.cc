@@ -113,9 +113,8 @@ class PrefixTest : public ::testing::Test {
     std::vector<float> q(kQ * kD);
     for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * i);
     std::vector<float> out;
-    int64_t tokens = 0;
     absl::Status st =
-        store.Score({tenant, id, layer, 0}, {q.data(), kQ, 1, kD}, 0, false, &out, &tokens);
+        store.Score({tenant, id, layer, 0}, {q.data(), kQ, 1, kD}, 0, false, &out).status();
     EXPECT_TRUE(st.ok()) << st;
     return out;
   }
@@ -123,10 +122,9 @@ class PrefixTest : public ::testing::Test {
     std::vector<float> q(kQ * kD);
     for (size_t i = 0; i < q.size(); ++i) q[i] = std::cos(0.11f * i);
     std::vector<float> out;
-    int64_t tokens = 0;
     AttendOptions ao;
     ao.observe = false;
-    absl::Status st = store.Attend({"t", id, layer, 0}, {q.data(), kQ, 1, kD}, ao, &out, &tokens);
+    absl::Status st = store.Attend({"t", id, layer, 0}, {q.data(), kQ, 1, kD}, ao, &out).status();
     EXPECT_TRUE(st.ok()) << st;
     return out;
   }
@@ -134,9 +132,8 @@ class PrefixTest : public ::testing::Test {
   // Both sequences of tenant "t" decode to the same keys and values, bit for bit.
   void ExpectSameDecode(Store& store, const std::string& a, const std::string& b, int layer) {
     std::vector<float> ka, va, kb, vb;
-    int64_t tokens = 0;
-    ASSERT_TRUE(store.Decode("t", a, layer, 0, &ka, &va, &tokens).ok());
-    ASSERT_TRUE(store.Decode("t", b, layer, 0, &kb, &vb, &tokens).ok());
+    ASSERT_TRUE(store.Decode({"t", a, layer, 0}, {}, &ka, &va).ok());
+    ASSERT_TRUE(store.Decode({"t", b, layer, 0}, {}, &kb, &vb).ok());
     EXPECT_EQ(ka, kb) << a << " vs " << b;
     EXPECT_EQ(va, vb) << a << " vs " << b;
   }
@@ -613,8 +610,7 @@ TEST_F(PrefixTest, ScrubDropsCorruptedRetainedGroups) {
       store.Append("t", {AttachSpec("b", 0, 0, a.ids), AttachSpec("b", 1, 0, a.ids)}, &out).ok());
   EXPECT_EQ(out.tokens_shared, 32 + 128);
   std::vector<float> k, v;
-  int64_t tokens = 0;
-  EXPECT_TRUE(store.Decode("t", "b", 0, 0, &k, &v, &tokens).ok());
+  EXPECT_TRUE(store.Decode({"t", "b", 0, 0}, {}, &k, &v).ok());
 }
 
 TEST_F(PrefixTest, TtlExpiresRetainedPrefixes) {
@@ -683,8 +679,7 @@ TEST_F(PrefixTest, ConcurrentSharersLeaveExactAccounting) {
             ADD_FAILURE() << st;
           }
           std::vector<float> q(kQ * kD, 0.01f), logits;
-          int64_t tokens = 0;
-          (void)store.Score({"t", id, 1, 0}, {q.data(), kQ, 1, kD}, 0, false, &logits, &tokens);
+          (void)store.Score({"t", id, 1, 0}, {q.data(), kQ, 1, kD}, 0, false, &logits);
           if (j % 3 == 0) (void)store.Delete("t", id);
         }
       });

@@ -82,8 +82,7 @@ class StoreEncodedTest : public ::testing::Test {
   }
   std::vector<uint8_t> Decoded(const std::string& id) {
     std::vector<float> k, v;
-    int64_t tokens = 0;
-    EXPECT_TRUE(store_.Decode("t", id, 0, 0, &k, &v, &tokens).ok());
+    EXPECT_TRUE(store_.Decode({"t", id, 0, 0}, {}, &k, &v).ok());
     std::vector<uint8_t> out(reinterpret_cast<uint8_t*>(k.data()),
                              reinterpret_cast<uint8_t*>(k.data() + k.size()));
     out.insert(out.end(), reinterpret_cast<uint8_t*>(v.data()),
@@ -115,12 +114,11 @@ TEST_F(StoreEncodedTest, CodesAppendedEqualRowsAppendedAndReadBackAsTheSameCodes
   // Read back in codes: the same blocks, then the window rows.
   EncodedGroups back;
   std::vector<uint8_t> wk, wv;
-  int64_t tokens = 0, first = -1;
-  ASSERT_TRUE(
-      store_.ReadEncoded("t", "rows", 0, 0, 40, -1, DType::kF32, &back, &wk, &wv, &tokens, &first)
-          .ok());
-  EXPECT_EQ(first, 32);  // 40 rounded down to its group's start
-  EXPECT_EQ(tokens, T);
+  const absl::StatusOr<RangeRead> read =
+      store_.ReadEncoded({"t", "rows", 0, 0}, {40, -1}, DType::kF32, &back, &wk, &wv);
+  ASSERT_TRUE(read.ok());
+  EXPECT_EQ(read->first, 32);  // 40 rounded down to its group's start
+  EXPECT_EQ(read->tokens, T);
   EXPECT_EQ(back.first_group, 1);
   const size_t skip = 2 * kHeads;  // group 0's blocks
   EXPECT_EQ(back.sizes, std::vector<uint32_t>(e.run.sizes.begin() + skip, e.run.sizes.end()));

@@ -580,8 +580,7 @@ TEST_F(StoreTest, AFailingAllocationLeavesTheStoreAsItWas) {
   pool.allow = 1 << 30;
   ASSERT_TRUE(store.Append("t", {Spec("s", 0, 0, first)}, &out).ok());
   std::vector<float> q(4 * 64, 0.25f), before, after;
-  int64_t tokens = 0;
-  ASSERT_TRUE(store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &before, &tokens).ok());
+  ASSERT_TRUE(store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &before).ok());
   const UsageStats used = store.TotalUsage();
   for (int allow : {0, 1, 2, 3}) {  // each pool allocation of the next append in turn
     SCOPED_TRACE(allow);
@@ -591,23 +590,26 @@ TEST_F(StoreTest, AFailingAllocationLeavesTheStoreAsItWas) {
     EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
     EXPECT_NE(st.message().find("block pool"), std::string::npos) << st;
     pool.allow = 1 << 30;
-    ASSERT_TRUE(
-        store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &after, &tokens).ok());
-    EXPECT_EQ(tokens, 130);
+    const absl::StatusOr<int64_t> tokens =
+        store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &after);
+    ASSERT_TRUE(tokens.ok());
+    EXPECT_EQ(*tokens, 130);
     EXPECT_EQ(after, before);
     EXPECT_EQ(store.TotalUsage().bytes, used.bytes);
   }
   pool.allow = 1 << 30;
   st = store.Append("t", {Spec("s", 0, 130, more)}, &out);
   ASSERT_TRUE(st.ok()) << st;
-  ASSERT_TRUE(store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &after, &tokens).ok());
-  EXPECT_EQ(tokens, 300);
+  const absl::StatusOr<int64_t> tokens =
+      store.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &after);
+  ASSERT_TRUE(tokens.ok());
+  EXPECT_EQ(*tokens, 300);
   // The same tokens stored in one healthy store read the same.
   Store ref({}, &registry_);
   ASSERT_TRUE(ref.Append("t", {Spec("s", 0, 0, first)}, &out).ok());
   ASSERT_TRUE(ref.Append("t", {Spec("s", 0, 130, more)}, &out).ok());
   std::vector<float> want;
-  ASSERT_TRUE(ref.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &want, &tokens).ok());
+  ASSERT_TRUE(ref.Score({"t", "s", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &want).ok());
   EXPECT_EQ(after, want);
 }
 
@@ -666,9 +668,7 @@ TEST_F(StoreTest, LruEvictsLeastRecentlyUsedWholeSequences) {
     ASSERT_TRUE(store.Append("t", {Spec(id, 0, 0, d), Spec(id, 1, 0, d)}, &out).ok());
   }
   std::vector<float> q(4 * 64, 0.1f), logits;
-  int64_t tokens = 0;
-  ASSERT_TRUE(
-      store.Score({"t", "s0", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &logits, &tokens).ok());
+  ASSERT_TRUE(store.Score({"t", "s0", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &logits).ok());
   ASSERT_TRUE(store.Append("t", {Spec("s3", 0, 0, d), Spec("s3", 1, 0, d)}, &out).ok());
   EXPECT_TRUE(store.Describe("t", "s0").ok());
   EXPECT_FALSE(store.Describe("t", "s1").ok());  // the LRU one
@@ -694,11 +694,11 @@ TEST_F(StoreTest, ScrubFindsCorruptionAndReadsFailWithDataLoss) {
   c->key_blocks(1)[100] ^= 0x10;
   EXPECT_EQ(store.Scrub(), 1);
   std::vector<float> q(4 * 64, 0.1f), logits;
-  int64_t tokens = 0;
-  absl::Status st = store.Score({"t", "x", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &logits, &tokens);
+  absl::Status st = store.Score({"t", "x", 0, 0}, {q.data(), 4, 1, 64}, 0, false, &logits).status();
   EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss);
   std::vector<float> k, v;
-  EXPECT_EQ(store.Decode("t", "x", 0, 0, &k, &v, &tokens).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(store.Decode({"t", "x", 0, 0}, {}, &k, &v).status().code(),
+            absl::StatusCode::kDataLoss);
 }
 
 // A batch whose later item holds an element beyond the fp16 range (or a non-finite one) is

@@ -147,7 +147,7 @@ std::string WaitRefused(v1::Kvq::Stub& stub, const Shape& s, const std::vector<f
   return "";
 }
 
-// Fair admission (issue 30): one client that opens as many idle PutBlocks streams as it may
+// Fair admission: one client that opens as many idle PutBlocks streams as it may
 // holds a quarter of --max-inflight (the default --max-inflight-per-client), not every slot:
 // its next call is refused naming the per-client limit (counted as client_limit), while
 // another client's calls are still served. Without the per-client limit (0) the same idle

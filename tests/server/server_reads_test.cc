@@ -378,11 +378,8 @@ TEST(ServiceTest, GetBlocksInEachDtypeIsTheFloatDecodeRounded) {
         ASSERT_EQ(one.start(), next);
         const int64_t n = one.keys().shape(1);
         std::vector<float> k, v;
-        int64_t tokens = 0, first = 0;
-        ASSERT_TRUE(ts.server()
-                        .store()
-                        .Decode("default", "long", 0, 0, next, next + n, &k, &v, &tokens, &first)
-                        .ok());
+        ASSERT_TRUE(
+            ts.server().store().Decode({"default", "long", 0, 0}, {next, next + n}, &k, &v).ok());
         for (const auto& [t, want] : {std::pair{&one.keys(), &k}, {&one.values(), &v}}) {
           EXPECT_EQ(t->dtype(), want_dtype);
           std::string bytes(want->size() * core::DTypeSize(dt), '\0');
@@ -649,13 +646,11 @@ TEST(ServiceTest, LongAttendSplitsAcrossIdleWorkersWithinTolerance) {
       core::AttendOptions unsplit;
       unsplit.observe = false;
       std::vector<float> want, dk, dv;
-      int64_t tokens = 0;
-      ASSERT_TRUE(ts.server()
-                      .store()
-                      .Attend({"default", seq, 0, 0}, {q.data(), qh, 1, d}, unsplit, &want, &tokens)
-                      .ok());
-      ASSERT_EQ(tokens, T);
-      ASSERT_TRUE(ts.server().store().Decode("default", seq, 0, 0, &dk, &dv, &tokens).ok());
+      const absl::StatusOr<int64_t> tokens =
+          ts.server().store().Attend({"default", seq, 0, 0}, {q.data(), qh, 1, d}, unsplit, &want);
+      ASSERT_TRUE(tokens.ok());
+      ASSERT_EQ(*tokens, T);
+      ASSERT_TRUE(ts.server().store().Decode({"default", seq, 0, 0}, {}, &dk, &dv).ok());
       float vmax = 0.0f;
       for (float x : dv) vmax = std::max(vmax, std::fabs(x));
       ASSERT_EQ(got.size(), want.size());

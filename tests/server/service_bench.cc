@@ -363,16 +363,21 @@ int Main(int argc, char** argv) {
   if (local) {  // the same work without gRPC: core::Store in this process
     Stats sc, at;
     std::vector<float> out;
-    int64_t tokens = 0;
     core::AttendOptions ao;
     ao.observe = false;
     for (int i = 0; i < iters; ++i) {
       auto t0 = Clock::now();
-      absl::Status scored = local->server().store().Score(
-          {"default", "ingest0", 0, 0}, {q.data(), qh, 1, d}, 0, false, &out, &tokens);
+      absl::Status scored =
+          local->server()
+              .store()
+              .Score({"default", "ingest0", 0, 0}, {q.data(), qh, 1, d}, 0, false, &out)
+              .status();
       auto t1 = Clock::now();
-      absl::Status attended = local->server().store().Attend(
-          {"default", "ingest0", 0, 0}, {q.data(), qh, 1, d}, ao, &out, &tokens);
+      absl::Status attended =
+          local->server()
+              .store()
+              .Attend({"default", "ingest0", 0, 0}, {q.data(), qh, 1, d}, ao, &out)
+              .status();
       auto t2 = Clock::now();
       if (!scored.ok() || !attended.ok()) std::fprintf(stderr, "store-only call failed\n");
       sc.ms.push_back(Ms(t0, t1));

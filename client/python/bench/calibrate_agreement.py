@@ -1,5 +1,5 @@
 """Agreement of kvq.calibrate (transformers) with kvq-calibrate (kvq's C++ frontend) on one
-GGUF model and the same calibration text (issue 32, item 3).
+GGUF model and the same calibration text.
 
 Both fit the rank-R query PCA on the first --tokens tokens of --text in windows of
 --window-len. kvq-calibrate's basis (GGUF channel order) is mapped into transformers' order

@@ -1,4 +1,4 @@
-"""kvq.calibrate: HeadQ calibration of a transformers checkpoint (issue 32).
+"""kvq.calibrate: HeadQ calibration of a transformers checkpoint.
 
 * the streaming statistics against a one-shot numpy fit (odd sizes, fixed seed);
 * SmolLM2 (the GGUF, loaded by transformers) calibrated on a short slice of wiki.valid.tokens:

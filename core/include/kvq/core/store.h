@@ -174,6 +174,18 @@ struct LayerRef {
   int basis_version = 0;
 };
 
+// A range of a layer's tokens: [from, to), to < 0 meaning the layer's end.
+struct TokenRange {
+  int64_t from = 0;
+  int64_t to = -1;
+};
+
+// What a range read found: the layer's length, and the position of the first token returned.
+struct RangeRead {
+  int64_t tokens = 0;
+  int64_t first = 0;
+};
+
 // A read's rows, fp32 [q_heads][n_q][width]: queries (width head_dim) or attention weights
 // (width the layer's tokens).
 struct ReadRows {
@@ -199,50 +211,45 @@ class Store {
   absl::Status Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
                       AppendOutcome* outcome);
 
-  // The reads. Each reads one layer (`at`) that holds tokens, *tokens of them, under the
-  // sequence's reader lock (Attend with observe: its writer lock).
+  // The reads. Each reads one layer (`at`) that holds tokens, under the sequence's reader
+  // lock (Attend with observe: its writer lock), and returns how many tokens it read (T).
   //
   // Score: logits of the queries q ([q_heads][n_q][head_dim]) over every cached token,
-  // out [q_heads][n_q][*tokens].
-  absl::Status Score(const LayerRef& at, const ReadRows& q, float scale, bool corrections_only,
-                     std::vector<float>* out, int64_t* tokens);
+  // out [q_heads][n_q][T].
+  absl::StatusOr<int64_t> Score(const LayerRef& at, const ReadRows& q, float scale,
+                                bool corrections_only, std::vector<float>* out);
   // Readout: the rows' weights p ([q_heads][n_q][width], width the layer's tokens) over the
   // values, softmaxed first when as_logits; out [q_heads][n_q][head_dim].
-  absl::Status Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
-                       std::vector<float>* out, int64_t* tokens);
+  absl::StatusOr<int64_t> Readout(const LayerRef& at, const ReadRows& p, bool as_logits,
+                                  std::vector<float>* out);
   // Attend: score, softmax and readout fused; out [q_heads][n_q][head_dim].
-  absl::Status Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
-                      std::vector<float>* out, int64_t* tokens);
-  // Keys as attention sees them and decoded values, [kv_heads][tokens][d] fp32 each;
-  // verifies every block's checksum first (DATA_LOSS on mismatch).
-  absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                      int basis_version, std::vector<float>* keys, std::vector<float>* values,
-                      int64_t* tokens);
-  // Tokens [from, to) of the layer only (to < 0: to the end; both clamped to the layer's
-  // tokens), [kv_heads][n][d]: *first is the position of the first token returned, *tokens
-  // the layer's length. Only the blocks the range touches are read and verified.
-  absl::Status Decode(const std::string& tenant, const std::string& sequence_id, int layer,
-                      int basis_version, int64_t from, int64_t to, std::vector<float>* keys,
-                      std::vector<float>* values, int64_t* tokens, int64_t* first);
-  // The same range in `dtype` (kF32, kF16 or kBF16), each value the fp32 decode's rounded to
-  // nearest even (LayerCache::DecodeAs): decoded straight into the bytes GetBlocks sends, with
-  // no fp32 copy of the range in between.
-  absl::Status DecodeAs(const std::string& tenant, const std::string& sequence_id, int layer,
-                        int basis_version, int64_t from, int64_t to, DType dtype,
-                        std::vector<uint8_t>* keys, std::vector<uint8_t>* values, int64_t* tokens,
-                        int64_t* first);
-  // The range in codes (GetBlocks in codes): the encoded groups it touches, copied out with
-  // their checksums verified (and the sinks' rows with group 0), then the window rows it touches
-  // in `dtype` (as DecodeAs). *first is the position of the first token returned: `from`
-  // rounded down to its group's start when it falls in an encoded group.
-  absl::Status ReadEncoded(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version, int64_t from, int64_t to, DType dtype,
-                           EncodedGroups* groups, std::vector<uint8_t>* keys,
-                           std::vector<uint8_t>* values, int64_t* tokens, int64_t* first);
+  absl::StatusOr<int64_t> Attend(const LayerRef& at, const ReadRows& q, const AttendOptions& ao,
+                                 std::vector<float>* out);
+  // The range reads. Each reads tokens [range.from, range.to) of one layer (`at`; to < 0: to
+  // the end; both clamped to the layer's tokens) under the sequence's reader lock, and returns
+  // the layer's length and the position of the first token returned (RangeRead). Only the
+  // blocks the range touches are read, and each is verified first (DATA_LOSS on a mismatch);
+  // a range of the whole layer verifies every block before reading any. A layer never
+  // appended reads as empty.
+  //
+  // Decode: keys as attention sees them and decoded values, [kv_heads][n][d] fp32 each.
+  absl::StatusOr<RangeRead> Decode(const LayerRef& at, TokenRange range, std::vector<float>* keys,
+                                   std::vector<float>* values);
+  // DecodeAs: the same in `dtype` (kF32, kF16 or kBF16), each value the fp32 decode's rounded
+  // to nearest even (LayerCache::DecodeAs): decoded straight into the bytes GetBlocks sends,
+  // with no fp32 copy of the range in between.
+  absl::StatusOr<RangeRead> DecodeAs(const LayerRef& at, TokenRange range, DType dtype,
+                                     std::vector<uint8_t>* keys, std::vector<uint8_t>* values);
+  // ReadEncoded: the range in codes (GetBlocks in codes): the encoded groups it touches,
+  // copied out (and the sinks' rows with group 0), then the window rows it touches in `dtype`
+  // (as DecodeAs). `first` is `from` rounded down to its group's start when it falls in an
+  // encoded group.
+  absl::StatusOr<RangeRead> ReadEncoded(const LayerRef& at, TokenRange range, DType dtype,
+                                        EncodedGroups* groups, std::vector<uint8_t>* keys,
+                                        std::vector<uint8_t>* values);
   // Every block of the layer's checksum (DATA_LOSS on a mismatch), reading none out: what a
   // reader that will take the whole layer in parts checks before sending the first.
-  absl::Status VerifyLayer(const std::string& tenant, const std::string& sequence_id, int layer,
-                           int basis_version);
+  absl::Status VerifyLayer(const LayerRef& at);
 
   absl::StatusOr<SequenceInfo> Describe(const std::string& tenant, const std::string& sequence_id);
   // Returns the bytes freed; NOT_FOUND when the tenant has no such sequence.
