@@ -9,7 +9,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "core/src/value_policy.h"
+#include "core/src/codec/value_policy.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/calibration.h"

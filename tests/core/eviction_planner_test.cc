@@ -1,7 +1,7 @@
 // PlanEviction alone, on hand-made LRU orders: who goes over the quota and over the capacity,
 // what shared prefix blocks free, that a write that cannot fit gets no victims, and that
 // planning many victims stays linear.
-#include "core/src/eviction_planner.h"
+#include "core/src/store/eviction_planner.h"
 
 #include <deque>
 #include <string>

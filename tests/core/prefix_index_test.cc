@@ -1,7 +1,7 @@
-// The prefix index on its own (core/src/prefix_index.h, private to the store): chained keys,
+// The prefix index on its own (core/src/store/prefix_index.h, private to the store): chained keys,
 // insert and lookup, holds and retention, dropping with extensions, and the bytes it counts.
 // The store's use of it is in prefix_test.cc.
-#include "core/src/prefix_index.h"
+#include "core/src/store/prefix_index.h"
 
 #include <memory>
 #include <vector>

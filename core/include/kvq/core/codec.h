@@ -5,7 +5,8 @@
 //         projected on the head's query basis U (d x r), c = U^T e, quantized per
 //         coefficient over the G tokens (fp16 scale and zero point, 4 or 8 bits).
 // Values: asymmetric quantization per token over groups of `value_group` channels. Bits
-//         per token are uniform, or chosen per token by the A^2 policy (core/src/value_policy.h).
+//         per token are uniform, or chosen per token by the A^2 policy
+//         (core/src/codec/value_policy.h).
 //
 // The block bytes (header, checksum, key and value payloads, the dense-and-sparse list) are
 // defined once, in kvq/format/block_format.h; every byte is counted in the bits-per-element

@@ -288,7 +288,7 @@ class Store {
   LayerCache* LayerForTest(const std::string& tenant, const std::string& sequence_id, int layer);
 
  private:
-  std::unique_ptr<StoreImpl> impl_;  // core/src/store_impl.h: the locks, maps and LRU list
+  std::unique_ptr<StoreImpl> impl_;  // core/src/store/store_impl.h: the locks, maps and LRU list
 };
 
 }  // namespace kvq::core

@@ -12,7 +12,7 @@ error anywhere. So the rows are mapped here, per head, and the entry is register
 channel_order "hf" under its own name. Qwen2 GGUFs are not permuted (RoPE on halves in both),
 so their rows stay as they are.
 
-Files (core/src/basis.cc): manifest.json, and basis.safetensors with one F32 tensor
+Files (core/src/codec/basis.cc): manifest.json, and basis.safetensors with one F32 tensor
 "layer.{l}.u" [kv_heads, head_dim, rank] per layer; the fingerprint is the hex XXH3-64 of the
 tensor bytes in layer order.
 """

@@ -1,5 +1,5 @@
 // The store's write path: StoreImpl::Append and its steps (store_append.h).
-#include "store_append.h"
+#include "core/src/store/store_append.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,5 +1,5 @@
 // One tenant's prefix index: sealed groups by chained key, held or retained.
-#include "prefix_index.h"
+#include "core/src/store/prefix_index.h"
 
 #include <array>
 #include <cstring>

@@ -13,7 +13,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
-#include "store_impl.h"
+#include "core/src/store/store_impl.h"
 
 namespace kvq::core {
 

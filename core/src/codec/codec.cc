@@ -10,11 +10,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/src/codec/sparse_list.h"
 #include "kvq/core/codec_schema.h"
 #include "kvq/core/half.h"
 #include "kvq/core/status.h"
 #include "kvq/kernels/kernels.h"
-#include "sparse_list.h"
 
 namespace kvq::core {
 namespace {

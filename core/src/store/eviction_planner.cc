@@ -1,4 +1,4 @@
-#include "eviction_planner.h"
+#include "core/src/store/eviction_planner.h"
 
 #include <algorithm>
 

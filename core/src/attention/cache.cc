@@ -8,10 +8,10 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "core/src/codec/value_policy.h"
 #include "kvq/core/partial_attention.h"
 #include "kvq/core/status.h"
 #include "kvq/kernels/kernels.h"
-#include "value_policy.h"
 
 namespace kvq::core {
 

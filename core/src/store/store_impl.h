@@ -14,9 +14,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/time/time.h"
+#include "core/src/store/prefix_index.h"
 #include "kvq/core/mutex.h"
 #include "kvq/core/store.h"
-#include "prefix_index.h"
 
 namespace kvq::core {
 
@@ -74,7 +74,7 @@ class StoreImpl {
   struct Tenant;
 
  private:
-  // One attempt of Append, in named steps (core/src/store_append.h).
+  // One attempt of Append, in named steps (core/src/store/store_append.h).
   class AppendBatch;
 
   absl::StatusOr<std::shared_ptr<Sequence>> Find(const std::string& tenant, const std::string& id,

@@ -5,10 +5,10 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
-#include "eviction_planner.h"
+#include "core/src/store/eviction_planner.h"
+#include "core/src/store/store_impl.h"
 #include "kvq/core/metrics.h"
 #include "kvq/core/status.h"
-#include "store_impl.h"
 
 namespace kvq::core {
 

@@ -1,4 +1,4 @@
-#include "sparse_list.h"
+#include "core/src/codec/sparse_list.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,8 +1,8 @@
 // Store's public methods: each forwards to StoreImpl (store_impl.h), which holds the state.
 #include <utility>
 
+#include "core/src/store/store_impl.h"
 #include "kvq/core/store.h"
-#include "store_impl.h"
 
 namespace kvq::core {
 

@@ -1,4 +1,4 @@
-#include "value_policy.h"
+#include "core/src/codec/value_policy.h"
 
 #include <algorithm>
 #include <cmath>
