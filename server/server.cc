@@ -167,10 +167,17 @@ absl::Status KvqServer::Impl::Start() {
           ? opts.max_inflight_per_client
           : (opts.max_inflight > 0 ? std::max(1, opts.max_inflight / 4) : 0);
   calls.log_calls = opts.log_calls;
-  service =
-      std::make_unique<Service>(store.get(), registry.get(), pool.get(), calls, pool_name, backend);
-  service->set_stream_idle_timeout(opts.stream_idle_timeout);
-  service->set_split_attend(opts.split_attend_min_tokens, metrics.get());
+  ServiceOptions service_opts;
+  service_opts.store = store.get();
+  service_opts.registry = registry.get();
+  service_opts.pool = pool.get();
+  service_opts.calls = calls;
+  service_opts.pool_name = pool_name;
+  service_opts.backend_name = backend;
+  service_opts.stream_idle_timeout = opts.stream_idle_timeout;
+  service_opts.split_attend_min_tokens = opts.split_attend_min_tokens;
+  service_opts.split_metrics = metrics.get();
+  service = std::make_unique<Service>(std::move(service_opts));
 
   std::shared_ptr<grpc::ServerCredentials> creds;
   if (!opts.tls_cert.empty() || !opts.tls_key.empty()) {

@@ -41,16 +41,18 @@ absl::Status ItemRead(const absl::StatusOr<int64_t>& read, absl::string_view at,
 
 }  // namespace
 
-Service::Service(core::Store* store, core::Registry* registry, core::WorkerPool* pool,
-                 CallGate::Options calls, std::string pool_name, std::string backend_name)
-    : store_(store),
-      registry_(registry),
-      auth_(calls.auth),
-      pool_(pool),
-      pool_name_(std::move(pool_name)),
-      backend_name_(std::move(backend_name)),
+Service::Service(ServiceOptions opts)
+    : store_(opts.store),
+      registry_(opts.registry),
+      auth_(opts.calls.auth),
+      pool_(opts.pool),
+      pool_name_(std::move(opts.pool_name)),
+      backend_name_(std::move(opts.backend_name)),
       started_(absl::Now()),
-      calls_(calls) {}
+      calls_(opts.calls),
+      split_min_tokens_(opts.split_attend_min_tokens),
+      split_metrics_(opts.split_metrics),
+      idle_(std::make_unique<IdleStreams>(opts.stream_idle_timeout)) {}
 
 template <typename Req, typename Resp, typename Body>
 grpc::ServerUnaryReactor* Service::Unary(const char* method, CallKind kind,

@@ -16,14 +16,33 @@
 
 namespace kvq::server {
 
+class Metrics;
+
+// Everything a Service is built with; the pointers must outlive it.
+struct ServiceOptions {
+  core::Store* store = nullptr;
+  core::Registry* registry = nullptr;
+  core::WorkerPool* pool = nullptr;
+  // The wrapper every call goes through (authentication, readiness, --max-inflight, metrics,
+  // logging: server/call.h).
+  CallGate::Options calls;
+  // What Stats reports as the block pool and the attend backend.
+  std::string pool_name, backend_name;
+  // PutBlocks streams quiet this long between messages fail with DEADLINE_EXCEEDED (zero:
+  // never).
+  absl::Duration stream_idle_timeout = absl::ZeroDuration();
+  // Attend items over layers of at least this many tokens split across idle workers (0:
+  // never; ServerOptions::split_attend_min_tokens), each split counted in split_metrics
+  // (null: not counted).
+  int64_t split_attend_min_tokens = 0;
+  Metrics* split_metrics = nullptr;
+};
+
 // PutBlocks is registered raw (grpc::ByteBuffer in and out) so that it parses its messages
 // itself and can tell a message that does not parse from the end of the stream.
 class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::CallbackService> {
  public:
-  // `calls` configures the wrapper every call goes through (authentication, readiness,
-  // --max-inflight, metrics, logging: server/call.h).
-  Service(core::Store* store, core::Registry* registry, core::WorkerPool* pool,
-          CallGate::Options calls, std::string pool_name, std::string backend_name);
+  explicit Service(ServiceOptions opts);
 
   grpc::ServerUnaryReactor* RegisterBasis(grpc::CallbackServerContext* ctx,
                                           const v1::RegisterBasisRequest* req,
@@ -80,17 +99,8 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   // Refuses new calls (UNAVAILABLE) and waits for those in flight to end, at most `grace`;
   // returns whether they did.
   bool Drain(absl::Duration grace) { return calls_.Drain(grace); }
-  // PutBlocks streams quiet this long between messages fail with DEADLINE_EXCEEDED (zero:
-  // never). Set before serving.
-  void set_stream_idle_timeout(absl::Duration d) { idle_ = std::make_unique<IdleStreams>(d); }
+  // The PutBlocks streams' idle timer (ServiceOptions::stream_idle_timeout).
   IdleStreams* idle_streams() { return idle_.get(); }
-  // Attend items over layers of at least min_tokens split across idle workers (0: never;
-  // ServerOptions::split_attend_min_tokens), each split counted in `metrics` (null: not
-  // counted). Set before serving.
-  void set_split_attend(int64_t min_tokens, Metrics* metrics) {
-    split_min_tokens_ = min_tokens;
-    split_metrics_ = metrics;
-  }
 
  private:
   // A unary call under the wrapper (server/call.h): body(const Call&) -> absl::Status.
@@ -108,7 +118,7 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   CallGate calls_;
   int64_t split_min_tokens_ = 0;
   Metrics* split_metrics_ = nullptr;
-  std::unique_ptr<IdleStreams> idle_ = std::make_unique<IdleStreams>(absl::ZeroDuration());
+  std::unique_ptr<IdleStreams> idle_;
 };
 
 }  // namespace kvq::server
