@@ -245,9 +245,10 @@ void SetByteCounters(benchmark::State& st, double code_bytes, double fp16_bytes)
 }
 
 void AttendCodesWith(benchmark::State& st, int T, int qh, int kv, const CodecOptions& o,
-                     bool reference) {
+                     bool reference, ReadPolicy read = {}) {
   const int d = o.head_dim;
   CodesSet set = BuildCodes(T, qh, kv, o);
+  for (auto& c : set.caches) c->set_read_policy(read);
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
   std::vector<float> q(static_cast<size_t>(qh) * d), out(q.size());
@@ -270,9 +271,8 @@ void AttendCodesWith(benchmark::State& st, int T, int qh, int kv, const CodecOpt
 
 void AttendCodesImpl(benchmark::State& st, int T, int qh, int kv, int d, bool reference,
                      bool verify = true, int group = 32) {
-  CodecOptions o = HeadQOptions(d, group);
-  o.verify_on_read = verify;
-  AttendCodesWith(st, T, qh, kv, o, reference);
+  AttendCodesWith(st, T, qh, kv, HeadQOptions(d, group), reference,
+                  ReadPolicy{.verify_checksums = verify});
 }
 
 void AttendCodes(benchmark::State& st, int T, int qh, int kv, int d) {

@@ -118,7 +118,7 @@ TEST(AttendBackend, CausalOffsetsInsideTheBlocksStayOnTheCpu) {
   EXPECT_EQ(got, want);
 }
 
-// The kernel checks headers, not checksums: with verify_on_read the cache verifies every
+// The kernel checks headers, not checksums: with verify_checksums the cache verifies every
 // block before the backend runs (DATA_LOSS, the backend never called); without it, a header
 // that disagrees with the codec comes back as the kernel's error flag, also DATA_LOSS.
 TEST(AttendBackend, CorruptedBlocksAreDataLossNeverData) {
@@ -137,9 +137,9 @@ TEST(AttendBackend, CorruptedBlocksAreDataLossNeverData) {
     EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
     EXPECT_EQ(host->calls(), before);
   }
-  cs.o.verify_on_read = false;
   {
     auto L = Build(cs, false);
+    L->cache->set_read_policy({.verify_checksums = false});
     L->cache->key_blocks(1)[30 * core::KeyBlockBytes(cs.o) + 4] ^= 0x40;  // bits
     absl::Status st;
     AttendOn(*L->cache, q, qh, 1, ao, host, &st);

@@ -171,8 +171,8 @@ TEST_P(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
     }
   }
   printf("attend: worst %.3g of max|v| over the decode steps\n", worst / vmax_);
-  // verify_on_read checked every attend's blocks on the backend, where they lie: no block
-  // was copied back to the host for it.
+  // ReadPolicy::verify_checksums checked every attend's blocks on the backend, where they lie: no
+  // block was copied back to the host for it.
   EXPECT_EQ(CopiedBackBytes(), copied_before_steps);
   EXPECT_GE(backend_of_->verify_calls(), verifies + 3 * 90);
   // A prefill's queries (each sees the tokens up to its own): on the CPU in both stores.

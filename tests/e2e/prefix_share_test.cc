@@ -54,7 +54,6 @@ class PrefixShare : public RealModelServerTest<SmolLM2File> {
     o.model = model_entry_;
     o.codec = config.codec;
     o.codec.head_dim = model_->config().head_dim;
-    o.codec.verify_on_read = false;
     o.share = share;
     auto c = RemoteCache::Create(client_.get(), nullptr, model_->config().cache_shape(), o);
     EXPECT_TRUE(c.ok()) << c.status();

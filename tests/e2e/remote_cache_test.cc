@@ -78,7 +78,6 @@ class RemoteCacheTest : public ::testing::Test {
     o.value_bits = 2;
     o.value_group = 32;
     if (a2) o.value_policy = core::ValuePolicy::kA2;
-    o.verify_on_read = false;
     return o;
   }
 

@@ -53,7 +53,6 @@ double InProcessTokenByToken(const LlamaModel& model, const std::vector<int32_t>
   for (int w = 0; w < kWindows; ++w) {
     core::CodecOptions o = cfg.codec;
     o.head_dim = mc.head_dim;
-    o.verify_on_read = false;
     auto cache = CodecCache::Create(mc.cache_shape(), o, basis, cfg.keys_only,
                                     cfg.fused ? CodecRead::kAttend : CodecRead::kDecode);
     EXPECT_TRUE(cache.ok()) << cache.status();

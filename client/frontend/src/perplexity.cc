@@ -17,7 +17,6 @@ absl::StatusOr<CodeBooks> FitCodeBooks(const LlamaModel& model, const std::vecto
   }
   core::CodecOptions o = config.codec;
   o.head_dim = mc.head_dim;
-  o.verify_on_read = false;
   if (!config.levers.nuq_keys) {
     // Value books only: the keys take the plain base code while counting (no basis needed);
     // the values' groups, and so their books, do not depend on how keys are coded.
@@ -144,8 +143,6 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     if (config.dense) return std::make_unique<DenseCache>(mc.cache_shape());
     core::CodecOptions o = config.codec;
     o.head_dim = mc.head_dim;
-    // Checksums guard storage, not arithmetic; the store's scrub covers them in serving.
-    o.verify_on_read = false;
     ASSIGN_OR_RETURN(auto cc,
                      CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
                                         config.fused ? CodecRead::kAttend : CodecRead::kDecode,

@@ -79,6 +79,7 @@ absl::StatusOr<std::vector<float>> BaseResidual(const core::CodecOptions& o, int
   kv.data = kh.data();
   vv.data = vh.data();
   core::LayerCache lc(o, kv_heads, nullptr, nullptr, nullptr, query_moment);
+  lc.set_read_policy({.verify_checksums = false});  // evaluation: blocks never leave memory
   RETURN_IF_ERROR(lc.Append(kv, vv, 0));
   std::vector<float> K, V;
   RETURN_IF_ERROR(lc.Decode(&K, &V));  // [kv][n][d]
@@ -108,7 +109,6 @@ absl::StatusOr<std::vector<std::vector<std::vector<double>>>> MeasureHeadScoreEr
   o.rank = 0;
   o.window = 0;
   o.head_dim = D;
-  o.verify_on_read = false;
   if (o.metric_rounding && basis.query_moment.empty()) {
     return absl::FailedPreconditionError("hadapt with mr: the basis has no query moments");
   }

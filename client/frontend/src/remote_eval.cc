@@ -122,7 +122,6 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
 
   core::CodecOptions o = config.codec;
   o.head_dim = mc.head_dim;
-  o.verify_on_read = false;
   const std::string prefix =
       options.sequence_prefix.empty()
           ? absl::StrCat("kvq-eval-", getpid(), "-",

@@ -166,7 +166,6 @@ int Main(int argc, char** argv) {
   base.model = *rm;
   base.codec = cfg->codec;
   base.codec.head_dim = mc.head_dim;
-  base.codec.verify_on_read = false;
   const std::string tag = absl::StrCat("kvq-prefix-bench-", getpid(), "-");
   auto stored = [&]() -> absl::StatusOr<int64_t> {
     auto s = client.Stats();

@@ -608,7 +608,7 @@ absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale
     rq.assign(q, q + static_cast<size_t>(rows) * d);
     HadamardRotateRows(rq.data(), d, rows, d);
   }
-  const BlockReader reader(opts_, opts_.verify_on_read);
+  const BlockReader reader(opts_, read_.verify_checksums);
   KeyBlockView kv;
   thread_local std::vector<uint8_t> copy;
   for (int64_t b = b0; b < b1; ++b) {
@@ -659,7 +659,7 @@ absl::Status LayerCache::ReadoutRange(int h, const float* p, int64_t T, int rows
   // Rotated values: the blocks' readouts summed in the rotated coordinates (out starts at
   // zero), then the sum rotated back once instead of each block's partial output.
   const bool rotated = opts_.rotate_values && b1 > b0;
-  const BlockReader reader(opts_, opts_.verify_on_read);
+  const BlockReader reader(opts_, read_.verify_checksums);
   // Verified once per call by Score / Readout / Attend, not once per head.
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
   if (b0 > 0 || b1 == 0) sinks = nullptr;  // the sinks are the first group's first tokens
@@ -697,7 +697,7 @@ absl::Status LayerCache::ReadoutRange(int h, const float* p, int64_t T, int rows
 absl::Status LayerCache::Score(const float* q, int q_heads, int n_q, float* out, float scale,
                                bool corrections_only) const {
   RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
-  RETURN_IF_ERROR(ReadSinks(opts_.verify_on_read).status());
+  RETURN_IF_ERROR(ReadSinks(read_.verify_checksums).status());
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   if (scale == 0.0f) scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int h = 0; h < kv_heads_; ++h)
@@ -708,7 +708,7 @@ absl::Status LayerCache::Score(const float* q, int q_heads, int n_q, float* out,
 
 absl::Status LayerCache::Readout(const float* p, int q_heads, int n_q, float* out) const {
   RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
-  RETURN_IF_ERROR(ReadSinks(opts_.verify_on_read).status());
+  RETURN_IF_ERROR(ReadSinks(read_.verify_checksums).status());
   const int d = opts_.head_dim, gq = q_heads / kv_heads_, rows = gq * n_q;
   for (int h = 0; h < kv_heads_; ++h)
     RETURN_IF_ERROR(ReadoutHead(h, p + static_cast<size_t>(h) * rows * tokens_, rows,
@@ -719,7 +719,7 @@ absl::Status LayerCache::Readout(const float* p, int q_heads, int n_q, float* ou
 absl::Status LayerCache::Attend(const float* q, int q_heads, int n_q, const AttendOptions& ao,
                                 float* out) {
   RETURN_IF_ERROR(CheckQueries(q_heads, kv_heads_, n_q));
-  RETURN_IF_ERROR(ReadSinks(opts_.verify_on_read).status());
+  RETURN_IF_ERROR(ReadSinks(read_.verify_checksums).status());
   if (tokens_ == 0) return absl::FailedPreconditionError("attend over an empty cache");
   if (ao.causal_offset < -1)
     return absl::InvalidArgumentError(

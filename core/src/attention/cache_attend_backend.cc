@@ -157,7 +157,7 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
     return absl::OkStatus();
   // The kernel checks headers, not checksums: when the codec verifies on read, the backend
   // verifies the blocks' checksums where they lie first (docs/CODEC.md, "Attend backends").
-  if (opts_.verify_on_read) RETURN_IF_ERROR(VerifyOnBackend(*ao.backend, nb));
+  if (read_.verify_checksums) RETURN_IF_ERROR(VerifyOnBackend(*ao.backend, nb));
   RETURN_IF_ERROR(ao.backend->AttendBlocks(p));
   if (flags != 0)
     return absl::DataLossError(absl::StrCat("attend backend '", ao.backend->name(),

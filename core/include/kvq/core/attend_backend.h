@@ -36,8 +36,8 @@ class AttendBackend {
   // Calls of AttendBlocks so far (for metrics, and for tests that must know it served).
   int64_t calls() const { return calls_.load(std::memory_order_relaxed); }
   // Checks the blocks' checksums where they lie (kernels/cuda_checksum.h: one verdict a block,
-  // kVerifyOk or why not), so that a read with verify_on_read needs no copy of them: `blocks`
-  // and `sizes` in host memory, the blocks in memory this backend reads. Synchronous;
+  // kVerifyOk or why not), so that a read with ReadPolicy::verify_checksums needs no copy of them:
+  // `blocks` and `sizes` in host memory, the blocks in memory this backend reads. Synchronous;
   // UNAVAILABLE when the device cannot run it.
   absl::Status VerifyBlocks(std::span<const uint8_t* const> blocks, std::span<const uint64_t> sizes,
                             uint8_t* verdicts) const;

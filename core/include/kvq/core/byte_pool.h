@@ -171,8 +171,8 @@ class Bytes {
 // reads the pool's memory, else a copy in *scratch. The one place the CPU paths of a store
 // whose blocks are in device memory copy them back until kernels do their jobs there:
 // GetBlocks' decode, Score, Readout, an attend the backend cannot take, checksums (scrubs,
-// verify_on_read) and the header checks of attached prefix blocks (docs/CODEC.md, "Attend
-// backends"). INTERNAL when the device refuses the copy.
+// ReadPolicy::verify_checksums) and the header checks of attached prefix blocks (docs/CODEC.md,
+// "Attend backends"). INTERNAL when the device refuses the copy.
 absl::StatusOr<std::span<const uint8_t>> CpuView(const BytePool& pool,
                                                  std::span<const uint8_t> block,
                                                  std::vector<uint8_t>* scratch);

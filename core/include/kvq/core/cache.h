@@ -90,6 +90,16 @@ std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions&
                                                              const float* query_moment,
                                                              const float* value_metric = nullptr);
 
+// How a cache's reads treat its blocks: a reader's policy, not part of the codec (LevelDB's
+// ReadOptions). verify_checksums: every block a score, readout, attend or range decode touches
+// is checked against its checksum first (DATA_LOSS on a mismatch); off, blocks are checked
+// only when read out whole (Decode of every token, VerifyAll, the store's scrub). The store
+// keeps it on; in-process evaluation, whose blocks never leave its own memory, turns it off
+// for speed (checksums guard storage, not arithmetic).
+struct ReadPolicy {
+  bool verify_checksums = true;
+};
+
 class LayerCache {
  public:
   // basis: [kv_heads][d][rank] (row-major U per head) or null when o.rank == 0. Copied.
@@ -111,6 +121,8 @@ class LayerCache {
   const std::shared_ptr<const LayerCodecTables>& tables() const { return tables_; }
 
   const CodecOptions& options() const { return opts_; }
+  const ReadPolicy& read_policy() const { return read_; }
+  void set_read_policy(ReadPolicy p) { read_ = p; }
   int kv_heads() const { return kv_heads_; }
   int64_t tokens() const { return tokens_; }
 
@@ -290,6 +302,7 @@ class LayerCache {
   absl::Status CheckSealed(const SealedBlock& blk) const;
 
   CodecOptions opts_;
+  ReadPolicy read_;
   int kv_heads_;
   BytePool* pool_;
   std::shared_ptr<const LayerCodecTables> tables_;  // never null

@@ -108,9 +108,6 @@ struct CodecOptions {
   // (it spreads outliers before they are seen); the fp16 sinks' stand-in rows are never chosen.
   int sparse_keys = 0;
   int sparse_values = 0;
-  // Verify the block checksum on every score/readout/decode (true) or only when a
-  // block is read out whole (GetBlocks, moves) and by the store's scrub (false).
-  bool verify_on_read = true;
 
   absl::Status Validate() const;
   bool per_token_value_bits() const { return value_policy == ValuePolicy::kA2; }

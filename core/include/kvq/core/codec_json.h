@@ -1,5 +1,5 @@
 // codec.json: a registry entry's codec settings as JSON (the fields of CodecOptions that a
-// registry entry stores; head_dim comes from the model, side_sign and verify_on_read are not
+// registry entry stores; head_dim comes from the model, side_sign is not
 // settings of a model). One reader and one writer for everyone who touches the file: the
 // registry (Persist, LoadEntry), kvq-calibrate --bits (which writes the codec it chose) and
 // kvq-eval --configs calibrated (which evaluates what the file names).

@@ -41,8 +41,8 @@ int ScoreCodes(const uint8_t* codes, int bits, int n_ch, int tokens, const uint1
 // match codec.rotate_keys / codec.rotate_values.
 //
 // Checksums are not verified here (the fused path reads each byte once; a store that wants
-// verify_on_read verifies on the CPU or on a scrub). Headers are checked against the params
-// when error_flags is given: a block whose header disagrees sets kAttendHeaderMismatch.
+// ReadPolicy::verify_checksums verifies on the CPU or on a scrub). Headers are checked against the
+// params when error_flags is given: a block whose header disagrees sets kAttendHeaderMismatch.
 struct AttendParams {
   // The codec of every block: head_dim a multiple of 32, at most 256; every other field as
   // BlockCodecUnsupported (cuda_codec.h) allows. The header flags of each block must match

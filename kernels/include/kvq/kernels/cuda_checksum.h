@@ -1,7 +1,7 @@
 // Batched verification of encoded blocks' checksums (core/include/kvq/core/codec.h layout):
 // a store holding blocks in device memory checks them where they lie (a scrub, a read with
-// verify_on_read) without copying them to the host. Each block's verdict is what core's
-// ParseKeyBlock / ParseValueBlock would answer about its magic, version, size and checksum
+// ReadPolicy::verify_checksums) without copying them to the host. Each block's verdict is what
+// core's ParseKeyBlock / ParseValueBlock would answer about its magic, version, size and checksum
 // (kernels/cuda/xxh3_math.h computes the checksum exactly as core does). The header includes
 // no CUDA header, so that host code and the CPU tests can name the params.
 #pragma once

@@ -71,6 +71,8 @@ class DenseCache : public AttentionCache {
 // GetBlocks serves: keys as base + U z_hat, giving exactly the HeadQ scores up to float rounding)
 // and attends locally with BLAS; kAttend calls the codec's fused LayerCache::Attend. The A^2 value
 // policy always uses kAttend, because its weights come from the readouts the cache observes.
+// Reads do not verify block checksums (core::ReadPolicy): an evaluation's blocks never leave
+// its own memory, and checksums guard storage, not arithmetic.
 enum class CodecRead { kDecode, kAttend };
 
 class CodecCache : public AttentionCache {
