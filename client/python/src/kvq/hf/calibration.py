@@ -1,5 +1,5 @@
 """HeadQ calibration of a transformers checkpoint: what kvq-calibrate fits for a GGUF model of
-kvq's own frontend (client/frontend/tools/calibrate_main.cc), for any model transformers runs
+kvq's own frontend (frontend/tools/calibrate_main.cc), for any model transformers runs
 and kvq serves (support.py).
 
 The calibration text's first `tokens` tokens (the tokenizer's ids, no special tokens added:

@@ -1,6 +1,6 @@
 """Perplexity of a transformers model attending through kvq, with kvq-eval's protocol.
 
-The protocol of `kvq-eval --kv remote=ADDR` (client/frontend/README.md, llama.cpp's):
+The protocol of `kvq-eval --kv remote=ADDR` (frontend/README.md, llama.cpp's):
 consecutive windows of L tokens from token 0, each a fresh sequence with no BOS; the logits
 at positions L/2 .. L-2 score the next token (L/2 - 1 tokens per window). Decoded token by
 token (one forward per position, as kvq-eval's default `--kv-decode token`), so every query

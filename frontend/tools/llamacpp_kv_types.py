@@ -9,7 +9,7 @@ type; quantized V caches need flash attention, so every run uses it. CI does not
 
 Usage:
   python3 -m venv /tmp/venv && /tmp/venv/bin/pip install llama-cpp-python numpy
-  /tmp/venv/bin/python client/frontend/tools/llamacpp_kv_types.py \\
+  /tmp/venv/bin/python frontend/tools/llamacpp_kv_types.py \\
       --model "$(scripts/fetch-model.sh qwen2.5-coder-0.5b)" \\
       --text "${KVQ_DATA_DIR:-../shared/data}/wikitext-2/wiki.test.raw" --windows 32 \\
       --window-len 512 \\

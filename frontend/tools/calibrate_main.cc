@@ -71,7 +71,7 @@ built-in default; `kvq models register DIR` sends DIR/codec.json with the basis)
                     headers, scales and zero points, side code; A^2 value blocks at their
                     largest; fp16 sinks at L tokens). Candidates: a fixed list of kvq-eval config names (full-KV
                     kivi-kv*/headq-kv* settings from about 2.4 to 9 bits per element at
-                    head_dim 64; client/frontend/src/codec_search.cc); those over B (or over
+                    head_dim 64; frontend/src/codec_search.cc); those over B (or over
                     the basis rank) are skipped and listed as such; it is an error when none
                     fits (naming the smallest candidate's bits). First the key-side lever
                     (none, metric rounding, + the oblique pair, + keys rotated by H:
