@@ -43,9 +43,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<float> out(static_cast<size_t>(G) * d), q(2 * d, 0.5f), uq(2 * 4, 0.25f),
       basis(static_cast<size_t>(d) * 4, 0.1f), scores(2 * G), p(2 * G, 0.01f), ro(2 * d);
   if (auto k = kvq::core::ParseKeyBlock(block, o, verify); k.ok()) {
-    kvq::core::DecodeKeyBlock(*k, r > 0 ? basis.data() : nullptr, 1.0f, out.data());
-    kvq::core::ScoreKeyBlock(*k, q.data(), r > 0 ? uq.data() : nullptr, 2, 0.125f, 1.0f,
-                             scores.data(), G);
+    kvq::core::DecodeKeyBlock(*k, r > 0 ? basis.data() : nullptr, out.data());
+    kvq::core::ScoreKeyBlock(*k, q.data(), r > 0 ? uq.data() : nullptr, 2, 0.125f, scores.data(),
+                             G);
   }
   if (auto v = kvq::core::ParseValueBlock(block, o, verify); v.ok()) {
     kvq::core::DecodeValueBlock(*v, out.data());

@@ -65,11 +65,6 @@ absl::StatusOr<v1::RegisterBasisRequest> ReadRegistryEntry(const std::string& di
     if (!j.ok()) return j.status();
     core::CodecOptions c = core::Registry::DefaultCodec(manifest, has_basis);
     RETURN_IF_ERROR(core::CodecFromJson(*j, (p / "codec.json").string(), &c));
-    if (c.value_metric_rounding) {  // refused, not dropped: the server would encode otherwise
-      return absl::UnimplementedError(
-          absl::StrCat((p / "codec.json").string(),
-                       ": field 'value_metric_rounding' has no wire form yet (evaluation only)"));
-    }
     absl::StatusOr<v1::CodecSettings> wire = wire::CodecToWire(c, *j);
     if (!wire.ok()) {
       return absl::InvalidArgumentError(

@@ -70,15 +70,20 @@ absl::Status DenseCache::AppendAndAttend(int layer, const float* k, const float*
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(
-    const CacheShape& s, const core::CodecOptions& o, const core::ModelBasis* basis, bool keys_only,
-    CodecRead read, const std::vector<std::vector<int>>* head_ranks, bool probe) {
+absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(const CacheShape& s,
+                                                               const core::CodecOptions& o,
+                                                               const core::ModelBasis* basis,
+                                                               const CodecCacheOptions& options) {
+  const bool keys_only = options.keys_only, probe = options.probe;
+  const std::vector<std::vector<int>>* head_ranks = options.head_ranks;
   RETURN_IF_ERROR(o.Validate());
+  if (options.value_metric_rounding && (!basis || basis->value_metric.empty()))
+    return absl::InvalidArgumentError("value metric rounding needs a basis with value metrics");
   if (o.head_dim != s.head_dim)
     return absl::InvalidArgumentError("codec head_dim != model head_dim");
   std::unique_ptr<CodecCache> c(new CodecCache(s, o));
   c->keys_only_ = keys_only;
-  c->read_ = read;
+  c->read_ = options.read;
   c->probe_ = probe;
   if (probe && !o.per_token_value_bits())
     return absl::InvalidArgumentError("probe needs the A^2 policy");
@@ -135,7 +140,8 @@ absl::StatusOr<std::unique_ptr<CodecCache>> CodecCache::Create(
       }
     }
     const float* moment = basis ? basis->query_moment_head(l, 0) : nullptr;
-    const float* value_metric = basis ? basis->value_metric_head(l, 0) : nullptr;
+    const float* value_metric =
+        options.value_metric_rounding ? basis->value_metric_head(l, 0) : nullptr;
     c->layers_.push_back(
         std::make_unique<core::LayerCache>(ol, s.kv_heads, bp, nullptr, ap, moment, value_metric));
     c->layers_.back()->set_read_policy({.verify_checksums = false});

@@ -94,7 +94,7 @@ absl::StatusOr<std::vector<CodecSearchRow>> PlanCodecSearch(const std::vector<st
     // Only what a registry entry's codec.json can say: the server serves keys and values
     // through the codec with the entry's query basis.
     if (c.keys_only || (c.basis != BasisKind::kQuery && c.basis != BasisKind::kOblique) ||
-        c.adaptive_rank || c.probe || c.fused || c.codec.side_sign != 1.0f) {
+        c.adaptive_rank || c.probe || c.fused || c.wrong_sign || c.value_metric_rounding) {
       return absl::InvalidArgumentError(absl::StrCat(
           "codec search candidate '", name,
           "': must be a full-KV (kv) codec with the query basis or the oblique pair (no basis "

@@ -12,14 +12,16 @@ namespace kvq::frontend {
 
 absl::StatusOr<ValueDistortion> MeasureValueDistortion(const core::CodecOptions& codec,
                                                        const float* v, int n, int d,
-                                                       const float* value_metric) {
+                                                       const float* value_metric,
+                                                       bool round_in_metric) {
   core::CodecOptions o = codec;
   o.head_dim = d;
   o.window = 0;
   o.rank = 0;  // keys are not measured here
   RETURN_IF_ERROR(o.Validate());
   if (!value_metric) return absl::InvalidArgumentError("no value metric");
-  core::LayerCache cache(o, 1, nullptr, nullptr, nullptr, nullptr, value_metric);
+  core::LayerCache cache(o, 1, nullptr, nullptr, nullptr, nullptr,
+                         round_in_metric ? value_metric : nullptr);
   const core::TensorView vv = core::TensorView::Contiguous(v, core::DType::kF32, {1, n, d});
   RETURN_IF_ERROR(cache.Append(vv, vv, 0));
   std::vector<float> keys, values;

@@ -71,7 +71,7 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
     } else if (p == "random") {
       c.basis = BasisKind::kRandom;
     } else if (p == "wrongsign") {
-      o.side_sign = -1.0f;
+      c.wrong_sign = true;
     } else if (p == "centred") {
       c.basis = BasisKind::kCentred;
     } else if (p == "oracle") {
@@ -80,7 +80,7 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
       o.metric_rounding = true;
     } else if (p == "vmr") {
       if (c.keys_only) return bad("vmr rounds values; use a kv target");
-      o.value_metric_rounding = true;
+      c.value_metric_rounding = true;
     } else if (p == "pre") {
       c.levers.keys_before_rope = true;
     } else if (p == "nuq" || p == "nuqk") {
@@ -144,10 +144,12 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
   if (c.probe && !a2) return bad("probe needs the a2 value policy");
   if (c.adaptive_rank && c.head_adaptive_rank) return bad("adapt or hadapt, not both");
 
-  if (c.family == "kivi" && (c.basis != BasisKind::kQuery || o.side_sign != 1.0f ||
-                             c.adaptive_rank || c.head_adaptive_rank)) {
+  if (c.family == "kivi" &&
+      (c.basis != BasisKind::kQuery || c.wrong_sign || c.adaptive_rank || c.head_adaptive_rank)) {
     return bad("basis controls apply to headq only");
   }
+  if (c.levers.nuq_values && c.value_metric_rounding)
+    return bad("nuq values: vmr chooses among uniform codes (not with vmr)");
   if (c.keys_only) o.value_bits = 8;  // unused: values are read dense
   absl::Status s = o.Validate();
   if (!s.ok()) return bad(std::string(s.message()));
@@ -158,10 +160,6 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name) {
 
 absl::StatusOr<EvalConfig> EvalConfigFromCodec(const std::string& name,
                                                const core::CodecOptions& codec) {
-  if (codec.side_sign != 1.0f) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config '", name, "': side_sign ", codec.side_sign, " is a control, not a codec setting"));
-  }
   absl::Status s = codec.Validate();
   if (!s.ok())
     return absl::InvalidArgumentError(absl::StrCat("config '", name, "': ", s.message()));

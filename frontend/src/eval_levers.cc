@@ -30,8 +30,6 @@ absl::Status CheckLevers(const EvalLevers& l, const core::CodecOptions& o) {
     if (o.rotate_keys) return no("nuq keys: books are fitted unrotated (not with rotk)");
   }
   if (l.nuq_values) {
-    if (o.value_metric_rounding)
-      return no("nuq values: vmr chooses among uniform codes (not with vmr)");
     if (o.rotate_values) return no("nuq values: books are fitted unrotated (not with rotv)");
   }
   if (l.keys_before_rope) {

@@ -30,7 +30,8 @@ absl::StatusOr<CodeBooks> FitCodeBooks(const LlamaModel& model, const std::vecto
   std::vector<UnitHistogram> keys(mc.layers), values(mc.layers);
   int64_t windows = 0;
   for (size_t s = 0; s + window_len <= tokens.size(); s += window_len) {
-    ASSIGN_OR_RETURN(auto cc, CodecCache::Create(mc.cache_shape(), o, nullptr, config.keys_only));
+    ASSIGN_OR_RETURN(
+        auto cc, CodecCache::Create(mc.cache_shape(), o, nullptr, {.keys_only = config.keys_only}));
     RETURN_IF_ERROR(cc->SetLevers(levers));
     std::vector<std::vector<float>> logits;
     RETURN_IF_ERROR(model.ForwardDecodeFaithfulBatch({tokens.data() + s}, window_len, 0, {cc.get()},
@@ -61,6 +62,16 @@ double TokenNll(const float* logits, int vocab, int32_t target) {
   return std::log(sum) + mx - logits[target];
 }
 
+const core::ModelBasis* BasisSet::WrongSign(const core::ModelBasis& of) {
+  if (wrong_sign_of != &of) {
+    wrong_sign = of;
+    if (!of.oblique()) wrong_sign.encode = of.u;
+    for (float& x : wrong_sign.u) x = -x;
+    wrong_sign_of = &of;
+  }
+  return &wrong_sign;
+}
+
 absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
                                                     const std::vector<int32_t>& tokens, int windows,
                                                     int window_len, const EvalConfig& config,
@@ -74,8 +85,8 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
                                                    static_cast<int64_t>(windows) * window_len));
   }
   const core::ModelBasis* basis = nullptr;
-  if (!config.dense && (config.codec.rank > 0 || config.codec.metric_rounding ||
-                        config.codec.value_metric_rounding)) {
+  if (!config.dense &&
+      (config.codec.rank > 0 || config.codec.metric_rounding || config.value_metric_rounding)) {
     switch (config.basis) {
       case BasisKind::kQuery:
         basis = bases->query;
@@ -102,7 +113,8 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     if (!basis)
       return absl::FailedPreconditionError(
           absl::StrCat(config.name, ": no basis of that kind loaded (--basis)"));
-    if (config.codec.value_metric_rounding && basis->value_metric.empty())
+    if (config.wrong_sign) basis = bases->WrongSign(*basis);
+    if (config.value_metric_rounding && basis->value_metric.empty())
       return absl::FailedPreconditionError(
           absl::StrCat(config.name,
                        ": value metric rounding needs the basis's value metric (kvq-calibrate "
@@ -143,10 +155,13 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexity(const LlamaModel& model,
     if (config.dense) return std::make_unique<DenseCache>(mc.cache_shape());
     core::CodecOptions o = config.codec;
     o.head_dim = mc.head_dim;
-    ASSIGN_OR_RETURN(auto cc,
-                     CodecCache::Create(mc.cache_shape(), o, basis, config.keys_only,
-                                        config.fused ? CodecRead::kAttend : CodecRead::kDecode,
-                                        ranks.empty() ? nullptr : &ranks, config.probe));
+    ASSIGN_OR_RETURN(
+        auto cc, CodecCache::Create(mc.cache_shape(), o, basis,
+                                    {.keys_only = config.keys_only,
+                                     .read = config.fused ? CodecRead::kAttend : CodecRead::kDecode,
+                                     .head_ranks = ranks.empty() ? nullptr : &ranks,
+                                     .probe = config.probe,
+                                     .value_metric_rounding = config.value_metric_rounding}));
     EvalLevers levers = config.levers;
     levers.rope = model.rope();
     RETURN_IF_ERROR(cc->SetLevers(levers));

@@ -206,11 +206,6 @@ absl::StatusOr<std::unique_ptr<RemoteCache>> RemoteCache::Create(client::Client*
   if (options.codec.head_dim != shape.head_dim) {
     return absl::InvalidArgumentError("remote cache: codec head_dim != model head_dim");
   }
-  if (options.codec.value_metric_rounding) {
-    return absl::UnimplementedError(
-        "remote cache: value_metric_rounding has no wire form yet (evaluation only); run it "
-        "in-process (--kv local)");
-  }
   ASSIGN_OR_RETURN(v1::CodecSettings wire, wire::CodecToWire(options.codec));
   std::unique_ptr<RemoteCache> c(new RemoteCache(client, batcher, shape, std::move(options)));
   c->wire_codec_ = std::move(wire);

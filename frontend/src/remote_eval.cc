@@ -77,6 +77,11 @@ absl::StatusOr<PerplexityResult> EvaluatePerplexityRemote(
     return absl::InvalidArgumentError(absl::StrCat("text has ", tokens.size(), " tokens, need ",
                                                    static_cast<int64_t>(windows) * window_len));
   }
+  if (config.wrong_sign || config.value_metric_rounding) {
+    return absl::UnimplementedError(absl::StrCat(
+        config.name, ": ", config.wrong_sign ? "wrongsign" : "vmr",
+        " is an in-process control, not a codec a server can hold; run it with --kv local"));
+  }
   // The basis of this configuration, registered as its own entry (controls get a suffix so
   // that they never collide with the query basis under the same name and version).
   const core::ModelBasis* basis = nullptr;

@@ -212,10 +212,12 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
             return Fail(absl::FailedPreconditionError(cfg.name + ": no such basis (--basis)"));
           u = HeadBasis(*b, l, h, cfg.codec.rank);
           qz.basis = u.data();
-          if (b->oblique()) {
-            a = HeadBasis(*b, l, h, cfg.codec.rank, true);
+          if (b->oblique() || cfg.wrong_sign) {
+            a = b->oblique() ? HeadBasis(*b, l, h, cfg.codec.rank, true) : u;
             qz.encode_basis = a.data();
           }
+          if (cfg.wrong_sign)  // decode with -B what was encoded with A (BasisSet::WrongSign)
+            for (float& x : u) x = -x;
         }
         if (cfg.codec.metric_rounding) {
           const core::ModelBasis* mb =
@@ -305,7 +307,7 @@ int Diagnostics(const LlamaModel& model, const std::vector<int32_t>& ids, BasisS
     for (int l = 0; l < c.layers; ++l)
       for (int h = 0; h < c.kv_heads; ++h) {
         auto r = MeasureValueDistortion(cfg.codec, V[l].data() + static_cast<size_t>(h) * n * D, n,
-                                        D, vb->value_metric_head(l, h));
+                                        D, vb->value_metric_head(l, h), cfg.value_metric_rounding);
         if (!r.ok()) return Fail(r.status());
         mse += r->value_mse;
         merr += r->metric_error;

@@ -700,7 +700,7 @@ KVQ_HD void AttendCta(Cta& cta, const AttendParams& p, const Geometry& g, uint8_
     }
     for (int w = tid; w < MaxRows * g.rank; w += T) {
       const int c = w / MaxRows, i = w % MaxRows;
-      uqs[w] = i < rows ? p.side_sign * uq[i * g.rank + c] : 0.0f;
+      uqs[w] = i < rows ? uq[i * g.rank + c] : 0.0f;
     }
     if (tid < rows) m[tid] = kNegInf;
     for (int t = tid; g.value_bits != 0 && t <= G; t += T) {  // uniform widths: fixed records

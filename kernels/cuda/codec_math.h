@@ -329,14 +329,13 @@ KVQ_HD bool Readable(const uint8_t* block, const BlockCodec& c, uint8_t kind, in
   return false;
 }
 
-// Channel ch's side-code term of token t: sum over j in order of u_cj side_sign z_hat_j(t)
+// Channel ch's side-code term of token t: sum over j in order of u_cj z_hat_j(t)
 // (ref.cc's add_low_rank), shared by both key decodes so they stay bit for bit the same.
 KVQ_HD float SideTerm(const DecodeKeyParams& p, const KeyLayout& k, const uint8_t* in,
                       const float* basis, int ch, int t) {
   float acc = 0;
   for (int j = 0; j < k.r; ++j) {
     const float z =
-        p.side_sign *
         (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_zero + 2 * j))) +
          HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_scale + 2 * j))) *
              static_cast<float>(GetCode(in + k.side_codes + j * k.side_row, k.side_bits, t)));
@@ -346,7 +345,7 @@ KVQ_HD float SideTerm(const DecodeKeyParams& p, const KeyLayout& k, const uint8_
 }
 
 // Decode key block b's token t into its row (core's DecodeKeyBlock: dequantize, rotate back,
-// then add side_sign U z_hat with the sum over j in order, ref.cc's add_low_rank).
+// then add U z_hat with the sum over j in order, ref.cc's add_low_rank).
 KVQ_HD void DecodeKeyToken(const DecodeKeyParams& p, int b, int t) {
   const KeyLayout k = MakeKeyLayout(p.codec);
   const uint8_t* in = p.in[b];
@@ -420,7 +419,7 @@ KVQ_HD void DecodeValueToken(const DecodeValueParams& p, int b, int t) {
 
 // Score of query i against token t of key block b, written to out (core's ScoreKeyBlock on
 // ref.cc's score_codes: the base sum over channels, then the side sum over coefficients added
-// with multiplier scale * side_sign).
+// with multiplier scale).
 KVQ_HD void ScoreToken(const ScoreBlocksParams& p, int b, int i, int t) {
   const KeyLayout k = MakeKeyLayout(p.codec);
   const uint8_t* in = p.key_blocks[b];
@@ -444,7 +443,7 @@ KVQ_HD void ScoreToken(const ScoreBlocksParams& p, int b, int i, int t) {
             (HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_scale + 2 * j))) *
                  static_cast<float>(GetCode(in + k.side_codes + j * k.side_row, k.side_bits, t)) +
              HalfToFloat(static_cast<uint16_t>(LoadU16(in + k.side_zero + 2 * j))));
-  *dst = base + (p.scale * p.side_sign) * side;
+  *dst = base + p.scale * side;
 }
 
 // Output element (i, ch) of a readout: the weights of every token of every block in order

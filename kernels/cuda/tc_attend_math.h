@@ -312,8 +312,7 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
       qs[w] = q[w % rows * d + w / rows];
       o[w] = 0.0f;
     }
-    for (int w = tid; w < rows * g.rank; w += T)
-      uqs[w] = p.side_sign * uq[w % rows * g.rank + w / rows];
+    for (int w = tid; w < rows * g.rank; w += T) uqs[w] = uq[w % rows * g.rank + w / rows];
     if (tid < kRows) {
       m[tid] = kNegInf;
       l[tid] = 0.0f;
@@ -330,7 +329,7 @@ KVQ_HD void TcAttendCta(Cta& cta, const AttendParams& p, const TcGeometry& tg, u
     const uint8_t* vb = run.Value(b);
     cta.Phase([&](int tid, TcState&) {
       if (b + 1 < b1) stage(b + 1, tid);
-      // The scores' B: bq[i][k] = q_ik s_k (k < d), side_sign uq_ij ss_j (k = d + j, j < rank).
+      // The scores' B: bq[i][k] = q_ik s_k (k < d), uq_ij ss_j (k = d + j, j < rank).
       for (int k = tid; k < tg.kq; k += T) {
         const int j = k - d;
         const float s = k < d        ? LoadHalf(kb + g.k_scale + 2 * k)

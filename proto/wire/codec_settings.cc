@@ -64,11 +64,6 @@ absl::StatusOr<double> GetWire(const core::CodecField& f, const v1::CodecSetting
 
 absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o) {
   RETURN_IF_ERROR(o.Validate());
-  if (o.side_sign != 1.0f || o.value_metric_rounding) {
-    return absl::InvalidArgumentError(
-        "the evaluation-only controls (side_sign, value_metric_rounding) have no wire form; "
-        "run them in-process");
-  }
   v1::CodecSettings c;
   for (const core::CodecField& f : core::CodecFields()) SetWire(f, o, &c);
   return c;

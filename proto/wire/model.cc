@@ -63,7 +63,7 @@ void ModelToWire(const core::ModelEntry& e, int64_t live_sequences, v1::ModelInf
   out->set_oblique(e.has_basis && e.basis.oblique());
   out->set_has_query_moment(e.has_basis && !e.basis.query_moment.empty());
   out->set_calibration_tokens(m.calibration_tokens);
-  // Registered entries are valid codecs with a wire form (side_sign is not a setting).
+  // Registered entries are valid codecs, so this cannot fail.
   if (auto c = CodecToWire(e.codec); c.ok()) *out->mutable_codec() = *std::move(c);
   out->set_live_sequences(live_sequences);
   out->set_block_version_min(format::kMinVersion);

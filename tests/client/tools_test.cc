@@ -270,12 +270,12 @@ TEST_F(ToolsTest, ModelsRegisterSendsEncodeBasisQueryMomentsAndCodecSwitches) {
   ToolRun typed = Kvq(absl::StrCat("models register ", entry, " ", flags_));
   EXPECT_EQ(typed.code, 1) << typed.err;
   EXPECT_THAT(typed.err, HasSubstr("field 'rotate_keys' is mistyped: must be true or false"));
-  // Value metric rounding has no wire form: refused, never dropped (the server would round
-  // to nearest under a codec.json that says otherwise).
+  // A field that is not a codec setting is refused, never dropped (the server would serve
+  // the default in its place under a codec.json that says otherwise).
   std::ofstream(entry + "/codec.json") << R"({"value_metric_rounding": true})";
   ToolRun vmr = Kvq(absl::StrCat("models register ", entry, " ", flags_));
   EXPECT_EQ(vmr.code, 1) << vmr.err;
-  EXPECT_THAT(vmr.err, HasSubstr("field 'value_metric_rounding' has no wire form yet"));
+  EXPECT_THAT(vmr.err, HasSubstr("field 'value_metric_rounding' is not a codec setting"));
 }
 
 TEST_F(ToolsTest, SeqPutGetDeleteRoundTrip) {

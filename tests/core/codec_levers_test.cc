@@ -150,9 +150,9 @@ TEST(Rotation, HoistedRotationMatchesThePerBlockPath) {
       const Bytes& kb = cache.key_blocks(h);
       auto kview = ParseKeyBlock({kb.data() + b * KeyBlockBytes(o), KeyBlockBytes(o)}, o, true);
       ASSERT_TRUE(kview.ok()) << kview.status();
-      ScoreKeyBlock(*kview, qh_rows, uq.data(), rows, 1.0f, 1.0f, per_block.data() + b * G, T);
-      ScoreKeyBlock(*kview, rq.data(), uq.data(), rows, 1.0f, 1.0f, pre_rotated.data() + b * G, T,
-                    true, /*q_rotated=*/true);
+      ScoreKeyBlock(*kview, qh_rows, uq.data(), rows, 1.0f, per_block.data() + b * G, T);
+      ScoreKeyBlock(*kview, rq.data(), uq.data(), rows, 1.0f, pre_rotated.data() + b * G, T, true,
+                    /*q_rotated=*/true);
       const Bytes& vb = cache.value_blocks(h);
       auto vview = ParseValueBlock({vb.data() + voff, ValueBlockBytes(o)}, o, true);
       ASSERT_TRUE(vview.ok()) << vview.status();
@@ -444,8 +444,8 @@ TEST(ValueMetricRounding, LowersTheValueErrorInASkewedMetric) {
           o.value_policy = ValuePolicy::kA2;
           o.value_budget = static_cast<float>(bits);
         }
-        o.value_metric_rounding = vmr == 1;
-        LayerCache cache(o, 1, nullptr, nullptr, nullptr, nullptr, metric.data());
+        LayerCache cache(o, 1, nullptr, nullptr, nullptr, nullptr,
+                         vmr == 1 ? metric.data() : nullptr);
         ASSERT_TRUE(cache.Append(View3(v, 1, T, d), View3(v, 1, T, d), 0).ok());
         std::vector<float> kd, vd;
         ASSERT_TRUE(cache.Decode(&kd, &vd).ok());
@@ -458,26 +458,24 @@ TEST(ValueMetricRounding, LowersTheValueErrorInASkewedMetric) {
     }
 }
 
-// Without the flag a value metric changes nothing, and with it but without a metric the
-// encoder rounds to nearest (as metric rounding does without a query moment).
-TEST(ValueMetricRounding, NeedsBothTheFlagAndTheMetric) {
+// The value metric given to the cache is the whole switch: without one the encoder rounds to
+// nearest, with one it rounds in its metric, and the codec settings are the same either way.
+TEST(ValueMetricRounding, TheMetricAloneSwitchesIt) {
   const int d = 64, G = 32;
   auto v = WithOutlierChannel(2 * G, d, 80, 1, 2.0f);
   std::vector<float> metric(static_cast<size_t>(d) * d, 0.5f);
   for (int c = 0; c < d; ++c) metric[c * d + c] = 1.0f;
-  auto decoded = [&](bool flag, const float* m) {
+  auto decoded = [&](const float* m) {
     CodecOptions o;
-    o.value_metric_rounding = flag;
     LayerCache cache(o, 1, nullptr, nullptr, nullptr, nullptr, m);
     EXPECT_TRUE(cache.Append(View3(v, 1, 2 * G, d), View3(v, 1, 2 * G, d), 0).ok());
     std::vector<float> kd, vd;
     EXPECT_TRUE(cache.Decode(&kd, &vd).ok());
     return vd;
   };
-  const auto nearest = decoded(false, nullptr);
-  EXPECT_EQ(decoded(false, metric.data()), nearest);
-  EXPECT_EQ(decoded(true, nullptr), nearest);
-  EXPECT_NE(decoded(true, metric.data()), nearest);
+  const auto nearest = decoded(nullptr);
+  EXPECT_EQ(decoded(nullptr), nearest);
+  EXPECT_NE(decoded(metric.data()), nearest);
 }
 
 }  // namespace

@@ -359,10 +359,10 @@ TEST(Codec, SideCodeOfExtremeKeysStaysFinite) {
   auto view = ParseKeyBlock(block, o, true);
   ASSERT_TRUE(view.ok()) << view.status();
   std::vector<float> out(keys.size());
-  DecodeKeyBlock(*view, basis.data(), 1.0f, out.data());
+  DecodeKeyBlock(*view, basis.data(), out.data());
   for (float x : out) ASSERT_TRUE(std::isfinite(x)) << x;
   std::vector<float> q(d, 1.0f), uq(1, 8.0f), scores(G);
-  ScoreKeyBlock(*view, q.data(), uq.data(), 1, 1.0f, 1.0f, scores.data(), G);
+  ScoreKeyBlock(*view, q.data(), uq.data(), 1, 1.0f, scores.data(), G);
   for (float x : scores) ASSERT_TRUE(std::isfinite(x)) << x;
 }
 
@@ -472,8 +472,9 @@ TEST(Codec, QueryPcaVsRandomVsWrongSign) {
 
   auto k = Gaussian(T * d, 42), v = Gaussian(T * d, 43);
   auto q = sample_q(nq);
-  auto fisher = [&](const CodecOptions& o, const float* U) {
-    LayerCache c(o, kv, U);
+  // encode: the oblique pair's encode basis A (null: U).
+  auto fisher = [&](const CodecOptions& o, const float* U, const float* encode = nullptr) {
+    LayerCache c(o, kv, U, nullptr, encode);
     EXPECT_TRUE(c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0).ok());
     std::vector<float> s(static_cast<size_t>(nq) * T);
     EXPECT_TRUE(c.Score(q.data(), 1, nq, s.data()).ok());
@@ -492,12 +493,13 @@ TEST(Codec, QueryPcaVsRandomVsWrongSign) {
   CodecOptions base;
   CodecOptions hq = base;
   hq.rank = r;
-  CodecOptions wrong = hq;
-  wrong.side_sign = -1;
+  // The wrong-sign control: encoded with U, decoded with -U.
+  std::vector<float> minus_u = pca->u;
+  for (float& x : minus_u) x = -x;
   const double f_base = fisher(base, nullptr);
   const double f_pca = fisher(hq, pca->u.data());
   const double f_rnd = fisher(hq, rnd.u.data());
-  const double f_wrong = fisher(wrong, pca->u.data());
+  const double f_wrong = fisher(hq, minus_u.data(), pca->u.data());
   EXPECT_LT(f_pca, 0.2 * f_base) << f_base << " " << f_pca;
   EXPECT_GT(f_rnd, 0.7 * f_base) << f_base << " " << f_rnd;
   EXPECT_GT(f_wrong, 1.5 * f_base) << f_base << " " << f_wrong;

@@ -78,8 +78,8 @@ TEST(SparseCodec, KeysKeepTheirOutliersExactOnDecodeAndScores) {
   ASSERT_TRUE(kv.ok() && kp.ok()) << kv.status() << kp.status();
   ASSERT_NE(kv->sparse, nullptr);
   std::vector<float> dec(static_cast<size_t>(G) * d), dec_plain(dec.size());
-  DecodeKeyBlock(*kv, basis.u.data(), 1.0f, dec.data());
-  DecodeKeyBlock(*kp, basis.u.data(), 1.0f, dec_plain.data());
+  DecodeKeyBlock(*kv, basis.u.data(), dec.data());
+  DecodeKeyBlock(*kp, basis.u.data(), dec_plain.data());
   // Every planted outlier is exact up to its delta's fp16 rounding.
   for (int i : where) EXPECT_NEAR(dec[i], keys[i], 2e-3f * std::fabs(keys[i])) << "element " << i;
   EXPECT_LT(SquaredError(dec, keys), 0.2 * SquaredError(dec_plain, keys));
@@ -91,7 +91,7 @@ TEST(SparseCodec, KeysKeepTheirOutliersExactOnDecodeAndScores) {
     for (int j = 0; j < r; ++j)
       for (int c = 0; c < d; ++c) uq[i * r + j] += q[i * d + c] * basis.u[c * r + j];
   std::vector<float> s(static_cast<size_t>(n_q) * G);
-  ScoreKeyBlock(*kv, q.data(), uq.data(), n_q, 0.5f, 1.0f, s.data(), G, true, false);
+  ScoreKeyBlock(*kv, q.data(), uq.data(), n_q, 0.5f, s.data(), G, true, false);
   for (int i = 0; i < n_q; ++i)
     for (int t = 0; t < G; ++t) {
       double want = 0;
@@ -164,7 +164,7 @@ TEST(SparseCodec, ListsThatDisagreeWithTheCodecOrPointOutsideAreDataLoss) {
   ASSERT_TRUE(BlockReader(o, false).Key(bad, &v).ok());
   std::vector<float> rows(32 * 64 + 1, 0.0f);
   rows.back() = 123.0f;
-  DecodeKeyBlock(v, basis.u.data(), 1.0f, rows.data());
+  DecodeKeyBlock(v, basis.u.data(), rows.data());
   EXPECT_EQ(rows.back(), 123.0f);
 }
 

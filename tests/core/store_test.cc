@@ -275,28 +275,16 @@ TEST(RegistryTest, CodecJsonCarriesRotationAndMetricRounding) {
   fs::remove_all(dir);
 }
 
-// value_metric_rounding lives in codec.json too (written only when set, so every other
-// entry's file stays as it was), needs the basis's value metric, and a mistyped one skips
-// the entry naming the field.
-TEST(RegistryTest, CodecJsonCarriesValueMetricRounding) {
+// codec.json holds codec settings only: a field that is not one (a typo, or
+// value_metric_rounding, an evaluation experiment and no setting) skips the entry naming it,
+// rather than serving the entry with the default in its place.
+TEST(RegistryTest, CodecJsonRefusesFieldsThatAreNotSettings) {
   const std::string dir = TempDir();
   {
     Registry r(dir);
     ASSERT_TRUE(r.LoadAll(nullptr, nullptr).ok());
-    ModelEntry e = Entry("vmr", 1, 1);
-    e.codec.value_metric_rounding = true;
-    ASSERT_THAT(std::string(r.Register(e, nullptr).status().message()),
-                ::testing::HasSubstr("value_metric_rounding"));
-    e.basis.value_metric.assign(2 * 2 * 64 * 64, 0.0f);
-    for (int h = 0; h < 4; ++h)
-      for (int a = 0; a < 64; ++a) e.basis.value_metric[(h * 64 + a) * 64 + a] = 1.0f;
-    ASSERT_TRUE(r.Register(e, nullptr).ok());
-    ModelEntry plain = Entry("plain", 1, 2);
-    ASSERT_TRUE(r.Register(plain, nullptr).ok());
+    ASSERT_TRUE(r.Register(Entry("plain", 1, 2), nullptr).ok());
   }
-  std::ifstream plain_json(dir + "/plain/v1/codec.json");
-  const std::string plain_text{std::istreambuf_iterator<char>(plain_json), {}};
-  EXPECT_EQ(plain_text.find("value_metric_rounding"), std::string::npos) << plain_text;
   auto write = [&](const std::string& path, const std::string& text) {
     fs::create_directories(fs::path(dir + path).parent_path());
     std::ofstream(dir + path) << text;
@@ -307,24 +295,18 @@ TEST(RegistryTest, CodecJsonCarriesValueMetricRounding) {
     std::string s = model;
     return s.replace(s.find("%s"), 2, name);
   };
-  write("/vmrstr/v1/model.json", named("vmrstr"));
-  write("/vmrstr/v1/codec.json", R"({"value_metric_rounding": "yes"})");
-  write("/vmrnone/v1/model.json", named("vmrnone"));  // no basis, so no value metric
-  write("/vmrnone/v1/codec.json", R"({"value_metric_rounding": true})");
+  write("/vmr/v1/model.json", named("vmr"));
+  write("/vmr/v1/codec.json", R"({"key_bits": 3, "value_metric_rounding": true})");
+  write("/typo/v1/model.json", named("typo"));
+  write("/typo/v1/codec.json", R"({"key_bit": 3})");
   Registry again(dir);
   std::vector<std::string> loaded, skipped;
   ASSERT_TRUE(again.LoadAll(&loaded, &skipped).ok());
-  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("vmr v1", "plain v1"));
-  EXPECT_THAT(SkipReason(skipped, "vmrstr/v1"),
-              ::testing::HasSubstr("field 'value_metric_rounding' is mistyped"));
-  EXPECT_THAT(SkipReason(skipped, "vmrnone/v1"), ::testing::HasSubstr("value_metric_rounding"));
-  auto vmr = again.Get("vmr", 1);
-  ASSERT_TRUE(vmr.ok());
-  EXPECT_TRUE((*vmr)->codec.value_metric_rounding);
-  EXPECT_EQ((*vmr)->basis.value_metric.size(), 2u * 2 * 64 * 64);
-  auto plain = again.Get("plain", 1);
-  ASSERT_TRUE(plain.ok());
-  EXPECT_FALSE((*plain)->codec.value_metric_rounding);
+  EXPECT_THAT(loaded, ::testing::UnorderedElementsAre("plain v1"));
+  EXPECT_THAT(SkipReason(skipped, "vmr/v1"),
+              ::testing::HasSubstr("field 'value_metric_rounding' is not a codec setting"));
+  EXPECT_THAT(SkipReason(skipped, "typo/v1"),
+              ::testing::HasSubstr("field 'key_bit' is not a codec setting"));
   fs::remove_all(dir);
 }
 
@@ -462,10 +444,10 @@ TEST_F(StoreTest, SequencesOfALayerShareItsCodecTables) {
   EXPECT_FALSE(tables("t", "a", 0)->basis.empty());
 }
 
-// Value metric rounding through the store: a sequence that asks for it gets the entry's
-// value metric factors in its layer tables and values encoded in that metric (other codes
-// than nearest rounding's, the same layout), and an entry without value metrics refuses it.
-TEST_F(StoreTest, ValueMetricRoundingUsesTheEntrysValueMetric) {
+// The store never rounds values in the output projection's metric (an evaluation experiment,
+// not a codec setting): an entry's value metrics are kept and served, but its sequences' layer
+// tables hold no value rounding factors and their values decode as nearest rounding gives them.
+TEST_F(StoreTest, ValueMetricsNeverChangeHowTheStoreEncodes) {
   ModelEntry vm = Entry("vm", 1, 3);
   const int kv = vm.manifest.kv_heads, d = vm.manifest.head_dim;
   vm.basis.value_metric.assign(static_cast<size_t>(vm.manifest.layers) * kv * d * d, 0.5f);
@@ -474,29 +456,26 @@ TEST_F(StoreTest, ValueMetricRoundingUsesTheEntrysValueMetric) {
   ASSERT_TRUE(registry_.Register(vm, nullptr).ok());
   Store store({}, &registry_);
   Data data(256, 5);  // two groups of the default codec's 128 tokens encoded
-  auto spec = [&](const std::string& id, const std::string& model, bool vmr) {
-    AppendSpec a = Spec(id, 0, 0, data, model);
-    a.has_codec = true;
-    a.codec = Registry::DefaultCodec(vm.manifest, true);
-    a.codec.value_metric_rounding = vmr;
-    return a;
-  };
+  AppendSpec a = Spec("s", 0, 0, data, "vm");
   AppendOutcome out;
-  ASSERT_TRUE(store.Append("t", {spec("near", "vm", false), spec("vmr", "vm", true)}, &out).ok());
-  LayerCache* near = store.LayerForTest("t", "near", 0);
-  LayerCache* vmr = store.LayerForTest("t", "vmr", 0);
-  ASSERT_NE(near, nullptr);
-  ASSERT_NE(vmr, nullptr);
-  EXPECT_TRUE(near->tables()->value_rounding.empty());
-  EXPECT_EQ(vmr->tables()->value_rounding.size(), static_cast<size_t>(kv) * d * d);
-  std::vector<float> k0, v0, k1, v1;
-  ASSERT_TRUE(near->Decode(&k0, &v0).ok());
-  ASSERT_TRUE(vmr->Decode(&k1, &v1).ok());
-  EXPECT_EQ(k0, k1);  // keys untouched
-  EXPECT_NE(v0, v1);
-  const absl::Status refused = store.Append("t", {spec("x", "m", true)}, &out);
-  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
-  EXPECT_THAT(std::string(refused.message()), ::testing::HasSubstr("value_metric_rounding"));
+  ASSERT_TRUE(store.Append("t", {a}, &out).ok());
+  LayerCache* layer = store.LayerForTest("t", "s", 0);
+  ASSERT_NE(layer, nullptr);
+  EXPECT_TRUE(layer->tables()->value_rounding.empty());
+  // The same rows through caches of the same codec and basis: one rounding to nearest decodes
+  // as the store's, one rounding in the metric does not.
+  const CodecOptions codec = Registry::DefaultCodec(vm.manifest, true);
+  auto decoded_values = [&](const float* metric) {
+    LayerCache c(codec, kv, layer->tables()->basis.data(), nullptr, nullptr, nullptr, metric);
+    EXPECT_TRUE(c.Append(data.kt, data.vt, 0).ok());
+    std::vector<float> k, v;
+    EXPECT_TRUE(c.Decode(&k, &v).ok());
+    return v;
+  };
+  std::vector<float> k0, v0;
+  ASSERT_TRUE(layer->Decode(&k0, &v0).ok());
+  EXPECT_EQ(decoded_values(nullptr), v0);
+  EXPECT_NE(decoded_values(vm.basis.value_metric_head(0, 0)), v0);
 }
 
 // Memory a workload of many tiny sequences takes on the heap, against what the store counts

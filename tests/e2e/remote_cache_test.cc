@@ -91,8 +91,9 @@ class RemoteCacheTest : public ::testing::Test {
     // In-process reference.
     std::vector<std::vector<float>> ref(n_streams), got(n_streams);
     for (int i = 0; i < n_streams; ++i) {
-      auto cc = CodecCache::Create(shape_, o, &basis_, keys_only,
-                                   keys_only ? CodecRead::kDecode : CodecRead::kAttend);
+      auto cc = CodecCache::Create(
+          shape_, o, &basis_,
+          {.keys_only = keys_only, .read = keys_only ? CodecRead::kDecode : CodecRead::kAttend});
       EXPECT_TRUE(cc.ok()) << cc.status();
       if (!cc.ok()) return INFINITY;
       std::vector<float> out(qrow);
@@ -273,10 +274,6 @@ TEST_F(RemoteCacheTest, ServerErrorsReachTheCaller) {
   auto st = (*rc)->AppendAndAttend(0, s.k.data(), s.v.data(), 0, 1, s.q.data(), out.data());
   EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
   EXPECT_EQ((*rc)->tokens(0), 0);
-  // The wrong-sign control has no wire form.
-  core::CodecOptions o = Codec(false);
-  o.side_sign = -1.0f;
-  EXPECT_EQ(kvq::wire::CodecToWire(o).status().code(), absl::StatusCode::kInvalidArgument);
   // Registering a different basis under the same name and version is refused.
   // (Column 0 of one head negated: still orthonormal, different contents.)
   core::ModelBasis other = basis_;

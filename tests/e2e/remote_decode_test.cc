@@ -53,8 +53,9 @@ double InProcessTokenByToken(const LlamaModel& model, const std::vector<int32_t>
   for (int w = 0; w < kWindows; ++w) {
     core::CodecOptions o = cfg.codec;
     o.head_dim = mc.head_dim;
-    auto cache = CodecCache::Create(mc.cache_shape(), o, basis, cfg.keys_only,
-                                    cfg.fused ? CodecRead::kAttend : CodecRead::kDecode);
+    auto cache = CodecCache::Create(
+        mc.cache_shape(), o, basis,
+        {.keys_only = cfg.keys_only, .read = cfg.fused ? CodecRead::kAttend : CodecRead::kDecode});
     EXPECT_TRUE(cache.ok()) << cache.status();
     if (!cache.ok()) return NAN;
     const int32_t* tok = ids.data() + static_cast<size_t>(w) * kWindowLen;

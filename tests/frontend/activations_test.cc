@@ -67,12 +67,11 @@ class Activations : public ::testing::Test {
   static constexpr int kLayers[2] = {3, 20};
 };
 
-core::CodecOptions K2(int rank, float sign = 1.0f) {
+core::CodecOptions K2(int rank) {
   core::CodecOptions o;
   o.key_bits = 2;
   o.key_group = 32;
   o.rank = rank;
-  o.side_sign = sign;
   return o;
 }
 
@@ -102,15 +101,20 @@ TEST_F(Activations, HeadQCutsFisherErrorAndControlsDoNot) {
       const float* kh = k.data.data() + static_cast<size_t>(h) * n * d;
       const float* uh = u.data.data() + static_cast<size_t>(h) * d * 4;
       core::ModelBasis rb = core::RandomBasis(shape, 100 + layer * 3 + h);
-      auto m = [&](const char* name, core::CodecOptions o, const float* basis) {
-        auto r = MeasureKeyDistortion({name, o, basis}, qh, gq, kh, n, d, 32);
+      // encode: an oblique pair's encode basis (null: the decode basis).
+      auto m = [&](const char* name, core::CodecOptions o, const float* basis,
+                   const float* encode = nullptr) {
+        auto r = MeasureKeyDistortion({name, o, basis, encode}, qh, gq, kh, n, d, 32);
         EXPECT_TRUE(r.ok()) << r.status();
         return r.ok() ? r->fisher : 0.0;
       };
       kivi += m("kivi", K2(0), nullptr);
       headq += m("headq", K2(4), uh);
       random += m("random", K2(4), rb.u.data());
-      wrong += m("wrongsign", K2(4, -1.0f), uh);
+      // The wrong-sign control: encoded with U, decoded with -U.
+      std::vector<float> minus_u(uh, uh + d * 4);
+      for (float& x : minus_u) x = -x;
+      wrong += m("wrongsign", K2(4), minus_u.data(), uh);
     }
     std::printf("layer %d Fisher: kivi %.4g headq-r4 %.4g (x%.1f) random %.4g wrongsign %.4g\n",
                 layer, kivi, headq, kivi / headq, random, wrong);
@@ -184,17 +188,16 @@ TEST(ValueDistortion, MetricRoundingLowersTheMetricError) {
   }
   core::CodecOptions o;
   o.value_bits = 2;
-  auto nearest = MeasureValueDistortion(o, v.data(), n, d, metric.data());
+  auto nearest = MeasureValueDistortion(o, v.data(), n, d, metric.data(), false);
   ASSERT_TRUE(nearest.ok()) << nearest.status();
-  auto plain = MeasureValueDistortion(o, v.data(), n, d, identity.data());
+  auto plain = MeasureValueDistortion(o, v.data(), n, d, identity.data(), false);
   ASSERT_TRUE(plain.ok());
   EXPECT_NEAR(plain->metric_error, d * plain->value_mse, 1e-6 * plain->metric_error);
-  o.value_metric_rounding = true;
-  auto rounded = MeasureValueDistortion(o, v.data(), n, d, metric.data());
+  auto rounded = MeasureValueDistortion(o, v.data(), n, d, metric.data(), true);
   ASSERT_TRUE(rounded.ok());
   EXPECT_LT(rounded->metric_error, 0.8 * nearest->metric_error);
   EXPECT_GT(rounded->value_mse, nearest->value_mse);
-  EXPECT_FALSE(MeasureValueDistortion(o, v.data(), n, d, nullptr).ok());
+  EXPECT_FALSE(MeasureValueDistortion(o, v.data(), n, d, nullptr, true).ok());
 }
 
 }  // namespace

@@ -70,8 +70,8 @@ TEST(CodecCache, DecodePathMatchesFusedAttend) {
     core::ModelBasis basis =
         core::RandomBasis({.layers = 1, .kv_heads = 2, .q_heads = 6, .head_dim = 64, .rank = 4}, 9);
     for (int chunk : {37, 31, 1}) {
-      auto a = CodecCache::Create(s, o, &basis, /*keys_only=*/false, CodecRead::kDecode);
-      auto b = CodecCache::Create(s, o, &basis, false, CodecRead::kAttend);
+      auto a = CodecCache::Create(s, o, &basis, {.read = CodecRead::kDecode});
+      auto b = CodecCache::Create(s, o, &basis, {.read = CodecRead::kAttend});
       ASSERT_TRUE(a.ok() && b.ok());
       auto ra = RunChunks(a->get(), s, d, n, chunk);
       auto rb = RunChunks(b->get(), s, d, n, chunk);
@@ -105,11 +105,11 @@ TEST(CodecCache, ProbesNeedTheA2PolicyAndKeepDecodeSemantics) {
   core::CodecOptions o;
   o.key_bits = 2;
   o.value_bits = 2;
-  EXPECT_FALSE(CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend, nullptr, true).ok());
+  EXPECT_FALSE(CodecCache::Create(s, o, nullptr, {.read = CodecRead::kAttend, .probe = true}).ok());
   o.value_policy = core::ValuePolicy::kA2;
   o.value_budget = 2.0f;
-  auto with = CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend, nullptr, true);
-  auto without = CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend, nullptr, false);
+  auto with = CodecCache::Create(s, o, nullptr, {.read = CodecRead::kAttend, .probe = true});
+  auto without = CodecCache::Create(s, o, nullptr, {.read = CodecRead::kAttend});
   ASSERT_TRUE(with.ok() && without.ok()) << with.status();
   Data d = Random(s, 96, 8);
   // Chunks as the decode-faithful driver cuts them at G = 32, R = 0: 31, then 32 from 31, ...
@@ -155,7 +155,7 @@ TEST(CodecCache, SinkTokensAreExactAndSpareTheirGroup) {
   core::CodecOptions with = o;
   with.fp16_sinks = kSinks;
   auto sunk = CodecCache::Create(s, with, nullptr);
-  auto fused = CodecCache::Create(s, with, nullptr, false, CodecRead::kAttend);
+  auto fused = CodecCache::Create(s, with, nullptr, {.read = CodecRead::kAttend});
   ASSERT_TRUE(plain.ok() && sunk.ok() && fused.ok());
   const double e_plain = MaxDiff(RunChunks(plain->get(), s, d, n, n), rd);
   const auto r_sunk = RunChunks(sunk->get(), s, d, n, n);

@@ -35,10 +35,11 @@ TEST(EvalConfig, SinkTokensSetTheCodecsFp16Sinks) {
 TEST(EvalConfig, VmrSetsValueMetricRoundingOnKvTargetsOnly) {
   auto c = ParseEvalConfig("headq-kv3-g128-s4-v2-vmr");
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_TRUE(c->codec.value_metric_rounding);
+  EXPECT_TRUE(c->value_metric_rounding);
+  EXPECT_FALSE(c->wrong_sign);
   EXPECT_FALSE(c->codec.metric_rounding);
   EXPECT_EQ(c->codec.value_bits, 2);
-  EXPECT_FALSE(ParseEvalConfig("headq-kv2-g128-mr").value().codec.value_metric_rounding);
+  EXPECT_FALSE(ParseEvalConfig("headq-kv2-g128-mr").value().value_metric_rounding);
   auto k = ParseEvalConfig("headq-k2-vmr");
   ASSERT_FALSE(k.ok());
   EXPECT_NE(k.status().message().find("vmr rounds values"), std::string::npos) << k.status();
@@ -49,7 +50,8 @@ TEST(EvalConfig, FieldsFollowTheName) {
   EXPECT_TRUE(c.keys_only);
   EXPECT_EQ(c.codec.key_bits, 2);
   EXPECT_EQ(c.codec.rank, 4);
-  EXPECT_EQ(c.codec.side_sign, -1.0f);
+  EXPECT_TRUE(c.wrong_sign);
+  EXPECT_FALSE(c.value_metric_rounding);
   EXPECT_EQ(c.codec.key_group, 32);
   auto k = *ParseEvalConfig("kivi-kv3-g64-vg64-w128");
   EXPECT_FALSE(k.keys_only);
@@ -132,7 +134,7 @@ TEST(EvalConfig, CalibratedIsTheGivenCodecAndAnErrorWithoutIt) {
   EXPECT_EQ(c.family, "headq");
   EXPECT_FALSE(c.keys_only);
   EXPECT_EQ(c.codec.ToString(), codec.ToString());
-  codec.side_sign = -1;  // a control, not a setting codec.json can hold
+  codec.key_bits = 5;  // not a codec
   EXPECT_FALSE(EvalConfigFromCodec("calibrated", codec).ok());
 }
 

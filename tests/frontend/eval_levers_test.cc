@@ -291,7 +291,7 @@ TEST(CodecCache, LeversCountTheWaitingRowsAndTheOutliers) {
   EXPECT_EQ(b.key_block_bytes - a.key_block_bytes, 2 * std::llround(0.01 * 32 * kHeads * kDim) * 4);
   EXPECT_EQ(b.value_block_bytes, a.value_block_bytes);
   // Fused reads are not what the levers feed.
-  auto fused = *CodecCache::Create(s, o, nullptr, false, CodecRead::kAttend);
+  auto fused = *CodecCache::Create(s, o, nullptr, {.read = CodecRead::kAttend});
   EXPECT_FALSE(fused->SetLevers(l).ok());
 }
 

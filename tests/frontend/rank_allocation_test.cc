@@ -209,7 +209,7 @@ TEST(CodecCache, PerHeadRanksCodeEachHeadAtItsRankAndCountIt) {
   for (auto* x : {&k, &v, &q})
     for (auto& e : *x) e = nd(rng);
   const std::vector<std::vector<int>> ranks = {{4, 1}};
-  auto mixed = *CodecCache::Create(s, o, &basis, false, CodecRead::kDecode, &ranks);
+  auto mixed = *CodecCache::Create(s, o, &basis, {.head_ranks = &ranks});
   auto four = *CodecCache::Create(s, o, &basis);
   core::CodecOptions o1 = o;
   o1.rank = 1;
@@ -235,7 +235,7 @@ TEST(CodecCache, PerHeadRanksCodeEachHeadAtItsRankAndCountIt) {
             four->Size().key_block_bytes + one->Size().key_block_bytes);
   EXPECT_EQ(mixed->Size().value_block_bytes, four->Size().value_block_bytes);
   const std::vector<std::vector<int>> short_row = {{4}};
-  EXPECT_FALSE(CodecCache::Create(s, o, &basis, false, CodecRead::kDecode, &short_row).ok());
+  EXPECT_FALSE(CodecCache::Create(s, o, &basis, {.head_ranks = &short_row}).ok());
 }
 
 TEST(EvalConfig, HeadAdaptGrammar) {

@@ -163,7 +163,6 @@ inline kernels::cuda::AttendParams ParamsFor(const PreparedAttend& pa,
   p.q = q;
   p.uq = o.rank > 0 ? uq : nullptr;
   p.scale = pa.scale();
-  p.side_sign = o.side_sign;
   p.masked_prefix = o.fp16_sinks;
   p.out = out;
   p.out_max = mx;

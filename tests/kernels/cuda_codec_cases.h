@@ -67,7 +67,7 @@ struct CodecCase {
   std::vector<uint8_t> widths;          // [blocks][G], 1..4 (used with per-token widths)
   std::vector<float> basis_t, basis;    // U^T [r][d] and U [d][r], the same matrix
   std::vector<float> q, hq, uq, probs;  // queries, H q (or q), U^T-like [n_q][r], weights [n_q][T]
-  float scale = 0.125f, side_sign = -1.0f;
+  float scale = 0.125f;
   std::vector<std::vector<uint8_t>> key_blocks, value_blocks;  // core's
   int64_t tokens() const { return static_cast<int64_t>(blocks) * o.key_group; }
 };
@@ -211,7 +211,6 @@ inline CodecCaseParams ParamsOf(const CodecCase& cs, const CodecCaseAddresses& a
           n,
           reinterpret_cast<const uint8_t* const*>(at(7)),
           reinterpret_cast<const float* const*>(at(6)),
-          cs.side_sign,
           const_cast<float* const*>(reinterpret_cast<const float* const*>(at(9))),
           d,
           a.flags};
@@ -221,16 +220,9 @@ inline CodecCaseParams ParamsOf(const CodecCase& cs, const CodecCaseAddresses& a
           const_cast<float* const*>(reinterpret_cast<const float* const*>(at(10))),
           d,
           a.flags};
-  p.sc = {cs.c,
-          n,
-          reinterpret_cast<const uint8_t* const*>(at(7)),
-          cs.n_q,
-          a.hq,
-          cs.o.rank > 0 ? a.uq : nullptr,
-          cs.scale,
-          cs.side_sign,
-          a.scores,
-          cs.tokens(),
+  p.sc = {cs.c,     n,        reinterpret_cast<const uint8_t* const*>(at(7)),
+          cs.n_q,   a.hq,     cs.o.rank > 0 ? a.uq : nullptr,
+          cs.scale, a.scores, cs.tokens(),
           a.flags};
   p.ro = {cs.c,      n,       reinterpret_cast<const uint8_t* const*>(at(8)),
           cs.n_q,    a.probs, cs.tokens(),

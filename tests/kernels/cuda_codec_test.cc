@@ -99,10 +99,10 @@ TEST_F(OnRefKernels, DecodesScoresAndReadoutsAreCoresBitForBit) {
       auto kv = core::ParseKeyBlock(cs.key_blocks[b], o, true);
       auto vv = core::ParseValueBlock(cs.value_blocks[b], o, true);
       ASSERT_TRUE(kv.ok() && vv.ok());
-      core::DecodeKeyBlock(*kv, r > 0 ? cs.basis.data() : nullptr, cs.side_sign, want_k.data());
+      core::DecodeKeyBlock(*kv, r > 0 ? cs.basis.data() : nullptr, want_k.data());
       core::DecodeValueBlock(*vv, want_v.data());
       core::ScoreKeyBlock(*kv, cs.hq.data(), r > 0 ? cs.uq.data() : nullptr, cs.n_q, cs.scale,
-                          cs.side_sign, want_s.data(), G, true, true);
+                          want_s.data(), G, true, true);
       core::ReadoutValueBlock(*vv, cs.probs.data() + static_cast<size_t>(b) * G, T, cs.n_q,
                               want_out.data(), d, true);
       for (size_t i = 0; i < want_k.size(); ++i) {
@@ -128,7 +128,7 @@ TEST_F(OnRefKernels, AHeaderThatIsNotTheCodecsIsFlaggedAndItsRowsLeftAlone) {
   std::vector<float> rows(2 * 32 * 64, 7.0f);
   std::vector<float*> out = {rows.data(), rows.data() + 32 * 64};
   int flags = 0;
-  DecodeKeyParams p{cs.c, 2, in.data(), nullptr, 1.0f, out.data(), 64, &flags};
+  DecodeKeyParams p{cs.c, 2, in.data(), nullptr, out.data(), 64, &flags};
   ASSERT_EQ(DecodeKeysOnHost(p), 0);
   EXPECT_EQ(flags, kBlockHeaderMismatch);
   EXPECT_NE(rows[0], 7.0f);

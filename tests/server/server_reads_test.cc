@@ -701,7 +701,7 @@ void CheckGoldenBlocks(const core::CodecOptions& o, const std::string& key_name,
     auto kview = core::ParseKeyBlock(kb, o, true);
     auto vview = core::ParseValueBlock(vb, o, true);
     std::vector<float> kd(T * d), vd(T * d);
-    core::DecodeKeyBlock(*kview, u.data(), 1.0f, kd.data());
+    core::DecodeKeyBlock(*kview, u.data(), kd.data());
     core::DecodeValueBlock(*vview, vd.data());
     write(key + ".decoded.f32", kd.data(), kd.size() * 4);
     write(value + ".decoded.f32", vd.data(), vd.size() * 4);
@@ -722,7 +722,7 @@ void CheckGoldenBlocks(const core::CodecOptions& o, const std::string& key_name,
   auto vview = core::ParseValueBlock(vb, o, true);
   ASSERT_TRUE(vview.ok()) << vview.status();
   std::vector<float> k(T * d), v(T * d);
-  core::DecodeKeyBlock(*kview, reinterpret_cast<const float*>(ub.data()), 1.0f, k.data());
+  core::DecodeKeyBlock(*kview, reinterpret_cast<const float*>(ub.data()), k.data());
   core::DecodeValueBlock(*vview, v.data());
   EXPECT_EQ(0, std::memcmp(k.data(), kd.data(), kd.size()));
   EXPECT_EQ(0, std::memcmp(v.data(), vd.data(), vd.size()));

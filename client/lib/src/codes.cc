@@ -138,7 +138,7 @@ absl::Status ModelCodes::Decode(const v1::GetBlocksResponse& msg, const core::Co
   RETURN_IF_ERROR(core::CheckEncodedGroups(codec, kv, run, "encoded"));
   // Decoding needs only the decode basis: no rounding factors (a Cholesky per head) are made.
   core::CodecOptions reads = codec;
-  reads.metric_rounding = reads.value_metric_rounding = false;
+  reads.metric_rounding = false;
   const auto tables = core::MakeLayerCodecTables(entry_, msg.layer(), reads);
   std::vector<uint8_t> gk, gv;
   RETURN_IF_ERROR(core::DecodeRun(codec, kv, tables->basis.empty() ? nullptr : tables->basis.data(),

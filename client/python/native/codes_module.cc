@@ -472,7 +472,7 @@ class Model {
       Check(core::CheckEncodedGroups(o, kv, run, "encoded"));
       // Decoding needs only the decode basis: no rounding factors (a Cholesky per head).
       core::CodecOptions reads = o;
-      reads.metric_rounding = reads.value_metric_rounding = false;
+      reads.metric_rounding = false;
       const auto tables = core::MakeLayerCodecTables(*entry_, layer, reads);
       std::vector<uint8_t> gk, gv;
       Check(core::DecodeRun(o, kv, tables->basis.empty() ? nullptr : tables->basis.data(), run,

@@ -71,7 +71,7 @@ std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions&
       t->rounding.insert(t->rounding.end(), f.begin(), f.end());
     }
   }
-  if (o.value_metric_rounding && value_metric) {
+  if (value_metric) {
     for (int h = 0; h < kv_heads; ++h) {
       std::vector<float> f =
           ValueRoundingFactor(value_metric + static_cast<size_t>(h) * d * d, d, o.rotate_values);
@@ -615,7 +615,7 @@ absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale
     ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
     RETURN_IF_ERROR(reader.Key(kb, &kv));
     ScoreKeyBlock(kv, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr, rows, scale,
-                  opts_.side_sign, out + (b - b0) * G, T, !corr_only, /*q_rotated=*/rotate);
+                  out + (b - b0) * G, T, !corr_only, /*q_rotated=*/rotate);
   }
   // Verified once per call by Score / Readout / Attend, not once per head.
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
@@ -968,7 +968,7 @@ absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8
       }
       ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &kcopy));
       ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(kb, opts_, true));
-      DecodeKeyBlock(kv, U, opts_.side_sign, direct ? reinterpret_cast<float*>(kout) : kg.data());
+      DecodeKeyBlock(kv, U, direct ? reinterpret_cast<float*>(kout) : kg.data());
       ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &vcopy));
       ASSIGN_OR_RETURN(ValueBlockView vv, ParseValueBlock(vb, opts_, true));
       DecodeValueBlock(vv, direct ? reinterpret_cast<float*>(vout) : vg.data());
@@ -1028,6 +1028,11 @@ int64_t LayerCache::OverheadBytes() const {
   if (sinks_ && (sealed_.empty() || sealed_[0]->sinks != sinks_))
     b += static_cast<int64_t>(sizeof(SinkRows)) + 3 * 16;
   return b;
+}
+
+int64_t LayerCache::NewOverheadBytes(int kv_heads) {
+  return static_cast<int64_t>(sizeof(LayerCache)) + 16 +
+         static_cast<int64_t>(kv_heads) * static_cast<int64_t>(sizeof(Head)) + 16;
 }
 
 SizeReport LayerCache::Size() const {

@@ -144,7 +144,6 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
   p.q = qb.data();
   p.uq = r > 0 ? uq.data() : nullptr;
   p.scale = scale;
-  p.side_sign = opts_.side_sign;
   p.masked_prefix = sinks ? sinks->sinks : 0;
   p.out = bo.data();
   p.out_max = bm.data();

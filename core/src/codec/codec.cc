@@ -174,8 +174,6 @@ absl::Status CodecOptions::Validate() const {
                absl::StrCat("at most ", kMaxValueGroups, " groups per head, so value_group >= ",
                             (head_dim + kMaxValueGroups - 1) / kMaxValueGroups, " at head_dim ",
                             head_dim));
-  if (side_sign != 1.0f && side_sign != -1.0f)
-    return bad("side_sign", side_sign, "must be 1 or -1");
   if (sparse_keys > 0 && rotate_keys)
     return bad("sparse_keys", sparse_keys,
                "must be 0 with rotate_keys (a rotation spreads outliers)");
@@ -201,8 +199,6 @@ std::string CodecOptions::ToString() const {
   if (rotate_keys) s += " rotk";
   if (rotate_values) s += " rotv";
   if (metric_rounding) s += " mr";  // encoder only, but a different codec's blocks
-  if (value_metric_rounding) s += " vmr";
-  if (side_sign < 0) s += " wrongsign";
   return s;
 }
 
@@ -374,7 +370,7 @@ absl::Status EncodeKeyBlockT(const CodecOptions& o, const float* keys, int64_t l
       Transpose(basis_t, r, d, &u);
       B = u.data();
     }
-    DecodeKeyBlock(v, B, o.side_sign, decoded.data());
+    DecodeKeyBlock(v, B, decoded.data());
     sparse::WriteList(chosen, decoded.data(), n_sparse, p + k.sparse);
   }
   WriteHeader(p, format::KindByte(format::kKindKey, o.rotate_keys, n_sparse > 0), o.key_bits,
@@ -676,8 +672,7 @@ void HadamardRotateRows(float* x, int64_t ld, int n, int d) {
 }
 
 void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q, float scale,
-                   float side_sign, float* out, int64_t out_stride, bool include_base,
-                   bool q_rotated) {
+                   float* out, int64_t out_stride, bool include_base, bool q_rotated) {
   const int d = b.head_dim, G = b.tokens, r = b.rank;
   thread_local std::vector<float> rotated_q;
   if (include_base && b.rotated && !q_rotated) {  // the base code holds H k: score H q against it
@@ -688,8 +683,8 @@ void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n
     K().score_codes(b.codes, b.bits, d, G, b.scale, b.zero, q, d, n_q, scale, false, out,
                     out_stride);
   if (r > 0 && uq != nullptr)
-    K().score_codes(b.side_codes, b.side_bits, r, G, b.side_scale, b.side_zero, uq, r, n_q,
-                    scale * side_sign, include_base, out, out_stride);
+    K().score_codes(b.side_codes, b.side_bits, r, G, b.side_scale, b.side_zero, uq, r, n_q, scale,
+                    include_base, out, out_stride);
   else if (!include_base)
     for (int i = 0; i < n_q; ++i) std::fill(out + i * out_stride, out + i * out_stride + G, 0.0f);
   if (include_base && b.sparse)
@@ -725,11 +720,11 @@ void DecodeKeyBase(const KeyBlockView& b, float* out) {
   if (b.rotated)
     for (int t = 0; t < G; ++t) Rotate(out + static_cast<size_t>(t) * d, d);
 }
-void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float side_sign, float* out) {
+void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float* out) {
   DecodeKeyBase(b, out);
   if (b.rank > 0 && basis != nullptr)
-    K().add_low_rank(b.side_codes, b.side_bits, b.rank, b.tokens, b.side_scale, b.side_zero,
-                     side_sign, basis, b.head_dim, out, b.head_dim);
+    K().add_low_rank(b.side_codes, b.side_bits, b.rank, b.tokens, b.side_scale, b.side_zero, 1.0f,
+                     basis, b.head_dim, out, b.head_dim);
   if (b.sparse) sparse::AddToRows(b.sparse, b.sparse_count, b.tokens, b.head_dim, out, b.head_dim);
 }
 void DecodeValueBlock(const ValueBlockView& b, float* out) {

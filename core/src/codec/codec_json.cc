@@ -29,12 +29,17 @@ nlohmann::json CodecToJson(const CodecOptions& c) {
         break;
     }
   }
-  // An evaluation-only control (no wire form), written only when set: absent is false.
-  if (c.value_metric_rounding) j["value_metric_rounding"] = true;
   return j;
 }
 
 absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, CodecOptions* c) {
+  // A field this build does not know (a typo, or a setting of another build) would otherwise
+  // leave the default in its place: the entry would be served with another codec than it names.
+  if (j.is_object())
+    for (const auto& [key, value] : j.items())
+      if (!FindCodecField(key))
+        return absl::InvalidArgumentError(
+            absl::StrCat(file, ": field '", Excerpt(key), "' is not a codec setting"));
   const JsonFields fields(j, file);
   for (const CodecField& f : CodecFields()) {
     const std::string key(f.name);
@@ -59,7 +64,7 @@ absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, Cod
       }
     }
   }
-  return fields.Bool("value_metric_rounding", &c->value_metric_rounding);
+  return absl::OkStatus();
 }
 
 absl::Status ReadCodecJson(const std::string& path, CodecOptions* c) {

@@ -194,8 +194,7 @@ absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
       // (checked whole by CheckEncodedGroups, checksums included: not verified again here)
       ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(run.bytes.subspan(at[i], run.sizes[i]), o,
                                                       /*verify=*/false));
-      DecodeKeyBlock(kv, r > 0 ? basis + static_cast<size_t>(h) * d * r : nullptr, o.side_sign,
-                     kg.data());
+      DecodeKeyBlock(kv, r > 0 ? basis + static_cast<size_t>(h) * d * r : nullptr, kg.data());
       ASSIGN_OR_RETURN(ValueBlockView vv,
                        ParseValueBlock(run.bytes.subspan(at[i + 1], run.sizes[i + 1]), o, false));
       DecodeValueBlock(vv, vg.data());

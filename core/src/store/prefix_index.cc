@@ -13,10 +13,10 @@ namespace kvq::core {
 
 PrefixKey PrefixSeed(const ModelEntry& m, const CodecOptions& c, int layer) {
   // The codec as codec.json writes it (every stored field, so that no field can be left out
-  // here) plus the two that are not settings of a model.
-  const std::string s = absl::StrCat(
-      "kvq-prefix-v2|", m.manifest.model, "|", m.manifest.version, "|", m.manifest.fingerprint, "|",
-      m.has_basis, "|", CodecToJson(c).dump(), "|", c.head_dim, ",", c.side_sign, "|", layer);
+  // here) plus head_dim, the model's shape rather than a setting.
+  const std::string s = absl::StrCat("kvq-prefix-v2|", m.manifest.model, "|", m.manifest.version,
+                                     "|", m.manifest.fingerprint, "|", m.has_basis, "|",
+                                     CodecToJson(c).dump(), "|", c.head_dim, "|", layer);
   const XXH128_hash_t h = XXH3_128bits(s.data(), s.size());
   return {h.low64, h.high64};
 }

@@ -186,10 +186,6 @@ absl::Status Registry::ValidateEntry(const ModelEntry& e) {
     return absl::InvalidArgumentError(
         "codec metric_rounding needs the basis's query moment (kvq-calibrate --query-moment)");
   }
-  if (c.value_metric_rounding && e.basis.value_metric.empty()) {
-    return absl::InvalidArgumentError(
-        "codec value_metric_rounding needs the basis's value metric (kvq-calibrate writes it)");
-  }
   return absl::OkStatus();
 }
 
@@ -440,8 +436,7 @@ std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const ModelEntry& m
   const float* moment = model.basis.query_moment_head(layer, 0);
   return MakeLayerCodecTables(
       codec, model.manifest.kv_heads, basis.empty() ? nullptr : basis.data(),
-      encode.empty() ? nullptr : encode.data(), codec.metric_rounding ? moment : nullptr,
-      codec.value_metric_rounding ? model.basis.value_metric_head(layer, 0) : nullptr);
+      encode.empty() ? nullptr : encode.data(), codec.metric_rounding ? moment : nullptr);
 }
 
 }  // namespace kvq::core

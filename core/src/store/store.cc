@@ -155,9 +155,7 @@ std::shared_ptr<const LayerCodecTables> StoreImpl::LayerTables(const ModelEntry&
   const std::string key =
       absl::StrCat(model.manifest.model, "/", model.manifest.version, "/",
                    model.manifest.fingerprint, "/", layer, "/", codec.head_dim, ",", codec.rank,
-                   ",", codec.rotate_keys, ",", codec.metric_rounding, ",",
-                   // the value factors: none (0), or of M (1) or H M H (2, values rotated)
-                   codec.value_metric_rounding ? (codec.rotate_values ? 2 : 1) : 0);
+                   ",", codec.rotate_keys, ",", codec.metric_rounding);
   MutexLock l(&tables_mu_);
   if (auto held = tables_[key].lock()) return held;
   std::shared_ptr<const LayerCodecTables> t = MakeLayerCodecTables(model, layer, codec);

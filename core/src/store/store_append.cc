@@ -164,11 +164,6 @@ absl::StatusOr<std::shared_ptr<StoreImpl::Sequence>> NewSequence(
                        ".codec.metric_rounding needs query moments, which model '", a.model,
                        "' version ", (*m)->manifest.version, " was registered without");
   }
-  if (s->codec.value_metric_rounding && (*m)->basis.value_metric.empty()) {
-    return AppendError(absl::StatusCode::kFailedPrecondition, i,
-                       ".codec.value_metric_rounding needs value metrics, which model '", a.model,
-                       "' version ", (*m)->manifest.version, " was registered without");
-  }
   const int layers = (*m)->manifest.layers;
   s->layers.resize(layers);
   s->hashes.resize(layers);
@@ -244,6 +239,16 @@ absl::Status StoreImpl::AppendBatch::Plan() {
       return st;
     }
   }
+  // What the growth estimates leave out: the bookkeeping of the sequences and layer caches
+  // this batch creates (Remeasure counts it), so that a write of a new sequence cannot take
+  // the store past its capacity by that much.
+  for (const std::string& id : fresh_) estimate_ += SequenceOverheadBytes(*seqs_.at(id));
+  std::set<std::pair<const Sequence*, int>> new_layers;
+  for (const AppendSpec& a : batch_) {
+    const Sequence* s = seqs_.at(a.sequence_id).get();
+    if (!s->layers[a.layer] && new_layers.insert({s, a.layer}).second)
+      estimate_ += LayerCache::NewOverheadBytes(s->model->manifest.kv_heads);
+  }
   return absl::OkStatus();
 }
 
@@ -286,7 +291,8 @@ absl::Status StoreImpl::AppendBatch::PlanItem(size_t i) ABSL_NO_THREAD_SAFETY_AN
     estimate_ += GrowthEstimate(s->codec, s->model->manifest.kv_heads, a.keys.dtype, len + shared,
                                 len + p.n);
   }
-  estimate_ += shared * static_cast<int64_t>(sizeof(uint64_t));
+  // An attached group costs its key in the sequence's list (its blocks are the index's).
+  estimate_ += static_cast<int64_t>(p.attach.size() * sizeof(PrefixKey));
   return CheckProbeWeights(i, s->model->manifest.kv_heads * n);
 }
 
@@ -852,6 +858,15 @@ void StoreImpl::AppendBatch::Finish(const std::vector<Sequence*>& locked, bool f
   for (Sequence* s : locked) {
     store_.Remeasure(s, reserved);
     reserved = 0;
+  }
+  // The estimate is close, not exact (vectors' spare capacity): where the real size took the
+  // store or the tenant past its limit, make the room now as the reservation would have
+  // (retained prefix groups first), so that the limits hold between appends. Sequences
+  // evicted for it are destroyed after the lock is released.
+  std::vector<std::shared_ptr<Sequence>> evicted;
+  {
+    MutexLock l(&store_.mu_);
+    store_.ReserveLocked(tenant_, 0, locked, &evicted).IgnoreError();
   }
   if (failed) {
     // No partial sequence: one this batch created and left empty goes again.

@@ -184,4 +184,7 @@ struct StoreImpl::Tenant {
   int64_t shared_tokens = 0;
 };
 
+// What a sequence takes besides its codes, windows and arrival hashes (store.cc says what).
+int64_t SequenceOverheadBytes(const StoreImpl::Sequence& s);
+
 }  // namespace kvq::core

@@ -109,8 +109,12 @@ class LayerCache {
   // A^T e; basis then is the decode basis B), or null: A = U.
   // query_moment: [kv_heads][d][d] E[q q^T] per head, for CodecOptions::metric_rounding
   // (null: nearest rounding).
-  // value_metric: [kv_heads][d][d] per head, for CodecOptions::value_metric_rounding (null:
-  // nearest rounding of values).
+  // value_metric: [kv_heads][d][d] per head, M = sum over the KV head's query heads of
+  // W_o,q^T W_o,q (ModelBasis::value_metric), or null. Non-null: each value token's codes are
+  // rounded channel by channel with error feedback in M (the metric its error reaches the
+  // layer output through) instead of to nearest; scales, zero points and the block format stay
+  // the same. An encoder experiment of the evaluation tools (kvq-eval's -vmr; it did not pay,
+  // docs/CODEC.md), not a codec setting: the store never passes it.
   LayerCache(const CodecOptions& o, int kv_heads, const float* basis, BytePool* pool = nullptr,
              const float* encode_basis = nullptr, const float* query_moment = nullptr,
              const float* value_metric = nullptr);
@@ -180,6 +184,9 @@ class LayerCache {
   // heads and their bookkeeping vectors (and the window's unused capacity). The block
   // vectors' reserve is not included (docs/API.md: stored bytes are counted).
   int64_t OverheadBytes() const;
+  // What OverheadBytes() is at least for a new cache of kv_heads heads, before its first
+  // append (the object and its heads): what a store reserves for a layer an append creates.
+  static int64_t NewOverheadBytes(int kv_heads);
 
   // Prefix sharing. A cache stores its leading encoded groups as SealedBlocks while sealing
   // is on and it holds no unsealed block yet; once a group is encoded unsealed (sealing

@@ -41,7 +41,14 @@ enum class ValuePolicy : uint8_t {
   kA2 = 1,       // per-token bits in {1,2,3,4} from A^2 weights, mean <= value_budget
 };
 
+// A sequence's codec: every setting a model's codec.json and the wire's CodecSettings carry
+// (described once, in codec_schema.h), plus head_dim from the model. Three kinds, grouped
+// below: the block format, the sequence layout and the encoder policy. How reads treat blocks
+// is not a codec setting (ReadPolicy, cache.h), nor are the evaluation tools' controls (the
+// wrong-sign test and value metric rounding: frontend's EvalConfig).
 struct CodecOptions {
+  // --- The block format: what fixes every block's bytes (BlockCodecOf gives the format
+  // layer's view of them); readers need exactly these.
   // Head dimension d (1..512).
   int head_dim = 64;
   // Key base code bits: 2, 3, 4 or 8.
@@ -64,23 +71,6 @@ struct CodecOptions {
   // 32 at d=64 costs 1 bit/element of fp16 scale+zero; head_dim costs 0.5 at d=64.
   int value_group = 32;
   ValuePolicy value_policy = ValuePolicy::kUniform;
-  // A^2 policy: mean code bits per value element in a block (1.0..4.0), plus the 2-bit
-  // per-token width tag. Tokens with higher A^2 weight get more bits.
-  float value_budget = 2.0f;
-  // A^2 policy: the first `sink_tokens` positions of a sequence always get 4 bits
-  // (attention sinks carry large, persistent A^2 weight).
-  int sink_tokens = 4;
-  // Attention sinks kept exact: positions [0, fp16_sinks) of a sequence (0..16) are stored
-  // at fp16 beside its first key and value blocks (LayerCache's SinkRows), and those blocks
-  // encode a stand-in in their place (the group's first row after them), so that the sinks'
-  // outlier keys and values do not widen the ranges of the whole first group. Reads use the
-  // exact rows; their bytes are counted with the sequence (16 bits per element, once).
-  int fp16_sinks = 0;
-  // R: the most recent tokens kept at the precision they arrived in, besides the
-  // incomplete group. Tokens are encoded a group at a time once more than R + G - 1 wait.
-  int window = 0;
-  // Control only: -1 flips the sign of the HeadQ correction (the paper's wrong-sign test).
-  float side_sign = 1.0f;
   // A fixed orthogonal rotation (the normalized Walsh-Hadamard matrix H, head_dim a power of
   // two) applied to each key / value token before quantization: it spreads outlier channels
   // over all channels, so per-token value groups and per-channel key ranges see flatter
@@ -89,16 +79,6 @@ struct CodecOptions {
   // the side code are unchanged. Blocks so encoded carry version 3 and a flag.
   bool rotate_keys = false;
   bool rotate_values = false;
-  // Encoder only (blocks read the same): round each key's base codes channel by channel with
-  // error feedback (GPTQ's rule) so that the error is small in the model's query metric
-  // E[q q^T] rather than per channel; needs the basis's query moment (else nearest rounding).
-  bool metric_rounding = false;
-  // Encoder only (blocks read the same): round each value token's codes channel by channel
-  // with error feedback in the metric its error reaches the layer output through, M = sum over
-  // the KV head's query heads of W_o,q^T W_o,q (the output projection's columns of that head),
-  // instead of nearest rounding per channel; the scales and zero points stay. Needs the
-  // basis's value metric (else nearest rounding).
-  bool value_metric_rounding = false;
   // Dense-and-sparse (KVQuant, format::kFlagSparse): per mille of each key (value) block's G x d
   // elements kept exactly beside the codes, 0..100 (a fixed count a block, SparseCount). Which
   // ones: the elements at the ends of their quantization ranges (a key channel over the block's
@@ -108,6 +88,29 @@ struct CodecOptions {
   // (it spreads outliers before they are seen); the fp16 sinks' stand-in rows are never chosen.
   int sparse_keys = 0;
   int sparse_values = 0;
+
+  // --- The sequence layout: what a sequence keeps outside its blocks.
+  // Attention sinks kept exact: positions [0, fp16_sinks) of a sequence (0..16) are stored
+  // at fp16 beside its first key and value blocks (LayerCache's SinkRows), and those blocks
+  // encode a stand-in in their place (the group's first row after them), so that the sinks'
+  // outlier keys and values do not widen the ranges of the whole first group. Reads use the
+  // exact rows; their bytes are counted with the sequence (16 bits per element, once).
+  int fp16_sinks = 0;
+  // R: the most recent tokens kept at the precision they arrived in, besides the
+  // incomplete group. Tokens are encoded a group at a time once more than R + G - 1 wait.
+  int window = 0;
+
+  // --- The encoder policy: how codes are chosen; blocks read the same whatever it is.
+  // A^2 policy: mean code bits per value element in a block (1.0..4.0), plus the 2-bit
+  // per-token width tag. Tokens with higher A^2 weight get more bits.
+  float value_budget = 2.0f;
+  // A^2 policy: the first `sink_tokens` positions of a sequence always get 4 bits
+  // (attention sinks carry large, persistent A^2 weight).
+  int sink_tokens = 4;
+  // Encoder only (blocks read the same): round each key's base codes channel by channel with
+  // error feedback (GPTQ's rule) so that the error is small in the model's query metric
+  // E[q q^T] rather than per channel; needs the basis's query moment (else nearest rounding).
+  bool metric_rounding = false;
 
   absl::Status Validate() const;
   bool per_token_value_bits() const { return value_policy == ValuePolicy::kA2; }
@@ -238,14 +241,14 @@ class BlockReader {
 absl::Status VerifyBlock(std::span<const uint8_t> block);
 
 // Scores n_q queries against one key block:
-//   out[i*out_stride + t] = scale * (q_i . k_base_t + side_sign * uq_i . z_hat_t)
+//   out[i*out_stride + t] = scale * (q_i . k_base_t + uq_i . z_hat_t)
 // q: [n_q][d]; uq: [n_q][r] = U^T q_i (computed once per query), may be null when r == 0.
 // include_base = false gives only the HeadQ correction term.
 // q_rotated: q is already H q (HadamardRotateRows) for a rotated block, so that a caller
 // scoring many blocks rotates its queries once instead of once per block; ignored for a
 // block that is not rotated. uq stays U^T q of the unrotated queries either way.
 void ScoreKeyBlock(const KeyBlockView& b, const float* q, const float* uq, int n_q, float scale,
-                   float side_sign, float* out, int64_t out_stride, bool include_base = true,
+                   float* out, int64_t out_stride, bool include_base = true,
                    bool q_rotated = false);
 
 // out[i*out_stride + c] += sum_t p[i*p_stride + t] * v_hat_t[c]
@@ -262,7 +265,7 @@ void HadamardRotateRows(float* x, int64_t ld, int n, int d);
 
 // Keys as attention sees them: k_base + U z_hat (gives exactly the HeadQ scores, up to
 // rounding). out: [tokens][d]. basis may be null when rank == 0.
-void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float side_sign, float* out);
+void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float* out);
 void DecodeValueBlock(const ValueBlockView& b, float* out);
 
 // Base code only (no side code), for metrics and tests.

@@ -1,8 +1,7 @@
 // codec.json: a registry entry's codec settings as JSON (the fields of CodecOptions that a
-// registry entry stores; head_dim comes from the model, side_sign is not
-// settings of a model). One reader and one writer for everyone who touches the file: the
-// registry (Persist, LoadEntry), kvq-calibrate --bits (which writes the codec it chose) and
-// kvq-eval --configs calibrated (which evaluates what the file names).
+// registry entry stores; head_dim comes from the model). One reader and one writer for everyone who
+// touches the file: the registry (Persist, LoadEntry), kvq-calibrate --bits (which writes the codec
+// it chose) and kvq-eval --configs calibrated (which evaluates what the file names).
 #pragma once
 
 #include <string>
@@ -14,11 +13,12 @@
 namespace kvq::core {
 
 // Every stored field, so that the file names the codec exactly whatever the defaults become
-// (value_metric_rounding, added later, only when set: absent is false).
+// (those marked json_only_when_set in the schema only when they differ from the default).
 nlohmann::json CodecToJson(const CodecOptions& c);
 
-// codec.json over the defaults in *c (absent fields keep them); a field of the wrong type, or
-// an unknown value_policy, is INVALID_ARGUMENT naming `file` and the field. Ranges are not
+// codec.json over the defaults in *c (absent fields keep them); a field that is not in the
+// codec schema, a field of the wrong type, or an unknown value_policy is INVALID_ARGUMENT
+// naming `file` and the field. Ranges are not
 // checked here: CodecOptions::Validate (and the registry's ValidateEntry) do that.
 absl::Status CodecFromJson(const nlohmann::json& j, const std::string& file, CodecOptions* c);
 

@@ -5,8 +5,7 @@
 // this table; tests hold the proto descriptor and the Python client's CodecSettings to it, so a
 // field added here cannot be forgotten elsewhere.
 //
-// Not in the table: head_dim (the model's shape, not a setting), and the controls that only the
-// evaluation tools set (side_sign, value_metric_rounding), which have no wire form.
+// Not in the table: head_dim (the model's shape, not a setting).
 #pragma once
 
 #include <span>

@@ -75,12 +75,23 @@ class DenseCache : public AttentionCache {
 // its own memory, and checksums guard storage, not arithmetic.
 enum class CodecRead { kDecode, kAttend };
 
+// How a CodecCache is built beyond its codec and basis.
+struct CodecCacheOptions {
+  bool keys_only = false;  // values kept dense (fp32), keys through the codec
+  CodecRead read = CodecRead::kDecode;
+  const std::vector<std::vector<int>>* head_ranks = nullptr;  // see above; null: o.rank
+  bool probe = false;                                         // A^2 probe queries with each append
+  // Round value codes in the basis's value metric (ModelBasis::value_metric, which must be
+  // there): kvq-eval's vmr experiment, not a codec setting (core::LayerCache's value_metric).
+  bool value_metric_rounding = false;
+};
+
 class CodecCache : public AttentionCache {
  public:
-  static absl::StatusOr<std::unique_ptr<CodecCache>> Create(
-      const CacheShape& s, const core::CodecOptions& o, const core::ModelBasis* basis,
-      bool keys_only = false, CodecRead read = CodecRead::kDecode,
-      const std::vector<std::vector<int>>* head_ranks = nullptr, bool probe = false);
+  static absl::StatusOr<std::unique_ptr<CodecCache>> Create(const CacheShape& s,
+                                                            const core::CodecOptions& o,
+                                                            const core::ModelBasis* basis,
+                                                            const CodecCacheOptions& options = {});
   absl::Status AppendAndAttend(int layer, const float* k, const float* v, int64_t start, int n,
                                const float* q, float* out) override;
   int64_t tokens(int layer) const override {

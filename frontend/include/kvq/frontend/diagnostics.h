@@ -45,10 +45,11 @@ struct ValueDistortion {
   double value_mse = 0;
   double metric_error = 0;
 };
-// v: [n][d] values. value_metric: [d][d], also what the codec rounds in when it asks for
-// value_metric_rounding.
+// v: [n][d] values. value_metric: [d][d]. round_in_metric: the codes are rounded in that
+// metric (kvq-eval's vmr experiment) instead of to nearest.
 absl::StatusOr<ValueDistortion> MeasureValueDistortion(const core::CodecOptions& codec,
                                                        const float* v, int n, int d,
-                                                       const float* value_metric);
+                                                       const float* value_metric,
+                                                       bool round_in_metric);
 
 }  // namespace kvq::frontend

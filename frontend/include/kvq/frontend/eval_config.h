@@ -90,6 +90,13 @@ struct EvalConfig {
   bool head_adaptive_rank = false;  // per-head ranks from MeasureHeadScoreError
   bool probe = false;               // A^2 probe queries with each append
   EvalLevers levers;                // evaluation-only: spk<N>, spv<N>, pre (eval_levers.h)
+  // Controls and experiments that are not codec settings (no codec.json or wire form):
+  // wrongsign: the HeadQ correction subtracted instead of added, by decoding with -U what was
+  // encoded with U (an oblique pair whose decode basis is the encode basis negated: the
+  // paper's wrong-sign test); vmr: value codes rounded in the output projection's metric
+  // (core::LayerCache's value_metric; it did not pay, docs/CODEC.md). Both run in-process only.
+  bool wrong_sign = false;
+  bool value_metric_rounding = false;
 };
 
 // The name of the config that evaluates the basis folder's codec.json.
@@ -99,7 +106,7 @@ absl::StatusOr<EvalConfig> ParseEvalConfig(const std::string& name);
 
 // A config that evaluates `codec` exactly, as the server would serve it (full KV, the query
 // basis; family headq when it has a side code, kivi otherwise), named `name`. Refused when
-// `codec` is not a setting a registry entry can hold (codec.json has no side_sign).
+// `codec` fails Validate.
 absl::StatusOr<EvalConfig> EvalConfigFromCodec(const std::string& name,
                                                const core::CodecOptions& codec);
 

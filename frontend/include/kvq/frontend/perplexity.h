@@ -39,6 +39,12 @@ struct BasisSet {
   const core::ModelBasis* residual_weighted = nullptr;
   const core::ModelBasis* oblique = nullptr;
   core::ModelBasis random;  // filled lazily from query's shape
+  // The wrong-sign control's pair for `of` (EvalConfig::wrong_sign): the encode basis `of`'s
+  // (its A, else U), the decode basis `of`'s negated (-B, else -U), so that decoding subtracts
+  // the correction the encoder coded. Kept for the last basis asked for.
+  const core::ModelBasis* WrongSign(const core::ModelBasis& of);
+  core::ModelBasis wrong_sign;
+  const core::ModelBasis* wrong_sign_of = nullptr;
   // For "-adapt" configs: captured query energy per layer, [layer][j] = mean over KV heads of
   // E[(u_j . q)^2] / E[|q|^2] for column j of the query basis (see MeasureColumnEnergy).
   std::vector<std::vector<double>> column_energy;

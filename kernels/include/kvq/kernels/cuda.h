@@ -33,7 +33,7 @@ int ScoreCodes(const uint8_t* codes, int bits, int n_ch, int tokens, const uint1
 // merges with the CPU's over the full-precision window and the fp16 sinks by MergePartials.
 // A row that saw no token (every item's block count 0) gets m = -inf, l = 0, out = 0.
 //
-// Scores: scale * (q . k_base + side_sign * uq . z_hat), k_base and z_hat dequantized from the
+// Scores: scale * (q . k_base + uq . z_hat), k_base and z_hat dequantized from the
 // codes (fp16 scale and zero point, codes LSB-first), exactly the terms of ScoreKeyBlock.
 // Rotated blocks (CodecOptions::rotate_keys / rotate_values) cost the kernel nothing: the
 // caller passes q = H q for rotated keys (uq stays U^T q of the unrotated query) and rotates
@@ -63,7 +63,6 @@ struct AttendParams {
   const float* q = nullptr;   // device [items][rows][d]
   const float* uq = nullptr;  // device [items][rows][rank] = U^T q; null when rank == 0
   float scale = 0.0f;         // softmax scale, e.g. 1/sqrt(d)
-  float side_sign = 1.0f;     // CodecOptions::side_sign
   // Tokens [0, masked_prefix) of each item's first block get no weight: the stand-ins of fp16
   // sinks (CodecOptions::fp16_sinks), whose exact rows the CPU attends to. 0..G-1.
   int masked_prefix = 0;

@@ -62,7 +62,7 @@ struct EncodeValueParams {
 };
 size_t EncodeValueWorkspaceBytes(const EncodeValueParams& p);
 
-// Decodes key blocks to the keys attention sees, k_base + side_sign U z_hat (core's
+// Decodes key blocks to the keys attention sees, k_base + U z_hat (core's
 // DecodeKeyBlock, bit for bit): out[b] [G][ld]. basis[b]: U [d][rank] (unrotated); with a null
 // basis pointer (or rank 0) the base code alone. The block's header must match the codec
 // (kind, bits, sizes, rotation): a mismatch sets kBlockHeaderMismatch in *error_flags and
@@ -72,7 +72,6 @@ struct DecodeKeyParams {
   int blocks = 0;
   const uint8_t* const* in = nullptr;
   const float* const* basis = nullptr;
-  float side_sign = 1.0f;
   float* const* out = nullptr;
   int64_t ld = 0;
   int* error_flags = nullptr;  // device int, OR-ed; may be null
@@ -89,7 +88,7 @@ struct DecodeValueParams {
 inline constexpr int kBlockHeaderMismatch = 1;
 
 // Scores of n_q queries over a run of key blocks (core's ScoreKeyBlock per block):
-//   out[i * out_stride + b * G + t] = scale * (q_i . k_base_t + side_sign * uq_i . z_hat_t).
+//   out[i * out_stride + b * G + t] = scale * (q_i . k_base_t + uq_i . z_hat_t).
 // q [n_q][d]: already H q when the codec rotates keys (as the attend takes it); uq [n_q][rank]
 // = U^T q of the unrotated query (null when rank == 0).
 struct ScoreBlocksParams {
@@ -99,7 +98,7 @@ struct ScoreBlocksParams {
   int n_q = 0;
   const float* q = nullptr;
   const float* uq = nullptr;
-  float scale = 1.0f, side_sign = 1.0f;
+  float scale = 1.0f;
   float* out = nullptr;
   int64_t out_stride = 0;
   int* error_flags = nullptr;

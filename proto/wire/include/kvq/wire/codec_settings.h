@@ -14,8 +14,7 @@
 namespace kvq::wire {
 
 // The request form of a whole codec: every field set, so that MergeCodec over any base gives
-// `o` back exactly. INVALID_ARGUMENT for a codec that fails Validate or sets an
-// evaluation-only control (side_sign -1, value_metric_rounding), which have no wire form.
+// `o` back exactly. INVALID_ARGUMENT for a codec that fails Validate.
 // head_dim is the model's, not a setting; checksum verification is the store's read
 // policy (core::ReadPolicy).
 absl::StatusOr<v1::CodecSettings> CodecToWire(const core::CodecOptions& o);
