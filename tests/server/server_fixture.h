@@ -46,6 +46,21 @@ struct Fixture {
   }
 };
 
+// Random keys and values for every layer of `s`, [kv_heads][tokens][head_dim] each: layer l's
+// keys from seed key_seed + l, its values from value_seed + l.
+struct LayerRows {
+  std::vector<std::vector<float>> k, v;
+};
+inline LayerRows RandomLayers(const Shape& s, int64_t tokens, uint32_t key_seed,
+                              uint32_t value_seed) {
+  LayerRows r;
+  for (int l = 0; l < s.layers; ++l) {
+    r.k.push_back(RandomKV(s.kv_heads, tokens, s.head_dim, key_seed + l));
+    r.v.push_back(RandomKV(s.kv_heads, tokens, s.head_dim, value_seed + l));
+  }
+  return r;
+}
+
 // RegisterBasis(req) as `token`'s tenant; a failure fails the test.
 inline void Register(v1::Kvq::Stub& stub, const v1::RegisterBasisRequest& req,
                      const std::string& token = "") {

@@ -485,11 +485,8 @@ TEST(ServiceTest, AttendCarryingItsAppendEqualsPutThenAttend) {
   Register(*stub, MakeRegister(s, kBasisSeed));
   const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
   const int64_t T = 70;
-  std::vector<std::vector<float>> K, V;
-  for (int l = 0; l < s.layers; ++l) {
-    K.push_back(RandomKV(kv, T, d, 30 + l));
-    V.push_back(RandomKV(kv, T, d, 40 + l));
-  }
+  const LayerRows rows = RandomLayers(s, T, 30, 40);
+  const auto &K = rows.k, &V = rows.v;
   auto step_append = [&](const std::string& seq, int l, int64_t t) {
     v1::Append a = MakeAppend(seq, l, t, Slice(K[l], kv, T, d, t, 1), Slice(V[l], kv, T, d, t, 1),
                               kv, 1, d, t == 0 ? "tiny" : "");

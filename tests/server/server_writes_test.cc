@@ -23,11 +23,8 @@ TEST(ServiceTest, OneTokenAppendsEqualOneBigAppend) {
   Register(*stub, MakeRegister(s, kBasisSeed));
   const int kv = s.kv_heads, d = s.head_dim, qh = s.q_heads;
   const int64_t T = 77;
-  std::vector<std::vector<float>> K, V;
-  for (int l = 0; l < s.layers; ++l) {
-    K.push_back(RandomKV(kv, T, d, 10 + l));
-    V.push_back(RandomKV(kv, T, d, 20 + l));
-  }
+  const LayerRows rows = RandomLayers(s, T, 10, 20);
+  const auto &K = rows.k, &V = rows.v;
   std::vector<v1::PutBlocksRequest> big(1), steps;
   for (int l = 0; l < s.layers; ++l) {
     *big[0].add_appends() = MakeAppend("big", l, 0, K[l], V[l], kv, T, d, "tiny");
