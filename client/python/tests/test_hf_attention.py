@@ -77,7 +77,7 @@ def test_window_codec_generation_equals_sdpa(smol, kvq_server):
         # R = 4096 keeps every token as it arrived (f32): attention is exact up to rounding.
         with KvqCache(client, info, batch_size=2, kv_dtype="f32",
                       codec=kvq.CodecSettings(window=4096)) as cache:
-            out = greedy(model, inputs, 32, past_key_values=cache)
+            out = greedy(model, inputs, 32, **{kvq.hf.cache_kwarg(model): cache})
             assert client.stats().sequences == 2
             # One Attend per layer and forward (prefill + 31 decode steps), both rows in it.
             assert cache.stats.attend_calls == model.config.num_hidden_layers * 32
@@ -111,7 +111,7 @@ def test_module_scaling_is_sent(smol, kvq_server):
             kvq.hf.enable(model)
             with KvqCache(client, info, kv_dtype="f32", codec=kvq.CodecSettings(window=4096)) as cache, \
                     torch.no_grad():
-                got = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+                got = model(input_ids=ids, use_cache=True, **{kvq.hf.cache_kwarg(model): cache}).logits
     finally:
         for m in mods:
             m.scaling = default
@@ -210,11 +210,11 @@ def test_prefix_attach_through_generate(smol, kvq_server):
         # and stay there (retained) after it is deleted.
         with KvqCache(client, info, share=True) as c1:
             assert c1.attach_prefix(first) == 0  # an empty index: nothing to take
-            greedy(model, {"input_ids": first}, 2, past_key_values=c1)
+            greedy(model, {"input_ids": first}, 2, **{kvq.hf.cache_kwarg(model): c1})
         assert client.stats().sequences == 0 and client.stats().prefix_blocks > 0
         # The reference: the second prompt prefilled in full (no ids, no sharing).
         with KvqCache(client, info) as c_ref:
-            ref = greedy(model, {"input_ids": second}, 8, past_key_values=c_ref)
+            ref = greedy(model, {"input_ids": second}, 8, **{kvq.hf.cache_kwarg(model): c_ref})
         shared_before = client.stats().shared_tokens
         with KvqCache(client, info, share=True) as c2:
             out, attached = kvq.hf.generate_with_prefix(

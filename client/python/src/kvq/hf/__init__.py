@@ -5,12 +5,20 @@
     info = kvq.hf.register_basis(client, "registry/smollm2/v1", model)  # rows in HF order
     kvq.hf.enable(model)                      # attn_implementation "kvq" + the ids hook
     with kvq.hf.KvqCache(client, info) as cache:
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
+        out = model.generate(ids, **{kvq.hf.cache_kwarg(model): cache}, max_new_tokens=32)
 
 Needs torch and transformers (imported here, not by the kvq client itself).
 """
 
-from .attention import ATTENTION_NAME, disable, enable, kvq_attention_forward, kvq_mask, register
+from .attention import (
+    ATTENTION_NAME,
+    cache_kwarg,
+    disable,
+    enable,
+    kvq_attention_forward,
+    kvq_mask,
+    register,
+)
 from .basis import (
     BasisFiles,
     BasisOrderError,
@@ -31,6 +39,7 @@ __all__ = [
     "BasisFiles",
     "BasisOrderError",
     "KvqCache",
+    "cache_kwarg",
     "KvqCacheStats",
     "basis_fingerprint",
     "captured_query_energy",

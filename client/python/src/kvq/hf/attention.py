@@ -83,10 +83,19 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, kvq_mask)
 
 
+def cache_kwarg(model: Any) -> str:
+    """The name under which `model`'s forward (and so generate) takes its cache: "cache" from
+    transformers 5.25 on, "past_key_values" before (5.25 still takes the old name, with a
+    deprecation warning, until 5.40)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _capture_ids(module, args, kwargs):
     from .cache import KvqCache
 
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, KvqCache):
         ids = kwargs.get("input_ids")
         if ids is None and args:

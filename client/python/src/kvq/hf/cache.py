@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import KvqError
 from ..types import Append, AttendItem, CodecSettings
-from .attention import set_pending
+from .attention import cache_kwarg, set_pending
 
 __all__ = ["KvqCache", "KvqCacheStats", "generate_with_prefix"]
 
@@ -377,5 +377,5 @@ def generate_with_prefix(model: Any, cache: Any, input_ids: Any, **generate_kwar
     """attach_prefix + model.generate over the full prompt (transformers prefills only the
     tokens after the attached length). Returns (generate's output, tokens attached)."""
     attached = cache.attach_prefix(input_ids)
-    out = model.generate(input_ids, past_key_values=cache, **generate_kwargs)
+    out = model.generate(input_ids, **{cache_kwarg(model): cache}, **generate_kwargs)
     return out, attached

@@ -69,8 +69,10 @@ def decode_perplexity(
     {"ppl", "nll" (per window, summed), "scored", "seconds", "steps", "rpc_seconds"}."""
     import torch
 
+    from .attention import cache_kwarg
     from .cache import KvqCache
 
+    cache_arg = cache_kwarg(model)
     if windows * window_len > len(tokens):
         raise ValueError(f"text has {len(tokens)} tokens, need {windows * window_len}")
     first = window_len // 2
@@ -83,7 +85,7 @@ def decode_perplexity(
         nb = min(batch, windows - w0)
         with KvqCache(client, info, batch_size=nb, codec=codec, kv_dtype=kv_dtype) as cache, torch.no_grad():
             for p in range(window_len - 1):
-                out = model(input_ids=toks[w0 : w0 + nb, p : p + 1], past_key_values=cache, use_cache=True)
+                out = model(input_ids=toks[w0 : w0 + nb, p : p + 1], use_cache=True, **{cache_arg: cache})
                 steps += 1
                 if p >= first:
                     lp = torch.log_softmax(out.logits[:, -1].double(), dim=-1)
