@@ -127,16 +127,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env=env, timeout=600)
 
 
-def test_chooses_smollm2s_codec_within_the_budget(smollm2_gguf, kvq_server, kvq_build_dir, tmp_path):
+@pytest.fixture(scope="module")
+def chosen_entry(smollm2_gguf, tmp_path_factory):
     """A short real search: 1024 calibration tokens, then 2 held-out windows of 384 tokens (two
-    encoded groups of 128 before the scored half ends), B = 3."""
-    text = str(data_file("wikitext-2/wiki.valid.tokens"))
-    out = tmp_path / "entry"
-    r = _cli(str(smollm2_gguf), "--out", str(out), "--text", text, "--tokens", "1024", "--window-len", "256",
-             "--batch", "2", "--threads", "1", "--bits", "3,2.5", "--search-windows", "2", "--search-window-len", "384",
-             "--quiet")
+    encoded groups of 128 before the scored half ends), B = 3 and 2.5."""
+    out = tmp_path_factory.mktemp("choice") / "entry"
+    r = _cli(str(smollm2_gguf), "--out", str(out), "--text", str(data_file("wikitext-2/wiki.valid.tokens")),
+             "--tokens", "1024", "--window-len", "256", "--batch", "2", "--threads", "1", "--bits", "3,2.5",
+             "--search-windows", "2", "--search-window-len", "384", "--quiet")
     assert r.returncode == 0, r.stderr
-    printed = json.loads(r.stdout)
+    return out, json.loads(r.stdout)
+
+
+def test_chooses_smollm2s_codec_within_the_budget(chosen_entry, smollm2_gguf, kvq_server, kvq_build_dir, tmp_path):
+    text = str(data_file("wikitext-2/wiki.valid.tokens"))
+    out, printed = chosen_entry
     search = json.loads((out / "codec-search.json").read_text())
     chosen = [c for c in search["candidates"] if c["chosen"]]
     assert len(chosen) == 1 and chosen[0]["name"] == search["chosen"] == printed["codec"]["chosen"]
@@ -176,3 +181,33 @@ def test_chooses_smollm2s_codec_within_the_budget(smollm2_gguf, kvq_server, kvq_
     assert not (tmp_path / "e2").exists()
     r = _cli(str(smollm2_gguf), "--out", str(tmp_path / "e3"), "--bits", "3,x")
     assert r.returncode == 2 and "--bits: '3,x': must be positive numbers" in r.stderr
+
+
+def test_in_process_evaluation_is_what_the_server_serves(chosen_entry, smollm2_gguf, kvq_server):
+    """The search's in-process evaluation against the same forward pass attending through a
+    kvq-server (kvq.hf.KvqCache, one token at a time), on one held-out window, with a codec that
+    uses every part the assembly here handles (groups decoded then window rows in order, rotated
+    keys, metric rounding, the fp16 sinks beside group 0). At 8 bits the two agree to their
+    arithmetic (decoded K/V + SDPA here, the server's kernels there: 0.07% measured; kvq-eval's
+    own decode and fused reads differ by 0.03%); at 2 bits that arithmetic flips roundings and
+    one window moves by up to about 1.6%, as it does between any two forward passes."""
+    from kvq.hf.calibration import load_checkpoint, read_tokens
+    from kvq.hf.eval import decode_perplexity
+
+    out, _ = chosen_entry
+    torch.set_num_threads(1)
+    _, tok, lm = load_checkpoint(str(smollm2_gguf), None, "float32", "cpu")
+    ids = read_tokens(tok, str(data_file("wikitext-2/wiki.valid.tokens")), 1024 + 272)[1024:]
+    codes = cc.entry_codes(str(out))
+    settings, _ = cc.codec_of_name("kivi-kv8-g128-vg64-rotk-mr-sink4")
+    ours = cc.codec_perplexity(lm, codes, codes.codec(settings), ids, 1, 272)
+    with kvq.Client(kvq_server.address, deadline=60.0) as client:
+        info = kvq.hf.register_basis(client, str(out), lm, check=False)
+        kvq.hf.enable(lm)
+        served = decode_perplexity(lm, client, info, ids, 1, 272, settings)["ppl"]
+        kvq.hf.disable(lm)
+    print(f"in-process {ours:.4f}, served {served:.4f} ({ours / served - 1:+.3%})")
+    assert ours == pytest.approx(served, rel=3e-3)
+    # Not vacuous: the window tells codecs apart by far more than that.
+    two_bit, _ = cc.codec_of_name("kivi-kv2-g128")
+    assert cc.codec_perplexity(lm, codes, codes.codec(two_bit), ids, 1, 272) > served * 1.05
