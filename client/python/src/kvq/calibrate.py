@@ -23,7 +23,25 @@ rotate_half models): register it with --register or kvq.hf.register_basis, never
 Calibrate on text the evaluation does not use (wiki.valid.tokens; wiki.test.raw is refused).
 Refused (exit 3, naming the feature): sliding-window, chunked or linear-attention layers,
 attention logit soft-capping, MLA, cross-layer KV sharing, non-RoPE positions, encoder-decoder.
-No codec is chosen (no codec.json): the server serves the entry with its default codec.
+Without --bits no codec is chosen (no codec.json): the server serves the entry with its
+default codec. --bits B[,B2..] chooses it as kvq-calibrate --bits does (kvq/hf/codec_choice.py;
+the candidate list, lever stages and criterion are codec_search.cc's, and a test holds the two
+lists equal): first the key lever (none, metric rounding, + keys rotated by H; no oblique pair
+is fitted here, so that lever is not tried) on the probe codec headq-kv2-g128, then whether
+four fp16 sinks lower the probe's perplexity, then whether dense-and-sparse lowers it by >= 1%;
+then every candidate with those levers (kvq-eval config names, from about 2.4 to 9 bits per
+element at head_dim 64) within the budget: (K bits + V bits) / 2, steady state, every byte
+counted, the sinks' fp16 rows at --search-window-len tokens. Each is evaluated in-process
+(kvq's native codec, the server's blocks byte for byte, decode-faithful: the model attends over
+K/V encoded and decoded as kvq serves them) by perplexity on --search-windows windows of
+--search-window-len tokens of --text that follow the calibration tokens (llama.cpp's protocol:
+the second half of each window scored). The lowest perplexity wins, but perplexities within
+0.5% of the lowest are near-ties and the fewest bits among them win (then the earlier row), so
+that noise in the arithmetic does not flip the choice (kvq-calibrate takes the strict lowest).
+Writes DIR/codec.json (the chosen codec, the registry's format) and DIR/codec-search.json (every
+row, each budget's choice) and prints the tables; --register then sends codec.json with the
+basis. More budgets (--bits 3,2.5,4) are chosen from the same rows (candidates up to the
+largest); codec.json gets the first one's. Check a row: python -m kvq.hf.codec_choice.
 Exit: 0 written (and registered), 2 a bad option or input (named), 3 a refused model, 4 the
 server of --register not SERVING (checked before calibrating) or the registration failed.
 """
@@ -67,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="torch dtype of the weights and activations (float32)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--register", metavar="ADDRESS", help="also register the entry with the kvq-server at ADDRESS")
+    p.add_argument("--bits", metavar="B[,B2..]",
+                   help="also choose the codec within B bits per element, K and V together (see below); "
+                        "more budgets are chosen from the same evaluation, codec.json gets the first")
+    p.add_argument("--search-windows", type=int, default=8, help="windows of the codec search (8)")
+    p.add_argument("--search-window-len", type=int, default=512, help="tokens per search window (512)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -85,13 +108,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    budgets = None
+    if args.bits is not None:
+        try:
+            budgets = [float(b) for b in args.bits.split(",") if b.strip()]
+        except ValueError:
+            budgets = []
+        if not budgets or not all(b > 0 for b in budgets):
+            print(f"kvq-calibrate-hf: --bits: '{args.bits}': must be positive numbers of bits per element, "
+                  "comma-separated", file=sys.stderr)
+            return 2
     try:
         r = calibrate(args.model, out=args.out, registry=args.registry, text=args.text, tokens=args.tokens,
                       rank=args.rank, window_len=args.window_len, batch=args.batch,
                       model_name=args.model_name, version=args.version, centred=args.centred,
                       query_moment=not args.no_query_moment, gguf_file=args.gguf_file,
                       device=args.device, dtype=args.dtype, register=args.register,
-                      progress=not args.quiet)
+                      progress=not args.quiet, bits=budgets, search_windows=args.search_windows,
+                      search_window_len=args.search_window_len)
     except UnsupportedModelError as e:
         print(f"kvq-calibrate-hf: {e}", file=sys.stderr)
         return 3
@@ -108,10 +142,18 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"mean captured query energy {energy.mean():.3f}, min {energy.min():.3f}; "
           f"{r.manifest['calibration_tokens']} tokens in {r.seconds:.1f} s after a {r.load_seconds:.1f} s load, "
           f"peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB)", file=sys.stderr)
+    if r.codec is not None:
+        c = r.codec.chosen
+        print(f"kvq-calibrate-hf: chose {c.name} ({c.codec}, {c.bits:.3f} bits per element, validation PPL "
+              f"{c.ppl:.4f}) in {r.codec.seconds:.1f} s: wrote {r.path}/codec.json and {r.path}/codec-search.json",
+              file=sys.stderr)
     if r.registered is not None:
         print(f"kvq-calibrate-hf: registered {r.registered.model} v{r.registered.version} at {args.register}",
               file=sys.stderr)
-    print(json.dumps({"path": r.path, "manifest": r.manifest}, indent=2))
+    out = {"path": r.path, "manifest": r.manifest}
+    if r.codec is not None:
+        out["codec"] = {"chosen": r.codec.chosen.name, "budgets": r.codec.budgets}
+    print(json.dumps(out, indent=2))
     return 0
 
 

@@ -476,6 +476,25 @@ class ModelCodes:
         except _codes.Error as e:
             raise _error(method, e) from None
 
+    def decode_encoded(self, enc: EncodedLayer, *, dtype: str = "f32") -> Tuple[Array, Array]:
+        """What an encoder's append gives (its run of groups and the rows after them) decoded
+        as attention sees it: keys and values [kv_heads, tokens - start, head_dim] in `dtype`,
+        the groups decoded then the rows, bit for bit what GetBlocks would send for tokens
+        [start, tokens) of a sequence appended the same way (in-process evaluation of a codec,
+        kvq.hf.codec_choice)."""
+        method = "decode"
+        name = _DTYPE_NAMES[dtype_enum(dtype, "dtype", method)]
+        sinks = [b"" if s is None else np.ascontiguousarray(s, dtype="<f2").tobytes()
+                 for s in (enc.sink_keys, enc.sink_values)]
+        rows = (enc.keys, enc.values) if enc.rows > 0 else (None, None)
+        try:
+            return self._native.decode(
+                enc.layer, enc.codec.native, enc.start, enc.blocks, np.asarray(enc.block_bytes, dtype=np.uint32),
+                sinks[0], sinks[1], enc.basis_fingerprint, rows[0], rows[1], name,
+            )
+        except _codes.Error as e:
+            raise _error(method, e) from None
+
     def decode_stream(self, messages: Iterable[kvq_pb2.GetBlocksResponse], *, dtype: str = "f32") -> Iterator[Block]:
         """A GetBlocks stream in codes decoded message by message, as Blocks (what
         Client.get_blocks yields for the same request without codes, bit for bit); each

@@ -33,7 +33,7 @@ from ..errors import KvqError
 from ..types import Append, AttendItem, CodecSettings
 from .attention import cache_kwarg, set_pending
 
-__all__ = ["KvqCache", "KvqCacheStats", "generate_with_prefix"]
+__all__ = ["KvqCache", "KvqCacheStats", "faithful_chunks", "generate_with_prefix"]
 
 _KV_DTYPES = ("f16", "bf16", "f32")
 _MAX_QUERIES = 1024  # per item (docs/API.md limits)
@@ -200,21 +200,9 @@ class KvqCache(Cache):
         frontend). Every query then sees the encoded / arrival-precision split it would
         see decoding one token at a time, whatever the length of the forward it is in.
         Pieces also stay within the server's 1024 queries per item."""
-        G, R = self.key_group, self.window
-        out, pos, end = [], start, start + m
-        while pos < end:
-            if not self.faithful:
-                ln = end - pos
-            else:
-                enc = (pos - R) // G * G if pos >= R + G else 0
-                b = enc + R + G
-                if b <= pos + 1:
-                    b += G
-                ln = min(end - pos, b - 1 - pos)
-            ln = min(ln, _MAX_QUERIES)
-            out.append((pos, ln))
-            pos += ln
-        return out
+        if not self.faithful:
+            return [(p, min(_MAX_QUERIES, start + m - p)) for p in range(start, start + m, _MAX_QUERIES)]
+        return faithful_chunks(start, m, self.key_group, self.window, _MAX_QUERIES)
 
     def attend_layer(self, layer: int, query, key, value, scaling: float, attention_mask=None):
         """One Attend for all sequences of the batch at this layer. query [B, QH, n, D],
@@ -371,6 +359,28 @@ class KvqCache(Cache):
         except Exception:
             pass
 
+
+
+def faithful_chunks(start: int, m: int, key_group: int, window: int,
+                    max_len: Optional[int] = None) -> List[Tuple[int, int]]:
+    """(position, length) pieces of rows [start, start + m) of a codec of key group G and window R
+    such that no piece holds queries on both sides of an encode (kvq-eval's decode-faithful
+    chunking, LlamaModel::ForwardDecodeFaithfulBatch): an append that brings a layer to B =
+    encoded + R + G tokens encodes a group, so a piece stops at count B - 1 and the next starts
+    with the token whose append triggers the encode. max_len: pieces no longer (None: no limit)."""
+    G, R = key_group, window
+    out, pos, end = [], start, start + m
+    while pos < end:
+        enc = (pos - R) // G * G if pos >= R + G else 0
+        b = enc + R + G
+        if b <= pos + 1:
+            b += G
+        ln = min(end - pos, b - 1 - pos)
+        if max_len is not None:
+            ln = min(ln, max_len)
+        out.append((pos, ln))
+        pos += ln
+    return out
 
 
 def generate_with_prefix(model: Any, cache: Any, input_ids: Any, **generate_kwargs: Any):

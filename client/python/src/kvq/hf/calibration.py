@@ -17,13 +17,14 @@ so that kvq.hf registers it unmapped and refuses to mix it with a GGUF-order bas
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -57,6 +58,7 @@ class CalibrationResult:
     load_seconds: float
     peak_rss_bytes: int  # the process's peak resident memory so far
     registered: Any = None  # the server's ModelInfo when register= was given
+    codec: Any = None  # codec_choice.CodecChoice when bits= was given (codec.json written)
 
 
 def default_text() -> str:
@@ -210,21 +212,36 @@ def calibrate(
     dtype: str = "float32",
     register: Optional[str] = None,
     progress: bool = True,
+    bits: Optional[Sequence[float]] = None,
+    search_windows: int = 8,
+    search_window_len: int = 512,
 ) -> CalibrationResult:
     """Calibrates `model` (a transformers checkpoint folder or hub id, or a .gguf file) and
     writes its registry entry: into `out` (the entry folder, as kvq-calibrate --out), or into
     `registry`/<model_name>/v<version> (a server's registry folder layout); exactly one of the
     two. Defaults are kvq-calibrate's (32768 tokens of wiki.valid.tokens in windows of 512,
     rank 8, query moments stored). `register`: a kvq-server address to register the entry with
-    (kvq.hf.register_basis; its codec is the server's default: no codec.json is chosen here).
+    (kvq.hf.register_basis, after the codec is chosen: the entry's codec.json goes with it).
+    `bits`: budgets in bits per element (K and V together, every byte counted): choose the
+    codec for bits[0] as kvq-calibrate --bits does (codec_choice.py: the same candidates, lever
+    stages and criterion), on `search_windows` windows of `search_window_len` tokens of the
+    text that follow the calibration tokens, and write codec.json and codec-search.json into
+    the entry (None: no codec is chosen; the server serves the entry with its default).
     centred=True fits the covariance instead (kind "query_pca_centred"). Raises
     CalibrationError (bad argument, naming it), UnsupportedModelError (a refused feature)."""
     if (out is None) == (registry is None):
         raise CalibrationError("out/registry", "exactly one is needed (the entry folder, or a registry folder)")
     for name, value, low in (("tokens", tokens, 1), ("rank", rank, 1), ("window_len", window_len, 1),
-                             ("batch", batch, 1), ("version", version, 1)):
+                             ("batch", batch, 1), ("version", version, 1), ("search_windows", search_windows, 1),
+                             ("search_window_len", search_window_len, 4)):
         if int(value) < low:
             raise CalibrationError(name, f"{value}: must be >= {low}")
+    budgets = [float(b) for b in bits] if bits is not None else []
+    if budgets and not query_moment:
+        raise CalibrationError("bits", "the codec search's metric-rounding levers need the query moments "
+                               "(drop query_moment=False / --no-query-moment)")
+    if bits is not None and (not budgets or not all(b > 0 and math.isfinite(b) for b in budgets)):
+        raise CalibrationError("bits", f"{list(bits)}: must be positive numbers of bits per element")
     text = text or default_text()
     if os.path.basename(text) in _EVAL_TEXTS:
         raise CalibrationError("text", f"{text} is the evaluation text; calibrate on wiki.valid.tokens "
@@ -239,7 +256,20 @@ def calibrate(
     name = model_name or default_model_name(model)
     if not 1 <= len(name) <= 128:
         raise CalibrationError("model_name", f"'{name}' must be 1..128 characters")
-    ids = read_tokens(tokenizer, text, tokens)
+    if budgets:
+        from .codec_choice import CANDIDATES, plan_rows
+
+        # An impossible budget is an error now, not after the calibration.
+        plan_rows(CANDIDATES, (kv_heads, q_heads, head_dim), rank, budgets[0])
+    held = search_windows * search_window_len if budgets else 0
+    try:
+        ids = read_tokens(tokenizer, text, tokens + held)
+    except CalibrationError as e:
+        if not held:
+            raise
+        raise CalibrationError("search_windows", f"{e.message}: the basis's {tokens} calibration tokens + "
+                               f"{search_windows} search windows x {search_window_len}") from None
+    held_out, ids = ids[tokens:], ids[:tokens]
     load_seconds = time.monotonic() - t0
 
     t1 = time.monotonic()
@@ -259,11 +289,17 @@ def calibrate(
     }, fitted.u, fitted.query_moment if query_moment else ())
     energy = stats.captured_energy(fitted.u)
     seconds = time.monotonic() - t1
+    chosen = None
+    if budgets:
+        from .codec_choice import choose_codec
+
+        chosen = choose_codec(lm, path, held_out, budgets, windows=search_windows, window_len=search_window_len,
+                              batch=batch, first_token=tokens, text=text, progress=progress)
     registered = None
     if register:
         registered = _register(register, path, config)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return CalibrationResult(path, manifest, energy, seconds, load_seconds, peak, registered)
+    return CalibrationResult(path, manifest, energy, seconds, load_seconds, peak, registered, chosen)
 
 
 def _check_serving(address: str) -> None:
@@ -290,28 +326,29 @@ def _register(address: str, path: str, config: Any) -> Any:
 class _Counter:
     """A stderr token counter for when tqdm is not importable (it comes with transformers)."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, desc: str = "kvq calibrate", unit: str = "tok"):
         self.total, self.done, self.last = total, 0, 0.0
+        self.desc, self.unit = desc, unit
 
     def update(self, n: int) -> None:
         self.done += n
         if time.monotonic() - self.last > 1.0 or self.done >= self.total:
             self.last = time.monotonic()
-            sys.stderr.write(f"\rkvq calibrate: {self.done}/{self.total} tokens")
+            sys.stderr.write(f"\r{self.desc}: {self.done}/{self.total} {self.unit}")
             sys.stderr.flush()
 
     def close(self) -> None:
         sys.stderr.write("\n")
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _progress(total: int, enabled: bool, desc: str = "kvq calibrate", unit: str = "tok") -> Any:
     if not enabled:
         return _Null()
     try:
         from tqdm import tqdm
     except ImportError:
-        return _Counter(total)
-    return tqdm(total=total, unit="tok", desc="kvq calibrate", file=sys.stderr, dynamic_ncols=True)
+        return _Counter(total, desc, unit)
+    return tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True)
 
 
 class _Null:
