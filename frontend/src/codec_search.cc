@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -141,7 +142,6 @@ absl::StatusOr<int> RunCodecSearch(
     const LlamaModel& model, const std::vector<int32_t>& tokens, int windows, int window_len,
     BasisSet* bases, std::vector<CodecSearchRow>* rows,
     const std::function<void(int64_t, const std::string&)>& on_window) {
-  int chosen = -1;
   int64_t done = 0;
   for (size_t i = 0; i < rows->size(); ++i) {
     CodecSearchRow& r = (*rows)[i];
@@ -157,29 +157,27 @@ absl::StatusOr<int> RunCodecSearch(
                      EvaluatePerplexity(model, tokens, windows, window_len, c, bases, progress));
     done = before + windows;
     r.ppl = p.ppl;
-    if (!std::isfinite(r.ppl)) continue;  // never chosen
-    if (chosen < 0) {
-      chosen = static_cast<int>(i);
-      continue;
-    }
-    const CodecSearchRow& best = (*rows)[chosen];
-    if (r.ppl < best.ppl || (r.ppl == best.ppl && r.bits.per_element() < best.bits.per_element())) {
-      chosen = static_cast<int>(i);
-    }
   }
+  const int chosen = ChooseWithin(*rows, std::numeric_limits<double>::infinity());
   if (chosen < 0) return absl::InternalError("no codec candidate gave a finite perplexity");
   (*rows)[chosen].chosen = true;
   return chosen;
 }
 
 int ChooseWithin(const std::vector<CodecSearchRow>& rows, double budget) {
+  auto fits = [&](const CodecSearchRow& r) {
+    return r.skipped.empty() && std::isfinite(r.ppl) && r.bits.per_element() <= budget;
+  };
+  double lowest = std::numeric_limits<double>::infinity();
+  for (const CodecSearchRow& r : rows)
+    if (fits(r)) lowest = std::min(lowest, r.ppl);
+  // The near-ties: within kChoiceNoiseMargin of the lowest; of them the fewest bits, then the
+  // earlier row.
   int best = -1;
   for (size_t i = 0; i < rows.size(); ++i) {
     const CodecSearchRow& r = rows[i];
-    if (!r.skipped.empty() || !std::isfinite(r.ppl) || r.bits.per_element() > budget) continue;
-    if (best < 0 || r.ppl < rows[best].ppl ||
-        (r.ppl == rows[best].ppl && r.bits.per_element() < rows[best].bits.per_element()))
-      best = static_cast<int>(i);
+    if (!fits(r) || r.ppl > lowest * (1 + kChoiceNoiseMargin)) continue;
+    if (best < 0 || r.bits.per_element() < rows[best].bits.per_element()) best = static_cast<int>(i);
   }
   return best;
 }

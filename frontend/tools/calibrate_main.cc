@@ -86,7 +86,8 @@ built-in default; `kvq models register DIR` sends DIR/codec.json with the basis)
                     L tokens of --text that follow the basis's calibration tokens (the
                     validation text; llama.cpp's protocol, decode-faithful, as kvq-eval;
                     no token chooses the codec that also fitted the basis), and the lowest
-                    perplexity wins (ties: fewer bits).
+                    perplexity wins, but near-ties (within 0.5% of the lowest,
+                    codec_search.h kChoiceNoiseMargin) go to the fewest bits.
                     Writes DIR/codec.json (the chosen codec, the registry's format) and
                     DIR/codec-search.json (every candidate: name, bits per element, K and V
                     bits, validation PPL, skipped reason, chosen flag; the budget, text,

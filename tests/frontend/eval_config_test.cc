@@ -222,5 +222,22 @@ TEST(CodecSearch, KeyLeversApplyToEveryCandidateAndKiviHasNoObliquePair) {
   EXPECT_EQ(ChooseWithin(rows, 1.0), -1);
 }
 
+TEST(CodecSearch, NearTiesWithinTheNoiseMarginGoToFewerBits) {
+  // Three rows whose perplexities differ by less than the margin, and one just beyond it.
+  std::vector<CodecSearchRow> rows(4);
+  rows[0].bits = {3.5, 3.5};
+  rows[0].ppl = 16.0;
+  rows[1].bits = {3.0, 3.0};
+  rows[1].ppl = 16.0 * (1 + kChoiceNoiseMargin / 2);
+  rows[2].bits = {3.0, 3.0};  // as few bits, later: the earlier row wins
+  rows[2].ppl = 16.0 * (1 + kChoiceNoiseMargin / 4);
+  rows[3].bits = {2.0, 2.0};
+  rows[3].ppl = 16.0 * (1 + 2 * kChoiceNoiseMargin);
+  EXPECT_EQ(ChooseWithin(rows, 9.0), 1);
+  EXPECT_EQ(ChooseWithin(rows, 2.5), 3);  // alone within 2.5 bits
+  rows[1].ppl = 16.0 * (1 + 2 * kChoiceNoiseMargin);  // now beyond: the lowest of the rest
+  EXPECT_EQ(ChooseWithin(rows, 9.0), 2);
+}
+
 }  // namespace
 }  // namespace kvq::frontend

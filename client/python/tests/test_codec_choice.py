@@ -59,6 +59,7 @@ def test_names_and_constants_are_kvq_calibrates():
     assert const("kSinkLever") == cc.SINK_LEVER
     assert int(const("kSparseLeverPermille")) == cc.SPARSE_LEVER_PERMILLE
     assert float(const("kSparseLeverMinGain")) == cc.SPARSE_LEVER_MIN_GAIN
+    assert float(const("kChoiceNoiseMargin")) == cc.NOISE_MARGIN
 
 
 @pytest.mark.parametrize("search", ["codec-search-smol.json", "codec-search-qwen.json",

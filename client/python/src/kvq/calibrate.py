@@ -37,7 +37,7 @@ K/V encoded and decoded as kvq serves them) by perplexity on --search-windows wi
 --search-window-len tokens of --text that follow the calibration tokens (llama.cpp's protocol:
 the second half of each window scored). The lowest perplexity wins, but perplexities within
 0.5% of the lowest are near-ties and the fewest bits among them win (then the earlier row), so
-that noise in the arithmetic does not flip the choice (kvq-calibrate takes the strict lowest).
+that noise in the arithmetic does not flip the choice (kvq-calibrate applies the same rule).
 Writes DIR/codec.json (the chosen codec, the registry's format) and DIR/codec-search.json (every
 row, each budget's choice) and prints the tables; --register then sends codec.json with the
 basis. More budgets (--bits 3,2.5,4) are chosen from the same rows (candidates up to the

@@ -29,8 +29,8 @@ head_dim), plus the fp16 sinks' rows at window_len tokens.
 The choice rule (choose_within): among the rows within the budget, those whose perplexity is
 within NOISE_MARGIN of the lowest are near-ties, and the one with the fewest bits wins (then
 the earlier row), so that noise in the arithmetic cannot flip the choice between codecs that
-are equal within it. (kvq-calibrate's ChooseWithin still takes the strict lowest perplexity,
-ties to fewer bits: on the same rows the two can differ by a near-tie; docs/RESULTS.md.)
+are equal within it. kvq-calibrate's ChooseWithin applies the same rule with the same margin
+(codec_search.h kChoiceNoiseMargin; the test holds the two equal).
 
 The names here mirror codec_search.cc's; tests/test_codec_choice.py reads that file and
 fails when a list or constant differs, so the two searches stay in step.
@@ -191,7 +191,7 @@ def choose_within(rows: Sequence[Any], budget: float, margin: float = NOISE_MARG
     """The index of the chosen row among the evaluated ones (empty `skipped`, finite `ppl`) at
     <= budget bits (`bits`): of the near-ties, rows whose perplexity is at most (1 + margin)
     times the lowest, the one with the fewest bits, then the earlier row; -1 when none.
-    margin=0 is kvq-calibrate's ChooseWithin (the lowest perplexity, ties to fewer bits)."""
+    kvq-calibrate's ChooseWithin applies the same rule (codec_search.h kChoiceNoiseMargin)."""
     fit = [i for i, r in enumerate(rows)
            if not r.skipped and math.isfinite(r.ppl) and r.bits <= budget]
     if not fit:
