@@ -177,7 +177,8 @@ int ChooseWithin(const std::vector<CodecSearchRow>& rows, double budget) {
   for (size_t i = 0; i < rows.size(); ++i) {
     const CodecSearchRow& r = rows[i];
     if (!fits(r) || r.ppl > lowest * (1 + kChoiceNoiseMargin)) continue;
-    if (best < 0 || r.bits.per_element() < rows[best].bits.per_element()) best = static_cast<int>(i);
+    if (best < 0 || r.bits.per_element() < rows[best].bits.per_element())
+      best = static_cast<int>(i);
   }
   return best;
 }

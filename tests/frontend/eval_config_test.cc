@@ -234,7 +234,7 @@ TEST(CodecSearch, NearTiesWithinTheNoiseMarginGoToFewerBits) {
   rows[3].bits = {2.0, 2.0};
   rows[3].ppl = 16.0 * (1 + 2 * kChoiceNoiseMargin);
   EXPECT_EQ(ChooseWithin(rows, 9.0), 1);
-  EXPECT_EQ(ChooseWithin(rows, 2.5), 3);  // alone within 2.5 bits
+  EXPECT_EQ(ChooseWithin(rows, 2.5), 3);              // alone within 2.5 bits
   rows[1].ppl = 16.0 * (1 + 2 * kChoiceNoiseMargin);  // now beyond: the lowest of the rest
   EXPECT_EQ(ChooseWithin(rows, 9.0), 2);
 }
