@@ -382,23 +382,25 @@ def check_scrape(args):
     procs = []
     logs = []
     try:
-        metrics_port = free_port()
         server_log = os.path.join(tmp, "kvq-server.log")
         logs.append(("kvq-server", server_log))
         server = subprocess.Popen(
             [args.server_bin, "--grpc-address", "127.0.0.1", "--grpc-port", "0",
-             "--metrics-address", "127.0.0.1", "--metrics-port", str(metrics_port),
+             "--metrics-address", "127.0.0.1", "--metrics-port", "0",
              "--registry", os.path.join(tmp, "registry"), "--capacity", "1G"],
             stdout=subprocess.DEVNULL, stderr=open(server_log, "w"))
         procs.append(server)
 
-        def server_port():
-            m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+)", open(server_log).read())
+        # Both ports chosen by the server (port 0) and read from its log: a port picked here and
+        # bound later could be taken in between by another process.
+        def server_ports():
+            m = re.search(r"serving gRPC on 127\.0\.0\.1:(\d+); metrics on 127\.0\.0\.1:(\d+)/metrics",
+                          open(server_log).read())
             if server.poll() is not None:
                 fail(f"kvq-server exited with {server.returncode}")
-            return (m is not None, int(m.group(1)) if m else None)
+            return (m is not None, (int(m.group(1)), int(m.group(2))) if m else None)
 
-        grpc_port = wait_until("kvq-server did not start", server_port, 60, logs)
+        grpc_port, metrics_port = wait_until("kvq-server did not start", server_ports, 60, logs)
         addr = f"127.0.0.1:{grpc_port}"
 
         # Traffic for every series the dashboard shows: all methods, a tenant, an error code.
@@ -413,7 +415,6 @@ def check_scrape(args):
         if r.returncode != 15:
             fail(f"kvq seq delete of a missing sequence: exit {r.returncode}, want 15 (NOT_FOUND)")
 
-        prom_port = free_port()
         cfg = os.path.join(tmp, "prometheus.yml")
         with open(cfg, "w") as f:
             f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
@@ -427,11 +428,19 @@ def check_scrape(args):
             fail(f"promtool on the test config: {r.stdout}{r.stderr}")
         prom_log = os.path.join(tmp, "prometheus.log")
         logs.append(("prometheus", prom_log))
-        prom = subprocess.Popen(
-            [prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp}/tsdb",
-             f"--web.listen-address=127.0.0.1:{prom_port}"],
-            stdout=subprocess.DEVNULL, stderr=open(prom_log, "w"))
-        procs.append(prom)
+        # Prometheus cannot report a port it chose, so a free one is picked here; when another
+        # process takes it first, Prometheus exits at once ("address already in use") and is
+        # started again on another (3 tries).
+        for attempt in range(3):
+            prom_port = free_port()
+            prom = subprocess.Popen(
+                [prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp}/tsdb",
+                 f"--web.listen-address=127.0.0.1:{prom_port}"],
+                stdout=subprocess.DEVNULL, stderr=open(prom_log, "w"))
+            procs.append(prom)
+            time.sleep(1.0)
+            if prom.poll() is None or "address already in use" not in open(prom_log).read():
+                break
         base = f"http://127.0.0.1:{prom_port}"
 
         def target_up():
