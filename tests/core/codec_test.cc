@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -36,6 +37,27 @@ TEST(Half, RoundTripsAndRounding) {
   FloatToHalfN(f.data(), h.data(), 19);
   HalfToFloatN(h.data(), back.data(), 19);
   for (int i = 0; i < 19; ++i) EXPECT_NEAR(back[i], f[i], 2e-3f);
+}
+
+// The bulk bf16 conversion (vectorized where the CPU allows) gives FloatToBF16's bits for every
+// class of input: ties, NaNs of both signs (quieted, never rounded into infinity), infinities,
+// subnormals, the largest finite values (rounding up to infinity), and a tail shorter than a
+// vector.
+TEST(Half, BulkBF16MatchesTheScalarRule) {
+  std::vector<uint32_t> bits = {0x3f808000u, 0x3f818000u, 0x7fc00000u, 0xffc00001u, 0x7f800001u,
+                                0xff800001u, 0x7f800000u, 0xff800000u, 0x00000001u, 0x807fffffu,
+                                0x7f7fffffu, 0xff7fffffu, 0x00000000u, 0x80000000u, 0x7fffffffu};
+  uint32_t x = 12345;
+  while (bits.size() < 4096 + 13) bits.push_back(x = x * 1664525u + 1013904223u);
+  std::vector<float> f(bits.size());
+  std::memcpy(f.data(), bits.data(), 4 * bits.size());
+  std::vector<uint16_t> bulk(f.size());
+  FloatToBF16N(f.data(), bulk.data(), f.size());
+  for (size_t i = 0; i < f.size(); ++i)
+    ASSERT_EQ(bulk[i], FloatToBF16(f[i])) << "input bits 0x" << std::hex << bits[i];
+  EXPECT_EQ(FloatToBF16(std::numeric_limits<float>::quiet_NaN()) & 0x7fc0, 0x7fc0);
+  EXPECT_EQ(bulk[4], 0x7fc0);   // a signalling NaN comes back quiet
+  EXPECT_EQ(bulk[10], 0x7f80);  // the largest float rounds to infinity, as in hardware
 }
 
 TEST(Codec, OptionsValidationNamesTheField) {

@@ -105,15 +105,30 @@ TEST(EncodedGroupsTest, ExportedGroupsAppendedElsewhereGiveTheSameLayer) {
     EXPECT_EQ(receiver.tokens(), T);
     EXPECT_EQ(All(receiver, true), All(sender, true));
     EXPECT_EQ(All(receiver, false), All(sender, false));
-    // Decoded on its own (a client's GetBlocks in codes), the sender's decode bit for bit.
-    for (const DType dt : {DType::kF32, DType::kF16}) {
-      std::vector<uint8_t> dk, dv, sk, sv;
-      const float* u = sender.tables()->basis.empty() ? nullptr : sender.tables()->basis.data();
-      ASSERT_TRUE(DecodeRun(tc.codec, kHeads, u, ViewOf(run), dt, &dk, &dv).ok());
-      ASSERT_TRUE(sender.DecodeAs(0, E, dt, &sk, &sv).ok());
-      EXPECT_EQ(dk, sk);
-      EXPECT_EQ(dv, sv);
+    // Decoded on its own (a client's GetBlocks in codes: the groups, then the window rows),
+    // the sender's decode bit for bit, with and without the rows.
+    const float* u = sender.tables()->basis.empty() ? nullptr : sender.tables()->basis.data();
+    const TensorView rk = View3(wk, kHeads, W, kDim), rv = View3(wv, kHeads, W, kDim);
+    for (const DType dt : {DType::kF32, DType::kF16, DType::kBF16}) {
+      for (const bool with_rows : {false, true}) {
+        std::vector<uint8_t> dk, dv, sk, sv;
+        ASSERT_TRUE(DecodeMessage(tc.codec, kHeads, u, ViewOf(run), with_rows ? &rk : nullptr,
+                                  with_rows ? &rv : nullptr, dt, "encoded", &dk, &dv)
+                        .ok());
+        ASSERT_TRUE(sender.DecodeAs(0, with_rows ? T : E, dt, &sk, &sv).ok());
+        EXPECT_EQ(dk, sk);
+        EXPECT_EQ(dv, sv);
+      }
     }
+    std::vector<uint8_t> dk, dv;
+    const TensorView wrong = View3(wk, kHeads, W, kDim / 2);
+    EXPECT_THAT(
+        DecodeMessage(tc.codec, kHeads, u, ViewOf(run), &wrong, &rv, DType::kF32, "m", &dk, &dv)
+            .message(),
+        ::testing::HasSubstr("m keys/values: not both [kv_heads = 2, n, head_dim = "));
+    EXPECT_FALSE(
+        DecodeMessage(tc.codec, kHeads, u, ViewOf(run), &rk, nullptr, DType::kF32, "m", &dk, &dv)
+            .ok());
     // Exported again, the same bytes.
     EncodedGroups again;
     ASSERT_TRUE(receiver.ExportGroups(0, run.groups, &again).ok());

@@ -129,48 +129,26 @@ absl::Status ModelCodes::Decode(const v1::GetBlocksResponse& msg, const core::Co
                                 core::DType dtype, std::vector<uint8_t>* keys,
                                 std::vector<uint8_t>* values) const {
   const core::BasisManifest& m = entry_.manifest;
-  const int kv = m.kv_heads, d = m.head_dim, G = codec.key_group;
+  const int kv = m.kv_heads, G = codec.key_group;
   core::EncodedGroupsView run;
   RETURN_IF_ERROR(wire::EncodedFromWire(msg.encoded(), "encoded", &run));
   run.groups = static_cast<int64_t>(run.sizes.size()) / (2 * kv);
   run.first_group = msg.start() / G;
-  // What the server sends is checked as what a client sends is: never trusted.
-  RETURN_IF_ERROR(core::CheckEncodedGroups(codec, kv, run, "encoded"));
+  // The window rows after the groups, if any.
+  core::TensorView rk, rv;
+  const bool rows = msg.has_keys() && msg.keys().shape_size() > 0 && msg.keys().shape(1) > 0;
+  if (rows) {
+    ASSIGN_OR_RETURN(rk, wire::ViewOf(msg.keys(), "keys", 3, 3));
+    ASSIGN_OR_RETURN(rv, wire::ViewOf(msg.values(), "values", 3, 3));
+  }
   // Decoding needs only the decode basis: no rounding factors (a Cholesky per head) are made.
   core::CodecOptions reads = codec;
   reads.metric_rounding = false;
   const auto tables = core::MakeLayerCodecTables(entry_, msg.layer(), reads);
-  std::vector<uint8_t> gk, gv;
-  RETURN_IF_ERROR(core::DecodeRun(codec, kv, tables->basis.empty() ? nullptr : tables->basis.data(),
-                                  run, dtype, &gk, &gv));
-  int64_t rows = 0;
-  core::TensorView rk, rv;
-  if (msg.has_keys() && msg.keys().shape_size() > 0 && msg.keys().shape(1) > 0) {
-    ASSIGN_OR_RETURN(rk, wire::ViewOf(msg.keys(), "keys", 3, 3));
-    ASSIGN_OR_RETURN(rv, wire::ViewOf(msg.values(), "values", 3, 3));
-    if (rk.shape[0] != kv || rk.shape[2] != d || rv.shape[1] != rk.shape[1]) {
-      return absl::InvalidArgumentError("keys/values: not [kv_heads, n, head_dim] of the model");
-    }
-    rows = rk.shape[1];
-  }
-  const int64_t n = run.groups * G + rows;
-  const size_t es = core::DTypeSize(dtype), row = static_cast<size_t>(d) * es;
-  keys->resize(static_cast<size_t>(kv) * n * row);
-  values->resize(keys->size());
-  std::vector<float> f(static_cast<size_t>(d));
-  for (int h = 0; h < kv; ++h) {
-    const size_t groups_bytes = static_cast<size_t>(run.groups) * G * row;
-    std::memcpy(keys->data() + h * n * row, gk.data() + h * groups_bytes, groups_bytes);
-    std::memcpy(values->data() + h * n * row, gv.data() + h * groups_bytes, groups_bytes);
-    for (int64_t t = 0; t < rows; ++t) {
-      const size_t at = h * n * row + groups_bytes + t * row;
-      rk.RowToFloat({h, t}, f.data());
-      core::FromFloat(dtype, f.data(), keys->data() + at, d);
-      rv.RowToFloat({h, t}, f.data());
-      core::FromFloat(dtype, f.data(), values->data() + at, d);
-    }
-  }
-  return absl::OkStatus();
+  // What the server sends is checked as what a client sends is: never trusted.
+  return core::DecodeMessage(codec, kv, tables->basis.empty() ? nullptr : tables->basis.data(), run,
+                             rows ? &rk : nullptr, rows ? &rv : nullptr, dtype, "encoded", keys,
+                             values);
 }
 
 }  // namespace kvq::client

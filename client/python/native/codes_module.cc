@@ -463,42 +463,23 @@ class Model {
       }
       rows = static_cast<int64_t>(rk.shape(1));
     }
-    const int64_t n = run.groups * G + rows;
-    const size_t row = static_cast<size_t>(d) * core::DTypeSize(dtype);
-    std::vector<uint8_t> keys(static_cast<size_t>(kv) * n * row), values(keys.size());
+    std::vector<uint8_t> keys, values;
     {
       nb::gil_scoped_release unlocked;
-      // What the server sends is checked as what a client sends is: never trusted.
-      Check(core::CheckEncodedGroups(o, kv, run, "encoded"));
-      // Decoding needs only the decode basis: no rounding factors (a Cholesky per head).
-      core::CodecOptions reads = o;
-      reads.metric_rounding = false;
-      const auto tables = core::MakeLayerCodecTables(*entry_, layer, reads);
-      std::vector<uint8_t> gk, gv;
-      Check(core::DecodeRun(o, kv, tables->basis.empty() ? nullptr : tables->basis.data(), run,
-                            dtype, &gk, &gv));
       const core::TensorView tk =
           core::TensorView::Contiguous(rows ? rk.data() : nullptr, rt, {kv, rows, d});
       const core::TensorView tv =
           core::TensorView::Contiguous(rows ? rv.data() : nullptr, rt, {kv, rows, d});
-      std::vector<float> f(static_cast<size_t>(d));
-      const size_t groups_bytes = static_cast<size_t>(run.groups) * G * row;
-      for (int h = 0; h < kv; ++h) {
-        const size_t head = static_cast<size_t>(h) * n * row;
-        if (groups_bytes > 0) {
-          std::memcpy(keys.data() + head, gk.data() + h * groups_bytes, groups_bytes);
-          std::memcpy(values.data() + head, gv.data() + h * groups_bytes, groups_bytes);
-        }
-        // The rows converted as the server converts its window rows (core::FromFloat).
-        for (int64_t t = 0; t < rows; ++t) {
-          const size_t at = head + groups_bytes + t * row;
-          tk.RowToFloat({h, t}, f.data());
-          core::FromFloat(dtype, f.data(), keys.data() + at, d);
-          tv.RowToFloat({h, t}, f.data());
-          core::FromFloat(dtype, f.data(), values.data() + at, d);
-        }
-      }
+      // Decoding needs only the decode basis: no rounding factors (a Cholesky per head).
+      core::CodecOptions reads = o;
+      reads.metric_rounding = false;
+      const auto tables = core::MakeLayerCodecTables(*entry_, layer, reads);
+      // What the server sends is checked as what a client sends is: never trusted.
+      Check(core::DecodeMessage(o, kv, tables->basis.empty() ? nullptr : tables->basis.data(), run,
+                                rows ? &tk : nullptr, rows ? &tv : nullptr, dtype, "encoded", &keys,
+                                &values));
     }
+    const int64_t n = run.groups * G + rows;
     const std::initializer_list<size_t> shape = {static_cast<size_t>(kv), static_cast<size_t>(n),
                                                  static_cast<size_t>(d)};
     return {ToNumpy(std::move(keys), NumpyDType(dtype), shape),

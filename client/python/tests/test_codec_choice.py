@@ -9,7 +9,10 @@ chooses it.
 * SmolLM2 (the GGUF, loaded by transformers), a short calibration and a short search on the
   held-out validation windows after it: the choice is within the budget, codec.json holds it,
   and the C++ client (`kvq models register`, core's codec.json reader) registers the entry
-  with exactly that codec; an impossible budget exits 2 naming --bits.
+  with exactly that codec; an impossible budget exits 2 naming --bits. The calibration, the
+  registration and the check of the served model are the README's "Bring your own model"
+  commands, run as written with the checkpoint, text, paths and address substituted and the
+  short run's sizes appended (a later flag wins).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -128,14 +132,33 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env=env, timeout=600)
 
 
+def readme_byom() -> list[list[str]]:
+    """The README's three "Bring your own model" commands, split as the shell would."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"<!-- readme-byom[^>]*-->\s*```sh\n(.*?)```", text, re.S)
+    assert m, "README.md has no sh block after a readme-byom marker"
+    lines = [shlex.split(line, comments=True) for line in m.group(1).strip().splitlines()]
+    assert [line[:3] for line in lines] == [["kvq-calibrate-hf", "PATH/TO/CHECKPOINT", "--text"],
+                                           ["build/bin/kvq", "models", "register"],
+                                           ["python", "-c", lines[2][2]]], "the README's commands changed"
+    return lines
+
+
+def _substituted(argv: list[str], swap: dict[str, str]) -> list[str]:
+    return [swap.get(a, a) for a in argv]
+
+
 @pytest.fixture(scope="module")
 def chosen_entry(smollm2_gguf, tmp_path_factory):
-    """A short real search: 1024 calibration tokens, then 2 held-out windows of 384 tokens (two
-    encoded groups of 128 before the scored half ends), B = 3 and 2.5."""
-    out = tmp_path_factory.mktemp("choice") / "entry"
-    r = _cli(str(smollm2_gguf), "--out", str(out), "--text", str(data_file("wikitext-2/wiki.valid.tokens")),
-             "--tokens", "1024", "--window-len", "256", "--batch", "2", "--threads", "1", "--bits", "3,2.5",
-             "--search-windows", "2", "--search-window-len", "384", "--quiet")
+    """The README's calibration, short: 1024 calibration tokens, then 2 held-out windows of 384
+    tokens (two encoded groups of 128 before the scored half ends), B = 3 and 2.5."""
+    out = tmp_path_factory.mktemp("choice") / "my-model"
+    calibrate = _substituted(readme_byom()[0], {"PATH/TO/CHECKPOINT": str(smollm2_gguf), "my-model": str(out),
+                                                "YOUR_TEXT.txt": str(data_file("wikitext-2/wiki.valid.tokens"))})
+    assert calibrate[-2:] == ["--out", str(out)] and "--model-name" in calibrate
+    calibrate[calibrate.index("--model-name") + 1] = "my-model"
+    r = _cli(*calibrate[1:], "--tokens", "1024", "--window-len", "256", "--batch", "2", "--threads", "1",
+             "--bits", "3,2.5", "--search-windows", "2", "--search-window-len", "384", "--quiet")
     assert r.returncode == 0, r.stderr
     return out, json.loads(r.stdout)
 
@@ -163,11 +186,16 @@ def test_chooses_smollm2s_codec_within_the_budget(chosen_entry, smollm2_gguf, kv
     # register` reads the entry with core::ReadBasis + ReadCodecJson and sends the codec.
     codec = json.loads((out / "codec.json").read_text())
     assert codec == best["settings"]
-    r = subprocess.run([str(kvq_build_dir / "bin/kvq"), "--server", kvq_server.address, "models", "register",
-                        str(out)], capture_output=True, text=True, timeout=60)
+    commands = readme_byom()
+    swap = {"build/bin/kvq": str(kvq_build_dir / "bin/kvq"), "my-model": str(out),
+            "localhost:50051": kvq_server.address}
+    r = subprocess.run(_substituted(commands[1], swap), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+    served = subprocess.run([sys.executable, "-c", commands[2][2].replace("localhost:50051", kvq_server.address)],
+                            capture_output=True, text=True, timeout=60)
+    assert served.returncode == 0 and 'model: "my-model"' in served.stdout, served.stderr
     with kvq.Client(kvq_server.address, deadline=10.0) as client:
-        got = client.get_model("smollm2-135m-instruct-hf")
+        got = client.get_model("my-model")
     policy = {kvq_pb2.CodecSettings.VALUE_POLICY_UNIFORM: "uniform", kvq_pb2.CodecSettings.VALUE_POLICY_A2: "a2"}
     for key, value in codec.items():
         have = getattr(got.codec, key)

@@ -135,18 +135,23 @@ absl::Status CheckKV(const TensorView& t, absl::string_view name, int kv_heads, 
 // would give its group an infinite zero point, so that every token of it decodes to Inf/NaN.
 // Non-finite bit patterns are above every bound, so one comparison tests both.
 bool AllStorable(DType t, const uint8_t* p, int n, int* bad) {
-  auto scan = [&](const auto* u, uint32_t mask, uint32_t bound) {
-    uint32_t any = 0;
-    for (int c = 0; c < n; ++c) any |= (u[c] & mask) > bound;
+  // The magnitude bits compared as signed integers of the element's width (non-negative once
+  // the sign is masked off): one vector compare per lane width, where an unsigned compare
+  // would need widening (this scan reads every input byte first, so it sets the encode's pace).
+  auto scan = [&](const auto* u, auto mask, auto bound) {
+    using S = decltype(mask);
+    S any = 0;
+    for (int c = 0; c < n; ++c) any |= static_cast<S>(static_cast<S>(u[c] & mask) > bound);
     if (!any) return true;
     for (int c = 0; c < n; ++c)
-      if ((u[c] & mask) > bound) return *bad = c, false;
+      if (static_cast<S>(u[c] & mask) > bound) return *bad = c, false;
     return false;
   };
   if (t == DType::kF32)  // 0x477fe000 is 65504.0f
-    return scan(reinterpret_cast<const uint32_t*>(p), 0x7fffffffu, 0x477fe000u);
+    return scan(reinterpret_cast<const int32_t*>(p), int32_t{0x7fffffff}, int32_t{0x477fe000});
   // f16: every finite value fits; bf16: 0x477f is 65280, the largest bf16 within the range.
-  return scan(reinterpret_cast<const uint16_t*>(p), 0x7fffu, t == DType::kF16 ? 0x7bffu : 0x477fu);
+  return scan(reinterpret_cast<const int16_t*>(p), int16_t{0x7fff},
+              static_cast<int16_t>(t == DType::kF16 ? 0x7bff : 0x477f));
 }
 
 // The message for element `c` of a row that AllStorable rejected.

@@ -6,14 +6,6 @@
 
 namespace kvq::core {
 
-uint16_t FloatToBF16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
 __attribute__((target("f16c,avx"))) static void HalfToFloatF16C(const uint16_t* in, float* out,
                                                                 size_t n) {
   size_t i = 0;
@@ -21,6 +13,46 @@ __attribute__((target("f16c,avx"))) static void HalfToFloatF16C(const uint16_t* 
     _mm256_storeu_ps(out + i,
                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
   for (; i < n; ++i) out[i] = HalfToFloat(in[i]);
+}
+
+static bool HasAvx2() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2");
+  }();
+  return ok;
+}
+
+// FloatToBF16's rule on 8 lanes: the same integer operations, so the same bits.
+__attribute__((target("avx2"))) static void FloatToBF16Avx2(const float* in, uint16_t* out,
+                                                            size_t n) {
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff),
+                abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000),
+                quiet = _mm256_set1_epi32(0x40);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i half[2];
+    for (int j = 0; j < 2; ++j) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i + 8 * j));
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+      const __m256i rounded =
+          _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
+      const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+      // (u & 0x7fffffff) > 0x7f800000 as signed compare: both sides are non-negative.
+      const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+      half[j] =
+          _mm256_and_si256(_mm256_blendv_epi8(rounded, nan, is_nan), _mm256_set1_epi32(0xffff));
+    }
+    // Pack the two 8-lane halves to 16 uint16 (packus works per 128-bit lane: reorder after).
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(half[0], half[1]), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), packed);
+  }
+  for (; i < n; ++i) out[i] = FloatToBF16(in[i]);
+}
+
+void FloatToBF16N(const float* in, uint16_t* out, size_t n) {
+  if (HasAvx2()) return FloatToBF16Avx2(in, out, n);
+  for (size_t i = 0; i < n; ++i) out[i] = FloatToBF16(in[i]);
 }
 
 static bool HasF16C() {

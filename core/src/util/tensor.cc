@@ -54,11 +54,9 @@ void FromFloat(DType t, const float* src, void* dst, size_t n) {
     case DType::kF16:
       FloatToHalfN(src, static_cast<uint16_t*>(dst), n);
       return;
-    case DType::kBF16: {
-      uint16_t* d = static_cast<uint16_t*>(dst);
-      for (size_t i = 0; i < n; ++i) d[i] = FloatToBF16(src[i]);
+    case DType::kBF16:
+      FloatToBF16N(src, static_cast<uint16_t*>(dst), n);
       return;
-    }
   }
 }
 

@@ -259,25 +259,46 @@ class Client(ClientCore):
         return self._stream_blocks(call, tries, bf16)
 
     def _stream_blocks(self, call: Call, tries: Tries, bf16: str) -> Iterator[Block]:
-        for _ in tries:
-            decoder = StreamDecoder(self._wire, call.request)
-            stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout, metadata=tries.metadata)
-            try:
-                for chunk in stream:
-                    need = decoder.needs(chunk)
-                    if need is not None:  # codes of a model met for the first time: its basis
-                        self._wire.add_model(need, self.get_basis(*need, shard=call.shard))
-                    for block in decoder.blocks(chunk, bf16):
+        # Messages are decoded one ahead on a thread of the call's own (the native decode
+        # releases the GIL): while the caller uses a message's blocks, the next is decoded and
+        # gRPC receives the one after. One thread, so the decoder's state changes in order.
+        ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvq-decode")
+        try:
+            for _ in tries:
+                decoder = StreamDecoder(self._wire, call.request)
+                stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout,
+                                                           metadata=tries.metadata)
+                decoding: Optional[Future[List[Block]]] = None
+                try:
+                    for chunk in stream:
+                        following = ahead.submit(self._decode_message, decoder, chunk, bf16, call.shard)
+                        if decoding is not None:
+                            for block in decoding.result():
+                                yield tries.got(block)
+                        decoding = following
+                    if decoding is not None:
+                        for block in decoding.result():
+                            yield tries.got(block)
+                    for block in decoder.finish():
                         yield tries.got(block)
-                for block in decoder.finish():
-                    yield tries.got(block)
-            except grpc.RpcError as e:
-                time.sleep(tries.failed(e))
-                continue
-            finally:
-                stream.cancel()  # a no-op once finished; ends the stream when the caller stops
-            tries.ok(None)
-            return
+                except grpc.RpcError as e:
+                    if decoding is not None:
+                        decoding.cancel()
+                    time.sleep(tries.failed(e))
+                    continue
+                finally:
+                    stream.cancel()  # a no-op once finished; ends the stream when the caller stops
+                tries.ok(None)
+                return
+        finally:
+            ahead.shutdown(wait=True, cancel_futures=True)
+
+    def _decode_message(self, decoder: StreamDecoder, chunk: kvq_pb2.GetBlocksResponse, bf16: str,
+                        shard: int) -> List[Block]:
+        need = decoder.needs(chunk)
+        if need is not None:  # codes of a model met for the first time: its basis
+            self._wire.add_model(need, self.get_basis(*need, shard=shard))
+        return decoder.blocks(chunk, bf16)
 
     def delete_sequence(self, sequence_id: str, *, deadline: Optional[float] = None) -> int:
         """Drops a sequence; returns the bytes freed. NOT_FOUND raises. Never retried."""

@@ -10,7 +10,15 @@ namespace kvq::core {
 
 using format::FloatToHalf;
 using format::HalfToFloat;
-uint16_t FloatToBF16(float f);
+// Round to nearest even; a NaN stays a NaN (quiet bit set). Branch-free so that loops over it
+// vectorize.
+inline uint16_t FloatToBF16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
 inline float BF16ToFloat(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -21,5 +29,7 @@ inline float BF16ToFloat(uint16_t b) {
 // Bulk conversions (vectorized with F16C where the CPU has it).
 void HalfToFloatN(const uint16_t* in, float* out, size_t n);
 void FloatToHalfN(const float* in, uint16_t* out, size_t n);
+// FloatToBF16 over n values (AVX2 where the CPU has it; the same bits).
+void FloatToBF16N(const float* in, uint16_t* out, size_t n);
 
 }  // namespace kvq::core
