@@ -185,7 +185,7 @@ int64_t SequenceOverheadBytes(const StoreImpl::Sequence& s) ABSL_NO_THREAD_SAFET
   return b;
 }
 
-void StoreImpl::Remeasure(Sequence* s, int64_t reserved) {
+bool StoreImpl::Remeasure(Sequence* s, int64_t reserved) {
   SizeReport size;
   int64_t tokens = 0, blocks = 0, elements = 0;
   for (const auto& l : s->layers) {
@@ -202,7 +202,7 @@ void StoreImpl::Remeasure(Sequence* s, int64_t reserved) {
   bytes += SequenceOverheadBytes(*s);
   MutexLock l(&mu_);
   auto t = tenants_.find(s->tenant);
-  if (t == tenants_.end()) return;
+  if (t == tenants_.end()) return false;
   t->second->bytes -= reserved;
   used_bytes_ -= reserved;
   if (s->linked) {
@@ -214,6 +214,8 @@ void StoreImpl::Remeasure(Sequence* s, int64_t reserved) {
   s->blocks = blocks;
   s->elements = elements;
   s->size = size;
+  const int64_t quota = opts_.tenant_quota_bytes, cap = opts_.capacity_bytes;
+  return (quota > 0 && t->second->bytes > quota) || (cap > 0 && used_bytes_ > cap);
 }
 
 absl::StatusOr<std::shared_ptr<StoreImpl::Sequence>> StoreImpl::Find(const std::string& tenant,

@@ -855,16 +855,18 @@ void StoreImpl::AppendBatch::Finish(const std::vector<Sequence*>& locked, bool f
                                     AppendOutcome* outcome) ABSL_NO_THREAD_SAFETY_ANALYSIS {
   // The whole reservation is given back once, with the first sequence's real size.
   int64_t reserved = estimate_;
+  bool over = false;
   for (Sequence* s : locked) {
-    store_.Remeasure(s, reserved);
+    over |= store_.Remeasure(s, reserved);
     reserved = 0;
   }
   // The estimate is close, not exact (vectors' spare capacity): where the real size took the
   // store or the tenant past its limit, make the room now as the reservation would have
   // (retained prefix groups first), so that the limits hold between appends. Sequences
-  // evicted for it are destroyed after the lock is released.
+  // evicted for it are destroyed after the lock is released. Within the limits (the common
+  // case) this takes no lock.
   std::vector<std::shared_ptr<Sequence>> evicted;
-  {
+  if (over) {
     MutexLock l(&store_.mu_);
     store_.ReserveLocked(tenant_, 0, locked, &evicted).IgnoreError();
   }

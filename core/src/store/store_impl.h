@@ -112,8 +112,10 @@ class StoreImpl {
                              absl::Time older_than = absl::InfiniteFuture())
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(Sequence* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Re-measures a sequence after a change and fixes the accounting.
-  void Remeasure(Sequence* s, int64_t reserved);
+  // Re-measures a sequence after a change and fixes the accounting. Returns whether the store
+  // or the sequence's tenant is now past its capacity or quota (a reservation is an estimate;
+  // the caller then settles, ReserveLocked with 0 bytes), read under the same lock.
+  bool Remeasure(Sequence* s, int64_t reserved);
   // The codec tables of (model entry, layer, codec), built on first use and shared by every
   // sequence's cache of that layer for as long as one holds them (kept weakly here).
   std::shared_ptr<const LayerCodecTables> LayerTables(const ModelEntry& model, int layer,
