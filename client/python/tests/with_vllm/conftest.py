@@ -3,8 +3,9 @@ runs them); the parent folder's conftest (real kvq-server processes) applies too
 
 * vllm_model: the SmolLM2-135M transformers folder vLLM serves ($KVQ_VLLM_MODEL, set by
   scripts/test-vllm.sh from scripts/vllm-model.sh).
-* engine_run(tmp_path, prompts, **flags): runs engine_run.py in its own process, returns its
-  JSON (generated ids, num_cached_tokens, connector counters) and its log ("log").
+* engine_run(tmp_path, prompts, model=None, **flags): runs engine_run.py in its own process
+  (on `model`, default vllm_model), returns its JSON (generated ids, num_cached_tokens,
+  connector counters) and its log ("log").
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 
@@ -32,10 +33,10 @@ def vllm_model() -> Path:
 
 @pytest.fixture
 def engine_run(vllm_model: Path) -> Callable[..., Dict[str, Any]]:
-    def run(workdir: Path, prompts: List[List[int]], **flags: Any) -> Dict[str, Any]:
+    def run(workdir: Path, prompts: List[List[int]], model: Optional[Path] = None, **flags: Any) -> Dict[str, Any]:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "prompts.json").write_text(json.dumps(prompts))
-        args = [sys.executable, str(HERE / "engine_run.py"), "--model", str(vllm_model),
+        args = [sys.executable, str(HERE / "engine_run.py"), "--model", str(model or vllm_model),
                 "--prompts", str(workdir / "prompts.json"), "--out", str(workdir / "out.json")]
         for k, v in flags.items():
             args += [f"--{k.replace('_', '-')}", v if isinstance(v, str) else json.dumps(v)]
