@@ -7,9 +7,12 @@ configuration at no more bits). Each implementation is measured against its own 
 the same windows (llama.cpp's activations and matmuls differ slightly from kvq's runner).
 
 Usage: plot_frontier.py --out OUT.png --title TITLE --kvq A.json [B.json ...]
-                        [--llamacpp LLAMA.json] [--noise PCT] [--markdown TABLE.md]
+                        [--llamacpp LLAMA.json] [--peers PEERS.json ...] [--noise PCT]
+                        [--markdown TABLE.md]
 kvq-eval --json files (full-KV rows; K-only rows are skipped); the first file holding a config
-name wins. A row named dense is needed in the kvq files. gnuplot (Debian's gnuplot-nox) draws.
+name wins. A row named dense is needed in the kvq files. --peers: bench_peer_caches.py --json
+files (transformers' QuantizedCache rows, each against the file's own dense row; its kvq rows
+are left to the kvq-eval files). gnuplot (Debian's gnuplot-nox) draws.
 """
 import argparse, json, os, subprocess, sys, tempfile
 
@@ -57,6 +60,16 @@ def load_llamacpp(path):
     return out, f16[0], j.get("llama_cpp_python", "?")
 
 
+def load_peers(path):
+    j = json.load(open(path))
+    dense = [r["ppl"] for r in j["rows"] if r["name"].startswith("dense")]
+    if not dense:
+        sys.exit("plot_frontier: no dense row in " + path)
+    return [{"name": "transformers " + r["name"], "bits": r["bits_per_element"], "ppl": r["ppl"],
+             "excess": 100.0 * (r["ppl"] / dense[0] - 1), "family": "transformers"}
+            for r in j["rows"] if "backend" in r]
+
+
 def frontier(points):
     best, out = None, []
     for p in sorted(points, key=lambda p: (p["bits"], p["excess"])):
@@ -72,15 +85,19 @@ def main():
     ap.add_argument("--title", required=True)
     ap.add_argument("--kvq", nargs="+", required=True)
     ap.add_argument("--llamacpp")
+    ap.add_argument("--peers", nargs="*", default=[])
     ap.add_argument("--noise", type=float, default=0.7, help="margin in %% of PPL called noise")
     ap.add_argument("--markdown", help="also write the dominance table here")
     a = ap.parse_args()
     rows, dense = load_kvq(a.kvq)
     peers = [r for r in rows if r["family"] == "kivi"]
     version = None
+    lc = []
     if a.llamacpp:
         lc, _, version = load_llamacpp(a.llamacpp)
-        peers += lc
+    for f in a.peers:
+        lc += load_peers(f)
+    peers += lc
     ours = [r for r in rows if r["family"] == "kvq"]
     front = frontier(ours)
     lines = ["| peer | bits/elem | vs fp16 | kvq at <= bits | bits/elem | vs fp16 | kvq below? |",
@@ -104,17 +121,18 @@ def main():
     # Points far above the rest (llama.cpp's q4_0 on Qwen2.5: +159%) would squash the curve:
     # they are listed in a label instead.
     cap = 25.0
-    allpts = rows + (lc if a.llamacpp else [])
+    allpts = rows + lc
     off = [r for r in allpts if r["excess"] > cap]
     tmp = tempfile.mkdtemp()
     plots = []
     styles = {"kvq": "pt 7 ps 1.3 lc rgb '#1f77b4'", "kivi": "pt 4 ps 1.4 lc rgb '#ff7f0e'",
-              "llama.cpp": "pt 9 ps 1.6 lc rgb '#d62728'"}
+              "llama.cpp": "pt 9 ps 1.6 lc rgb '#d62728'", "transformers": "pt 11 ps 1.6 lc rgb '#2ca02c'"}
     titles = {"kvq": "kvq (HeadQ) configurations", "kivi": "KIVI-like (the base code alone, no levers)",
               "llama.cpp": "llama.cpp KV types (%s)" % (
                   "llama-cpp-python %s, flash attention" % version
-                  if version and version[0].isdigit() else version)}
-    for fam in ("kvq", "kivi", "llama.cpp"):
+                  if version and version[0].isdigit() else version),
+              "transformers": "transformers QuantizedCache (quanto, HQQ; residual 128 counted)"}
+    for fam in ("kvq", "kivi", "llama.cpp", "transformers"):
         pts = [r for r in allpts if r["family"] == fam and r["excess"] <= cap]
         if not pts:
             continue

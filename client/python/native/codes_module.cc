@@ -1,10 +1,10 @@
 // kvq._codes: the Python package's native module (nanobind). HeadQ codes on the wire (docs/API.md,
 // "Codes on the wire") encoded and decoded by core's own codec, as the C++ client does
 // (client/lib/src/codes.cc): a core::LayerCache over MakeLayerCodecTables(model, layer, codec) to
-// encode, CheckEncodedGroups then core::DecodeRun to decode, so that the blocks made here are
-// the server's byte for byte and the rows decoded here are GetBlocks' decoded rows bit for bit.
-// No protobuf here: kvq/codes.py takes the messages apart and passes tensors as numpy arrays
-// and settings as plain values.
+// encode, core::DecodeMessage (the untrusted check, then the decode) to decode, so that the blocks
+// made here are the server's byte for byte and the rows decoded here are GetBlocks' decoded rows
+// bit for bit. No protobuf here: kvq/codes.py takes the messages apart and passes tensors as numpy
+// arrays and settings as plain values.
 //
 // Errors are kvq._codes.Error(code, message): code is the absl (= gRPC) status code number.
 // The GIL is released while a codec runs; a Model is immutable (thread-safe), a LayerEncoder
@@ -415,7 +415,7 @@ class Model {
 
   // One GetBlocks message in codes of layer `layer` of a sequence of `codec`: the run of
   // groups from token `start` (blocks, block_bytes, the fp16 sinks' bytes or b"", the
-  // fingerprint it names) checked as untrusted (CheckEncodedGroups) and decoded (DecodeRun),
+  // fingerprint it names) checked as untrusted and decoded (core::DecodeMessage),
   // then the window rows (keys, values [kv_heads, n, head_dim], or None): [kv_heads, groups * G
   // + n, head_dim] each in `dtype`, bit for bit what GetBlocks decodes.
   std::pair<OutArray, OutArray> Decode(int layer, const Codec& codec, int64_t start,

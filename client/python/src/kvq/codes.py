@@ -1,7 +1,7 @@
 """HeadQ codes on the wire for Python clients (docs/API.md, "Codes on the wire").
 
 A model's encoder and decoder, made from its GetBasis answer, running kvq's own C++ codec (the
-native module kvq._codes: core's LayerCache to encode, core::DecodeRun to decode, as the C++
+native module kvq._codes: core's LayerCache to encode, core::DecodeMessage to decode, as the C++
 client's kvq::client::ModelCodes does), so that the blocks made here are the server's byte for
 byte and the rows decoded here are GetBlocks' decoded rows bit for bit.
 

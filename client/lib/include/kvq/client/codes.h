@@ -1,6 +1,6 @@
 // Codes on the wire for C++ clients (docs/API.md, "Codes on the wire"): a model's encoder and
 // decoder, made from its GetBasis answer, running core's own codec (a LayerCache to encode,
-// core::DecodeRun to decode), so that the blocks made here are the server's byte for byte and
+// core::DecodeMessage to decode), so that the blocks made here are the server's byte for byte and
 // the rows decoded here are GetBlocks' decoded rows bit for bit. Immutable; thread-safe.
 #pragma once
 
