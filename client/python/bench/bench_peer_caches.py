@@ -177,6 +177,8 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     data = Path(os.environ.get("KVQ_DATA_DIR") or REPO.parent / "shared/data")
     text = args.text or str(data / "wikitext-2/wiki.test.raw")
+    # Recorded without this machine's folders: the model's file name, the text under $KVQ_DATA_DIR.
+    shown_text = "$KVQ_DATA_DIR/wikitext-2/wiki.test.raw" if not args.text else Path(args.text).name
     config, tokenizer, lm = load_checkpoint(args.model, None, "float32", "cpu")
     ids = read_tokens(tokenizer, text, args.windows * args.window_len)[: args.windows * args.window_len]
     toks = torch.tensor(np.asarray(ids, dtype=np.int64)).view(args.windows, args.window_len)
@@ -191,8 +193,9 @@ def main() -> int:
         print(f"{row['name']:40s} bits/elem {row.get('bits_per_element', 16):6.3f} ppl {row['ppl']:.4f} "
               f"({row['vs_dense']:+.1%}) {row['seconds']:.0f} s", flush=True)
         if args.json:  # after every row: a long run stopped early keeps what it measured
-            Path(args.json).write_text(json.dumps({"model": args.model, "text": text, "windows": args.windows,
-                                                   "window_len": args.window_len, "rows": rows}, indent=1) + "\n")
+            Path(args.json).write_text(json.dumps({"model": Path(args.model).name, "text": shown_text,
+                                                   "windows": args.windows, "window_len": args.window_len,
+                                                   "rows": rows}, indent=1) + "\n")
 
     t0 = time.monotonic()
     ppl, _, _ = perplexity(lm, toks, DynamicCache, [(0, args.window_len - 1)], args.batch)
