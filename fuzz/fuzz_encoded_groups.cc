@@ -9,9 +9,9 @@
 // the reads behind them instead of stopping at the checksum.
 //
 // Checked: the check never crashes; a run it accepts is taken by a cache (AppendGroups), decodes
-// to finite values (LayerCache::DecodeAs), decodes on its own to the same bytes (DecodeRun, what
-// a client does) and attends to finite outputs. A run that passes the check but breaks a read is
-// a finding (abort).
+// to finite values (LayerCache::DecodeAs), decodes on its own to the same bytes (DecodeMessage,
+// what a client does) and attends to finite outputs. A run that passes the check but breaks a read
+// is a finding (abort).
 //
 // KVQ_FUZZ_ENCODED_SEEDS=DIR writes the committed seeds (fuzz/corpus/encoded_groups/: valid runs
 // of one and two groups of every codec, made by the encoder) into DIR and exits.
@@ -173,9 +173,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   std::vector<uint8_t> rk, rv;
   const float* u = cache.tables()->basis.empty() ? nullptr : cache.tables()->basis.data();
-  Require(kvq::core::DecodeRun(cache.options(), 1, u, run, kvq::core::DType::kF32, &rk, &rv),
-          "failed DecodeRun");
-  Require(rk == kd && rv == vd, "decoded otherwise on its own (DecodeRun)");
+  Require(kvq::core::DecodeMessage(cache.options(), 1, u, run, nullptr, nullptr,
+                                   kvq::core::DType::kF32, "encoded", &rk, &rv),
+          "failed DecodeMessage");
+  Require(rk == kd && rv == vd, "decoded otherwise on its own (DecodeMessage)");
   std::vector<float> q(2 * kDim, 0.1f), out(2 * kDim);
   kvq::core::AttendOptions ao;
   ao.observe = false;
