@@ -6,7 +6,8 @@
   --register and lists it with its shape, and the C++ client's `kvq models register` finds
   the very same entry (core::ReadBasis of the files);
 * agreement with kvq-calibrate on the same text: per head, the held-out query energy each
-  basis captures and the principal angles between them;
+  basis captures and the principal angles between them; the same for the oblique pair's
+  encode and decode bases (kvq-calibrate --variants' DIR/oblique), which the server takes;
 * refusals: a tiny randomly initialised model of a refused kind (sliding window, soft-capping)
   exits 3 naming the feature; bad options exit 2 naming the option.
 """
@@ -71,13 +72,43 @@ def test_streamed_stats_match_a_one_shot_fit():
         stats.fit(12)
 
 
+def test_oblique_pair_minimises_the_score_error_it_leaves():
+    """fit_oblique against its definition: A^T B = I with unit decode columns, and the pair
+    leaves less of the base code's score error, tr(M P Se P^T) / tr(M Se), than the query PCA
+    and than random biorthogonal pairs (residuals anisotropic in other channels than the
+    queries, so that the two fits differ)."""
+    rng = np.random.default_rng(23)
+    layers, q_heads, kv_heads, d, rank = 1, 4, 2, 12, 3
+    q = rng.standard_normal((layers, 1, q_heads, 300, d)) * np.linspace(3.0, 0.2, d)
+    e = rng.standard_normal((layers, kv_heads, 200, d)) * np.linspace(0.2, 2.0, d)
+    stats = QueryStats(layers, q_heads, kv_heads, d)
+    with pytest.raises(RuntimeError, match="no residual statistics for layer 0 kv head 0"):
+        stats.add(0, torch.from_numpy(q[0].astype(np.float32)))
+        stats.fit_oblique(rank)
+    for part in np.split(e[0], [50], axis=1):  # two calls: the sums must stream
+        stats.add_residual(0, torch.from_numpy(part))
+    obl, pca = stats.fit_oblique(rank), stats.fit(rank)
+    assert obl.kind == "oblique_rrr" and len(obl.encode) == layers
+    a, b = obl.encode[0], obl.u[0]
+    np.testing.assert_allclose(np.einsum("hdr,hds->hrs", a, b), np.broadcast_to(np.eye(rank), (kv_heads, rank, rank)),
+                               atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(b, axis=1), 1.0, atol=1e-5)
+    left_obl = stats.score_error_left(obl.u, obl.encode)[0]
+    left_pca = stats.score_error_left(pca.u, pca.u)[0]
+    assert (left_obl < left_pca - 0.05).all(), (left_obl, left_pca)
+    for _ in range(5):  # random pairs: B random, A its biorthogonal dual
+        rb = rng.standard_normal((kv_heads, d, rank))
+        ra = np.stack([x @ np.linalg.inv(x.T @ x) for x in rb])
+        assert (left_obl <= stats.score_error_left([rb], [ra])[0] + 1e-9).all()
+
+
 @pytest.fixture(scope="module")
 def smol_entry(smollm2_gguf, tmp_path_factory):
     """SmolLM2 calibrated through the command line (one thread, a short slice)."""
     out = tmp_path_factory.mktemp("calib") / "entry"
     r = _cli(str(smollm2_gguf), "--out", str(out), "--text", str(data_file("wikitext-2/wiki.valid.tokens")),
              "--tokens", str(CALIB_TOKENS), "--window-len", str(WINDOW), "--batch", "2", "--rank", str(RANK),
-             "--threads", "1", "--quiet")
+             "--threads", "1", "--oblique", "--quiet")
     assert r.returncode == 0, r.stderr
     return out, json.loads(r.stdout)
 
@@ -112,6 +143,16 @@ def test_calibrated_entry_loads_in_kvq_server(smol_entry, smollm2_gguf, kvq_serv
     assert "already registered smollm2-135m-instruct-hf v1" in r.stdout + r.stderr
     # The server persisted it in its registry layout.
     assert (kvq_server.registry / "smollm2-135m-instruct-hf/v1/manifest.json").is_file()
+    # The oblique pair: A^T B = I per head, and the server takes it (core::ReadBasis checks the
+    # biorthogonality and the fingerprint over both bases).
+    obl = kvq.hf.read_basis(str(out / "oblique"))
+    assert obl.manifest["kind"] == "oblique_rrr" and len(obl.encode) == 30
+    for a, b in zip(obl.encode, obl.u):
+        np.testing.assert_allclose(np.einsum("hdr,hds->hrs", a, b), np.broadcast_to(np.eye(RANK), (3, RANK, RANK)),
+                                   atol=1e-4)
+    with kvq.Client(kvq_server.address, deadline=10.0) as client:
+        kvq.hf.register_basis(client, str(out / "oblique"), config=config, name="smol-oblique-hf", check=False)
+        assert client.get_model("smol-oblique-hf").oblique
 
 
 def test_register_flag_and_registry_layout(smollm2_gguf, kvq_server, tmp_path):
@@ -140,14 +181,16 @@ def test_agrees_with_kvq_calibrate(smollm2_gguf, smol_entry, kvq_build_dir, tmp_
     cpp_dir = tmp_path / "cpp"
     r = subprocess.run([str(kvq_build_dir / "bin/kvq-calibrate"), "--model", str(smollm2_gguf), "--text", text,
                         "--tokens", str(CALIB_TOKENS), "--window-len", str(WINDOW), "--rank", str(RANK),
-                        "--threads", "1", "--out", str(cpp_dir)], capture_output=True, text=True, timeout=600)
+                        "--threads", "1", "--variants", "--out", str(cpp_dir)], capture_output=True, text=True,
+                        timeout=600)
     assert r.returncode == 0, r.stderr
     torch.set_num_threads(1)
     config, tok, lm = load_checkpoint(str(smollm2_gguf), None, "float32", "cpu")
     ids = read_tokens(tok, text, CALIB_TOKENS + HELD_OUT)
     shape = model_shape(config)
     assert shape == (30, 9, 3, 64)
-    held = collect_query_stats(lm, ids[CALIB_TOKENS:], QueryStats(*shape), window_len=WINDOW, batch=2)
+    held = collect_query_stats(lm, ids[CALIB_TOKENS:], QueryStats(*shape), window_len=WINDOW, batch=2,
+                               residuals=True)
     py = kvq.hf.read_basis(str(out)).u
     cpp = kvq.hf.to_model_order(kvq.hf.read_basis(str(cpp_dir)), config).u
     e_py, e_cpp = held.captured_energy(py), held.captured_energy(cpp)
@@ -159,6 +202,25 @@ def test_agrees_with_kvq_calibrate(smollm2_gguf, smol_entry, kvq_build_dir, tmp_
     assert angles.max() < 2.0
     # Not vacuous: the basis captures far more than a random rank-8 subspace would (8/64).
     assert e_py.mean() > 0.5
+    # The oblique pair: the same residual code (kvq's 2-bit G=32 KIVI keys) and the same fit.
+    # Its subspaces are compared by what they are fitted for, the share of the base code's
+    # score error they leave on the held-out tokens: the residual flips 2-bit codes where the
+    # two forward passes' keys differ in rounding, and near-degenerate directions of a
+    # 1,024-token fit then turn (keys perturbed by 1e-4 of themselves move Python's own pair by
+    # the same angles: median largest 2.5 deg, max 33 deg).
+    py_obl = kvq.hf.read_basis(str(out / "oblique"))
+    cpp_obl = kvq.hf.to_model_order(kvq.hf.read_basis(str(cpp_dir / "oblique")), config)
+    left_py = held.score_error_left(py_obl.u, py_obl.encode)
+    left_cpp = held.score_error_left(cpp_obl.u, cpp_obl.encode)
+    left_pca = held.score_error_left(py, py)
+    a = np.array([[principal_angles(cpp_obl.u[l][h], py_obl.u[l][h]) for h in range(3)] for l in range(30)])
+    print(f"oblique pair, held-out score error left: python {left_py.mean():.4f}, kvq-calibrate "
+          f"{left_cpp.mean():.4f}, max |diff| {np.abs(left_py - left_cpp).max():.2e} (query PCA "
+          f"{left_pca.mean():.4f}); decode bases' principal angles: median largest "
+          f"{np.median(a[..., -1]):.3f} deg, max {a.max():.3f} deg")
+    assert np.abs(left_py - left_cpp).max() < 0.01
+    # Not vacuous: the pair is not the query PCA, and leaves less of the error on unseen tokens.
+    assert left_py.mean() < left_pca.mean() - 0.01
 
 
 def _tiny(tmp_path: Path, name: str, config) -> str:

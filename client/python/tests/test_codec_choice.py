@@ -179,9 +179,13 @@ def test_chooses_smollm2s_codec_within_the_budget(chosen_entry, smollm2_gguf, kv
     assert all(("skipped" in c) == (c["bits_per_element"] > 3.0) for c in search["candidates"])
     b25 = search["budgets"][1]
     assert b25["max_bits_per_element"] == 2.5 and b25["bits_per_element"] <= 2.5
-    # The lever stages ran: the key levers without the oblique pair (none is fitted here).
+    # The lever stages ran: the key levers, the oblique pair (fitted by --bits) among them; the
+    # entry serves with the oblique pair exactly when the chosen row reads it.
     assert [c["name"] for c in search["key_lever_search"]["candidates"]] == \
-        ["headq-kv2-g128", "headq-kv2-g128-mr", "headq-kv2-g128-rotk-mr"]
+        ["headq-kv2-g128", "headq-kv2-g128-mr", "headq-kv2-g128-obl-mr", "headq-kv2-g128-rotk-mr"]
+    assert (out / "oblique" / "manifest.json").is_file()
+    kind = json.loads((out / "manifest.json").read_text())["kind"]
+    assert (kind == "oblique_rrr") == best["oblique_basis"] == (out / "query-pca").is_dir(), kind
     # codec.json holds the chosen settings, and the C++ reader takes them: `kvq models
     # register` reads the entry with core::ReadBasis + ReadCodecJson and sends the codec.
     codec = json.loads((out / "codec.json").read_text())
@@ -196,6 +200,7 @@ def test_chooses_smollm2s_codec_within_the_budget(chosen_entry, smollm2_gguf, kv
     assert served.returncode == 0 and 'model: "my-model"' in served.stdout, served.stderr
     with kvq.Client(kvq_server.address, deadline=10.0) as client:
         got = client.get_model("my-model")
+    assert got.oblique == best["oblique_basis"]
     policy = {kvq_pb2.CodecSettings.VALUE_POLICY_UNIFORM: "uniform", kvq_pb2.CodecSettings.VALUE_POLICY_A2: "a2"}
     for key, value in codec.items():
         have = getattr(got.codec, key)

@@ -26,8 +26,8 @@ attention logit soft-capping, MLA, cross-layer KV sharing, non-RoPE positions, e
 Without --bits no codec is chosen (no codec.json): the server serves the entry with its
 default codec. --bits B[,B2..] chooses it as kvq-calibrate --bits does (kvq/hf/codec_choice.py;
 the candidate list, lever stages and criterion are codec_search.cc's, and a test holds the two
-lists equal): first the key lever (none, metric rounding, + keys rotated by H; no oblique pair
-is fitted here, so that lever is not tried) on the probe codec headq-kv2-g128, then whether
+lists equal): first the key lever (none, metric rounding, + the oblique pair, + keys rotated
+by H) on the probe codec headq-kv2-g128, then whether
 four fp16 sinks lower the probe's perplexity, then whether dense-and-sparse lowers it by >= 1%;
 then every candidate with those levers (kvq-eval config names, from about 2.4 to 9 bits per
 element at head_dim 64) within the budget: (K bits + V bits) / 2, steady state, every byte
@@ -42,6 +42,10 @@ Writes DIR/codec.json (the chosen codec, the registry's format) and DIR/codec-se
 row, each budget's choice) and prints the tables; --register then sends codec.json with the
 basis. More budgets (--bits 3,2.5,4) are chosen from the same rows (candidates up to the
 largest); codec.json gets the first one's. Check a row: python -m kvq.hf.codec_choice.
+The oblique pair (--oblique, implied by --bits) is kvq-calibrate's reduced-rank regression of
+the score error against the keys' 2-bit G=32 KIVI residual (encode basis A, decode basis B),
+written to DIR/oblique; when --bits chooses it, DIR serves with it and the query PCA moves to
+DIR/query-pca, as kvq-calibrate does.
 Exit: 0 written (and registered), 2 a bad option or input (named), 3 a refused model, 4 the
 server of --register not SERVING (checked before calibrating) or the registration failed.
 """
@@ -78,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
                                         "without .gguf and its quantization tag, + '-hf')")
     p.add_argument("--version", type=int, default=1, help="basis version (1)")
     p.add_argument("--centred", action="store_true", help="fit the covariance (kind query_pca_centred), an ablation")
+    p.add_argument("--oblique", action="store_true",
+                   help="also fit the oblique pair into DIR/oblique (implied by --bits; see below)")
     p.add_argument("--no-query-moment", action="store_true",
                    help="store U alone, without each head's E[q q^T] (then no metric rounding)")
     p.add_argument("--gguf-file", help="the GGUF file inside the model folder (instead of MODEL ending in .gguf)")
@@ -125,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                       query_moment=not args.no_query_moment, gguf_file=args.gguf_file,
                       device=args.device, dtype=args.dtype, register=args.register,
                       progress=not args.quiet, bits=budgets, search_windows=args.search_windows,
-                      search_window_len=args.search_window_len)
+                      search_window_len=args.search_window_len, oblique=args.oblique)
     except UnsupportedModelError as e:
         print(f"kvq-calibrate-hf: {e}", file=sys.stderr)
         return 3

@@ -178,10 +178,11 @@ _MANIFEST_FIELDS = ("format", "format_version", "model", "version", "layers", "k
 
 
 def write_basis(path: str, manifest: Dict[str, Any], u: Sequence[np.ndarray],
-                query_moment: Sequence[np.ndarray] = ()) -> Dict[str, Any]:
+                query_moment: Sequence[np.ndarray] = (), encode: Sequence[np.ndarray] = ()) -> Dict[str, Any]:
     """Writes a registry entry folder as core::WriteBasis does: basis.safetensors (F32
-    "layer.{l}.u" [kv_heads, head_dim, rank], then "layer.{l}.query_moment" [kv_heads,
-    head_dim, head_dim] when given; metadata format "kvq-basis" and the fingerprint) and
+    "layer.{l}.u" [kv_heads, head_dim, rank], an oblique pair's encode basis "layer.{l}.encode"
+    of the same shape when given, then "layer.{l}.query_moment" [kv_heads, head_dim, head_dim]
+    when given; metadata format "kvq-basis" and the fingerprint) and
     manifest.json (every field of core's manifest, format_version 1: no value metrics), each
     through a temporary file and a rename. `manifest` gives model, version, rope_layout,
     channel_order, kind, calibration_tokens and calibration_text; the shape fields and the
@@ -194,16 +195,21 @@ def write_basis(path: str, manifest: Dict[str, Any], u: Sequence[np.ndarray],
     H, D, R = (int(v) for v in u[0].shape)
     if query_moment and len(query_moment) != len(u):
         raise ValueError(f"write_basis: {len(query_moment)} query moments for {len(u)} layers")
-    for layer, x in enumerate(u):
-        if tuple(x.shape) != (H, D, R):
-            raise ValueError(f"write_basis: layer.{layer}.u has shape {tuple(x.shape)}, layer 0 {(H, D, R)}")
+    if encode and len(encode) != len(u):
+        raise ValueError(f"write_basis: {len(encode)} encode bases for {len(u)} layers")
+    for name, xs in (("u", u), ("encode", encode)):
+        for layer, x in enumerate(xs):
+            if tuple(x.shape) != (H, D, R):
+                raise ValueError(f"write_basis: layer.{layer}.{name} has shape {tuple(x.shape)}, "
+                                 f"layer.0.u {(H, D, R)}")
     for layer, x in enumerate(query_moment):
         if tuple(x.shape) != (H, D, D):
             raise ValueError(f"write_basis: layer.{layer}.query_moment has shape {tuple(x.shape)}, "
                              f"want [kv_heads, head_dim, head_dim] = {(H, D, D)}")
     u32 = [np.ascontiguousarray(x, dtype="<f4") for x in u]
     qm32 = [np.ascontiguousarray(x, dtype="<f4") for x in query_moment]
-    fp = basis_fingerprint(u32, (), qm32)
+    a32 = [np.ascontiguousarray(x, dtype="<f4") for x in encode]
+    fp = basis_fingerprint(u32, a32, qm32)
     full = dict(manifest, format="kvq-basis", format_version=1, layers=len(u), kv_heads=H,
                 head_dim=D, rank=R, fingerprint=fp)
     missing = [k for k in _MANIFEST_FIELDS if k not in full]
@@ -211,6 +217,7 @@ def write_basis(path: str, manifest: Dict[str, Any], u: Sequence[np.ndarray],
         raise ValueError(f"write_basis: manifest field(s) {missing} missing")
     full = {k: full[k] for k in _MANIFEST_FIELDS}
     tensors = {f"layer.{layer}.u": x for layer, x in enumerate(u32)}
+    tensors.update({f"layer.{layer}.encode": x for layer, x in enumerate(a32)})
     tensors.update({f"layer.{layer}.query_moment": x for layer, x in enumerate(qm32)})
     os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, f".basis.safetensors.tmp{os.getpid()}")

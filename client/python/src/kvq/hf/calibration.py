@@ -17,6 +17,7 @@ so that kvq.hf registers it unmapped and refuses to mix it with a GGUF-order bas
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -28,6 +29,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..types import CodecSettings
 from .basis import HF_CHANNEL_ORDER, _model_fields, write_basis
 from .query_stats import QueryStats
 from .support import check_supported, rope_layout
@@ -158,20 +160,59 @@ def model_shape(config: Any) -> Tuple[int, int, int, int]:
     return f["layers"], f["q_heads"], f["kv_heads"], f["head_dim"]
 
 
+# The base code whose key residual the oblique pair is fitted to (kvq-calibrate's: 2-bit KIVI
+# keys in groups of 32 tokens, no side code).
+RESIDUAL_CODEC = CodecSettings(key_bits=2, key_group=32, rank=0, value_bits=2, value_group=32, window=0,
+                               fp16_sinks=0, rotate_keys=False, rotate_values=False, metric_rounding=False,
+                               sparse_keys=0, sparse_values=0)
+
+
+class KeyResiduals:
+    """Each window's key residuals against RESIDUAL_CODEC, encoded and decoded by kvq's own codec
+    (kvq.codes, in-process), added to a QueryStats: for every whole group of 32 tokens from
+    the window's start, as kvq-calibrate's hook does."""
+
+    def __init__(self, stats: QueryStats):
+        from .codec_choice import _model_codes
+
+        self.stats = stats
+        self.codes = _model_codes("kvq-residual", 1, stats.layers, stats.kv_heads, stats.q_heads,
+                                  stats.head_dim, 0, "0", [], [])
+        # The values go through the codec too (unused): a group within any head_dim.
+        self.codec = self.codes.codec(dataclasses.replace(RESIDUAL_CODEC, value_group=min(32, stats.head_dim)))
+
+    def add(self, layer: int, key: Any) -> None:
+        """key: one attention call's post-RoPE keys [batch, kv_heads, tokens, head_dim]."""
+        import torch
+
+        G = int(RESIDUAL_CODEC.key_group or 0)
+        n = int(key.shape[2]) // G * G
+        if n == 0:
+            return
+        for k in key[:, :, :n].detach().to(device="cpu", dtype=torch.float32).numpy():
+            decoded, _ = self.codes.decode_encoded(self.codes.encode(layer, k, k, self.codec))
+            self.stats.add_residual(layer, k - decoded)
+
+
 def collect_query_stats(lm: Any, ids: List[int], stats: QueryStats, *, window_len: int = 512,
-                        batch: int = 4, progress: bool = False) -> QueryStats:
+                        batch: int = 4, progress: bool = False, residuals: bool = False) -> QueryStats:
     """Runs `ids` through the transformers model `lm` in independent windows of `window_len`
     tokens (`batch` full windows per forward pass, then the shorter tail alone), adding every
     layer's post-RoPE queries to `stats` from an attention function registered in
     transformers' AttentionInterface (it then attends with SDPA, so the forward is the model's
-    own). The model's attention implementation is restored afterwards. Returns `stats`."""
+    own); with residuals=True also the keys' residuals the oblique pair needs (KeyResiduals).
+    The model's attention implementation is restored afterwards. Returns `stats`."""
     import torch
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    keys = KeyResiduals(stats) if residuals else None
+
     def capture(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
         stats.add(int(module.layer_idx), query)
+        if keys is not None:
+            keys.add(int(module.layer_idx), key)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(_CAPTURE, capture)
@@ -215,6 +256,7 @@ def calibrate(
     bits: Optional[Sequence[float]] = None,
     search_windows: int = 8,
     search_window_len: int = 512,
+    oblique: bool = False,
 ) -> CalibrationResult:
     """Calibrates `model` (a transformers checkpoint folder or hub id, or a .gguf file) and
     writes its registry entry: into `out` (the entry folder, as kvq-calibrate --out), or into
@@ -227,7 +269,10 @@ def calibrate(
     stages and criterion), on `search_windows` windows of `search_window_len` tokens of the
     text that follow the calibration tokens, and write codec.json and codec-search.json into
     the entry (None: no codec is chosen; the server serves the entry with its default).
-    centred=True fits the covariance instead (kind "query_pca_centred"). Raises
+    centred=True fits the covariance instead (kind "query_pca_centred"). oblique=True (implied
+    by bits) also fits the oblique pair into <entry>/oblique, as kvq-calibrate --bits does: the
+    search tries it as a key lever, and the entry serves with it when it is chosen (the query
+    PCA then moves to <entry>/query-pca). Raises
     CalibrationError (bad argument, naming it), UnsupportedModelError (a refused feature)."""
     if (out is None) == (registry is None):
         raise CalibrationError("out/registry", "exactly one is needed (the entry folder, or a registry folder)")
@@ -274,19 +319,27 @@ def calibrate(
 
     t1 = time.monotonic()
     stats = QueryStats(layers, q_heads, kv_heads, head_dim)
-    collect_query_stats(lm, ids, stats, window_len=window_len, batch=batch, progress=progress)
+    residuals = oblique or bool(budgets)
+    collect_query_stats(lm, ids, stats, window_len=window_len, batch=batch, progress=progress,
+                        residuals=residuals)
     fitted = stats.fit(rank, centred=centred)
     path = out if out is not None else os.path.join(str(registry), name, f"v{version}")
-    manifest = write_basis(path, {
-        "model": name,
-        "version": int(version),
-        "q_heads": q_heads,
-        "rope_layout": rope_layout(config),
-        "channel_order": HF_CHANNEL_ORDER,
-        "kind": fitted.kind,
-        "calibration_tokens": fitted.calibration_tokens,
-        "calibration_text": text,
-    }, fitted.u, fitted.query_moment if query_moment else ())
+
+    def write(where: str, f: Any) -> Dict[str, Any]:
+        return write_basis(where, {
+            "model": name,
+            "version": int(version),
+            "q_heads": q_heads,
+            "rope_layout": rope_layout(config),
+            "channel_order": HF_CHANNEL_ORDER,
+            "kind": f.kind,
+            "calibration_tokens": f.calibration_tokens,
+            "calibration_text": text,
+        }, f.u, f.query_moment if query_moment else (), f.encode)
+
+    manifest = write(path, fitted)
+    if residuals:
+        write(os.path.join(path, "oblique"), stats.fit_oblique(rank))
     energy = stats.captured_energy(fitted.u)
     seconds = time.monotonic() - t1
     chosen = None

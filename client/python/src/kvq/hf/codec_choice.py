@@ -6,7 +6,7 @@ The search, stage by stage (the same names, stages and criterion as kvq-calibrat
 
 1. key lever: the probe codec (LEVER_PROBE) with each of KEY_LEVERS ("", metric rounding,
    + the oblique pair, + keys rotated by H); the oblique lever is tried only where an oblique
-   pair was calibrated (kvq-calibrate-hf fits none, so it tries three);
+   pair was calibrated (<entry>/oblique, which kvq-calibrate-hf --bits writes);
 2. sink lever: the probe with that lever and SINK_LEVER (four fp16 sinks): taken when it lowers
    the probe's perplexity;
 3. dense-and-sparse lever: the probe so far with the sparse lever (with_sparse_lever): taken
@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -439,6 +440,8 @@ def choose_codec(lm: Any, path: str, held_out: Sequence[int], budgets: Sequence[
     path/codec.json and path/codec-search.json. See the module docstring."""
     t0 = time.monotonic()
     codes = entry_codes(path)
+    oblique_path = os.path.join(path, "oblique")
+    oblique_codes = entry_codes(oblique_path) if os.path.isfile(os.path.join(oblique_path, "manifest.json")) else None
     info = codes.info
     shape = (int(info.kv_heads), int(info.q_heads), int(info.head_dim))
     rank = int(info.basis_rank)
@@ -461,7 +464,8 @@ def choose_codec(lm: Any, path: str, held_out: Sequence[int], budgets: Sequence[
                     bar.update(w - done[0])
                     done[0] = w
 
-                r.ppl = codec_perplexity(lm, codes, codes.codec(r.settings), held_out, windows, window_len,
+                c = oblique_codes if r.oblique and oblique_codes is not None else codes
+                r.ppl = codec_perplexity(lm, c, c.codec(r.settings), held_out, windows, window_len,
                                          batch=batch, on_window=step)
         finally:
             bar.close()
@@ -472,10 +476,9 @@ def choose_codec(lm: Any, path: str, held_out: Sequence[int], budgets: Sequence[
         print(_table(rows), file=sys.stderr)
         return rows, chosen
 
-    # Stage 1: the key lever on the probe.
-    # kvq-calibrate-hf fits no oblique pair: its lever is left out, as kvq-calibrate leaves it
-    # out when it has none.
-    levers = [lv for lv in KEY_LEVERS if not lv.startswith("obl")]
+    # Stage 1: the key lever on the probe (the oblique lever only with an oblique pair, as
+    # kvq-calibrate leaves it out when it has none).
+    levers = [lv for lv in KEY_LEVERS if oblique_codes is not None or not lv.startswith("obl")]
     stage1, i1 = search([with_key_lever(LEVER_PROBE, lv) for lv in levers], math.inf, "key lever")
     lever = levers[i1]
     no_sinks = stage1[i1]
@@ -513,6 +516,14 @@ def choose_codec(lm: Any, path: str, held_out: Sequence[int], budgets: Sequence[
     for i, r in enumerate(rows):
         r.chosen = i == first
     best = rows[first]
+    if best.oblique:
+        # The entry serves with one basis: the oblique pair becomes DIR's, the query PCA moves
+        # to DIR/query-pca (kvq-calibrate's layout).
+        query_path = os.path.join(path, "query-pca")
+        os.makedirs(query_path, exist_ok=True)
+        for f in ("basis.safetensors", "manifest.json"):
+            os.replace(os.path.join(path, f), os.path.join(query_path, f))
+            shutil.copyfile(os.path.join(oblique_path, f), os.path.join(path, f))
     _write_json(os.path.join(path, "codec.json"), codec_json(best))
     search_json = {
         "max_bits_per_element": budgets[0],
@@ -527,7 +538,7 @@ def choose_codec(lm: Any, path: str, held_out: Sequence[int], budgets: Sequence[
         "key_lever": lever, "key_lever_search": _stage_json(stage1),
         "sink_lever": SINK_LEVER if sinks else "", "sink_lever_search": _stage_json(sink_rows),
         "sparse_lever": sparse, "sparse_lever_search": _stage_json(sparse_rows),
-        "basis": "query PCA (DIR)",
+        "basis": "oblique_rrr (DIR; the query PCA in DIR/query-pca)" if best.oblique else "query PCA (DIR)",
     }
     _write_json(os.path.join(path, "codec-search.json"), search_json)
     return CodecChoice(best, rows, per_budget, lever, sinks, sparse,

@@ -12,11 +12,18 @@ mean squared score error of a key residual e (docs/HEADQ.md, section 2); centred
 diagonalises the covariance instead (the ablation kvq-calibrate --variants writes as
 "centred"). The query moment kept beside the basis is always the uncentred E[q q^T], as
 kvq-calibrate stores it (the metric of the codec's metric rounding).
+
+The oblique pair (fit_oblique, kind "oblique_rrr") also needs the base quantizer's key residual:
+add_residual sums e e^T per head, e the key minus its 2-bit G = 32 KIVI code (the residual a
+side code corrects), and the pair is core::QueryStats::Basis's reduced-rank regression of the
+score error: with Se = E[e e^T] (plus a small ridge) and R = Se^1/2, w the top-`rank`
+eigenvectors of R M R, the decode basis B = R w (unit columns) and the encode basis A = R^-1 w
+(scaled so that A^T B = I).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List
 
 import numpy as np
@@ -26,10 +33,13 @@ __all__ = ["FittedBasis", "QueryStats", "principal_angles"]
 
 @dataclass
 class FittedBasis:
-    kind: str  # "query_pca_uncentred" or "query_pca_centred" (kvq-calibrate's names)
-    u: List[np.ndarray]  # per layer, f32 [kv_heads, head_dim, rank], orthonormal columns
+    kind: str  # "query_pca_uncentred", "query_pca_centred" or "oblique_rrr" (kvq-calibrate's names)
+    # per layer, f32 [kv_heads, head_dim, rank]: orthonormal columns (the decode basis B, with
+    # unit columns, of an oblique pair)
+    u: List[np.ndarray]
     query_moment: List[np.ndarray]  # per layer, f32 [kv_heads, head_dim, head_dim]: E[q q^T]
     calibration_tokens: int  # tokens per head (queries / (layers * q_heads))
+    encode: List[np.ndarray] = field(default_factory=list)  # an oblique pair's A, like u
 
 
 class QueryStats:
@@ -44,6 +54,8 @@ class QueryStats:
         self.m2 = torch.zeros(layers, kv_heads, head_dim, head_dim, dtype=torch.float64)
         self.m1 = torch.zeros(layers, kv_heads, head_dim, dtype=torch.float64)
         self.n = np.zeros((layers, kv_heads), dtype=np.int64)
+        self.res_m2 = torch.zeros(layers, kv_heads, head_dim, head_dim, dtype=torch.float64)
+        self.n_res = np.zeros((layers, kv_heads), dtype=np.int64)
 
     def add(self, layer: int, query: Any) -> None:
         """Adds one attention call's queries, as transformers' attention interface gets them:
@@ -62,20 +74,46 @@ class QueryStats:
         self.m1[layer] += x.sum(dim=1)
         self.n[layer] += x.shape[1]
 
-    def fit(self, rank: int, *, centred: bool = False) -> FittedBasis:
-        """The basis of every head (errors name the head that saw no query, or the rank)."""
+    def add_residual(self, layer: int, residual: Any) -> None:
+        """Adds key residuals e [kv_heads, tokens, head_dim] of one layer (the key minus its
+        base code, as kvq's codec decodes it) to the sums the oblique pair is fitted from."""
+        kv, n, d = residual.shape
+        if kv != self.kv_heads or d != self.head_dim or not 0 <= layer < self.layers:
+            raise ValueError(
+                f"QueryStats.add_residual: layer {layer} residual of shape {tuple(residual.shape)}; "
+                f"expected layer < {self.layers}, [{self.kv_heads}, tokens, {self.head_dim}]")
         import torch
 
-        if not 1 <= rank <= self.head_dim:
-            raise ValueError(f"rank = {rank}: must be in [1, {self.head_dim}] (head_dim)")
+        e = torch.as_tensor(residual).to(dtype=self.res_m2.dtype, device="cpu")
+        self.res_m2[layer] += e.transpose(1, 2) @ e
+        self.n_res[layer] += n
+
+    def _moment(self) -> Any:
+        """E[q q^T] per layer and head, float64 [layers, kv, d, d] (errors name an empty head)."""
+        import torch
+
         empty = np.argwhere(self.n == 0)
         if len(empty):
             layer, head = (int(v) for v in empty[0])
             raise RuntimeError(
                 f"no calibration queries for layer {layer} kv head {head}: the model's attention "
                 "did not go through transformers' attention interface for that layer")
+        return self.m2 / torch.from_numpy(self.n).to(torch.float64)[..., None, None]
+
+    def _tokens(self) -> int:
+        return int(self.n.sum()) // (self.layers * self.kv_heads) // (self.q_heads // self.kv_heads)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 1 <= rank <= self.head_dim:
+            raise ValueError(f"rank = {rank}: must be in [1, {self.head_dim}] (head_dim)")
+
+    def fit(self, rank: int, *, centred: bool = False) -> FittedBasis:
+        """The basis of every head (errors name the head that saw no query, or the rank)."""
+        import torch
+
+        self._check_rank(rank)
+        moment = self._moment()
         n = torch.from_numpy(self.n).to(torch.float64)[..., None, None]
-        moment = self.m2 / n
         m = moment
         if centred:
             mu = self.m1 / n[..., 0]
@@ -85,8 +123,38 @@ class QueryStats:
         top = vecs[..., :, -rank:].flip(-1)
         u = [top[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
         qm = [moment[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
-        tokens = int(self.n.sum()) // (self.layers * self.kv_heads) // (self.q_heads // self.kv_heads)
-        return FittedBasis("query_pca_centred" if centred else "query_pca_uncentred", u, qm, tokens)
+        return FittedBasis("query_pca_centred" if centred else "query_pca_uncentred", u, qm, self._tokens())
+
+    def fit_oblique(self, rank: int) -> FittedBasis:
+        """The oblique pair of every head (see the module docstring; core::QueryStats::Basis
+        with oblique set, the same ridge and normalisation). Needs add_residual's sums."""
+        import torch
+
+        self._check_rank(rank)
+        moment = self._moment()
+        empty = np.argwhere(self.n_res == 0)
+        if len(empty):
+            layer, head = (int(v) for v in empty[0])
+            raise RuntimeError(f"no residual statistics for layer {layer} kv head {head}: the oblique pair "
+                               "needs the keys' residuals (add_residual)")
+        d = self.head_dim
+        se = self.res_m2 / torch.from_numpy(self.n_res).to(torch.float64)[..., None, None]
+        # A small ridge keeps R^-1 bounded along directions the residual never takes.
+        trace = torch.diagonal(se, dim1=-2, dim2=-1).sum(-1)
+        se = se + torch.eye(d, dtype=se.dtype) * (1e-4 * trace / d + 1e-20)[..., None, None]
+        lam, vec = torch.linalg.eigh(se)
+        sq = lam.clamp_min(0).sqrt()
+        r = vec @ torch.diag_embed(sq) @ vec.transpose(-1, -2)
+        r_inv = vec @ torch.diag_embed(1 / sq) @ vec.transpose(-1, -2)
+        _, w = torch.linalg.eigh(r @ moment @ r)
+        w = w[..., :, -rank:].flip(-1)  # the top `rank` eigenvectors, descending
+        dec, enc = r @ w, r_inv @ w
+        s = dec.norm(dim=-2, keepdim=True)  # unit decode columns; A^T B = I is kept
+        dec, enc = dec / s, enc * s
+        u = [dec[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
+        a = [enc[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
+        qm = [moment[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
+        return FittedBasis("oblique_rrr", u, qm, self._tokens(), a)
 
     def captured_energy(self, u: List[np.ndarray]) -> np.ndarray:
         """Per (layer, KV head): tr(U^T M U) / tr(M) with M the accumulated uncentred second
@@ -100,6 +168,27 @@ class QueryStats:
             cap = torch.einsum("hdr,hde,her->h", ul, m2, ul)
             tr = torch.diagonal(m2, dim1=-2, dim2=-1).sum(-1)
             out[layer] = (cap / tr.clamp_min(1e-300)).numpy()
+        return out
+
+    def score_error_left(self, decode: List[np.ndarray], encode: List[np.ndarray]) -> np.ndarray:
+        """Per (layer, KV head): the share of the base code's mean squared score error that a
+        side code on the pair (A = encode, B = decode; A = B for an orthonormal basis) leaves,
+        tr(M P Se P^T) / tr(M Se) with P = I - B A^T, M = E[q q^T] and Se = E[e e^T] from the
+        accumulated sums: the oblique pair's objective, read on these statistics (held-out
+        ones compare two fits where their subspaces differ only in near-degenerate directions)."""
+        import torch
+
+        m = self._moment()
+        se = self.res_m2 / torch.from_numpy(self.n_res).to(torch.float64).clamp_min(1)[..., None, None]
+        out = np.zeros((self.layers, self.kv_heads))
+        eye = torch.eye(self.head_dim, dtype=torch.float64)
+        for layer in range(self.layers):
+            b = torch.from_numpy(np.asarray(decode[layer], dtype=np.float64))
+            a = torch.from_numpy(np.asarray(encode[layer], dtype=np.float64))
+            p = eye - b @ a.transpose(-1, -2)
+            left = torch.einsum("hij,hjk,hik->h", m[layer] @ p, se[layer], p)
+            full = torch.einsum("hij,hji->h", m[layer], se[layer])
+            out[layer] = (left / full.clamp_min(1e-300)).numpy()
         return out
 
 
