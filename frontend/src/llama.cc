@@ -20,6 +20,19 @@ void MatMul(const float* x, const std::vector<float>& w, int n, int in, int out,
               y, out);
 }
 
+// The same product for S sequences of n rows each (x [S*n][in], y [S*n][out]), one call per
+// sequence: a BLAS may sum a row differently with the row count of the call (OpenBLAS's
+// Haswell/Zen kernels do; its SkylakeX ones do not), so a batched window's outputs would
+// depend on the windows beside it. Per sequence they are the window's outputs alone, bit for
+// bit, on every CPU; at the row counts the forward passes use (chunks of >= 32 rows) the
+// products stay compute-bound, so the calls cost little over one.
+void MatMulEach(const float* x, const std::vector<float>& w, int S, int n, int in, int out,
+                float* y, float beta = 0.0f) {
+  for (int s = 0; s < S; ++s)
+    MatMul(x + static_cast<size_t>(s) * n * in, w, n, in, out, y + static_cast<size_t>(s) * n * out,
+           beta);
+}
+
 void RmsNorm(const float* x, const float* w, int n, int dim, float eps, float* y) {
   for (int i = 0; i < n; ++i) {
     const float* xi = x + static_cast<int64_t>(i) * dim;
@@ -310,9 +323,9 @@ absl::Status LlamaModel::ForwardBatch(const std::vector<const int32_t*>& tokens,
   for (int l = 0; l < c.layers; ++l) {
     const Layer& L = layers_[l];
     RmsNorm(x.data(), L.attn_norm.data(), rows, H, c.rms_eps, h.data());
-    MatMul(h.data(), L.wq, rows, H, H, q.data());
-    MatMul(h.data(), L.wk, rows, H, KVH * D, k.data());
-    MatMul(h.data(), L.wv, rows, H, KVH * D, v.data());
+    MatMulEach(h.data(), L.wq, S, n, H, H, q.data());
+    MatMulEach(h.data(), L.wk, S, n, H, KVH * D, k.data());
+    MatMulEach(h.data(), L.wv, S, n, H, KVH * D, v.data());
     AddBias(L.bq, rows, q.data());
     AddBias(L.bk, rows, k.data());
     AddBias(L.bv, rows, v.data());
@@ -336,15 +349,15 @@ absl::Status LlamaModel::ForwardBatch(const std::vector<const int32_t*>& tokens,
           std::copy_n(as + (static_cast<size_t>(hh) * n + i) * D, D,
                       atts + (static_cast<size_t>(i) * QH + hh) * D);
     }
-    MatMul(attt.data(), L.wo, rows, H, H, x.data(), 1.0f);  // x += attn Wo^T
+    MatMulEach(attt.data(), L.wo, S, n, H, H, x.data(), 1.0f);  // x += attn Wo^T
     RmsNorm(x.data(), L.ffn_norm.data(), rows, H, c.rms_eps, h.data());
-    MatMul(h.data(), L.wgate, rows, H, F, g.data());
-    MatMul(h.data(), L.wup, rows, H, F, u.data());
+    MatMulEach(h.data(), L.wgate, S, n, H, F, g.data());
+    MatMulEach(h.data(), L.wup, S, n, H, F, u.data());
     for (size_t i = 0; i < g.size(); ++i) {
       const float a = g[i];
       g[i] = a / (1.0f + std::exp(-a)) * u[i];
     }
-    MatMul(g.data(), L.wdown, rows, F, H, x.data(), 1.0f);
+    MatMulEach(g.data(), L.wdown, S, n, F, H, x.data(), 1.0f);
   }
   if (logits && logits_from < n) {
     // The last m rows of every sequence, gathered so the output matrix is read once.
@@ -357,7 +370,7 @@ absl::Status LlamaModel::ForwardBatch(const std::vector<const int32_t*>& tokens,
     std::vector<float> all;
     std::vector<float>* dst = S == 1 ? &(*logits)[0] : &all;
     dst->resize(per * S);
-    MatMul(h.data(), output_.empty() ? tok_embd_ : output_, S * m, H, c.vocab, dst->data());
+    MatMulEach(h.data(), output_.empty() ? tok_embd_ : output_, S, m, H, c.vocab, dst->data());
     for (int s = 0; S > 1 && s < S; ++s) {
       (*logits)[s].assign(all.begin() + s * per, all.begin() + (s + 1) * per);
     }

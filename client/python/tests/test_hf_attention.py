@@ -165,9 +165,11 @@ def test_headq_perplexity_agrees_with_kvq_eval(smol, smollm2_gguf, kvq_server, k
     rel = abs(r["ppl"] / ref - 1)
     print(f"{config} {windows}x{L}: transformers+kvq {r['ppl']:.4f}, kvq-eval {ref:.4f}, {rel:.2%}")
     assert rel < 0.02, (r["ppl"], ref)
-    # Not vacuous: the codec's own effect on these windows (+4.4% over the model's dense
-    # perplexity here) is larger than the tolerance.
-    assert r["ppl"] > 1.03 * _dense_ppl(model, tokens, windows, L)
+    # Not vacuous: the codec's own effect on these windows is larger than the tolerance (over
+    # the model's dense perplexity: +4.4% on an Intel Xeon, +2.6% on an AMD EPYC, where the two
+    # forward passes round differently and 2-bit codes flip with the roundings; kvq-eval's
+    # reference +3.0% there).
+    assert r["ppl"] > 1.02 * _dense_ppl(model, tokens, windows, L)
 
 
 def _dense_ppl(model, tokens, windows, L):
