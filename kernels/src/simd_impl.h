@@ -466,11 +466,43 @@ void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_
     internal::QuantizeChannelRange(x, ld, tokens, n_ch, full, n_ch, B, scale, zero, codes, deq);
 }
 
+// Fewer channels than lanes (the HeadQ side code: x [tokens][rank], rank 4 at 4 bits): each
+// channel's tokens gathered into one row, then W tokens per vector, packed as quantize_row
+// packs a group. The scalar MakeParams of the reference, so the same fp16 bits. False when
+// the shape is another one (deq wanted, widths PackRow lacks, tokens not whole vectors).
+bool QuantizeFewChannels(const float* x, int64_t ld, int tokens, int n_ch, int bits,
+                         uint16_t* scale, uint16_t* zero, uint8_t* codes, float* deq) {
+  if (n_ch >= W || deq != nullptr || tokens % W != 0 || bits == 3 || bits > 8 ||
+      (bits > 4 && bits != 8))
+    return false;
+  thread_local std::vector<float> row;
+  row.resize(tokens);
+  const int64_t rb = internal::RowBytes(tokens, bits);
+  const int maxq = (1 << bits) - 1;
+  for (int c = 0; c < n_ch; ++c) {
+    for (int t = 0; t < tokens; ++t) row[t] = x[t * ld + c];
+    typename Isa::F lo = Isa::Load(row.data()), hi = lo;
+    for (int t = W; t < tokens; t += W) {
+      lo = Isa::Min(lo, Isa::Load(row.data() + t));
+      hi = Isa::Max(hi, Isa::Load(row.data() + t));
+    }
+    const internal::QParams p =
+        internal::MakeParams(Isa::ReduceMin(lo), Isa::ReduceMax(hi), bits, &scale[c], &zero[c]);
+    const typename Isa::F z = Isa::Set1(p.zero), inv = Isa::Set1(p.inv);
+    uint8_t* out = codes + c * rb;
+    for (int t = 0; t < tokens; t += W)
+      Isa::PackRow(Isa::QuantizeLanes(Isa::Load(row.data() + t), z, inv, maxq), bits,
+                   out + t * bits / 8);
+  }
+  return true;
+}
+
 void quantize_channels_simd(const float* x, int64_t ld, int tokens, int n_ch, int bits,
                             uint16_t* scale, uint16_t* zero, uint8_t* codes, float* deq) {
   if (bits == 8 && deq == nullptr &&
       Isa::QuantizeChannels4x8(x, ld, tokens, n_ch, scale, zero, codes))
     return;
+  if (QuantizeFewChannels(x, ld, tokens, n_ch, bits, scale, zero, codes, deq)) return;
   std::memset(codes, 0, internal::RowBytes(tokens, bits) * n_ch);
   switch (bits) {
     case 1:

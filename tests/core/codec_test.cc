@@ -60,6 +60,43 @@ TEST(Half, BulkBF16MatchesTheScalarRule) {
   EXPECT_EQ(bulk[10], 0x7f80);  // the largest float rounds to infinity, as in hardware
 }
 
+// The converting checks (what the encoder reads its input with) give the plain conversion's
+// values and flag one bad element wherever it is: in a vector's lanes or the scalar tail, for
+// f16 (non-finite), bf16 and f32 (beyond 65504, or non-finite); the bounds themselves pass.
+TEST(Half, ConvertingChecksFlagEveryPositionAndKeepTheValues) {
+  const size_t n = 16 * 3 + 5;
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) f[i] = std::ldexp(static_cast<float>(i) - 26.0f, -3);
+  f[7] = 65280.0f;  // the largest bf16 within the bound
+  f[8] = -65280.0f;
+  std::vector<uint16_t> h(n), b(n);
+  FloatToHalfN(f.data(), h.data(), n);
+  FloatToBF16N(f.data(), b.data(), n);
+  f[9] = 65504.0f;  // the largest fp16, and the f32 bound
+  h[9] = 0x7bff;
+  std::vector<float> want(n), got(n);
+  for (DType dt : {DType::kF16, DType::kBF16, DType::kF32}) {
+    const void* src = dt == DType::kF16    ? static_cast<const void*>(h.data())
+                      : dt == DType::kBF16 ? static_cast<const void*>(b.data())
+                                           : static_cast<const void*>(f.data());
+    ToFloat(dt, src, want.data(), n);
+    ASSERT_TRUE(ToFloatStorable(dt, src, got.data(), n)) << DTypeName(dt);
+    EXPECT_EQ(want, got) << DTypeName(dt);
+    for (size_t at : {size_t{0}, size_t{15}, size_t{33}, n - 1}) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(dt) << " at " << at);
+      auto h2 = h, b2 = b;
+      auto f2 = f;
+      h2[at] = 0x7c00;  // +Inf
+      b2[at] = 0x4780;  // 65536
+      f2[at] = -70000.0f;
+      const void* bad = dt == DType::kF16    ? static_cast<const void*>(h2.data())
+                        : dt == DType::kBF16 ? static_cast<const void*>(b2.data())
+                                             : static_cast<const void*>(f2.data());
+      EXPECT_FALSE(ToFloatStorable(dt, bad, got.data(), n));
+    }
+  }
+}
+
 TEST(Codec, OptionsValidationNamesTheField) {
   CodecOptions o;
   o.key_bits = 5;
@@ -309,6 +346,35 @@ TEST(Codec, DirectAppendRejectsBadInputAnywhereAndKeepsState) {
       ASSERT_TRUE(c.Decode(&k1, &v1).ok());
       EXPECT_EQ(k0, k1);
       EXPECT_EQ(v0, v1);
+    }
+  }
+}
+
+// The same for elements beyond the fp16 range in f32 and bf16 input (the encoder checks a
+// group's rows once converted to fp32): in a later chunk and head, and in the window's rows.
+TEST(Codec, DirectAppendRejectsOutOfRangeF32AndBF16InALaterChunk) {
+  const int kv = 3, d = 64, T = 700;
+  auto [o, basis, k, v] = Rank4Input(kv, T);
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (auto [keys, h, t, x] :
+         {std::tuple{true, 1, 420, 70000.0f}, {false, 2, 333, -3e38f}, {true, 2, 698, 65536.0f}}) {
+      SCOPED_TRACE(::testing::Message() << DTypeName(dt) << " " << keys << " " << h << " " << t);
+      auto bk = k, bv = v;
+      (keys ? bk : bv)[(static_cast<size_t>(h) * T + t) * d + 9] = x;
+      std::vector<uint16_t> hk(bk.size()), hv(bv.size());
+      for (size_t i = 0; i < bk.size(); ++i) hk[i] = FloatToBF16(bk[i]), hv[i] = FloatToBF16(bv[i]);
+      auto view = [&](const std::vector<float>& f, const std::vector<uint16_t>& hb) {
+        return dt == DType::kF32 ? View3(f, kv, T, d)
+                                 : TensorView::Contiguous(hb.data(), dt, {kv, T, d});
+      };
+      LayerCache c(o, kv, basis.u.data());
+      const absl::Status s = c.Append(view(bk, hk), view(bv, hv), 0);
+      ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_NE(s.message().find(absl::StrCat(keys ? "keys[" : "values[", h, ", ", t, ", 9]")),
+                std::string::npos)
+          << s.message();
+      EXPECT_EQ(c.tokens(), 0);
+      EXPECT_EQ(c.Size().total_bytes(), 0);
     }
   }
 }

@@ -37,25 +37,26 @@ TEST(KernelParity, QuantizeChannels) {
   for (const KernelTable* kt : Optimized())
     for (int bits : {1, 2, 3, 4, 8})
       for (int tokens : {1, 7, 21, 22, 32, 33, 64, 96, 128})  // partial words too
-        for (int n_ch : {4, 19, 64, 80, 128}) {
-          SCOPED_TRACE(::testing::Message()
-                       << kt->name << " bits=" << bits << " T=" << tokens << " ch=" << n_ch);
-          const int ld = n_ch + 3;  // non-contiguous rows
-          auto x = kvq::testing::Gaussian(static_cast<size_t>(tokens) * ld, bits * 1000 + n_ch);
-          const size_t cb = RowBytes(tokens, bits) * n_ch;
-          std::vector<uint16_t> s0(n_ch), z0(n_ch), s1(n_ch), z1(n_ch);
-          std::vector<uint8_t> c0(cb, 0xAA), c1(cb, 0x55);
-          std::vector<float> d0(tokens * n_ch), d1(tokens * n_ch);
-          Ref().quantize_channels(x.data(), ld, tokens, n_ch, bits, s0.data(), z0.data(), c0.data(),
-                                  d0.data());
-          kt->quantize_channels(x.data(), ld, tokens, n_ch, bits, s1.data(), z1.data(), c1.data(),
-                                d1.data());
-          EXPECT_EQ(s0, s1);
-          EXPECT_EQ(z0, z1);
-          EXPECT_EQ(c0, c1);
-          for (size_t i = 0; i < d0.size(); ++i)
-            ASSERT_NEAR(d0[i], d1[i], 1e-5f * (1 + std::fabs(d0[i])));
-        }
+        for (int n_ch : {4, 5, 19, 64, 80, 128})
+          for (bool with_deq : {true, false}) {  // without: the side code's own paths
+            SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens
+                                              << " ch=" << n_ch << " deq=" << with_deq);
+            const int ld = n_ch + 3;  // non-contiguous rows
+            auto x = kvq::testing::Gaussian(static_cast<size_t>(tokens) * ld, bits * 1000 + n_ch);
+            const size_t cb = RowBytes(tokens, bits) * n_ch;
+            std::vector<uint16_t> s0(n_ch), z0(n_ch), s1(n_ch), z1(n_ch);
+            std::vector<uint8_t> c0(cb, 0xAA), c1(cb, 0x55);
+            std::vector<float> d0(tokens * n_ch), d1(tokens * n_ch);
+            Ref().quantize_channels(x.data(), ld, tokens, n_ch, bits, s0.data(), z0.data(),
+                                    c0.data(), with_deq ? d0.data() : nullptr);
+            kt->quantize_channels(x.data(), ld, tokens, n_ch, bits, s1.data(), z1.data(), c1.data(),
+                                  with_deq ? d1.data() : nullptr);
+            EXPECT_EQ(s0, s1);
+            EXPECT_EQ(z0, z1);
+            EXPECT_EQ(c0, c1);
+            for (size_t i = 0; i < d0.size(); ++i)
+              ASSERT_NEAR(d0[i], d1[i], 1e-5f * (1 + std::fabs(d0[i])));
+          }
 }
 
 TEST(KernelParity, QuantizeRow) {

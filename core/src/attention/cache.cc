@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/src/codec/value_policy.h"
+#include "kvq/core/half.h"
 #include "kvq/core/partial_attention.h"
 #include "kvq/core/status.h"
 #include "kvq/kernels/kernels.h"
@@ -147,11 +148,11 @@ bool AllStorable(DType t, const uint8_t* p, int n, int* bad) {
       if (static_cast<S>(u[c] & mask) > bound) return *bad = c, false;
     return false;
   };
-  if (t == DType::kF32)  // 0x477fe000 is 65504.0f
-    return scan(reinterpret_cast<const int32_t*>(p), int32_t{0x7fffffff}, int32_t{0x477fe000});
-  // f16: every finite value fits; bf16: 0x477f is 65280, the largest bf16 within the range.
+  if (t == DType::kF32)
+    return scan(reinterpret_cast<const int32_t*>(p), int32_t{0x7fffffff},
+                static_cast<int32_t>(kF32StorableBits));
   return scan(reinterpret_cast<const int16_t*>(p), int16_t{0x7fff},
-              static_cast<int16_t>(t == DType::kF16 ? 0x7bff : 0x477f));
+              static_cast<int16_t>(t == DType::kF16 ? kHalfStorableBits : kBF16StorableBits));
 }
 
 // The message for element `c` of a row that AllStorable rejected.
@@ -224,12 +225,16 @@ void AppendRows(const TensorView& t, int h, int64_t j0, int64_t n, int d, DType 
   }
 }
 
-// Converts G rows of d elements, `stride` bytes apart, to fp32 [G][d].
-void RowsToFloat(DType dt, const uint8_t* rows, int64_t stride, int G, int d, float* out) {
+// Converts G rows of d elements, `stride` bytes apart, to fp32 [G][d]; true when every
+// element is storable (ToFloatStorable).
+bool RowsToFloat(DType dt, const uint8_t* rows, int64_t stride, int G, int d, float* out) {
   const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(dt);
   if (stride == static_cast<int64_t>(row_bytes))
-    return ToFloat(dt, rows, out, static_cast<size_t>(G) * d);
-  for (int t = 0; t < G; ++t) ToFloat(dt, rows + t * stride, out + static_cast<size_t>(t) * d, d);
+    return ToFloatStorable(dt, rows, out, static_cast<size_t>(G) * d);
+  bool ok = true;
+  for (int t = 0; t < G; ++t)
+    ok &= ToFloatStorable(dt, rows + t * stride, out + static_cast<size_t>(t) * d, d);
+  return ok;
 }
 
 void Widen(std::vector<uint8_t>* win, DType from) {
@@ -286,9 +291,9 @@ absl::Status LayerCache::AppendImpl(const TensorView& k, const TensorView& v, in
   const int64_t ready =
       std::max<int64_t>(0, (tokens_ + n - encoded_ - opts_.window) / opts_.key_group);
   // Nothing waits in the window and the rows are stored as they arrive: the whole groups are
-  // encoded straight from the input (the same bytes the window would hold), a few groups at a
-  // time right after checking them, so that the rows are read from memory once; a bad value
-  // undoes every append and the check above reports it as before.
+  // encoded straight from the input (the same bytes the window would hold), each group checked
+  // as it is converted, so that the rows are read from memory once; a bad value undoes every
+  // append and the check above reports it as before.
   const bool direct =
       probes == nullptr && !has_window && ready > 0 && FastRows(k, to) && FastRows(v, to);
   if (!direct) RETURN_IF_ERROR(validate());
@@ -383,7 +388,7 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
                                      const std::function<void(int)>& keep_rest,
                                      const std::function<absl::Status()>& validate) {
   const int G = opts_.key_group, d = opts_.head_dim;
-  constexpr int64_t kChunkTokens = 256;  // checked, then encoded while still in cache
+  constexpr int64_t kChunkTokens = 256;  // encoded while the next chunk is fetched
   const int64_t chunk_groups = std::max<int64_t>(1, kChunkTokens / G);
   std::vector<size_t> sizes(3 * kv_heads_);
   std::vector<DType> dtypes(kv_heads_);
@@ -401,6 +406,8 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
       if (!AllStorable(to, RowPtr(t, h, j), d, &bad)) return false;
     return true;
   };
+  // The whole groups are checked by EncodeGroups as it converts them (input rows are read
+  // once); the rows after them, which join the window, here.
   bool ok = true;
   absl::Status st;
   for (int h = 0; h < kv_heads_ && ok && st.ok(); ++h) {
@@ -417,11 +424,9 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
       Reserve(&heads_[h].kblocks, ready * kblock_bytes_);
       Reserve(&heads_[h].vblocks, ready * MaxValueBlockBytes(opts_));
     }
-    for (int64_t g0 = 0; g0 < ready && ok && st.ok(); g0 += chunk_groups) {
-      const int64_t g1 = std::min(ready, g0 + chunk_groups);
-      ok = finite(k, h, g0 * G, g1 * G) && finite(v, h, g0 * G, g1 * G);
+    for (int64_t g0 = 0; g0 < ready && st.ok(); g0 += chunk_groups) {
       in.first_group = g0;
-      if (ok) st = EncodeGroups(h, g1 - g0, &in);
+      st = EncodeGroups(h, std::min(ready, g0 + chunk_groups) - g0, &in);
     }
     ok = ok && finite(k, h, ready * G, n) && finite(v, h, ready * G, n);
     if (ok && st.ok()) keep_rest(h);
@@ -489,8 +494,11 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
             __builtin_prefetch(vrows + (next + t) * vstride + off, 0, 2);
           }
       }
-      RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
-      RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
+      // Input rows are checked as they are converted (window rows were checked on arrival):
+      // EncodeInput undoes the append and names the element.
+      const bool storable = RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data()) &
+                            RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
+      if (input && !storable) return absl::InvalidArgumentError("append: input rows not storable");
       if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
       // Dense-and-sparse: reads decode keys with the decode basis; the sinks' stand-in rows of

@@ -86,4 +86,55 @@ void FloatToHalfN(const float* in, uint16_t* out, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 
+// 16 values per step: the check on the 16-bit inputs (masked magnitudes compared as signed
+// integers: both sides are non-negative), the conversion into fp32.
+template <bool kHalf>
+__attribute__((target("avx2,f16c"))) static bool WidenStorableAvx2(const uint16_t* in, float* out,
+                                                                   size_t n, uint16_t bound) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff),
+                limit = _mm256_set1_epi16(static_cast<int16_t>(bound));
+  __m256i over = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    over = _mm256_or_si256(over, _mm256_cmpgt_epi16(_mm256_and_si256(h, magnitude), limit));
+    const __m128i h0 = _mm256_castsi256_si128(h), h1 = _mm256_extracti128_si256(h, 1);
+    if constexpr (kHalf) {
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h0));
+      _mm256_storeu_ps(out + i + 8, _mm256_cvtph_ps(h1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                          _mm256_slli_epi32(_mm256_cvtepu16_epi32(h0), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i + 8),
+                          _mm256_slli_epi32(_mm256_cvtepu16_epi32(h1), 16));
+    }
+  }
+  bool ok = _mm256_testz_si256(over, over);
+  for (; i < n; ++i) {
+    ok &= (in[i] & 0x7fff) <= bound;
+    out[i] = kHalf ? HalfToFloat(in[i]) : BF16ToFloat(in[i]);
+  }
+  return ok;
+}
+
+bool HalfToFloatStorableN(const uint16_t* in, float* out, size_t n) {
+  if (HasAvx2() && HasF16C()) return WidenStorableAvx2<true>(in, out, n, kHalfStorableBits);
+  bool ok = true;
+  for (size_t i = 0; i < n; ++i) {
+    ok &= (in[i] & 0x7fff) <= kHalfStorableBits;
+    out[i] = HalfToFloat(in[i]);
+  }
+  return ok;
+}
+
+bool BF16ToFloatStorableN(const uint16_t* in, float* out, size_t n) {
+  if (HasAvx2()) return WidenStorableAvx2<false>(in, out, n, kBF16StorableBits);
+  bool ok = true;
+  for (size_t i = 0; i < n; ++i) {
+    ok &= (in[i] & 0x7fff) <= kBF16StorableBits;
+    out[i] = BF16ToFloat(in[i]);
+  }
+  return ok;
+}
+
 }  // namespace kvq::core

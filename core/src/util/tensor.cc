@@ -45,6 +45,24 @@ void ToFloat(DType t, const void* src, float* dst, size_t n) {
   }
 }
 
+bool ToFloatStorable(DType t, const void* src, float* dst, size_t n) {
+  if (n == 0) return true;
+  switch (t) {
+    case DType::kF32: {
+      std::memcpy(dst, src, n * 4);
+      const auto* u = static_cast<const uint32_t*>(src);
+      bool ok = true;
+      for (size_t i = 0; i < n; ++i) ok &= (u[i] & 0x7fffffffu) <= kF32StorableBits;
+      return ok;
+    }
+    case DType::kF16:
+      return HalfToFloatStorableN(static_cast<const uint16_t*>(src), dst, n);
+    case DType::kBF16:
+      return BF16ToFloatStorableN(static_cast<const uint16_t*>(src), dst, n);
+  }
+  return false;
+}
+
 void FromFloat(DType t, const float* src, void* dst, size_t n) {
   if (n == 0) return;  // empty tensors may come with null pointers
   switch (t) {

@@ -249,7 +249,7 @@ class LayerCache {
     const float* probe;   // [n] probe weights of this head, or null
     int64_t first_group;  // groups [first_group, first_group + count) of the input
     // While group g is encoded, group g + prefetch_groups is fetched (when below
-    // prefetch_end), so that the next chunk's rows are in cache when they are checked.
+    // prefetch_end), so that the next chunk's rows are in cache when they are read.
     int64_t prefetch_groups = 0, prefetch_end = 0;
   };
   // Encodes the `count` oldest whole groups of head h's window, or those of `input` when

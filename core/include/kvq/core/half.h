@@ -26,10 +26,21 @@ inline float BF16ToFloat(uint16_t b) {
   return f;
 }
 
+// The largest magnitude, as the bits of each type with the sign cleared, within
+// +-format::kHalfMax (the range the block format's fp16 scales and zero points hold): a value
+// is storable when its sign-cleared bits are at most these (non-finite patterns are above).
+inline constexpr uint16_t kHalfStorableBits = 0x7bff;     // 65504, every finite fp16
+inline constexpr uint16_t kBF16StorableBits = 0x477f;     // 65280, the next bf16 is 65536
+inline constexpr uint32_t kF32StorableBits = 0x477fe000;  // 65504.0f
+
 // Bulk conversions (vectorized with F16C where the CPU has it).
 void HalfToFloatN(const uint16_t* in, float* out, size_t n);
 void FloatToHalfN(const float* in, uint16_t* out, size_t n);
 // FloatToBF16 over n values (AVX2 where the CPU has it; the same bits).
 void FloatToBF16N(const float* in, uint16_t* out, size_t n);
+// HalfToFloatN and the bf16 widening, checking as they go: true when every value is storable
+// (the bounds above), so that a caller reads its input once (AVX2 where the CPU has it).
+bool HalfToFloatStorableN(const uint16_t* in, float* out, size_t n);
+bool BF16ToFloatStorableN(const uint16_t* in, float* out, size_t n);
 
 }  // namespace kvq::core

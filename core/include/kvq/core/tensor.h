@@ -18,6 +18,9 @@ absl::StatusOr<DType> ParseDType(absl::string_view name);  // "f32"/"fp32"/"floa
 
 // Converts n elements of type `t` at `src` (little-endian) to fp32.
 void ToFloat(DType t, const void* src, float* dst, size_t n);
+// ToFloat, true when every element is finite and within +-format::kHalfMax (the fp16 range the
+// block format's scales and zero points are stored in; kvq/core/half.h's bounds).
+bool ToFloatStorable(DType t, const void* src, float* dst, size_t n);
 // Converts n fp32 values to type `t` at `dst`.
 void FromFloat(DType t, const float* src, void* dst, size_t n);
 
