@@ -401,6 +401,16 @@ class ModelCodes:
         except _codes.Error as e:
             raise _error(method, e) from None
 
+    @classmethod
+    def from_basis(cls, info: Mapping[str, Any], basis: Any = (), encode_basis: Any = (),
+                   query_moment: Any = ()) -> ModelCodes:
+        """A model's encoder and decoder without a server: `info` and the tensors as RegisterBasis
+        takes them (kvq.client.register_request), e.g. a basis fitted here before it is
+        registered."""
+        from ._requests import register_request
+
+        return cls(register_request(info, basis, encode_basis, query_moment))
+
     @property
     def native(self) -> _codes.Model:
         """The native module's model."""

@@ -173,10 +173,10 @@ class KeyResiduals:
     the window's start, as kvq-calibrate's hook does."""
 
     def __init__(self, stats: QueryStats):
-        from .codec_choice import _model_codes
+        from .codec_choice import model_codes
 
         self.stats = stats
-        self.codes = _model_codes("kvq-residual", 1, stats.layers, stats.kv_heads, stats.q_heads,
+        self.codes = model_codes("kvq-residual", 1, stats.layers, stats.kv_heads, stats.q_heads,
                                   stats.head_dim, 0, "0", [], [])
         # The values go through the codec too (unused): a group within any head_dim.
         self.codec = self.codes.codec(dataclasses.replace(RESIDUAL_CODEC, value_group=min(32, stats.head_dim)))

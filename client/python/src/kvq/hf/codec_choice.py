@@ -55,7 +55,7 @@ from ..types import CodecSettings
 
 __all__ = ["CANDIDATES", "KEY_LEVERS", "LEVER_PROBE", "NOISE_MARGIN", "SINK_LEVER", "SPARSE_LEVER_MIN_GAIN",
            "SPARSE_LEVER_PERMILLE", "CodecChoice", "CodecRow", "choose_codec", "choose_within",
-           "codec_of_name", "plan_rows", "with_key_lever", "with_sparse_lever"]
+           "codec_of_name", "model_codes", "plan_rows", "with_key_lever", "with_sparse_lever"]
 
 # kvq-calibrate's candidate list (codec_search.cc CodecSearchCandidates), kvq-eval config names
 # of full-KV codecs; bits per element at head_dim 64 in codec_search.cc's comments.
@@ -210,7 +210,7 @@ class _BitsModel:
         eye = np.zeros((kv_heads, head_dim, rank), np.float32)
         eye[:, np.arange(rank), np.arange(rank)] = 1
         moment = np.broadcast_to(np.eye(head_dim, dtype=np.float32), (kv_heads, head_dim, head_dim))
-        self.codes = _model_codes("kvq-bits", 1, 1, kv_heads, q_heads, head_dim, rank, "0", [eye], [moment])
+        self.codes = model_codes("kvq-bits", 1, 1, kv_heads, q_heads, head_dim, rank, "0", [eye], [moment])
         self.rng = np.random.default_rng(0)
 
     def bits(self, codec: Any) -> Tuple[float, float]:
@@ -222,15 +222,16 @@ class _BitsModel:
         return 8.0 * float(sizes[0, 0]) / (G * D), 8.0 * float(sizes[0, 1]) / (G * D)
 
 
-def _model_codes(name: str, version: int, layers: int, kv_heads: int, q_heads: int, head_dim: int, rank: int,
-                 fingerprint: str, u: Sequence[Any], moment: Sequence[Any], encode: Sequence[Any] = ()) -> Any:
-    from .._requests import register_request
+def model_codes(name: str, version: int, layers: int, kv_heads: int, q_heads: int, head_dim: int, rank: int,
+                fingerprint: str, u: Sequence[Any], moment: Sequence[Any], encode: Sequence[Any] = ()) -> Any:
+    """kvq.codes.ModelCodes of a model of this shape with basis `u` (and its query moments and
+    encode basis), in-process: what calibration encodes and decodes with before registering."""
     from ..codes import ModelCodes
 
     info = dict(model=name, version=version, layers=layers, kv_heads=kv_heads, q_heads=q_heads,
                 head_dim=head_dim, basis_rank=rank, has_basis=rank > 0, fingerprint=fingerprint,
                 has_query_moment=len(moment) > 0)
-    return ModelCodes(register_request(info, u, encode_basis=encode, query_moment=moment))
+    return ModelCodes.from_basis(info, u, encode_basis=encode, query_moment=moment)
 
 
 def plan_rows(names: Sequence[str], shape: Tuple[int, int, int], basis_rank: int, max_bits: float,
@@ -426,7 +427,7 @@ def entry_codes(path: str) -> Any:
 
     files = read_basis(path)
     m = files.manifest
-    return _model_codes(m["model"], int(m["version"]), int(m["layers"]), int(m["kv_heads"]), int(m["q_heads"]),
+    return model_codes(m["model"], int(m["version"]), int(m["layers"]), int(m["kv_heads"]), int(m["q_heads"]),
                         int(m["head_dim"]), int(m["rank"]), str(m["fingerprint"]), files.u, files.query_moment,
                         files.encode)
 
