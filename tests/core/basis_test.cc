@@ -191,6 +191,58 @@ TEST(Calibration, GroupedQueryHeadsFeedTheirKvHead) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// One sign convention for every fit: each column's entry of largest magnitude is positive (an
+// eigensolver returns either sign, and the side code's rounding depends on it), so a fit of
+// the same queries in another channel order is the same basis with its rows permuted, and the
+// oblique pair's encode columns flip with their decode columns (A^T B = I is kept).
+TEST(Calibration, ColumnSignsFollowTheLargestEntryInEveryChannelOrder) {
+  const int d = 16, n = 3000, r = 4;
+  std::vector<float> scale(d);
+  for (int c = 0; c < d; ++c) scale[c] = 4.0f / (1.0f + c);  // distinct eigenvalues
+  auto q = kvq::testing::Gaussian(static_cast<size_t>(n) * d, 11);
+  auto e = kvq::testing::Gaussian(static_cast<size_t>(n) * d, 12);
+  for (int i = 0; i < n; ++i)
+    for (int c = 0; c < d; ++c) {
+      q[i * d + c] *= scale[c];
+      e[i * d + c] *= 0.5f + 0.1f * (c % 5);
+    }
+  std::vector<int> perm(d);  // channel c of the permuted rows is channel perm[c] of these
+  for (int c = 0; c < d; ++c) perm[c] = (c * 7 + 3) % d;
+  std::vector<float> qp(q.size()), ep(e.size());
+  for (int i = 0; i < n; ++i)
+    for (int c = 0; c < d; ++c) {
+      qp[i * d + c] = q[i * d + perm[c]];
+      ep[i * d + c] = e[i * d + perm[c]];
+    }
+  QueryStats st(1, 1, 1, d), sp(1, 1, 1, d);
+  st.Add(0, 0, q.data(), n);
+  st.AddResidual(0, 0, e.data(), n);
+  sp.Add(0, 0, qp.data(), n);
+  sp.AddResidual(0, 0, ep.data(), n);
+  CalibrationOptions centred, weighted, oblique;
+  centred.centred = true;
+  weighted.residual_weighted = true;
+  oblique.oblique = true;
+  for (const CalibrationOptions& o : {CalibrationOptions{}, centred, weighted, oblique}) {
+    auto b = st.Basis(r, o, BasisManifest{"m"});
+    auto bp = sp.Basis(r, o, BasisManifest{"m"});
+    ASSERT_TRUE(b.ok() && bp.ok());
+    SCOPED_TRACE(b->manifest.kind);
+    for (int j = 0; j < r; ++j) {
+      int at = 0;
+      for (int c = 1; c < d; ++c)
+        if (std::fabs(b->u[c * r + j]) > std::fabs(b->u[at * r + j])) at = c;
+      EXPECT_GT(b->u[at * r + j], 0.0f) << "column " << j;
+      for (int c = 0; c < d; ++c) {
+        EXPECT_NEAR(bp->u[c * r + j], b->u[perm[c] * r + j], 1e-5) << "column " << j;
+        if (o.oblique) {
+          EXPECT_NEAR(bp->encode[c * r + j], b->encode[perm[c] * r + j], 1e-4) << "column " << j;
+        }
+      }
+    }
+  }
+}
+
 TEST(Calibration, CentredDiffersFromUncentredWhenQueriesHaveAMean) {
   const int d = 16, n = 2000;
   QueryStats st(1, 1, 1, d);

@@ -53,6 +53,24 @@ int64_t QueryStats::count(int layer, int kv_head) const {
   return n_[static_cast<size_t>(layer) * kv_heads_ + kv_head];
 }
 
+namespace {
+
+// Each column's sign fixed so that its entry of largest magnitude is positive (the first of
+// equal ones): an eigensolver returns either sign, and the side code's rounding depends on it,
+// so two fits of one subspace (kvq-calibrate, kvq-calibrate-hf in any channel order) give one
+// basis. `along` (the oblique pair's encode columns, or null) flips with its decode column.
+void CanonicalSigns(Eigen::MatrixXd* u, Eigen::MatrixXd* along) {
+  for (Eigen::Index j = 0; j < u->cols(); ++j) {
+    Eigen::Index at = 0;
+    u->col(j).cwiseAbs().maxCoeff(&at);
+    if ((*u)(at, j) >= 0) continue;
+    u->col(j) *= -1;
+    if (along) along->col(j) *= -1;
+  }
+}
+
+}  // namespace
+
 absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions& opts,
                                              BasisManifest manifest) const {
   if (rank < 1 || rank > d_)
@@ -125,6 +143,7 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
           dec.col(j) /= s;
           enc.col(j) *= s;
         }
+        CanonicalSigns(&dec, &enc);
         float* u = b.u.data() + hi * d_ * rank;
         float* a_ = b.encode.data() + hi * d_ * rank;
         for (int a = 0; a < d_; ++a)
@@ -144,6 +163,7 @@ absl::StatusOr<ModelBasis> QueryStats::Basis(int rank, const CalibrationOptions&
         Eigen::HouseholderQR<Eigen::MatrixXd> qr(mapped);
         top = qr.householderQ() * Eigen::MatrixXd::Identity(d_, rank);
       }
+      CanonicalSigns(&top, nullptr);
       float* u = b.u.data() + hi * d_ * rank;
       for (int a = 0; a < d_; ++a)
         for (int j = 0; j < rank; ++j) u[a * rank + j] = static_cast<float>(top(a, j));

@@ -35,7 +35,8 @@ class QueryStats {
   // Adds per-channel residual statistics of a KV head (sum of e^2 over tokens): e [n][d].
   void AddResidual(int layer, int kv_head, const float* e, int64_t n);
   int64_t count(int layer, int kv_head) const;
-  // Top-r eigenvectors per (layer, KV head), in descending eigenvalue order.
+  // Top-r eigenvectors per (layer, KV head), in descending eigenvalue order, each column's
+  // entry of largest magnitude positive (the sign convention kvq.hf.QueryStats follows too).
   absl::StatusOr<ModelBasis> Basis(int rank, const CalibrationOptions& opts,
                                    BasisManifest manifest) const;
   // Fraction of the (uncentred) query energy the top-r directions capture, per head.

@@ -19,16 +19,20 @@ side code corrects), and the pair is core::QueryStats::Basis's reduced-rank regr
 score error: with Se = E[e e^T] (plus a small ridge) and R = Se^1/2, w the top-`rank`
 eigenvectors of R M R, the decode basis B = R w (unit columns) and the encode basis A = R^-1 w
 (scaled so that A^T B = I).
+
+Every fit fixes its columns' signs as kvq-calibrate does (canonical_signs: each column's entry
+of largest magnitude positive, an encode column flipped with its decode column), so that the two
+tools give one basis, not one subspace with columns of either sign.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import numpy as np
 
-__all__ = ["FittedBasis", "QueryStats", "principal_angles"]
+__all__ = ["FittedBasis", "QueryStats", "canonical_signs", "principal_angles"]
 
 
 @dataclass
@@ -120,7 +124,7 @@ class QueryStats:
             m = moment - mu[..., :, None] * mu[..., None, :]
         # eigh: ascending eigenvalues, so the last `rank` columns reversed are the top ones.
         _, vecs = torch.linalg.eigh(m)
-        top = vecs[..., :, -rank:].flip(-1)
+        top, _ = canonical_signs(vecs[..., :, -rank:].flip(-1))
         u = [top[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
         qm = [moment[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
         return FittedBasis("query_pca_centred" if centred else "query_pca_uncentred", u, qm, self._tokens())
@@ -150,7 +154,7 @@ class QueryStats:
         w = w[..., :, -rank:].flip(-1)  # the top `rank` eigenvectors, descending
         dec, enc = r @ w, r_inv @ w
         s = dec.norm(dim=-2, keepdim=True)  # unit decode columns; A^T B = I is kept
-        dec, enc = dec / s, enc * s
+        dec, enc = canonical_signs(dec / s, enc * s)
         u = [dec[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
         a = [enc[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
         qm = [moment[layer].to(torch.float32).numpy().copy() for layer in range(self.layers)]
@@ -190,6 +194,18 @@ class QueryStats:
             full = torch.einsum("hij,hji->h", m[layer], se[layer])
             out[layer] = (left / full.clamp_min(1e-300)).numpy()
         return out
+
+
+def canonical_signs(u: Any, along: Any = None) -> Tuple[Any, Any]:
+    """u [..., d, r] (torch) with each column's sign fixed so that its entry of largest magnitude
+    is positive (the first of equal ones), and `along` (the oblique pair's encode columns, or
+    None) flipped with it: kvq-calibrate's convention (core::QueryStats::Basis), so that the two
+    tools' fits of one subspace give one basis in either channel order."""
+    import torch
+
+    at = u.abs().argmax(dim=-2, keepdim=True)
+    sign = torch.where(torch.gather(u, -2, at) < 0, -1.0, 1.0).to(u.dtype)
+    return u * sign, None if along is None else along * sign
 
 
 def principal_angles(a: np.ndarray, b: np.ndarray) -> np.ndarray:
