@@ -37,4 +37,10 @@ internal::PrefetchAhead& internal::Ahead() {
   return ahead;
 }
 
+void PrefetchWhileEncoding(const void* begin, size_t bytes) {
+  internal::PrefetchAhead& ahead = internal::Ahead();
+  ahead.next = static_cast<const char*>(begin);
+  ahead.end = ahead.next + bytes;
+}
+
 }  // namespace kvq::kernels

@@ -441,7 +441,9 @@ void QuantizeChannelsB(const float* x, int64_t ld, int tokens, int n_ch, uint16_
     typename Isa::Words words;
     Isa::ClearWords(&words);
     alignas(64) uint64_t wv[W];
+    internal::PrefetchAhead& ahead = internal::Ahead();  // PrefetchWhileEncoding
     for (int t = 0; t < tokens; ++t) {
+      ahead.Some(1);
       typename Isa::I q = Isa::QuantizeLanes(Isa::Load(x + t * ld + c0), zv, iv, (1 << B) - 1);
       if (deq)
         Isa::Store(deq + static_cast<int64_t>(t) * n_ch + c0, Isa::Fmadd(Isa::CvtI(q), sv, zv));
@@ -584,8 +586,11 @@ void QuantizeRowsW(const float* x, int64_t ld, int n, int group, int ng, int bit
     }
   }
   const int maxq = (1 << bits) - 1;
+  internal::PrefetchAhead& ahead = internal::Ahead();  // PrefetchWhileEncoding: an fp16 row
+  const int lines = std::max(1, n / 32);               // of n per token
   if (Isa::kPack64x2 && bits == 2 && n % 64 == 0) {
     for (int t = 0; t < W; ++t) {
+      ahead.Some(lines);
       const float* xt = x + t * ld;
       uint8_t* codes = rec + t * rec_bytes + 4 * ng;
       for (int c0 = 0; c0 < n; c0 += 64) {
@@ -601,6 +606,7 @@ void QuantizeRowsW(const float* x, int64_t ld, int n, int group, int ng, int bit
     return;
   }
   for (int t = 0; t < W; ++t) {
+    ahead.Some(lines);
     const float* xt = x + t * ld;
     uint8_t* codes = rec + t * rec_bytes + 4 * ng;
     for (int c = 0; c < n; c += W) {

@@ -388,8 +388,6 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
                                      const std::function<void(int)>& keep_rest,
                                      const std::function<absl::Status()>& validate) {
   const int G = opts_.key_group, d = opts_.head_dim;
-  constexpr int64_t kChunkTokens = 256;  // encoded while the next chunk is fetched
-  const int64_t chunk_groups = std::max<int64_t>(1, kChunkTokens / G);
   std::vector<size_t> sizes(3 * kv_heads_);
   std::vector<DType> dtypes(kv_heads_);
   for (int h = 0; h < kv_heads_; ++h) {
@@ -416,18 +414,8 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
                  k.stride[1] * static_cast<int64_t>(DTypeSize(to)),
                  v.stride[1] * static_cast<int64_t>(DTypeSize(to)),
                  to,
-                 probe_weights ? probe_weights + h * n : nullptr,
-                 0,
-                 chunk_groups,
-                 ready};
-    if (building_.empty()) {
-      Reserve(&heads_[h].kblocks, ready * kblock_bytes_);
-      Reserve(&heads_[h].vblocks, ready * MaxValueBlockBytes(opts_));
-    }
-    for (int64_t g0 = 0; g0 < ready && st.ok(); g0 += chunk_groups) {
-      in.first_group = g0;
-      st = EncodeGroups(h, std::min(ready, g0 + chunk_groups) - g0, &in);
-    }
+                 probe_weights ? probe_weights + h * n : nullptr};
+    st = EncodeGroups(h, ready, &in);
     ok = ok && finite(k, h, ready * G, n) && finite(v, h, ready * G, n);
     if (ok && st.ok()) keep_rest(h);
   }
@@ -470,7 +458,7 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     const uint8_t* vrows = input ? input->v : hd.vwin.data();
     const float* Ut = r > 0 ? tables_->basis_t.data() + static_cast<size_t>(h) * d * r : nullptr;
     const bool seal = !building_.empty();
-    if (!seal && !input) {  // EncodeInput reserves for all of its chunks at once
+    if (!seal) {
       Reserve(&hd.kblocks, ready * kblock_bytes_);
       Reserve(&hd.vblocks, ready * MaxValueBlockBytes(opts_));
     }
@@ -480,20 +468,13 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     thread_local std::vector<uint8_t> kst, vst;
     kst.clear();
     vst.clear();
-    const int64_t g0 = input ? input->first_group : 0;
-    for (int64_t g = g0; g < g0 + ready; ++g) {
+    for (int64_t g = 0; g < ready; ++g) {
       const int64_t first = g * G;  // window (or input) index of the group's first token
-      if (input && g + input->prefetch_groups < input->prefetch_end) {
-        // Reading the input from memory is what a memcpy of it costs; fetched one chunk
-        // ahead, it overlaps the encoding of this chunk instead of stalling its check.
-        const int64_t next = first + input->prefetch_groups * G;
-        const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(input->dtype);
-        for (int t = 0; t < G; ++t)
-          for (size_t off = 0; off < row_bytes; off += 64) {
-            __builtin_prefetch(krows + (next + t) * kstride + off, 0, 2);
-            __builtin_prefetch(vrows + (next + t) * vstride + off, 0, 2);
-          }
-      }
+      // Reading the input from memory is what a memcpy of it costs: the next group's key rows
+      // are fetched while this group's keys are quantized, its value rows while the values are,
+      // a few lines at a time (kernels::PrefetchWhileEncoding), so the next conversion finds
+      // them in cache.
+      const bool fetch_next = input && g + 1 < ready;
       // Input rows are checked as they are converted (window rows were checked on arrival):
       // EncodeInput undoes the append and names the element.
       const bool storable = RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data()) &
@@ -508,6 +489,7 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
                                 ? tables_->basis.data() + static_cast<size_t>(h) * d * r
                                 : nullptr;
       sparse.skip_rows = encoded_ + first == 0 ? opts_.fp16_sinks : 0;
+      if (fetch_next) kernels::PrefetchWhileEncoding(krows + (first + G) * kstride, G * kstride);
       RETURN_IF_ERROR(EncodeKeyBlockT(
           opts_, kf.data(), d, Ut, &kst,
           tables_->rounding.empty() ? nullptr
@@ -537,6 +519,7 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       const float* vround = tables_->value_rounding.empty()
                                 ? nullptr
                                 : tables_->value_rounding.data() + static_cast<size_t>(h) * d * d;
+      if (fetch_next) kernels::PrefetchWhileEncoding(vrows + (first + G) * vstride, G * vstride);
       if (seal) {
         RETURN_IF_ERROR(EncodeValueBlock(opts_, vf.data(), d, wp, &kst, vround, &sparse));
         sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size() + kst.size()));

@@ -246,11 +246,7 @@ class LayerCache {
     const uint8_t* v;
     int64_t kstride, vstride;  // bytes between rows
     DType dtype;
-    const float* probe;   // [n] probe weights of this head, or null
-    int64_t first_group;  // groups [first_group, first_group + count) of the input
-    // While group g is encoded, group g + prefetch_groups is fetched (when below
-    // prefetch_end), so that the next chunk's rows are in cache when they are read.
-    int64_t prefetch_groups = 0, prefetch_end = 0;
+    const float* probe;  // [n] probe weights of this head, or null
   };
   // Encodes the `count` oldest whole groups of head h's window, or those of `input` when
   // given (encoded_ is updated by the caller once every head is done).

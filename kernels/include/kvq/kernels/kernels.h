@@ -116,6 +116,12 @@ const KernelTable& Best();
 // tests run the codec on the reference loops; SetActive(nullptr) restores Best().
 const KernelTable& Active();
 void SetActive(const KernelTable* table);
+// Asks the quantizers (quantize_channels, quantize_rows) to fetch [begin, begin + bytes) a
+// few cache lines at a time as they run, so that the rows an encoder reads next arrive while
+// it computes instead of stalling its next read (a burst of prefetches stalls the core until
+// they drain). Replaces the calling thread's previous request; what the quantizers leave is
+// fetched by the next checksum (xxh3).
+void PrefetchWhileEncoding(const void* begin, size_t bytes);
 // A specific table, or null when this CPU (or build) lacks it.
 const KernelTable* Avx2();
 const KernelTable* Avx512();
