@@ -890,6 +890,23 @@ void dequantize_channels_simd(const uint8_t* codes, int bits, int n_ch, int toke
                               tokens, scale + c0, zero + c0, out + c0, ld);
 }
 
+// add_low_rank's token loop for a rank R known at compile time (no loop or branch per rank
+// step; the same operations in the same order): coef [R][tokens], bt the basis [R][d].
+template <int R>
+void AddLowRankRows(const float* bt, const float* coef, int tokens, int d, float* out, int64_t ld) {
+  for (int t = 0; t < tokens; ++t) {
+    typename Isa::F z[R];
+    for (int j = 0; j < R; ++j) z[j] = Isa::Set1(coef[static_cast<size_t>(j) * tokens + t]);
+    float* row = out + t * ld;
+    for (int c0 = 0; c0 < d; c0 += W) {
+      typename Isa::F acc = Isa::Zero();
+      for (int j = 0; j < R; ++j)
+        acc = Isa::Add(acc, Isa::Mul(Isa::Load(bt + static_cast<size_t>(j) * d + c0), z[j]));
+      Isa::Store(row + c0, Isa::Add(Isa::Load(row + c0), acc));
+    }
+  }
+}
+
 void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const uint16_t* scale,
                        const uint16_t* zero, float sign, const float* basis, int d, float* out,
                        int64_t ld) {
@@ -907,10 +924,30 @@ void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const 
     sf[j] = internal::HalfToFloat(scale[j]);
     zf[j] = internal::HalfToFloat(zero[j]);
   }
+  // Every token's coefficients first, W tokens per vector (the same operations as the scalar
+  // line below: sign * (zero + scale * code)), so that the loop over tokens reads them.
+  thread_local std::vector<float> coef;  // [r][tokens]
+  const bool vector_coef = tokens % W == 0 && (bits == 4 || bits == 8);
+  if (vector_coef) {
+    coef.resize(static_cast<size_t>(r) * tokens);
+    for (int j = 0; j < r; ++j) {
+      const typename Isa::F s = Isa::Set1(sf[j]), zz = Isa::Set1(zf[j]), sg = Isa::Set1(sign);
+      for (int t = 0; t < tokens; t += W) {
+        const typename Isa::F c =
+            bits == 4 ? Decode<4>(codes + j * rb + t / 2) : Decode<8>(codes + j * rb + t);
+        Isa::Store(coef.data() + static_cast<size_t>(j) * tokens + t,
+                   Isa::Mul(sg, Isa::Add(zz, Isa::Mul(s, c))));
+      }
+    }
+    if (r == 4) return AddLowRankRows<4>(bt.data(), coef.data(), tokens, d, out, ld);
+    if (r == 8) return AddLowRankRows<8>(bt.data(), coef.data(), tokens, d, out, ld);
+  }
   for (int t = 0; t < tokens; ++t) {
     for (int j = 0; j < r; ++j)
-      z[j] =
-          sign * (zf[j] + sf[j] * static_cast<float>(internal::GetCode(codes + j * rb, bits, t)));
+      z[j] = vector_coef
+                 ? coef[static_cast<size_t>(j) * tokens + t]
+                 : sign * (zf[j] +
+                           sf[j] * static_cast<float>(internal::GetCode(codes + j * rb, bits, t)));
     float* row = out + t * ld;
     for (int c0 = 0; c0 < d; c0 += W) {
       typename Isa::F acc = Isa::Zero();
