@@ -477,9 +477,10 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
       const bool fetch_next = input && g + 1 < ready;
       // Input rows are checked as they are converted (window rows were checked on arrival):
       // EncodeInput undoes the append and names the element.
-      const bool storable = RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data()) &
-                            RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
-      if (input && !storable) return absl::InvalidArgumentError("append: input rows not storable");
+      const bool keys_ok = RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
+      const bool values_ok = RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
+      if (input && !(keys_ok && values_ok))
+        return absl::InvalidArgumentError("append: input rows not storable");
       if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
       // Dense-and-sparse: reads decode keys with the decode basis; the sinks' stand-in rows of
