@@ -113,8 +113,7 @@ struct Isa {
       return _mm256_cvtepi32_ps(
           _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
     } else {
-      uint32_t w = 0;
-      std::memcpy(&w, p, B);  // 8 codes of B bits = B bytes
+      const auto w = static_cast<uint32_t>(internal::LoadLowBytes<B>(p));  // 8 codes of B bits
       const __m256i shifts = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
       __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts);
       return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32((1 << B) - 1)));

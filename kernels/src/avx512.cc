@@ -125,8 +125,7 @@ struct Isa {
       return _mm512_cvtepi32_ps(
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     } else {
-      uint64_t w = 0;
-      std::memcpy(&w, p, 2 * B);
+      const uint64_t w = internal::LoadLowBytes<2 * B>(p);  // 16 codes of B bits
       __m512i v;
       __m512i shifts;
       if constexpr (B <= 2) {

@@ -279,6 +279,9 @@ int Main(int argc, char** argv) {
     const double token_layers = static_cast<double>(tokens) * L;
     std::vector<double> put_rows_b, put_codes_b, get_rows_b, get_codes_b;
     std::vector<double> put_rows_s, put_codes_s, get_rows_s, get_codes_s, enc_s, dec_s, copy_s;
+    std::vector<double> enc_alone_s, dec_alone_s;
+    std::vector<v1::GetBlocksResponse> got;  // the codes of the first get, decoded again alone
+    std::vector<core::CodecOptions> got_codec(L);
     for (int r = 0; r < reps; ++r) {
       // Rows: chunk-token appends, one message each (what kvq seq put sends).
       std::vector<v1::PutBlocksRequest> rows;
@@ -362,6 +365,7 @@ int Main(int argc, char** argv) {
           if (!as_codes) return true;
           const auto d0 = Clock::now();
           if (!m.model().empty()) layer_codec[m.layer()] = *(*codes)->CodecOf(m.codec());
+          if (r == 0) got.push_back(m);
           bad.Update((*codes)->Decode(m, layer_codec[m.layer()], core::DType::kF16, &k, &v));
           decoding += Seconds(d0, Clock::now());
           return bad.ok();
@@ -371,7 +375,25 @@ int Main(int argc, char** argv) {
         (as_codes ? get_codes_s : get_rows_s).push_back(took);
         (as_codes ? get_codes_b : get_rows_b).push_back(static_cast<double>(relay.bytes() - b0));
         if (as_codes) dec_s.push_back(decoding);
+        if (as_codes) got_codec = layer_codec;
       }
+      // The client's codec alone: the same encode and decode with nothing else running.
+      auto e0 = Clock::now();
+      for (int l = 0; l < L; ++l) {
+        auto view = [&](const std::string& b) {
+          return core::TensorView::Contiguous(b.data(), core::DType::kF16, {kv, tokens, d});
+        };
+        if (!(*codes)->EncodeLayer("codes", l, codec, view(kb[l]), view(vb[l]), chunk).ok()) {
+          return 1;
+        }
+      }
+      enc_alone_s.push_back(Seconds(e0, Clock::now()));
+      std::vector<uint8_t> k, v;
+      e0 = Clock::now();
+      for (const v1::GetBlocksResponse& m : got) {
+        if (!(*codes)->Decode(m, got_codec[m.layer()], core::DType::kF16, &k, &v).ok()) return 1;
+      }
+      dec_alone_s.push_back(Seconds(e0, Clock::now()));
       (void)cl.DeleteSequence("rows");
       (void)cl.DeleteSequence("codes");
     }
@@ -391,6 +413,11 @@ int Main(int argc, char** argv) {
         cfg.name, fp16_bytes / Median(enc_s) / 1e9, fp16_bytes / Median(dec_s) / 1e9,
         fp16_bytes / copy / 1e9, copy / Median(enc_s), copy / Median(dec_s),
         tokens / Median(put_codes_s), tokens / Median(get_codes_s));
+    std::printf(
+        "%-32s client codec alone: encode %.3f GB/s, decode %.3f GB/s of fp16: encode %.2fx, "
+        "decode %.2fx memcpy\n",
+        cfg.name, fp16_bytes / Median(enc_alone_s) / 1e9, fp16_bytes / Median(dec_alone_s) / 1e9,
+        copy / Median(enc_alone_s), copy / Median(dec_alone_s));
   }
   return 0;
 }

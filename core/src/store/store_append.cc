@@ -89,15 +89,19 @@ bool IsAttach(const AppendSpec& a) {
 // Rows an append carries (after its encoded groups, if any).
 int64_t RowCount(const AppendSpec& a) { return a.keys.rank == 3 ? a.keys.shape[1] : 0; }
 
-// Hash of token t of an encoded group as it arrived: the group's blocks (every head, keys and
-// values) and t's place in it. Never equal to a row's TokenHash in practice, so a re-send in the
-// other form is ALREADY_EXISTS.
-uint64_t GroupTokenHash(const EncodedGroupsView& run, const std::vector<size_t>& at, int kv_heads,
-                        int64_t g, int64_t t) {
+// Hash of an encoded group as it arrived: its blocks (every head, keys then values).
+uint64_t GroupHash(const EncodedGroupsView& run, const std::vector<size_t>& at, int kv_heads,
+                   int64_t g) {
   const size_t first = static_cast<size_t>(g) * 2 * kv_heads;
   const size_t begin = at[first], end = at[first + 2 * kv_heads];
-  return XXH3_64bits_withSeed(run.bytes.data() + begin, end - begin,
-                              0x656e63ull ^ static_cast<uint64_t>(t));
+  return XXH3_64bits_withSeed(run.bytes.data() + begin, end - begin, 0x656e63ull);
+}
+
+// Hash of token t of an encoded group as it arrived: its group's hash and t's place in it (the
+// group's bytes are hashed once, not once per token). Never equal to a row's TokenHash in
+// practice, so a re-send in the other form is ALREADY_EXISTS.
+uint64_t GroupTokenHash(uint64_t group_hash, int64_t t) {
+  return XXH3_64bits_withSeed(&group_hash, sizeof(group_hash), static_cast<uint64_t>(t));
 }
 
 // The sub-run of groups [g0, g1) (0-based within `run`).
@@ -549,10 +553,16 @@ absl::Status StoreImpl::AppendBatch::PlanEncoded(size_t i,
                        len + p.n, " tokens; the limit is ", store_.opts_.max_tokens_per_layer);
   }
   const std::vector<size_t> at = RunOffsets(run);
+  int64_t hashed_group = -1;
+  uint64_t group_hash = 0;
   for (int64_t pos = a.start + overlap; pos < a.start + n; ++pos) {
-    p.new_hashes.push_back(pos < blocks_end
-                               ? GroupTokenHash(run, at, kv_heads, (pos - a.start) / G, pos % G)
-                               : TokenHash(a.keys, a.values, pos - blocks_end));
+    if (pos >= blocks_end) {
+      p.new_hashes.push_back(TokenHash(a.keys, a.values, pos - blocks_end));
+      continue;
+    }
+    const int64_t g = (pos - a.start) / G;
+    if (g != hashed_group) group_hash = GroupHash(run, at, kv_heads, hashed_group = g);
+    p.new_hashes.push_back(GroupTokenHash(group_hash, pos % G));
   }
   pend.insert(pend.end(), p.new_hashes.begin(), p.new_hashes.end());
   duplicates_ += overlap;
