@@ -11,7 +11,9 @@
 //   * put and get throughput over loopback (tokens/s and GB/s of fp16 K+V equivalent), codes
 //     with the client's encode (overlapping the transfer: PutBlocksStream) or decode included;
 //   * the client's encode and decode speed against a memcpy of the same fp16 bytes in the same
-//     run (the ratio is the figure; the memcpy is the baseline).
+//     run (the ratio is the figure; the memcpy is the baseline): while the transfer runs (the
+//     server storing or sending other layers on the same cores), and alone (every layer
+//     encoded and every message of the first get decoded again after the transfers).
 // Client, relay and server share the machine's cores. Medians of --reps repetitions.
 // --server IP:PORT measures against a kvq-server started elsewhere instead of one in this
 // process (scripts/bench-link.sh: one in a network namespace behind a rate-limited veth pair);
