@@ -8,7 +8,10 @@
 #include <xxhash.h>
 
 #include <cstring>
+#include <utility>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "kvq/core/cache.h"
 #include "test_util.h"
 
@@ -265,6 +268,32 @@ TEST_F(HostileRunTest, NonFiniteNegativeAndHugeScalesAreRefused) {
   const absl::Status st = Check();
   EXPECT_THAT(st.message(),
               HasSubstr("enc.blocks[1] (group 0, head 0, value): token 0 channel group"));
+}
+
+// CheckAffine accepts pairs inside a box (scale < 128, |zero| < 32768) from their bits alone;
+// pairs outside it take the exact check, which accepts these (each decodes within range).
+TEST_F(HostileRunTest, ScalesOutsideTheFastBoxAreCheckedExactly) {
+  const size_t scale0 = format::kHeaderBytes, zero0 = scale0 + 2 * kDim;
+  for (const auto& [scale, zero] : std::vector<std::pair<float, float>>{
+           {127.9f, -32752.0f}, {128.0f, 0.0f}, {1000.0f, -40000.0f}, {-0.0f, 65504.0f}}) {
+    SCOPED_TRACE(absl::StrCat(scale, " ", zero));
+    EncodedGroups keep = run_;
+    SetHalf(0, scale0, scale);
+    SetHalf(0, zero0, zero);
+    EXPECT_TRUE(Check().ok()) << Check();
+    run_ = keep;
+  }
+  // Beyond it: zero + 3 x scale past the fp16 maximum plus one step, from the zero or from the
+  // scale alone, or from the zero near the maximum with a scale inside the box.
+  for (const auto& [scale, zero] : std::vector<std::pair<float, float>>{
+           {20000.0f, 40000.0f}, {60000.0f, 0.0f}, {127.0f, 65504.0f}}) {
+    SCOPED_TRACE(absl::StrCat(scale, " ", zero));
+    EncodedGroups keep = run_;
+    SetHalf(0, scale0, scale);
+    SetHalf(0, zero0, zero);
+    EXPECT_THAT(Check().message(), HasSubstr("beyond the fp16 maximum"));
+    run_ = keep;
+  }
 }
 
 TEST_F(HostileRunTest, SparsePositionsOutOfRangeAndNonFiniteDeltasAreRefused) {
