@@ -103,6 +103,32 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_
 
 
 
+def test_a_shared_system_prompt_is_taken_from_the_prefix_index(vllm_model, kvq_server, engine_run, tmp_path):
+    """Two prompts that share their first three blocks and nothing after (a system prompt, then
+    different questions), with the default codec (window 0: every whole block encoded and
+    indexed by its token ids): the second request takes the three shared blocks from kvq's
+    prefix index, where the first prompt's save put them (no stored prompt is exactly that
+    prefix, so no name finds them), through an attach that the load then deletes."""
+    with kvq.Client(kvq_server.address) as c:
+        kvq.hf.register_model(c, AutoConfig.from_pretrained(vllm_model), "smollm2-shared")
+    text = _prompt(vllm_model, 700)
+    system = text[:384]
+    pa, pb = system + text[384:540], system + text[540:700]  # 540 and 544 tokens: 4 whole blocks each
+    run = engine_run(tmp_path / "shared", [pa, pb], kvq=kvq_server.address, kvq_model="smollm2-shared")
+    first, second = run["results"]
+    assert first["num_cached_tokens"] == 0
+    assert second["num_cached_tokens"] == 384
+    sched, worker = run["connector"]["scheduler"], run["connector"]["worker"]
+    assert sched["attached_tokens"] == 384 and sched["hit_tokens"] == 384 and sched["lookup_errors"] == 0
+    assert worker["loaded_tokens"] == 384 and worker["load_errors"] == 0
+    assert worker["saves"] == 2 and worker["saved_tokens"] == 2 * 512
+    assert len(second["tokens"]) == 16
+    with kvq.Client(kvq_server.address) as c:
+        stats = c.stats()
+    assert stats.sequences == 2  # the two prompts; the attach sequences were deleted
+    assert stats.shared_tokens >= 384 * LAYERS
+
+
 def test_unregistered_model_is_an_error_naming_the_register_command(vllm_model, kvq_server):
     from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

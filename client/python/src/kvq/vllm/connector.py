@@ -8,8 +8,10 @@ Mapping (docs/DESIGN.md "kvq behind vLLM"): a prompt's whole vLLM blocks are sto
 one kvq sequence named after their token ids (kvq.vllm.naming), K and V as the engine computed
 them, with the token ids (so that kvq's per-tenant prefix index stores a group shared by
 several prompts once). A new request's lookup asks kvq, in parallel, for the length of every
-block-aligned prefix name of its prompt (no K/V moves) and takes the longest that is stored;
-the worker then reads that prefix with GetBlocks into the request's blocks of the paged cache
+block-aligned prefix name of its prompt (no K/V moves) and attaches the prompt's token ids to a
+fresh sequence (which takes the longest run of groups kvq's prefix index holds for them: the
+shared part of prompts that share only a prefix, such as a system prompt); it takes the longer
+of the two; the worker then reads that prefix with GetBlocks into the request's blocks of the paged cache
 (kvq.vllm.layout: the CPU backend's packed layout), before the forward pass. The prompt's
 whole blocks are saved in the step whose forward computes the last of them, one PutBlocks
 message for all layers (atomic: a lookup never sees half a prompt), from copies of the K/V
@@ -64,6 +66,7 @@ class LoadSpec:
     block_ids: List[int]
     start: int
     end: int
+    attached: bool = False  # `name` is an attach sequence: deleted once read
 
 
 @dataclass
@@ -85,8 +88,13 @@ class KvqConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class _Lookup:
     names: List[str]   # the prompt's prefix names, 1..n whole blocks
-    stored_blocks: int  # the longest prefix kvq holds, in blocks
+    stored_blocks: int  # the longest prefix kvq holds under the prompt's names, in blocks
     load_tokens: int   # what may be loaded (never the prompt's last token: vLLM computes it)
+    # The sequence the load reads: names[stored_blocks - 1], or an attach sequence holding the
+    # prompt's longest run of groups in kvq's prefix index (then `attached`: the worker
+    # deletes it after the load, request_finished when no load took it).
+    source: str = ""
+    attached: bool = False
 
 
 @dataclass
@@ -142,7 +150,8 @@ class KvqConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
         # Counters (read by tests and logged at shutdown).
         self.counts: Dict[str, float] = {
-            "lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "loads": 0, "load_errors": 0, "loaded_tokens": 0,
+            "lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "attached_tokens": 0, "loads": 0, "load_errors": 0,
+            "loaded_tokens": 0,
             "saves": 0, "save_errors": 0, "saved_tokens": 0, "saves_dropped": 0,
             # Wall seconds inside the connector: the lookups, the loads (of which in GetBlocks'
             # stream, the rest writing the paged cache), the saves' gathers and PutBlocks.
@@ -180,24 +189,59 @@ class KvqConnector(KVConnectorBase_V1):
     def _lookup(self, prompt: List[int]) -> _Lookup:
         names = self.names.chain(prompt)
         last = max(0, (len(prompt) - 1) // self.block_size)  # blocks that may be loaded
-        stored = 0
+        stored, attached, probe = 0, 0, ""
         t0 = time.monotonic()
         if names:
             self.counts["lookups"] += 1
+            # In parallel, one round trip: the length of every prefix name (stored prompts,
+            # their window included) and an attach of the prompt's ids to a fresh sequence
+            # (the groups of other prompts that share a prefix with this one: a common system
+            # prompt before different questions).
+            probe = self.names.attach_name(names) if last > 0 else ""
+            attach = self._pool.submit(self._attach, probe, prompt[:last * self.block_size]) if probe else None
             futures = [self._pool.submit(self._stored_tokens, name) for name in names]
             try:
                 done = [f.result(timeout=self.config.lookup_deadline_s) for f in futures]
                 for i, tokens in enumerate(done):
                     if tokens >= (i + 1) * self.block_size:
                         stored = i + 1
+                if attach is not None:
+                    attached = attach.result(timeout=self.config.lookup_deadline_s) // self.block_size
             except Exception as e:  # a slow or failing kvq is a miss, never an error
                 self.counts["lookup_errors"] += 1
                 log.warning("kvq.vllm: prefix lookup failed, treated as a miss: %s", e)
-                stored = 0
-        load = min(stored, last) * self.block_size
-        self.counts["hit_tokens"] += load
+                stored = attached = 0
+        if min(attached, last) > min(stored, last):
+            found = _Lookup(names, stored, min(attached, last) * self.block_size, probe, True)
+            self.counts["attached_tokens"] += found.load_tokens
+        else:
+            if probe:
+                self._drop(probe)
+            found = _Lookup(names, stored, min(stored, last) * self.block_size,
+                            names[stored - 1] if stored else "")
+        self.counts["hit_tokens"] += found.load_tokens
         self.counts["lookup_s"] += time.monotonic() - t0
-        return _Lookup(names, stored, load)
+        return found
+
+    def _attach(self, name: str, ids: List[int]) -> int:
+        """Attaches the longest run of indexed groups for ids to a new sequence `name` (every
+        layer, one message); the tokens every layer got (whole groups of the codec)."""
+        arr = np.asarray(ids, dtype=np.uint32)
+        got = self.client.put_blocks(
+            [kvq.Append(name, layer, 0, token_ids=arr, model=self.config.model, codec=self.codec)
+             for layer in range(int(self.model_info.layers))], deadline=self.config.lookup_deadline_s)
+        lengths = [int(x.tokens) for x in got.lengths if x.sequence_id == name]
+        return min(lengths) if len(lengths) == int(self.model_info.layers) else 0
+
+    def _drop(self, name: str) -> None:
+        """Deletes an attach sequence in the background (a failure only leaves it to eviction)."""
+        def drop() -> None:
+            try:
+                self.client.delete_sequence(name, deadline=self.config.lookup_deadline_s)
+            except kvq.KvqError as e:
+                if e.code.name != "NOT_FOUND":
+                    log.warning("kvq.vllm: deleting attach sequence %s failed: %s", name, e)
+        self._pool.submit(drop)
 
     def _stored_tokens(self, name: str) -> int:
         """Tokens of the sequence's last layer (0: absent), without reading any K/V."""
@@ -218,10 +262,10 @@ class KvqConnector(KVConnectorBase_V1):
             return
         found = self._lookups[request.request_id]
         end = found.load_tokens
-        # From the longest stored prefix, which may hold more than is loaded (a prompt of whole
-        # blocks stored whole loads all but its last block).
-        self._loads[request.request_id] = LoadSpec(found.names[found.stored_blocks - 1], [],
-                                                   end - num_external_tokens, end)
+        # From the longest stored prefix (or the attach sequence), which may hold more than is
+        # loaded (a prompt of whole blocks stored whole loads all but its last block).
+        self._loads[request.request_id] = LoadSpec(found.source, [], end - num_external_tokens, end,
+                                                   found.attached)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = KvqConnectorMetadata()
@@ -250,6 +294,7 @@ class KvqConnector(KVConnectorBase_V1):
         if load is not None:
             load.block_ids = list(track.blocks)
             meta.loads.append(load)
+            track.lookup.attached = False  # the worker deletes the attach sequence after reading it
         whole = len(track.prompt) // self.block_size
         if track.saved or whole == 0 or track.lookup.stored_blocks >= whole:
             return
@@ -261,9 +306,13 @@ class KvqConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: List[int]) -> tuple[bool, Optional[Dict[str, Any]]]:
         # Saves complete inside the step that scheduled them: nothing holds the blocks longer.
-        self._tracks.pop(request.request_id, None)
-        self._lookups.pop(request.request_id, None)
+        track = self._tracks.pop(request.request_id, None)
+        found = self._lookups.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        for lookup in {id(x): x for x in (found, track.lookup if track else None) if x is not None}.values():
+            if lookup.attached:  # an attach no load took
+                lookup.attached = False
+                self._drop(lookup.source)
         return False, None
 
     # -- worker side ----------------------------------------------------------------------
@@ -326,6 +375,8 @@ class KvqConnector(KVConnectorBase_V1):
                 self._failed_blocks.update(load.block_ids[first:last])
             log.warning("kvq.vllm: loading %s [%d, %d) failed, its blocks are reported as load errors: %s",
                         load.name, load.start, load.end, e)
+        if load.attached:
+            self._drop(load.name)
         took = time.monotonic() - t0
         self.counts["load_s"] += took
         self.counts["load_rpc_s"] += took - written

@@ -13,6 +13,7 @@ prompt that starts the same way lands on one server and shares its prefix index 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, List, Mapping, Sequence
 
 import numpy as np
@@ -43,3 +44,9 @@ class PrefixNames:
                 tag = key.hex()[:16]
             names.append(f"vllm.{self.model}.{{{tag}}}.{key.hex()}")
         return names
+
+    @staticmethod
+    def attach_name(names: Sequence[str]) -> str:
+        """A fresh name for a sequence that attaches a prompt's indexed groups (its first
+        block's hash tag kept, so that a sharded kvq routes it to the server of names[0])."""
+        return f"{names[0]}.attach.{uuid.uuid4().hex}"
