@@ -312,10 +312,10 @@ class KvqConnector(KVConnectorBase_V1):
         track = self._tracks.pop(request.request_id, None)
         found = self._lookups.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
-        for lookup in {id(x): x for x in (found, track.lookup if track else None) if x is not None}.values():
-            if lookup.attached:  # an attach no load took
-                lookup.attached = False
-                self._drop(lookup.source)
+        lookup = track.lookup if track is not None else found  # the same object when both exist
+        if lookup is not None and lookup.attached:  # an attach no load took
+            lookup.attached = False
+            self._drop(lookup.source)
         return False, None
 
     # -- worker side ----------------------------------------------------------------------
