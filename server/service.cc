@@ -1,5 +1,6 @@
 #include "server/service.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -416,6 +417,50 @@ grpc::ServerUnaryReactor* Service::DeleteSequence(grpc::CallbackServerContext* c
                  resp->set_bytes_freed(freed);
                  return absl::OkStatus();
                });
+}
+
+grpc::ServerUnaryReactor* Service::MatchPrefix(grpc::CallbackServerContext* ctx,
+                                               const v1::MatchPrefixRequest* req,
+                                               v1::MatchPrefixResponse* resp) {
+  return Unary(
+      "MatchPrefix", CallKind::kPooled, ctx, req, resp, [this, req, resp](const Call& call) {
+        const std::string& tenant = call.tenant();
+        if (req->sequence_ids_size() > kMaxBatchItems) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "sequence_ids has ", req->sequence_ids_size(), " ids; at most ", kMaxBatchItems));
+        }
+        for (int i = 0; i < req->sequence_ids_size(); ++i) {
+          RETURN_IF_ERROR(CheckId(req->sequence_ids(i), absl::StrCat("sequence_ids[", i, "]")));
+        }
+        core::PrefixProbe probe;
+        probe.model = req->model();
+        if (req->basis_version() < 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("basis_version ", req->basis_version(), " must be >= 0"));
+        }
+        probe.basis_version = req->basis_version();
+        probe.token_ids = std::span<const uint32_t>(req->token_ids().data(), req->token_ids_size());
+        if (req->has_codec() && !probe.token_ids.empty()) {
+          absl::StatusOr<std::shared_ptr<const core::ModelEntry>> m =
+              registry_->Get(req->model(), req->basis_version());
+          if (!m.ok()) return Prefix(m.status(), "model");
+          ASSIGN_OR_RETURN(probe.codec, wire::MergeCodec((*m)->codec, req->codec(), "codec"));
+          probe.has_codec = true;
+        }
+        ASSIGN_OR_RETURN(const int64_t indexed, store_->IndexedPrefixTokens(tenant, probe));
+        resp->set_indexed_tokens(indexed);
+        for (const std::string& id : req->sequence_ids()) {
+          absl::StatusOr<core::SequenceInfo> info = store_->Describe(tenant, id);
+          int64_t fewest = 0;
+          if (info.ok() && !info->layer_tokens.empty()) {
+            fewest = *std::min_element(info->layer_tokens.begin(), info->layer_tokens.end());
+          } else if (!info.ok() && !absl::IsNotFound(info.status())) {
+            return info.status();
+          }
+          resp->add_sequence_tokens(fewest);
+        }
+        return absl::OkStatus();
+      });
 }
 
 grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext* ctx,

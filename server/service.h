@@ -72,6 +72,9 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
   grpc::ServerUnaryReactor* DeleteSequence(grpc::CallbackServerContext* ctx,
                                            const v1::DeleteSequenceRequest* req,
                                            v1::DeleteSequenceResponse* resp) override;
+  grpc::ServerUnaryReactor* MatchPrefix(grpc::CallbackServerContext* ctx,
+                                        const v1::MatchPrefixRequest* req,
+                                        v1::MatchPrefixResponse* resp) override;
   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* ctx, const v1::StatsRequest* req,
                                   v1::StatsResponse* resp) override;
   grpc::ServerUnaryReactor* Echo(grpc::CallbackServerContext* ctx, const v1::EchoRequest* req,

@@ -192,6 +192,31 @@ TEST(Client, ShardsSequencesAndMergesBatchesInOrder) {
   }
 }
 
+// MatchPrefix reaches the shard of its first sequence id; names placed elsewhere are refused
+// before anything is sent.
+TEST(Client, MatchPrefixReachesTheShardOfItsFirstSequence) {
+  Cluster cl(3);
+  auto c = MakeClient(cl.addresses);
+  ASSERT_TRUE(c->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  ASSERT_TRUE(c->PutBlocks(Prefill("{p}.1", 77, 11)).ok());
+  ASSERT_TRUE(c->PutBlocks(Prefill("{p}.2", 40, 12)).ok());
+  v1::MatchPrefixRequest req;
+  for (const char* id : {"{p}.1", "{p}.2", "{p}.absent"}) req.add_sequence_ids(id);
+  auto got = c->MatchPrefix(req);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_THAT(got->sequence_tokens(), ::testing::ElementsAre(77, 40, 0));
+  EXPECT_EQ(got->indexed_tokens(), 0);
+  std::string apart;
+  for (int i = 0; apart.empty(); ++i) {
+    const std::string id = absl::StrCat("q", i);
+    if (c->ShardOf(id) != c->ShardOf("{p}.1")) apart = id;
+  }
+  req.add_sequence_ids(apart);
+  got = c->MatchPrefix(req);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(got.status().message()), HasSubstr("sequence_ids[3] '" + apart + "'"));
+}
+
 TEST(Client, ALostShardFailsOnlyItsOwnSequences) {
   Cluster cl(3);
   ClientOptions o;

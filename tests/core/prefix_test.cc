@@ -399,6 +399,83 @@ TEST_F(PrefixTest, AttachWithoutDataThenContinue) {
   EXPECT_EQ(out.tokens_shared, 0);
 }
 
+// IndexedPrefixTokens (MatchPrefix): what an attach would take now, in every layer, and
+// nothing else: the store is the same afterwards.
+TEST_F(PrefixTest, IndexedPrefixTokensIsWhatAnAttachTakesAndChangesNothing) {
+  Store store({}, &registry_);
+  Tokens a(Ids(100, 9), 2);
+  AppendOutcome out;
+  ASSERT_TRUE(store.Append("t", a.All("a"), &out).ok());
+  PrefixProbe probe;
+  probe.model = "m";
+  probe.token_ids = a.ids;
+  const UsageStats before = store.TotalUsage();
+  absl::StatusOr<int64_t> got = store.IndexedPrefixTokens("t", probe);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, 96);  // three whole groups of 32; the rest is never attached
+  const UsageStats after = store.TotalUsage();
+  EXPECT_EQ(after.sequences, before.sequences);
+  EXPECT_EQ(after.bytes, before.bytes);
+  EXPECT_EQ(after.shared_tokens, before.shared_tokens);
+  // Another tenant's index is not this one's.
+  EXPECT_EQ(*store.IndexedPrefixTokens("u", probe), 0);
+  // A prompt that shares two groups, then differs.
+  std::vector<uint32_t> fork = a.ids;
+  fork[70] ^= 1;
+  probe.token_ids = fork;
+  EXPECT_EQ(*store.IndexedPrefixTokens("t", probe), 64);
+  // The fewest over layers: a prompt stored in layer 0 only matches nothing.
+  Tokens b(Ids(64, 300), 5);
+  ASSERT_TRUE(store.Append("t", {b.Spec("b", 0, 0, 64)}, &out).ok());
+  probe.token_ids = b.ids;
+  EXPECT_EQ(*store.IndexedPrefixTokens("t", probe), 0);
+  // Another codec's groups are not this codec's.
+  probe.token_ids = a.ids;
+  probe.has_codec = true;
+  probe.codec = Entry().codec;
+  EXPECT_EQ(*store.IndexedPrefixTokens("t", probe), 96);
+  probe.codec.rotate_keys = true;
+  EXPECT_EQ(*store.IndexedPrefixTokens("t", probe), 0);
+  probe.has_codec = false;
+  // Retained groups (no sequence holds them) are what an attach takes too.
+  ASSERT_TRUE(store.Delete("t", "a").ok());
+  EXPECT_EQ(*store.IndexedPrefixTokens("t", probe), 96);
+  ASSERT_TRUE(
+      store.Append("t", {AttachSpec("d", 0, 0, a.ids), AttachSpec("d", 1, 0, a.ids)}, &out).ok());
+  EXPECT_EQ(out.tokens_shared, 2 * 96);
+  // No ids: nothing to match, no model needed.
+  EXPECT_EQ(*store.IndexedPrefixTokens("t", PrefixProbe{}), 0);
+}
+
+TEST_F(PrefixTest, IndexedPrefixTokensNamesTheBadField) {
+  Store store({}, &registry_);
+  std::vector<uint32_t> ids = Ids(64, 1);
+  PrefixProbe probe;
+  probe.token_ids = ids;
+  absl::Status st = store.IndexedPrefixTokens("t", probe).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("model must be set"));
+  probe.model = "nope";
+  st = store.IndexedPrefixTokens("t", probe).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(st.message()), ::testing::StartsWith("model: "));
+  probe.model = "m";
+  probe.has_codec = true;
+  probe.codec = Entry().codec;
+  probe.codec.rank = 99;
+  st = store.IndexedPrefixTokens("t", probe).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()),
+              ::testing::HasSubstr("codec.rank 99 exceeds the basis rank 8"));
+  probe.has_codec = false;
+  std::vector<uint32_t> many(65537, 3);
+  probe.token_ids = many;
+  st = store.IndexedPrefixTokens("t", probe).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()),
+              ::testing::HasSubstr("token_ids has 65537 ids; at most 65536"));
+}
+
 // DropAll (a shard that may hold stale copies, kvq-server --drop-after-probe-gap): no
 // sequence of any tenant is left, no prefix group either (held or retained), the bytes all
 // come back, and the store serves as if it had restarted: the same prompt attaches nothing.

@@ -142,6 +142,53 @@ TEST_F(PrefixService, AttachThenContinueReadsLikeAnUnsharedSequence) {
   EXPECT_EQ(s3.prefix_blocks(), s1.prefix_blocks());
 }
 
+// MatchPrefix: the lookup of a serving engine, one round trip that moves and changes nothing.
+TEST_F(PrefixService, MatchPrefixCountsWhatAnAttachWouldTakeAndChangesNothing) {
+  PutOk(Msg("a", 0, kT, true, true));
+  PutOk(Msg("short", 0, 40, true, false));
+  const v1::StatsResponse before = Stats();
+  auto match = [&](const std::string& tenant, v1::MatchPrefixRequest req, grpc::Status* st) {
+    v1::MatchPrefixResponse r;
+    auto ctx = CtxAs(tenant);
+    *st = stub_->MatchPrefix(ctx.get(), req, &r);
+    return r;
+  };
+  v1::MatchPrefixRequest req;
+  req.set_model("tiny");
+  for (uint32_t id : ids_) req.add_token_ids(id);
+  for (const char* id : {"a", "short", "absent"}) req.add_sequence_ids(id);
+  grpc::Status st;
+  v1::MatchPrefixResponse r = match("", req, &st);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(r.indexed_tokens(), 96);
+  EXPECT_THAT(r.sequence_tokens(), ::testing::ElementsAre(kT, 40, 0));
+  const v1::StatsResponse after = Stats();
+  EXPECT_EQ(after.sequences(), before.sequences());
+  EXPECT_EQ(after.stored_bytes(), before.stored_bytes());
+  EXPECT_EQ(after.shared_tokens(), before.shared_tokens());
+  // Another tenant sees none of it.
+  r = match("other", req, &st);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(r.indexed_tokens(), 0);
+  EXPECT_THAT(r.sequence_tokens(), ::testing::ElementsAre(0, 0, 0));
+  // Errors name the field.
+  v1::MatchPrefixRequest bad = req;
+  bad.set_sequence_ids(1, "");
+  match("", bad, &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("sequence_ids[1]"));
+  bad = req;
+  bad.set_model("nope");
+  match("", bad, &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("model"));
+  bad = req;
+  bad.mutable_codec()->set_key_bits(7);
+  match("", bad, &st);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(st.error_message(), ::testing::HasSubstr("codec"));
+}
+
 TEST_F(PrefixService, TenantsShareNothing) {
   PutOk(Msg("a", 0, kT, true, true), "alpha");
   v1::PutBlocksResponse r = PutOk(Msg("a", 0, kT, false, true), "beta");

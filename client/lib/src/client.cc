@@ -646,6 +646,27 @@ absl::StatusOr<v1::DeleteSequenceResponse> Client::DeleteSequence(const std::str
   return resp;
 }
 
+absl::StatusOr<v1::MatchPrefixResponse> Client::MatchPrefix(const v1::MatchPrefixRequest& req) {
+  const std::string first = req.sequence_ids().empty() ? std::string() : req.sequence_ids(0);
+  const int s = ShardOf(first);
+  const std::string route = options_.router ? RouteKey(first) : std::string();
+  for (int i = 1; i < req.sequence_ids_size(); ++i) {
+    const std::string& id = req.sequence_ids(i);
+    if (ShardOf(id) != s || (options_.router && RouteKey(id) != route)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence_ids[", i, "] '", id, "' is placed apart from sequence_ids[0] '",
+                       first, "'; a MatchPrefix reaches one shard: give the sequences one {tag}"));
+    }
+  }
+  v1::MatchPrefixResponse resp;
+  grpc::Status st = impl_->Run(
+      "MatchPrefix", s, true,
+      [&](grpc::ClientContext* ctx) { return impl_->stubs[s]->MatchPrefix(ctx, req, &resp); },
+      nullptr, route);
+  if (!st.ok()) return ToAbsl(st, impl_->Label(s, route));
+  return resp;
+}
+
 absl::StatusOr<std::string> Client::Echo(const std::string& payload, int shard) {
   if (shard < 0 || shard >= num_shards()) return absl::InvalidArgumentError("no such shard");
   v1::EchoRequest req;

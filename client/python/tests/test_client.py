@@ -289,6 +289,35 @@ def test_attach_by_token_ids_takes_the_prefix(client, register_model):
     assert client.stats().shared_tokens == 64
 
 
+def test_match_prefix_counts_what_an_attach_would_take_without_changing_anything(client, register_model):
+    register_model(client)
+    k = rand((KV, 100, D), 9, np.float16)
+    ids = list(range(2000, 2100))
+    g32 = kvq.CodecSettings(key_group=32)
+    client.put_blocks([kvq.Append("{p}.1", layer, 0, k, k, token_ids=ids, model="tiny", codec=g32)
+                       for layer in range(2)])
+    before = client.stats()
+    got = client.match_prefix(ids, sequence_ids=["{p}.1", "{p}.absent"], model="tiny", codec=g32)
+    assert got == kvq.PrefixMatch(96, [100, 0])  # three whole groups; the last 4 tokens never attach
+    after = client.stats()
+    assert (after.sequences, after.stored_bytes, after.shared_tokens) == \
+        (before.sequences, before.stored_bytes, before.shared_tokens)
+    # A prompt sharing the first group only; the model's default codec (other groups) matches none.
+    assert client.match_prefix(ids[:40] + [1] * 60, model="tiny", codec=g32).indexed_tokens == 32
+    assert client.match_prefix(ids, model="tiny").indexed_tokens == 0
+    with pytest.raises(kvq.KvqError) as e:
+        client.match_prefix(ids, model="nope")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.method == "MatchPrefix"
+
+
+def test_match_prefix_refuses_names_of_two_shards_before_sending():
+    with kvq.Client("127.0.0.1:1,127.0.0.1:2") as c:
+        apart = next(f"q{i}" for i in range(1000) if c.shard_of(f"q{i}") != c.shard_of("a"))
+        with pytest.raises(kvq.KvqError) as e:
+            c.match_prefix(sequence_ids=["a", apart])
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sequence_ids[1]" in str(e.value)
+
+
 def test_delete_and_stats(client, register_model):
     register_model(client)
     put(client, "x", 50)

@@ -32,7 +32,7 @@ def test_the_stubs_import_inside_the_package():
     assert kvq_pb2.DESCRIPTOR.name == "kvq/v1/kvq.proto"
     assert set(kvq_pb2.DESCRIPTOR.services_by_name["Kvq"].methods_by_name) == {
         "RegisterBasis", "ListModels", "GetModel", "GetBasis", "PutBlocks", "Score", "Readout", "Attend",
-        "GetBlocks", "DeleteSequence", "Stats", "Echo"}
+        "GetBlocks", "MatchPrefix", "DeleteSequence", "Stats", "Echo"}
     assert hasattr(kvq_pb2_grpc, "KvqStub")
     # No top-level "kvq.v1" module is needed (the service module imports relatively).
     assert "kvq.v1" not in sys.modules

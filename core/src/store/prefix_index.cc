@@ -126,6 +126,16 @@ PrefixIndex::Run PrefixIndex::HoldRun(PrefixKey prev, std::span<const uint32_t> 
   return run;
 }
 
+int64_t PrefixIndex::RunLength(PrefixKey prev, std::span<const uint32_t> ids, int group,
+                               int64_t max_groups) const {
+  int64_t b = 0;
+  for (; b < max_groups && (b + 1) * group <= static_cast<int64_t>(ids.size()); ++b) {
+    prev = ChainKey(prev, ids.data() + b * group, group);
+    if (!entries_.contains(prev)) break;
+  }
+  return b;
+}
+
 int64_t PrefixIndex::Drop(PrefixKey key) {
   int64_t freed = 0;
   std::vector<PrefixKey> stack{key};

@@ -66,6 +66,9 @@ class PrefixIndex {
   // Holds the longest run of indexed groups continuing the chain after `prev` with `ids`
   // (whole groups of `group` ids, at most `max_groups`).
   Run HoldRun(PrefixKey prev, std::span<const uint32_t> ids, int group, int64_t max_groups);
+  // How many groups HoldRun would hold now, holding and touching nothing.
+  int64_t RunLength(PrefixKey prev, std::span<const uint32_t> ids, int group,
+                    int64_t max_groups) const;
 
   // Drops the entry and every entry extending it (none of which is held when it is not: a
   // holder of an extension holds its prefix too); returns the bytes freed. The key is taken

@@ -56,6 +56,11 @@ absl::StatusOr<SequenceInfo> Store::Describe(const std::string& tenant,
   return impl_->Describe(tenant, sequence_id);
 }
 
+absl::StatusOr<int64_t> Store::IndexedPrefixTokens(const std::string& tenant,
+                                                   const PrefixProbe& probe) {
+  return impl_->IndexedPrefixTokens(tenant, probe);
+}
+
 absl::StatusOr<int64_t> Store::Delete(const std::string& tenant, const std::string& sequence_id) {
   return impl_->Delete(tenant, sequence_id);
 }

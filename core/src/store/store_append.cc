@@ -138,6 +138,28 @@ class SequenceLocks {
   std::vector<StoreImpl::Sequence*> seqs_;
 };
 
+// The codec of a sequence of model `m` created with these fields (AppendSpec's has_codec and
+// codec), checked against the model. Messages start with the field ("codec.rank ...").
+absl::StatusOr<CodecOptions> CreationCodec(const ModelEntry& m, bool has_codec,
+                                           const CodecOptions& overrides) {
+  CodecOptions c = has_codec ? overrides : m.codec;
+  c.head_dim = m.manifest.head_dim;
+  if (c.rank > m.manifest.rank) {
+    return absl::InvalidArgumentError(absl::StrCat("codec.rank ", c.rank,
+                                                   " exceeds the basis rank ", m.manifest.rank,
+                                                   " of model '", m.manifest.model, "'"));
+  }
+  if (absl::Status st = c.Validate(); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("codec: ", st.message()));
+  }
+  if (c.metric_rounding && m.basis.query_moment.empty()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("codec.metric_rounding needs query moments, which model '", m.manifest.model,
+                     "' version ", m.manifest.version, " was registered without"));
+  }
+  return c;
+}
+
 // A sequence that item i of a batch creates, checked against its model; not yet in the store.
 absl::StatusOr<std::shared_ptr<StoreImpl::Sequence>> NewSequence(
     Registry& registry, const std::string& tenant, const AppendSpec& a,
@@ -149,25 +171,13 @@ absl::StatusOr<std::shared_ptr<StoreImpl::Sequence>> NewSequence(
   }
   absl::StatusOr<std::shared_ptr<const ModelEntry>> m = registry.Get(a.model, a.basis_version);
   if (!m.ok()) return AppendError(m.status().code(), i, ".model: ", m.status().message());
+  absl::StatusOr<CodecOptions> codec = CreationCodec(**m, a.has_codec, a.codec);
+  if (!codec.ok()) return AppendError(codec.status().code(), i, ".", codec.status().message());
   auto s = std::make_shared<StoreImpl::Sequence>();
   s->tenant = tenant;
   s->id = id;
   s->model = *m;
-  s->codec = a.has_codec ? a.codec : (*m)->codec;
-  s->codec.head_dim = (*m)->manifest.head_dim;
-  if (s->codec.rank > (*m)->manifest.rank) {
-    return AppendError(absl::StatusCode::kInvalidArgument, i, ".codec.rank ", s->codec.rank,
-                       " exceeds the basis rank ", (*m)->manifest.rank, " of model '", a.model,
-                       "'");
-  }
-  if (absl::Status st = s->codec.Validate(); !st.ok()) {
-    return AppendError(absl::StatusCode::kInvalidArgument, i, ".codec: ", st.message());
-  }
-  if (s->codec.metric_rounding && (*m)->basis.query_moment.empty()) {
-    return AppendError(absl::StatusCode::kFailedPrecondition, i,
-                       ".codec.metric_rounding needs query moments, which model '", a.model,
-                       "' version ", (*m)->manifest.version, " was registered without");
-  }
+  s->codec = *codec;
   const int layers = (*m)->manifest.layers;
   s->layers.resize(layers);
   s->hashes.resize(layers);
@@ -178,6 +188,33 @@ absl::StatusOr<std::shared_ptr<StoreImpl::Sequence>> NewSequence(
 }
 
 }  // namespace
+
+absl::StatusOr<int64_t> StoreImpl::IndexedPrefixTokens(const std::string& tenant,
+                                                       const PrefixProbe& probe) {
+  if (probe.token_ids.empty()) return 0;
+  if (probe.token_ids.size() > static_cast<size_t>(kMaxAppendTokens)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token_ids has ", probe.token_ids.size(), " ids; at most ", kMaxAppendTokens));
+  }
+  if (probe.model.empty()) {
+    return absl::InvalidArgumentError("model must be set with token_ids");
+  }
+  absl::StatusOr<std::shared_ptr<const ModelEntry>> m =
+      registry_->Get(probe.model, probe.basis_version);
+  if (!m.ok())
+    return FieldError(m.status().code(), "model", absl::StrCat(": ", m.status().message()));
+  ASSIGN_OR_RETURN(const CodecOptions codec, CreationCodec(**m, probe.has_codec, probe.codec));
+  const int64_t n = static_cast<int64_t>(probe.token_ids.size());
+  const int G = codec.key_group;
+  int64_t groups = std::max<int64_t>(0, (n - codec.window) / G);  // as PinIndexedGroups
+  MutexLock g(&mu_);
+  auto t = tenants_.find(tenant);
+  if (t == tenants_.end()) return 0;
+  for (int l = 0; l < (*m)->manifest.layers && groups > 0; ++l) {
+    groups = t->second->prefixes.RunLength(PrefixSeed(**m, codec, l), probe.token_ids, G, groups);
+  }
+  return groups * G;
+}
 
 absl::Status StoreImpl::Append(const std::string& tenant, const std::vector<AppendSpec>& batch,
                                AppendOutcome* outcome) {

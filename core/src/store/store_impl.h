@@ -48,6 +48,7 @@ class StoreImpl {
   absl::Status VerifyLayer(const LayerRef& at);
 
   absl::StatusOr<SequenceInfo> Describe(const std::string& tenant, const std::string& sequence_id);
+  absl::StatusOr<int64_t> IndexedPrefixTokens(const std::string& tenant, const PrefixProbe& probe);
   absl::StatusOr<int64_t> Delete(const std::string& tenant, const std::string& sequence_id);
 
   UsageStats TenantUsage(const std::string& tenant) const;

@@ -8,6 +8,7 @@ from .types import (
     Block,
     CodecSettings,
     ItemResult,
+    PrefixMatch,
     ReadoutItem,
     ScoreItem,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "Block",
     "CodecSettings",
     "ItemResult",
+    "PrefixMatch",
     "ReadoutItem",
     "ScoreItem",
 ]

@@ -32,10 +32,12 @@ from typing import (
 )
 
 import grpc
+import numpy as np
 
 from ._proto.kvq.v1 import kvq_pb2
 from ._requests import (
     _RESPONSE,
+    _codec_pb,
     attend_request,
     check_results,
     item_results,
@@ -52,7 +54,7 @@ from ._wire_codes import WireCodes
 from .errors import KvqError
 from .ring import HashRing, key_of
 from .tensors import dtype_enum
-from .types import AnyAppend, AttendItem, ItemResult, ReadoutItem, ScoreItem
+from .types import AnyAppend, AttendItem, ItemResult, PrefixMatch, ReadoutItem, ScoreItem
 
 __all__ = ["ClientOptions", "AttemptHook", "split_servers", "MAX_MESSAGE_BYTES", "ROUTE_HEADER"]
 
@@ -657,6 +659,25 @@ class ClientCore:
         # Never retried: a second attempt would not be a no-op.
         resp = yield from _one(self._sequence_call("DeleteSequence", sequence_id, req, False, deadline))
         return int(resp.bytes_freed)
+
+    def _match_prefix(self, token_ids: Any, sequence_ids: Sequence[str], model: str, codec: Any,
+                      basis_version: Optional[int], deadline: Optional[float]) -> Plan[PrefixMatch]:
+        method = "MatchPrefix"
+        ids = [str(x) for x in sequence_ids]
+        first = ids[0] if ids else ""
+        for i, sid in enumerate(ids[1:], 1):  # one server answers: every name must be placed there
+            if self.shard_of(sid) != self.shard_of(first) or (
+                    self._s.router and self._s.route_key(sid) != self._s.route_key(first)):
+                raise KvqError.invalid(method, f"sequence_ids[{i}] {sid!r} is placed apart from sequence_ids[0] "
+                                       f"{first!r}; a MatchPrefix reaches one shard: give the sequences one {{tag}}")
+        req = kvq_pb2.MatchPrefixRequest(model=model, basis_version=int(basis_version or 0), sequence_ids=ids)
+        if token_ids is not None:
+            req.token_ids.extend(np.asarray(token_ids, dtype=np.uint32).ravel().tolist())
+        pb = _codec_pb(codec, "codec", method)
+        if pb is not None:
+            req.codec.CopyFrom(pb)
+        resp = yield from _one(self._sequence_call(method, first, req, True, deadline))
+        return PrefixMatch(int(resp.indexed_tokens), [int(x) for x in resp.sequence_tokens])
 
     def _stats(self, shard: Optional[int], deadline: Optional[float]) -> Plan[kvq_pb2.StatsResponse]:
         shards = [self._shard(shard)] if shard is not None else list(range(len(self._s.servers)))

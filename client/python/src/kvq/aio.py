@@ -19,7 +19,7 @@ from ._core import HEALTH_CHECK, ROUTER_PARALLEL, Call, ClientCore, Done, Plan, 
 from ._core import ClientOptions as ClientOptions
 from ._proto.kvq.v1 import kvq_pb2, kvq_pb2_grpc
 from .errors import KvqError
-from .types import AnyAppend, AttendItem, Block, ItemResult, ReadoutItem, ScoreItem
+from .types import AnyAppend, AttendItem, Block, ItemResult, PrefixMatch, ReadoutItem, ScoreItem
 
 __all__ = ["Client", "ClientOptions"]
 
@@ -165,6 +165,11 @@ class Client(ClientCore):
 
     async def delete_sequence(self, sequence_id: str, *, deadline: Optional[float] = None) -> int:
         return await self._drive(self._delete_sequence(sequence_id, deadline))
+
+    async def match_prefix(self, token_ids: Any = None, *, sequence_ids: Sequence[str] = (), model: str = "",
+                           codec: Any = None, basis_version: Optional[int] = None,
+                           deadline: Optional[float] = None) -> PrefixMatch:
+        return await self._drive(self._match_prefix(token_ids, sequence_ids, model, codec, basis_version, deadline))
 
     async def stats(self, *, shard: Optional[int] = None, deadline: Optional[float] = None) -> kvq_pb2.StatsResponse:
         return await self._drive(self._stats(shard, deadline))

@@ -51,7 +51,7 @@ from ._requests import readout_request as readout_request
 from ._requests import register_request as register_request
 from ._requests import score_request as score_request
 from .errors import KvqError
-from .types import AnyAppend, AttendItem, Block, ItemResult, ReadoutItem, ScoreItem
+from .types import AnyAppend, AttendItem, Block, ItemResult, PrefixMatch, ReadoutItem, ScoreItem
 
 __all__ = ["Client", "ClientOptions", "split_servers", "MAX_MESSAGE_BYTES", "ROUTE_HEADER"]
 
@@ -303,6 +303,17 @@ class Client(ClientCore):
     def delete_sequence(self, sequence_id: str, *, deadline: Optional[float] = None) -> int:
         """Drops a sequence; returns the bytes freed. NOT_FOUND raises. Never retried."""
         return self._drive(self._delete_sequence(sequence_id, deadline))
+
+    def match_prefix(self, token_ids: Any = None, *, sequence_ids: Sequence[str] = (), model: str = "",
+                     codec: Any = None, basis_version: Optional[int] = None,
+                     deadline: Optional[float] = None) -> PrefixMatch:
+        """Read-only prefix lookup, one round trip, no K/V (MatchPrefix): how many of
+        token_ids (uint32) the tenant's prefix index holds as whole groups of every layer for a
+        new sequence of model/codec/basis_version (what an attach would take now), and how many
+        tokens each named sequence holds. Sent to the server (router: the route) of
+        sequence_ids[0]; names placed elsewhere raise INVALID_ARGUMENT before sending (give a
+        prompt's names one {tag}). Retried on UNAVAILABLE."""
+        return self._drive(self._match_prefix(token_ids, sequence_ids, model, codec, basis_version, deadline))
 
     def stats(self, *, shard: Optional[int] = None, deadline: Optional[float] = None) -> kvq_pb2.StatsResponse:
         """Usage of the caller's tenant: with several servers the sum over them (counts

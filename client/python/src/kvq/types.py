@@ -9,7 +9,7 @@ Shapes follow proto/kvq/v1/kvq.proto: keys/values [kv_heads, n, head_dim], queri
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, List, Mapping, Optional, Sequence, Union
 
 import grpc
 
@@ -26,6 +26,7 @@ __all__ = [
     "ReadoutItem",
     "ItemResult",
     "Block",
+    "PrefixMatch",
     "OutputDType",
 ]
 
@@ -210,3 +211,16 @@ class Block:
     values: Array
     layer_tokens: int
     basis_version: int
+
+
+@dataclass
+class PrefixMatch:
+    """What a server could give back for a prompt (Client.match_prefix), read-only.
+
+    indexed_tokens: tokens of the longest run of whole groups the tenant's prefix index holds
+    for the token ids in every layer (what attaching them to a new sequence would take now);
+    sequence_tokens: per asked sequence id, the fewest tokens of its layers (0: absent).
+    """
+
+    indexed_tokens: int
+    sequence_tokens: List[int]

@@ -125,6 +125,16 @@ struct AppendOutcome {
   std::vector<std::tuple<std::string, int, int64_t>> lengths;
 };
 
+// A prompt to match against a tenant's prefix index (Store::IndexedPrefixTokens): the
+// creation fields of the sequence it would be attached to (AppendSpec's) and its token ids.
+struct PrefixProbe {
+  std::string model;
+  int basis_version = 0;
+  bool has_codec = false;
+  CodecOptions codec;
+  std::span<const uint32_t> token_ids;
+};
+
 struct SequenceInfo {
   std::shared_ptr<const ModelEntry> model;
   CodecOptions codec;
@@ -252,6 +262,11 @@ class Store {
   absl::Status VerifyLayer(const LayerRef& at);
 
   absl::StatusOr<SequenceInfo> Describe(const std::string& tenant, const std::string& sequence_id);
+  // The tokens an attach of probe.token_ids to a new sequence would take from the tenant's
+  // prefix index now, in every layer (the fewest over layers; whole groups, never the
+  // window), read-only: nothing is held, touched or created. Errors name the probe's fields
+  // as an append's creation fields are named ("model", "codec.rank", ...).
+  absl::StatusOr<int64_t> IndexedPrefixTokens(const std::string& tenant, const PrefixProbe& probe);
   // Returns the bytes freed; NOT_FOUND when the tenant has no such sequence.
   absl::StatusOr<int64_t> Delete(const std::string& tenant, const std::string& sequence_id);
 

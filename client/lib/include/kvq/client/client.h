@@ -172,6 +172,12 @@ class Client {
 
   absl::StatusOr<v1::DeleteSequenceResponse> DeleteSequence(const std::string& sequence_id);
 
+  // Read-only prefix lookup (one round trip, no K/V): sent to the shard (or route) of
+  // sequence_ids(0) (without ids, of ""), whose prefix index it matches; every sequence id
+  // must be placed there too (give one prompt's names one {tag}), else INVALID_ARGUMENT
+  // before anything is sent. Retried on UNAVAILABLE.
+  absl::StatusOr<v1::MatchPrefixResponse> MatchPrefix(const v1::MatchPrefixRequest& req);
+
   // The diagnostic no-op: sends the payload to one server, returns what came back.
   absl::StatusOr<std::string> Echo(const std::string& payload, int shard = 0);
 

@@ -7,11 +7,11 @@ Loaded by module path:
 Mapping (docs/DESIGN.md "kvq behind vLLM"): a prompt's whole vLLM blocks are stored once, as
 one kvq sequence named after their token ids (kvq.vllm.naming), K and V as the engine computed
 them, with the token ids (so that kvq's per-tenant prefix index stores a group shared by
-several prompts once). A new request's lookup asks kvq, in parallel, for the length of every
-block-aligned prefix name of its prompt (no K/V moves); when no name holds the whole loadable
-prefix it then attaches the prompt's token ids to a fresh sequence (which takes the longest run
-of groups kvq's prefix index holds for them: the shared part of prompts that share only a
-prefix, such as a system prompt) and takes the longer of the two; the worker then reads that
+several prompts once). A new request's lookup is one MatchPrefix call (no K/V moves): the
+length of every block-aligned prefix name of its prompt, and the longest run of groups kvq's
+prefix index holds for its token ids (the shared part of prompts that share only a prefix, such
+as a system prompt); when the index holds more than any name, the prompt's ids are attached to
+a fresh sequence (a second call), which then holds that run; the worker then reads the longer
 prefix with GetBlocks into the request's blocks of the paged cache
 (kvq.vllm.layout: the CPU backend's packed layout), before the forward pass. The prompt's
 whole blocks are saved in the step whose forward computes the last of them, one PutBlocks
@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import kvq
 
 from .config import KvqConnectorConfig
+from .layer_loads import LayerLoads
 from .layout import CpuBlockLayout
 from .naming import PrefixNames
 from .save_queue import SaveQueue
@@ -57,6 +58,7 @@ __all__ = ["KvqConnector", "register_command"]
 log = logging.getLogger("kvq.vllm")
 
 _WIRE_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_MAX_MATCH_IDS = 65536  # MatchPrefix's limit: longer prompts match their first 64k tokens
 
 
 @dataclass
@@ -140,7 +142,7 @@ class KvqConnector(KVConnectorBase_V1):
         self._lookups: Dict[str, _Lookup] = {}
         self._loads: Dict[str, LoadSpec] = {}
         self._tracks: Dict[str, _Track] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvq-lookup")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvq-drop")
         # Worker state.
         self._caches: Dict[str, torch.Tensor] = {}
         self._layer_index: Dict[str, int] = {}
@@ -148,15 +150,19 @@ class KvqConnector(KVConnectorBase_V1):
         self._pending: Dict[str, List[kvq.Append]] = {}
         self._saves = SaveQueue(int(c.save_buffer_mb * 2**20)) if c.save_buffer_mb > 0 else None
         self._failed_blocks: Set[int] = set()
+        self._loads_running: Optional[LayerLoads] = None
+        self._step_loads: List[LoadSpec] = []  # the running step's
         self._lock = threading.Lock()
         # Counters (read by tests and logged at shutdown).
         self.counts: Dict[str, float] = {
             "lookups": 0, "lookup_errors": 0, "hit_tokens": 0, "attached_tokens": 0, "loads": 0, "load_errors": 0,
             "loaded_tokens": 0,
             "saves": 0, "save_errors": 0, "saved_tokens": 0, "saves_dropped": 0,
-            # Wall seconds inside the connector: the lookups, the loads (of which in GetBlocks'
-            # stream, the rest writing the paged cache), the saves' gathers and PutBlocks.
-            "lookup_s": 0.0, "load_s": 0.0, "load_rpc_s": 0.0, "save_gather_s": 0.0, "save_rpc_s": 0.0}
+            # Wall seconds inside the connector: the lookups, the loads (on their thread; of
+            # which in GetBlocks' stream, the rest writing the paged cache), the forward pass
+            # waiting for loaded layers, the saves' gathers and PutBlocks.
+            "lookup_s": 0.0, "load_s": 0.0, "load_rpc_s": 0.0, "load_wait_s": 0.0, "save_gather_s": 0.0,
+            "save_rpc_s": 0.0}
 
     # -- start-up -------------------------------------------------------------------------
     def _check_model(self, vllm_config: Any) -> Any:
@@ -195,21 +201,21 @@ class KvqConnector(KVConnectorBase_V1):
         if names:
             self.counts["lookups"] += 1
             try:
-                # The length of every prefix name (stored prompts, their window included), in
-                # parallel: one round trip.
-                futures = [self._pool.submit(self._stored_tokens, name) for name in names]
-                done = [f.result(timeout=self.config.lookup_deadline_s) for f in futures]
-                for i, tokens in enumerate(done):
+                # One round trip, no K/V: the length of every prefix name (stored prompts,
+                # their window included) and the longest run of groups kvq's prefix index
+                # holds for the prompt's ids (what other prompts stored that this one shares:
+                # a common system prompt before different questions).
+                ids = prompt[:min(last * self.block_size, _MAX_MATCH_IDS)]
+                match = self.client.match_prefix(ids, sequence_ids=names, model=self.config.model, codec=self.codec,
+                                                 deadline=self.config.lookup_deadline_s)
+                for i, tokens in enumerate(match.sequence_tokens):
                     if tokens >= (i + 1) * self.block_size:
                         stored = i + 1
-                # Short of the whole loadable prefix: attach the prompt's ids to a fresh
-                # sequence, a second round trip (the groups other prompts stored that this one
-                # shares: a common system prompt before different questions). Not done for a
-                # whole hit, the common repeat, which an attach would only slow (measured:
-                # +70 ms at 8k tokens on 2 cores when it ran beside every lookup).
-                if stored < last:
+                # The index holds more than any name: attach the prompt's ids to a fresh
+                # sequence (a second round trip, only when it pays), which the load reads.
+                if min(match.indexed_tokens // self.block_size, last) > min(stored, last):
                     probe = self.names.attach_name(names)
-                    attached = self._attach(probe, prompt[:last * self.block_size]) // self.block_size
+                    attached = self._attach(probe, ids[:match.indexed_tokens]) // self.block_size
             except Exception as e:  # a slow or failing kvq is a miss, never an error
                 self.counts["lookup_errors"] += 1
                 log.warning("kvq.vllm: prefix lookup failed, treated as a miss: %s", e)
@@ -245,20 +251,6 @@ class KvqConnector(KVConnectorBase_V1):
                 if e.code.name != "NOT_FOUND":
                     log.warning("kvq.vllm: deleting attach sequence %s failed: %s", name, e)
         self._pool.submit(drop)
-
-    def _stored_tokens(self, name: str) -> int:
-        """Tokens of the sequence's last layer (0: absent), without reading any K/V."""
-        last = int(self.model_info.layers) - 1
-        try:
-            # A range past the end is empty: one message with the layer's length, no K/V.
-            for block in self.client.get_blocks(name, [last], from_token=1 << 40, codes=False,
-                                                deadline=self.config.lookup_deadline_s):
-                return int(block.layer_tokens)
-        except kvq.KvqError as e:
-            if e.code.name == "NOT_FOUND":
-                return 0
-            raise
-        return 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
@@ -342,14 +334,25 @@ class KvqConnector(KVConnectorBase_V1):
         return self._layout
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._end_loads()  # a step whose wait_for_save never came (none expected)
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        for load in meta.loads:
-            self._load(load)
+        if not meta.loads:
+            return
+        for name, cache in self._caches.items():  # learned here, on the engine's thread
+            self._layout_of(name, cache)
+            break
+        # On a thread of their own: each layer's attention waits for that layer only
+        # (wait_for_layer_load), so the stream and the decode of later layers overlap the
+        # forward pass of earlier ones.
+        self._step_loads = list(meta.loads)
+        self._loads_running = LayerLoads(len(self._layer_index),
+                                         [functools.partial(self._load, load) for load in meta.loads])
 
-    def _load(self, load: LoadSpec) -> None:
+    def _load(self, load: LoadSpec, step: LayerLoads) -> None:
         by_layer = {idx: name for name, idx in self._layer_index.items()}
+        want = load.end - load.start
         got: Dict[int, int] = {}
         self.counts["loads"] += 1
         t0 = time.monotonic()
@@ -357,20 +360,23 @@ class KvqConnector(KVConnectorBase_V1):
         try:
             # The soft deadline bounds the stream (each attempt: only UNAVAILABLE, which a dead
             # server answers at once, is retried), so a slow or stopped kvq costs about this
-            # much before vLLM recomputes the blocks.
+            # much before vLLM recomputes the blocks. The stream is layer after layer.
             for block in self.client.get_blocks(load.name, from_token=load.start, to_token=load.end,
                                                 dtype=_WIRE_DTYPES[self.dtype], deadline=self.config.load_deadline_s):
                 name = by_layer[block.layer]
                 cache = self._caches[name]
                 t1 = time.monotonic()
                 k, v = _torch(block.keys, self.dtype), _torch(block.values, self.dtype)
-                self._layout_of(name, cache).scatter(cache, load.block_ids, block.start, k, v)
+                with step.writing():
+                    self._layout_of(name, cache).scatter(cache, load.block_ids, block.start, k, v)
                 written += time.monotonic() - t1
                 got[block.layer] = got.get(block.layer, 0) + int(k.shape[1])
-            short = {layer: n for layer, n in got.items() if n != load.end - load.start}
+                if got[block.layer] == want:
+                    step.layer_written(block.layer)
+            short = {layer: n for layer, n in got.items() if n != want}
             if len(got) != len(by_layer) or short:
-                raise RuntimeError(f"sequence {load.name} held {got} tokens per layer, {load.end - load.start} wanted")
-            self.counts["loaded_tokens"] += load.end - load.start
+                raise RuntimeError(f"sequence {load.name} held {got} tokens per layer, {want} wanted")
+            self.counts["loaded_tokens"] += want
         except Exception as e:  # never fail the request: its blocks are recomputed (policy "recompute")
             self.counts["load_errors"] += 1
             first, last = load.start // self.block_size, -(-load.end // self.block_size)
@@ -385,7 +391,32 @@ class KvqConnector(KVConnectorBase_V1):
         self.counts["load_rpc_s"] += took - written
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv
+        step, layer = self._loads_running, self._layer_index.get(layer_name)
+        if step is None or layer is None:
+            return
+        t0 = time.monotonic()
+        # The stream's own deadline ends a slow load first; past twice that the step is given
+        # up (its blocks reported as failed loads) rather than stalling the forward pass.
+        if not step.wait(layer, 2 * self.config.load_deadline_s + 1):
+            self._give_up()
+        self.counts["load_wait_s"] += time.monotonic() - t0
+
+    def _give_up(self) -> None:
+        """Every block of the step's loads reported failed (some may be half written)."""
+        with self._lock:
+            for load in self._step_loads:
+                first, last = load.start // self.block_size, -(-load.end // self.block_size)
+                self._failed_blocks.update(load.block_ids[first:last])
+        log.warning("kvq.vllm: loads of this step still running after %.1f s; their blocks are recomputed",
+                    2 * self.config.load_deadline_s + 1)
+
+    def _end_loads(self) -> None:
+        """Waits for the step's loads (each bounded by its deadline) before its saves and its
+        load-error report; none writes into the paged cache afterwards."""
+        step, self._loads_running = self._loads_running, None
+        if step is not None and not step.join(2 * self.config.load_deadline_s + 1):
+            self._give_up()
+        self._step_loads = []
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if not self.has_connector_metadata():
@@ -406,6 +437,7 @@ class KvqConnector(KVConnectorBase_V1):
         self.counts["save_gather_s"] += time.monotonic() - t0
 
     def wait_for_save(self) -> None:
+        self._end_loads()
         pending, self._pending = self._pending, {}
         for name, appends in pending.items():
             if self._saves is None:
@@ -441,6 +473,7 @@ class KvqConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        self._end_loads()
         if self._saves is not None and not self._saves.close(timeout=self.config.deadline_s):
             log.warning("kvq.vllm: saves still pending at shutdown were abandoned")
         log.info("kvq.vllm: %s", self.counts)

@@ -397,6 +397,28 @@ class GetBlocksResponse(_message.Message):
     codec: CodecSettings
     def __init__(self, layer: _Optional[int] = ..., start: _Optional[int] = ..., keys: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., layer_tokens: _Optional[int] = ..., basis_version: _Optional[int] = ..., encoded: _Optional[_Union[EncodedGroups, _Mapping]] = ..., model: _Optional[str] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ...) -> None: ...
 
+class MatchPrefixRequest(_message.Message):
+    __slots__ = ("model", "basis_version", "codec", "token_ids", "sequence_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BASIS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    basis_version: int
+    codec: CodecSettings
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., basis_version: _Optional[int] = ..., codec: _Optional[_Union[CodecSettings, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class MatchPrefixResponse(_message.Message):
+    __slots__ = ("indexed_tokens", "sequence_tokens")
+    INDEXED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    indexed_tokens: int
+    sequence_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, indexed_tokens: _Optional[int] = ..., sequence_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class DeleteSequenceRequest(_message.Message):
     __slots__ = ("sequence_id",)
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]

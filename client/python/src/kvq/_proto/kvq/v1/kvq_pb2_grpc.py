@@ -79,6 +79,11 @@ class KvqStub(object):
                 request_serializer=kvq_dot_v1_dot_kvq__pb2.GetBlocksRequest.SerializeToString,
                 response_deserializer=kvq_dot_v1_dot_kvq__pb2.GetBlocksResponse.FromString,
                 _registered_method=True)
+        self.MatchPrefix = channel.unary_unary(
+                '/kvq.v1.Kvq/MatchPrefix',
+                request_serializer=kvq_dot_v1_dot_kvq__pb2.MatchPrefixRequest.SerializeToString,
+                response_deserializer=kvq_dot_v1_dot_kvq__pb2.MatchPrefixResponse.FromString,
+                _registered_method=True)
         self.DeleteSequence = channel.unary_unary(
                 '/kvq.v1.Kvq/DeleteSequence',
                 request_serializer=kvq_dot_v1_dot_kvq__pb2.DeleteSequenceRequest.SerializeToString,
@@ -180,6 +185,19 @@ class KvqServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MatchPrefix(self, request, context):
+        """Read-only: how much of a prompt this server could give back, without moving K/V or changing
+        anything (a serving engine's prefix lookup, one round trip): the longest run of whole
+        groups the tenant's prefix index holds for token_ids in every layer (what an attach of
+        them to a new sequence would take now), and the tokens every layer of each named sequence
+        holds. Routed (router, client-side hashing) by the first sequence id, so name the
+        sequences of one prompt with one hash tag ({tag}). Errors: INVALID_ARGUMENT, NOT_FOUND
+        (model), FAILED_PRECONDITION (codec).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteSequence(self, request, context):
         """Drops a sequence and frees its memory. Errors: NOT_FOUND, INVALID_ARGUMENT (a
         sequence_id empty or over 256 bytes).
@@ -250,6 +268,11 @@ def add_KvqServicer_to_server(servicer, server):
                     servicer.GetBlocks,
                     request_deserializer=kvq_dot_v1_dot_kvq__pb2.GetBlocksRequest.FromString,
                     response_serializer=kvq_dot_v1_dot_kvq__pb2.GetBlocksResponse.SerializeToString,
+            ),
+            'MatchPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.MatchPrefix,
+                    request_deserializer=kvq_dot_v1_dot_kvq__pb2.MatchPrefixRequest.FromString,
+                    response_serializer=kvq_dot_v1_dot_kvq__pb2.MatchPrefixResponse.SerializeToString,
             ),
             'DeleteSequence': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteSequence,
@@ -510,6 +533,33 @@ class Kvq(object):
             '/kvq.v1.Kvq/GetBlocks',
             kvq_dot_v1_dot_kvq__pb2.GetBlocksRequest.SerializeToString,
             kvq_dot_v1_dot_kvq__pb2.GetBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MatchPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvq.v1.Kvq/MatchPrefix',
+            kvq_dot_v1_dot_kvq__pb2.MatchPrefixRequest.SerializeToString,
+            kvq_dot_v1_dot_kvq__pb2.MatchPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
