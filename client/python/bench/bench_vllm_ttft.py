@@ -14,7 +14,10 @@ prompt is prefilled in one step (max_num_batched_tokens = the longest prompt + 6
 ExampleConnector saves only a chunked prefill's first chunk and then fails to load it.
 
 Usage: bench_vllm_ttft.py [--model smollm2-135m|qwen2.5-coder-0.5b] [--lengths 2048,8000]
-                          [--reps 3] [--decode-tokens 64] [--server-bin PATH] [--json FILE]
+                          [--reps 3] [--decode-tokens 64] [--serial-load] [--server-bin PATH]
+                          [--json FILE]
+--serial-load: a fourth engine, kvq with overlap_loads=false (each hit loaded whole before the
+forward pass instead of layer by layer beside it)
 Decode: each engine then generates --decode-tokens tokens after a 128-token prompt (0: not
 measured); the rate (tokens after the first over the time after the first) with the
 connector on is to match the rate without it.
@@ -64,6 +67,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--server-bin", default=str(REPO / "build/bin/kvq-server"))
+    p.add_argument("--serial-load", action="store_true",
+                   help="also run kvq with overlap_loads=false (the load before the forward pass)")
     p.add_argument("--json")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -93,6 +98,8 @@ def main() -> int:
                                              config=AutoConfig.from_pretrained(folder))
             todo = {"recompute": [], "kvq": ["--kvq", address, "--kvq-model", info.model],
                     "file": ["--file-connector", str(Path(tmp, "files"))]}
+            if args.serial_load:  # after "kvq": its prompts are stored already, every request hits
+                todo["kvq_serial"] = todo["kvq"] + ["--extra", json.dumps({"overlap_loads": False})]
             runs = {name: run_engine(folder, [warm] + prompts, Path(tmp, name), max_len, args.decode_tokens, *flags)
                     for name, flags in todo.items()}
             with kvq.Client(address) as c:
@@ -107,7 +114,7 @@ def main() -> int:
         again = slice(first + 1, first + 1 + args.reps)
         row = {"tokens": n, "recompute_s": statistics.median(r["seconds"] for r in runs["recompute"]["results"][again]),
                "recompute_all_s": [r["seconds"] for r in runs["recompute"]["results"][again]]}
-        for name in ("kvq", "file"):
+        for name in [n for n in ("kvq", "file", "kvq_serial") if n in runs]:
             res = runs[name]["results"]
             row[f"{name}_store_s"] = res[first]["seconds"]
             row[f"{name}_hit_s"] = statistics.median(r["seconds"] for r in res[again])
@@ -126,6 +133,9 @@ def main() -> int:
         print(f"{r['tokens']:>7} {r['recompute_s']:>12.3f} {r['kvq_hit_s']:>10.3f} "
               f"{r['kvq_hit_s'] / r['recompute_s']:>6.3f} {r['file_hit_s']:>11.3f} "
               f"{r['file_hit_s'] / r['recompute_s']:>6.3f} {r['kvq_cached_tokens']:>10} {r['file_cached_tokens']:>11}")
+    if args.serial_load:
+        print("kvq hit s, load before the forward pass (overlap_loads=false): " +
+              ", ".join(f"{r['tokens']}: {r['kvq_serial_hit_s']:.3f}" for r in rows))
     print(f"bytes per prompt token: kvq {result['kvq_bytes_per_token']:.0f}, file {result['file_bytes_per_token']:.0f} "
           f"({result['file_bytes_per_token'] / result['kvq_bytes_per_token']:.2f}x)")
     print(f"decode tokens/s: {json.dumps(result['decode_tokens_per_s'])}")

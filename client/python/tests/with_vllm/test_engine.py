@@ -152,4 +152,7 @@ def test_extra_config_errors_name_the_key():
         KvqConnectorConfig.from_extra({"model": "m"})
     with pytest.raises(ValueError, match=r"deadline_s: must be a number > 0"):
         KvqConnectorConfig.from_extra({"address": "a", "model": "m", "deadline_s": 0})
+    with pytest.raises(ValueError, match=r"overlap_loads: must be true or false, got 'no'"):
+        KvqConnectorConfig.from_extra({"address": "a", "model": "m", "overlap_loads": "no"})
     assert KvqConnectorConfig.from_extra({"address": "a", "model": "m"}).lookup_deadline_s == 2.0
+    assert KvqConnectorConfig.from_extra({"address": "a", "model": "m"}).overlap_loads is True

@@ -16,6 +16,13 @@ Every key, its default and why (client/python/README.md "kvq behind vLLM" lists 
   load_deadline_s  seconds a hit's load may take (default 5): past it the load stops and its
                    blocks are reported as failed loads, which vLLM recomputes under
                    kv_load_failure_policy="recompute" (the request never fails or waits longer).
+  overlap_loads    True (default): a hit's load runs on a thread while the forward pass
+                   computes, each attention layer waiting for its own layer only
+                   (wait_for_layer_load). False: the load completes in start_load_kv, before
+                   the forward pass. On a CPU engine both share the cores (vLLM's OpenMP
+                   threads slow down while the load runs beside them), yet overlapping was
+                   still faster on 2 cores: an 8k-token SmolLM2 hit 0.24-0.29 s against
+                   0.31-0.41 s (docs/BENCHMARKS.md).
   save_buffer_mb   0 (default): a step's saves finish inside the step (wait_for_save), so a
                    prompt is in kvq when its request's step ends. > 0: the step hands its saves
                    (copies of the K/V) to a background thread and goes on; saves past this many
@@ -44,6 +51,7 @@ class KvqConnectorConfig:
     lookup_deadline_s: float = 2.0
     load_deadline_s: float = 5.0
     save_buffer_mb: float = 0.0
+    overlap_loads: bool = True
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]]) -> KvqConnectorConfig:
@@ -65,6 +73,9 @@ class KvqConnectorConfig:
                                               and extra["save_buffer_mb"] >= 0):
             raise ValueError(f"kv_connector_extra_config.save_buffer_mb: must be a number >= 0, "
                              f"got {extra['save_buffer_mb']!r}")
+        for key in ("allow_insecure_token", "router", "overlap_loads"):
+            if key in extra and not isinstance(extra[key], bool):
+                raise ValueError(f"kv_connector_extra_config.{key}: must be true or false, got {extra[key]!r}")
         if extra.get("codec") is not None and not isinstance(extra["codec"], dict):
             raise ValueError("kv_connector_extra_config.codec: must be a dict of kvq.CodecSettings fields")
         return cls(**extra)

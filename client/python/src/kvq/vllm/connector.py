@@ -349,6 +349,8 @@ class KvqConnector(KVConnectorBase_V1):
         self._step_loads = list(meta.loads)
         self._loads_running = LayerLoads(len(self._layer_index),
                                          [functools.partial(self._load, load) for load in meta.loads])
+        if not self.config.overlap_loads:
+            self._end_loads()
 
     def _load(self, load: LoadSpec, step: LayerLoads) -> None:
         by_layer = {idx: name for name, idx in self._layer_index.items()}
