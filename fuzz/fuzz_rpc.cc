@@ -1,7 +1,7 @@
 // Fuzzes every RPC handler of kvq-server in-process: the first byte picks the method (its
-// low 7 bits mod 14: RegisterBasis, ListModels, GetModel, PutBlocks, Score, Readout, Attend,
+// low 7 bits mod 15: RegisterBasis, ListModels, GetModel, PutBlocks, Score, Readout, Attend,
 // GetBlocks, DeleteSequence, Stats, Echo, then grpc.health.v1's Check and Watch, whose first
-// answer is read before the call is cancelled, then GetBasis; its top bit calls as tenant "other"
+// answer is read before the call is cancelled, then GetBasis, MatchPrefix; its top bit calls as tenant "other"
 // instead of the default one), the rest is that method's request, parsed with ParseFromArray (an
 // input that does not parse is skipped). PutBlocks, a client stream, takes up to four messages: the
 // second byte's low two bits are the count less one, and each message but the last has a
@@ -70,12 +70,13 @@ enum Method {
   kHealthCheck,
   kHealthWatch,
   kGetBasis,
+  kMatchPrefix,
   kMethods
 };
 const char* const kNames[kMethods] = {"RegisterBasis",  "ListModels", "GetModel", "PutBlocks",
                                       "Score",          "Readout",    "Attend",   "GetBlocks",
                                       "DeleteSequence", "Stats",      "Echo",     "Health.Check",
-                                      "Health.Watch",   "GetBasis"};
+                                      "Health.Watch",   "GetBasis",   "MatchPrefix"};
 
 [[noreturn]] void Fail(const std::string& what) {
   std::fprintf(stderr, "fuzz_rpc: %s\n", what.c_str());
@@ -255,6 +256,9 @@ bool Documented(Method m, StatusCode c) {
              c == StatusCode::INVALID_ARGUMENT || c == StatusCode::DATA_LOSS;
     case kDeleteSequence:
       return c == StatusCode::NOT_FOUND || c == StatusCode::INVALID_ARGUMENT;
+    case kMatchPrefix:
+      return c == StatusCode::NOT_FOUND || c == StatusCode::INVALID_ARGUMENT ||
+             c == StatusCode::FAILED_PRECONDITION;
     case kHealthCheck:
       return c == StatusCode::NOT_FOUND;  // another service name
     case kHealthWatch:
@@ -487,6 +491,16 @@ void WriteSeeds(const std::string& dir) {
   v1::DeleteSequenceRequest del;
   del.set_sequence_id("s1");
   write("delete", kDeleteSequence, del.SerializeAsString());
+  {
+    // s0's ids (the prefix index holds its whole groups) and the seeded names.
+    v1::MatchPrefixRequest mp;
+    mp.set_model("tiny");
+    for (int i = 0; i < 40; ++i) mp.add_token_ids(1000 + i);
+    for (const char* id : {"s0", "s1", "s2", "absent"}) mp.add_sequence_ids(id);
+    write("match_prefix", kMatchPrefix, mp.SerializeAsString());
+    mp.mutable_codec()->set_key_group(32);
+    write("match_prefix_codec", kMatchPrefix | 0x80, mp.SerializeAsString());
+  }
   write("stats_other_tenant", kStats | 0x80, "");
   v1::EchoRequest echo;
   echo.set_payload("ping");
@@ -615,6 +629,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       touched.insert(req.sequence_id());
       v1::DeleteSequenceResponse resp;
       CheckStatus(m, stub.DeleteSequence(ctx.get(), req, &resp));
+      break;
+    }
+    case kMatchPrefix: {
+      v1::MatchPrefixRequest req;
+      if (!Parse(data, size, &req)) return 0;
+      v1::MatchPrefixResponse resp;
+      const grpc::Status st = stub.MatchPrefix(ctx.get(), req, &resp);
+      CheckStatus(m, st);
+      if (st.ok() && resp.sequence_tokens_size() != req.sequence_ids_size()) {
+        Fail("MatchPrefix answered " + std::to_string(resp.sequence_tokens_size()) +
+             " lengths for " + std::to_string(req.sequence_ids_size()) + " sequence ids");
+      }
       break;
     }
     case kStats: {
