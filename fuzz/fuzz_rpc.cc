@@ -1,11 +1,11 @@
 // Fuzzes every RPC handler of kvq-server in-process: the first byte picks the method (its
 // low 7 bits mod 15: RegisterBasis, ListModels, GetModel, PutBlocks, Score, Readout, Attend,
 // GetBlocks, DeleteSequence, Stats, Echo, then grpc.health.v1's Check and Watch, whose first
-// answer is read before the call is cancelled, then GetBasis, MatchPrefix; its top bit calls as tenant "other"
-// instead of the default one), the rest is that method's request, parsed with ParseFromArray (an
-// input that does not parse is skipped). PutBlocks, a client stream, takes up to four messages: the
-// second byte's low two bits are the count less one, and each message but the last has a
-// 2-byte little-endian length before it.
+// answer is read before the call is cancelled, then GetBasis, MatchPrefix; its top bit calls as
+// tenant "other" instead of the default one), the rest is that method's request, parsed with
+// ParseFromArray (an input that does not parse is skipped). PutBlocks, a client stream, takes up to
+// four messages: the second byte's low two bits are the count less one, and each message but the
+// last has a 2-byte little-endian length before it.
 //
 // The calls go over real gRPC (127.0.0.1, port 0) to one KvqServer started at the first input
 // and kept for the whole run (registry in memory, 2 workers), with a seeded store: model
@@ -73,9 +73,9 @@ enum Method {
   kMatchPrefix,
   kMethods
 };
-const char* const kNames[kMethods] = {"RegisterBasis",  "ListModels", "GetModel", "PutBlocks",
-                                      "Score",          "Readout",    "Attend",   "GetBlocks",
-                                      "DeleteSequence", "Stats",      "Echo",     "Health.Check",
+const char* const kNames[kMethods] = {"RegisterBasis",  "ListModels", "GetModel",   "PutBlocks",
+                                      "Score",          "Readout",    "Attend",     "GetBlocks",
+                                      "DeleteSequence", "Stats",      "Echo",       "Health.Check",
                                       "Health.Watch",   "GetBasis",   "MatchPrefix"};
 
 [[noreturn]] void Fail(const std::string& what) {
