@@ -10,6 +10,8 @@
 // Errors go to stderr as one line "kvq: <CODE>: <message>"; results go to stdout.
 #include <cstdio>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
@@ -23,6 +25,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "kvq/client/client.h"
 #include "kvq/client/codes.h"
+#include "kvq/client/decode_ahead.h"
 #include "kvq/client/flags.h"
 #include "kvq/core/status.h"
 #include "kvq/format/block_format.h"
@@ -391,8 +394,10 @@ int SeqGet(Client& c, const std::string& id, const std::string& path, const Comm
     req.add_layers(l);
   }
   // Chunks of a layer arrive in order; each carries [kv_heads, n, head_dim] (in codes: decoded
-  // here from its groups and rows first; a server that answers rows is read as rows).
+  // here, one message ahead of the stream on a thread of its own, from its groups and rows; a
+  // server that answers rows is read as rows).
   std::map<int, std::vector<v1::GetBlocksResponse>> chunks;
+  std::mutex chunks_mu;  // rows land on the stream's thread, decoded codes on the decoder's
   int basis_version = 0;
   size_t received = 0;
   if (!f.rows) {
@@ -401,45 +406,54 @@ int SeqGet(Client& c, const std::string& id, const std::string& path, const Comm
   }
   bool in_codes = false;
   std::unique_ptr<kvq::client::ModelCodes> codes;
-  std::map<int, core::CodecOptions> codecs;  // per layer, from its first message
+  std::unique_ptr<kvq::client::DecodeAhead> ahead;
   absl::Status decoded;
   absl::Status st = c.GetBlocks(req, [&](const v1::GetBlocksResponse& r) {
     received += r.ByteSizeLong();
     basis_version = r.basis_version();
-    if (!r.has_codec() && !codecs.count(r.layer())) {  // rows
+    if (ahead == nullptr && !r.has_codec()) {  // rows
+      std::lock_guard<std::mutex> l(chunks_mu);
       chunks[r.layer()].push_back(r);
       return true;
     }
     in_codes = true;
-    decoded = [&]() -> absl::Status {
-      if (!codes) {
+    if (ahead == nullptr) {
+      decoded = [&]() -> absl::Status {
         absl::StatusOr<v1::RegisterBasisRequest> basis =
             c.GetBasis(r.model(), r.basis_version(), c.ShardOf(id));
         if (!basis.ok()) return basis.status();
         ASSIGN_OR_RETURN(codes, kvq::client::ModelCodes::Create(*basis));
-      }
-      if (!r.model().empty()) {
-        ASSIGN_OR_RETURN(codecs[r.layer()], codes->CodecOf(r.codec()));
-      }
-      if (!codecs.count(r.layer())) return absl::DataLossError("a layer without its codec");
-      ASSIGN_OR_RETURN(const core::DType dt, wire::FromProto(req.dtype(), "dtype"));
-      std::vector<uint8_t> k, v;
-      RETURN_IF_ERROR(codes->Decode(r, codecs[r.layer()], dt, &k, &v));
-      v1::GetBlocksResponse& out = chunks[r.layer()].emplace_back();
-      out.set_layer(r.layer());
-      const int64_t kv = codes->entry().manifest.kv_heads, d = codes->entry().manifest.head_dim;
-      for (auto [rows, t] :
-           {std::pair{&k, out.mutable_keys()}, std::pair{&v, out.mutable_values()}}) {
-        t->set_dtype(req.dtype());
-        for (int64_t dim :
-             {kv, static_cast<int64_t>(rows->size() / core::DTypeSize(dt) / (kv * d)), d})
-          t->add_shape(dim);
-        t->set_data(rows->data(), rows->size());
-      }
-      return absl::OkStatus();
-    }();
-    return decoded.ok();
+        ASSIGN_OR_RETURN(const core::DType dt, wire::FromProto(req.dtype(), "dtype"));
+        const int64_t kv = codes->entry().manifest.kv_heads, d = codes->entry().manifest.head_dim;
+        ahead = std::make_unique<kvq::client::DecodeAhead>(
+            *codes, dt,
+            [&, kv, d, dt](const v1::GetBlocksResponse& msg, std::vector<uint8_t>& k,
+                           std::vector<uint8_t>& v) {
+              v1::GetBlocksResponse out;
+              out.set_layer(msg.layer());
+              for (auto [rows, t] :
+                   {std::pair{&k, out.mutable_keys()}, std::pair{&v, out.mutable_values()}}) {
+                t->set_dtype(req.dtype());
+                for (int64_t dim :
+                     {kv, static_cast<int64_t>(rows->size() / core::DTypeSize(dt) / (kv * d)), d})
+                  t->add_shape(dim);
+                t->set_data(rows->data(), rows->size());
+              }
+              std::lock_guard<std::mutex> l(chunks_mu);
+              chunks[msg.layer()].push_back(std::move(out));
+              return absl::OkStatus();
+            });
+        return absl::OkStatus();
+      }();
+      if (!decoded.ok()) return false;
+    }
+    if (!ahead->InCodes(r)) {  // a rows message after codes: not what a server sends
+      decoded = absl::DataLossError("GetBlocks: a message in rows inside a stream in codes");
+      return false;
+    }
+    return ahead->Push(r);
   });
+  if (ahead != nullptr) decoded.Update(ahead->Finish());
   if (!st.ok()) return RpcFail(st);
   if (!decoded.ok()) return LocalFail(decoded);
   kvq::client::SeqFile file;

@@ -20,6 +20,9 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kvq/client/codes.h"
+#include "kvq/client/decode_ahead.h"
+#include "kvq/format/block_format.h"
 #include "tests/server/test_util.h"
 
 namespace kvq::client {
@@ -215,6 +218,72 @@ TEST(Client, MatchPrefixReachesTheShardOfItsFirstSequence) {
   got = c->MatchPrefix(req);
   EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(got.status().message()), HasSubstr("sequence_ids[3] '" + apart + "'"));
+}
+
+// DecodeAhead (a stream in codes decoded on a thread beside the receiving one) gives exactly the
+// rows and order an inline decode gives; a message that fails to decode ends it with that error
+// and nothing after it is delivered.
+TEST(Client, DecodeAheadDecodesAsInlineInStreamOrderAndStopsAtAnError) {
+  Cluster cl(1);
+  auto c = MakeClient(cl.addresses);
+  ASSERT_TRUE(c->RegisterBasis(kvq::testing::MakeRegister(kShape, 7)).ok());
+  ASSERT_TRUE(c->PutBlocks(Prefill("s", 700, 21)).ok());
+  v1::GetBlocksRequest req;
+  req.set_sequence_id("s");
+  req.set_codes(true);
+  req.set_max_block_version(format::kMaxVersion);
+  req.set_dtype(v1::DTYPE_F16);
+  req.set_max_tokens_per_message(128);
+  std::vector<v1::GetBlocksResponse> msgs;
+  ASSERT_TRUE(c->GetBlocks(req, [&](const v1::GetBlocksResponse& m) {
+                 msgs.push_back(m);
+                 return true;
+               }).ok());
+  ASSERT_GT(msgs.size(), 4u);
+  auto basis = c->GetBasis(kShape.model);
+  ASSERT_TRUE(basis.ok()) << basis.status();
+  auto codes = ModelCodes::Create(*basis);
+  ASSERT_TRUE(codes.ok()) << codes.status();
+  struct Rows {
+    int layer;
+    int64_t start;
+    std::vector<uint8_t> k, v;
+    bool operator==(const Rows&) const = default;
+  };
+  std::vector<Rows> inline_rows;
+  std::map<int, core::CodecOptions> codec;
+  for (const auto& m : msgs) {
+    if (m.has_codec()) codec[m.layer()] = *(*codes)->CodecOf(m.codec());
+    Rows r{m.layer(), m.start(), {}, {}};
+    ASSERT_TRUE((*codes)->Decode(m, codec[m.layer()], core::DType::kF16, &r.k, &r.v).ok());
+    inline_rows.push_back(std::move(r));
+  }
+  auto run = [&](const std::vector<v1::GetBlocksResponse>& stream, std::vector<Rows>* got) {
+    DecodeAhead ahead(
+        **codes, core::DType::kF16,
+        [got](const v1::GetBlocksResponse& m, std::vector<uint8_t>& k, std::vector<uint8_t>& v) {
+          got->push_back({m.layer(), m.start(), k, v});
+          return absl::OkStatus();
+        },
+        /*depth=*/1);
+    for (const auto& m : stream) {
+      EXPECT_TRUE(ahead.InCodes(m));
+      if (!ahead.Push(m)) break;
+    }
+    return ahead.Finish();
+  };
+  std::vector<Rows> ahead_rows;
+  ASSERT_TRUE(run(msgs, &ahead_rows).ok());
+  EXPECT_TRUE(ahead_rows == inline_rows);
+  // One flipped byte in the third message's blocks: DATA_LOSS, and the two before it only.
+  std::vector<v1::GetBlocksResponse> bad = msgs;
+  std::string* blocks = bad[2].mutable_encoded()->mutable_blocks();
+  blocks->back() ^= 0x40;  // a code byte of its last block: the checksum fails
+  std::vector<Rows> partial;
+  absl::Status st = run(bad, &partial);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  ASSERT_EQ(partial.size(), 2u);
+  EXPECT_TRUE(partial[1] == inline_rows[1]);
 }
 
 TEST(Client, ALostShardFailsOnlyItsOwnSequences) {
