@@ -121,6 +121,26 @@ TEST(EncodedGroupsTest, ExportedGroupsAppendedElsewhereGiveTheSameLayer) {
         ASSERT_TRUE(sender.DecodeAs(0, with_rows ? T : E, dt, &sk, &sv).ok());
         EXPECT_EQ(dk, sk);
         EXPECT_EQ(dv, sv);
+        // Token-major: the same rows, each token's heads together.
+        std::vector<uint8_t> tk, tv;
+        ASSERT_TRUE(DecodeMessage(tc.codec, kHeads, u, ViewOf(run), with_rows ? &rk : nullptr,
+                                  with_rows ? &rv : nullptr, dt, "encoded", &tk, &tv,
+                                  RowOrder::kTokenMajor)
+                        .ok());
+        ASSERT_EQ(tk.size(), dk.size());
+        const int64_t n = with_rows ? T : E;
+        const size_t row = static_cast<size_t>(kDim) * DTypeSize(dt);
+        std::vector<uint8_t> ek(dk.size()), ev(dv.size());  // dk, dv transposed
+        for (int h = 0; h < kHeads; ++h) {
+          for (int64_t t = 0; t < n; ++t) {
+            const size_t from = (static_cast<size_t>(h) * n + t) * row;
+            const size_t to = (static_cast<size_t>(t) * kHeads + h) * row;
+            std::memcpy(ek.data() + to, dk.data() + from, row);
+            std::memcpy(ev.data() + to, dv.data() + from, row);
+          }
+        }
+        EXPECT_EQ(tk, ek);
+        EXPECT_EQ(tv, ev);
       }
     }
     std::vector<uint8_t> dk, dv;

@@ -417,13 +417,14 @@ class Model {
   // groups from token `start` (blocks, block_bytes, the fp16 sinks' bytes or b"", the
   // fingerprint it names) checked as untrusted and decoded (core::DecodeMessage),
   // then the window rows (keys, values [kv_heads, n, head_dim], or None): [kv_heads, groups * G
-  // + n, head_dim] each in `dtype`, bit for bit what GetBlocks decodes.
+  // + n, head_dim] each in `dtype`, bit for bit what GetBlocks decodes ([groups * G + n,
+  // kv_heads, head_dim] with token_major: a paged cache's writer's order, no transpose after).
   std::pair<OutArray, OutArray> Decode(int layer, const Codec& codec, int64_t start,
                                        const nb::bytes& blocks, const U32Array& block_bytes,
                                        const nb::bytes& sink_keys, const nb::bytes& sink_values,
                                        const std::string& basis_fingerprint,
                                        const nb::object& rows_keys, const nb::object& rows_values,
-                                       const std::string& dtype_name) const {
+                                       const std::string& dtype_name, bool token_major) const {
     CheckLayer(layer);
     const core::BasisManifest& m = entry_->manifest;
     const core::CodecOptions& o = codec.options();
@@ -475,13 +476,15 @@ class Model {
       reads.metric_rounding = false;
       const auto tables = core::MakeLayerCodecTables(*entry_, layer, reads);
       // What the server sends is checked as what a client sends is: never trusted.
-      Check(core::DecodeMessage(o, kv, tables->basis.empty() ? nullptr : tables->basis.data(), run,
-                                rows ? &tk : nullptr, rows ? &tv : nullptr, dtype, "encoded", &keys,
-                                &values));
+      Check(core::DecodeMessage(
+          o, kv, tables->basis.empty() ? nullptr : tables->basis.data(), run, rows ? &tk : nullptr,
+          rows ? &tv : nullptr, dtype, "encoded", &keys, &values,
+          token_major ? core::RowOrder::kTokenMajor : core::RowOrder::kHeadMajor));
     }
     const int64_t n = run.groups * G + rows;
-    const std::initializer_list<size_t> shape = {static_cast<size_t>(kv), static_cast<size_t>(n),
-                                                 static_cast<size_t>(d)};
+    const size_t tokens = static_cast<size_t>(n), heads = static_cast<size_t>(kv);
+    const std::initializer_list<size_t> shape = {
+        token_major ? tokens : heads, token_major ? heads : tokens, static_cast<size_t>(d)};
     return {ToNumpy(std::move(keys), NumpyDType(dtype), shape),
             ToNumpy(std::move(values), NumpyDType(dtype), shape)};
   }
@@ -578,5 +581,5 @@ NB_MODULE(_codes, m) {
       .def("decode", &Model::Decode, nb::arg("layer"), nb::arg("codec"), nb::arg("start"),
            nb::arg("blocks"), nb::arg("block_bytes"), nb::arg("sink_keys"), nb::arg("sink_values"),
            nb::arg("basis_fingerprint"), nb::arg("keys").none(), nb::arg("values").none(),
-           nb::arg("dtype"));
+           nb::arg("dtype"), nb::arg("token_major") = false);
 }

@@ -156,6 +156,25 @@ def test_decodes_are_get_blocks_rows_bit_for_bit(client, name, dtype):
     assert same_bits(k16, k32.astype(np.float16))
 
 
+@pytest.mark.parametrize("name", ["default", "sinks-a2"])
+def test_token_major_reads_are_the_same_rows_transposed(client, name):
+    codes = register(client, name, CODECS[name])
+    data = [rows(300, seed=30 + layer, dtype=np.float32) for layer in range(LAYERS)]
+    client.put_blocks([kvq.Append("s", layer, 0, k, v, model=name) for layer, (k, v) in enumerate(data)])
+    for use_codes in (True, False):  # decoded here in that order, or the server's rows transposed
+        kw = dict(dtype="bf16", from_token=70, to_token=290, max_tokens_per_message=64, codes=use_codes)
+        heads = list(client.get_blocks("s", **kw))
+        tokens = list(client.get_blocks("s", token_major=True, **kw))
+        assert [(b.layer, b.start) for b in tokens] == [(b.layer, b.start) for b in heads]
+        for h, t in zip(heads, tokens):
+            assert t.keys.shape == (h.keys.shape[1], KV, D) and t.keys.flags["C_CONTIGUOUS"]
+            assert same_bits(t.keys, h.keys.transpose(1, 0, 2)) and same_bits(t.values, h.values.transpose(1, 0, 2))
+    msg = codes_stream(client, "s")[0]
+    k, v = codes.decode(msg, dtype="f16")
+    tk, tv = codes.decode(msg, dtype="f16", token_major=True)
+    assert same_bits(tk, k.transpose(1, 0, 2)) and same_bits(tv, v.transpose(1, 0, 2))
+
+
 @pytest.mark.parametrize("name", CODECS)
 def test_a_put_in_codes_reads_back_as_a_put_of_rows(client, name):
     codes = register(client, name, CODECS[name])

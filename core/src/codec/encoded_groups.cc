@@ -190,7 +190,7 @@ absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const Encod
 
 absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
                        const EncodedGroupsView& run, DType dtype, int64_t head_tokens,
-                       uint8_t* keys, uint8_t* values) {
+                       uint8_t* keys, uint8_t* values, RowOrder order) {
   const int G = o.key_group, d = o.head_dim, r = basis != nullptr ? o.rank : 0;
   if (run.groups < 0 || run.sizes.size() != static_cast<size_t>(run.groups) * 2 * kv_heads ||
       head_tokens < run.groups * G) {
@@ -223,9 +223,17 @@ absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
           }
         }
       }
-      const size_t off = (static_cast<size_t>(h) * head_tokens + g * G) * row;
-      FromFloat(dtype, kg.data(), keys + off, kg.size());
-      FromFloat(dtype, vg.data(), values + off, vg.size());
+      if (order == RowOrder::kHeadMajor) {
+        const size_t off = (static_cast<size_t>(h) * head_tokens + g * G) * row;
+        FromFloat(dtype, kg.data(), keys + off, kg.size());
+        FromFloat(dtype, vg.data(), values + off, vg.size());
+        continue;
+      }
+      for (int t = 0; t < G; ++t) {  // token g * G + t, head h
+        const size_t off = ((static_cast<size_t>(g) * G + t) * kv_heads + h) * row;
+        FromFloat(dtype, kg.data() + static_cast<size_t>(t) * d, keys + off, d);
+        FromFloat(dtype, vg.data() + static_cast<size_t>(t) * d, values + off, d);
+      }
     }
   }
   return absl::OkStatus();
@@ -234,7 +242,8 @@ absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
 absl::Status DecodeMessage(const CodecOptions& o, int kv_heads, const float* basis,
                            const EncodedGroupsView& run, const TensorView* rows_keys,
                            const TensorView* rows_values, DType dtype, const std::string& field,
-                           std::vector<uint8_t>* keys, std::vector<uint8_t>* values) {
+                           std::vector<uint8_t>* keys, std::vector<uint8_t>* values,
+                           RowOrder order) {
   const int d = o.head_dim;
   int64_t rows = 0;
   if (rows_keys != nullptr || rows_values != nullptr) {
@@ -253,11 +262,16 @@ absl::Status DecodeMessage(const CodecOptions& o, int kv_heads, const float* bas
   const size_t row = static_cast<size_t>(d) * DTypeSize(dtype);
   keys->resize(static_cast<size_t>(kv_heads) * n * row);
   values->resize(keys->size());
-  RETURN_IF_ERROR(DecodeRun(o, kv_heads, basis, run, dtype, n, keys->data(), values->data()));
+  RETURN_IF_ERROR(
+      DecodeRun(o, kv_heads, basis, run, dtype, n, keys->data(), values->data(), order));
   std::vector<float> f(static_cast<size_t>(d));
   for (int h = 0; h < kv_heads; ++h) {
     for (int64_t t = 0; t < rows; ++t) {
-      const size_t at = (static_cast<size_t>(h) * n + run.groups * o.key_group + t) * row;
+      const int64_t token = run.groups * o.key_group + t;
+      const size_t at =
+          (order == RowOrder::kHeadMajor ? static_cast<size_t>(h) * n + token
+                                         : static_cast<size_t>(token) * kv_heads + h) *
+          row;
       rows_keys->RowToFloat({h, t}, f.data());
       FromFloat(dtype, f.data(), keys->data() + at, d);
       rows_values->RowToFloat({h, t}, f.data());

@@ -97,4 +97,5 @@ class Model:
         keys: Optional[NDArray[Any]],
         values: Optional[NDArray[Any]],
         dtype: str,
+        token_major: bool = False,
     ) -> Tuple[NDArray[Any], NDArray[Any]]: ...

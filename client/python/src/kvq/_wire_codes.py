@@ -236,10 +236,13 @@ class StreamDecoder:
     """One GetBlocks stream's messages as the Blocks a stream of rows gives: codes decoded with
     the model's ModelCodes (the caller fetches a basis when `needs` names one), clipped to the
     range asked for (a range starting inside a group comes from the group's first token) and
-    cut into chunks of max_tokens_per_message from the range's start, as the server cuts rows."""
+    cut into chunks of max_tokens_per_message from the range's start, as the server cuts rows;
+    with token_major, keys and values [n, kv_heads, head_dim] (codes decoded so, rows
+    transposed)."""
 
-    def __init__(self, wire: WireCodes, req: kvq_pb2.GetBlocksRequest) -> None:
+    def __init__(self, wire: WireCodes, req: kvq_pb2.GetBlocksRequest, token_major: bool = False) -> None:
         self._wire = wire
+        self._axis = 0 if token_major else 1  # the tokens' axis of the Blocks made
         self._dtype = {kvq_pb2.DTYPE_F16: "f16", kvq_pb2.DTYPE_BF16: "bf16"}.get(req.dtype, "f32")
         self._from = int(req.from_token)
         self._to = int(req.to_token)
@@ -259,25 +262,38 @@ class StreamDecoder:
     def blocks(self, msg: kvq_pb2.GetBlocksResponse, bf16: str) -> List[Block]:
         """The Blocks that `msg` completes (rows messages as they are)."""
         if msg.layer not in self._codecs and not msg.HasField("codec"):
-            return self.finish() + [block_of(msg, bf16)]
+            return self.finish() + [self._rows_block(msg, bf16)]
         out = [] if self._pending is None or self._pending.layer == msg.layer else self.finish()
         got = self._decode(msg, bf16)
         p = self._pending
+        a = self._axis
         if p is not None:
-            got = Block(p.layer, p.start, np.concatenate([p.keys, got.keys], axis=1),
-                        np.concatenate([p.values, got.values], axis=1), got.layer_tokens, got.basis_version)
-        if got.keys.shape[1] == 0 and p is None:
+            got = Block(p.layer, p.start, np.concatenate([p.keys, got.keys], axis=a),
+                        np.concatenate([p.values, got.values], axis=a), got.layer_tokens, got.basis_version)
+        if got.keys.shape[a] == 0 and p is None:
             self._pending = None
             return out + [got]  # an empty range: one message naming the layer's length
-        n = got.keys.shape[1]
+        n = got.keys.shape[a]
         cut = 0
         while n - cut >= self._chunk:
-            out.append(dataclasses.replace(got, start=got.start + cut, keys=got.keys[:, cut:cut + self._chunk],
-                                           values=got.values[:, cut:cut + self._chunk]))
+            out.append(self._slice(got, cut, cut + self._chunk))
             cut += self._chunk
-        rest = dataclasses.replace(got, start=got.start + cut, keys=got.keys[:, cut:], values=got.values[:, cut:])
-        self._pending = rest if rest.keys.shape[1] else None
+        rest = self._slice(got, cut, n)
+        self._pending = rest if rest.keys.shape[a] else None
         return out
+
+    def _slice(self, block: Block, lo: int, hi: int) -> Block:
+        """Tokens [lo, hi) of a block (views)."""
+        at = (slice(None), slice(lo, hi)) if self._axis == 1 else (slice(lo, hi),)
+        return dataclasses.replace(block, start=block.start + lo, keys=block.keys[at], values=block.values[at])
+
+    def _rows_block(self, msg: kvq_pb2.GetBlocksResponse, bf16: str) -> Block:
+        """A message of rows as a Block, token-major when asked."""
+        block = block_of(msg, bf16)
+        if self._axis == 1:
+            return block
+        return dataclasses.replace(block, keys=np.ascontiguousarray(block.keys.transpose(1, 0, 2)),
+                                   values=np.ascontiguousarray(block.values.transpose(1, 0, 2)))
 
     def finish(self) -> List[Block]:
         """The last Blocks of the layer being read."""
@@ -291,15 +307,15 @@ class StreamDecoder:
         if msg.HasField("codec"):
             self._codecs[msg.layer] = codes.codec(msg.codec)  # type: ignore[attr-defined]
         if not msg.encoded.block_bytes:  # window rows only (start need not be a group's)
-            block = block_of(msg, bf16)
+            block = self._rows_block(msg, bf16)
         else:
-            keys, values = codes.decode(msg, self._codecs[msg.layer], dtype=self._dtype)  # type: ignore[attr-defined]
+            keys, values = codes.decode(msg, self._codecs[msg.layer], dtype=self._dtype,  # type: ignore[attr-defined]
+                                        token_major=self._axis == 0)
             if self._dtype == "bf16" and bf16 == "f32":
                 keys, values = bf16_to_f32(keys), bf16_to_f32(values)
             block = Block(int(msg.layer), int(msg.start), keys, values, int(msg.layer_tokens), int(msg.basis_version))
         # Clipped to the range asked for [from_token, to_token).
-        n = int(block.keys.shape[1])
+        n = int(block.keys.shape[self._axis])
         lo = max(0, self._from - block.start)
         hi = n if self._to <= 0 else max(lo, min(n, self._to - block.start))
-        return dataclasses.replace(block, start=block.start + lo, keys=block.keys[:, lo:hi],
-                                   values=block.values[:, lo:hi])
+        return self._slice(block, lo, hi)

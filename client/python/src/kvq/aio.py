@@ -137,14 +137,14 @@ class Client(ClientCore):
     async def get_blocks(self, sequence_id: str, layers: Optional[Sequence[int]] = None, *, dtype: str = "f32",
                          from_token: int = 0, to_token: Optional[int] = None,
                          max_tokens_per_message: Optional[int] = None, basis_version: Optional[int] = None,
-                         bf16: str = "uint16", codes: Optional[bool] = None,
+                         bf16: str = "uint16", codes: Optional[bool] = None, token_major: bool = False,
                          deadline: Optional[float] = None) -> AsyncIterator[Block]:
         """Async iterator of Blocks; retried only until the first chunk arrived."""
         call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token,
                                             max_tokens_per_message, basis_version, codes, deadline)
         self._open()
         for _ in tries:
-            decoder = StreamDecoder(self._wire, call.request)
+            decoder = StreamDecoder(self._wire, call.request, token_major)
             stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout, metadata=tries.metadata)
             try:
                 async for chunk in stream:

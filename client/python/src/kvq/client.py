@@ -245,6 +245,7 @@ class Client(ClientCore):
         basis_version: Optional[int] = None,
         bf16: str = "uint16",
         codes: Optional[bool] = None,
+        token_major: bool = False,
         deadline: Optional[float] = None,
     ) -> Iterator[Block]:
         """The sequence's cached K/V as attention sees them, chunk by chunk (Blocks of at
@@ -253,19 +254,21 @@ class Client(ClientCore):
         None or 0: any. dtype: of the returned tensors ("f32", "f16", "bf16": uint16 bits,
         or float32 with bf16="f32"). codes: fetch HeadQ codes and decode them here (the same
         bits; None: ClientOptions.codes); False for a call that reads no block (an empty range).
+        token_major: Blocks' keys and values [n, kv_heads, head_dim] instead (codes decoded in
+        that order, rows transposed: what a paged cache's writer takes).
         The call starts when iteration does; retried only until the first chunk arrived."""
         call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token,
                                             max_tokens_per_message, basis_version, codes, deadline)
-        return self._stream_blocks(call, tries, bf16)
+        return self._stream_blocks(call, tries, bf16, token_major)
 
-    def _stream_blocks(self, call: Call, tries: Tries, bf16: str) -> Iterator[Block]:
+    def _stream_blocks(self, call: Call, tries: Tries, bf16: str, token_major: bool) -> Iterator[Block]:
         # Messages are decoded one ahead on a thread of the call's own (the native decode
         # releases the GIL): while the caller uses a message's blocks, the next is decoded and
         # gRPC receives the one after. One thread, so the decoder's state changes in order.
         ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvq-decode")
         try:
             for _ in tries:
-                decoder = StreamDecoder(self._wire, call.request)
+                decoder = StreamDecoder(self._wire, call.request, token_major)
                 stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout,
                                                            metadata=tries.metadata)
                 decoding: Optional[Future[List[Block]]] = None

@@ -451,12 +451,13 @@ class ModelCodes:
         return self.encoder(layer, codec).append(keys, values)
 
     def decode(self, msg: kvq_pb2.GetBlocksResponse, codec: Union[None, Codec, kvq_pb2.CodecSettings] = None,
-               *, dtype: str = "f32") -> Tuple[Array, Array]:
+               *, dtype: str = "f32", token_major: bool = False) -> Tuple[Array, Array]:
         """One GetBlocks message in codes (GetBlocksRequest.codes): its tokens [start, start +
         n), the groups decoded then the window rows, as keys and values [kv_heads, n,
-        head_dim] in `dtype` ("f32", "f16" or "bf16": uint16 bits): bit for bit what GetBlocks
-        without codes sends in that dtype. codec: the sequence's, which the first message of
-        each layer names (msg.codec; None: that one, so later messages need it passed).
+        head_dim] ([n, kv_heads, head_dim] with token_major) in `dtype` ("f32", "f16" or
+        "bf16": uint16 bits): bit for bit what GetBlocks without codes sends in that dtype.
+        codec: the sequence's, which the first message of each layer names (msg.codec; None:
+        that one, so later messages need it passed).
         The run is checked as untrusted first (DATA_LOSS for a corrupted block; a run of
         another basis or a message of another model version: FAILED_PRECONDITION)."""
         method = "decode"
@@ -481,7 +482,7 @@ class ModelCodes:
             return self._native.decode(
                 msg.layer, c.native, msg.start, enc.blocks, np.asarray(enc.block_bytes, dtype=np.uint32),
                 sinks[0], sinks[1], enc.basis_fingerprint, _rows_out(msg.keys, "keys", method),
-                _rows_out(msg.values, "values", method), name,
+                _rows_out(msg.values, "values", method), name, token_major,
             )
         except _codes.Error as e:
             raise _error(method, e) from None

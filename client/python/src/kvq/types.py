@@ -200,9 +200,9 @@ class ItemResult:
 class Block:
     """A chunk of a sequence's cached K/V as attention sees them (GetBlocks).
 
-    keys/values: [kv_heads, n, head_dim] numpy arrays (float32, float16, or uint16 bfloat16
-    bits, per the requested dtype); start: the position of the first token; layer_tokens:
-    tokens cached in the layer.
+    keys/values: [kv_heads, n, head_dim] numpy arrays ([n, kv_heads, head_dim] from a
+    token_major read) of float32, float16, or uint16 bfloat16 bits, per the requested dtype;
+    start: the position of the first token; layer_tokens: tokens cached in the layer.
     """
 
     layer: int

@@ -59,26 +59,32 @@ EncodedGroupsView ViewOf(const EncodedGroups& g);
 absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const EncodedGroupsView& run,
                                 const std::string& field);
 
+// How decoded rows are laid out: [kv_heads][tokens][d] (GetBlocks' tensors), or
+// [tokens][kv_heads][d] (a paged cache's writer takes a token's heads together).
+enum class RowOrder { kHeadMajor, kTokenMajor };
+
 // Decodes a checked run (CheckEncodedGroups) as a layer's reads do (LayerCache::DecodeAs): keys
 // as attention sees them (k_base + B z_hat with the decode basis `basis` [kv_heads][d][rank],
-// null at rank 0) and values, in `dtype`, into keys/values laid out [kv_heads][head_tokens][d]:
-// the groups fill rows [0, groups * G) of each head (head_tokens >= groups * G), the other rows
-// are left as they are. The sinks' exact rows replace their stand-ins when the run starts at
-// group 0. The run must have passed CheckEncodedGroups (checksums included; they are not
-// verified again). Bit for bit the server's decode.
+// null at rank 0) and values, in `dtype`, into keys/values laid out [kv_heads][head_tokens][d]
+// (or [head_tokens][kv_heads][d], `order`): the groups fill tokens [0, groups * G) (head_tokens
+// >= groups * G), the other rows are left as they are. The sinks' exact rows replace their
+// stand-ins when the run starts at group 0. The run must have passed CheckEncodedGroups (checksums
+// included; they are not verified again). Bit for bit the server's decode.
 absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
                        const EncodedGroupsView& run, DType dtype, int64_t head_tokens,
-                       uint8_t* keys, uint8_t* values);
+                       uint8_t* keys, uint8_t* values, RowOrder order = RowOrder::kHeadMajor);
 
 // What a client does with one GetBlocks message in codes: the run checked as untrusted
 // (CheckEncodedGroups, errors naming `field`), its groups decoded (DecodeRun) and followed by
 // the window rows after them (rows_keys/rows_values [kv_heads, n, d] of any dtype; null: none),
-// into keys/values [kv_heads][groups * G + n][d] of `dtype` (resized). The rows are converted
-// as the server converts its window rows (core::FromFloat of their fp32 values).
+// into keys/values [kv_heads][groups * G + n][d] of `dtype` (resized; token-major with
+// `order`). The rows are converted as the server converts its window rows (core::FromFloat of
+// their fp32 values).
 absl::Status DecodeMessage(const CodecOptions& o, int kv_heads, const float* basis,
                            const EncodedGroupsView& run, const TensorView* rows_keys,
                            const TensorView* rows_values, DType dtype, const std::string& field,
-                           std::vector<uint8_t>* keys, std::vector<uint8_t>* values);
+                           std::vector<uint8_t>* keys, std::vector<uint8_t>* values,
+                           RowOrder order = RowOrder::kHeadMajor);
 
 // Where each block of a run starts (block i = 2 * (g * kv_heads + h) + (value ? 1 : 0)), and
 // the end: sizes.size() + 1 offsets.

@@ -26,9 +26,8 @@ class DecodeAhead {
   // msg: the message as received; keys, values: its tokens [msg.start(), + n) decoded,
   // [kv_heads][n][head_dim] elements of the dtype each (the callee may take them). An error
   // ends the decoding: later messages are dropped and Finish returns it.
-  using OnRows = std::function<absl::Status(const v1::GetBlocksResponse& msg,
-                                            std::vector<uint8_t>& keys,
-                                            std::vector<uint8_t>& values)>;
+  using OnRows = std::function<absl::Status(
+      const v1::GetBlocksResponse& msg, std::vector<uint8_t>& keys, std::vector<uint8_t>& values)>;
 
   // `codes` must outlive this; at most `depth` messages wait while one decodes.
   DecodeAhead(const ModelCodes& codes, core::DType dtype, OnRows on_rows, int depth = 2);
@@ -58,8 +57,8 @@ class DecodeAhead {
   std::mutex mu_;
   std::condition_variable changed_;
   std::deque<std::pair<v1::GetBlocksResponse, core::CodecOptions>> queue_;  // guarded by mu_
-  bool closed_ = false;                                                      // guarded by mu_
-  absl::Status error_;                                                       // guarded by mu_
+  bool closed_ = false;                                                     // guarded by mu_
+  absl::Status error_;                                                      // guarded by mu_
   std::thread thread_;
 };
 

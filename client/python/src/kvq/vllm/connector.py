@@ -363,16 +363,18 @@ class KvqConnector(KVConnectorBase_V1):
             # The soft deadline bounds the stream (each attempt: only UNAVAILABLE, which a dead
             # server answers at once, is retried), so a slow or stopped kvq costs about this
             # much before vLLM recomputes the blocks. The stream is layer after layer.
+            # Token-major: decoded in the order vLLM's writer takes, no transpose after.
             for block in self.client.get_blocks(load.name, from_token=load.start, to_token=load.end,
-                                                dtype=_WIRE_DTYPES[self.dtype], deadline=self.config.load_deadline_s):
+                                                dtype=_WIRE_DTYPES[self.dtype], token_major=True,
+                                                deadline=self.config.load_deadline_s):
                 name = by_layer[block.layer]
                 cache = self._caches[name]
                 t1 = time.monotonic()
                 k, v = _torch(block.keys, self.dtype), _torch(block.values, self.dtype)
                 with step.writing():
-                    self._layout_of(name, cache).scatter(cache, load.block_ids, block.start, k, v)
+                    self._layout_of(name, cache).scatter(cache, load.block_ids, block.start, k, v, token_major=True)
                 written += time.monotonic() - t1
-                got[block.layer] = got.get(block.layer, 0) + int(k.shape[1])
+                got[block.layer] = got.get(block.layer, 0) + int(k.shape[0])
                 if got[block.layer] == want:
                     step.layer_written(block.layer)
             short = {layer: n for layer, n in got.items() if n != want}

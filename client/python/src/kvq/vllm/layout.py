@@ -78,16 +78,19 @@ class CpuBlockLayout:
         return self._tokens(k, n_tokens), self._tokens(v, n_tokens)
 
     def scatter(self, cache: torch.Tensor, block_ids: Sequence[int], start: int, k: torch.Tensor,
-                v: torch.Tensor) -> None:
-        """Writes K and V [kv_heads, n, head_size] as tokens [start, start + n) of the sequence
-        whose blocks are block_ids, through vLLM's own writer (the op the attention layer uses,
-        so the bytes are exactly what the kernel reads); start must be a multiple of
-        block_size. Other slots of the blocks are left as they are."""
+                v: torch.Tensor, token_major: bool = False) -> None:
+        """Writes K and V [kv_heads, n, head_size] ([n, kv_heads, head_size] with token_major:
+        the writer's own order, written without a transpose) as tokens [start, start + n) of
+        the sequence whose blocks are block_ids, through vLLM's own writer (the op the
+        attention layer uses, so the bytes are exactly what the kernel reads); start must be a
+        multiple of block_size. Other slots of the blocks are left as they are."""
         from vllm import _custom_ops as ops
 
         if start % self.block_size:
             raise ValueError(f"start {start} is not a multiple of the block size {self.block_size}")
-        n = int(k.shape[1])
+        if not token_major:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        n = int(k.shape[0])
         first = start // self.block_size
         ids = torch.as_tensor(list(block_ids[first:first + -(-n // self.block_size)]), dtype=torch.int64)
         if int(ids.numel()) * self.block_size < n:
@@ -95,8 +98,7 @@ class CpuBlockLayout:
         slots = (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)[:n]
         nb, heads, bs, two_d = (int(x) for x in cache.shape)
         key_cache, value_cache = cache.view(nb, heads, 2 * bs, two_d // 2).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k.transpose(0, 1).to(cache.dtype).contiguous(),
-                                       v.transpose(0, 1).to(cache.dtype).contiguous(),
+        ops.cpu_attn_reshape_and_cache(k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(),
                                        key_cache, value_cache, slots, self.isa)
 
     def _blocks(self, cache: torch.Tensor, block_ids: Sequence[int], n_tokens: int) -> Any:
