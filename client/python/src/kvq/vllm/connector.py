@@ -12,8 +12,9 @@ length of every block-aligned prefix name of its prompt, and the longest run of 
 prefix index holds for its token ids (the shared part of prompts that share only a prefix, such
 as a system prompt); when the index holds more than any name, the prompt's ids are attached to
 a fresh sequence (a second call), which then holds that run; the worker then reads the longer
-prefix with GetBlocks into the request's blocks of the paged cache
-(kvq.vllm.layout: the CPU backend's packed layout), before the forward pass. The prompt's
+prefix with GetBlocks into the request's blocks of the paged cache (kvq.vllm.layout: the CPU
+backend's packed layout), on a thread beside the forward pass, each attention layer waiting
+for its own layer (kvq.vllm.layer_loads; overlap_loads=false: before the forward pass). The prompt's
 whole blocks are saved in the step whose forward computes the last of them, one PutBlocks
 message for all layers (atomic: a lookup never sees half a prompt), from copies of the K/V
 gathered during the step (so vLLM may free the blocks when the step ends): by default
