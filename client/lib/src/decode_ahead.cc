@@ -23,7 +23,6 @@ bool DecodeAhead::InCodes(const v1::GetBlocksResponse& msg) const {
 
 bool DecodeAhead::Push(v1::GetBlocksResponse msg) {
   // The codec is read here, in stream order, so that the decoding thread needs no map.
-  core::CodecOptions codec;
   absl::Status st;
   if (msg.has_codec()) {
     absl::StatusOr<core::CodecOptions> c = codes_.CodecOf(msg.codec());
