@@ -30,6 +30,7 @@
 #include "kvq/core/codec.h"
 #include "kvq/core/codec_schema.h"
 #include "kvq/core/encoded_groups.h"
+#include "kvq/core/paged_rows.h"
 #include "kvq/core/registry.h"
 #include "kvq/core/tensor.h"
 #include "kvq/format/block_format.h"
@@ -63,11 +64,14 @@ using F32Array = nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device:
 using U32Array = nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 // An output array, numpy's, owning its bytes.
 using OutArray = nb::ndarray<nb::numpy>;
+// A paged cache written in place (a torch tensor through DLPack, or a numpy array).
+using CacheArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+using I32Array = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I64Array = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 // f32, f16, or bf16: a DLPack bfloat16 (torch) or a uint16 array of bfloat16 bits (numpy has
 // no bfloat16; the client's convention, kvq/tensors.py).
-core::DType DTypeOf(const InArray& a, const std::string& field) {
-  const nb::dlpack::dtype t = a.dtype();
+core::DType DTypeOf(const nb::dlpack::dtype t, const std::string& field) {
   using Code = nb::dlpack::dtype_code;
   if (t.lanes == 1 && t.code == static_cast<uint8_t>(Code::Float) && t.bits == 32) {
     return core::DType::kF32;
@@ -110,6 +114,36 @@ core::DType ParseDType(const std::string& name) {
   Check(t.status());
   return *t;
 }
+
+// A message's window rows (keys, values [kv_heads, n, head_dim] of one dtype, or both None) as
+// views for core; n = 0 without rows.
+class WindowRows {
+ public:
+  WindowRows(const nb::object& keys, const nb::object& values, int kv_heads, int head_dim) {
+    if (keys.is_none() && values.is_none()) return;
+    if (keys.is_none() || values.is_none()) Invalid("keys/values: give both or none");
+    k_ = nb::cast<InArray>(keys);
+    v_ = nb::cast<InArray>(values);
+    const core::DType t = DTypeOf(k_.dtype(), "keys");
+    if (DTypeOf(v_.dtype(), "values") != t) Invalid("keys and values must have one dtype");
+    if (k_.ndim() != 3 || v_.ndim() != 3 || k_.shape(0) != static_cast<size_t>(kv_heads) ||
+        k_.shape(2) != static_cast<size_t>(head_dim) || v_.shape(0) != k_.shape(0) ||
+        v_.shape(1) != k_.shape(1) || v_.shape(2) != k_.shape(2)) {
+      Invalid("keys/values: not [kv_heads, n, head_dim] of the model");
+    }
+    n = static_cast<int64_t>(k_.shape(1));
+    tk_ = core::TensorView::Contiguous(k_.data(), t, {kv_heads, n, head_dim});
+    tv_ = core::TensorView::Contiguous(v_.data(), t, {kv_heads, n, head_dim});
+  }
+  const core::TensorView* keys() const { return n ? &tk_ : nullptr; }
+  const core::TensorView* values() const { return n ? &tv_ : nullptr; }
+
+  int64_t n = 0;
+
+ private:
+  InArray k_, v_;
+  core::TensorView tk_, tv_;
+};
 
 // ------------------------------------------------------------------------------ codec
 
@@ -226,7 +260,7 @@ class LayerEncoder {
   // dtype), then exports the groups encoded since the last call and the rows after them.
   EncodedRun Append(const InArray& keys, const InArray& values) {
     const core::BasisManifest& m = model_->manifest;
-    const core::DType kt = DTypeOf(keys, "keys"), vt = DTypeOf(values, "values");
+    const core::DType kt = DTypeOf(keys.dtype(), "keys"), vt = DTypeOf(values.dtype(), "values");
     if (kt != vt) Invalid("keys and values must have one dtype");
     for (const auto& [a, name] : {std::pair{&keys, "keys"}, std::pair{&values, "values"}}) {
       if (a->ndim() != 3 || a->shape(0) != static_cast<size_t>(m.kv_heads) ||
@@ -425,63 +459,22 @@ class Model {
                                        const std::string& basis_fingerprint,
                                        const nb::object& rows_keys, const nb::object& rows_values,
                                        const std::string& dtype_name, bool token_major) const {
-    CheckLayer(layer);
-    const core::BasisManifest& m = entry_->manifest;
-    const core::CodecOptions& o = codec.options();
     const core::DType dtype = ParseDType(dtype_name);
-    const int kv = m.kv_heads, d = m.head_dim, G = o.key_group;
-    core::EncodedGroupsView run;
-    run.bytes = {reinterpret_cast<const uint8_t*>(blocks.c_str()), blocks.size()};
-    run.sizes = {block_bytes.data(), block_bytes.shape(0)};
-    run.sink_keys = {reinterpret_cast<const uint8_t*>(sink_keys.c_str()), sink_keys.size()};
-    run.sink_values = {reinterpret_cast<const uint8_t*>(sink_values.c_str()), sink_values.size()};
-    run.basis_fingerprint = basis_fingerprint;
-    run.groups = static_cast<int64_t>(run.sizes.size()) / (2 * kv);
-    if (start < 0 || start % G != 0) {
-      Invalid(absl::StrCat("start ", start, " must be a non-negative multiple of G (", G, ")"));
-    }
-    run.first_group = start / G;
-    if (o.rank > 0 && run.groups > 0 && run.basis_fingerprint != m.fingerprint) {
-      throw StatusError{absl::FailedPreconditionError(
-          absl::StrCat("encoded.basis_fingerprint '", run.basis_fingerprint,
-                       "': the side codes were made with another basis than model '", m.model,
-                       "' version ", m.version, "'s (", m.fingerprint, ")"))};
-    }
-    // The rows after the groups, as arrays; None: no rows.
-    InArray rk, rv;
-    int64_t rows = 0;
-    core::DType rt = core::DType::kF32;
-    if (!rows_keys.is_none() || !rows_values.is_none()) {
-      if (rows_keys.is_none() || rows_values.is_none()) Invalid("keys/values: give both or none");
-      rk = nb::cast<InArray>(rows_keys);
-      rv = nb::cast<InArray>(rows_values);
-      rt = DTypeOf(rk, "keys");
-      if (DTypeOf(rv, "values") != rt) Invalid("keys and values must have one dtype");
-      if (rk.ndim() != 3 || rv.ndim() != 3 || rk.shape(0) != static_cast<size_t>(kv) ||
-          rk.shape(2) != static_cast<size_t>(d) || rv.shape(0) != rk.shape(0) ||
-          rv.shape(1) != rk.shape(1) || rv.shape(2) != rk.shape(2)) {
-        Invalid("keys/values: not [kv_heads, n, head_dim] of the model");
-      }
-      rows = static_cast<int64_t>(rk.shape(1));
-    }
+    const int kv = entry_->manifest.kv_heads, d = entry_->manifest.head_dim;
+    const core::EncodedGroupsView run = RunOf(layer, codec, start, blocks, block_bytes, sink_keys,
+                                              sink_values, basis_fingerprint, /*rows_only=*/false);
+    const WindowRows rows(rows_keys, rows_values, kv, d);
     std::vector<uint8_t> keys, values;
     {
       nb::gil_scoped_release unlocked;
-      const core::TensorView tk =
-          core::TensorView::Contiguous(rows ? rk.data() : nullptr, rt, {kv, rows, d});
-      const core::TensorView tv =
-          core::TensorView::Contiguous(rows ? rv.data() : nullptr, rt, {kv, rows, d});
-      // Decoding needs only the decode basis: no rounding factors (a Cholesky per head).
-      core::CodecOptions reads = o;
-      reads.metric_rounding = false;
-      const auto tables = core::MakeLayerCodecTables(*entry_, layer, reads);
+      const auto tables = ReadTables(layer, codec);
       // What the server sends is checked as what a client sends is: never trusted.
       Check(core::DecodeMessage(
-          o, kv, tables->basis.empty() ? nullptr : tables->basis.data(), run, rows ? &tk : nullptr,
-          rows ? &tv : nullptr, dtype, "encoded", &keys, &values,
+          codec.options(), kv, tables->basis.empty() ? nullptr : tables->basis.data(), run,
+          rows.keys(), rows.values(), dtype, "encoded", &keys, &values,
           token_major ? core::RowOrder::kTokenMajor : core::RowOrder::kHeadMajor));
     }
-    const int64_t n = run.groups * G + rows;
+    const int64_t n = run.groups * codec.options().key_group + rows.n;
     const size_t tokens = static_cast<size_t>(n), heads = static_cast<size_t>(kv);
     const std::initializer_list<size_t> shape = {
         token_major ? tokens : heads, token_major ? heads : tokens, static_cast<size_t>(d)};
@@ -489,7 +482,85 @@ class Model {
             ToNumpy(std::move(values), NumpyDType(dtype), shape)};
   }
 
+  // Decode's message written straight into a paged KV cache (core::DecodeMessageInto): `cache`
+  // (any shape, C-contiguous, f32/f16/bf16, written in place) holds channel c of token t, KV
+  // head h of K at element block_offsets[t / block_size] + h * head_stride + key_index[(t %
+  // block_size) * head_dim + c] (V: value_index); only tokens [from_token, to_token) are
+  // written. A message of window rows only may start at any token. Returns the tokens written.
+  int64_t DecodeInto(int layer, const Codec& codec, int64_t start, const nb::bytes& blocks,
+                     const U32Array& block_bytes, const nb::bytes& sink_keys,
+                     const nb::bytes& sink_values, const std::string& basis_fingerprint,
+                     const nb::object& rows_keys, const nb::object& rows_values, CacheArray cache,
+                     const I32Array& key_index, const I32Array& value_index,
+                     const I64Array& block_offsets, int64_t head_stride, int64_t block_size,
+                     int64_t from_token, int64_t to_token) const {
+    const int kv = entry_->manifest.kv_heads, d = entry_->manifest.head_dim;
+    const core::EncodedGroupsView run =
+        RunOf(layer, codec, start, blocks, block_bytes, sink_keys, sink_values, basis_fingerprint,
+              /*rows_only=*/block_bytes.shape(0) == 0);
+    const WindowRows rows(rows_keys, rows_values, kv, d);
+    core::PagedRows p;
+    p.base = static_cast<uint8_t*>(cache.data());
+    p.dtype = DTypeOf(cache.dtype(), "cache");
+    p.elements = static_cast<int64_t>(cache.size());
+    p.block_tokens = block_size;
+    p.head_stride = head_stride;
+    p.block_offsets = {block_offsets.data(), block_offsets.shape(0)};
+    p.key_index = {key_index.data(), key_index.shape(0)};
+    p.value_index = {value_index.data(), value_index.shape(0)};
+    p.from_token = from_token;
+    p.to_token = to_token;
+    absl::StatusOr<int64_t> written;
+    {
+      nb::gil_scoped_release unlocked;
+      const auto tables = ReadTables(layer, codec);
+      written = core::DecodeMessageInto(codec.options(), kv,
+                                        tables->basis.empty() ? nullptr : tables->basis.data(), run,
+                                        start, rows.keys(), rows.values(), "encoded", p);
+    }
+    Check(written.status());
+    return *written;
+  }
+
  private:
+  // A message's run of groups (from token `start`, a multiple of G unless rows_only: a message
+  // of window rows only), viewed in the arguments' bytes; a run of another basis than the
+  // model's is FAILED_PRECONDITION.
+  core::EncodedGroupsView RunOf(int layer, const Codec& codec, int64_t start,
+                                const nb::bytes& blocks, const U32Array& block_bytes,
+                                const nb::bytes& sink_keys, const nb::bytes& sink_values,
+                                const std::string& basis_fingerprint, bool rows_only) const {
+    CheckLayer(layer);
+    const core::BasisManifest& m = entry_->manifest;
+    const int G = codec.options().key_group;
+    core::EncodedGroupsView run;
+    run.bytes = {reinterpret_cast<const uint8_t*>(blocks.c_str()), blocks.size()};
+    run.sizes = {block_bytes.data(), block_bytes.shape(0)};
+    run.sink_keys = {reinterpret_cast<const uint8_t*>(sink_keys.c_str()), sink_keys.size()};
+    run.sink_values = {reinterpret_cast<const uint8_t*>(sink_values.c_str()), sink_values.size()};
+    run.basis_fingerprint = basis_fingerprint;
+    run.groups = static_cast<int64_t>(run.sizes.size()) / (2 * m.kv_heads);
+    if (start < 0 || (!rows_only && start % G != 0)) {
+      Invalid(absl::StrCat("start ", start, " must be a non-negative multiple of G (", G, ")"));
+    }
+    run.first_group = start / G;
+    if (codec.options().rank > 0 && run.groups > 0 && run.basis_fingerprint != m.fingerprint) {
+      throw StatusError{absl::FailedPreconditionError(
+          absl::StrCat("encoded.basis_fingerprint '", run.basis_fingerprint,
+                       "': the side codes were made with another basis than model '", m.model,
+                       "' version ", m.version, "'s (", m.fingerprint, ")"))};
+    }
+    return run;
+  }
+
+  // The decode tables of a layer: decoding needs only the decode basis (no rounding factors, a
+  // Cholesky per head).
+  std::shared_ptr<const core::LayerCodecTables> ReadTables(int layer, const Codec& codec) const {
+    core::CodecOptions reads = codec.options();
+    reads.metric_rounding = false;
+    return core::MakeLayerCodecTables(*entry_, layer, reads);
+  }
+
   void CheckLayer(int layer) const {
     if (layer < 0 || layer >= entry_->manifest.layers) {
       Invalid(absl::StrCat("layer ", layer, " must be in 0..", entry_->manifest.layers - 1));
@@ -581,5 +652,11 @@ NB_MODULE(_codes, m) {
       .def("decode", &Model::Decode, nb::arg("layer"), nb::arg("codec"), nb::arg("start"),
            nb::arg("blocks"), nb::arg("block_bytes"), nb::arg("sink_keys"), nb::arg("sink_values"),
            nb::arg("basis_fingerprint"), nb::arg("keys").none(), nb::arg("values").none(),
-           nb::arg("dtype"), nb::arg("token_major") = false);
+           nb::arg("dtype"), nb::arg("token_major") = false)
+      .def("decode_into", &Model::DecodeInto, nb::arg("layer"), nb::arg("codec"), nb::arg("start"),
+           nb::arg("blocks"), nb::arg("block_bytes"), nb::arg("sink_keys"), nb::arg("sink_values"),
+           nb::arg("basis_fingerprint"), nb::arg("keys").none(), nb::arg("values").none(),
+           nb::arg("cache"), nb::arg("key_index"), nb::arg("value_index"), nb::arg("block_offsets"),
+           nb::arg("head_stride"), nb::arg("block_size"), nb::arg("from_token"),
+           nb::arg("to_token"));
 }

@@ -175,6 +175,77 @@ def test_token_major_reads_are_the_same_rows_transposed(client, name):
     assert same_bits(tk, k.transpose(1, 0, 2)) and same_bits(tv, v.transpose(1, 0, 2))
 
 
+def transposed_layout(block_size: int) -> kvq.PagedLayout:
+    """A vector CPU backend's block: per head K transposed [D][t], then V token-major [t][D]."""
+    t = np.arange(block_size)[:, None]
+    c = np.arange(D)[None, :]
+    return kvq.PagedLayout(block_size=block_size, head_dim=D, block_stride=KV * 2 * block_size * D,
+                           head_stride=2 * block_size * D, key_index=c * block_size + t,
+                           value_index=block_size * D + t * D + c)
+
+
+@pytest.mark.parametrize("name", ["default", "sinks-a2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_get_blocks_into_a_paged_cache_writes_get_blocks_rows_there_and_nothing_else(client, name, dtype):
+    register(client, name, CODECS[name])
+    data = [rows(300, seed=40 + layer, dtype=np.float32) for layer in range(LAYERS)]
+    client.put_blocks([kvq.Append("s", layer, 0, k, v, model=name) for layer, (k, v) in enumerate(data)])
+    bs, nb = 16, 24
+    layout = transposed_layout(bs)
+    block_ids = [(7 * b + 5) % nb for b in range(nb)]  # scrambled, as an engine's free list gives them
+    wire = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+    lo, hi = 70, 290
+    caches = {layer: torch.full((nb, KV, 2 * bs, D), -7.0, dtype=dtype) for layer in range(LAYERS)}
+    before = {layer: c.clone() for layer, c in caches.items()}
+    got = list(client.get_blocks_into("s", caches, layout, block_ids, from_token=lo, to_token=hi, dtype=wire))
+    assert sorted({layer for layer, _ in got}) == list(range(LAYERS))
+    assert all(sum(n for layer, n in got if layer == want) == hi - lo for want in range(LAYERS))
+    want = per_layer(client.get_blocks("s", dtype=wire, from_token=lo, to_token=hi, codes=False))
+    offsets = layout.block_offsets(block_ids)
+    for layer in range(LAYERS):
+        expect = before[layer].reshape(-1).clone()
+        flat = expect.view(torch.int16) if dtype == torch.bfloat16 else expect
+        for which, index in ((0, layout.key_index), (1, layout.value_index)):
+            rows_ = torch.from_numpy(np.ascontiguousarray(want[layer][which]))  # [KV, n, D]
+            if dtype == torch.bfloat16:
+                rows_ = rows_.view(torch.int16)
+            for i, t in enumerate(range(lo, hi)):
+                for h in range(KV):
+                    at = offsets[t // bs] + h * layout.head_stride + index.reshape(bs, D)[t % bs]
+                    flat[torch.from_numpy(at.astype(np.int64))] = rows_[h, i]
+        assert torch.equal(caches[layer].reshape(-1).view(torch.int16) if dtype == torch.bfloat16
+                           else caches[layer].reshape(-1), flat), f"layer {layer}"
+    # To the end (to_token None): each layer's tokens from lo.
+    whole = list(client.get_blocks_into("s", caches, layout, block_ids, from_token=lo, dtype=wire))
+    assert all(sum(n for layer, n in whole if layer == want) == 300 - lo for want in range(LAYERS))
+    # Too few blocks for the range: refused before anything is written, naming the field.
+    fresh = {layer: torch.zeros((nb, KV, 2 * bs, D), dtype=dtype) for layer in range(LAYERS)}
+    with pytest.raises(kvq.KvqError) as e:
+        list(client.get_blocks_into("s", fresh, layout, block_ids[:3], from_token=lo, to_token=hi, dtype=wire))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "paged.block_ids: 3 blocks" in str(e.value)
+    assert all(int(c.count_nonzero()) == 0 for c in fresh.values())
+    # A writing guard that refuses (the engine stopped waiting) ends the read before its write.
+    class Stop(Exception):
+        pass
+
+    def refuse():
+        raise Stop()
+
+    with pytest.raises(Stop):
+        list(client.get_blocks_into("s", fresh, layout, block_ids, dtype=wire, writing=refuse))
+    assert all(int(c.count_nonzero()) == 0 for c in fresh.values())
+
+
+def test_get_blocks_into_needs_codes(kvq_server):
+    with kvq.Client(kvq_server.address, codes=False) as plain:
+        with pytest.raises(kvq.KvqError) as e:
+            list(plain.get_blocks_into("s", {}, transposed_layout(16), [0]))
+    assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "ClientOptions.codes" in str(e.value)
+    with pytest.raises(ValueError, match="PagedLayout.key_index: 3 offsets"):
+        kvq.PagedLayout(block_size=16, head_dim=D, block_stride=0, head_stride=0, key_index=[0, 1, 2],
+                        value_index=np.zeros(16 * D))
+
+
 @pytest.mark.parametrize("name", CODECS)
 def test_a_put_in_codes_reads_back_as_a_put_of_rows(client, name):
     codes = register(client, name, CODECS[name])

@@ -188,15 +188,12 @@ absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const Encod
   return CheckSinkRows(run.sink_values, elements, "sink_values", field);
 }
 
-absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
-                       const EncodedGroupsView& run, DType dtype, int64_t head_tokens,
-                       uint8_t* keys, uint8_t* values, RowOrder order) {
+absl::Status ForEachDecodedGroup(const CodecOptions& o, int kv_heads, const float* basis,
+                                 const EncodedGroupsView& run, const DecodedGroupSink& emit) {
   const int G = o.key_group, d = o.head_dim, r = basis != nullptr ? o.rank : 0;
-  if (run.groups < 0 || run.sizes.size() != static_cast<size_t>(run.groups) * 2 * kv_heads ||
-      head_tokens < run.groups * G) {
+  if (run.groups < 0 || run.sizes.size() != static_cast<size_t>(run.groups) * 2 * kv_heads) {
     return absl::InvalidArgumentError("decode: unchecked run (sizes do not fit)");
   }
-  const size_t row = static_cast<size_t>(d) * DTypeSize(dtype);
   const std::vector<size_t> at = RunOffsets(run);
   std::vector<float> kg(static_cast<size_t>(G) * d), vg(kg.size());
   const size_t sink_rows = run.first_group == 0 && !run.sink_keys.empty()
@@ -223,20 +220,49 @@ absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
           }
         }
       }
-      if (order == RowOrder::kHeadMajor) {
-        const size_t off = (static_cast<size_t>(h) * head_tokens + g * G) * row;
-        FromFloat(dtype, kg.data(), keys + off, kg.size());
-        FromFloat(dtype, vg.data(), values + off, vg.size());
-        continue;
-      }
-      for (int t = 0; t < G; ++t) {  // token g * G + t, head h
-        const size_t off = ((static_cast<size_t>(g) * G + t) * kv_heads + h) * row;
-        FromFloat(dtype, kg.data() + static_cast<size_t>(t) * d, keys + off, d);
-        FromFloat(dtype, vg.data() + static_cast<size_t>(t) * d, values + off, d);
-      }
+      emit(g, h, kg.data(), vg.data());
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
+                       const EncodedGroupsView& run, DType dtype, int64_t head_tokens,
+                       uint8_t* keys, uint8_t* values, RowOrder order) {
+  const int G = o.key_group, d = o.head_dim;
+  if (head_tokens < run.groups * G) {
+    return absl::InvalidArgumentError("decode: unchecked run (sizes do not fit)");
+  }
+  const size_t row = static_cast<size_t>(d) * DTypeSize(dtype);
+  return ForEachDecodedGroup(
+      o, kv_heads, basis, run, [&](int64_t g, int h, const float* kg, const float* vg) {
+        if (order == RowOrder::kHeadMajor) {
+          const size_t off = (static_cast<size_t>(h) * head_tokens + g * G) * row;
+          const size_t n = static_cast<size_t>(G) * d;
+          FromFloat(dtype, kg, keys + off, n);
+          FromFloat(dtype, vg, values + off, n);
+          return;
+        }
+        for (int t = 0; t < G; ++t) {  // token g * G + t, head h
+          const size_t off = ((static_cast<size_t>(g) * G + t) * kv_heads + h) * row;
+          FromFloat(dtype, kg + static_cast<size_t>(t) * d, keys + off, d);
+          FromFloat(dtype, vg + static_cast<size_t>(t) * d, values + off, d);
+        }
+      });
+}
+
+absl::StatusOr<int64_t> WindowRowCount(int kv_heads, int head_dim, const TensorView* rows_keys,
+                                       const TensorView* rows_values, const std::string& field) {
+  if (rows_keys == nullptr && rows_values == nullptr) return 0;
+  const TensorView* both[] = {rows_keys, rows_values};
+  for (const TensorView* t : both) {
+    if (t == nullptr || t->rank != 3 || t->shape[0] != kv_heads || t->shape[2] != head_dim ||
+        t->shape[1] != rows_keys->shape[1]) {
+      return absl::InvalidArgumentError(absl::StrCat(field, " keys/values: not both [kv_heads = ",
+                                                     kv_heads, ", n, head_dim = ", head_dim, "]"));
+    }
+  }
+  return rows_keys->shape[1];
 }
 
 absl::Status DecodeMessage(const CodecOptions& o, int kv_heads, const float* basis,
@@ -245,18 +271,7 @@ absl::Status DecodeMessage(const CodecOptions& o, int kv_heads, const float* bas
                            std::vector<uint8_t>* keys, std::vector<uint8_t>* values,
                            RowOrder order) {
   const int d = o.head_dim;
-  int64_t rows = 0;
-  if (rows_keys != nullptr || rows_values != nullptr) {
-    const TensorView* both[] = {rows_keys, rows_values};
-    for (const TensorView* t : both) {
-      if (t == nullptr || t->rank != 3 || t->shape[0] != kv_heads || t->shape[2] != d ||
-          t->shape[1] != rows_keys->shape[1]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            field, " keys/values: not both [kv_heads = ", kv_heads, ", n, head_dim = ", d, "]"));
-      }
-    }
-    rows = rows_keys->shape[1];
-  }
+  ASSIGN_OR_RETURN(const int64_t rows, WindowRowCount(kv_heads, d, rows_keys, rows_values, field));
   RETURN_IF_ERROR(CheckEncodedGroups(o, kv_heads, run, field));
   const int64_t n = run.groups * o.key_group + rows;
   const size_t row = static_cast<size_t>(d) * DTypeSize(dtype);

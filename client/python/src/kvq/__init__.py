@@ -2,6 +2,7 @@
 
 from .client import Client, ClientOptions
 from .errors import KvqError
+from .paged import PagedLayout
 from .types import (
     Append,
     AttendItem,
@@ -22,6 +23,7 @@ __all__ = [
     "Block",
     "CodecSettings",
     "ItemResult",
+    "PagedLayout",
     "PrefixMatch",
     "ReadoutItem",
     "ScoreItem",

@@ -24,14 +24,16 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 import grpc
 import numpy as np
+from numpy.typing import NDArray
 
 from ._proto.kvq.v1 import kvq_pb2
 from ._requests import block_of
 from .errors import KvqError
+from .paged import PagedLayout
 from .tensors import bf16_to_f32
 from .types import AnyAppend, Append, Block
 
@@ -300,12 +302,29 @@ class StreamDecoder:
         p, self._pending = self._pending, None
         return [] if p is None else [p]
 
-    def _decode(self, msg: kvq_pb2.GetBlocksResponse, bf16: str) -> Block:
+    def into(self, msg: kvq_pb2.GetBlocksResponse, cache: Any, layout: PagedLayout,
+             block_offsets: NDArray[np.int64]) -> Tuple[int, int]:
+        """Writes a message of a stream in codes straight into a paged cache (ModelCodes.
+        decode_into), clipped to the range asked for: (its layer, the tokens written)."""
+        codes = self._stream_codes(msg)
+        if msg.layer not in self._codecs:
+            raise KvqError("GetBlocks", grpc.StatusCode.INTERNAL,
+                           f"layer {msg.layer}: a message in rows or before the one naming the codec")
+        written = codes.decode_into(msg, self._codecs[msg.layer], cache, layout,  # type: ignore[attr-defined]
+                                    block_offsets, self._from, self._to if self._to > 0 else None)
+        return int(msg.layer), int(written)
+
+    def _stream_codes(self, msg: kvq_pb2.GetBlocksResponse) -> object:
+        """The ModelCodes of the stream's model; the layer's codec noted from its first message."""
         codes = None if self._model is None else self._wire.model(*self._model)
         if codes is None:
             raise KvqError("GetBlocks", grpc.StatusCode.INTERNAL, "codes of a model the stream did not name")
         if msg.HasField("codec"):
             self._codecs[msg.layer] = codes.codec(msg.codec)  # type: ignore[attr-defined]
+        return codes
+
+    def _decode(self, msg: kvq_pb2.GetBlocksResponse, bf16: str) -> Block:
+        codes = self._stream_codes(msg)
         if not msg.encoded.block_bytes:  # window rows only (start need not be a group's)
             block = self._rows_block(msg, bf16)
         else:

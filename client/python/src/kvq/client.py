@@ -22,10 +22,11 @@ Mirrors the C++ client (client/lib/src/client.cc):
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 
@@ -51,6 +52,7 @@ from ._requests import readout_request as readout_request
 from ._requests import register_request as register_request
 from ._requests import score_request as score_request
 from .errors import KvqError
+from .paged import PagedLayout
 from .types import AnyAppend, AttendItem, Block, ItemResult, PrefixMatch, ReadoutItem, ScoreItem
 
 __all__ = ["Client", "ClientOptions", "split_servers", "MAX_MESSAGE_BYTES", "ROUTE_HEADER"]
@@ -261,29 +263,73 @@ class Client(ClientCore):
                                             max_tokens_per_message, basis_version, codes, deadline)
         return self._stream_blocks(call, tries, bf16, token_major)
 
+    def get_blocks_into(
+        self,
+        sequence_id: str,
+        caches: Mapping[int, Any],
+        layout: PagedLayout,
+        block_ids: Sequence[int],
+        *,
+        from_token: int = 0,
+        to_token: Optional[int] = None,
+        dtype: str = "f32",
+        writing: Optional[Callable[[], ContextManager[Any]]] = None,
+        deadline: Optional[float] = None,
+    ) -> Iterator[Tuple[int, int]]:
+        """GetBlocks in codes decoded straight into a serving engine's paged KV cache: tokens
+        [from_token, to_token) of each layer in `caches` ({layer: cache tensor}, written in
+        place as `layout` says; block_ids: the sequence's blocks from its token 0), bit for
+        bit what get_blocks gives in the cache's dtype, with no intermediate tensor. dtype: of
+        the window rows on the wire (the cache's, so they arrive exact). Yields (layer, tokens
+        written) per message, after its write. writing: a context manager held around each
+        write (e.g. a lock that refuses writes once the engine stops waiting). Needs the
+        client's codes on (ClientOptions.codes); retried only until the first message was
+        written; a refused message (corrupt, another basis) raises before writing anything."""
+        if not self._wire.enabled:
+            raise KvqError("GetBlocks", grpc.StatusCode.FAILED_PRECONDITION,
+                           "get_blocks_into decodes codes, and this client has codes off (ClientOptions.codes)")
+        layers = sorted(int(layer) for layer in caches)
+        call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token, None, None, True,
+                                            deadline)
+        offsets = layout.block_offsets(block_ids)
+        guard = writing or contextlib.nullcontext
+
+        def write(decoder: StreamDecoder, msg: kvq_pb2.GetBlocksResponse) -> List[Tuple[int, int]]:
+            with guard():
+                return [decoder.into(msg, caches[msg.layer], layout, offsets)]
+
+        return self._stream_decoded(call, tries, False, write, lambda decoder: [])
+
     def _stream_blocks(self, call: Call, tries: Tries, bf16: str, token_major: bool) -> Iterator[Block]:
-        # Messages are decoded one ahead on a thread of the call's own (the native decode
-        # releases the GIL): while the caller uses a message's blocks, the next is decoded and
-        # gRPC receives the one after. One thread, so the decoder's state changes in order.
+        return self._stream_decoded(call, tries, token_major, lambda decoder, msg: decoder.blocks(msg, bf16),
+                                    lambda decoder: decoder.finish())
+
+    def _stream_decoded(self, call: Call, tries: Tries, token_major: bool,
+                        handle: Callable[[StreamDecoder, kvq_pb2.GetBlocksResponse], List[T]],
+                        finish: Callable[[StreamDecoder], List[T]]) -> Iterator[T]:
+        # Messages are handled (decoded) one ahead on a thread of the call's own (the native
+        # decode releases the GIL): while the caller uses a message's results, the next is
+        # decoded and gRPC receives the one after. One thread, so the decoder's state changes
+        # in order.
         ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvq-decode")
         try:
             for _ in tries:
                 decoder = StreamDecoder(self._wire, call.request, token_major)
                 stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout,
                                                            metadata=tries.metadata)
-                decoding: Optional[Future[List[Block]]] = None
+                decoding: Optional[Future[List[T]]] = None
                 try:
                     for chunk in stream:
-                        following = ahead.submit(self._decode_message, decoder, chunk, bf16, call.shard)
+                        following = ahead.submit(self._handle_message, decoder, chunk, handle, call.shard)
                         if decoding is not None:
-                            for block in decoding.result():
-                                yield tries.got(block)
+                            for item in decoding.result():
+                                yield tries.got(item)
                         decoding = following
                     if decoding is not None:
-                        for block in decoding.result():
-                            yield tries.got(block)
-                    for block in decoder.finish():
-                        yield tries.got(block)
+                        for item in decoding.result():
+                            yield tries.got(item)
+                    for item in finish(decoder):
+                        yield tries.got(item)
                 except grpc.RpcError as e:
                     if decoding is not None:
                         decoding.cancel()
@@ -296,12 +342,13 @@ class Client(ClientCore):
         finally:
             ahead.shutdown(wait=True, cancel_futures=True)
 
-    def _decode_message(self, decoder: StreamDecoder, chunk: kvq_pb2.GetBlocksResponse, bf16: str,
-                        shard: int) -> List[Block]:
+    def _handle_message(self, decoder: StreamDecoder, chunk: kvq_pb2.GetBlocksResponse,
+                        handle: Callable[[StreamDecoder, kvq_pb2.GetBlocksResponse], List[T]],
+                        shard: int) -> List[T]:
         need = decoder.needs(chunk)
         if need is not None:  # codes of a model met for the first time: its basis
             self._wire.add_model(need, self.get_basis(*need, shard=shard))
-        return decoder.blocks(chunk, bf16)
+        return handle(decoder, chunk)
 
     def delete_sequence(self, sequence_id: str, *, deadline: Optional[float] = None) -> int:
         """Drops a sequence; returns the bytes freed. NOT_FOUND raises. Never retried."""

@@ -36,6 +36,7 @@ import numpy as np
 from . import _codes
 from ._proto.kvq.v1 import kvq_pb2
 from .errors import KvqError, code_from_int
+from .paged import PagedLayout
 from .tensors import Array, _torch_to_numpy, dtype_enum, is_torch
 from .types import Block, CodecSettings
 
@@ -62,6 +63,7 @@ _POLICY_NAMES = {
 _POLICY_ENUMS = {name: enum for enum, name in _POLICY_NAMES.items()}
 _LITTLE = sys.byteorder == "little"
 _DTYPE_NAMES = {kvq_pb2.DTYPE_F32: "f32", kvq_pb2.DTYPE_F16: "f16", kvq_pb2.DTYPE_BF16: "bf16"}
+_NO_END = 2**62  # decode_into's to_token when the range runs to the end
 _WIRE_NUMPY: Dict[int, np.dtype[Any]] = {
     kvq_pb2.DTYPE_F32: np.dtype("<f4"), kvq_pb2.DTYPE_F16: np.dtype("<f2"), kvq_pb2.DTYPE_BF16: np.dtype("<u2"),
 }
@@ -462,6 +464,47 @@ class ModelCodes:
         another basis or a message of another model version: FAILED_PRECONDITION)."""
         method = "decode"
         name = _DTYPE_NAMES[dtype_enum(dtype, "dtype", method)]
+        c, sinks = self._message_codec(msg, codec, method)
+        enc = msg.encoded
+        try:
+            return self._native.decode(
+                msg.layer, c.native, msg.start, enc.blocks, np.asarray(enc.block_bytes, dtype=np.uint32),
+                sinks[0], sinks[1], enc.basis_fingerprint, _rows_out(msg.keys, "keys", method),
+                _rows_out(msg.values, "values", method), name, token_major,
+            )
+        except _codes.Error as e:
+            raise _error(method, e) from None
+
+    def decode_into(self, msg: kvq_pb2.GetBlocksResponse, codec: Union[None, Codec, kvq_pb2.CodecSettings],
+                    cache: Any, layout: PagedLayout, block_offsets: Any, from_token: int = 0,
+                    to_token: Optional[int] = None) -> int:
+        """decode's message written straight into a paged KV cache instead: `cache` (a
+        C-contiguous CPU torch tensor or numpy array of float32, float16 or bfloat16, written
+        in place) holds the layer as `layout` says, block_offsets (layout.block_offsets of the
+        sequence's block ids) naming its blocks from token 0. Only tokens [from_token,
+        to_token) are written (None: to the end), bit for bit what decode gives in the cache's
+        dtype; every other element is left as it is. Returns the tokens written. Everything is
+        checked before the first write (the run as untrusted, every offset inside the cache):
+        a refused message writes nothing."""
+        method = "decode_into"
+        c, sinks = self._message_codec(msg, codec, method)
+        enc = msg.encoded
+        offsets = np.ascontiguousarray(np.asarray(block_offsets, dtype=np.int64).reshape(-1))
+        try:
+            return int(self._native.decode_into(
+                msg.layer, c.native, msg.start, enc.blocks, np.asarray(enc.block_bytes, dtype=np.uint32),
+                sinks[0], sinks[1], enc.basis_fingerprint, _rows_out(msg.keys, "keys", method),
+                _rows_out(msg.values, "values", method), cache, layout.key_index, layout.value_index,
+                offsets, int(layout.head_stride), int(layout.block_size), int(from_token),
+                _NO_END if to_token is None or to_token <= 0 else int(to_token),
+            ))
+        except _codes.Error as e:
+            raise _error(method, e) from None
+
+    def _message_codec(self, msg: kvq_pb2.GetBlocksResponse, codec: Union[None, Codec, kvq_pb2.CodecSettings],
+                       method: str) -> Tuple[Codec, List[bytes]]:
+        """A message's codec (given, or the one it names) and its fp16 sinks' bytes, once it is
+        checked to be of this model and version."""
         info = self._info
         if msg.model and msg.model != info.model or msg.basis_version and msg.basis_version != info.version:
             raise KvqError(method, grpc.StatusCode.FAILED_PRECONDITION,
@@ -472,20 +515,12 @@ class ModelCodes:
                 raise KvqError.invalid(method, "codec: only a layer's first message names it; pass the layer's codec")
             codec = msg.codec
         c = codec if isinstance(codec, Codec) else self.codec(codec)
-        enc = msg.encoded
         sinks = []
-        for field, t in (("sink_keys", enc.sink_keys), ("sink_values", enc.sink_values)):
+        for field, t in (("sink_keys", msg.encoded.sink_keys), ("sink_values", msg.encoded.sink_values)):
             if t.data and t.dtype != kvq_pb2.DTYPE_F16:
                 raise KvqError.invalid(method, f"encoded.{field}.dtype must be DTYPE_F16")
             sinks.append(t.data)
-        try:
-            return self._native.decode(
-                msg.layer, c.native, msg.start, enc.blocks, np.asarray(enc.block_bytes, dtype=np.uint32),
-                sinks[0], sinks[1], enc.basis_fingerprint, _rows_out(msg.keys, "keys", method),
-                _rows_out(msg.values, "values", method), name, token_major,
-            )
-        except _codes.Error as e:
-            raise _error(method, e) from None
+        return c, sinks
 
     def decode_encoded(self, enc: EncodedLayer, *, dtype: str = "f32") -> Tuple[Array, Array]:
         """What an encoder's append gives (its run of groups and the rows after them) decoded

@@ -1,6 +1,7 @@
 """kvq.vllm.layout against vLLM's CPU KV writer: the learned index equals the documented
 packing (AMX VNNI tiles; the vector path's transposed K and token-major V), and K/V written by
-vLLM's own op come back exactly through gather, and scatter writes what that op writes."""
+vLLM's own op come back exactly through gather, and kvq's paged writer (ModelCodes.decode_into
+through CpuBlockLayout.paged) writes what that op writes."""
 
 import pytest
 
@@ -11,6 +12,9 @@ pytest.importorskip("vllm.config", reason="vllm is not installed in this venv: s
 import torch  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 
+import kvq.codes  # noqa: E402
+from kvq._proto.kvq.v1 import kvq_pb2  # noqa: E402
+from kvq.tensors import to_tensor  # noqa: E402
 from kvq.vllm.layout import CpuBlockLayout  # noqa: E402
 
 D = 64  # SmolLM2's head size
@@ -47,21 +51,20 @@ def test_layout_is_the_documented_packing_and_round_trips(isa, bs, dtype):
     gk, gv = layout.gather(by_vllm, blocks, n)
     assert torch.equal(gk, k.transpose(0, 1)) and torch.equal(gv, v.transpose(0, 1))
 
+    # kvq's own writer (window rows of a GetBlocks message, decoded into the cache through the
+    # learned layout) writes the bytes vLLM's op writes.
+    codes = kvq.codes.ModelCodes.from_basis({"model": "m", "version": 1, "layers": 1, "kv_heads": heads,
+                                             "q_heads": heads, "head_dim": D, "basis_rank": 0})
+    wire = {torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
+    msg = kvq_pb2.GetBlocksResponse(layer=0, start=0, layer_tokens=n,
+                                    keys=to_tensor(k.transpose(0, 1).contiguous(), "keys", dtype=wire),
+                                    values=to_tensor(v.transpose(0, 1).contiguous(), "values", dtype=wire))
     by_kvq = torch.zeros_like(by_vllm)
-    layout.scatter(by_kvq, blocks, 0, k.transpose(0, 1), v.transpose(0, 1))
+    paged = layout.paged(heads)
+    assert codes.decode_into(msg, codes.default_codec, by_kvq, paged, paged.block_offsets(blocks), 0, n) == n
     full = blocks[:2]  # whole blocks are byte-equal; the partial one holds the n tokens
     assert torch.equal(by_kvq[full], by_vllm[full])
     tail = layout.gather(by_kvq, blocks[2:], n - 2 * bs)
-    assert torch.equal(tail[0], k.transpose(0, 1)[:, 2 * bs:])
+    assert torch.equal(tail[0], k.transpose(0, 1)[:, 2 * bs:]) and torch.equal(tail[1], v.transpose(0, 1)[:, 2 * bs:])
     # Not vacuous: another block order reads other tokens.
     assert not torch.equal(layout.gather(by_vllm, blocks[::-1], n)[0], gk)
-
-
-def test_scatter_refuses_unaligned_start_and_missing_blocks():
-    layout = CpuBlockLayout.probe("vec", 128, D, torch.float32)
-    cache = torch.zeros(2, 1, 128, 2 * D)
-    x = torch.zeros(1, 130, D)
-    with pytest.raises(ValueError, match="not a multiple of the block size 128"):
-        layout.scatter(cache, [0, 1], 5, x, x)
-    with pytest.raises(ValueError, match="need more blocks"):
-        layout.scatter(cache, [0], 0, x, x)

@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kvq/core/codec.h"
 #include "kvq/core/tensor.h"
 
@@ -63,6 +65,16 @@ absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const Encod
 // [tokens][kv_heads][d] (a paged cache's writer takes a token's heads together).
 enum class RowOrder { kHeadMajor, kTokenMajor };
 
+// Decodes a checked run (CheckEncodedGroups; checksums are not verified again) group by group
+// and head by head as a layer's reads do: emit(g, h, keys, values) gets the G x head_dim fp32
+// rows of the run's group g (from 0) and KV head h, keys as attention sees them (k_base + B
+// z_hat with the decode basis `basis` [kv_heads][d][rank], null at rank 0), the sinks' exact
+// rows over their stand-ins when the run starts at group 0. The rows live until emit returns.
+using DecodedGroupSink =
+    absl::FunctionRef<void(int64_t g, int h, const float* keys, const float* values)>;
+absl::Status ForEachDecodedGroup(const CodecOptions& o, int kv_heads, const float* basis,
+                                 const EncodedGroupsView& run, const DecodedGroupSink& emit);
+
 // Decodes a checked run (CheckEncodedGroups) as a layer's reads do (LayerCache::DecodeAs): keys
 // as attention sees them (k_base + B z_hat with the decode basis `basis` [kv_heads][d][rank],
 // null at rank 0) and values, in `dtype`, into keys/values laid out [kv_heads][head_tokens][d]
@@ -73,6 +85,11 @@ enum class RowOrder { kHeadMajor, kTokenMajor };
 absl::Status DecodeRun(const CodecOptions& o, int kv_heads, const float* basis,
                        const EncodedGroupsView& run, DType dtype, int64_t head_tokens,
                        uint8_t* keys, uint8_t* values, RowOrder order = RowOrder::kHeadMajor);
+
+// How many window rows a message carries after its groups: rows_keys/rows_values [kv_heads, n,
+// head_dim] (both null: 0), else INVALID_ARGUMENT naming `field`.
+absl::StatusOr<int64_t> WindowRowCount(int kv_heads, int head_dim, const TensorView* rows_keys,
+                                       const TensorView* rows_values, const std::string& field);
 
 // What a client does with one GetBlocks message in codes: the run checked as untrusted
 // (CheckEncodedGroups, errors naming `field`), its groups decoded (DecodeRun) and followed by

@@ -162,7 +162,7 @@ class KvqConnector(KVConnectorBase_V1):
             # Wall seconds inside the connector: the lookups, the loads (on their thread; of
             # which in GetBlocks' stream, the rest writing the paged cache), the forward pass
             # waiting for loaded layers, the saves' gathers and PutBlocks.
-            "lookup_s": 0.0, "load_s": 0.0, "load_rpc_s": 0.0, "load_wait_s": 0.0, "save_gather_s": 0.0,
+            "lookup_s": 0.0, "load_s": 0.0, "load_wait_s": 0.0, "save_gather_s": 0.0,
             "save_rpc_s": 0.0}
 
     # -- start-up -------------------------------------------------------------------------
@@ -359,25 +359,23 @@ class KvqConnector(KVConnectorBase_V1):
         got: Dict[int, int] = {}
         self.counts["loads"] += 1
         t0 = time.monotonic()
-        written = 0.0
         try:
             # The soft deadline bounds the stream (each attempt: only UNAVAILABLE, which a dead
             # server answers at once, is retried), so a slow or stopped kvq costs about this
             # much before vLLM recomputes the blocks. The stream is layer after layer.
-            # Token-major: decoded in the order vLLM's writer takes, no transpose after.
-            for block in self.client.get_blocks(load.name, from_token=load.start, to_token=load.end,
-                                                dtype=_WIRE_DTYPES[self.dtype], token_major=True,
-                                                deadline=self.config.load_deadline_s):
-                name = by_layer[block.layer]
-                cache = self._caches[name]
-                t1 = time.monotonic()
-                k, v = _torch(block.keys, self.dtype), _torch(block.values, self.dtype)
-                with step.writing():
-                    self._layout_of(name, cache).scatter(cache, load.block_ids, block.start, k, v, token_major=True)
-                written += time.monotonic() - t1
-                got[block.layer] = got.get(block.layer, 0) + int(k.shape[0])
-                if got[block.layer] == want:
-                    step.layer_written(block.layer)
+            # Decoded straight into the paged cache through the layout learned from vLLM's
+            # writer (no intermediate tensor, no second pass through the writer); each write
+            # held under step.writing(), which refuses once the forward pass stopped waiting.
+            caches = {idx: self._caches[name] for idx, name in by_layer.items()}
+            some = next(iter(self._caches.values()))
+            paged = self._layout_of(by_layer[0], some).paged(int(some.shape[1]))
+            for layer, n in self.client.get_blocks_into(load.name, caches, paged, load.block_ids,
+                                                        from_token=load.start, to_token=load.end,
+                                                        dtype=_WIRE_DTYPES[self.dtype], writing=step.writing,
+                                                        deadline=self.config.load_deadline_s):
+                got[layer] = got.get(layer, 0) + n
+                if got[layer] == want:
+                    step.layer_written(layer)
             short = {layer: n for layer, n in got.items() if n != want}
             if len(got) != len(by_layer) or short:
                 raise RuntimeError(f"sequence {load.name} held {got} tokens per layer, {want} wanted")
@@ -393,7 +391,6 @@ class KvqConnector(KVConnectorBase_V1):
             self._drop(load.name)
         took = time.monotonic() - t0
         self.counts["load_s"] += took
-        self.counts["load_rpc_s"] += took - written
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         step, layer = self._loads_running, self._layer_index.get(layer_name)
@@ -484,8 +481,3 @@ class KvqConnector(KVConnectorBase_V1):
         log.info("kvq.vllm: %s", self.counts)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.client.close()
-
-
-def _torch(x: Any, dtype: torch.dtype) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(x))
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t.to(dtype)

@@ -9,8 +9,8 @@ it is learned from that writer, not restated: CpuBlockLayout.probe writes tokens
 element encodes its own position (t, then d: integers below 256, exact in bf16, fp16 and fp32)
 into a scratch block and reads back where each landed. The result is one index per half
 ([block_size, head_size] -> flat offset in the half), which gather reads through, so what is
-read is exactly what the kernel wrote; scatter writes through that same writer op, so what is
-written is exactly what the kernel reads.
+read is exactly what the kernel wrote, and what kvq writes through it (`paged`: the layout as
+kvq.PagedLayout, which Client.get_blocks_into decodes straight into) is what the kernel reads.
 Tested against the documented AMX and vector formulas (client/python/tests/with_vllm/).
 """
 
@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+
+from ..paged import PagedLayout
 
 __all__ = ["CpuBlockLayout"]
 
@@ -69,6 +71,14 @@ class CpuBlockLayout:
             halves.append(index.reshape(block_size, head_size))
         return cls(isa, block_size, head_size, halves[0], halves[1])
 
+    def paged(self, kv_heads: int) -> PagedLayout:
+        """This layout as kvq's PagedLayout of a cache [num_blocks, kv_heads, block_size, 2 *
+        head_size] (what Client.get_blocks_into decodes straight into)."""
+        half = self.block_size * self.head_size
+        return PagedLayout(block_size=self.block_size, head_dim=self.head_size, block_stride=kv_heads * 2 * half,
+                           head_stride=2 * half, key_index=self.k_index.numpy(),
+                           value_index=(self.v_index + half).numpy())
+
     def gather(self, cache: torch.Tensor, block_ids: Sequence[int], n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first n_tokens held by block_ids (in order) of one layer's cache
         [num_blocks, kv_heads, block_size, 2 * head_size]: each [kv_heads, n_tokens, head_size]."""
@@ -76,30 +86,6 @@ class CpuBlockLayout:
         k = blocks[:, :, 0].index_select(-1, self.k_index.reshape(-1))  # [nb, H, bs*D], token-major
         v = blocks[:, :, 1].index_select(-1, self.v_index.reshape(-1))
         return self._tokens(k, n_tokens), self._tokens(v, n_tokens)
-
-    def scatter(self, cache: torch.Tensor, block_ids: Sequence[int], start: int, k: torch.Tensor,
-                v: torch.Tensor, token_major: bool = False) -> None:
-        """Writes K and V [kv_heads, n, head_size] ([n, kv_heads, head_size] with token_major:
-        the writer's own order, written without a transpose) as tokens [start, start + n) of
-        the sequence whose blocks are block_ids, through vLLM's own writer (the op the
-        attention layer uses, so the bytes are exactly what the kernel reads); start must be a
-        multiple of block_size. Other slots of the blocks are left as they are."""
-        from vllm import _custom_ops as ops
-
-        if start % self.block_size:
-            raise ValueError(f"start {start} is not a multiple of the block size {self.block_size}")
-        if not token_major:
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-        n = int(k.shape[0])
-        first = start // self.block_size
-        ids = torch.as_tensor(list(block_ids[first:first + -(-n // self.block_size)]), dtype=torch.int64)
-        if int(ids.numel()) * self.block_size < n:
-            raise ValueError(f"{n} tokens from {start} need more blocks than the {len(block_ids)} given")
-        slots = (ids[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)[:n]
-        nb, heads, bs, two_d = (int(x) for x in cache.shape)
-        key_cache, value_cache = cache.view(nb, heads, 2 * bs, two_d // 2).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(k.to(cache.dtype).contiguous(), v.to(cache.dtype).contiguous(),
-                                       key_cache, value_cache, slots, self.isa)
 
     def _blocks(self, cache: torch.Tensor, block_ids: Sequence[int], n_tokens: int) -> Any:
         need = -(-n_tokens // self.block_size)
