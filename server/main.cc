@@ -62,6 +62,10 @@ void AddFlags(FlagSet* flags, ServerOptions* o) {
   flags->Add("registry", "DIR", "model registry folder (default ~/.local/share/kvq/registry)",
              str(&o->registry_dir));
   flags->Add("memory", "POOL", "auto|gpu|pinned|host (default auto)", str(&o->memory));
+  flags->Add("attend", "WHERE",
+             "auto|gpu|cpu: which attend reads the blocks (default auto: gpu for gpu memory; "
+             "gpu with --memory pinned: the device reads pinned memory)",
+             str(&o->attend));
   flags->Add("capacity", "BYTES", "store capacity, e.g. 16G (default 0: half the physical memory)",
              bytes(&o->capacity_bytes));
   flags->Add("tenant-quota", "BYTES", "bytes one tenant may hold (default 0: no quota)",

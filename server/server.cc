@@ -118,6 +118,7 @@ absl::Status KvqServer::Impl::Start() {
   if (so.byte_pool == nullptr) {
     ASSIGN_OR_RETURN(core::MemoryPoolChoice memory,
                      core::ChooseMemoryPool(opts.memory, "--memory"));
+    RETURN_IF_ERROR(core::ChooseAttend(opts.attend, "--attend", &memory));
     so.byte_pool = memory.pool;
     if (so.attend_backend == nullptr) so.attend_backend = memory.backend;
     Log(absl::StrCat("memory: ", memory.explanation));

@@ -40,6 +40,11 @@ struct ServerOptions : core::StoreOptions {
   // memory, attends on the GPU; refused with the reason where it cannot work), "pinned",
   // "host". Ignored when byte_pool is set.
   std::string memory = "auto";
+  // Which attend reads the blocks (core::ChooseAttend): "auto" (the CUDA attend for gpu
+  // memory, the CPU kernels otherwise), "gpu" (the CUDA attend on the chosen pool: pinned
+  // memory read by the device over the bus; refused where it cannot work), "cpu". Ignored
+  // when byte_pool is set.
+  std::string attend = "auto";
   // Worker threads for encode/score/attend; 0 = the number of CPU cores.
   int workers = 0;
   // Split Attend (flash-decoding, core::AttendOptions::parts): an Attend item over a layer of

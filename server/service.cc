@@ -181,13 +181,19 @@ absl::Status Service::SpecOf(const v1::Append& a, const std::string& at, core::A
       return absl::InvalidArgumentError(
           absl::StrCat(at, ".codec is only accepted with model (at creation)"));
     }
-    absl::StatusOr<std::shared_ptr<const core::ModelEntry>> m =
-        registry_->Get(a.model(), a.basis_version());
-    if (!m.ok()) return Prefix(m.status(), at + ".model");
-    ASSIGN_OR_RETURN(s.codec, wire::MergeCodec((*m)->codec, a.codec(), at + ".codec"));
+    ASSIGN_OR_RETURN(s.codec, CreationCodecOf(a.model(), a.basis_version(), a.codec(), at));
     s.has_codec = true;
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<core::CodecOptions> Service::CreationCodecOf(const std::string& model, int version,
+                                                            const v1::CodecSettings& settings,
+                                                            const std::string& at) const {
+  const std::string prefix = at.empty() ? "" : at + ".";
+  absl::StatusOr<std::shared_ptr<const core::ModelEntry>> m = registry_->Get(model, version);
+  if (!m.ok()) return Prefix(m.status(), prefix + "model");
+  return wire::MergeCodec((*m)->codec, settings, prefix + "codec");
 }
 
 // ---------------------------------------------------------------------------- reads
@@ -441,10 +447,8 @@ grpc::ServerUnaryReactor* Service::MatchPrefix(grpc::CallbackServerContext* ctx,
         probe.basis_version = req->basis_version();
         probe.token_ids = std::span<const uint32_t>(req->token_ids().data(), req->token_ids_size());
         if (req->has_codec() && !probe.token_ids.empty()) {
-          absl::StatusOr<std::shared_ptr<const core::ModelEntry>> m =
-              registry_->Get(req->model(), req->basis_version());
-          if (!m.ok()) return Prefix(m.status(), "model");
-          ASSIGN_OR_RETURN(probe.codec, wire::MergeCodec((*m)->codec, req->codec(), "codec"));
+          ASSIGN_OR_RETURN(probe.codec,
+                           CreationCodecOf(req->model(), req->basis_version(), req->codec(), ""));
           probe.has_codec = true;
         }
         ASSIGN_OR_RETURN(const int64_t indexed, store_->IndexedPrefixTokens(tenant, probe));

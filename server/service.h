@@ -112,6 +112,13 @@ class Service final : public v1::Kvq::WithRawCallbackMethod_PutBlocks<v1::Kvq::C
                                   grpc::CallbackServerContext* ctx, const Req* req, Resp* resp,
                                   Body body);
 
+  // A new sequence's codec: `settings` over model `model` version `version`'s registered
+  // defaults (checked as the wire's CodecSettings); errors name `at`'s model and codec fields
+  // ("<at>.model", "<at>.codec.<name>"; no prefix when `at` is empty).
+  absl::StatusOr<core::CodecOptions> CreationCodecOf(const std::string& model, int version,
+                                                     const v1::CodecSettings& settings,
+                                                     const std::string& at) const;
+
   core::Store* store_;
   core::Registry* registry_;
   const Authenticator* auth_;

@@ -106,6 +106,57 @@ TEST(MemoryPoolTest, AGpuWhoseAttendFailsItsProbeIsPassedByAndSaysWhy) {
   EXPECT_THAT(c->explanation, HasSubstr("[not gpu: memory pool 'gpu': none"));
 }
 
+TEST(MemoryPoolTest, AttendGpuPutsTheGpuAttendOnTheChosenPool) {
+  StandIn s;
+  // Host memory read by the stand-in attend, as a device reads pinned memory over the bus.
+  absl::StatusOr<MemoryPoolChoice> c = ChooseMemoryPool("host");
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(ChooseAttend("gpu", "--attend", &*c, &s.gpu).ok());
+  EXPECT_EQ(c->pool, HostBytePool());
+  EXPECT_EQ(c->name, "host");
+  EXPECT_EQ(c->backend, HostAttendBackend());
+  EXPECT_EQ(c->explanation,
+            "host; encoded blocks and windows in host memory; attended on the GPU, which reads "
+            "the blocks in host memory over the bus");
+  // auto keeps what the pool choice made; cpu takes the attend off device memory.
+  c = ChooseMemoryPool("gpu", "--memory", &s.gpu);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE(ChooseAttend("auto", "--attend", &*c, &s.gpu).ok());
+  EXPECT_EQ(c->backend, HostAttendBackend());
+  ASSERT_TRUE(ChooseAttend("cpu", "--attend", &*c, &s.gpu).ok());
+  EXPECT_EQ(c->backend, nullptr);
+  EXPECT_THAT(c->explanation, HasSubstr("; attended by the CPU kernels (blocks copied back)"));
+  // An attend that fails its probe on the pool is refused, naming the flag.
+  WrongAttend wrong;
+  s.gpu.backend = &wrong;
+  c = ChooseMemoryPool("host");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const absl::Status st = ChooseAttend("gpu", "--attend", &*c, &s.gpu);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(st.message()),
+              StartsWith("--attend gpu: the 'wrong' attend cannot read host memory: "));
+  EXPECT_EQ(c->backend, nullptr);
+  EXPECT_EQ(ChooseAttend("tpu", "--attend", &*c).message(),
+            "--attend must be auto, gpu or cpu (got 'tpu')");
+}
+
+TEST(MemoryPoolTest, AttendGpuOnPinnedMemoryNeedsADevice) {
+  absl::StatusOr<MemoryPoolChoice> c =
+      ChooseMemoryPool(kernels::CudaAvailable() ? "pinned" : "host");
+  ASSERT_TRUE(c.ok()) << c.status();
+  const absl::Status st = ChooseAttend("gpu", "--attend", &*c);
+  if (!kernels::CudaAvailable()) {  // the real CUDA attend cannot run here
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(st.message()),
+                StartsWith("--attend gpu: the 'cuda' attend cannot read host memory: "));
+    return;
+  }
+  // On the GPU machine's check: the device attends blocks in pinned memory.
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(c->name, "pinned");
+  EXPECT_EQ(c->backend, CudaAttendBackend());
+}
+
 TEST(MemoryPoolTest, AnUnknownNameNamesTheField) {
   absl::StatusOr<MemoryPoolChoice> c = ChooseMemoryPool("floppy", "--memory");
   EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);

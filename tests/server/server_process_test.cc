@@ -354,6 +354,23 @@ TEST(ServerProcessTest, BadFlagsExitNonZeroWithAMessage) {
         std::string::npos)
         << log;
   }
+  // --attend: an unknown name, and the CUDA attend where no device runs it.
+  for (const char* attend : {"tpu", "gpu"}) {
+    if (std::string(attend) == "gpu" && kernels::CudaAvailable()) continue;
+    Process r = Spawn({KVQ_SERVER_BIN, "--memory", "host", "--attend", attend, "--grpc-port", "0",
+                       "--metrics-port", "-1", "--registry", ""},
+                      {});
+    log.clear();
+    while (std::fgets(line, sizeof line, r.err)) log += line;
+    fclose(r.err);
+    waitpid(r.pid, &status, 0);
+    EXPECT_EQ(WEXITSTATUS(status), 1) << log;
+    EXPECT_NE(log.find(std::string(attend) == "tpu"
+                           ? "--attend must be auto, gpu or cpu (got 'tpu')"
+                           : "--attend gpu: the 'cuda' attend cannot read host memory: "),
+              std::string::npos)
+        << log;
+  }
   Process q = Spawn({KVQ_SERVER_BIN, "--no-such-flag"}, {});
   log.clear();
   while (std::fgets(line, sizeof line, q.err)) log += line;

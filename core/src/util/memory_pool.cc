@@ -74,6 +74,29 @@ absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want, absl::
   return c;
 }
 
+absl::Status ChooseAttend(absl::string_view want, absl::string_view field, MemoryPoolChoice* c,
+                          const GpuCandidate* gpu) {
+  if (want != "auto" && want != "gpu" && want != "cpu") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be auto, gpu or cpu (got '", want, "')"));
+  }
+  if (want == "cpu" && c->backend != nullptr) {
+    c->backend = nullptr;
+    absl::StrAppend(&c->explanation, "; attended by the CPU kernels (blocks copied back)");
+  } else if (want == "gpu" && c->backend == nullptr) {
+    const AttendBackend* backend = gpu != nullptr ? gpu->backend : CudaAttendBackend();
+    if (absl::Status st = ProbeAttendBackend(*backend, c->pool); !st.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(field, " gpu: the '", backend->name(),
+                                                        "' attend cannot read ", c->name,
+                                                        " memory: ", st.message()));
+    }
+    c->backend = backend;
+    absl::StrAppend(&c->explanation, "; attended on the GPU, which reads the blocks in ", c->name,
+                    " memory over the bus");
+  }
+  return absl::OkStatus();
+}
+
 int64_t PhysicalMemoryBytes() {
   const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
   return pages > 0 && size > 0 ? int64_t{pages} * size : int64_t{8} << 30;

@@ -49,6 +49,19 @@ absl::StatusOr<MemoryPoolChoice> ChooseMemoryPool(absl::string_view want,
                                                   absl::string_view field = "memory",
                                                   const GpuCandidate* gpu = nullptr);
 
+// Which attend reads a chosen pool's blocks, by name, applied to `c` (its backend and
+// explanation):
+//   "auto" what ChooseMemoryPool chose: the CUDA attend for gpu, the CPU kernels otherwise;
+//   "gpu"  the CUDA attend (`gpu`'s backend; null: the real one) on whatever pool was chosen:
+//          device memory, or pinned memory read by the device over the bus (no copy of the
+//          blocks to the device); refused where its probe fails on that pool;
+//   "cpu"  the CPU kernels (device blocks are then copied back for every read).
+// Errors name `field` (e.g. "--attend"): INVALID_ARGUMENT "<field> must be auto, gpu or cpu
+// (got 'x')"; FAILED_PRECONDITION "<field> gpu: the '<name>' attend cannot read <pool> memory:
+// <why>".
+absl::Status ChooseAttend(absl::string_view want, absl::string_view field, MemoryPoolChoice* c,
+                          const GpuCandidate* gpu = nullptr);
+
 // The machine's physical memory in bytes (sysconf); 8 GiB when the system does not say.
 int64_t PhysicalMemoryBytes();
 
