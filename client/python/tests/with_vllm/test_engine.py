@@ -7,7 +7,8 @@ process per run) against a real kvq-server built from this repository.
     stored), and with a codec whose window (4096) keeps every
     token exact both generate exactly the tokens of an engine run without the connector.
 (c) A second engine process, given a longer prompt starting with the same three blocks, takes
-    all three from what the first stored, with the no-connector run's tokens.
+    all three from what the first stored, with the no-connector run's tokens; it loads before
+    the forward pass (overlap_loads=false), where A loads beside it.
 (d) A third engine whose kvq stops answering mid-load: the soft load deadline turns the hit
     into failed loads that vLLM recomputes (kv_load_failure_policy="recompute"), same tokens.
 One test, so that the four engine runs (recompute, A, B, C) start once each.
@@ -70,10 +71,13 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_
     with kvq.Client(kvq_server.address) as c:
         stats = c.stats()
     assert stats.sequences == 1 and stats.tokens == 384 * LAYERS
-    # Engine B, another process: p2 starts with p1's three whole blocks, stored by A.
-    b_run = engine_run(tmp_path / "b", [p2], kvq=kvq_server.address, kvq_model="smollm2-window")
+    # Engine B, another process: p2 starts with p1's three whole blocks, stored by A; its load
+    # runs whole before the forward pass (A's ran layer by layer beside it).
+    b_run = engine_run(tmp_path / "b", [p2], kvq=kvq_server.address, kvq_model="smollm2-window",
+                       extra={"overlap_loads": False})
     b = b_run["results"][0]
     assert b["num_cached_tokens"] == 384 and b_run["connector"]["worker"]["loaded_tokens"] == 384
+    assert b_run["connector"]["worker"]["load_wait_s"] == 0.0  # loaded before: no layer waited
     with kvq.Client(kvq_server.address) as c:
         stats = c.stats()
     assert stats.sequences == 1 and stats.tokens == 384 * LAYERS  # p2 has no further whole block to store
