@@ -241,6 +241,9 @@ def test_get_blocks_into_needs_codes(kvq_server):
         with pytest.raises(kvq.KvqError) as e:
             list(plain.get_blocks_into("s", {}, transposed_layout(16), [0]))
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "ClientOptions.codes" in str(e.value)
+    with kvq.Client(kvq_server.address) as codes_on:
+        with pytest.raises(kvq.KvqError, match="caches: no layer given"):
+            list(codes_on.get_blocks_into("s", {}, transposed_layout(16), [0]))
     with pytest.raises(ValueError, match="PagedLayout.key_index: 3 offsets"):
         kvq.PagedLayout(block_size=16, head_dim=D, block_stride=0, head_stride=0, key_index=[0, 1, 2],
                         value_index=np.zeros(16 * D))

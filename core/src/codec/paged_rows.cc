@@ -76,17 +76,17 @@ class PagedWriter {
     const std::vector<uint8_t>& consecutive = value ? value_rows_ : key_rows_;
     if (value ? value_runs_ : key_runs_) {  // block by block, channel by channel
       for (int64_t t = lo; t < hi;) {
-        const int64_t slot = t % p_.block_tokens, n = std::min(hi - t, p_.block_tokens - slot);
+        const int64_t slot = t % p_.block_tokens, run = std::min(hi - t, p_.block_tokens - slot);
         uint8_t* block = p_.base + (p_.block_offsets[static_cast<size_t>(t / p_.block_tokens)] +
                                     h * p_.head_stride) *
                                        static_cast<int64_t>(size_);
         const uint8_t* src = scratch_.data() + static_cast<size_t>(t - lo) * row;
         if (size_ == 2) {
-          Transpose<uint16_t>(src, n, index.data() + slot * d_, d_, block);
+          Transpose<uint16_t>(src, run, index.data() + slot * d_, d_, block);
         } else {
-          Transpose<uint32_t>(src, n, index.data() + slot * d_, d_, block);
+          Transpose<uint32_t>(src, run, index.data() + slot * d_, d_, block);
         }
-        t += n;
+        t += run;
       }
       return;
     }

@@ -283,12 +283,15 @@ class Client(ClientCore):
         the window rows on the wire (the cache's, so they arrive exact). Yields (layer, tokens
         written) per message, after its write. writing: a context manager held around each
         write (e.g. a lock that refuses writes once the engine stops waiting). Needs the
-        client's codes on (ClientOptions.codes); retried only until the first message was
-        written; a refused message (corrupt, another basis) raises before writing anything."""
+        client's codes on (ClientOptions.codes); retried only until the first (layer, tokens)
+        was yielded (a retry writes the same bytes again); a refused message (corrupt, another
+        basis) raises before writing anything."""
         if not self._wire.enabled:
             raise KvqError("GetBlocks", grpc.StatusCode.FAILED_PRECONDITION,
                            "get_blocks_into decodes codes, and this client has codes off (ClientOptions.codes)")
         layers = sorted(int(layer) for layer in caches)
+        if not layers:
+            raise KvqError.invalid("GetBlocks", "caches: no layer given")
         call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token, None, None, True,
                                             deadline)
         offsets = layout.block_offsets(block_ids)
