@@ -3,16 +3,23 @@
 # with the shared libraries they load, glibc's aside, into .devbin/ for the device machine,
 # whose image lacks Debian's -dev libraries (Abseil, xxHash, GoogleTest, Google Benchmark).
 # scripts/device-check.sh then runs them there from .devbin/ (carried: it is git-ignored).
+# WITH_SERVER=1 also builds kvq-server and kvq-load (the server configured in; device-check then
+# runs scripts/device-server.sh): check `du -sh .devbin` against the device tool's 64 MiB carry.
 # Usage: scripts/device-bundle.sh [--help] [target...]   (default: every device-check target)
 set -euo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 targets=("$@")
 [[ ${#targets[@]} -eq 0 ]] && targets=(cuda_parity_test cuda_math_test kernels_parity_test
   codec_test byte_pool_test memory_pool_test store_backend_test kvq-bench-cuda kvq-bench-codec)
+server=OFF
+if [[ "${WITH_SERVER:-0}" == 1 ]]; then
+  server=ON
+  [[ $# -eq 0 ]] && targets+=(kvq-server kvq-load)
+fi
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/kvq/ccache}" CCACHE_BASEDIR="$PWD"
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVQ_ENABLE_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DKVQ_BUILD_SERVER=OFF -DKVQ_BUILD_FRONTEND=OFF > /dev/null
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DKVQ_BUILD_SERVER=$server -DKVQ_BUILD_FRONTEND=OFF > /dev/null
 # Only the targets this tree defines (a check added later need not break an older bundle).
 available=$(cmake --build build-gpu --target help | sed -n 's/^\([^:]*\): .*/\1/p')
 wanted=()

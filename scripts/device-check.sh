@@ -4,10 +4,13 @@
 # attend, the block codec's encode/decode/score/readout, checksum verification), the block pools on
 # real pinned and device memory, the memory choice and the store on the GPU (--memory gpu's pool
 # and CUDA attend against an ordinary store), the kernels' CPU parity, then the CUDA benchmark
-# (kvq-bench-cuda) and a short CPU codec benchmark. Logs go to $OUT (at most 8 files come back), or /tmp/kvq-device-check.
+# (kvq-bench-cuda) and a short CPU codec benchmark; with a bundle made with WITH_SERVER=1, a real
+# kvq-server on host, gpu, auto and pinned+gpu memory driven by kvq-load at 32k tokens
+# (scripts/device-server.sh: Attend p50/p99 and the copy-back counter of each). Logs go to $OUT
+# (at most 8 files come back), or /tmp/kvq-device-check.
 # Usage: scripts/device-check.sh [--help] [--tests-only]
 set -uo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-/tmp/kvq-device-check}"
 mkdir -p "$OUTDIR"
@@ -41,5 +44,13 @@ fi
 if [[ -x $bin/kvq-bench-codec ]]; then
   timeout 60 "$bin/kvq-bench-codec" --benchmark_filter='Attend(Codes|Dense)/T:32768' \
     --benchmark_min_time=0.2 > "$OUTDIR/bench-codec.txt" 2>&1 || status=1
+fi
+if [[ -x $bin/kvq-server && -x $bin/kvq-load ]]; then
+  start=$SECONDS
+  # Its many files stay on the device; the summary and the table come back.
+  timeout 300 bash scripts/device-server.sh --bin "$bin" --out /tmp/kvq-device-server \
+    > "$OUTDIR/server.txt" 2>&1 || status=1
+  cp /tmp/kvq-device-server/summary.json "$OUTDIR/server-summary.json" 2>/dev/null
+  echo "device-check: device-server in $((SECONDS - start)) s"; tail -8 "$OUTDIR/server.txt"
 fi
 exit $status
