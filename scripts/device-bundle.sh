@@ -2,12 +2,13 @@
 # Builds the GPU check's binaries on this machine (nvcc here, no GPU needed) and gathers them
 # with the shared libraries they load, glibc's aside, into .devbin/ for the device machine,
 # whose image lacks Debian's -dev libraries (Abseil, xxHash, GoogleTest, Google Benchmark).
-# scripts/device-check.sh then runs them there from .devbin/ (carried: it is git-ignored).
+# scripts/device-check.sh then runs them there from .devbin/ (carried, or carried packed as
+# .devbin.tgz; both git-ignored).
 # WITH_SERVER=1 also builds kvq-server and kvq-load (the server configured in; device-check then
 # runs scripts/device-server.sh): check `du -sh .devbin` against the device tool's 64 MiB carry.
 # Usage: scripts/device-bundle.sh [--help] [target...]   (default: every device-check target)
 set -euo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 targets=("$@")
 [[ ${#targets[@]} -eq 0 ]] && targets=(cuda_parity_test cuda_math_test kernels_parity_test
@@ -36,4 +37,9 @@ for t in "${wanted[@]}"; do
     | xargs -r cp -Lu -t .devbin/lib/
 done
 git rev-parse --short HEAD > .devbin/commit
-du -sh .devbin
+# Symbols stripped (the tests and benchmarks need none), and a gzipped copy: the device tool
+# carries at most 64 MiB with the working tree, which the server's gRPC and OpenSSL libraries
+# alone would nearly fill unpacked (carry .devbin.tgz; device-check unpacks it).
+strip --strip-unneeded .devbin/bin/* .devbin/lib/*
+tar czf .devbin.tgz .devbin
+du -sh .devbin .devbin.tgz

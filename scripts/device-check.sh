@@ -14,8 +14,10 @@ if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,11p' "$0" | se
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-/tmp/kvq-device-check}"
 mkdir -p "$OUTDIR"
+if [[ ! -d .devbin/bin && -f .devbin.tgz ]]; then tar xzf .devbin.tgz; fi
 if [[ ! -d .devbin/bin ]]; then
-  echo "device-check: no .devbin/ (run scripts/device-bundle.sh here and carry .devbin)" >&2; exit 2
+  echo "device-check: no .devbin/ (run scripts/device-bundle.sh here and carry .devbin or .devbin.tgz)" >&2
+  exit 2
 fi
 # A device the runtime cannot use must fail the CUDA tests, not skip them.
 export KVQ_REQUIRE_CUDA=1
