@@ -7,6 +7,7 @@ numpy and torch inputs; a corrupted block is refused (DATA_LOSS) by the server a
 from __future__ import annotations
 
 import ast
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import kvq
+import kvq.aio
 import kvq.codes
 from kvq import _codes
 from kvq._proto.kvq.v1 import kvq_pb2
@@ -234,6 +236,28 @@ def test_get_blocks_into_a_paged_cache_writes_get_blocks_rows_there_and_nothing_
     with pytest.raises(Stop):
         list(client.get_blocks_into("s", fresh, layout, block_ids, dtype=wire, writing=refuse))
     assert all(int(c.count_nonzero()) == 0 for c in fresh.values())
+
+
+def test_aio_get_blocks_into_writes_what_the_sync_client_writes(client, kvq_server):
+    register(client, "default", CODECS["default"])
+    data = [rows(300, seed=50 + layer, dtype=np.float32) for layer in range(LAYERS)]
+    client.put_blocks([kvq.Append("s", layer, 0, k, v, model="default") for layer, (k, v) in enumerate(data)])
+    bs, nb = 16, 24
+    layout = transposed_layout(bs)
+    block_ids = [(5 * b + 3) % nb for b in range(nb)]
+    by_sync = {layer: torch.zeros((nb, KV, 2 * bs, D), dtype=torch.bfloat16) for layer in range(LAYERS)}
+    by_aio = {layer: torch.zeros_like(c) for layer, c in by_sync.items()}
+    list(client.get_blocks_into("s", by_sync, layout, block_ids, from_token=70, dtype="bf16"))
+
+    async def run():
+        async with kvq.aio.Client(kvq_server.address) as c:
+            return [x async for x in c.get_blocks_into("s", by_aio, layout, block_ids, from_token=70, dtype="bf16")]
+
+    got = asyncio.run(run())
+    assert all(sum(n for layer, n in got if layer == want) == 300 - 70 for want in range(LAYERS))
+    for layer in range(LAYERS):
+        assert int(by_aio[layer].count_nonzero()) > 0
+        assert torch.equal(by_aio[layer].view(torch.int16), by_sync[layer].view(torch.int16))
 
 
 def test_get_blocks_into_needs_codes(kvq_server):

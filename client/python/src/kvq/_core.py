@@ -11,6 +11,7 @@ loop: time.sleep or asyncio.sleep between attempts) and streams GetBlocks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import threading
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
+    ContextManager,
     Dict,
     Generator,
     Generic,
@@ -52,6 +54,7 @@ from ._requests import (
 from ._wire_codes import StreamDecoder as StreamDecoder
 from ._wire_codes import WireCodes
 from .errors import KvqError
+from .paged import PagedLayout
 from .ring import HashRing, key_of
 from .tensors import dtype_enum
 from .types import AnyAppend, AttendItem, ItemResult, PrefixMatch, ReadoutItem, ScoreItem
@@ -652,6 +655,29 @@ class ClientCore:
             self._wire.request_codes(req)
         call = self._sequence_call("GetBlocks", sequence_id, req, True, deadline)
         return call, Tries(self._s, call)
+
+    def _paged_writer(self, sequence_id: str, caches: Mapping[int, Any], layout: PagedLayout,
+                      block_ids: Sequence[int], from_token: int, to_token: Optional[int], dtype: str,
+                      writing: Optional[Callable[[], ContextManager[Any]]], deadline: Optional[float],
+                      ) -> Tuple[Call, Tries, Callable[[StreamDecoder, kvq_pb2.GetBlocksResponse], Tuple[int, int]]]:
+        """get_blocks_into's call (checked now, before the stream starts) and the write of one
+        message into the caches under the `writing` guard: (its layer, the tokens written)."""
+        if not self._wire.enabled:
+            raise KvqError("GetBlocks", grpc.StatusCode.FAILED_PRECONDITION,
+                           "get_blocks_into decodes codes, and this client has codes off (ClientOptions.codes)")
+        layers = sorted(int(layer) for layer in caches)
+        if not layers:
+            raise KvqError.invalid("GetBlocks", "caches: no layer given")
+        call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token, None, None, True,
+                                            deadline)
+        offsets = layout.block_offsets(block_ids)
+        guard = writing or contextlib.nullcontext
+
+        def write(decoder: StreamDecoder, msg: kvq_pb2.GetBlocksResponse) -> Tuple[int, int]:
+            with guard():
+                return decoder.into(msg, caches[msg.layer], layout, offsets)
+
+        return call, tries, write
 
     def _delete_sequence(self, sequence_id: str, deadline: Optional[float]) -> Plan[int]:
         self._wire.forget_sequence(sequence_id)

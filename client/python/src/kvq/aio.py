@@ -10,7 +10,7 @@ Channels are opened on the first call, in the running event loop; use
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Callable, ContextManager, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -19,6 +19,7 @@ from ._core import HEALTH_CHECK, ROUTER_PARALLEL, Call, ClientCore, Done, Plan, 
 from ._core import ClientOptions as ClientOptions
 from ._proto.kvq.v1 import kvq_pb2, kvq_pb2_grpc
 from .errors import KvqError
+from .paged import PagedLayout
 from .types import AnyAppend, AttendItem, Block, ItemResult, PrefixMatch, ReadoutItem, ScoreItem
 
 __all__ = ["Client", "ClientOptions"]
@@ -155,6 +156,33 @@ class Client(ClientCore):
                         yield tries.got(block)
                 for block in decoder.finish():
                     yield tries.got(block)
+            except grpc.RpcError as e:
+                await asyncio.sleep(tries.failed(e))
+                continue
+            finally:
+                stream.cancel()
+            tries.ok(None)
+            return
+
+    async def get_blocks_into(self, sequence_id: str, caches: Mapping[int, Any], layout: PagedLayout,
+                              block_ids: Sequence[int], *, from_token: int = 0, to_token: Optional[int] = None,
+                              dtype: str = "f32", writing: Optional[Callable[[], ContextManager[Any]]] = None,
+                              deadline: Optional[float] = None) -> AsyncIterator[Tuple[int, int]]:
+        """Client.get_blocks_into as an async iterator of (layer, tokens written): each message
+        written on a worker thread (the native decode releases the GIL), not in the event loop;
+        retried only until the first message was written."""
+        call, tries, write = self._paged_writer(sequence_id, caches, layout, block_ids, from_token, to_token,
+                                                dtype, writing, deadline)
+        self._open()
+        for _ in tries:
+            decoder = StreamDecoder(self._wire, call.request)
+            stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout, metadata=tries.metadata)
+            try:
+                async for chunk in stream:
+                    need = decoder.needs(chunk)
+                    if need is not None:  # codes of a model met for the first time: its basis
+                        self._wire.add_model(need, await self.get_basis(*need, shard=call.shard))
+                    yield tries.got(await asyncio.to_thread(write, decoder, chunk))
             except grpc.RpcError as e:
                 await asyncio.sleep(tries.failed(e))
                 continue

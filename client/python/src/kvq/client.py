@@ -22,7 +22,6 @@ Mirrors the C++ client (client/lib/src/client.cc):
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -286,22 +285,10 @@ class Client(ClientCore):
         client's codes on (ClientOptions.codes); retried only until the first (layer, tokens)
         was yielded (a retry writes the same bytes again); a refused message (corrupt, another
         basis) raises before writing anything."""
-        if not self._wire.enabled:
-            raise KvqError("GetBlocks", grpc.StatusCode.FAILED_PRECONDITION,
-                           "get_blocks_into decodes codes, and this client has codes off (ClientOptions.codes)")
-        layers = sorted(int(layer) for layer in caches)
-        if not layers:
-            raise KvqError.invalid("GetBlocks", "caches: no layer given")
-        call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token, None, None, True,
-                                            deadline)
-        offsets = layout.block_offsets(block_ids)
-        guard = writing or contextlib.nullcontext
-
-        def write(decoder: StreamDecoder, msg: kvq_pb2.GetBlocksResponse) -> List[Tuple[int, int]]:
-            with guard():
-                return [decoder.into(msg, caches[msg.layer], layout, offsets)]
-
-        return self._stream_decoded(call, tries, False, write, lambda decoder: [])
+        call, tries, write = self._paged_writer(sequence_id, caches, layout, block_ids, from_token, to_token,
+                                                dtype, writing, deadline)
+        return self._stream_decoded(call, tries, False, lambda decoder, msg: [write(decoder, msg)],
+                                    lambda decoder: [])
 
     def _stream_blocks(self, call: Call, tries: Tries, bf16: str, token_major: bool) -> Iterator[Block]:
         return self._stream_decoded(call, tries, token_major, lambda decoder, msg: decoder.blocks(msg, bf16),
