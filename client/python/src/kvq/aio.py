@@ -10,7 +10,19 @@ Channels are opened on the first call, in the running event loop; use
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, ContextManager, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    ContextManager,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import grpc
 import grpc.aio
@@ -143,26 +155,12 @@ class Client(ClientCore):
         """Async iterator of Blocks; retried only until the first chunk arrived."""
         call, tries = self._get_blocks_call(sequence_id, layers, dtype, from_token, to_token,
                                             max_tokens_per_message, basis_version, codes, deadline)
-        self._open()
-        for _ in tries:
-            decoder = StreamDecoder(self._wire, call.request, token_major)
-            stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout, metadata=tries.metadata)
-            try:
-                async for chunk in stream:
-                    need = decoder.needs(chunk)
-                    if need is not None:  # codes of a model met for the first time: its basis
-                        self._wire.add_model(need, await self.get_basis(*need, shard=call.shard))
-                    for block in decoder.blocks(chunk, bf16):
-                        yield tries.got(block)
-                for block in decoder.finish():
-                    yield tries.got(block)
-            except grpc.RpcError as e:
-                await asyncio.sleep(tries.failed(e))
-                continue
-            finally:
-                stream.cancel()
-            tries.ok(None)
-            return
+
+        async def handle(decoder: StreamDecoder, chunk: kvq_pb2.GetBlocksResponse) -> List[Block]:
+            return decoder.blocks(chunk, bf16)
+
+        async for block in self._stream_decoded(call, tries, token_major, handle, lambda d: d.finish()):
+            yield block
 
     async def get_blocks_into(self, sequence_id: str, caches: Mapping[int, Any], layout: PagedLayout,
                               block_ids: Sequence[int], *, from_token: int = 0, to_token: Optional[int] = None,
@@ -173,16 +171,31 @@ class Client(ClientCore):
         retried only until the first message was written."""
         call, tries, write = self._paged_writer(sequence_id, caches, layout, block_ids, from_token, to_token,
                                                 dtype, writing, deadline)
+
+        async def handle(decoder: StreamDecoder, chunk: kvq_pb2.GetBlocksResponse) -> List[Tuple[int, int]]:
+            return [await asyncio.to_thread(write, decoder, chunk)]
+
+        async for item in self._stream_decoded(call, tries, False, handle, lambda d: []):
+            yield item
+
+    async def _stream_decoded(self, call: Call, tries: Tries, token_major: bool,
+                              handle: Callable[[StreamDecoder, kvq_pb2.GetBlocksResponse], Awaitable[List[T]]],
+                              finish: Callable[[StreamDecoder], List[T]]) -> AsyncIterator[T]:
+        """A GetBlocks stream's messages through `handle` (a model's basis fetched when its
+        codes are first met), then `finish`; retried only until the first item was yielded."""
         self._open()
         for _ in tries:
-            decoder = StreamDecoder(self._wire, call.request)
+            decoder = StreamDecoder(self._wire, call.request, token_major)
             stream = self._stubs[call.shard].GetBlocks(call.request, timeout=tries.timeout, metadata=tries.metadata)
             try:
                 async for chunk in stream:
                     need = decoder.needs(chunk)
                     if need is not None:  # codes of a model met for the first time: its basis
                         self._wire.add_model(need, await self.get_basis(*need, shard=call.shard))
-                    yield tries.got(await asyncio.to_thread(write, decoder, chunk))
+                    for item in await handle(decoder, chunk):
+                        yield tries.got(item)
+                for item in finish(decoder):
+                    yield tries.got(item)
             except grpc.RpcError as e:
                 await asyncio.sleep(tries.failed(e))
                 continue
