@@ -892,17 +892,20 @@ void dequantize_channels_simd(const uint8_t* codes, int bits, int n_ch, int toke
 
 // add_low_rank's token loop for a rank R known at compile time (no loop or branch per rank
 // step; the same operations in the same order): coef [R][tokens], bt the basis [R][d].
+// add_low_rank's token loop for a rank R known at compile time (no loop or branch per rank
+// step; the same operations in the same order): coef [R][tokens], bt the basis [R][d]. One
+// vector of channels at a time, its R basis vectors held in registers across the tokens.
 template <int R>
 void AddLowRankRows(const float* bt, const float* coef, int tokens, int d, float* out, int64_t ld) {
-  for (int t = 0; t < tokens; ++t) {
-    typename Isa::F z[R];
-    for (int j = 0; j < R; ++j) z[j] = Isa::Set1(coef[static_cast<size_t>(j) * tokens + t]);
-    float* row = out + t * ld;
-    for (int c0 = 0; c0 < d; c0 += W) {
+  for (int c0 = 0; c0 < d; c0 += W) {
+    typename Isa::F b[R];
+    for (int j = 0; j < R; ++j) b[j] = Isa::Load(bt + static_cast<size_t>(j) * d + c0);
+    for (int t = 0; t < tokens; ++t) {
       typename Isa::F acc = Isa::Zero();
       for (int j = 0; j < R; ++j)
-        acc = Isa::Add(acc, Isa::Mul(Isa::Load(bt + static_cast<size_t>(j) * d + c0), z[j]));
-      Isa::Store(row + c0, Isa::Add(Isa::Load(row + c0), acc));
+        acc = Isa::Add(acc, Isa::Mul(b[j], Isa::Set1(coef[static_cast<size_t>(j) * tokens + t])));
+      float* row = out + t * ld + c0;
+      Isa::Store(row, Isa::Add(Isa::Load(row), acc));
     }
   }
 }
@@ -959,47 +962,44 @@ void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const 
   }
 }
 
+// One record's codes (bits B), group by group: each group's scale and zero read once from the
+// record (records may sit at odd addresses: read byte-wise), then its vectors.
 template <int B>
-void DequantizeRowB(const uint8_t* codes, int n, int group, const float* sf, const float* zf,
-                    float* out) {
-  for (int c0 = 0; c0 < n; c0 += W) {
-    const int g = c0 / group;
-    Isa::Store(out + c0, Isa::Add(Isa::Set1(zf[g]),
-                                  Isa::Mul(Isa::Set1(sf[g]), Decode<B>(codes + c0 * B / 8))));
+void DequantizeRowB(const uint8_t* rec, int n, int group, int ng, float* out) {
+  const uint8_t* codes = rec + 4 * ng;
+  for (int g = 0, c0 = 0; g < ng; ++g) {
+    const typename Isa::F s =
+        Isa::Set1(internal::HalfToFloat(static_cast<uint16_t>(format::LoadU16(rec + 2 * g))));
+    const typename Isa::F z = Isa::Set1(
+        internal::HalfToFloat(static_cast<uint16_t>(format::LoadU16(rec + 2 * (ng + g)))));
+    for (const int end = std::min(n, c0 + group); c0 < end; c0 += W)
+      Isa::Store(out + c0, Isa::Add(z, Isa::Mul(s, Decode<B>(codes + c0 * B / 8))));
   }
 }
 
 void dequantize_rows_simd(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n,
                           int group, float* out, int64_t ld) {
   const int ng = (n + group - 1) / group;
-  if (n % W != 0 || group % W != 0 || ng > 64)
+  if (n % W != 0 || group % W != 0)
     return Ref().dequantize_rows(rows, row_bits, n_rows, n, group, out, ld);
-  uint16_t sz[2 * 64];  // copied out: records may sit at odd addresses
-  float sf[64], zf[64];
   const uint8_t* rec = rows;
   for (int t = 0; t < n_rows; ++t) {
-    std::memcpy(sz, rec, 4 * ng);
-    for (int g = 0; g < ng; ++g) {
-      sf[g] = internal::HalfToFloat(sz[g]);
-      zf[g] = internal::HalfToFloat(sz[ng + g]);
-    }
-    const uint8_t* codes = rec + 4 * ng;
     float* o = out + t * ld;
     switch (row_bits[t]) {
       case 1:
-        DequantizeRowB<1>(codes, n, group, sf, zf, o);
+        DequantizeRowB<1>(rec, n, group, ng, o);
         break;
       case 2:
-        DequantizeRowB<2>(codes, n, group, sf, zf, o);
+        DequantizeRowB<2>(rec, n, group, ng, o);
         break;
       case 3:
-        DequantizeRowB<3>(codes, n, group, sf, zf, o);
+        DequantizeRowB<3>(rec, n, group, ng, o);
         break;
       case 4:
-        DequantizeRowB<4>(codes, n, group, sf, zf, o);
+        DequantizeRowB<4>(rec, n, group, ng, o);
         break;
       case 8:
-        DequantizeRowB<8>(codes, n, group, sf, zf, o);
+        DequantizeRowB<8>(rec, n, group, ng, o);
         break;
       default:
         Ref().dequantize_rows(rec, row_bits + t, 1, n, group, o, ld);

@@ -5,7 +5,10 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <string>
+#include <utility>
 
+#include "core/src/codec/hadamard.h"
 #include "kvq/core/basis.h"
 #include "kvq/core/cache.h"
 #include "kvq/core/calibration.h"
@@ -33,31 +36,44 @@ double Mse(const std::vector<float>& a, const std::vector<float>& b) {
   return s / a.size();
 }
 
-// The rotation every rotated block is encoded and read with gives, on every path the CPU
-// takes (8-lane vectors where the CPU has AVX2, the scalar loop otherwise), the bits of the
-// butterfly loop that defines it: blocks written on one machine read the same on another.
+// The rotation every rotated block is encoded and read with gives, on every path (16-lane
+// vectors where the CPU has AVX-512, 8-lane where it has AVX2, and the dispatch among them),
+// the bits of the butterfly loop that defines it (hadamard::Scalar): blocks written on one
+// machine read the same on another.
 TEST(Rotation, EveryPathGivesTheDefiningLoopsBits) {
-  for (const int d : {2, 4, 8, 16, 64, 128, 256}) {
+  int vector_paths = 0;
+  for (const int d : {2, 4, 8, 16, 32, 64, 128, 256, 512}) {
     SCOPED_TRACE(d);
     const int rows = 7;
     std::vector<float> x = Gaussian(static_cast<size_t>(rows) * d, d);
     for (size_t i = 0; i < x.size(); i += 5) x[i] *= 1e4f;  // mixed magnitudes: rounding matters
-    std::vector<float> want = x;
-    for (int t = 0; t < rows; ++t) {
-      float* r = want.data() + static_cast<size_t>(t) * d;
-      for (int h = 1; h < d; h *= 2)
-        for (int i = 0; i < d; i += 2 * h)
-          for (int j = i; j < i + h; ++j) {
-            const float a = r[j], b = r[j + h];
-            r[j] = a + b;
-            r[j + h] = a - b;
-          }
-      const float norm = 1.0f / std::sqrt(static_cast<float>(d));
-      for (int i = 0; i < d; ++i) r[i] *= norm;
+    std::vector<float> want = x;                            // the defining loop, row by row
+    for (int t = 0; t < rows; ++t) hadamard::Scalar(want.data() + static_cast<size_t>(t) * d, d);
+    std::vector<float> back = want;  // H is its own inverse
+    for (int t = 0; t < rows; ++t) hadamard::Scalar(back.data() + static_cast<size_t>(t) * d, d);
+    for (size_t i = 0; i < back.size(); ++i) ASSERT_NEAR(back[i], x[i], 1e-5f * 1e4f) << i;
+    std::vector<float> got = x;
+    HadamardRotateRows(got.data(), d, rows, d);  // the dispatched path
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "element " << i;
+    using Path = bool (*)(float*, int);
+    const std::pair<const char*, Path> paths[] = {{"avx2", hadamard::Avx2},
+                                                  {"avx512", hadamard::Avx512}};
+    for (const auto& [name, path] : paths) {
+      SCOPED_TRACE(name);
+      got = x;
+      bool ran = true;
+      for (int t = 0; t < rows && ran; ++t) ran = path(got.data() + static_cast<size_t>(t) * d, d);
+      if (!ran) {
+        ASSERT_EQ(got, x) << "a path that does not run leaves the row untouched";
+        continue;
+      }
+      ++vector_paths;
+      for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "element " << i;
     }
-    HadamardRotateRows(x.data(), d, rows, d);
-    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], want[i]) << "element " << i;
   }
+  // Every CI machine has AVX2 (the x86-64 hosts this project targets): a path that silently
+  // never ran would make this test vacuous.
+  EXPECT_GT(vector_paths, 0);
 }
 
 TEST(Rotation, NeedsAPowerOfTwoHeadDim) {

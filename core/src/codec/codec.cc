@@ -1,7 +1,6 @@
 // Block encode, parse/verify, score, readout and decode.
 #include "kvq/core/codec.h"
 
-#include <immintrin.h>
 #include <xxhash.h>
 
 #include <Eigen/Dense>
@@ -11,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/src/codec/hadamard.h"
 #include "core/src/codec/sparse_list.h"
 #include "kvq/core/codec_schema.h"
 #include "kvq/core/half.h"
@@ -66,60 +66,7 @@ absl::StatusOr<format::Header> ReadHeader(std::span<const uint8_t> b, uint8_t ki
 
 const kernels::KernelTable& K() { return kernels::Active(); }
 
-// x <- H x for the normalized Walsh-Hadamard matrix H (d a power of two): H is symmetric and
-// orthogonal, so the same call also undoes it. d log2 d additions, one pass of scaling. This
-// loop is the definition; RotateAvx2 gives its bits.
-void RotateScalar(float* x, int d) {
-  for (int h = 1; h < d; h *= 2)
-    for (int i = 0; i < d; i += 2 * h)
-      for (int j = i; j < i + h; ++j) {
-        const float a = x[j], b = x[j + h];
-        x[j] = a + b;
-        x[j + h] = a - b;
-      }
-  const float norm = 1.0f / std::sqrt(static_cast<float>(d));
-  for (int i = 0; i < d; ++i) x[i] *= norm;
-}
-
-// RotateScalar on 8 lanes (d a multiple of 8): every element takes the same additions and
-// subtractions in the same order (a + b where the loop adds, a - b where it subtracts; IEEE
-// addition commutes exactly), so the bits are RotateScalar's. Strides 1, 2 and 4 pair lanes of
-// one vector: its partner lanes (a permutation) added or subtracted, the halves blended.
-__attribute__((target("avx2"))) void RotateAvx2(float* x, int d) {
-  for (int i = 0; i < d; i += 8) {
-    __m256 v = _mm256_loadu_ps(x + i), s;
-    s = _mm256_permute_ps(v, 0xb1);  // stride 1: lanes 2k and 2k+1 swapped
-    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xaa);
-    s = _mm256_permute_ps(v, 0x4e);  // stride 2
-    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xcc);
-    s = _mm256_permute2f128_ps(v, v, 0x01);  // stride 4: the 128-bit halves swapped
-    v = _mm256_blend_ps(_mm256_add_ps(v, s), _mm256_sub_ps(s, v), 0xf0);
-    _mm256_storeu_ps(x + i, v);
-  }
-  for (int h = 8; h < d; h *= 2)
-    for (int i = 0; i < d; i += 2 * h)
-      for (int j = i; j < i + h; j += 8) {
-        const __m256 a = _mm256_loadu_ps(x + j), b = _mm256_loadu_ps(x + j + h);
-        _mm256_storeu_ps(x + j, _mm256_add_ps(a, b));
-        _mm256_storeu_ps(x + j + h, _mm256_sub_ps(a, b));
-      }
-  const __m256 norm = _mm256_set1_ps(1.0f / std::sqrt(static_cast<float>(d)));
-  for (int i = 0; i < d; i += 8)
-    _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), norm));
-}
-
-bool HasAvx2() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2");
-  }();
-  return ok;
-}
-
-void Rotate(float* x, int d) {
-  if (d % 8 == 0 && HasAvx2()) return RotateAvx2(x, d);
-  RotateScalar(x, d);
-}
+using hadamard::Rotate;
 
 // Rows [n][d] of x (row stride ld) rotated into out [n][d].
 void RotateRows(const float* x, int64_t ld, int n, int d, std::vector<float>* out) {
