@@ -5,8 +5,12 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #include "codec_math.h"
+#include "host_call_scratch.h"
+#include "kvq/kernels/cuda.h"
 #include "kvq/kernels/cuda_codec.h"
 
 namespace kvq::kernels::cuda {
@@ -64,6 +68,183 @@ int ScoreBlocks(const ScoreBlocksParams& p, void* stream) {
 }
 int ReadoutBlocks(const ReadoutBlocksParams& p, void* stream) {
   return Launch(p, stream, [](const auto& q, DeviceRun& r) { cm::ReadoutSteps(q, r); });
+}
+
+namespace {
+
+// One FromHost call: its device arrays laid out in the calling thread's scratch (Take, then
+// Reserve), copies queued on cudaStreamPerThread, the first error kept and every later step
+// skipped.
+class HostCall {
+ public:
+  size_t Take(size_t n) { return at_.Take(n); }
+  bool Reserve() {
+    thread_local HostCallScratch scratch;
+    error_ = scratch.Reserve(at_.total);
+    base_ = static_cast<uint8_t*>(scratch.p);
+    return error_ == cudaSuccess;
+  }
+  template <class T>
+  T* At(size_t off) const {
+    return reinterpret_cast<T*>(base_ + off);
+  }
+  // rows rows of `width` bytes, host pitch hp, device pitch dp (bytes).
+  void Up(size_t off, const void* src, size_t width, size_t rows = 1, size_t hp = 0,
+          size_t dp = 0) {
+    if (error_ == cudaSuccess && width * rows > 0)
+      error_ = cudaMemcpy2DAsync(base_ + off, dp ? dp : width, src, hp ? hp : width, width, rows,
+                                 cudaMemcpyHostToDevice, stream_);
+  }
+  void Down(void* dst, size_t off, size_t width, size_t rows = 1, size_t hp = 0, size_t dp = 0) {
+    if (error_ == cudaSuccess && width * rows > 0)
+      error_ = cudaMemcpy2DAsync(dst, hp ? hp : width, base_ + off, dp ? dp : width, width, rows,
+                                 cudaMemcpyDeviceToHost, stream_);
+  }
+  void Launched(int e) {
+    if (error_ == cudaSuccess) error_ = static_cast<cudaError_t>(e);
+  }
+  cudaStream_t stream() const { return stream_; }
+  int Finish() {
+    if (error_ == cudaSuccess) error_ = cudaStreamSynchronize(stream_);
+    return static_cast<int>(error_);
+  }
+
+ private:
+  ScratchLayout at_;
+  uint8_t* base_ = nullptr;
+  cudaStream_t stream_ = cudaStreamPerThread;
+  cudaError_t error_ = cudaSuccess;
+};
+
+bool HasDevice() {
+  int devices = 0;
+  return cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+}
+
+// DecodeKeysFromHost and DecodeValuesFromHost: the blocks' rows decoded into device scratch,
+// then copied into each out[b] (d columns of its G rows of stride ld). Key bases: each distinct
+// host pointer copied once.
+template <class P, class Launcher>
+int DecodeFromHost(const P& hp, Launcher launch) {
+  if (!HasDevice()) return kErrorNoDevice;
+  if (cm::Reason(hp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  if (hp.blocks == 0) return 0;
+  const size_t n = static_cast<size_t>(hp.blocks), G = hp.codec.key_group, d = hp.codec.head_dim;
+  const size_t rows_bytes = 4 * G * d;
+  HostCall c;
+  const size_t in_at = c.Take(n * sizeof(void*)), out_ptr_at = c.Take(n * sizeof(void*));
+  const size_t rows_at = c.Take(n * rows_bytes), flags_at = c.Take(4);
+  constexpr bool kKeys = std::is_same_v<P, DecodeKeyParams>;
+  std::vector<const float*> distinct;  // key bases: distinct host pointers
+  std::vector<size_t> basis_of(n, 0);  // block b's index in distinct
+  size_t basis_ptr_at = 0, basis_at = 0, basis_bytes = 0;
+  if constexpr (kKeys) {
+    if (hp.codec.rank > 0 && hp.basis != nullptr) {
+      basis_bytes = 4 * d * static_cast<size_t>(hp.codec.rank);
+      for (size_t b = 0; b < n; ++b) {
+        const auto it = std::find(distinct.begin(), distinct.end(), hp.basis[b]);
+        basis_of[b] = it - distinct.begin();
+        if (it == distinct.end()) distinct.push_back(hp.basis[b]);
+      }
+      basis_ptr_at = c.Take(n * sizeof(void*));
+      basis_at = c.Take(distinct.size() * basis_bytes);
+    }
+  }
+  if (!c.Reserve()) return c.Finish();
+  P dp = hp;
+  std::vector<float*> out_ptrs(n);
+  for (size_t b = 0; b < n; ++b) out_ptrs[b] = c.At<float>(rows_at + b * rows_bytes);
+  c.Up(in_at, hp.in, n * sizeof(void*));
+  c.Up(out_ptr_at, out_ptrs.data(), n * sizeof(void*));
+  std::vector<const float*> basis_ptrs(n, nullptr);
+  if constexpr (kKeys) {
+    if (!distinct.empty()) {
+      for (size_t i = 0; i < distinct.size(); ++i)
+        if (distinct[i] != nullptr) c.Up(basis_at + i * basis_bytes, distinct[i], basis_bytes);
+      for (size_t b = 0; b < n; ++b)
+        if (hp.basis[b] != nullptr)
+          basis_ptrs[b] = c.At<float>(basis_at + basis_of[b] * basis_bytes);
+      c.Up(basis_ptr_at, basis_ptrs.data(), n * sizeof(void*));
+      dp.basis = c.At<const float* const>(basis_ptr_at);
+    }
+  }
+  const int no_flags = 0;
+  c.Up(flags_at, hp.error_flags ? hp.error_flags : &no_flags, 4);
+  dp.in = c.At<const uint8_t* const>(in_at);
+  dp.out = c.At<float* const>(out_ptr_at);
+  dp.ld = static_cast<int64_t>(d);
+  dp.error_flags = c.At<int>(flags_at);
+  c.Launched(launch(dp, c.stream()));
+  for (size_t b = 0; b < n; ++b)
+    c.Down(hp.out[b], rows_at + b * rows_bytes, 4 * d, G, 4 * static_cast<size_t>(hp.ld));
+  if (hp.error_flags) c.Down(hp.error_flags, flags_at, 4);
+  return c.Finish();
+}
+
+}  // namespace
+
+int DecodeKeysFromHost(const DecodeKeyParams& p) {
+  return DecodeFromHost(p, [](const DecodeKeyParams& q, void* s) { return DecodeKeys(q, s); });
+}
+int DecodeValuesFromHost(const DecodeValueParams& p) {
+  return DecodeFromHost(p, [](const DecodeValueParams& q, void* s) { return DecodeValues(q, s); });
+}
+
+int ScoreBlocksFromHost(const ScoreBlocksParams& hp) {
+  if (!HasDevice()) return kErrorNoDevice;
+  if (cm::Reason(hp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  if (hp.blocks == 0 || hp.n_q == 0) return 0;
+  const size_t n = static_cast<size_t>(hp.blocks), nq = static_cast<size_t>(hp.n_q);
+  const size_t d = hp.codec.head_dim, r = hp.uq ? static_cast<size_t>(hp.codec.rank) : 0;
+  const size_t cols = n * hp.codec.key_group;  // the scores' columns a launch writes
+  HostCall c;
+  const size_t k_at = c.Take(n * sizeof(void*)), q_at = c.Take(4 * nq * d),
+               uq_at = c.Take(4 * nq * r), out_at = c.Take(4 * nq * cols), flags_at = c.Take(4);
+  if (!c.Reserve()) return c.Finish();
+  const int no_flags = 0;
+  c.Up(k_at, hp.key_blocks, n * sizeof(void*));
+  c.Up(q_at, hp.q, 4 * nq * d);
+  c.Up(uq_at, hp.uq, 4 * nq * r);
+  c.Up(flags_at, hp.error_flags ? hp.error_flags : &no_flags, 4);
+  ScoreBlocksParams dp = hp;
+  dp.key_blocks = c.At<const uint8_t* const>(k_at);
+  dp.q = c.At<const float>(q_at);
+  dp.uq = r > 0 ? c.At<const float>(uq_at) : nullptr;
+  dp.out = c.At<float>(out_at);
+  dp.out_stride = static_cast<int64_t>(cols);
+  dp.error_flags = c.At<int>(flags_at);
+  c.Launched(ScoreBlocks(dp, c.stream()));
+  c.Down(hp.out, out_at, 4 * cols, nq, 4 * static_cast<size_t>(hp.out_stride));
+  if (hp.error_flags) c.Down(hp.error_flags, flags_at, 4);
+  return c.Finish();
+}
+
+int ReadoutBlocksFromHost(const ReadoutBlocksParams& hp) {
+  if (!HasDevice()) return kErrorNoDevice;
+  if (cm::Reason(hp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  if (hp.blocks == 0 || hp.n_q == 0) return 0;
+  const size_t n = static_cast<size_t>(hp.blocks), nq = static_cast<size_t>(hp.n_q);
+  const size_t d = hp.codec.head_dim, cols = n * hp.codec.key_group;
+  HostCall c;
+  const size_t v_at = c.Take(n * sizeof(void*)), p_at = c.Take(4 * nq * cols),
+               out_at = c.Take(4 * nq * d), flags_at = c.Take(4);
+  if (!c.Reserve()) return c.Finish();
+  const int no_flags = 0;
+  c.Up(v_at, hp.value_blocks, n * sizeof(void*));
+  c.Up(p_at, hp.p, 4 * cols, nq, 4 * static_cast<size_t>(hp.p_stride));
+  c.Up(out_at, hp.out, 4 * d, nq, 4 * static_cast<size_t>(hp.out_stride));  // accumulated into
+  c.Up(flags_at, hp.error_flags ? hp.error_flags : &no_flags, 4);
+  ReadoutBlocksParams dp = hp;
+  dp.value_blocks = c.At<const uint8_t* const>(v_at);
+  dp.p = c.At<const float>(p_at);
+  dp.p_stride = static_cast<int64_t>(cols);
+  dp.out = c.At<float>(out_at);
+  dp.out_stride = static_cast<int64_t>(d);
+  dp.error_flags = c.At<int>(flags_at);
+  c.Launched(ReadoutBlocks(dp, c.stream()));
+  c.Down(hp.out, out_at, 4 * d, nq, 4 * static_cast<size_t>(hp.out_stride));
+  if (hp.error_flags) c.Down(hp.error_flags, flags_at, 4);
+  return c.Finish();
 }
 
 }  // namespace kvq::kernels::cuda

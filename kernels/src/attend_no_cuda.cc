@@ -2,10 +2,15 @@
 // them on.
 #include "kvq/kernels/cuda.h"
 #include "kvq/kernels/cuda_checksum.h"
+#include "kvq/kernels/cuda_codec.h"
 
 namespace kvq::kernels::cuda {
 
 int AttendFromHost(const AttendParams&) { return kErrorNoDevice; }
 int VerifyBlocksFromHost(const VerifyParams&) { return kErrorNoDevice; }
+int DecodeKeysFromHost(const DecodeKeyParams&) { return kErrorNoDevice; }
+int DecodeValuesFromHost(const DecodeValueParams&) { return kErrorNoDevice; }
+int ScoreBlocksFromHost(const ScoreBlocksParams&) { return kErrorNoDevice; }
+int ReadoutBlocksFromHost(const ReadoutBlocksParams&) { return kErrorNoDevice; }
 
 }  // namespace kvq::kernels::cuda

@@ -65,19 +65,16 @@ TEST(MemoryPoolTest, AutoPicksGpuWhereItsAttendAnswersItsProbe) {
 }
 
 // An attend that runs but answers wrongly (a broken kernel, a device computing garbage).
-class WrongAttend final : public AttendBackend {
+class WrongAttend final : public HostStandInBackend {
  public:
   const char* name() const override { return "wrong"; }
   bool CanRead(kernels::Pool pool) const override { return true; }
 
  protected:
   int Run(const kernels::cuda::AttendParams& p) const override {
-    const int e = kernels::cuda::AttendOnHost(p);
+    const int e = HostStandInBackend::Run(p);
     p.out[0] += 1.0f;
     return e;
-  }
-  int RunVerify(const kernels::cuda::VerifyParams& p) const override {
-    return kernels::cuda::VerifyBlocksOnHost(p);
   }
 };
 
@@ -104,6 +101,39 @@ TEST(MemoryPoolTest, AGpuWhoseAttendFailsItsProbeIsPassedByAndSaysWhy) {
   c = ChooseMemoryPool("auto", "--memory", &s.gpu);
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_THAT(c->explanation, HasSubstr("[not gpu: memory pool 'gpu': none"));
+}
+
+// An attend that answers right but whose block reads (a store's scores and decodes of device
+// blocks) answer wrongly.
+class WrongReads final : public HostStandInBackend {
+ public:
+  const char* name() const override { return "wrong-reads"; }
+  bool CanRead(kernels::Pool pool) const override { return true; }
+
+ protected:
+  int RunDecodeValues(const kernels::cuda::DecodeValueParams& p) const override {
+    const int e = HostStandInBackend::RunDecodeValues(p);
+    if (p.blocks > 0) p.out[0][0] += 1.0f;
+    return e;
+  }
+};
+
+TEST(MemoryPoolTest, AGpuWhoseBlockReadsFailTheProbeIsPassedBy) {
+  StandIn s;
+  WrongReads wrong;
+  s.gpu.backend = &wrong;
+  absl::StatusOr<MemoryPoolChoice> c = ChooseMemoryPool("auto", "--memory", &s.gpu);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_NE(c->name, "gpu");
+  EXPECT_THAT(c->explanation,
+              HasSubstr("the probe's score or decode on it differs from the CPU's"));
+  // The same probe with the right reads chooses gpu (the probe's reads ran on the backend).
+  const int64_t reads = HostAttendBackend()->block_op_calls();
+  s.gpu.backend = HostAttendBackend();
+  c = ChooseMemoryPool("auto", "--memory", &s.gpu);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->name, "gpu") << c->explanation;
+  EXPECT_GT(HostAttendBackend()->block_op_calls(), reads);
 }
 
 TEST(MemoryPoolTest, AttendGpuPutsTheGpuAttendOnTheChosenPool) {

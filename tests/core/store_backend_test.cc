@@ -5,10 +5,11 @@
 // and as `--memory pinned --attend gpu` does (blocks in memory the CPU reads in place and the
 // device reads over the bus: a direct host slab on the stand-in, the pinned pool on a device).
 // Against an ordinary store fed the same workload: prefills, then decode steps that append a token
-// and attend (observing), scores, GetBlocks-style decodes and a prefill's causal attend. Everything
-// but the attend's encoded blocks takes the same CPU code, so scores, decodes and usage agree
-// exactly (through copies of the blocks); the attend agrees within the GPU attend's tolerance, and
-// the backend is seen to serve.
+// and attend (observing), scores, GetBlocks-style decodes, a prefill's causal attend and a
+// scrub. Scores, decodes, the prefill and usage agree exactly (the backend's block ops are
+// core's codec bit for bit on the reference kernels, on the stand-in and on a device); the
+// decode steps' attend agrees within the GPU attend's tolerance; and the backend is seen to
+// serve every read of device blocks without copying one back.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -139,6 +140,12 @@ class StoreBackendTest : public ::testing::TestWithParam<Where> {
     ASSERT_TRUE(
         backend_->Score({"t", seq, layer, 0}, {q.data(), kQ, 1, kD}, 0.0f, false, &sb).ok());
     EXPECT_EQ(sa, sb);
+    // Readout of the scores' softmax (width: the layer's tokens).
+    const int64_t T = static_cast<int64_t>(sa.size()) / kQ;
+    std::vector<float> ra, rb;
+    ASSERT_TRUE(plain_->Readout({"t", seq, layer, 0}, {sa.data(), kQ, 1, T}, true, &ra).ok());
+    ASSERT_TRUE(backend_->Readout({"t", seq, layer, 0}, {sa.data(), kQ, 1, T}, true, &rb).ok());
+    EXPECT_EQ(ra, rb);
     std::vector<uint8_t> ka, va, kb, vb;
     ASSERT_TRUE(plain_->DecodeAs({"t", seq, layer, 0}, {}, DType::kF16, &ka, &va).ok());
     ASSERT_TRUE(backend_->DecodeAs({"t", seq, layer, 0}, {}, DType::kF16, &kb, &vb).ok());
@@ -192,16 +199,21 @@ TEST_P(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   EXPECT_EQ(AttendBoth("a", 0, 3, prefill, 7), 0.0f);
   EXPECT_EQ(backend_of_->calls(), before);
   EXPECT_GE(backend_of_->calls(), calls + 3 * 90);
-  const int64_t copied = CopiedBackBytes();
+  const int64_t ops = backend_of_->block_op_calls();
   for (int layer : {0, 1}) ExpectSameScoresAndBlocks("a", layer);
   ExpectSameScoresAndBlocks("b", 0);
-  if (GetParam().pinned) {  // the CPU reads pinned memory in place
-    EXPECT_EQ(CopiedBackBytes(), copied);
-  } else {
-    EXPECT_GT(CopiedBackBytes(), copied) << "the stand-in store read its blocks in place";
-  }
   EXPECT_EQ(plain_->Scrub(), 0);
   EXPECT_EQ(backend_->Scrub(), 0);
+  // Scores, readouts, decodes and the scrub read device blocks where they lie, on the
+  // backend's block ops (ReadPolicy::blocks_on); the CPU reads pinned memory in place. Either
+  // way the whole workload copied no block back (kvq_block_copy_back_bytes_total stays 0).
+  EXPECT_EQ(CopiedBackBytes(), copied_before_steps);
+  if (GetParam().pinned) {
+    EXPECT_EQ(backend_of_->block_op_calls(), ops);
+  } else {
+    EXPECT_GE(backend_of_->block_op_calls(), ops + 3 * 4 * kKv)
+        << "score, readout and the two decodes per head";
+  }
   EXPECT_EQ(plain_->TotalUsage().bytes, backend_->TotalUsage().bytes);
   EXPECT_GT(pool_->usage().requested_bytes, 0) << "the blocks live in the store's pool";
 }
@@ -246,7 +258,34 @@ TEST_P(StoreBackendTest, CorruptionIsFoundBeforeTheAttend) {
   EXPECT_NE(st.message().find("checksum"), std::string::npos) << st;
   EXPECT_EQ(HostAttendBackend()->calls(), calls);
   EXPECT_EQ(HostAttendBackend()->verify_calls(), verifies + 1);
+  // Scores and decodes of the stand-in's blocks verify them where they lie first: the same
+  // DATA_LOSS (on the pinned stand-in, the CPU's reader finds it), nothing served.
+  std::vector<float> scores;
+  const absl::Status sst =
+      backend_->Score({"t", "a", 0, 0}, {q.data(), kQ, 1, kD}, 0.0f, false, &scores).status();
+  EXPECT_EQ(sst.code(), absl::StatusCode::kDataLoss) << sst;
+  std::vector<uint8_t> k, v;
+  const absl::Status dst = backend_->DecodeAs({"t", "a", 0, 0}, {}, DType::kF16, &k, &v).status();
+  EXPECT_EQ(dst.code(), absl::StatusCode::kDataLoss) << dst;
+  EXPECT_NE(dst.message().find("checksum"), std::string::npos) << dst;
   EXPECT_EQ(backend_->Scrub(), 1);
+}
+
+// A codec the block ops do not read (dense-and-sparse lists) is read through copies of the
+// blocks, as before ReadPolicy::blocks_on: the same scores and rows, the copies counted.
+TEST_P(StoreBackendTest, ACodecTheBlockOpsDoNotReadIsReadThroughCopies) {
+  if (GetParam().device) GTEST_SKIP() << "the stand-in's fallback; the device takes the same";
+  CodecOptions sparse = Registry::DefaultCodec(registry_.Get("m", 1).value()->manifest, true);
+  sparse.sparse_keys = 2;
+  Append("s", 0, 0, 300, 21, &sparse);
+  const int64_t copied = CopiedBackBytes(), ops = backend_of_->block_op_calls();
+  ExpectSameScoresAndBlocks("s", 0);
+  EXPECT_EQ(backend_of_->block_op_calls(), ops);
+  if (GetParam().pinned) {
+    EXPECT_EQ(CopiedBackBytes(), copied) << "the CPU reads pinned memory in place";
+  } else {
+    EXPECT_GT(CopiedBackBytes(), copied);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(StandInAndDevice, StoreBackendTest,

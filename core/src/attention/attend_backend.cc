@@ -12,14 +12,22 @@
 
 namespace kvq::core {
 
+absl::Status AttendBackend::Outcome(int code, const char* op) const {
+  if (code == 0) return absl::OkStatus();
+  if (code == kernels::cuda::kErrorNoDevice)
+    return absl::UnavailableError(absl::StrCat("attend backend '", name(), "': no CUDA device"));
+  if (code == 1)  // cudaErrorInvalidValue: params the op refuses
+    return absl::InvalidArgumentError(
+        absl::StrCat("attend backend '", name(), "': ", op, ": params not supported"));
+  return absl::InternalError(absl::StrCat("attend backend '", name(), "': ", op, " error ", code));
+}
+
 absl::Status AttendBackend::AttendBlocks(const kernels::cuda::AttendParams& p) const {
   if (const char* why = kernels::cuda::AttendUnsupported(p))
     return absl::InvalidArgumentError(absl::StrCat("attend backend '", name(), "': ", why));
   calls_.fetch_add(1, std::memory_order_relaxed);
   const int e = Run(p);
-  if (e == 0) return absl::OkStatus();
-  if (e == kernels::cuda::kErrorNoDevice)
-    return absl::UnavailableError(absl::StrCat("attend backend '", name(), "': no CUDA device"));
+  if (e == 0 || e == kernels::cuda::kErrorNoDevice) return Outcome(e, "attend");
   return absl::InternalError(absl::StrCat("attend backend '", name(), "': error ", e));
 }
 
@@ -36,10 +44,25 @@ absl::Status AttendBackend::VerifyBlocks(std::span<const uint8_t* const> blocks,
   p.sizes = sizes.data();
   p.verdicts = verdicts;
   const int e = RunVerify(p);
-  if (e == 0) return absl::OkStatus();
-  if (e == kernels::cuda::kErrorNoDevice)
-    return absl::UnavailableError(absl::StrCat("attend backend '", name(), "': no CUDA device"));
+  if (e == 0 || e == kernels::cuda::kErrorNoDevice) return Outcome(e, "verify");
   return absl::InternalError(absl::StrCat("attend backend '", name(), "': verify error ", e));
+}
+
+absl::Status AttendBackend::DecodeKeys(const kernels::cuda::DecodeKeyParams& p) const {
+  block_op_calls_.fetch_add(1, std::memory_order_relaxed);
+  return Outcome(RunDecodeKeys(p), "decode keys");
+}
+absl::Status AttendBackend::DecodeValues(const kernels::cuda::DecodeValueParams& p) const {
+  block_op_calls_.fetch_add(1, std::memory_order_relaxed);
+  return Outcome(RunDecodeValues(p), "decode values");
+}
+absl::Status AttendBackend::ScoreBlocks(const kernels::cuda::ScoreBlocksParams& p) const {
+  block_op_calls_.fetch_add(1, std::memory_order_relaxed);
+  return Outcome(RunScore(p), "score");
+}
+absl::Status AttendBackend::ReadoutBlocks(const kernels::cuda::ReadoutBlocksParams& p) const {
+  block_op_calls_.fetch_add(1, std::memory_order_relaxed);
+  return Outcome(RunReadout(p), "readout");
 }
 
 namespace {
@@ -56,19 +79,17 @@ class CudaBackend final : public AttendBackend {
   int RunVerify(const kernels::cuda::VerifyParams& p) const override {
     return kernels::cuda::VerifyBlocksFromHost(p);
   }
-};
-
-class HostBackend final : public AttendBackend {
- public:
-  const char* name() const override { return "cuda-host"; }
-  bool CanRead(kernels::Pool pool) const override { return pool != kernels::Pool::kGpu; }
-
- protected:
-  int Run(const kernels::cuda::AttendParams& p) const override {
-    return kernels::cuda::AttendOnHost(p);
+  int RunDecodeKeys(const kernels::cuda::DecodeKeyParams& p) const override {
+    return kernels::cuda::DecodeKeysFromHost(p);
   }
-  int RunVerify(const kernels::cuda::VerifyParams& p) const override {
-    return kernels::cuda::VerifyBlocksOnHost(p);
+  int RunDecodeValues(const kernels::cuda::DecodeValueParams& p) const override {
+    return kernels::cuda::DecodeValuesFromHost(p);
+  }
+  int RunScore(const kernels::cuda::ScoreBlocksParams& p) const override {
+    return kernels::cuda::ScoreBlocksFromHost(p);
+  }
+  int RunReadout(const kernels::cuda::ReadoutBlocksParams& p) const override {
+    return kernels::cuda::ReadoutBlocksFromHost(p);
   }
 };
 
@@ -79,8 +100,29 @@ const AttendBackend* CudaAttendBackend() {
   return b;
 }
 
+const char* HostStandInBackend::name() const { return "cuda-host"; }
+bool HostStandInBackend::CanRead(kernels::Pool pool) const { return pool != kernels::Pool::kGpu; }
+int HostStandInBackend::Run(const kernels::cuda::AttendParams& p) const {
+  return kernels::cuda::AttendOnHost(p);
+}
+int HostStandInBackend::RunVerify(const kernels::cuda::VerifyParams& p) const {
+  return kernels::cuda::VerifyBlocksOnHost(p);
+}
+int HostStandInBackend::RunDecodeKeys(const kernels::cuda::DecodeKeyParams& p) const {
+  return kernels::cuda::DecodeKeysOnHost(p);
+}
+int HostStandInBackend::RunDecodeValues(const kernels::cuda::DecodeValueParams& p) const {
+  return kernels::cuda::DecodeValuesOnHost(p);
+}
+int HostStandInBackend::RunScore(const kernels::cuda::ScoreBlocksParams& p) const {
+  return kernels::cuda::ScoreBlocksOnHost(p);
+}
+int HostStandInBackend::RunReadout(const kernels::cuda::ReadoutBlocksParams& p) const {
+  return kernels::cuda::ReadoutBlocksOnHost(p);
+}
+
 const AttendBackend* HostAttendBackend() {
-  static const HostBackend* const b = new HostBackend;
+  static const HostStandInBackend* const b = new HostStandInBackend;
   return b;
 }
 
@@ -126,6 +168,33 @@ absl::Status ProbeAttendBackend(const AttendBackend& backend, BytePool* pool) {
     return absl::InternalError(absl::StrCat("attend backend '", backend.name(),
                                             "': the probe's attend differs from the CPU's by ",
                                             worst, " (max|v| ", vmax, ")"));
+  // The reads a store runs on the backend where the CPU reads the pool only by copies
+  // (ReadPolicy::blocks_on): a score and a decode through it, against the same cache's reads
+  // through copies (scores within 1e-3 of their largest magnitude, decoded rows within 1e-5 of
+  // theirs: the backend's ops are core's codec bit for bit on the reference kernels).
+  if (pool->cpu_readable()) return absl::OkStatus();
+  const int64_t reads = backend.block_op_calls();
+  std::vector<float> s_cpu(static_cast<size_t>(kv) * gq * T), s_dev(s_cpu.size());
+  std::vector<float> k_cpu, v_cpu, k_dev, v_dev;
+  if (absl::Status st = cache.Score(q.data(), kv * gq, 1, s_cpu.data()); !st.ok()) return st;
+  if (absl::Status st = cache.Decode(&k_cpu, &v_cpu); !st.ok()) return st;
+  cache.set_read_policy({.verify_checksums = true, .blocks_on = &backend});
+  if (absl::Status st = cache.Score(q.data(), kv * gq, 1, s_dev.data()); !st.ok()) return st;
+  if (absl::Status st = cache.Decode(&k_dev, &v_dev); !st.ok()) return st;
+  if (backend.block_op_calls() == reads)
+    return absl::InternalError(
+        absl::StrCat("attend backend '", backend.name(), "': the probe's reads did not use it"));
+  auto differs = [](const std::vector<float>& a, const std::vector<float>& b, float rel) {
+    float scale = 0.0f, worst = a.size() == b.size() ? 0.0f : INFINITY;
+    for (float x : a) scale = std::max(scale, std::fabs(x));
+    for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+      worst = std::isfinite(b[i]) ? std::max(worst, std::fabs(a[i] - b[i])) : INFINITY;
+    return !(worst <= rel * scale);
+  };
+  if (differs(s_cpu, s_dev, 1e-3f) || differs(k_cpu, k_dev, 1e-5f) || differs(v_cpu, v_dev, 1e-5f))
+    return absl::InternalError(absl::StrCat("attend backend '", backend.name(),
+                                            "': the probe's score or decode on it differs from "
+                                            "the CPU's"));
   return absl::OkStatus();
 }
 

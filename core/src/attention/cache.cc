@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/src/codec/value_policy.h"
+#include "kvq/core/attend_backend.h"
 #include "kvq/core/half.h"
 #include "kvq/core/partial_attention.h"
 #include "kvq/core/status.h"
@@ -605,14 +606,20 @@ absl::Status LayerCache::ScoreRange(int h, const float* q, int rows, float scale
     rq.assign(q, q + static_cast<size_t>(rows) * d);
     HadamardRotateRows(rq.data(), d, rows, d);
   }
-  const BlockReader reader(opts_, read_.verify_checksums);
-  KeyBlockView kv;
-  thread_local std::vector<uint8_t> copy;
-  for (int64_t b = b0; b < b1; ++b) {
-    ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
-    RETURN_IF_ERROR(reader.Key(kb, &kv));
-    ScoreKeyBlock(kv, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr, rows, scale,
-                  out + (b - b0) * G, T, !corr_only, /*q_rotated=*/rotate);
+  const AttendBackend* dev = corr_only ? nullptr : BlocksOn();
+  if (dev != nullptr && b1 > b0) {
+    RETURN_IF_ERROR(ScoreOnBackend(*dev, h, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr,
+                                   rows, scale, b0, b1, out, T));
+  } else {
+    const BlockReader reader(opts_, read_.verify_checksums);
+    KeyBlockView kv;
+    thread_local std::vector<uint8_t> copy;
+    for (int64_t b = b0; b < b1; ++b) {
+      ASSIGN_OR_RETURN(std::span<const uint8_t> kb, CpuKeyBlock(h, b, &copy));
+      RETURN_IF_ERROR(reader.Key(kb, &kv));
+      ScoreKeyBlock(kv, rotate ? rq.data() : q, r > 0 ? uq.data() : nullptr, rows, scale,
+                    out + (b - b0) * G, T, !corr_only, /*q_rotated=*/rotate);
+    }
   }
   // Verified once per call by Score / Readout / Attend, not once per head.
   ASSIGN_OR_RETURN(const SinkRows* sinks, ReadSinks(false));
@@ -662,7 +669,10 @@ absl::Status LayerCache::ReadoutRange(int h, const float* p, int64_t T, int rows
   if (b0 > 0 || b1 == 0) sinks = nullptr;  // the sinks are the first group's first tokens
   ValueBlockView vv;
   thread_local std::vector<uint8_t> copy;
-  for (int64_t b = b0; b < b1; ++b) {
+  const AttendBackend* dev = BlocksOn();
+  if (dev != nullptr && b1 > b0)
+    RETURN_IF_ERROR(ReadoutOnBackend(*dev, h, p, T, rows, b0, b1, sinks ? sinks->sinks : 0, out));
+  for (int64_t b = b0; dev == nullptr && b < b1; ++b) {
     ASSIGN_OR_RETURN(std::span<const uint8_t> vb, CpuValueBlock(h, b, &copy));
     RETURN_IF_ERROR(reader.Value(vb, &vv));
     if (b == 0 && sinks) {  // the stand-ins get no weight: the sinks' rows are added below
@@ -946,12 +956,28 @@ absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8
   thread_local std::vector<uint8_t> kcopy, vcopy;
   kg.resize(static_cast<size_t>(G) * d);
   vg.resize(static_cast<size_t>(G) * d);
+  const AttendBackend* dev = BlocksOn();
+  // On the backend: the blocks decoded where they lie, kBackendBlocks at a time, into fp32
+  // rows here (kg, vg then hold that many groups).
+  constexpr int64_t kBackendBlocks = 32;
+  if (dev != nullptr) {
+    kg.resize(static_cast<size_t>(kBackendBlocks) * G * d);
+    vg.resize(kg.size());
+  }
   for (int h = 0; h < kv_heads_; ++h) {
     const Head& hd = heads_[h];
     uint8_t* kd = kout_all + h * n * row_bytes;
     uint8_t* vd = vout_all + h * n * row_bytes;
     const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
-    for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t c0 = b0; dev != nullptr && c0 < b1; c0 += kBackendBlocks) {
+      const int64_t c1 = std::min(b1, c0 + kBackendBlocks);
+      RETURN_IF_ERROR(DecodeOnBackend(*dev, h, c0, c1, kg.data(), vg.data()));
+      const int64_t lo = std::max(from, c0 * G), hi = std::min(to, c1 * G);
+      const size_t off = static_cast<size_t>(lo - c0 * G) * d;
+      emit(kg.data() + off, hi - lo, kd + (lo - from) * row_bytes);
+      emit(vg.data() + off, hi - lo, vd + (lo - from) * row_bytes);
+    }
+    for (int64_t b = b0; dev == nullptr && b < b1; ++b) {
       const int64_t lo = std::max(from, b * G), hi = std::min(to, (b + 1) * G);
       const bool direct = f32 && lo == b * G && hi == (b + 1) * G;
       uint8_t* kout = kd + (lo - from) * row_bytes;
@@ -997,6 +1023,7 @@ absl::Status LayerCache::DecodeInto(int64_t from, int64_t to, DType dtype, uint8
 absl::Status LayerCache::VerifyAll() const {
   RETURN_IF_ERROR(ReadSinks(true).status());
   const int64_t nb = encoded_ / opts_.key_group;
+  if (const AttendBackend* dev = BlocksOn()) return VerifyOnBackend(*dev, 0, kv_heads_, 0, nb);
   std::vector<uint8_t> copy;
   for (int h = 0; h < kv_heads_; ++h)
     for (int64_t b = 0; b < nb; ++b) {

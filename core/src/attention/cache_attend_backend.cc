@@ -1,5 +1,6 @@
-// LayerCache::Attend on an AttendBackend: the backend's partial over the encoded blocks, the
-// fp16 sinks' and the full-precision window's computed here, merged by log-sum-exp.
+// LayerCache's reads on an AttendBackend, where the blocks lie: Attend (the backend's partial
+// over the encoded blocks, the fp16 sinks' and the full-precision window's computed here,
+// merged by log-sum-exp), and the block halves of Score, Readout, decodes and verification.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -43,25 +44,28 @@ void LayerCache::SinkPartial(const SinkRows& sinks, int h, const float* q, int r
   k.dense_readout_f16(sinks.value(h, 0), S, d, s.data(), S, rows, o, d);
 }
 
-absl::Status LayerCache::VerifyOnBackend(const AttendBackend& backend, int64_t blocks) const {
+absl::Status LayerCache::VerifyOnBackend(const AttendBackend& backend, int h0, int h1, int64_t b0,
+                                         int64_t b1) const {
   thread_local std::vector<const uint8_t*> ptrs;
   thread_local std::vector<uint64_t> sizes;
   thread_local std::vector<uint8_t> verdicts;
   ptrs.clear();
   sizes.clear();
-  for (int h = 0; h < kv_heads_; ++h)
-    for (int64_t b = 0; b < blocks; ++b)
+  for (int h = h0; h < h1; ++h)
+    for (int64_t b = b0; b < b1; ++b)
       for (std::span<const uint8_t> blk : {KeyBlock(h, b), ValueBlock(h, b)}) {
         ptrs.push_back(blk.data());
         sizes.push_back(blk.size());
       }
+  if (ptrs.empty()) return absl::OkStatus();
   verdicts.assign(ptrs.size(), 0xFF);
   RETURN_IF_ERROR(backend.VerifyBlocks(ptrs, sizes, verdicts.data()));
+  const int64_t nb = b1 - b0;
   for (size_t i = 0; i < verdicts.size(); ++i) {
     if (verdicts[i] == kernels::cuda::kVerifyOk) continue;
     // The CPU's verdict on a copy of the block names what is wrong, as every other read does.
-    const int h = static_cast<int>(i / 2 / blocks);
-    const int64_t b = static_cast<int64_t>(i / 2) % blocks;
+    const int h = h0 + static_cast<int>(i / 2 / nb);
+    const int64_t b = b0 + static_cast<int64_t>(i / 2) % nb;
     const BlockReader reader(opts_, true);
     thread_local std::vector<uint8_t> copy;
     if (i % 2 == 0) {
@@ -77,6 +81,121 @@ absl::Status LayerCache::VerifyOnBackend(const AttendBackend& backend, int64_t b
                                             " of KV head ", h, " fails its checksum"));
   }
   return absl::OkStatus();
+}
+
+namespace {
+absl::Status HeaderFlags(int flags, const AttendBackend& backend) {
+  if (flags == 0) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat("attend backend '", backend.name(),
+                                          "': a block's header does not match the codec"));
+}
+}  // namespace
+
+const AttendBackend* LayerCache::BlocksOn() const {
+  const AttendBackend* dev = read_.blocks_on;
+  if (dev == nullptr || pool_->cpu_readable() || !dev->CanRead(pool_->pool())) return nullptr;
+  // The block ops read no dense-and-sparse lists: such codecs read through copies.
+  if (opts_.sparse_keys > 0 || opts_.sparse_values > 0 ||
+      kernels::cuda::BlockCodecUnsupported(BlockCodecOf(opts_)) != nullptr)
+    return nullptr;
+  return dev;
+}
+
+absl::Status LayerCache::ScoreOnBackend(const AttendBackend& dev, int h, const float* q,
+                                        const float* uq, int rows, float scale, int64_t b0,
+                                        int64_t b1, float* out, int64_t stride) const {
+  if (read_.verify_checksums) RETURN_IF_ERROR(VerifyOnBackend(dev, h, h + 1, b0, b1));
+  thread_local std::vector<const uint8_t*> kp;
+  kp.clear();
+  for (int64_t b = b0; b < b1; ++b) kp.push_back(KeyBlock(h, b).data());
+  kernels::cuda::ScoreBlocksParams p;
+  p.codec = BlockCodecOf(opts_);
+  p.blocks = static_cast<int>(kp.size());
+  p.key_blocks = kp.data();
+  p.n_q = rows;
+  p.q = q;
+  p.uq = uq;
+  p.scale = scale;
+  p.out = out;
+  p.out_stride = stride;
+  int flags = 0;
+  p.error_flags = &flags;
+  RETURN_IF_ERROR(dev.ScoreBlocks(p));
+  return HeaderFlags(flags, dev);
+}
+
+absl::Status LayerCache::ReadoutOnBackend(const AttendBackend& dev, int h, const float* p,
+                                          int64_t stride, int rows, int64_t b0, int64_t b1,
+                                          int masked, float* out) const {
+  if (read_.verify_checksums) RETURN_IF_ERROR(VerifyOnBackend(dev, h, h + 1, b0, b1));
+  const int G = opts_.key_group;
+  thread_local std::vector<const uint8_t*> vp;
+  thread_local std::vector<float> pm;
+  vp.clear();
+  for (int64_t b = b0; b < b1; ++b) vp.push_back(ValueBlock(h, b).data());
+  if (masked > 0) {  // the first `masked` tokens get no weight (the fp16 sinks' stand-ins)
+    const size_t cols = static_cast<size_t>(b1 - b0) * G;
+    pm.resize(static_cast<size_t>(rows) * cols);
+    for (int i = 0; i < rows; ++i) {
+      std::copy_n(p + static_cast<size_t>(i) * stride, cols, pm.data() + i * cols);
+      std::fill_n(pm.data() + i * cols, masked, 0.0f);
+    }
+    p = pm.data();
+    stride = static_cast<int64_t>(cols);
+  }
+  kernels::cuda::ReadoutBlocksParams rp;
+  rp.codec = BlockCodecOf(opts_);
+  rp.blocks = static_cast<int>(vp.size());
+  rp.value_blocks = vp.data();
+  rp.n_q = rows;
+  rp.p = p;
+  rp.p_stride = stride;
+  rp.out = out;
+  rp.out_stride = opts_.head_dim;
+  int flags = 0;
+  rp.error_flags = &flags;
+  RETURN_IF_ERROR(dev.ReadoutBlocks(rp));
+  return HeaderFlags(flags, dev);
+}
+
+absl::Status LayerCache::DecodeOnBackend(const AttendBackend& dev, int h, int64_t b0, int64_t b1,
+                                         float* k, float* v) const {
+  RETURN_IF_ERROR(VerifyOnBackend(dev, h, h + 1, b0, b1));  // decodes always verify
+  const int d = opts_.head_dim, G = opts_.key_group, r = opts_.rank;
+  const float* U = r > 0 ? tables_->basis.data() + static_cast<size_t>(h) * d * r : nullptr;
+  thread_local std::vector<const uint8_t*> kp, vp;
+  thread_local std::vector<const float*> basis;
+  thread_local std::vector<float*> ko, vo;
+  kp.clear();
+  vp.clear();
+  ko.clear();
+  vo.clear();
+  for (int64_t b = b0; b < b1; ++b) {
+    kp.push_back(KeyBlock(h, b).data());
+    vp.push_back(ValueBlock(h, b).data());
+    ko.push_back(k + static_cast<size_t>(b - b0) * G * d);
+    vo.push_back(v + static_cast<size_t>(b - b0) * G * d);
+  }
+  basis.assign(kp.size(), U);
+  int flags = 0;
+  kernels::cuda::DecodeKeyParams kd;
+  kd.codec = BlockCodecOf(opts_);
+  kd.blocks = static_cast<int>(kp.size());
+  kd.in = kp.data();
+  kd.basis = U != nullptr ? basis.data() : nullptr;
+  kd.out = ko.data();
+  kd.ld = d;
+  kd.error_flags = &flags;
+  RETURN_IF_ERROR(dev.DecodeKeys(kd));
+  kernels::cuda::DecodeValueParams vd;
+  vd.codec = kd.codec;
+  vd.blocks = kd.blocks;
+  vd.in = vp.data();
+  vd.out = vo.data();
+  vd.ld = d;
+  vd.error_flags = &flags;
+  RETURN_IF_ERROR(dev.DecodeValues(vd));
+  return HeaderFlags(flags, dev);
 }
 
 absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
@@ -156,11 +275,9 @@ absl::Status LayerCache::AttendOnBackend(const float* q, int q_heads, int n_q,
     return absl::OkStatus();
   // The kernel checks headers, not checksums: when the codec verifies on read, the backend
   // verifies the blocks' checksums where they lie first (docs/CODEC.md, "Attend backends").
-  if (read_.verify_checksums) RETURN_IF_ERROR(VerifyOnBackend(*ao.backend, nb));
+  if (read_.verify_checksums) RETURN_IF_ERROR(VerifyOnBackend(*ao.backend, 0, kv_heads_, 0, nb));
   RETURN_IF_ERROR(ao.backend->AttendBlocks(p));
-  if (flags != 0)
-    return absl::DataLossError(absl::StrCat("attend backend '", ao.backend->name(),
-                                            "': a block's header does not match the codec"));
+  RETURN_IF_ERROR(HeaderFlags(flags, *ao.backend));
   if (opts_.rotate_values) HadamardRotateRows(bo.data(), d, static_cast<int>(slots), d);
 
   // Parts: 0 the backend's (the blocks), 1 the fp16 sinks, 2 the window.

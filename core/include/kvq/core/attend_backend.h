@@ -1,4 +1,5 @@
-// Where the encoded blocks' part of an Attend runs. LayerCache::Attend hands an AttendBackend
+// Where the encoded blocks' part of an Attend runs, and the reads of blocks the CPU reaches
+// only by copies (device memory). LayerCache::Attend hands an AttendBackend
 // the layer's encoded key and value blocks (their addresses in the store's BytePool) with the
 // queries; the backend answers every query row's partial softmax over them (partial_attention.h:
 // the merged maximum m, sum l and normalized output), which the cache merges with its own
@@ -15,6 +16,7 @@
 #include "kvq/core/byte_pool.h"
 #include "kvq/kernels/cuda.h"
 #include "kvq/kernels/cuda_checksum.h"
+#include "kvq/kernels/cuda_codec.h"
 
 namespace kvq::core {
 
@@ -43,32 +45,68 @@ class AttendBackend {
                             uint8_t* verdicts) const;
   // Calls of VerifyBlocks so far.
   int64_t verify_calls() const { return verify_calls_.load(std::memory_order_relaxed); }
+  // The block codec's read ops (kernels/cuda_codec.h) with every array in host memory and the
+  // blocks in memory this backend reads, so that a store's Score, Readout and decodes of blocks
+  // the CPU reads only by copies copy none back (LayerCache, ReadPolicy::blocks_on).
+  // Synchronous; UNAVAILABLE when the device cannot run them, INVALID_ARGUMENT for params the
+  // ops do not support. A block whose header is not the codec's sets error_flags (the op's
+  // contract), which the caller turns into DATA_LOSS.
+  absl::Status DecodeKeys(const kernels::cuda::DecodeKeyParams& p) const;
+  absl::Status DecodeValues(const kernels::cuda::DecodeValueParams& p) const;
+  absl::Status ScoreBlocks(const kernels::cuda::ScoreBlocksParams& p) const;
+  absl::Status ReadoutBlocks(const kernels::cuda::ReadoutBlocksParams& p) const;
+  // Calls of those four so far.
+  int64_t block_op_calls() const { return block_op_calls_.load(std::memory_order_relaxed); }
 
  protected:
   // Return a kernels/cuda.h error code (0: done).
   virtual int Run(const kernels::cuda::AttendParams& p) const = 0;
   virtual int RunVerify(const kernels::cuda::VerifyParams& p) const = 0;
+  virtual int RunDecodeKeys(const kernels::cuda::DecodeKeyParams& p) const = 0;
+  virtual int RunDecodeValues(const kernels::cuda::DecodeValueParams& p) const = 0;
+  virtual int RunScore(const kernels::cuda::ScoreBlocksParams& p) const = 0;
+  virtual int RunReadout(const kernels::cuda::ReadoutBlocksParams& p) const = 0;
 
  private:
-  mutable std::atomic<int64_t> calls_{0}, verify_calls_{0};
+  // An error code of a Run* as a status naming this backend and `op`.
+  absl::Status Outcome(int code, const char* op) const;
+  mutable std::atomic<int64_t> calls_{0}, verify_calls_{0}, block_op_calls_{0};
 };
 
 // The CUDA attend (kernels::cuda::AttendFromHost): blocks in device memory or pinned host
 // memory. UNAVAILABLE in builds without CUDA and on machines without a device.
 const AttendBackend* CudaAttendBackend();
-// The CUDA attend's own thread-block programs run on the CPU (kernels::cuda::AttendOnHost):
-// the device's arithmetic, block parsing, splits and merge, on any machine. It stands in for
-// the CUDA backend where there is no GPU (tests, CI), so that a store given it takes every
-// step a store on a GPU takes; it is no faster than the CPU kernels (far slower: one thread
-// plays every GPU thread in turn).
+// The CUDA attend's own thread-block programs run on the CPU (kernels::cuda::AttendOnHost, and
+// the block ops' and checksum's *OnHost stand-ins): the device's arithmetic, block parsing,
+// splits and merge, on any machine. It stands in for the CUDA backend where there is no GPU
+// (tests, CI), so that a store given it takes every step a store on a GPU takes; it is no
+// faster than the CPU kernels (far slower: one thread plays every GPU thread in turn). Tests
+// derive from it to inject a fault into one op.
+class HostStandInBackend : public AttendBackend {
+ public:
+  const char* name() const override;
+  bool CanRead(kernels::Pool pool) const override;
+
+ protected:
+  int Run(const kernels::cuda::AttendParams& p) const override;
+  int RunVerify(const kernels::cuda::VerifyParams& p) const override;
+  int RunDecodeKeys(const kernels::cuda::DecodeKeyParams& p) const override;
+  int RunDecodeValues(const kernels::cuda::DecodeValueParams& p) const override;
+  int RunScore(const kernels::cuda::ScoreBlocksParams& p) const override;
+  int RunReadout(const kernels::cuda::ReadoutBlocksParams& p) const override;
+};
+// The process's HostStandInBackend.
 const AttendBackend* HostAttendBackend();
 
 // Whether `backend` answers for blocks in `pool`: encodes a small layer (2 KV heads, head_dim
 // 32, 3 groups of 32 tokens and a window of 5) into `pool`, attends over it on `backend` and
 // on the CPU kernels and compares (within 1e-3 of the values' largest magnitude: the two sum in
 // different orders, and the CPU's AVX-512 int16 paths round weights; a wrong kernel misses by
-// far more). The error says why not: UNAVAILABLE (no device), INTERNAL (it ran and
-// disagreed, or was not used).
+// far more). Where the CPU reads `pool` only by copies (device memory), the reads a store
+// then runs on the backend too (ReadPolicy::blocks_on): a score and a decode of the layer on it
+// against the same reads through copies (within 1e-3 and 1e-5 of their largest magnitudes).
+// The error says why not: UNAVAILABLE (no device), INTERNAL (it ran and disagreed, or was not
+// used).
 absl::Status ProbeAttendBackend(const AttendBackend& backend, BytePool* pool);
 
 }  // namespace kvq::core

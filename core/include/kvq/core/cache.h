@@ -96,8 +96,15 @@ std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions&
 // only when read out whole (Decode of every token, VerifyAll, the store's scrub). The store
 // keeps it on; in-process evaluation, whose blocks never leave its own memory, turns it off
 // for speed (checksums guard storage, not arithmetic).
+// blocks_on: where reads of blocks in memory the CPU reaches only by copies (BytePool::
+// cpu_readable false: device memory) run: Score, Readout, Decode / DecodeAs and VerifyAll on
+// this backend, where the blocks lie (no block copied back), when it reads the pool and its
+// block ops support the codec (no dense-and-sparse lists, no corrections-only scores); other
+// reads copy the blocks (CpuView), as every read does with it null. The store sets it to its
+// attend backend.
 struct ReadPolicy {
   bool verify_checksums = true;
+  const AttendBackend* blocks_on = nullptr;
 };
 
 class LayerCache {
@@ -281,9 +288,22 @@ class LayerCache {
   // backend cannot take this read: the caller attends on the CPU kernels.
   absl::Status AttendOnBackend(const float* q, int q_heads, int n_q, const AttendOptions& ao,
                                float scale, float* out, bool* used);
-  // Checks the checksums of the first `blocks` key and value blocks of every KV head on the
+  // Checks the checksums of key and value blocks [b0, b1) of KV heads [h0, h1) on the
   // backend, where they lie; a block that fails is DATA_LOSS with the CPU reader's message.
-  absl::Status VerifyOnBackend(const AttendBackend& backend, int64_t blocks) const;
+  absl::Status VerifyOnBackend(const AttendBackend& backend, int h0, int h1, int64_t b0,
+                               int64_t b1) const;
+  // ReadPolicy::blocks_on when this cache's reads of whole blocks take it, else null.
+  const AttendBackend* BlocksOn() const;
+  // The backend's halves of ScoreRange, ReadoutRange and DecodeInto over blocks [b0, b1) of
+  // head h (cache_attend_backend.cc), checksums verified where the blocks lie.
+  absl::Status ScoreOnBackend(const AttendBackend& dev, int h, const float* q, const float* uq,
+                              int rows, float scale, int64_t b0, int64_t b1, float* out,
+                              int64_t stride) const;
+  absl::Status ReadoutOnBackend(const AttendBackend& dev, int h, const float* p, int64_t stride,
+                                int rows, int64_t b0, int64_t b1, int masked, float* out) const;
+  // Decodes blocks [b0, b1) of head h to fp32 rows k, v [(b1 - b0) * G][d].
+  absl::Status DecodeOnBackend(const AttendBackend& dev, int h, int64_t b0, int64_t b1, float* k,
+                               float* v) const;
   // The fp16 sinks' partial (partial_attention.h) of KV head h's `rows` query rows.
   void SinkPartial(const SinkRows& sinks, int h, const float* q, int rows, float scale, float* m,
                    float* l, float* o) const;

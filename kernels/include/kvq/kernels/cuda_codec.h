@@ -129,6 +129,19 @@ int DecodeValuesOnHost(const DecodeValueParams& p);
 int ScoreBlocksOnHost(const ScoreBlocksParams& p);
 int ReadoutBlocksOnHost(const ReadoutBlocksParams& p);
 
+// The read ops with every array in host memory and the blocks where a store keeps them
+// (device memory, or pinned host memory a device reads in place): a store's reads of blocks
+// it does not copy back (core's AttendBackend). The pointer arrays, bases, queries and weights
+// are copied to device scratch held per calling thread, the op runs on cudaStreamPerThread,
+// the results (the rows out[b] [G][ld]: d columns of each row; scores; readouts, which
+// accumulate into out as the op does) and error_flags are copied back, and the call waits.
+// 1 (cudaErrorInvalidValue) as the stand-ins; kErrorNoDevice (cuda.h) without a CUDA build
+// or device; every build.
+int DecodeKeysFromHost(const DecodeKeyParams& p);
+int DecodeValuesFromHost(const DecodeValueParams& p);
+int ScoreBlocksFromHost(const ScoreBlocksParams& p);
+int ReadoutBlocksFromHost(const ReadoutBlocksParams& p);
+
 // The launchers (CUDA builds only; device pointers, pointer arrays in device memory).
 int EncodeKeys(const EncodeKeyParams& p, void* stream);
 int EncodeValues(const EncodeValueParams& p, void* stream);
