@@ -217,11 +217,11 @@ Metrics::Metrics()
                                 .Name("kvq_attend_backend_calls_total")
                                 .Help("Attends whose encoded blocks the attend backend served")
                                 .Register(*registry_)),
-      backend_block_reads_(BuildCounter()
-                               .Name("kvq_backend_block_reads_total")
-                               .Help("Scores, readouts and decodes of device blocks the attend "
-                                     "backend ran where they lie")
-                               .Register(*registry_)),
+      backend_block_ops_(BuildCounter()
+                             .Name("kvq_backend_block_ops_total")
+                             .Help("Encodes, scores, readouts and decodes of device blocks the "
+                                   "attend backend ran where they lie")
+                             .Register(*registry_)),
       copy_back_bytes_(BuildCounter()
                            .Name("kvq_block_copy_back_bytes_total")
                            .Help("Block bytes copied out of device memory for CPU reads")
@@ -328,11 +328,11 @@ void Metrics::Refresh(const core::Store& store, const core::Registry& registry, 
       }
       seen_attend_backend_calls_ = calls;
       const int64_t reads = b->block_op_calls();
-      if (reads > seen_backend_block_reads_) {
-        backend_block_reads_.Add({{"backend", b->name()}})
-            .Increment(double(reads - seen_backend_block_reads_));
+      if (reads > seen_backend_block_ops_) {
+        backend_block_ops_.Add({{"backend", b->name()}})
+            .Increment(double(reads - seen_backend_block_ops_));
       }
-      seen_backend_block_reads_ = reads;
+      seen_backend_block_ops_ = reads;
     }
     const int64_t copied = core::CopiedBackBytes();
     if (copied > seen_copy_back_bytes_) {

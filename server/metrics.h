@@ -39,9 +39,9 @@
 //   kvq_attend_backend_calls_total{backend}    counter   attends whose encoded blocks the
 //                                                        store's attend backend served (cuda
 //                                                        with --memory gpu; absent without one)
-//   kvq_backend_block_reads_total{backend}     counter   scores, readouts and decodes of
-//                                                        device blocks the attend backend ran
-//                                                        where they lie (ReadPolicy::blocks_on)
+//   kvq_backend_block_ops_total{backend}       counter   encodes, scores, readouts and decodes
+//                                                        of device blocks the attend backend
+//                                                        ran where they lie (set_block_ops)
 //   kvq_block_copy_back_bytes_total            counter   block bytes copied out of memory the
 //                                                        CPU does not read (device memory) for
 //                                                        the CPU's reads (core::CpuView)
@@ -139,13 +139,13 @@ class Metrics {
   prometheus::Counter& probe_gap_dropped_sequences_;
   prometheus::Counter& attend_split_;
   prometheus::Family<prometheus::Counter>& attend_backend_calls_;
-  prometheus::Family<prometheus::Counter>& backend_block_reads_;
+  prometheus::Family<prometheus::Counter>& backend_block_ops_;
   prometheus::Counter& copy_back_bytes_;
   absl::Mutex mu_;
   int64_t seen_evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t seen_expirations_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t seen_attend_backend_calls_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t seen_backend_block_reads_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t seen_backend_block_ops_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t seen_copy_back_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

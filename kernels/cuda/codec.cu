@@ -121,6 +121,29 @@ bool HasDevice() {
   return cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
 }
 
+// Copies each distinct host array of `bytes` bytes that ptrs[0..n) point at into the scratch
+// at `at` (laid out by the caller: distinct.size() * bytes), giving each entry its device
+// address in dev[0..n). Null entries stay null.
+template <class T>
+void UpDistinct(HostCall& c, const T* const* ptrs, size_t n, size_t bytes, size_t at,
+                const std::vector<const T*>& distinct, std::vector<const T*>* dev) {
+  dev->assign(n, nullptr);
+  for (size_t i = 0; i < distinct.size(); ++i) c.Up(at + i * bytes, distinct[i], bytes);
+  for (size_t b = 0; b < n; ++b) {
+    if (ptrs[b] == nullptr) continue;
+    const size_t i = std::find(distinct.begin(), distinct.end(), ptrs[b]) - distinct.begin();
+    (*dev)[b] = c.At<const T>(at + i * bytes);
+  }
+}
+template <class T>
+std::vector<const T*> Distinct(const T* const* ptrs, size_t n) {
+  std::vector<const T*> out;
+  for (size_t b = 0; b < n; ++b)
+    if (ptrs[b] != nullptr && std::find(out.begin(), out.end(), ptrs[b]) == out.end())
+      out.push_back(ptrs[b]);
+  return out;
+}
+
 // DecodeKeysFromHost and DecodeValuesFromHost: the blocks' rows decoded into device scratch,
 // then copied into each out[b] (d columns of its G rows of stride ld). Key bases: each distinct
 // host pointer copied once.
@@ -135,19 +158,14 @@ int DecodeFromHost(const P& hp, Launcher launch) {
   const size_t in_at = c.Take(n * sizeof(void*)), out_ptr_at = c.Take(n * sizeof(void*));
   const size_t rows_at = c.Take(n * rows_bytes), flags_at = c.Take(4);
   constexpr bool kKeys = std::is_same_v<P, DecodeKeyParams>;
-  std::vector<const float*> distinct;  // key bases: distinct host pointers
-  std::vector<size_t> basis_of(n, 0);  // block b's index in distinct
+  std::vector<const float*> bases, basis_ptrs;  // key bases: distinct host arrays
   size_t basis_ptr_at = 0, basis_at = 0, basis_bytes = 0;
   if constexpr (kKeys) {
     if (hp.codec.rank > 0 && hp.basis != nullptr) {
+      bases = Distinct(hp.basis, n);
       basis_bytes = 4 * d * static_cast<size_t>(hp.codec.rank);
-      for (size_t b = 0; b < n; ++b) {
-        const auto it = std::find(distinct.begin(), distinct.end(), hp.basis[b]);
-        basis_of[b] = it - distinct.begin();
-        if (it == distinct.end()) distinct.push_back(hp.basis[b]);
-      }
       basis_ptr_at = c.Take(n * sizeof(void*));
-      basis_at = c.Take(distinct.size() * basis_bytes);
+      basis_at = c.Take(bases.size() * basis_bytes);
     }
   }
   if (!c.Reserve()) return c.Finish();
@@ -156,14 +174,9 @@ int DecodeFromHost(const P& hp, Launcher launch) {
   for (size_t b = 0; b < n; ++b) out_ptrs[b] = c.At<float>(rows_at + b * rows_bytes);
   c.Up(in_at, hp.in, n * sizeof(void*));
   c.Up(out_ptr_at, out_ptrs.data(), n * sizeof(void*));
-  std::vector<const float*> basis_ptrs(n, nullptr);
   if constexpr (kKeys) {
-    if (!distinct.empty()) {
-      for (size_t i = 0; i < distinct.size(); ++i)
-        if (distinct[i] != nullptr) c.Up(basis_at + i * basis_bytes, distinct[i], basis_bytes);
-      for (size_t b = 0; b < n; ++b)
-        if (hp.basis[b] != nullptr)
-          basis_ptrs[b] = c.At<float>(basis_at + basis_of[b] * basis_bytes);
+    if (basis_bytes > 0) {
+      UpDistinct(c, hp.basis, n, basis_bytes, basis_at, bases, &basis_ptrs);
       c.Up(basis_ptr_at, basis_ptrs.data(), n * sizeof(void*));
       dp.basis = c.At<const float* const>(basis_ptr_at);
     }
@@ -182,6 +195,83 @@ int DecodeFromHost(const P& hp, Launcher launch) {
 }
 
 }  // namespace
+
+int EncodeKeysFromHost(const EncodeKeyParams& hp) {
+  if (!HasDevice()) return kErrorNoDevice;
+  EncodeKeyParams dp = hp;
+  dp.workspace_bytes = EncodeKeyWorkspaceBytes(hp);
+  dp.workspace = &dp;  // any address for this check; the scratch's below, checked again at launch
+  if (cm::Reason(dp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  if (hp.blocks == 0) return 0;
+  const size_t n = static_cast<size_t>(hp.blocks), G = hp.codec.key_group, d = hp.codec.head_dim;
+  const size_t r = static_cast<size_t>(hp.codec.rank), row_bytes = 4 * d;
+  HostCall c;
+  const size_t keys_at = c.Take(n * G * row_bytes), key_ptr_at = c.Take(n * sizeof(void*));
+  const size_t out_ptr_at = c.Take(n * sizeof(void*)), ws_at = c.Take(dp.workspace_bytes);
+  const std::vector<const float*> bases =
+      r > 0 && hp.basis_t ? Distinct(hp.basis_t, n) : std::vector<const float*>{};
+  const size_t basis_bytes = 4 * r * d, basis_at = c.Take(bases.size() * basis_bytes),
+               basis_ptr_at = c.Take(r > 0 ? n * sizeof(void*) : 0);
+  if (!c.Reserve()) return c.Finish();
+  std::vector<const float*> key_ptrs(n), basis_ptrs;
+  for (size_t b = 0; b < n; ++b) {
+    c.Up(keys_at + b * G * row_bytes, hp.keys[b], row_bytes, G, 4 * static_cast<size_t>(hp.ld));
+    key_ptrs[b] = c.At<const float>(keys_at + b * G * row_bytes);
+  }
+  c.Up(key_ptr_at, key_ptrs.data(), n * sizeof(void*));
+  c.Up(out_ptr_at, hp.out, n * sizeof(void*));
+  if (r > 0 && hp.basis_t) {
+    UpDistinct(c, hp.basis_t, n, basis_bytes, basis_at, bases, &basis_ptrs);
+    c.Up(basis_ptr_at, basis_ptrs.data(), n * sizeof(void*));
+    dp.basis_t = c.At<const float* const>(basis_ptr_at);
+  }
+  dp.keys = c.At<const float* const>(key_ptr_at);
+  dp.ld = static_cast<int64_t>(d);
+  dp.out = c.At<uint8_t* const>(out_ptr_at);
+  dp.workspace = c.At<void>(ws_at);
+  c.Launched(EncodeKeys(dp, c.stream()));
+  return c.Finish();
+}
+
+int EncodeValuesFromHost(const EncodeValueParams& hp) {
+  if (!HasDevice()) return kErrorNoDevice;
+  EncodeValueParams dp = hp;
+  dp.workspace_bytes = EncodeValueWorkspaceBytes(hp);
+  dp.workspace = &dp;  // any address for this check; the scratch's below, checked again at launch
+  if (cm::Reason(dp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  if (hp.blocks == 0) return 0;
+  const size_t n = static_cast<size_t>(hp.blocks), G = hp.codec.key_group, d = hp.codec.head_dim;
+  const size_t row_bytes = 4 * d;
+  const bool widths = hp.codec.value_bits == 0;
+  HostCall c;
+  const size_t values_at = c.Take(n * G * row_bytes), value_ptr_at = c.Take(n * sizeof(void*));
+  const size_t widths_at = c.Take(widths ? n * G : 0),
+               width_ptr_at = c.Take(widths ? n * sizeof(void*) : 0);
+  const size_t out_ptr_at = c.Take(n * sizeof(void*)), ws_at = c.Take(dp.workspace_bytes);
+  if (!c.Reserve()) return c.Finish();
+  std::vector<const float*> value_ptrs(n);
+  std::vector<const uint8_t*> width_ptrs(n);
+  for (size_t b = 0; b < n; ++b) {
+    c.Up(values_at + b * G * row_bytes, hp.values[b], row_bytes, G, 4 * static_cast<size_t>(hp.ld));
+    value_ptrs[b] = c.At<const float>(values_at + b * G * row_bytes);
+    if (widths) {
+      c.Up(widths_at + b * G, hp.widths[b], G);
+      width_ptrs[b] = c.At<const uint8_t>(widths_at + b * G);
+    }
+  }
+  c.Up(value_ptr_at, value_ptrs.data(), n * sizeof(void*));
+  if (widths) {
+    c.Up(width_ptr_at, width_ptrs.data(), n * sizeof(void*));
+    dp.widths = c.At<const uint8_t* const>(width_ptr_at);
+  }
+  c.Up(out_ptr_at, hp.out, n * sizeof(void*));
+  dp.values = c.At<const float* const>(value_ptr_at);
+  dp.ld = static_cast<int64_t>(d);
+  dp.out = c.At<uint8_t* const>(out_ptr_at);
+  dp.workspace = c.At<void>(ws_at);
+  c.Launched(EncodeValues(dp, c.stream()));
+  return c.Finish();
+}
 
 int DecodeKeysFromHost(const DecodeKeyParams& p) {
   return DecodeFromHost(p, [](const DecodeKeyParams& q, void* s) { return DecodeKeys(q, s); });

@@ -8,6 +8,8 @@ namespace kvq::kernels::cuda {
 
 int AttendFromHost(const AttendParams&) { return kErrorNoDevice; }
 int VerifyBlocksFromHost(const VerifyParams&) { return kErrorNoDevice; }
+int EncodeKeysFromHost(const EncodeKeyParams&) { return kErrorNoDevice; }
+int EncodeValuesFromHost(const EncodeValueParams&) { return kErrorNoDevice; }
 int DecodeKeysFromHost(const DecodeKeyParams&) { return kErrorNoDevice; }
 int DecodeValuesFromHost(const DecodeValueParams&) { return kErrorNoDevice; }
 int ScoreBlocksFromHost(const ScoreBlocksParams&) { return kErrorNoDevice; }

@@ -2,8 +2,9 @@
 // attend, which runs the CUDA kernel's own thread-block programs, against the CPU kernels'
 // attend over the same cache on every codec and shape of the CUDA attend's cases, sealed and
 // unsealed blocks on a slab pool, more query rows than the kernel takes at once; the reads a
-// backend cannot take, corrupted blocks, the A^2 statistics an observing attend records, and
-// the probe that decides whether a backend serves.
+// backend cannot take, corrupted blocks, the A^2 statistics an observing attend records, the
+// block ops (encode, score, readout, decode) a store runs there, and the probe that decides
+// whether a backend serves.
 #include "kvq/core/attend_backend.h"
 
 #include <gtest/gtest.h>
@@ -177,6 +178,99 @@ TEST(AttendBackend, ObservingAttendRecordsTheWindowsA2Statistics) {
 
 // The CUDA attend never gets pointers into pageable host memory (a device read there faults
 // its context): a cache on host memory fails the attend, naming backend and pool.
+// The block ops a store puts on its backend when its blocks are in device memory
+// (LayerCache::set_block_ops), on the host stand-in of a gpu pool (host slabs the CPU reads
+// only by copies): every case's layer encoded there, sealed and unsealed, in one append and
+// its last group token by token (A^2 widths from observed weights, a group sealed from the
+// window),
+// then scored, read out and decoded there, gives the bits of the same layer encoded and read on
+// the CPU (both on the reference kernels), and copies no block back.
+TEST(AttendBackend, BlockOpsEncodeAndReadEveryCaseAsTheCpu) {
+  kernels::SetActive(&kernels::Ref());
+  const core::AttendBackend* ops = core::HostAttendBackend();
+  for (const AttendCase& cs : AttendCases()) {
+    for (const bool sealing : {false, true}) {
+      SCOPED_TRACE(cs.name + (sealing ? " sealed" : ""));
+      const core::CodecOptions& o = cs.o;
+      const int d = o.head_dim, kv = cs.kv, qh = kv * cs.gq;
+      const int64_t T = static_cast<int64_t>(cs.nb) * o.key_group + cs.W;
+      const core::ModelBasis b = core::RandomBasis({"t", 1, 1, kv, qh, d, std::max(o.rank, 1)}, 3);
+      core::SlabBytePool by_copy(kernels::Pool::kHost, size_t{1} << 20,
+                                 core::SlabBytePool::CpuAccess::kByCopy);
+      LayerCache cpu(o, kv, o.rank > 0 ? b.u.data() : nullptr);
+      LayerCache dev(o, kv, o.rank > 0 ? b.u.data() : nullptr, &by_copy);
+      dev.set_block_ops(ops);
+      const auto k = Gaussian(kv * T * d, 11), v = Gaussian(kv * T * d, 12);
+      const auto q = Gaussian(static_cast<size_t>(qh) * d, 13);
+      const int64_t ops_before = ops->block_op_calls(), copied = core::CopiedBackBytes();
+      // All but the last group and two tokens in one append, those token by token with an
+      // observing attend every 8 (its weights choose A^2 widths when that group is encoded).
+      const int64_t half = std::max<int64_t>(0, T - o.key_group - 2);
+      // Tokens [t0, t1) of every head: a view into [kv][T][d].
+      auto tokens = [&](const std::vector<float>& x, int64_t t0, int64_t t1) {
+        core::TensorView view = View3(x, kv, T, d);
+        view.data = x.data() + t0 * d;
+        view.shape[1] = t1 - t0;
+        return view;
+      };
+      for (LayerCache* c : {&cpu, &dev}) {
+        c->set_sealing(sealing);
+        ASSERT_TRUE(c->Append(tokens(k, 0, half), tokens(v, 0, half), 0).ok());
+        for (int64_t t = half; t < T; ++t) {
+          ASSERT_TRUE(c->Append(tokens(k, t, t + 1), tokens(v, t, t + 1), t).ok());
+          if (t % 8 != 0) continue;
+          std::vector<float> out(q.size());
+          ASSERT_TRUE(c->Attend(q.data(), qh, 1, AttendOptions{}, out.data()).ok());
+        }
+      }
+      if (cs.nb > 0) {
+        EXPECT_GT(ops->block_op_calls(), ops_before) << "the stand-in encoded the groups";
+      }
+      std::vector<float> sa(static_cast<size_t>(qh) * T), sb(sa.size());
+      ASSERT_TRUE(cpu.Score(q.data(), qh, 1, sa.data()).ok());
+      ASSERT_TRUE(dev.Score(q.data(), qh, 1, sb.data()).ok());
+      EXPECT_EQ(sa, sb);
+      std::vector<float> ra(static_cast<size_t>(qh) * d), rb(ra.size());
+      ASSERT_TRUE(cpu.Readout(sa.data(), qh, 1, ra.data()).ok());
+      ASSERT_TRUE(dev.Readout(sa.data(), qh, 1, rb.data()).ok());
+      EXPECT_EQ(ra, rb);
+      std::vector<float> ka, va, kb, vb;
+      ASSERT_TRUE(cpu.Decode(&ka, &va).ok());
+      ASSERT_TRUE(dev.Decode(&kb, &vb).ok());
+      EXPECT_EQ(ka, kb);
+      EXPECT_EQ(va, vb);
+      EXPECT_EQ(cpu.Size().key_block_bytes, dev.Size().key_block_bytes);
+      EXPECT_EQ(cpu.Size().value_block_bytes, dev.Size().value_block_bytes);
+      EXPECT_EQ(core::CopiedBackBytes(), copied) << "nothing read through copies";
+    }
+  }
+  kernels::SetActive(nullptr);
+}
+
+// A device that refuses an encode fails the append with its reason and keeps no block of it.
+TEST(AttendBackend, AnEncodeTheDeviceRefusesFailsTheAppend) {
+  class Refusing final : public core::HostStandInBackend {
+   protected:
+    int RunEncodeValues(const kernels::cuda::EncodeValueParams&) const override { return 700; }
+  } refusing;
+  const AttendCase cs = AttendCases()[1];
+  const int d = cs.o.head_dim, kv = cs.kv;
+  const int64_t T = cs.o.key_group;
+  const core::ModelBasis b = core::RandomBasis({"t", 1, 1, kv, kv * cs.gq, d, cs.o.rank}, 3);
+  core::SlabBytePool by_copy(kernels::Pool::kHost, size_t{1} << 20,
+                             core::SlabBytePool::CpuAccess::kByCopy);
+  LayerCache c(cs.o, kv, b.u.data(), &by_copy);
+  c.set_block_ops(&refusing);
+  const auto k = Gaussian(kv * T * d, 11), v = Gaussian(kv * T * d, 12);
+  const absl::Status st = c.Append(View3(k, kv, T, d), View3(v, kv, T, d), 0);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_EQ(st.message(), "attend backend 'cuda-host': encode values error 700");
+  for (int h = 0; h < kv; ++h) {
+    EXPECT_EQ(c.key_blocks(h).size(), 0u);
+    EXPECT_EQ(c.value_blocks(h).size(), 0u);
+  }
+}
+
 TEST(AttendBackend, ABackendIsNeverHandedMemoryItCannotRead) {
   const PreparedAttend pa = Prepare(AttendCases()[2]);  // its cache is on host memory
   ASSERT_FALSE(pa.want.empty());

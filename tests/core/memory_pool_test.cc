@@ -126,7 +126,7 @@ TEST(MemoryPoolTest, AGpuWhoseBlockReadsFailTheProbeIsPassedBy) {
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_NE(c->name, "gpu");
   EXPECT_THAT(c->explanation,
-              HasSubstr("the probe's score or decode on it differs from the CPU's"));
+              HasSubstr("the probe's encode, score or decode on it differs from the CPU's"));
   // The same probe with the right reads chooses gpu (the probe's reads ran on the backend).
   const int64_t reads = HostAttendBackend()->block_op_calls();
   s.gpu.backend = HostAttendBackend();

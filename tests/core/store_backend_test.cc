@@ -168,9 +168,17 @@ TEST_P(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   levers.fp16_sinks = 4;
   levers.rotate_keys = true;
   levers.rotate_values = true;
+  const int64_t encodes = backend_of_->block_op_calls();
   Append("a", 0, 0, 300, 1);  // 2 groups of 128 and a window of 44
   Append("a", 1, 0, 300, 3);
   Append("b", 0, 0, 200, 5, &levers);
+  // Device blocks are encoded where they lie (keys and values per head and append); the pinned
+  // pool's are encoded on the CPU, which reads them in place.
+  if (GetParam().pinned) {
+    EXPECT_EQ(backend_of_->block_op_calls(), encodes);
+  } else {
+    EXPECT_EQ(backend_of_->block_op_calls(), encodes + 3 * kKv * 2);
+  }
   const int64_t calls = backend_of_->calls(), verifies = backend_of_->verify_calls();
   const int64_t copied_before_steps = CopiedBackBytes();
   float worst = 0.0f;
@@ -205,7 +213,7 @@ TEST_P(StoreBackendTest, DecodeStepsAgreeWithTheOrdinaryStore) {
   EXPECT_EQ(plain_->Scrub(), 0);
   EXPECT_EQ(backend_->Scrub(), 0);
   // Scores, readouts, decodes and the scrub read device blocks where they lie, on the
-  // backend's block ops (ReadPolicy::blocks_on); the CPU reads pinned memory in place. Either
+  // backend's block ops (LayerCache::set_block_ops); the CPU reads pinned memory in place. Either
   // way the whole workload copied no block back (kvq_block_copy_back_bytes_total stays 0).
   EXPECT_EQ(CopiedBackBytes(), copied_before_steps);
   if (GetParam().pinned) {
@@ -272,7 +280,7 @@ TEST_P(StoreBackendTest, CorruptionIsFoundBeforeTheAttend) {
 }
 
 // A codec the block ops do not read (dense-and-sparse lists) is read through copies of the
-// blocks, as before ReadPolicy::blocks_on: the same scores and rows, the copies counted.
+// blocks (and encoded on the CPU): the same scores and rows, the copies counted.
 TEST_P(StoreBackendTest, ACodecTheBlockOpsDoNotReadIsReadThroughCopies) {
   if (GetParam().device) GTEST_SKIP() << "the stand-in's fallback; the device takes the same";
   CodecOptions sparse = Registry::DefaultCodec(registry_.Get("m", 1).value()->manifest, true);

@@ -129,12 +129,12 @@ TEST_F(GpuStandInServer, AttendsAgreeAndStatsNameThePoolAndBackend) {
     metrics = HttpGet(gpu_->server().metrics_port(), "/metrics", 5);
     if (metrics.find("kvq_attend_backend_calls_total{backend=\"cuda-host\"}") !=
             std::string::npos &&
-        metrics.find("kvq_backend_block_reads_total{backend=\"cuda-host\"}") != std::string::npos)
+        metrics.find("kvq_backend_block_ops_total{backend=\"cuda-host\"}") != std::string::npos)
       break;
     absl::SleepFor(absl::Milliseconds(20));
   }
   EXPECT_THAT(metrics, HasSubstr("kvq_attend_backend_calls_total{backend=\"cuda-host\"}"));
-  EXPECT_THAT(metrics, HasSubstr("kvq_backend_block_reads_total{backend=\"cuda-host\"}"));
+  EXPECT_THAT(metrics, HasSubstr("kvq_backend_block_ops_total{backend=\"cuda-host\"}"));
   EXPECT_THAT(metrics, HasSubstr("kvq_stored_bytes{pool=\"gpu\"}"));
   EXPECT_THAT(metrics, HasSubstr("kvq_block_copy_back_bytes_total 0\n"));
 }

@@ -48,6 +48,14 @@ absl::Status AttendBackend::VerifyBlocks(std::span<const uint8_t* const> blocks,
   return absl::InternalError(absl::StrCat("attend backend '", name(), "': verify error ", e));
 }
 
+absl::Status AttendBackend::EncodeKeys(const kernels::cuda::EncodeKeyParams& p) const {
+  block_op_calls_.fetch_add(1, std::memory_order_relaxed);
+  return Outcome(RunEncodeKeys(p), "encode keys");
+}
+absl::Status AttendBackend::EncodeValues(const kernels::cuda::EncodeValueParams& p) const {
+  block_op_calls_.fetch_add(1, std::memory_order_relaxed);
+  return Outcome(RunEncodeValues(p), "encode values");
+}
 absl::Status AttendBackend::DecodeKeys(const kernels::cuda::DecodeKeyParams& p) const {
   block_op_calls_.fetch_add(1, std::memory_order_relaxed);
   return Outcome(RunDecodeKeys(p), "decode keys");
@@ -79,6 +87,12 @@ class CudaBackend final : public AttendBackend {
   int RunVerify(const kernels::cuda::VerifyParams& p) const override {
     return kernels::cuda::VerifyBlocksFromHost(p);
   }
+  int RunEncodeKeys(const kernels::cuda::EncodeKeyParams& p) const override {
+    return kernels::cuda::EncodeKeysFromHost(p);
+  }
+  int RunEncodeValues(const kernels::cuda::EncodeValueParams& p) const override {
+    return kernels::cuda::EncodeValuesFromHost(p);
+  }
   int RunDecodeKeys(const kernels::cuda::DecodeKeyParams& p) const override {
     return kernels::cuda::DecodeKeysFromHost(p);
   }
@@ -107,6 +121,12 @@ int HostStandInBackend::Run(const kernels::cuda::AttendParams& p) const {
 }
 int HostStandInBackend::RunVerify(const kernels::cuda::VerifyParams& p) const {
   return kernels::cuda::VerifyBlocksOnHost(p);
+}
+int HostStandInBackend::RunEncodeKeys(const kernels::cuda::EncodeKeyParams& p) const {
+  return kernels::cuda::EncodeKeysOnHost(p);
+}
+int HostStandInBackend::RunEncodeValues(const kernels::cuda::EncodeValueParams& p) const {
+  return kernels::cuda::EncodeValuesOnHost(p);
 }
 int HostStandInBackend::RunDecodeKeys(const kernels::cuda::DecodeKeyParams& p) const {
   return kernels::cuda::DecodeKeysOnHost(p);
@@ -168,22 +188,25 @@ absl::Status ProbeAttendBackend(const AttendBackend& backend, BytePool* pool) {
     return absl::InternalError(absl::StrCat("attend backend '", backend.name(),
                                             "': the probe's attend differs from the CPU's by ",
                                             worst, " (max|v| ", vmax, ")"));
-  // The reads a store runs on the backend where the CPU reads the pool only by copies
-  // (ReadPolicy::blocks_on): a score and a decode through it, against the same cache's reads
-  // through copies (scores within 1e-3 of their largest magnitude, decoded rows within 1e-5 of
-  // theirs: the backend's ops are core's codec bit for bit on the reference kernels).
+  // What a store runs on the backend where the CPU reads the pool only by copies
+  // (LayerCache::set_block_ops): the same layer encoded on it, then scored and decoded on it,
+  // against the CPU-encoded layer's reads through copies (scores within 1e-3 of their largest
+  // magnitude, decoded rows within 1e-5 of theirs: the backend's ops are core's codec bit for
+  // bit on the reference kernels).
   if (pool->cpu_readable()) return absl::OkStatus();
-  const int64_t reads = backend.block_op_calls();
+  const int64_t ops_before = backend.block_op_calls();
+  LayerCache on_ops(o, kv, basis.u.data(), pool);
+  on_ops.set_block_ops(&backend);
+  if (absl::Status st = on_ops.Append(kt, vt, 0); !st.ok()) return st;
   std::vector<float> s_cpu(static_cast<size_t>(kv) * gq * T), s_dev(s_cpu.size());
   std::vector<float> k_cpu, v_cpu, k_dev, v_dev;
   if (absl::Status st = cache.Score(q.data(), kv * gq, 1, s_cpu.data()); !st.ok()) return st;
   if (absl::Status st = cache.Decode(&k_cpu, &v_cpu); !st.ok()) return st;
-  cache.set_read_policy({.verify_checksums = true, .blocks_on = &backend});
-  if (absl::Status st = cache.Score(q.data(), kv * gq, 1, s_dev.data()); !st.ok()) return st;
-  if (absl::Status st = cache.Decode(&k_dev, &v_dev); !st.ok()) return st;
-  if (backend.block_op_calls() == reads)
-    return absl::InternalError(
-        absl::StrCat("attend backend '", backend.name(), "': the probe's reads did not use it"));
+  if (absl::Status st = on_ops.Score(q.data(), kv * gq, 1, s_dev.data()); !st.ok()) return st;
+  if (absl::Status st = on_ops.Decode(&k_dev, &v_dev); !st.ok()) return st;
+  if (backend.block_op_calls() == ops_before)
+    return absl::InternalError(absl::StrCat("attend backend '", backend.name(),
+                                            "': the probe's encode and reads did not use it"));
   auto differs = [](const std::vector<float>& a, const std::vector<float>& b, float rel) {
     float scale = 0.0f, worst = a.size() == b.size() ? 0.0f : INFINITY;
     for (float x : a) scale = std::max(scale, std::fabs(x));
@@ -193,8 +216,8 @@ absl::Status ProbeAttendBackend(const AttendBackend& backend, BytePool* pool) {
   };
   if (differs(s_cpu, s_dev, 1e-3f) || differs(k_cpu, k_dev, 1e-5f) || differs(v_cpu, v_dev, 1e-5f))
     return absl::InternalError(absl::StrCat("attend backend '", backend.name(),
-                                            "': the probe's score or decode on it differs from "
-                                            "the CPU's"));
+                                            "': the probe's encode, score or decode on it "
+                                            "differs from the CPU's"));
   return absl::OkStatus();
 }
 

@@ -443,26 +443,65 @@ absl::Status LayerCache::EncodeInput(const TensorView& k, const TensorView& v, i
 absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* input) {
   if (ready == 0) return absl::OkStatus();
   const int G = opts_.key_group, d = opts_.head_dim, r = opts_.rank;
+  const AttendBackend* ops = EncodesOn();
+  // On the block ops every group's rows and widths are prepared first (one call encodes them
+  // all); on the CPU one group at a time (kf, vf hold that group).
+  const size_t rows = static_cast<size_t>(ops ? ready : 1) * G * d;
   thread_local std::vector<float> kf, vf, wts;
   thread_local std::vector<uint8_t> widths;
-  kf.resize(static_cast<size_t>(G) * d);
-  vf.resize(static_cast<size_t>(G) * d);
+  kf.resize(rows);
+  vf.resize(rows);
   wts.resize(G);
-  widths.resize(G);
-  {
-    Head& hd = heads_[h];
-    const DType dt = input ? input->dtype : hd.win_dtype;
-    const int64_t row_bytes = static_cast<int64_t>(d) * DTypeSize(dt);
-    const int64_t kstride = input ? input->kstride : row_bytes;
-    const int64_t vstride = input ? input->vstride : row_bytes;
-    const uint8_t* krows = input ? input->k : hd.kwin.data();
-    const uint8_t* vrows = input ? input->v : hd.vwin.data();
-    const float* Ut = r > 0 ? tables_->basis_t.data() + static_cast<size_t>(h) * d * r : nullptr;
-    const bool seal = !building_.empty();
-    if (!seal) {
-      Reserve(&hd.kblocks, ready * kblock_bytes_);
-      Reserve(&hd.vblocks, ready * MaxValueBlockBytes(opts_));
+  widths.resize(static_cast<size_t>(ops ? ready : 1) * G);
+  Head& hd = heads_[h];
+  const DType dt = input ? input->dtype : hd.win_dtype;
+  const int64_t row_bytes = static_cast<int64_t>(d) * DTypeSize(dt);
+  const int64_t kstride = input ? input->kstride : row_bytes;
+  const int64_t vstride = input ? input->vstride : row_bytes;
+  const uint8_t* krows = input ? input->k : hd.kwin.data();
+  const uint8_t* vrows = input ? input->v : hd.vwin.data();
+  // Group g's rows as fp32 into k, v (the sinks' stand-ins in place) and, for per-token value
+  // widths, its widths into w (else w is left alone).
+  auto prepare = [&](int64_t g, float* k, float* v, uint8_t* w) -> absl::Status {
+    const int64_t first = g * G;  // window (or input) index of the group's first token
+    // Input rows are checked as they are converted (window rows were checked on arrival):
+    // EncodeInput undoes the append and names the element.
+    const bool keys_ok = RowsToFloat(dt, krows + first * kstride, kstride, G, d, k);
+    const bool values_ok = RowsToFloat(dt, vrows + first * vstride, vstride, G, d, v);
+    if (input && !(keys_ok && values_ok))
+      return absl::InvalidArgumentError("append: input rows not storable");
+    if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, k, v);
+    if (!opts_.per_token_value_bits()) return absl::OkStatus();
+    bool any = false;
+    for (int t = 0; t < G; ++t) {
+      const int64_t j = first + t;
+      const float probe = input ? (input->probe ? input->probe[j] : -1.0f) : hd.probe[j];
+      if (probe >= 0) {
+        wts[t] = probe;
+        any = true;
+      } else if (!input && hd.a2_reads[j] > 0) {
+        wts[t] = hd.a2_sum[j] / hd.a2_reads[j];
+        any = true;
+      } else {
+        wts[t] = 1.0f;
+      }
     }
+    ChooseValueBits(opts_, v, d, any ? wts.data() : nullptr, G, encoded_ + first, w);
+    return absl::OkStatus();
+  };
+  const bool seal = !building_.empty();
+  if (!seal) {
+    Reserve(&hd.kblocks, ready * kblock_bytes_);
+    Reserve(&hd.vblocks, ready * MaxValueBlockBytes(opts_));
+  }
+  const uint8_t* wp = opts_.per_token_value_bits() ? widths.data() : nullptr;
+  if (ops != nullptr) {
+    const size_t n = static_cast<size_t>(G) * d;
+    for (int64_t g = 0; g < ready; ++g)
+      RETURN_IF_ERROR(prepare(g, kf.data() + g * n, vf.data() + g * n, widths.data() + g * G));
+    RETURN_IF_ERROR(EncodeOnBackend(*ops, h, ready, kf.data(), vf.data(), wp));
+  } else {
+    const float* Ut = r > 0 ? tables_->basis_t.data() + static_cast<size_t>(h) * d * r : nullptr;
     // The blocks are encoded into host memory and copied into the pool's (which may be device
     // memory): unsealed ones once per call, key blocks and value blocks, a sealed group's once
     // per group and head.
@@ -470,19 +509,13 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     kst.clear();
     vst.clear();
     for (int64_t g = 0; g < ready; ++g) {
-      const int64_t first = g * G;  // window (or input) index of the group's first token
+      const int64_t first = g * G;
+      RETURN_IF_ERROR(prepare(g, kf.data(), vf.data(), widths.data()));
       // Reading the input from memory is what a memcpy of it costs: the next group's key rows
-      // are fetched while this group's keys are quantized, its value rows while the values are,
-      // a few lines at a time (kernels::PrefetchWhileEncoding), so the next conversion finds
-      // them in cache.
+      // are fetched while this group's keys are quantized, its value rows while the values
+      // are, a few lines at a time (kernels::PrefetchWhileEncoding), so the next conversion
+      // finds them in cache.
       const bool fetch_next = input && g + 1 < ready;
-      // Input rows are checked as they are converted (window rows were checked on arrival):
-      // EncodeInput undoes the append and names the element.
-      const bool keys_ok = RowsToFloat(dt, krows + first * kstride, kstride, G, d, kf.data());
-      const bool values_ok = RowsToFloat(dt, vrows + first * vstride, vstride, G, d, vf.data());
-      if (input && !(keys_ok && values_ok))
-        return absl::InvalidArgumentError("append: input rows not storable");
-      if (opts_.fp16_sinks > 0 && encoded_ + first == 0) HoldSinks(h, kf.data(), vf.data());
       SealedBlock* sb = seal ? building_[g].get() : nullptr;
       // Dense-and-sparse: reads decode keys with the decode basis; the sinks' stand-in rows of
       // a sequence's first group are never kept exact.
@@ -498,26 +531,6 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
                                     : tables_->rounding.data() + static_cast<size_t>(h) * d * d,
           &sparse));
       if (seal) sb->offsets.push_back(static_cast<uint32_t>(sb->bytes.size() + kst.size()));
-      const uint8_t* wp = nullptr;
-      if (opts_.per_token_value_bits()) {
-        bool any = false;
-        for (int t = 0; t < G; ++t) {
-          const int64_t j = first + t;
-          const float probe = input ? (input->probe ? input->probe[j] : -1.0f) : hd.probe[j];
-          if (probe >= 0) {
-            wts[t] = probe;
-            any = true;
-          } else if (!input && hd.a2_reads[j] > 0) {
-            wts[t] = hd.a2_sum[j] / hd.a2_reads[j];
-            any = true;
-          } else {
-            wts[t] = 1.0f;
-          }
-        }
-        ChooseValueBits(opts_, vf.data(), d, any ? wts.data() : nullptr, G, encoded_ + first,
-                        widths.data());
-        wp = widths.data();
-      }
       const float* vround = tables_->value_rounding.empty()
                                 ? nullptr
                                 : tables_->value_rounding.data() + static_cast<size_t>(h) * d * d;
@@ -534,15 +547,15 @@ absl::Status LayerCache::EncodeGroups(int h, int64_t ready, const InputRows* inp
     }
     RETURN_IF_ERROR(hd.kblocks.Append(kst.data(), kst.size()));
     RETURN_IF_ERROR(hd.vblocks.Append(vst.data(), vst.size()));
-    if (input) return absl::OkStatus();  // the window never held these rows
-    // Drop the encoded tokens from the window once (not per group: prefill stays linear).
-    const size_t group_bytes = static_cast<size_t>(G) * row_bytes;
-    hd.kwin.erase(hd.kwin.begin(), hd.kwin.begin() + ready * group_bytes);
-    hd.vwin.erase(hd.vwin.begin(), hd.vwin.begin() + ready * group_bytes);
-    hd.a2_sum.erase(hd.a2_sum.begin(), hd.a2_sum.begin() + ready * G);
-    hd.a2_reads.erase(hd.a2_reads.begin(), hd.a2_reads.begin() + ready * G);
-    hd.probe.erase(hd.probe.begin(), hd.probe.begin() + ready * G);
   }
+  if (input) return absl::OkStatus();  // the window never held these rows
+  // Drop the encoded tokens from the window once (not per group: prefill stays linear).
+  const size_t group_bytes = static_cast<size_t>(G) * row_bytes;
+  hd.kwin.erase(hd.kwin.begin(), hd.kwin.begin() + ready * group_bytes);
+  hd.vwin.erase(hd.vwin.begin(), hd.vwin.begin() + ready * group_bytes);
+  hd.a2_sum.erase(hd.a2_sum.begin(), hd.a2_sum.begin() + ready * G);
+  hd.a2_reads.erase(hd.a2_reads.begin(), hd.a2_reads.begin() + ready * G);
+  hd.probe.erase(hd.probe.begin(), hd.probe.begin() + ready * G);
   return absl::OkStatus();
 }
 

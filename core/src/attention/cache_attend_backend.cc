@@ -11,6 +11,7 @@
 #include "kvq/core/cache.h"
 #include "kvq/core/partial_attention.h"
 #include "kvq/core/status.h"
+#include "kvq/format/block_format.h"
 #include "kvq/kernels/kernels.h"
 
 namespace kvq::core {
@@ -92,13 +93,108 @@ absl::Status HeaderFlags(int flags, const AttendBackend& backend) {
 }  // namespace
 
 const AttendBackend* LayerCache::BlocksOn() const {
-  const AttendBackend* dev = read_.blocks_on;
+  const AttendBackend* dev = block_ops_;
   if (dev == nullptr || pool_->cpu_readable() || !dev->CanRead(pool_->pool())) return nullptr;
   // The block ops read no dense-and-sparse lists: such codecs read through copies.
   if (opts_.sparse_keys > 0 || opts_.sparse_values > 0 ||
       kernels::cuda::BlockCodecUnsupported(BlockCodecOf(opts_)) != nullptr)
     return nullptr;
   return dev;
+}
+
+const AttendBackend* LayerCache::EncodesOn() const {
+  // The GPU encoder has no metric rounding (sequential error feedback per token), and a codec
+  // whose rank has no basis here writes no side code the way the CPU's encoder does.
+  if (!tables_->rounding.empty() || !tables_->value_rounding.empty() ||
+      (opts_.rank > 0 && tables_->basis_t.empty()))
+    return nullptr;
+  return BlocksOn();
+}
+
+absl::Status LayerCache::EncodeOnBackend(const AttendBackend& ops, int h, int64_t ready,
+                                         const float* k, const float* v, const uint8_t* widths) {
+  const int G = opts_.key_group, d = opts_.head_dim, r = opts_.rank;
+  const format::BlockCodec codec = BlockCodecOf(opts_);
+  // Each block's place, where the pool keeps it (nothing copied in): unsealed groups after the
+  // head's blocks, a sealed group's key and value block after the previous heads' in its own.
+  thread_local std::vector<uint8_t*> kout, vout;
+  thread_local std::vector<size_t> vbytes;
+  kout.resize(ready);
+  vout.resize(ready);
+  vbytes.resize(ready);
+  size_t vtotal = 0;
+  for (int64_t g = 0; g < ready; ++g) {
+    vbytes[g] = ValueBlockBytes(opts_);
+    if (widths != nullptr) {
+      vbytes[g] = format::kHeaderBytes + format::ValueTagBytes(codec);
+      for (int t = 0; t < G; ++t) vbytes[g] += format::ValueRecordBytes(codec, widths[g * G + t]);
+    }
+    vtotal += vbytes[g];
+  }
+  Head& hd = heads_[h];
+  const bool seal = !building_.empty();
+  const size_t k_was = hd.kblocks.size(), v_was = hd.vblocks.size(),
+               offsets_was = hd.voffsets.size();
+  if (seal) {
+    for (int64_t g = 0; g < ready; ++g) {
+      SealedBlock& sb = *building_[g];
+      const size_t at = sb.bytes.size();
+      kout[g] = sb.bytes.Extend(kblock_bytes_ + vbytes[g]);
+      vout[g] = kout[g] + kblock_bytes_;
+      sb.offsets.push_back(static_cast<uint32_t>(at + kblock_bytes_));
+      sb.offsets.push_back(static_cast<uint32_t>(at + kblock_bytes_ + vbytes[g]));
+    }
+  } else {
+    uint8_t* k0 = hd.kblocks.Extend(static_cast<size_t>(ready) * kblock_bytes_);
+    uint8_t* v0 = hd.vblocks.Extend(vtotal);
+    for (int64_t g = 0, at = 0; g < ready; at += vbytes[g], ++g) {
+      kout[g] = k0 + g * kblock_bytes_;
+      vout[g] = v0 + at;
+      hd.voffsets.push_back(v_was + at);
+    }
+  }
+  thread_local std::vector<const float*> krows, vrows, bases;
+  thread_local std::vector<const uint8_t*> wrows;
+  krows.resize(ready);
+  vrows.resize(ready);
+  wrows.resize(ready);
+  const float* Ut = r > 0 ? tables_->basis_t.data() + static_cast<size_t>(h) * d * r : nullptr;
+  bases.assign(ready, Ut);
+  for (int64_t g = 0; g < ready; ++g) {
+    krows[g] = k + static_cast<size_t>(g) * G * d;
+    vrows[g] = v + static_cast<size_t>(g) * G * d;
+    wrows[g] = widths != nullptr ? widths + g * G : nullptr;
+  }
+  kernels::cuda::EncodeKeyParams kp;
+  kp.codec = codec;
+  kp.blocks = static_cast<int>(ready);
+  kp.keys = krows.data();
+  kp.ld = d;
+  kp.basis_t = Ut != nullptr ? bases.data() : nullptr;
+  kp.out = kout.data();
+  kernels::cuda::EncodeValueParams vp;
+  vp.codec = codec;
+  vp.blocks = kp.blocks;
+  vp.values = vrows.data();
+  vp.ld = d;
+  vp.widths = widths != nullptr ? wrows.data() : nullptr;
+  vp.out = vout.data();
+  absl::Status st = ops.EncodeKeys(kp);
+  if (st.ok()) st = ops.EncodeValues(vp);
+  if (!st.ok()) {  // nothing of this call stays
+    if (seal) {
+      for (int64_t g = 0; g < ready; ++g) {
+        SealedBlock& sb = *building_[g];
+        sb.offsets.resize(sb.offsets.size() - 2);
+        sb.bytes.resize(sb.offsets.back());
+      }
+    } else {
+      hd.kblocks.resize(k_was);
+      hd.vblocks.resize(v_was);
+      hd.voffsets.resize(offsets_was);
+    }
+  }
+  return st;
 }
 
 absl::Status LayerCache::ScoreOnBackend(const AttendBackend& dev, int h, const float* q,

@@ -751,8 +751,8 @@ LayerCache& StoreImpl::AppendBatch::CacheFor(Sequence* s,
     cache = std::make_unique<LayerCache>(s->codec, model.manifest.kv_heads,
                                          store_.LayerTables(model, layer, s->codec),
                                          store_.opts_.byte_pool);
-    // Reads of blocks in device memory run where the blocks lie (ReadPolicy::blocks_on).
-    cache->set_read_policy({.verify_checksums = true, .blocks_on = store_.opts_.attend_backend});
+    // Blocks in device memory are encoded and read where they lie.
+    cache->set_block_ops(store_.opts_.attend_backend);
   }
   return *cache;
 }

@@ -313,13 +313,21 @@ void Bytes::assign(size_t n, uint8_t value) {
   size_ = n;
 }
 
+uint8_t* Bytes::Extend(size_t n) {
+  if (size_ + n > cap_) Grow(std::max(size_ + n, cap_ + cap_ / 2));
+  uint8_t* at = data_ + size_;
+  size_ += n;
+  return at;
+}
+
 absl::Status Bytes::Append(const uint8_t* p, size_t n) {
   if (n == 0) return absl::OkStatus();
-  if (size_ + n > cap_) Grow(std::max(size_ + n, cap_ + cap_ / 2));
-  if (kernels::Copy(data_ + size_, pool_->pool(), p, kernels::Pool::kHost, n) != 0)
+  uint8_t* at = Extend(n);
+  if (kernels::Copy(at, pool_->pool(), p, kernels::Pool::kHost, n) != 0) {
+    size_ -= n;
     return absl::InternalError(absl::StrCat("copy of ", n, " block bytes into memory pool '",
                                             kernels::PoolName(pool_->pool()), "' failed"));
-  size_ += n;
+  }
   return absl::OkStatus();
 }
 

@@ -47,21 +47,28 @@ class AttendBackend {
   int64_t verify_calls() const { return verify_calls_.load(std::memory_order_relaxed); }
   // The block codec's read ops (kernels/cuda_codec.h) with every array in host memory and the
   // blocks in memory this backend reads, so that a store's Score, Readout and decodes of blocks
-  // the CPU reads only by copies copy none back (LayerCache, ReadPolicy::blocks_on).
+  // the CPU reads only by copies copy none back (LayerCache::set_block_ops).
   // Synchronous; UNAVAILABLE when the device cannot run them, INVALID_ARGUMENT for params the
   // ops do not support. A block whose header is not the codec's sets error_flags (the op's
   // contract), which the caller turns into DATA_LOSS.
+  // The encode ops (kernels/cuda_codec.h): rows, bases and widths in host memory, out[b] in
+  // memory this backend reads (where the store keeps its blocks), so that only the rows cross
+  // to the device (LayerCache::set_block_ops).
+  absl::Status EncodeKeys(const kernels::cuda::EncodeKeyParams& p) const;
+  absl::Status EncodeValues(const kernels::cuda::EncodeValueParams& p) const;
   absl::Status DecodeKeys(const kernels::cuda::DecodeKeyParams& p) const;
   absl::Status DecodeValues(const kernels::cuda::DecodeValueParams& p) const;
   absl::Status ScoreBlocks(const kernels::cuda::ScoreBlocksParams& p) const;
   absl::Status ReadoutBlocks(const kernels::cuda::ReadoutBlocksParams& p) const;
-  // Calls of those four so far.
+  // Calls of those six so far.
   int64_t block_op_calls() const { return block_op_calls_.load(std::memory_order_relaxed); }
 
  protected:
   // Return a kernels/cuda.h error code (0: done).
   virtual int Run(const kernels::cuda::AttendParams& p) const = 0;
   virtual int RunVerify(const kernels::cuda::VerifyParams& p) const = 0;
+  virtual int RunEncodeKeys(const kernels::cuda::EncodeKeyParams& p) const = 0;
+  virtual int RunEncodeValues(const kernels::cuda::EncodeValueParams& p) const = 0;
   virtual int RunDecodeKeys(const kernels::cuda::DecodeKeyParams& p) const = 0;
   virtual int RunDecodeValues(const kernels::cuda::DecodeValueParams& p) const = 0;
   virtual int RunScore(const kernels::cuda::ScoreBlocksParams& p) const = 0;
@@ -90,6 +97,8 @@ class HostStandInBackend : public AttendBackend {
  protected:
   int Run(const kernels::cuda::AttendParams& p) const override;
   int RunVerify(const kernels::cuda::VerifyParams& p) const override;
+  int RunEncodeKeys(const kernels::cuda::EncodeKeyParams& p) const override;
+  int RunEncodeValues(const kernels::cuda::EncodeValueParams& p) const override;
   int RunDecodeKeys(const kernels::cuda::DecodeKeyParams& p) const override;
   int RunDecodeValues(const kernels::cuda::DecodeValueParams& p) const override;
   int RunScore(const kernels::cuda::ScoreBlocksParams& p) const override;
@@ -102,9 +111,10 @@ const AttendBackend* HostAttendBackend();
 // 32, 3 groups of 32 tokens and a window of 5) into `pool`, attends over it on `backend` and
 // on the CPU kernels and compares (within 1e-3 of the values' largest magnitude: the two sum in
 // different orders, and the CPU's AVX-512 int16 paths round weights; a wrong kernel misses by
-// far more). Where the CPU reads `pool` only by copies (device memory), the reads a store
-// then runs on the backend too (ReadPolicy::blocks_on): a score and a decode of the layer on it
-// against the same reads through copies (within 1e-3 and 1e-5 of their largest magnitudes).
+// far more). Where the CPU reads `pool` only by copies (device memory), what a store then runs
+// on the backend too (LayerCache::set_block_ops): the same layer encoded on it, scored and
+// decoded on it, against the CPU-encoded layer's reads through copies (within 1e-3 and 1e-5 of
+// their largest magnitudes).
 // The error says why not: UNAVAILABLE (no device), INTERNAL (it ran and disagreed, or was not
 // used).
 absl::Status ProbeAttendBackend(const AttendBackend& backend, BytePool* pool);

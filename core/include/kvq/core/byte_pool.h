@@ -148,6 +148,9 @@ class Bytes {
   // Appends n bytes from host memory (growing by at least half the capacity when it must).
   // An error when the device refuses the copy.
   absl::Status Append(const uint8_t* p, size_t n);
+  // Grows by n bytes left unwritten, as Append grows, and returns where they start: for a
+  // writer in the pool's own memory (the device's encoder), with nothing copied in.
+  uint8_t* Extend(size_t n);
 
   uint8_t& operator[](size_t i) { return data_[i]; }
   const uint8_t& operator[](size_t i) const { return data_[i]; }
@@ -169,9 +172,9 @@ class Bytes {
 
 // Bytes of `block` (in `pool`'s memory) that the CPU may read: the block itself where the CPU
 // reads the pool's memory, else a copy in *scratch. The one place the CPU paths of a store
-// whose blocks are in device memory copy them back until kernels do their jobs there:
-// GetBlocks' decode, Score, Readout, an attend the backend cannot take, checksums (scrubs,
-// ReadPolicy::verify_checksums) and the header checks of attached prefix blocks (docs/CODEC.md,
+// whose blocks are in device memory copy them back, for what the device's ops do not take
+// (LayerCache::set_block_ops: a codec with dense-and-sparse lists, GetBlocks in codes, an
+// attend the backend cannot take, the header checks of attached prefix blocks; docs/CODEC.md,
 // "Attend backends"). INTERNAL when the device refuses the copy.
 absl::StatusOr<std::span<const uint8_t>> CpuView(const BytePool& pool,
                                                  std::span<const uint8_t> block,

@@ -96,15 +96,8 @@ std::shared_ptr<const LayerCodecTables> MakeLayerCodecTables(const CodecOptions&
 // only when read out whole (Decode of every token, VerifyAll, the store's scrub). The store
 // keeps it on; in-process evaluation, whose blocks never leave its own memory, turns it off
 // for speed (checksums guard storage, not arithmetic).
-// blocks_on: where reads of blocks in memory the CPU reaches only by copies (BytePool::
-// cpu_readable false: device memory) run: Score, Readout, Decode / DecodeAs and VerifyAll on
-// this backend, where the blocks lie (no block copied back), when it reads the pool and its
-// block ops support the codec (no dense-and-sparse lists, no corrections-only scores); other
-// reads copy the blocks (CpuView), as every read does with it null. The store sets it to its
-// attend backend.
 struct ReadPolicy {
   bool verify_checksums = true;
-  const AttendBackend* blocks_on = nullptr;
 };
 
 class LayerCache {
@@ -134,6 +127,14 @@ class LayerCache {
   const CodecOptions& options() const { return opts_; }
   const ReadPolicy& read_policy() const { return read_; }
   void set_read_policy(ReadPolicy p) { read_ = p; }
+  // Where the blocks are written and read when they are in memory the CPU reaches only by
+  // copies (BytePool::cpu_readable false: device memory): on `ops`, where they lie, when it
+  // reads the pool and its block ops support the codec. Groups are encoded there (only their
+  // rows cross; not for metric rounding), and Score, Readout, Decode / DecodeAs and VerifyAll
+  // read there (no block copied back; not for corrections-only scores). Dense-and-sparse
+  // codecs, and every cache with it null, encode on the CPU and read through copies (CpuView).
+  // The store sets it to its attend backend. ops must outlive the cache.
+  void set_block_ops(const AttendBackend* ops) { block_ops_ = ops; }
   int kv_heads() const { return kv_heads_; }
   int64_t tokens() const { return tokens_; }
 
@@ -292,8 +293,14 @@ class LayerCache {
   // backend, where they lie; a block that fails is DATA_LOSS with the CPU reader's message.
   absl::Status VerifyOnBackend(const AttendBackend& backend, int h0, int h1, int64_t b0,
                                int64_t b1) const;
-  // ReadPolicy::blocks_on when this cache's reads of whole blocks take it, else null.
+  // The block ops (set_block_ops) when this cache's reads of whole blocks take them, else
+  // null; EncodesOn the same for its encodes.
   const AttendBackend* BlocksOn() const;
+  const AttendBackend* EncodesOn() const;
+  // EncodeGroups' half on the block ops: `ready` groups of head h whose rows (fp32, the sinks'
+  // stand-ins in place) and value widths (per-token codecs) the caller has prepared.
+  absl::Status EncodeOnBackend(const AttendBackend& ops, int h, int64_t ready, const float* k,
+                               const float* v, const uint8_t* widths);
   // The backend's halves of ScoreRange, ReadoutRange and DecodeInto over blocks [b0, b1) of
   // head h (cache_attend_backend.cc), checksums verified where the blocks lie.
   absl::Status ScoreOnBackend(const AttendBackend& dev, int h, const float* q, const float* uq,
@@ -326,6 +333,7 @@ class LayerCache {
 
   CodecOptions opts_;
   ReadPolicy read_;
+  const AttendBackend* block_ops_ = nullptr;
   int kv_heads_;
   BytePool* pool_;
   std::shared_ptr<const LayerCodecTables> tables_;  // never null

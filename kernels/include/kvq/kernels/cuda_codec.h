@@ -129,6 +129,14 @@ int DecodeValuesOnHost(const DecodeValueParams& p);
 int ScoreBlocksOnHost(const ScoreBlocksParams& p);
 int ReadoutBlocksOnHost(const ReadoutBlocksParams& p);
 
+// The encode ops with the rows, bases, widths and pointer arrays in host memory and out[b]
+// where a store keeps its blocks (device memory, or pinned host memory): only the rows cross
+// to the device, the blocks are written where they will lie. The arrays are copied to device
+// scratch held per calling thread (workspace and workspace_bytes are not read: the scratch
+// holds it), the op runs on cudaStreamPerThread and the call waits. Return codes as below.
+int EncodeKeysFromHost(const EncodeKeyParams& p);
+int EncodeValuesFromHost(const EncodeValueParams& p);
+
 // The read ops with every array in host memory and the blocks where a store keeps them
 // (device memory, or pinned host memory a device reads in place): a store's reads of blocks
 // it does not copy back (core's AttendBackend). The pointer arrays, bases, queries and weights
