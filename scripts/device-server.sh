@@ -4,14 +4,15 @@
 # host pool's on the same machine (issue 31, item 3): for each of --configs (host, gpu, auto,
 # pinned+gpu: --memory pinned --attend gpu) it starts BIN/kvq-server, waits for its port, runs
 # BIN/kvq-load (--context tokens a sequence and layer, attend:8,put:1, one stream, --duration),
-# scrapes /metrics for kvq_block_copy_back_bytes_total and the memory pool, and stops it. A
+# scrapes /metrics for kvq_block_copy_back_bytes_total (0 expected on gpu: encodes and reads run
+# on the device), kvq_backend_block_ops_total and the memory pool, and stops it. A
 # configuration whose server does not start is reported (its log kept), not fatal. Writes
 # server-<c>.log, load-<c>.json and summary.json to --out; prints a table of Attend p50/p99.
 # Exit 1 when a started configuration's load failed, 2 usage.
 # Usage: scripts/device-server.sh [--help] [--bin DIR] [--out DIR] [--configs host,gpu,auto,pinned+gpu]
 #                                 [--context 32768] [--duration 10s]
 set -uo pipefail
-if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [[ "${1:-}" == "--help" || "${1:-}" == "-h" ]]; then sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
 cd "$(dirname "$0")/.."
 BIN=build/bin OUT=/tmp/kvq-device-server CONFIGS=host,gpu,auto,pinned+gpu CONTEXT=32768 DURATION=10s
 while [[ $# -gt 0 ]]; do
@@ -77,12 +78,14 @@ for c in configs:
         metrics = open(f"{out}/metrics-{c}.txt", errors="replace").read() if os.path.exists(f"{out}/metrics-{c}.txt") else ""
         m = re.search(r"^kvq_block_copy_back_bytes_total(?:\{[^}]*\})? (\S+)", metrics, re.M)
         row["copy_back_bytes"] = float(m.group(1)) if m else None
+        m = re.search(r"^kvq_backend_block_ops_total(?:\{[^}]*\})? (\S+)", metrics, re.M)
+        row["block_ops"] = float(m.group(1)) if m else None
     rows[c] = row
 json.dump({"context": context, "configs": rows}, open(f"{out}/summary.json", "w"), indent=1)
-print(f"{'config':<12} {'attend p50 ms':>14} {'p99 ms':>8} {'copied back B':>14}  memory")
+print(f"{'config':<12} {'attend p50 ms':>14} {'p99 ms':>8} {'copied back B':>14} {'block ops':>10}  memory")
 for c, r in rows.items():
     a = r.get("attend", {})
     print(f"{c:<12} {str(a.get('p50_ms', '-')):>14} {str(a.get('p99_ms', '-')):>8} "
-          f"{str(r.get('copy_back_bytes', '-')):>14}  {r['memory']}")
+          f"{str(r.get('copy_back_bytes', '-')):>14} {str(r.get('block_ops', '-')):>10}  {r['memory']}")
 PY
 exit $status
