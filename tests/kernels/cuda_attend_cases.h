@@ -75,6 +75,10 @@ inline std::vector<AttendCase> AttendCases() {
       {"a2 k3g128-r4s4-a2b2 d96", a2(Codec(96, 3, 128, 4, 4, 2, 32), 2.0f), 2, 3, 3, 0},
       {"k8g32-r8s8-v8g64 d256", Codec(256, 8, 32, 8, 8, 8, 64), 1, 2, 5, 2},
       {"k2g32-r2s4-v1g16 d32", Codec(32, 2, 32, 2, 4, 1, 16), 2, 5, 3, 31},
+      // The GQA ratios at the ends of the range: 1 (one query row per KV head) and 8
+      // (the tensor-core program's most rows).
+      {"default k3g128-r4s4-v2 d128 gq1", Codec(128, 3, 128, 4, 4, 2, 32), 4, 1, 6, 3},
+      {"default k3g128-r4s4-v2 d64 gq8", Codec(64, 3, 128, 4, 4, 2, 32), 1, 8, 4, 9},
   };
 }
 
