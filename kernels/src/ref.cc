@@ -177,19 +177,20 @@ float max_value_ref(const float* x, int64_t n) {
 }
 
 void dequantize_channels_ref(const uint8_t* codes, int bits, int n_ch, int tokens,
-                             const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld) {
+                             const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld,
+                             bool by_channel) {
   const int64_t rb = RowBytes(tokens, bits);
   for (int c = 0; c < n_ch; ++c) {
     const float s = HalfToFloat(scale[c]), z = HalfToFloat(zero[c]);
     const uint8_t* row = codes + c * rb;
     for (int t = 0; t < tokens; ++t)
-      out[t * ld + c] = z + s * static_cast<float>(GetCode(row, bits, t));
+      out[by_channel ? c * ld + t : t * ld + c] = z + s * static_cast<float>(GetCode(row, bits, t));
   }
 }
 
 void add_low_rank_ref(const uint8_t* codes, int bits, int r, int tokens, const uint16_t* scale,
                       const uint16_t* zero, float sign, const float* basis, int d, float* out,
-                      int64_t ld) {
+                      int64_t ld, bool by_channel) {
   const int64_t rb = RowBytes(tokens, bits);
   std::vector<float> z(r);
   for (int t = 0; t < tokens; ++t) {
@@ -199,7 +200,7 @@ void add_low_rank_ref(const uint8_t* codes, int bits, int r, int tokens, const u
     for (int c = 0; c < d; ++c) {
       float acc = 0;
       for (int j = 0; j < r; ++j) acc += basis[static_cast<int64_t>(c) * r + j] * z[j];
-      out[t * ld + c] += acc;
+      out[by_channel ? c * ld + t : t * ld + c] += acc;
     }
   }
 }

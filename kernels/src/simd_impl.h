@@ -861,10 +861,41 @@ void DequantizeChannelsB(const uint8_t* codes, int n_ch, int tokens, const uint1
   }
 }
 
+// Channel rows: each channel's codes decoded W tokens per vector straight into its row.
+template <int B>
+void DequantizeChannelRowsB(const uint8_t* codes, int n_ch, int tokens, const uint16_t* scale,
+                            const uint16_t* zero, float* out, int64_t ld) {
+  const int64_t rb = internal::RowBytes(tokens, B);
+  for (int c = 0; c < n_ch; ++c) {
+    const typename Isa::F s = Isa::Set1(internal::HalfToFloat(scale[c]));
+    const typename Isa::F z = Isa::Set1(internal::HalfToFloat(zero[c]));
+    for (int t0 = 0; t0 < tokens; t0 += W)
+      Isa::Store(out + c * ld + t0,
+                 Isa::Add(z, Isa::Mul(s, Decode<B>(codes + c * rb + t0 * B / 8))));
+  }
+}
+
 void dequantize_channels_simd(const uint8_t* codes, int bits, int n_ch, int tokens,
-                              const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld) {
+                              const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld,
+                              bool by_channel) {
   if (tokens % W != 0)
-    return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld);
+    return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld, by_channel);
+  if (by_channel) {
+    switch (bits) {
+      case 1:
+        return DequantizeChannelRowsB<1>(codes, n_ch, tokens, scale, zero, out, ld);
+      case 2:
+        return DequantizeChannelRowsB<2>(codes, n_ch, tokens, scale, zero, out, ld);
+      case 3:
+        return DequantizeChannelRowsB<3>(codes, n_ch, tokens, scale, zero, out, ld);
+      case 4:
+        return DequantizeChannelRowsB<4>(codes, n_ch, tokens, scale, zero, out, ld);
+      case 8:
+        return DequantizeChannelRowsB<8>(codes, n_ch, tokens, scale, zero, out, ld);
+      default:
+        return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld, true);
+    }
+  }
   switch (bits) {
     case 1:
       DequantizeChannelsB<1>(codes, n_ch, tokens, scale, zero, out, ld);
@@ -882,12 +913,12 @@ void dequantize_channels_simd(const uint8_t* codes, int bits, int n_ch, int toke
       DequantizeChannelsB<8>(codes, n_ch, tokens, scale, zero, out, ld);
       break;
     default:
-      return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld);
+      return Ref().dequantize_channels(codes, bits, n_ch, tokens, scale, zero, out, ld, false);
   }
   const int c0 = n_ch / W * W;  // channels past the last whole tile: the reference's loop
   if (c0 < n_ch)
     Ref().dequantize_channels(codes + c0 * internal::RowBytes(tokens, bits), bits, n_ch - c0,
-                              tokens, scale + c0, zero + c0, out + c0, ld);
+                              tokens, scale + c0, zero + c0, out + c0, ld, false);
 }
 
 // add_low_rank's token loop for a rank R known at compile time (no loop or branch per rank
@@ -910,12 +941,30 @@ void AddLowRankRows(const float* bt, const float* coef, int tokens, int d, float
   }
 }
 
+// add_low_rank into channel rows: coef [r][tokens] (every token's z_j), basis [d][r]; channel c's
+// row gets, W tokens per vector, the same products and sums in the same order as a token row's
+// element (b z = z b: IEEE multiplication commutes).
+void AddLowRankChannels(const float* basis, int r, const float* coef, int tokens, int d, float* out,
+                        int64_t ld) {
+  for (int c = 0; c < d; ++c) {
+    float* row = out + c * ld;
+    for (int t0 = 0; t0 < tokens; t0 += W) {
+      typename Isa::F acc = Isa::Zero();
+      for (int j = 0; j < r; ++j)
+        acc = Isa::Add(acc, Isa::Mul(Isa::Set1(basis[static_cast<int64_t>(c) * r + j]),
+                                     Isa::Load(coef + static_cast<size_t>(j) * tokens + t0)));
+      Isa::Store(row + t0, Isa::Add(Isa::Load(row + t0), acc));
+    }
+  }
+}
+
 void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const uint16_t* scale,
                        const uint16_t* zero, float sign, const float* basis, int d, float* out,
-                       int64_t ld) {
+                       int64_t ld, bool by_channel) {
   constexpr int kMaxRank = 16;
-  if (d % W != 0 || r > kMaxRank || d > 512)
-    return Ref().add_low_rank(codes, bits, r, tokens, scale, zero, sign, basis, d, out, ld);
+  if (by_channel ? tokens % W != 0 || r > kMaxRank : d % W != 0 || r > kMaxRank || d > 512)
+    return Ref().add_low_rank(codes, bits, r, tokens, scale, zero, sign, basis, d, out, ld,
+                              by_channel);
   thread_local std::vector<float> bt;  // the basis transposed, [r][d]
   bt.resize(static_cast<size_t>(r) * d);
   for (int c = 0; c < d; ++c)
@@ -942,8 +991,19 @@ void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const 
                    Isa::Mul(sg, Isa::Add(zz, Isa::Mul(s, c))));
       }
     }
-    if (r == 4) return AddLowRankRows<4>(bt.data(), coef.data(), tokens, d, out, ld);
-    if (r == 8) return AddLowRankRows<8>(bt.data(), coef.data(), tokens, d, out, ld);
+    if (r == 4 && !by_channel) return AddLowRankRows<4>(bt.data(), coef.data(), tokens, d, out, ld);
+    if (r == 8 && !by_channel) return AddLowRankRows<8>(bt.data(), coef.data(), tokens, d, out, ld);
+  }
+  if (by_channel) {
+    if (!vector_coef) {  // the scalar line below, for every token
+      coef.resize(static_cast<size_t>(r) * tokens);
+      for (int j = 0; j < r; ++j)
+        for (int t = 0; t < tokens; ++t)
+          coef[static_cast<size_t>(j) * tokens + t] =
+              sign *
+              (zf[j] + sf[j] * static_cast<float>(internal::GetCode(codes + j * rb, bits, t)));
+    }
+    return AddLowRankChannels(basis, r, coef.data(), tokens, d, out, ld);
   }
   for (int t = 0; t < tokens; ++t) {
     for (int j = 0; j < r; ++j)

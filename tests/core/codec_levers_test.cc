@@ -37,7 +37,8 @@ double Mse(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // The rotation every rotated block is encoded and read with gives, on every path (16-lane
-// vectors where the CPU has AVX-512, 8-lane where it has AVX2, and the dispatch among them),
+// vectors where the CPU has AVX-512, 8-lane where it has AVX2, the dispatch among them, and
+// rows held by channel),
 // the bits of the butterfly loop that defines it (hadamard::Scalar): blocks written on one
 // machine read the same on another.
 TEST(Rotation, EveryPathGivesTheDefiningLoopsBits) {
@@ -55,6 +56,13 @@ TEST(Rotation, EveryPathGivesTheDefiningLoopsBits) {
     std::vector<float> got = x;
     HadamardRotateRows(got.data(), d, rows, d);  // the dispatched path
     for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "element " << i;
+    std::vector<float> by_channel(x.size());  // the rows held by channel: [d][rows]
+    for (int t = 0; t < rows; ++t)
+      for (int c = 0; c < d; ++c) by_channel[static_cast<size_t>(c) * rows + t] = x[t * d + c];
+    hadamard::RotateColumns(by_channel.data(), d, rows);
+    for (int t = 0; t < rows; ++t)
+      for (int c = 0; c < d; ++c)
+        ASSERT_EQ(by_channel[static_cast<size_t>(c) * rows + t], want[t * d + c]) << t << "," << c;
     using Path = bool (*)(float*, int);
     const std::pair<const char*, Path> paths[] = {{"avx2", hadamard::Avx2},
                                                   {"avx512", hadamard::Avx512}};

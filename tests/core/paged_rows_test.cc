@@ -38,7 +38,15 @@ std::vector<CodecOptions> Codecs() {
   rot.key_group = 64;
   rot.fp16_sinks = 0;
   rot.window = 16;
-  return {c, rot};
+  // 3-bit keys, 4-bit side codes and a dense-and-sparse key list (keys decoded by channel
+  // through their token rows).
+  CodecOptions sparse = c;
+  sparse.key_bits = 3;
+  sparse.key_group = 64;
+  sparse.side_bits = 4;
+  sparse.sparse_keys = 8;
+  sparse.fp16_sinks = 0;
+  return {c, rot, sparse};
 }
 
 // K transposed [d][t] in the block (a vector CPU backend's), V token-major.

@@ -398,25 +398,33 @@ std::vector<uint16_t> RandomHalves(size_t n, uint32_t seed) {
 
 // The decode kernels are bit-identical to the reference (same products and sums in the same
 // order), so the floats are compared exactly; rows are written with a stride (ld > n) and the
-// cells between them must stay untouched.
+// cells between them must stay untouched. by_channel writes the same values transposed.
 TEST(KernelParity, DequantizeChannels) {
   for (const KernelTable* kt : Optimized())
     for (int bits : {1, 2, 3, 4, 8})
       for (int tokens : {32, 64, 128})
-        for (int n_ch : {4, 19, 64, 80, 111, 128}) {
-          SCOPED_TRACE(::testing::Message()
-                       << kt->name << " bits=" << bits << " T=" << tokens << " ch=" << n_ch);
-          const int64_t ld = n_ch + 3;
-          auto codes = RandomBytes(RowBytes(tokens, bits) * n_ch, bits * 100 + n_ch);
-          auto sc = RandomHalves(n_ch, 1 + n_ch), ze = RandomHalves(n_ch, 2 + n_ch);
-          std::vector<float> o0(tokens * ld, 7.0f), o1(o0);
-          Ref().dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(),
-                                    o0.data(), ld);
-          kt->dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(), o1.data(),
-                                  ld);
-          ASSERT_EQ(o0, o1);
-          EXPECT_EQ(o1[n_ch], 7.0f);  // between rows
-        }
+        for (int n_ch : {4, 19, 64, 80, 111, 128})
+          for (const bool by_channel : {false, true}) {
+            SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " T=" << tokens
+                                              << " ch=" << n_ch << " by_channel=" << by_channel);
+            const int64_t ld = (by_channel ? tokens : n_ch) + 3;
+            auto codes = RandomBytes(RowBytes(tokens, bits) * n_ch, bits * 100 + n_ch);
+            auto sc = RandomHalves(n_ch, 1 + n_ch), ze = RandomHalves(n_ch, 2 + n_ch);
+            std::vector<float> o0((by_channel ? n_ch : tokens) * ld, 7.0f), o1(o0);
+            Ref().dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(),
+                                      o0.data(), ld, by_channel);
+            kt->dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(),
+                                    o1.data(), ld, by_channel);
+            ASSERT_EQ(o0, o1);
+            EXPECT_EQ(o1[ld - 1], 7.0f);  // between rows
+            if (!by_channel) continue;
+            std::vector<float> rows(static_cast<size_t>(tokens) * n_ch);
+            Ref().dequantize_channels(codes.data(), bits, n_ch, tokens, sc.data(), ze.data(),
+                                      rows.data(), n_ch, false);
+            for (int t = 0; t < tokens; ++t)
+              for (int c = 0; c < n_ch; ++c)
+                ASSERT_EQ(o1[c * ld + t], rows[static_cast<size_t>(t) * n_ch + c]) << t << "," << c;
+          }
 }
 
 TEST(KernelParity, AddLowRank) {
@@ -424,21 +432,35 @@ TEST(KernelParity, AddLowRank) {
     for (int bits : {4, 8})
       for (int r : {1, 4, 8, 17})
         for (int d : {19, 64, 80, 128})
-          for (float sign : {1.0f, -1.0f}) {
-            SCOPED_TRACE(::testing::Message() << kt->name << " bits=" << bits << " r=" << r
-                                              << " d=" << d << " sign=" << sign);
-            const int tokens = r == 4 ? 128 : 32;
-            const int64_t ld = d + 5;
-            auto codes = RandomBytes(RowBytes(tokens, bits) * r, bits + r + d);
-            auto sc = RandomHalves(r, 3 + r), ze = RandomHalves(r, 4 + r);
-            auto basis = kvq::testing::Gaussian(d * r, 5 + d, 0.2f);
-            auto o0 = kvq::testing::Gaussian(tokens * ld, 6 + d), o1 = o0;
-            Ref().add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign,
-                               basis.data(), d, o0.data(), ld);
-            kt->add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign,
-                             basis.data(), d, o1.data(), ld);
-            ASSERT_EQ(o0, o1);
-          }
+          for (float sign : {1.0f, -1.0f})
+            for (const bool by_channel : {false, true}) {
+              SCOPED_TRACE(::testing::Message()
+                           << kt->name << " bits=" << bits << " r=" << r << " d=" << d
+                           << " sign=" << sign << " by_channel=" << by_channel);
+              const int tokens = r == 4 ? 128 : 32;
+              const int64_t ld = (by_channel ? tokens : d) + 5;
+              auto codes = RandomBytes(RowBytes(tokens, bits) * r, bits + r + d);
+              auto sc = RandomHalves(r, 3 + r), ze = RandomHalves(r, 4 + r);
+              auto basis = kvq::testing::Gaussian(d * r, 5 + d, 0.2f);
+              auto o0 = kvq::testing::Gaussian((by_channel ? d : tokens) * ld, 6 + d), o1 = o0;
+              Ref().add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign,
+                                 basis.data(), d, o0.data(), ld, by_channel);
+              kt->add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign,
+                               basis.data(), d, o1.data(), ld, by_channel);
+              ASSERT_EQ(o0, o1);
+              if (!by_channel) continue;
+              // The same sums as token rows: start both from zero and compare transposed.
+              std::vector<float> cm(static_cast<size_t>(d) * tokens, 0.0f),
+                  tm(static_cast<size_t>(tokens) * d, 0.0f);
+              kt->add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign,
+                               basis.data(), d, cm.data(), tokens, true);
+              kt->add_low_rank(codes.data(), bits, r, tokens, sc.data(), ze.data(), sign,
+                               basis.data(), d, tm.data(), d, false);
+              for (int t = 0; t < tokens; ++t)
+                for (int c = 0; c < d; ++c)
+                  ASSERT_EQ(cm[static_cast<size_t>(c) * tokens + t],
+                            tm[static_cast<size_t>(t) * d + c]);
+            }
 }
 
 TEST(KernelParity, DequantizeRows) {

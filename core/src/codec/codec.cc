@@ -705,7 +705,7 @@ void ReadoutValueBlock(const ValueBlockView& b, const float* p, int64_t p_stride
 
 void DecodeKeyBase(const KeyBlockView& b, float* out) {
   const int d = b.head_dim, G = b.tokens;
-  K().dequantize_channels(b.codes, b.bits, d, G, b.scale, b.zero, out, d);
+  K().dequantize_channels(b.codes, b.bits, d, G, b.scale, b.zero, out, d, /*by_channel=*/false);
   if (b.rotated)
     for (int t = 0; t < G; ++t) Rotate(out + static_cast<size_t>(t) * d, d);
 }
@@ -713,9 +713,20 @@ void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float* out) {
   DecodeKeyBase(b, out);
   if (b.rank > 0 && basis != nullptr)
     K().add_low_rank(b.side_codes, b.side_bits, b.rank, b.tokens, b.side_scale, b.side_zero, 1.0f,
-                     basis, b.head_dim, out, b.head_dim);
+                     basis, b.head_dim, out, b.head_dim, /*by_channel=*/false);
   if (b.sparse) sparse::AddToRows(b.sparse, b.sparse_count, b.tokens, b.head_dim, out, b.head_dim);
 }
+bool DecodeKeyBlockByChannel(const KeyBlockView& b, const float* basis, float* out) {
+  if (b.sparse) return false;
+  const int d = b.head_dim, G = b.tokens;
+  K().dequantize_channels(b.codes, b.bits, d, G, b.scale, b.zero, out, G, /*by_channel=*/true);
+  if (b.rotated) hadamard::RotateColumns(out, d, G);
+  if (b.rank > 0 && basis != nullptr)
+    K().add_low_rank(b.side_codes, b.side_bits, b.rank, G, b.side_scale, b.side_zero, 1.0f, basis,
+                     d, out, G, /*by_channel=*/true);
+  return true;
+}
+
 void DecodeValueBlock(const ValueBlockView& b, float* out) {
   const int d = b.head_dim;
   K().dequantize_rows(b.payload, b.token_bits, b.tokens, d, b.value_group, out, d);

@@ -189,13 +189,15 @@ absl::Status CheckEncodedGroups(const CodecOptions& o, int kv_heads, const Encod
 }
 
 absl::Status ForEachDecodedGroup(const CodecOptions& o, int kv_heads, const float* basis,
-                                 const EncodedGroupsView& run, const DecodedGroupSink& emit) {
+                                 const EncodedGroupsView& run, const DecodedGroupSink& emit,
+                                 bool keys_by_channel) {
   const int G = o.key_group, d = o.head_dim, r = basis != nullptr ? o.rank : 0;
   if (run.groups < 0 || run.sizes.size() != static_cast<size_t>(run.groups) * 2 * kv_heads) {
     return absl::InvalidArgumentError("decode: unchecked run (sizes do not fit)");
   }
   const std::vector<size_t> at = RunOffsets(run);
-  std::vector<float> kg(static_cast<size_t>(G) * d), vg(kg.size());
+  std::vector<float> kg(static_cast<size_t>(G) * d), vg(kg.size()), rows;
+  if (keys_by_channel) rows.resize(kg.size());
   const size_t sink_rows = run.first_group == 0 && !run.sink_keys.empty()
                                ? run.sink_keys.size() / 2 / (static_cast<size_t>(kv_heads) * d)
                                : 0;
@@ -205,7 +207,14 @@ absl::Status ForEachDecodedGroup(const CodecOptions& o, int kv_heads, const floa
       // (checked whole by CheckEncodedGroups, checksums included: not verified again here)
       ASSIGN_OR_RETURN(KeyBlockView kv, ParseKeyBlock(run.bytes.subspan(at[i], run.sizes[i]), o,
                                                       /*verify=*/false));
-      DecodeKeyBlock(kv, r > 0 ? basis + static_cast<size_t>(h) * d * r : nullptr, kg.data());
+      const float* U = r > 0 ? basis + static_cast<size_t>(h) * d * r : nullptr;
+      if (!keys_by_channel) {
+        DecodeKeyBlock(kv, U, kg.data());
+      } else if (!DecodeKeyBlockByChannel(kv, U, kg.data())) {  // a dense-and-sparse list
+        DecodeKeyBlock(kv, U, rows.data());
+        for (int t = 0; t < G; ++t)
+          for (int c = 0; c < d; ++c) kg[c * G + t] = rows[t * d + c];
+      }
       ASSIGN_OR_RETURN(ValueBlockView vv,
                        ParseValueBlock(run.bytes.subspan(at[i + 1], run.sizes[i + 1]), o, false));
       DecodeValueBlock(vv, vg.data());
@@ -213,7 +222,7 @@ absl::Status ForEachDecodedGroup(const CodecOptions& o, int kv_heads, const floa
         for (size_t t = 0; t < sink_rows; ++t) {
           const size_t from = (static_cast<size_t>(h) * sink_rows + t) * d * 2;
           for (int c = 0; c < d; ++c) {
-            kg[t * d + c] = format::HalfToFloat(
+            kg[keys_by_channel ? c * G + t : t * d + c] = format::HalfToFloat(
                 static_cast<uint16_t>(format::LoadU16(run.sink_keys.data() + from + 2 * c)));
             vg[t * d + c] = format::HalfToFloat(
                 static_cast<uint16_t>(format::LoadU16(run.sink_values.data() + from + 2 * c)));

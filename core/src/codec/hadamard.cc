@@ -104,6 +104,22 @@ bool Avx512(float* x, int d) {
   return true;
 }
 
+void RotateColumns(float* x, int d, int64_t n) {
+  for (int h = 1; h < d; h *= 2)
+    for (int i = 0; i < d; i += 2 * h)
+      for (int j = i; j < i + h; ++j) {
+        float* a = x + j * n;
+        float* b = x + (j + h) * n;
+        for (int64_t t = 0; t < n; ++t) {  // one butterfly for every row at once
+          const float u = a[t], w = b[t];
+          a[t] = u + w;
+          b[t] = u - w;
+        }
+      }
+  const float norm = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int64_t i = 0; i < static_cast<int64_t>(d) * n; ++i) x[i] *= norm;
+}
+
 void Rotate(float* x, int d) {
   if (!Avx512(x, d) && !Avx2(x, d)) Scalar(x, d);
 }

@@ -1,6 +1,8 @@
 // The normalized Walsh-Hadamard transform of rotated codecs (CodecOptions::rotate_keys,
-// rotate_values): HadamardScalar is its definition; the vector paths give its bits.
+// rotate_values): Scalar is its definition; the vector paths give its bits.
 #pragma once
+
+#include <cstdint>
 
 namespace kvq::core::hadamard {
 
@@ -11,6 +13,9 @@ void Scalar(float* x, int d);
 
 // The fastest path this CPU has for d (the bits of Scalar on every path).
 void Rotate(float* x, int d);
+// Rotate of each of n rows held by channel: x [d][n], row t's channel c at x[c * n + t]; the
+// same butterflies per element in the same order, so Scalar's bits.
+void RotateColumns(float* x, int d, int64_t n);
 
 // The vector paths, for tests: false (x untouched) where this CPU or d does not allow the path.
 bool Avx2(float* x, int d);

@@ -64,6 +64,28 @@ class PagedWriter {
         key_runs_(TokenRuns(p.key_index, p.block_tokens, d)),
         value_runs_(TokenRuns(p.value_index, p.block_tokens, d)) {}
 
+  // Whether keys go to the cache channel by channel (a transposed [d][t] packing), so that
+  // they are best decoded by channel (WriteKeyChannels).
+  bool key_runs() const { return key_runs_; }
+
+  // Keys of tokens [first, first + n), head h, as channel rows [d][n] fp32, into a packing with
+  // token runs (key_runs()): each channel's run of a block converted straight into place.
+  void WriteKeyChannels(int64_t first, int64_t n, int h, const float* channels) {
+    const int64_t lo = std::max(first, p_.from_token), hi = std::min(first + n, p_.to_token);
+    for (int64_t t = lo; t < hi;) {
+      const int64_t slot = t % p_.block_tokens, run = std::min(hi - t, p_.block_tokens - slot);
+      uint8_t* block = p_.base + (p_.block_offsets[static_cast<size_t>(t / p_.block_tokens)] +
+                                  h * p_.head_stride) *
+                                     static_cast<int64_t>(size_);
+      const int32_t* at = p_.key_index.data() + slot * d_;
+      for (int c = 0; c < d_; ++c)
+        FromFloat(p_.dtype, channels + c * n + (t - first),
+                  block + static_cast<int64_t>(at[c]) * static_cast<int64_t>(size_),
+                  static_cast<size_t>(run));
+      t += run;
+    }
+  }
+
   // Rows [n][d] fp32 of tokens [first, first + n), head h: those inside [from_token, to_token).
   void Write(int64_t first, int64_t n, int h, const float* rows, bool value) {
     const int64_t lo = std::max(first, p_.from_token), hi = std::min(first + n, p_.to_token);
@@ -183,11 +205,19 @@ absl::StatusOr<int64_t> DecodeMessageInto(const CodecOptions& o, int kv_heads, c
   span.to_token = std::max(span.from_token, std::min(dst.to_token, end));
   RETURN_IF_ERROR(CheckPagedRows(span, kv_heads, d, "paged"));
   PagedWriter writer(span, d);
-  RETURN_IF_ERROR(ForEachDecodedGroup(o, kv_heads, basis, run,
-                                      [&](int64_t g, int h, const float* kg, const float* vg) {
-                                        writer.Write(start + g * G, G, h, kg, /*value=*/false);
-                                        writer.Write(start + g * G, G, h, vg, /*value=*/true);
-                                      }));
+  // Keys decoded by channel where the cache keeps them so (no transpose on either side).
+  const bool by_channel = writer.key_runs();
+  RETURN_IF_ERROR(ForEachDecodedGroup(
+      o, kv_heads, basis, run,
+      [&](int64_t g, int h, const float* kg, const float* vg) {
+        if (by_channel) {
+          writer.WriteKeyChannels(start + g * G, G, h, kg);
+        } else {
+          writer.Write(start + g * G, G, h, kg, /*value=*/false);
+        }
+        writer.Write(start + g * G, G, h, vg, /*value=*/true);
+      },
+      by_channel));
   std::vector<float> f(static_cast<size_t>(rows) * d);
   for (int h = 0; h < kv_heads && rows > 0; ++h) {
     const TensorView* both[] = {rows_keys, rows_values};

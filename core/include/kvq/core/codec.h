@@ -266,6 +266,11 @@ void HadamardRotateRows(float* x, int64_t ld, int n, int d);
 // Keys as attention sees them: k_base + U z_hat (gives exactly the HeadQ scores, up to
 // rounding). out: [tokens][d]. basis may be null when rank == 0.
 void DecodeKeyBlock(const KeyBlockView& b, const float* basis, float* out);
+// The same keys as channel rows, out [d][tokens] (out[c * tokens + t]), bit for bit
+// DecodeKeyBlock's values transposed, with no transpose pass (for a destination that keeps keys by
+// channel, such as vLLM's CPU cache). False (out untouched) for a block with a dense-and-sparse
+// list.
+bool DecodeKeyBlockByChannel(const KeyBlockView& b, const float* basis, float* out);
 void DecodeValueBlock(const ValueBlockView& b, float* out);
 
 // Base code only (no side code), for metrics and tests.

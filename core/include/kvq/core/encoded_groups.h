@@ -69,11 +69,14 @@ enum class RowOrder { kHeadMajor, kTokenMajor };
 // and head by head as a layer's reads do: emit(g, h, keys, values) gets the G x head_dim fp32
 // rows of the run's group g (from 0) and KV head h, keys as attention sees them (k_base + B
 // z_hat with the decode basis `basis` [kv_heads][d][rank], null at rank 0), the sinks' exact
-// rows over their stand-ins when the run starts at group 0. The rows live until emit returns.
+// rows over their stand-ins when the run starts at group 0. With keys_by_channel the keys come
+// as channel rows instead, [d][G] (the same values transposed: DecodeKeyBlockByChannel). The
+// rows live until emit returns.
 using DecodedGroupSink =
     absl::FunctionRef<void(int64_t g, int h, const float* keys, const float* values)>;
 absl::Status ForEachDecodedGroup(const CodecOptions& o, int kv_heads, const float* basis,
-                                 const EncodedGroupsView& run, const DecodedGroupSink& emit);
+                                 const EncodedGroupsView& run, const DecodedGroupSink& emit,
+                                 bool keys_by_channel = false);
 
 // Decodes a checked run (CheckEncodedGroups) as a layer's reads do (LayerCache::DecodeAs): keys
 // as attention sees them (k_base + B z_hat with the decode basis `basis` [kv_heads][d][rank],

@@ -79,15 +79,18 @@ struct KernelTable {
   // Dequantize (decode for reads that return K/V, e.g. GetBlocks), every table bit-identical
   // to the reference (products and sums in the same order, no FMA contraction):
   // channel-major codes [n_ch][tokens*bits/8] to token rows,
-  //   out[t*ld + c] = zero_c + scale_c * code(c, t)   (t < tokens, a multiple of 32);
+  //   out[t*ld + c] = zero_c + scale_c * code(c, t)   (t < tokens, a multiple of 32),
+  // or with by_channel to channel rows, out[c*ld + t] (the same values);
   void (*dequantize_channels)(const uint8_t* codes, int bits, int n_ch, int tokens,
-                              const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld);
+                              const uint16_t* scale, const uint16_t* zero, float* out, int64_t ld,
+                              bool by_channel);
   // a low-rank term added to token rows (HeadQ's side code times the basis [d][r]):
   //   z_j(t) = sign * (zero_j + scale_j * code(j, t)),
-  //   out[t*ld + c] += sum_{j = 0..r-1, in order} basis[c*r + j] * z_j(t);
+  //   out[t*ld + c] += sum_{j = 0..r-1, in order} basis[c*r + j] * z_j(t),
+  // or with by_channel to channel rows, out[c*ld + t];
   void (*add_low_rank)(const uint8_t* codes, int bits, int r, int tokens, const uint16_t* scale,
                        const uint16_t* zero, float sign, const float* basis, int d, float* out,
-                       int64_t ld);
+                       int64_t ld, bool by_channel);
   // token-row records as readout_rows reads them (fp16 scale[ng] | zero[ng] | codes of
   // row_bits[t] bits), out[t*ld + c] = zero_g + scale_g * code_t(c), g = c / group.
   void (*dequantize_rows)(const uint8_t* rows, const uint8_t* row_bits, int n_rows, int n,
