@@ -3,6 +3,7 @@ retries happen exactly for the calls the C++ client retries (counted through on_
 
 from __future__ import annotations
 
+import signal
 import socket
 from collections import Counter
 
@@ -190,18 +191,24 @@ def test_retry_reaches_a_restarted_server(kvq_server_factory, register_model):
     assert all(code == grpc.StatusCode.UNAVAILABLE for _, _, code in seen[1:-1])
 
 
-def test_deadline_exceeded_is_not_retried(client, register_model):
+def test_deadline_exceeded_is_not_retried(kvq_server, client, register_model):
     register_model(client)
     k = rand((KV, 4096, D), 0, np.float16)
     client.put_blocks([kvq.Append("big", 0, 0, k, k, model="tiny")])
     n = []
     with kvq.Client(client.servers, max_attempts=4, on_attempt=lambda *a: n.append(a)) as c:
-        # Connected first: a 1 us deadline on a channel still connecting can end the attempt as
-        # UNAVAILABLE (which is retried) instead (seen once in CI under load).
+        # Connected first (an attempt on a channel still connecting can end as UNAVAILABLE,
+        # which is retried), then the server frozen, so that the deadline surely passes: a
+        # running server once answered within a 1 us deadline (gRPC rounds deadlines up to
+        # the millisecond).
         assert c.echo(b"x") == b"x"
         n.clear()
-        with pytest.raises(kvq.KvqError) as e:
-            list(c.get_blocks("big", deadline=1e-6))
+        kvq_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(kvq.KvqError) as e:
+                list(c.get_blocks("big", deadline=0.2))
+        finally:
+            kvq_server.proc.send_signal(signal.SIGCONT)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     # One GetBlocks attempt, and no call attempted twice (reading codes may first fetch the
     # basis with GetBasis, within the same deadline).
