@@ -194,83 +194,86 @@ int DecodeFromHost(const P& hp, Launcher launch) {
   return c.Finish();
 }
 
-}  // namespace
-
-int EncodeKeysFromHost(const EncodeKeyParams& hp) {
+// EncodeKeysFromHost and EncodeValuesFromHost: each block's G rows (stride ld) copied into
+// device scratch and encoded there into the device blocks hp.out points at. Key bases: each
+// distinct host array copied once; values' A^2 widths (value_bits 0): each block's copied.
+template <class P, class Launcher>
+int EncodeFromHost(const P& hp, size_t workspace_bytes, Launcher launch) {
   if (!HasDevice()) return kErrorNoDevice;
-  EncodeKeyParams dp = hp;
-  dp.workspace_bytes = EncodeKeyWorkspaceBytes(hp);
+  P dp = hp;
+  dp.workspace_bytes = workspace_bytes;
   dp.workspace = &dp;  // any address for this check; the scratch's below, checked again at launch
   if (cm::Reason(dp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
   if (hp.blocks == 0) return 0;
+  constexpr bool kKeys = std::is_same_v<P, EncodeKeyParams>;
+  const float* const* rows;
+  if constexpr (kKeys)
+    rows = hp.keys;
+  else
+    rows = hp.values;
   const size_t n = static_cast<size_t>(hp.blocks), G = hp.codec.key_group, d = hp.codec.head_dim;
-  const size_t r = static_cast<size_t>(hp.codec.rank), row_bytes = 4 * d;
+  const size_t row_bytes = 4 * d, ptrs = n * sizeof(void*);
   HostCall c;
-  const size_t keys_at = c.Take(n * G * row_bytes), key_ptr_at = c.Take(n * sizeof(void*));
-  const size_t out_ptr_at = c.Take(n * sizeof(void*)), ws_at = c.Take(dp.workspace_bytes);
-  const std::vector<const float*> bases =
-      r > 0 && hp.basis_t ? Distinct(hp.basis_t, n) : std::vector<const float*>{};
-  const size_t basis_bytes = 4 * r * d, basis_at = c.Take(bases.size() * basis_bytes),
-               basis_ptr_at = c.Take(r > 0 ? n * sizeof(void*) : 0);
+  const size_t rows_at = c.Take(n * G * row_bytes), row_ptr_at = c.Take(ptrs);
+  const size_t out_ptr_at = c.Take(ptrs), ws_at = c.Take(dp.workspace_bytes);
+  std::vector<const float*> bases;                      // keys: the distinct host bases
+  size_t side_at = 0, side_ptr_at = 0, side_bytes = 0;  // keys' bases or values' widths
+  if constexpr (kKeys) {
+    if (hp.codec.rank > 0 && hp.basis_t != nullptr) {
+      bases = Distinct(hp.basis_t, n);
+      side_bytes = 4 * static_cast<size_t>(hp.codec.rank) * d;
+      side_at = c.Take(bases.size() * side_bytes);
+      side_ptr_at = c.Take(ptrs);
+    }
+  } else if (hp.codec.value_bits == 0) {
+    side_bytes = G;
+    side_at = c.Take(n * side_bytes);
+    side_ptr_at = c.Take(ptrs);
+  }
   if (!c.Reserve()) return c.Finish();
-  std::vector<const float*> key_ptrs(n), basis_ptrs;
+  std::vector<const float*> row_ptrs(n);
   for (size_t b = 0; b < n; ++b) {
-    c.Up(keys_at + b * G * row_bytes, hp.keys[b], row_bytes, G, 4 * static_cast<size_t>(hp.ld));
-    key_ptrs[b] = c.At<const float>(keys_at + b * G * row_bytes);
+    c.Up(rows_at + b * G * row_bytes, rows[b], row_bytes, G, 4 * static_cast<size_t>(hp.ld));
+    row_ptrs[b] = c.At<const float>(rows_at + b * G * row_bytes);
   }
-  c.Up(key_ptr_at, key_ptrs.data(), n * sizeof(void*));
-  c.Up(out_ptr_at, hp.out, n * sizeof(void*));
-  if (r > 0 && hp.basis_t) {
-    UpDistinct(c, hp.basis_t, n, basis_bytes, basis_at, bases, &basis_ptrs);
-    c.Up(basis_ptr_at, basis_ptrs.data(), n * sizeof(void*));
-    dp.basis_t = c.At<const float* const>(basis_ptr_at);
+  c.Up(row_ptr_at, row_ptrs.data(), ptrs);
+  c.Up(out_ptr_at, hp.out, ptrs);
+  if constexpr (kKeys) {
+    if (side_bytes > 0) {
+      std::vector<const float*> basis_ptrs;
+      UpDistinct(c, hp.basis_t, n, side_bytes, side_at, bases, &basis_ptrs);
+      c.Up(side_ptr_at, basis_ptrs.data(), ptrs);
+      dp.basis_t = c.At<const float* const>(side_ptr_at);
+    }
+    dp.keys = c.At<const float* const>(row_ptr_at);
+  } else {
+    if (side_bytes > 0) {
+      std::vector<const uint8_t*> width_ptrs(n);
+      for (size_t b = 0; b < n; ++b) {
+        c.Up(side_at + b * side_bytes, hp.widths[b], side_bytes);
+        width_ptrs[b] = c.At<const uint8_t>(side_at + b * side_bytes);
+      }
+      c.Up(side_ptr_at, width_ptrs.data(), ptrs);
+      dp.widths = c.At<const uint8_t* const>(side_ptr_at);
+    }
+    dp.values = c.At<const float* const>(row_ptr_at);
   }
-  dp.keys = c.At<const float* const>(key_ptr_at);
   dp.ld = static_cast<int64_t>(d);
   dp.out = c.At<uint8_t* const>(out_ptr_at);
   dp.workspace = c.At<void>(ws_at);
-  c.Launched(EncodeKeys(dp, c.stream()));
+  c.Launched(launch(dp, c.stream()));
   return c.Finish();
 }
 
-int EncodeValuesFromHost(const EncodeValueParams& hp) {
-  if (!HasDevice()) return kErrorNoDevice;
-  EncodeValueParams dp = hp;
-  dp.workspace_bytes = EncodeValueWorkspaceBytes(hp);
-  dp.workspace = &dp;  // any address for this check; the scratch's below, checked again at launch
-  if (cm::Reason(dp) != nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  if (hp.blocks == 0) return 0;
-  const size_t n = static_cast<size_t>(hp.blocks), G = hp.codec.key_group, d = hp.codec.head_dim;
-  const size_t row_bytes = 4 * d;
-  const bool widths = hp.codec.value_bits == 0;
-  HostCall c;
-  const size_t values_at = c.Take(n * G * row_bytes), value_ptr_at = c.Take(n * sizeof(void*));
-  const size_t widths_at = c.Take(widths ? n * G : 0),
-               width_ptr_at = c.Take(widths ? n * sizeof(void*) : 0);
-  const size_t out_ptr_at = c.Take(n * sizeof(void*)), ws_at = c.Take(dp.workspace_bytes);
-  if (!c.Reserve()) return c.Finish();
-  std::vector<const float*> value_ptrs(n);
-  std::vector<const uint8_t*> width_ptrs(n);
-  for (size_t b = 0; b < n; ++b) {
-    c.Up(values_at + b * G * row_bytes, hp.values[b], row_bytes, G, 4 * static_cast<size_t>(hp.ld));
-    value_ptrs[b] = c.At<const float>(values_at + b * G * row_bytes);
-    if (widths) {
-      c.Up(widths_at + b * G, hp.widths[b], G);
-      width_ptrs[b] = c.At<const uint8_t>(widths_at + b * G);
-    }
-  }
-  c.Up(value_ptr_at, value_ptrs.data(), n * sizeof(void*));
-  if (widths) {
-    c.Up(width_ptr_at, width_ptrs.data(), n * sizeof(void*));
-    dp.widths = c.At<const uint8_t* const>(width_ptr_at);
-  }
-  c.Up(out_ptr_at, hp.out, n * sizeof(void*));
-  dp.values = c.At<const float* const>(value_ptr_at);
-  dp.ld = static_cast<int64_t>(d);
-  dp.out = c.At<uint8_t* const>(out_ptr_at);
-  dp.workspace = c.At<void>(ws_at);
-  c.Launched(EncodeValues(dp, c.stream()));
-  return c.Finish();
+}  // namespace
+
+int EncodeKeysFromHost(const EncodeKeyParams& p) {
+  return EncodeFromHost(p, EncodeKeyWorkspaceBytes(p),
+                        [](const EncodeKeyParams& q, void* s) { return EncodeKeys(q, s); });
+}
+int EncodeValuesFromHost(const EncodeValueParams& p) {
+  return EncodeFromHost(p, EncodeValueWorkspaceBytes(p),
+                        [](const EncodeValueParams& q, void* s) { return EncodeValues(q, s); });
 }
 
 int DecodeKeysFromHost(const DecodeKeyParams& p) {

@@ -922,8 +922,6 @@ void dequantize_channels_simd(const uint8_t* codes, int bits, int n_ch, int toke
 }
 
 // add_low_rank's token loop for a rank R known at compile time (no loop or branch per rank
-// step; the same operations in the same order): coef [R][tokens], bt the basis [R][d].
-// add_low_rank's token loop for a rank R known at compile time (no loop or branch per rank
 // step; the same operations in the same order): coef [R][tokens], bt the basis [R][d]. One
 // vector of channels at a time, its R basis vectors held in registers across the tokens.
 template <int R>
@@ -965,11 +963,6 @@ void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const 
   if (by_channel ? tokens % W != 0 || r > kMaxRank : d % W != 0 || r > kMaxRank || d > 512)
     return Ref().add_low_rank(codes, bits, r, tokens, scale, zero, sign, basis, d, out, ld,
                               by_channel);
-  thread_local std::vector<float> bt;  // the basis transposed, [r][d]
-  bt.resize(static_cast<size_t>(r) * d);
-  for (int c = 0; c < d; ++c)
-    for (int j = 0; j < r; ++j)
-      bt[static_cast<size_t>(j) * d + c] = basis[static_cast<int64_t>(c) * r + j];
   const int64_t rb = internal::RowBytes(tokens, bits);
   float sf[kMaxRank], zf[kMaxRank], z[kMaxRank];
   for (int j = 0; j < r; ++j) {
@@ -991,8 +984,6 @@ void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const 
                    Isa::Mul(sg, Isa::Add(zz, Isa::Mul(s, c))));
       }
     }
-    if (r == 4 && !by_channel) return AddLowRankRows<4>(bt.data(), coef.data(), tokens, d, out, ld);
-    if (r == 8 && !by_channel) return AddLowRankRows<8>(bt.data(), coef.data(), tokens, d, out, ld);
   }
   if (by_channel) {
     if (!vector_coef) {  // the scalar line below, for every token
@@ -1005,6 +996,14 @@ void add_low_rank_simd(const uint8_t* codes, int bits, int r, int tokens, const 
     }
     return AddLowRankChannels(basis, r, coef.data(), tokens, d, out, ld);
   }
+  // Token rows: the basis transposed, [r][d], so that a vector of channels is one load.
+  thread_local std::vector<float> bt;
+  bt.resize(static_cast<size_t>(r) * d);
+  for (int c = 0; c < d; ++c)
+    for (int j = 0; j < r; ++j)
+      bt[static_cast<size_t>(j) * d + c] = basis[static_cast<int64_t>(c) * r + j];
+  if (vector_coef && r == 4) return AddLowRankRows<4>(bt.data(), coef.data(), tokens, d, out, ld);
+  if (vector_coef && r == 8) return AddLowRankRows<8>(bt.data(), coef.data(), tokens, d, out, ld);
   for (int t = 0; t < tokens; ++t) {
     for (int j = 0; j < r; ++j)
       z[j] = vector_coef
