@@ -20,7 +20,8 @@ Usage: bench_vllm_ttft.py [--model smollm2-135m|qwen2.5-coder-0.5b] [--lengths 2
 forward pass instead of layer by layer beside it)
 Decode: each engine then generates --decode-tokens tokens after a 128-token prompt (0: not
 measured); the rate (tokens after the first over the time after the first) with the
-connector on is to match the rate without it.
+connector on is to match the rate without it (each engine measures it three times; the median is
+the figure, all three are in the JSON's decode_all).
 Run with the vLLM venv's python (scripts/vllm-venv.sh); starts its own kvq-server
 (build/bin/kvq-server unless --server-bin) on a free loopback port and stops it at the end.
 """
@@ -126,7 +127,8 @@ def main() -> int:
     result = {"model": args.model, "kvq_model": info.model, "codec": str(info.codec).replace("\n", " "),
               "rows": rows, "kvq_bytes_per_token": kvq_bytes / kvq_tokens,
               "file_bytes_per_token": file_bytes / file_tokens, "kvq_connector": runs["kvq"]["connector"],
-              "decode_tokens_per_s": {k: v["decode_tokens_per_s"] for k, v in runs.items()}}
+              "decode_tokens_per_s": {k: v["decode_tokens_per_s"] for k, v in runs.items()},
+              "decode_all": {k: v.get("decode_all", []) for k, v in runs.items()}}
     print(f"{'tokens':>7} {'recompute s':>12} {'kvq hit s':>10} {'x':>6} {'file hit s':>11} {'x':>6} "
           f"{'kvq cached':>10} {'file cached':>11}")
     for r in rows:
