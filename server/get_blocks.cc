@@ -190,7 +190,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
     const int64_t first = found.first;
     const std::vector<size_t> at = core::RunOffsets(core::ViewOf(groups));
     for (size_t b = 0; b < groups.sizes.size(); ++b) {
-      const int version = groups.bytes[at[b] + format::kVersionAt];
+      const int version = static_cast<uint8_t>(groups.bytes[at[b] + format::kVersionAt]);
       if (version > req_.max_block_version()) {
         return absl::FailedPreconditionError(
             absl::StrCat("layer ", layer_, " holds blocks of block-format version ", version,
@@ -211,7 +211,7 @@ class GetBlocksReactor final : public grpc::ServerWriteReactor<v1::GetBlocksResp
     msg_.set_layer_tokens(std::min(tokens_, length_));
     msg_.set_basis_version(version_);
     if (groups.groups > 0) groups.basis_fingerprint = fingerprint_;
-    wire::EncodedToWire(groups, kv_heads_, d_, msg_.mutable_encoded());
+    wire::EncodedToWire(std::move(groups), kv_heads_, d_, msg_.mutable_encoded());
     // The window rows: all of them, whatever chunk_ (at most R + G - 1 tokens).
     decoded_ =
         static_cast<int64_t>(keys_.size() / core::DTypeSize(dtype_)) / (int64_t{kv_heads_} * d_);

@@ -1,15 +1,15 @@
 #include "kvq/wire/encoded_groups.h"
 
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
 namespace kvq::wire {
 
-void EncodedToWire(const core::EncodedGroups& run, int kv_heads, int head_dim,
-                   v1::EncodedGroups* out) {
+void EncodedToWire(core::EncodedGroups run, int kv_heads, int head_dim, v1::EncodedGroups* out) {
   out->Clear();
-  out->set_blocks(run.bytes.data(), run.bytes.size());
+  out->set_blocks(std::move(run.bytes));
   out->mutable_block_bytes()->Add(run.sizes.begin(), run.sizes.end());
   out->set_basis_fingerprint(run.basis_fingerprint);
   for (const auto& [rows, tensor] : {std::pair{&run.sink_keys, out->mutable_sink_keys()},

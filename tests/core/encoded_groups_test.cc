@@ -215,7 +215,9 @@ class HostileRunTest : public ::testing::Test {
     ASSERT_TRUE(Check().ok());
   }
   absl::Status Check() const { return CheckEncodedGroups(codec_, kHeads, ViewOf(run_), "enc"); }
-  uint8_t* Block(size_t i) { return run_.bytes.data() + RunOffsets(ViewOf(run_))[i]; }
+  uint8_t* Block(size_t i) {
+    return reinterpret_cast<uint8_t*>(run_.bytes.data()) + RunOffsets(ViewOf(run_))[i];
+  }
   // Rewrites block i's checksum so that only the field a test broke is wrong.
   void Reseal(size_t i) {
     uint8_t* b = Block(i);

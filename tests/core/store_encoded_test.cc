@@ -124,7 +124,10 @@ TEST_F(StoreEncodedTest, CodesAppendedEqualRowsAppendedAndReadBackAsTheSameCodes
   EXPECT_EQ(back.sizes, std::vector<uint32_t>(e.run.sizes.begin() + skip, e.run.sizes.end()));
   EXPECT_EQ(wk.size(), static_cast<size_t>(kHeads) * e.window * kDim * 4);
   // A re-send is a duplicate; other blocks for a stored group are ALREADY_EXISTS.
-  ASSERT_TRUE(store_.Append("t", {Spec("codes", e, view)}, &out).ok());
+  {
+    auto st = store_.Append("t", {Spec("codes", e, view)}, &out);
+    ASSERT_TRUE(st.ok()) << st;
+  }
   EXPECT_EQ(out.tokens_duplicate, T);
   Encoded other = Encode(Rows(T, 9), v, T);
   const EncodedGroupsView other_view = ViewOf(other.run);

@@ -74,7 +74,7 @@ absl::StatusOr<std::vector<v1::Append>> ModelCodes::EncodeLayer(
     core::EncodedGroups run;
     RETURN_IF_ERROR(cache.ExportGroups(g, std::min(E / G, g + per), &run));
     if (codec.rank > 0 && entry_.has_basis) run.basis_fingerprint = m.fingerprint;
-    wire::EncodedToWire(run, m.kv_heads, m.head_dim, a.mutable_encoded());
+    wire::EncodedToWire(std::move(run), m.kv_heads, m.head_dim, a.mutable_encoded());
   }
   RETURN_IF_ERROR(SetRows(cache, k.dtype, &out.back()));  // the last append carries the rows
   return out;
@@ -118,7 +118,8 @@ absl::StatusOr<bool> LayerEncoder::Append(const core::TensorView& k, const core:
   if (run.bytes.size() >= static_cast<size_t>(E - first_new) * row_bytes) return false;
   if (side_codes_) run.basis_fingerprint = manifest_->fingerprint;
   out->set_start(g0 * G);
-  wire::EncodedToWire(run, manifest_->kv_heads, manifest_->head_dim, out->mutable_encoded());
+  wire::EncodedToWire(std::move(run), manifest_->kv_heads, manifest_->head_dim,
+                      out->mutable_encoded());
   out->clear_keys();
   out->clear_values();
   RETURN_IF_ERROR(SetRows(cache_, k.dtype, out));  // all of them new rows: E > first_new

@@ -1,5 +1,7 @@
 """GetBlocks through the Python client: a long sequence read back as HeadQ codes decoded in the
-client (kvq.Client's default) and as rows decoded by the server, seconds and GB/s of fp16 K+V.
+client (kvq.Client's default) and as rows decoded by the server, seconds and GB/s of fp16 K+V;
+and, as "stream", the same codes only received (grpc's stub, every message parsed and none
+decoded): what the server and the transport cost apart from the client's decode.
 
 What kvq.vllm's loads cost before vLLM's own writer: one sequence of --tokens tokens on every
 layer of SmolLM2-135M's shape (30 layers, 3 KV heads, head_dim 64; random K/V, the calibrated
@@ -40,7 +42,12 @@ def main() -> int:
     p.add_argument("--json", metavar="FILE", help="also write the figures here")
     args = p.parse_args()
 
+    import grpc
+
     import kvq
+    import kvq.codes
+    from kvq._proto.kvq.v1 import kvq_pb2, kvq_pb2_grpc
+    from kvq.tensors import dtype_enum
 
     manifest = json.loads((BASIS / "manifest.json").read_text())
     layers, heads, dim = manifest["layers"], manifest["kv_heads"], manifest["head_dim"]
@@ -56,14 +63,20 @@ def main() -> int:
                                          keys=rng.standard_normal(shape, dtype=np.float32).astype(np.float16),
                                          values=rng.standard_normal(shape, dtype=np.float32).astype(np.float16))
                               for layer in range(layers)])
-                seconds: dict[str, list[float]] = {"codes": [], "rows": []}
+                seconds: dict[str, list[float]] = {"codes": [], "rows": [], "stream": []}
+                stub = kvq_pb2_grpc.KvqStub(grpc.insecure_channel(address))
+                raw = kvq_pb2.GetBlocksRequest(sequence_id="s", dtype=dtype_enum(args.dtype, "dtype", "bench"),
+                                               codes=True, max_block_version=kvq.codes.BLOCK_VERSION_MAX)
                 for _ in range(args.reps):
                     for way in seconds:
                         t0 = time.monotonic()
-                        got = sum(int(b.keys.shape[1]) for b in
-                                  c.get_blocks("s", dtype=args.dtype, codes=way == "codes"))
+                        if way == "stream":
+                            got = sum(m.layer_tokens if m.start == 0 else 0 for m in stub.GetBlocks(raw))
+                        else:
+                            got = sum(int(b.keys.shape[1]) for b in
+                                      c.get_blocks("s", dtype=args.dtype, codes=way == "codes"))
                         seconds[way].append(time.monotonic() - t0)
-                        assert got == layers * args.tokens, got
+                        assert got == layers * args.tokens, (way, got)
         finally:
             server.terminate()
             server.wait()

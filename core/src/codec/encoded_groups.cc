@@ -130,7 +130,7 @@ EncodedGroupsView ViewOf(const EncodedGroups& g) {
   v.first_group = g.first_group;
   v.groups = g.groups;
   v.basis_fingerprint = g.basis_fingerprint;
-  v.bytes = g.bytes;
+  v.bytes = {reinterpret_cast<const uint8_t*>(g.bytes.data()), g.bytes.size()};
   v.sizes = g.sizes;
   v.sink_keys = {reinterpret_cast<const uint8_t*>(g.sink_keys.data()), 2 * g.sink_keys.size()};
   v.sink_values = {reinterpret_cast<const uint8_t*>(g.sink_values.data()),

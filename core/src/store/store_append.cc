@@ -630,8 +630,9 @@ absl::Status StoreImpl::AppendBatch::CheckResentGroups(
     RETURN_IF_ERROR(cache->ExportGroups(g, g + 1, &stored));
     const EncodedGroupsView sent =
         SubRun(run, at, kv_heads, g - run.first_group, g - run.first_group + 1);
-    const bool same = stored.bytes.size() == sent.bytes.size() &&
-                      std::equal(stored.bytes.begin(), stored.bytes.end(), sent.bytes.begin()) &&
+    const std::span<const uint8_t> kept = ViewOf(stored).bytes;
+    const bool same = kept.size() == sent.bytes.size() &&
+                      std::equal(kept.begin(), kept.end(), sent.bytes.begin()) &&
                       (g > 0 || ViewOf(stored).sink_keys.size() == sent.sink_keys.size()) &&
                       (g > 0 || std::equal(sent.sink_keys.begin(), sent.sink_keys.end(),
                                            ViewOf(stored).sink_keys.begin())) &&

@@ -30,7 +30,8 @@ struct EncodedGroups {
   // The fingerprint (BasisManifest::fingerprint) of the basis whose side codes the blocks hold;
   // "" without side codes. A store refuses a run made with another basis.
   std::string basis_fingerprint;
-  std::vector<uint8_t> bytes;
+  // The blocks (a string, so that a message can take them without a copy: EncodedToWire).
+  std::string bytes;
   std::vector<uint32_t> sizes;
   // fp16 bits, little-endian in memory order of the host (x86: the wire's).
   std::vector<uint16_t> sink_keys, sink_values;

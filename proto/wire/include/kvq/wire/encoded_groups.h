@@ -10,9 +10,9 @@
 namespace kvq::wire {
 
 // A run as its message: blocks, sizes, the sinks' rows as F16 [kv_heads, S, head_dim] tensors
-// (when it has them) and the basis fingerprint.
-void EncodedToWire(const core::EncodedGroups& run, int kv_heads, int head_dim,
-                   v1::EncodedGroups* out);
+// (when it has them) and the basis fingerprint. The blocks are moved into the message, not
+// copied (pass std::move(run), or a copy to keep one).
+void EncodedToWire(core::EncodedGroups run, int kv_heads, int head_dim, v1::EncodedGroups* out);
 // A view of a message's run, nothing copied (it points into `e`): groups -1 (as many as its
 // sizes hold, which only the receiver of the sequence's shape can tell) and first_group 0 (the
 // append's start places it). Sink tensors must be F16 (INVALID_ARGUMENT naming field.sink_keys
