@@ -14,14 +14,17 @@ prompt is prefilled in one step (max_num_batched_tokens = the longest prompt + 6
 ExampleConnector saves only a chunked prefill's first chunk and then fails to load it.
 
 Usage: bench_vllm_ttft.py [--model smollm2-135m|qwen2.5-coder-0.5b] [--lengths 2048,8000]
-                          [--reps 3] [--decode-tokens 64] [--serial-load] [--server-bin PATH]
-                          [--json FILE]
+                          [--reps 3] [--decode-tokens 64] [--rounds 1] [--serial-load]
+                          [--server-bin PATH] [--json FILE]
 --serial-load: a fourth engine, kvq with overlap_loads=false (each hit loaded whole before the
 forward pass instead of layer by layer beside it)
-Decode: each engine then generates --decode-tokens tokens after a 128-token prompt (0: not
-measured); the rate (tokens after the first over the time after the first) with the
-connector on is to match the rate without it (each engine measures it three times; the median is
-the figure, all three are in the JSON's decode_all).
+Decode: each engine then generates --decode-tokens tokens after the 64-token warm-up prompt
+(0: not measured); the rate (tokens after the first over the time after the first) with the
+connector on is to match the rate without it. Each engine measures it three times; the figure
+is the median over every measurement of that configuration (all of them in the JSON's
+decode_all). --rounds N runs the engines N times, alternated (recompute, kvq, file, recompute,
+...), so that a drift of the machine reaches every configuration alike; the time-to-first-token
+rows are the first round's.
 Run with the vLLM venv's python (scripts/vllm-venv.sh); starts its own kvq-server
 (build/bin/kvq-server unless --server-bin) on a free loopback port and stops it at the end.
 """
@@ -67,11 +70,15 @@ def main() -> int:
     p.add_argument("--lengths", default="2048")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the engines this many times, alternated (decode rates over every round)")
     p.add_argument("--server-bin", default=str(REPO / "build/bin/kvq-server"))
     p.add_argument("--serial-load", action="store_true",
                    help="also run kvq with overlap_loads=false (the load before the forward pass)")
     p.add_argument("--json")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     lengths = [int(x) for x in args.lengths.split(",")]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -101,8 +108,12 @@ def main() -> int:
                     "file": ["--file-connector", str(Path(tmp, "files"))]}
             if args.serial_load:  # after "kvq": its prompts are stored already, every request hits
                 todo["kvq_serial"] = todo["kvq"] + ["--extra", json.dumps({"overlap_loads": False})]
-            runs = {name: run_engine(folder, [warm] + prompts, Path(tmp, name), max_len, args.decode_tokens, *flags)
-                    for name, flags in todo.items()}
+            rounds: dict = {name: [] for name in todo}
+            for r in range(args.rounds):
+                for name, flags in todo.items():
+                    rounds[name].append(run_engine(folder, [warm] + prompts, Path(tmp, f"{name}-{r}"), max_len,
+                                                   args.decode_tokens, *flags))
+            runs = {name: outs[0] for name, outs in rounds.items()}
             with kvq.Client(address) as c:
                 kvq_bytes = c.stats().stored_bytes
             file_bytes = sum(f.stat().st_size for f in Path(tmp, "files").rglob("*") if f.is_file())
@@ -124,11 +135,12 @@ def main() -> int:
         rows.append(row)
     kvq_tokens = sum(n // 128 * 128 for n in lengths)  # whole blocks of each prompt
     file_tokens = sum((n - 2) // 128 * 128 for n in lengths)  # ExampleConnector's aligned prefix
+    decode_all = {name: [x for out in outs for x in out.get("decode_all", [])] for name, outs in rounds.items()}
     result = {"model": args.model, "kvq_model": info.model, "codec": str(info.codec).replace("\n", " "),
               "rows": rows, "kvq_bytes_per_token": kvq_bytes / kvq_tokens,
               "file_bytes_per_token": file_bytes / file_tokens, "kvq_connector": runs["kvq"]["connector"],
-              "decode_tokens_per_s": {k: v["decode_tokens_per_s"] for k, v in runs.items()},
-              "decode_all": {k: v.get("decode_all", []) for k, v in runs.items()}}
+              "decode_tokens_per_s": {k: statistics.median(v) if v else None for k, v in decode_all.items()},
+              "decode_all": decode_all, "rounds": args.rounds}
     print(f"{'tokens':>7} {'recompute s':>12} {'kvq hit s':>10} {'x':>6} {'file hit s':>11} {'x':>6} "
           f"{'kvq cached':>10} {'file cached':>11}")
     for r in rows:
