@@ -23,8 +23,9 @@ Decode: each engine then generates --decode-tokens tokens after the 64-token war
 connector on is to match the rate without it. Each engine measures it three times; the figure
 is the median over every measurement of that configuration (all of them in the JSON's
 decode_all). --rounds N runs the engines N times, alternated (recompute, kvq, file, recompute,
-...), so that a drift of the machine reaches every configuration alike; the time-to-first-token
-rows are the first round's.
+...), so that a drift of the machine reaches every configuration alike: every figure is then the
+median over all rounds' repeats (a prompt's first request, which stores it, is the first
+round's).
 Run with the vLLM venv's python (scripts/vllm-venv.sh); starts its own kvq-server
 (build/bin/kvq-server unless --server-bin) on a free loopback port and stops it at the end.
 """
@@ -71,7 +72,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1,
-                   help="run the engines this many times, alternated (decode rates over every round)")
+                   help="run the engines this many times, alternated (medians over every round)")
     p.add_argument("--server-bin", default=str(REPO / "build/bin/kvq-server"))
     p.add_argument("--serial-load", action="store_true",
                    help="also run kvq with overlap_loads=false (the load before the forward pass)")
@@ -124,14 +125,19 @@ def main() -> int:
     for i, n in enumerate(lengths):
         first = 1 + (1 + args.reps) * i
         again = slice(first + 1, first + 1 + args.reps)
-        row = {"tokens": n, "recompute_s": statistics.median(r["seconds"] for r in runs["recompute"]["results"][again]),
-               "recompute_all_s": [r["seconds"] for r in runs["recompute"]["results"][again]]}
+
+        def seconds(name: str, again: slice = again) -> list:  # this prompt's repeats, every round
+            return [r["seconds"] for out in rounds[name] for r in out["results"][again]]
+
+        row = {"tokens": n, "recompute_s": statistics.median(seconds("recompute")),
+               "recompute_all_s": seconds("recompute")}
         for name in [n for n in ("kvq", "file", "kvq_serial") if n in runs]:
             res = runs[name]["results"]
             row[f"{name}_store_s"] = res[first]["seconds"]
-            row[f"{name}_hit_s"] = statistics.median(r["seconds"] for r in res[again])
-            row[f"{name}_hit_all_s"] = [r["seconds"] for r in res[again]]
-            row[f"{name}_cached_tokens"] = min(r["num_cached_tokens"] for r in res[again])
+            row[f"{name}_hit_s"] = statistics.median(seconds(name))
+            row[f"{name}_hit_all_s"] = seconds(name)
+            row[f"{name}_cached_tokens"] = min(r["num_cached_tokens"] for out in rounds[name]
+                                              for r in out["results"][again])
         rows.append(row)
     kvq_tokens = sum(n // 128 * 128 for n in lengths)  # whole blocks of each prompt
     file_tokens = sum((n - 2) // 128 * 128 for n in lengths)  # ExampleConnector's aligned prefix
