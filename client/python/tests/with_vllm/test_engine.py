@@ -2,13 +2,15 @@
 process per run) against a real kvq-server built from this repository.
 
 (a) A repeated 384-token prompt (three whole blocks): the first request misses and stores
-    them, the second takes the first two from kvq (vLLM computes a prompt's last token itself;
-    vLLM's num_cached_tokens and the connector's counters agree on 256, kvq's Stats on the 384
-    stored), and with a codec whose window (4096) keeps every
-    token exact both generate exactly the tokens of an engine run without the connector.
+    it, the second takes all but its last token from kvq (vLLM computes a prompt's last token
+    itself; vLLM's num_cached_tokens and the connector's counters agree on 383, kvq's Stats on
+    the 384 stored), and with a codec whose window (4096) keeps every token exact both generate
+    exactly the tokens of an engine run without the connector.
 (c) A second engine process, given a longer prompt starting with the same three blocks, takes
-    all three from what the first stored, with the no-connector run's tokens; it loads before
-    the forward pass (overlap_loads=false), where A loads beside it.
+    all three from what the first stored, with the no-connector run's tokens, and stores its
+    own prompt whole (partial last block included); it loads before the forward pass
+    (overlap_loads=false), where A loads beside it; its repeat of that prompt takes all of it
+    but its last token.
 (d) A third engine whose kvq stops answering mid-load: the soft load deadline turns the hit
     into failed loads that vLLM recomputes (kv_load_failure_policy="recompute"), same tokens.
 One test, so that the four engine runs (recompute, A, B, C) start once each.
@@ -55,36 +57,41 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_
                                                                             tmp_path):
     _register_window_model(kvq_server.address, vllm_model)
     text = _prompt(vllm_model, 450)
-    # p1: three whole 128-token blocks, stored whole, of which a repeat loads two (vLLM computes
-    # a prompt's last token itself); p2: p1 and 66 more, which loads all three.
+    # p1: three whole 128-token blocks, stored whole, of which a repeat loads all but the last
+    # token (vLLM computes a prompt's last token itself); p2: p1 and 66 more, which loads p1's
+    # three blocks and is then stored whole (450 tokens).
     p1, p2 = text[:384], text
     base = engine_run(tmp_path / "recompute", [p1, p2])["results"]
     # Engine A: p1 twice (vLLM's own prefix cache is off: the second hit is kvq's).
     a = engine_run(tmp_path / "a", [p1, p1], kvq=kvq_server.address, kvq_model="smollm2-window")
     first, second = a["results"]
     assert first["num_cached_tokens"] == 0
-    assert second["num_cached_tokens"] == 256
+    assert second["num_cached_tokens"] == 383
     sched, worker = a["connector"]["scheduler"], a["connector"]["worker"]
-    assert sched["hit_tokens"] == 256 and sched["lookup_errors"] == 0
-    assert worker["loaded_tokens"] == 256 and worker["load_errors"] == 0
+    assert sched["hit_tokens"] == 383 and sched["lookup_errors"] == 0
+    assert worker["loaded_tokens"] == 383 and worker["load_errors"] == 0
     assert worker["saved_tokens"] == 384 and worker["saves"] == 1 and worker["save_errors"] == 0
     with kvq.Client(kvq_server.address) as c:
         stats = c.stats()
     assert stats.sequences == 1 and stats.tokens == 384 * LAYERS
     # Engine B, another process: p2 starts with p1's three whole blocks, stored by A; its load
     # runs whole before the forward pass (A's ran layer by layer beside it).
-    b_run = engine_run(tmp_path / "b", [p2], kvq=kvq_server.address, kvq_model="smollm2-window",
+    # Its repeat of p2, now stored whole under its own name, loads all but the last token (the
+    # partial last block too) and saves nothing.
+    b_run = engine_run(tmp_path / "b", [p2, p2], kvq=kvq_server.address, kvq_model="smollm2-window",
                        extra={"overlap_loads": False})
-    b = b_run["results"][0]
-    assert b["num_cached_tokens"] == 384 and b_run["connector"]["worker"]["loaded_tokens"] == 384
-    assert b_run["connector"]["worker"]["load_wait_s"] == 0.0  # loaded before: no layer waited
+    b, b2 = b_run["results"]
+    worker = b_run["connector"]["worker"]
+    assert b["num_cached_tokens"] == 384 and b2["num_cached_tokens"] == 449
+    assert worker["loaded_tokens"] == 384 + 449 and worker["saves"] == 1 and worker["saved_tokens"] == 450
+    assert worker["load_wait_s"] == 0.0  # loaded before: no layer waited
     with kvq.Client(kvq_server.address) as c:
         stats = c.stats()
-    assert stats.sequences == 1 and stats.tokens == 384 * LAYERS  # p2 has no further whole block to store
+    assert stats.sequences == 2 and stats.tokens == (384 + 450) * LAYERS  # p1, and p2 whole
     # Exact: the window holds every token at arrival precision (bf16 in, bf16 out).
     assert len(base[0]["tokens"]) == 16 and base[0]["tokens"] != base[1]["tokens"]
     assert first["tokens"] == base[0]["tokens"] and second["tokens"] == base[0]["tokens"]
-    assert b["tokens"] == base[1]["tokens"]
+    assert b["tokens"] == base[1]["tokens"] and b2["tokens"] == base[1]["tokens"]
 
     # (d) Engine C reaches kvq through a proxy that holds the server's bytes back after 256 KiB
     # (as a SIGSTOPped or overloaded server looks): the lookup's header-only replies pass, the
@@ -98,10 +105,10 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_
         proxy.close()
     assert proxy.stalled.is_set()
     sched, worker = c_run["connector"]["scheduler"], c_run["connector"]["worker"]
-    assert sched["hit_tokens"] == 256
+    assert sched["hit_tokens"] == 383
     assert worker["load_errors"] == 1 and worker["loaded_tokens"] == 0
-    # vLLM took the failed blocks back (its num_cached_tokens still counts the hit: 256).
-    assert "Recovered from KV load failure: 1 request(s) rescheduled (256 tokens affected)" in c_run["log"]
+    # vLLM took the failed blocks back (its num_cached_tokens still counts the hit: 383).
+    assert "Recovered from KV load failure: 1 request(s) rescheduled (383 tokens affected)" in c_run["log"]
     assert c_run["results"][0]["tokens"] == base[0]["tokens"]
 
 
@@ -125,7 +132,7 @@ def test_a_shared_system_prompt_is_taken_from_the_prefix_index(vllm_model, kvq_s
     sched, worker = run["connector"]["scheduler"], run["connector"]["worker"]
     assert sched["attached_tokens"] == 384 and sched["hit_tokens"] == 384 and sched["lookup_errors"] == 0
     assert worker["loaded_tokens"] == 384 and worker["load_errors"] == 0
-    assert worker["saves"] == 2 and worker["saved_tokens"] == 2 * 512
+    assert worker["saves"] == 2 and worker["saved_tokens"] == 540 + 544  # each prompt whole
     assert len(second["tokens"]) == 16
     with kvq.Client(kvq_server.address) as c:
         stats = c.stats()

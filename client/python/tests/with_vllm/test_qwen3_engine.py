@@ -48,9 +48,9 @@ def test_qwen3_prefix_from_kvq_matches_recompute(vllm_model, kvq_server, engine_
     run = engine_run(tmp_path / "kvq", [prompt, prompt], model=folder, kvq=kvq_server.address,
                      kvq_model="qwen3-window")
     first, second = run["results"]
-    assert first["num_cached_tokens"] == 0 and second["num_cached_tokens"] == 256
+    assert first["num_cached_tokens"] == 0 and second["num_cached_tokens"] == 383
     worker = run["connector"]["worker"]
-    assert worker["saved_tokens"] == 384 and worker["loaded_tokens"] == 256 and worker["load_errors"] == 0
+    assert worker["saved_tokens"] == 384 and worker["loaded_tokens"] == 383 and worker["load_errors"] == 0
     with kvq.Client(kvq_server.address) as c:
         assert c.stats().tokens == 384 * LAYERS
     assert first["tokens"] == base["tokens"] and second["tokens"] == base["tokens"]

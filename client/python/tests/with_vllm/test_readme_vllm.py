@@ -1,6 +1,6 @@
 """The README's "Use with vLLM" commands, run as written: the model registered in a real
 kvq-server, vLLM's OpenAI server started with the connector (its own engine process), a
-300-token completion answered, and its two whole blocks stored in kvq (Stats). Only the port
+300-token completion answered, and the whole prompt stored in kvq (Stats). Only the port
 is swapped for a free one; KVQ_ADDRESS names the test's server, as the block reads it."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_readme_vllm_commands_serve_and_store_in_kvq(kvq_server, vllm_model, tmp
         with kvq.Client(kvq_server.address) as c:
             assert [m.model for m in c.list_models()] == ["smollm2"]
             stats = c.stats()
-        assert stats.sequences == 1 and stats.tokens == 256 * LAYERS  # the prompt's two whole blocks
+        assert stats.sequences == 1 and stats.tokens == 300 * LAYERS  # the prompt, its partial last block too
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

@@ -4,19 +4,21 @@ Loaded by module path:
     KVTransferConfig(kv_connector="KvqConnector", kv_connector_module_path="kvq.vllm",
                      kv_role="kv_both", kv_connector_extra_config={"address": ..., "model": ...})
 
-Mapping (docs/DESIGN.md "kvq behind vLLM"): a prompt's whole vLLM blocks are stored once, as
-one kvq sequence named after their token ids (kvq.vllm.naming), K and V as the engine computed
-them, with the token ids (so that kvq's per-tenant prefix index stores a group shared by
-several prompts once). A new request's lookup is one MatchPrefix call (no K/V moves): the
-length of every block-aligned prefix name of its prompt, and the longest run of groups kvq's
-prefix index holds for its token ids (the shared part of prompts that share only a prefix, such
-as a system prompt); when the index holds more than any name, the prompt's ids are attached to
-a fresh sequence (a second call), which then holds that run; the worker then reads the longer
-prefix with GetBlocks into the request's blocks of the paged cache (kvq.vllm.layout: the CPU
-backend's packed layout), on a thread beside the forward pass, each attention layer waiting
-for its own layer (kvq.vllm.layer_loads; overlap_loads=false: before the forward pass). The prompt's
-whole blocks are saved in the step whose forward computes the last of them, one PutBlocks
-message for all layers (atomic: a lookup never sees half a prompt), from copies of the K/V
+Mapping (docs/DESIGN.md "kvq behind vLLM"): a prompt is stored once, whole (its partial last
+block included), as one kvq sequence named after its token ids (kvq.vllm.naming), K and V as
+the engine computed them, with the token ids (so that kvq's per-tenant prefix index stores a
+group shared by several prompts once). A new request's lookup is one MatchPrefix call (no K/V
+moves): the length of the sequence named after its whole prompt and of every block-aligned
+prefix name, and the longest run of groups kvq's prefix index holds for its token ids (the
+shared part of prompts that share only a prefix, such as a system prompt); when the index
+holds more than any name, the prompt's ids are attached to a fresh sequence (a second call),
+which then holds that run. A stored whole prompt loads all but its last token (vLLM computes
+one); otherwise the longer prefix loads in whole blocks. The worker reads it with GetBlocks
+into the request's blocks of the paged cache (kvq.vllm.layout: the CPU backend's packed
+layout), on a thread beside the forward pass, each attention layer waiting for its own layer
+(kvq.vllm.layer_loads; overlap_loads=false: before the forward pass). A prompt is saved in the
+step whose forward computes its last token, one PutBlocks message for all layers (atomic: a
+lookup never sees half a prompt), from copies of the K/V
 gathered during the step (so vLLM may free the blocks when the step ends): by default
 synchronously at the end of the step; with save_buffer_mb > 0 on a background thread, the
 pending copies bounded in bytes and saves past the bound dropped and counted
@@ -92,9 +94,10 @@ class KvqConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class _Lookup:
     names: List[str]   # the prompt's prefix names, 1..n whole blocks
-    stored_blocks: int  # the longest prefix kvq holds under the prompt's names, in blocks
+    whole: str         # the name of the whole prompt (names.whole), "" for a prompt under one block
+    whole_stored: bool  # kvq holds the whole prompt under `whole` (nothing to save)
     load_tokens: int   # what may be loaded (never the prompt's last token: vLLM computes it)
-    # The sequence the load reads: names[stored_blocks - 1], or an attach sequence holding the
+    # The sequence the load reads: `whole`, names[k], or an attach sequence holding the
     # prompt's longest run of groups in kvq's prefix index (then `attached`: the worker
     # deletes it after the load, request_finished when no load took it).
     source: str = ""
@@ -196,38 +199,48 @@ class KvqConnector(KVConnectorBase_V1):
 
     def _lookup(self, prompt: List[int]) -> _Lookup:
         names = self.names.chain(prompt)
-        last = max(0, (len(prompt) - 1) // self.block_size)  # blocks that may be loaded
-        stored, attached, probe = 0, 0, ""
+        whole = self.names.whole(prompt, names) if names else ""
+        last = max(0, (len(prompt) - 1) // self.block_size)  # whole blocks that may be loaded
+        stored, attached, probe, whole_stored = 0, 0, "", False
         t0 = time.monotonic()
         if names:
             self.counts["lookups"] += 1
             try:
-                # One round trip, no K/V: the length of every prefix name (stored prompts,
-                # their window included) and the longest run of groups kvq's prefix index
-                # holds for the prompt's ids (what other prompts stored that this one shares:
-                # a common system prompt before different questions).
+                # One round trip, no K/V: the length of the whole prompt's name and of every
+                # prefix name (stored prompts, their window included) and the longest run of
+                # groups kvq's prefix index holds for the prompt's ids (what other prompts
+                # stored that this one shares: a common system prompt before different
+                # questions).
                 ids = prompt[:min(last * self.block_size, _MAX_MATCH_IDS)]
-                match = self.client.match_prefix(ids, sequence_ids=names, model=self.config.model, codec=self.codec,
+                asked = names if whole == names[-1] else names + [whole]
+                match = self.client.match_prefix(ids, sequence_ids=asked, model=self.config.model, codec=self.codec,
                                                  deadline=self.config.lookup_deadline_s)
-                for i, tokens in enumerate(match.sequence_tokens):
+                lengths = list(match.sequence_tokens)
+                whole_stored = lengths[len(asked) - 1] >= len(prompt)
+                for i, tokens in enumerate(lengths[:len(names)]):
                     if tokens >= (i + 1) * self.block_size:
                         stored = i + 1
                 # The index holds more than any name: attach the prompt's ids to a fresh
                 # sequence (a second round trip, only when it pays), which the load reads.
-                if min(match.indexed_tokens // self.block_size, last) > min(stored, last):
+                if not whole_stored and min(match.indexed_tokens // self.block_size, last) > min(stored, last):
                     probe = self.names.attach_name(names)
                     attached = self._attach(probe, ids[:match.indexed_tokens]) // self.block_size
             except Exception as e:  # a slow or failing kvq is a miss, never an error
                 self.counts["lookup_errors"] += 1
                 log.warning("kvq.vllm: prefix lookup failed, treated as a miss: %s", e)
                 stored = attached = 0
-        if min(attached, last) > min(stored, last):
-            found = _Lookup(names, stored, min(attached, last) * self.block_size, probe, True)
+                whole_stored = False
+        if whole_stored:  # all but the last token, which vLLM computes
+            if probe:
+                self._drop(probe)
+            found = _Lookup(names, whole, True, len(prompt) - 1, whole)
+        elif min(attached, last) > min(stored, last):
+            found = _Lookup(names, whole, False, min(attached, last) * self.block_size, probe, True)
             self.counts["attached_tokens"] += found.load_tokens
         else:
             if probe:
                 self._drop(probe)
-            found = _Lookup(names, stored, min(stored, last) * self.block_size,
+            found = _Lookup(names, whole, False, min(stored, last) * self.block_size,
                             names[stored - 1] if stored else "")
         self.counts["hit_tokens"] += found.load_tokens
         self.counts["lookup_s"] += time.monotonic() - t0
@@ -258,8 +271,8 @@ class KvqConnector(KVConnectorBase_V1):
             return
         found = self._lookups[request.request_id]
         end = found.load_tokens
-        # From the longest stored prefix (or the attach sequence), which may hold more than is
-        # loaded (a prompt of whole blocks stored whole loads all but its last block).
+        # From the stored whole prompt, the longest stored prefix or the attach sequence, each
+        # of which may hold more than is loaded (never the prompt's last token).
         self._loads[request.request_id] = LoadSpec(found.source, [], end - num_external_tokens, end,
                                                    found.attached)
 
@@ -291,13 +304,13 @@ class KvqConnector(KVConnectorBase_V1):
             load.block_ids = list(track.blocks)
             meta.loads.append(load)
             track.lookup.attached = False  # the worker deletes the attach sequence after reading it
-        whole = len(track.prompt) // self.block_size
-        if track.saved or whole == 0 or track.lookup.stored_blocks >= whole:
+        # A prompt of at least one whole block is saved whole, partial last block included.
+        if track.saved or not track.lookup.whole or track.lookup.whole_stored:
             return
-        tokens = whole * self.block_size
-        if computed_after >= tokens:  # this step's forward computes the prompt's last whole block
-            meta.saves.append(SaveSpec(track.lookup.names[whole - 1], track.blocks[:whole], tokens,
-                                       track.prompt[:tokens]))
+        tokens = len(track.prompt)
+        if computed_after >= tokens:  # this step's forward computes the prompt's last token
+            nblocks = -(-tokens // self.block_size)
+            meta.saves.append(SaveSpec(track.lookup.whole, track.blocks[:nblocks], tokens, track.prompt))
             track.saved = True
 
     def request_finished(self, request: Any, block_ids: List[int]) -> tuple[bool, Optional[Dict[str, Any]]]:
