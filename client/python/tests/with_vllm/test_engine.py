@@ -19,44 +19,26 @@ A model not registered in kvq is an error at start naming the command that regis
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 # Skipped where vllm is not installed (the test venv of scripts/test-python.sh).
 pytest.importorskip("vllm.config", reason="vllm is not installed in this venv: scripts/test-vllm.sh makes "
                     "the vLLM venv and runs these tests")
 
-from transformers import AutoConfig, AutoTokenizer  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 import kvq  # noqa: E402
 import kvq.hf  # noqa: E402
 
-from stall_proxy import StallProxy  # noqa: E402
+from fault_proxy import FaultProxy  # noqa: E402
 
 LAYERS = 30  # SmolLM2-135M
 
 
-def _prompt(vllm_model, n: int) -> list:
-    """n token ids of a fixed English text (this repository's README)."""
-    tok = AutoTokenizer.from_pretrained(vllm_model)
-    readme = os.path.join(os.path.dirname(__file__), "../../../../README.md")
-    with open(readme) as f:
-        ids = tok(f.read()).input_ids
-    assert len(ids) >= n
-    return list(ids[:n])
-
-
-def _register_window_model(address, vllm_model):
-    with kvq.Client(address) as c:
-        kvq.hf.register_model(c, AutoConfig.from_pretrained(vllm_model), "smollm2-window",
-                              codec=kvq.CodecSettings(window=4096))
-
-
-def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_model, kvq_server, engine_run,
-                                                                            tmp_path):
-    _register_window_model(kvq_server.address, vllm_model)
-    text = _prompt(vllm_model, 450)
+def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(kvq_server, engine_run, readme_ids,
+                                                                            register_window_model, tmp_path):
+    register_window_model(kvq_server.address)
+    text = readme_ids(450)
     # p1: three whole 128-token blocks, stored whole, of which a repeat loads all but the last
     # token (vLLM computes a prompt's last token itself); p2: p1 and 66 more, which loads p1's
     # three blocks and is then stored whole (450 tokens).
@@ -97,7 +79,7 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_
     # (as a SIGSTOPped or overloaded server looks): the lookup's header-only replies pass, the
     # load's 5.9 MB stream stalls; after load_deadline_s the blocks are failed loads that vLLM
     # recomputes, with the same tokens.
-    proxy = StallProxy(kvq_server.address, stall_after=256 << 10)
+    proxy = FaultProxy(kvq_server.address, stall_after=256 << 10)
     try:
         c_run = engine_run(tmp_path / "c", [p1], kvq=proxy.address, kvq_model="smollm2-window",
                            extra={"load_deadline_s": 1.0})
@@ -114,7 +96,8 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(vllm_
 
 
 
-def test_a_shared_system_prompt_is_taken_from_the_prefix_index(vllm_model, kvq_server, engine_run, tmp_path):
+def test_a_shared_system_prompt_is_taken_from_the_prefix_index(vllm_model, kvq_server, engine_run, readme_ids,
+                                                               tmp_path):
     """Two prompts that share their first three blocks and nothing after (a system prompt, then
     different questions), with the default codec (window 0: every whole block encoded and
     indexed by its token ids): the second request takes the three shared blocks from kvq's
@@ -122,7 +105,7 @@ def test_a_shared_system_prompt_is_taken_from_the_prefix_index(vllm_model, kvq_s
     prefix, so no name finds them), through an attach that the load then deletes."""
     with kvq.Client(kvq_server.address) as c:
         kvq.hf.register_model(c, AutoConfig.from_pretrained(vllm_model), "smollm2-shared")
-    text = _prompt(vllm_model, 700)
+    text = readme_ids(700)
     system = text[:384]
     pa, pb = system + text[384:540], system + text[540:700]  # 540 and 544 tokens: 4 whole blocks each
     run = engine_run(tmp_path / "shared", [pa, pb], kvq=kvq_server.address, kvq_model="smollm2-shared")
