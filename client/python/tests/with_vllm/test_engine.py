@@ -96,19 +96,25 @@ def test_prefix_from_kvq_across_engines_and_a_stalled_load_match_recompute(kvq_s
 
 
 
-def test_a_shared_system_prompt_is_taken_from_the_prefix_index(vllm_model, kvq_server, engine_run, readme_ids,
-                                                               tmp_path):
+def test_a_shared_system_prompt_is_taken_from_the_prefix_index_of_a_sharded_kvq(vllm_model, kvq_server_factory,
+                                                                                engine_run, readme_ids, tmp_path):
     """Two prompts that share their first three blocks and nothing after (a system prompt, then
     different questions), with the default codec (window 0: every whole block encoded and
-    indexed by its token ids): the second request takes the three shared blocks from kvq's
+    indexed by its token ids), on a kvq of two shards (the connector's address lists both; the
+    client shards by sequence id): the second request takes the three shared blocks from kvq's
     prefix index, where the first prompt's save put them (no stored prompt is exactly that
-    prefix, so no name finds them), through an attach that the load then deletes."""
-    with kvq.Client(kvq_server.address) as c:
-        kvq.hf.register_model(c, AutoConfig.from_pretrained(vllm_model), "smollm2-shared")
+    prefix, so no name finds them), through an attach that the load then deletes. Every name of
+    a prompt carries its first block's hash tag, so both prompts and the attach land on one
+    shard, whose index holds what they share."""
+    shards = [kvq_server_factory(), kvq_server_factory()]
+    for server in shards:
+        with kvq.Client(server.address) as c:
+            kvq.hf.register_model(c, AutoConfig.from_pretrained(vllm_model), "smollm2-shared")
     text = readme_ids(700)
     system = text[:384]
     pa, pb = system + text[384:540], system + text[540:700]  # 540 and 544 tokens: 4 whole blocks each
-    run = engine_run(tmp_path / "shared", [pa, pb], kvq=kvq_server.address, kvq_model="smollm2-shared")
+    run = engine_run(tmp_path / "shared", [pa, pb], kvq=",".join(s.address for s in shards),
+                     kvq_model="smollm2-shared")
     first, second = run["results"]
     assert first["num_cached_tokens"] == 0
     assert second["num_cached_tokens"] == 384
@@ -117,10 +123,13 @@ def test_a_shared_system_prompt_is_taken_from_the_prefix_index(vllm_model, kvq_s
     assert worker["loaded_tokens"] == 384 and worker["load_errors"] == 0
     assert worker["saves"] == 2 and worker["saved_tokens"] == 540 + 544  # each prompt whole
     assert len(second["tokens"]) == 16
-    with kvq.Client(kvq_server.address) as c:
-        stats = c.stats()
-    assert stats.sequences == 2  # the two prompts; the attach sequences were deleted
-    assert stats.shared_tokens >= 384 * LAYERS
+    per_shard = []
+    for server in shards:
+        with kvq.Client(server.address) as c:
+            per_shard.append(c.stats())
+    # The two prompts on one shard (the attach sequences deleted), nothing on the other.
+    assert sorted(st.sequences for st in per_shard) == [0, 2]
+    assert max(st.shared_tokens for st in per_shard) >= 384 * LAYERS
 
 
 def test_unregistered_model_is_an_error_naming_the_register_command(vllm_model, kvq_server):
