@@ -10,10 +10,11 @@ Protocol: WikiText-2 wiki.test.raw from token 0 (kvq.hf's read_tokens), --window
 --window-len tokens, each a fresh sequence; the first half of a window is the prefix, the second
 half is scored (llama.cpp's protocol: positions L/2 .. L-2 predict the next token).
   dense           transformers' DynamicCache;
-  stored prefix   the prefix computed with a dense cache, every layer's K/V then encoded and
-                  decoded in-process by the codec (kvq.codes: the server's blocks byte for byte,
-                  decoded as GetBlocks decodes them), the scored half computed over that, its own
-                  K/V exact (what the engine holds for the tokens it computes);
+  stored prefix   kvq.hf.codec_choice.stored_prefix_perplexity: the prefix computed with a dense
+                  cache, every layer's K/V then encoded and decoded in-process by the codec
+                  (kvq.codes: the server's blocks byte for byte, decoded as GetBlocks decodes
+                  them), the scored half computed over that, its own K/V exact (what the engine
+                  holds for the tokens it computes);
   decode-faithful kvq.hf.codec_choice.codec_perplexity (the codec choice's own criterion).
 The basis: a kvq-calibrate output folder (GGUF or transformers channel order), registered with a
 kvq-server this script starts (kvq.hf.register_basis maps it to the model's order) and read back
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -40,39 +40,6 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_hf_decode import start_server  # noqa: E402  kvq-server on a free loopback port
-
-
-def stored_prefix_perplexity(lm: Any, toks: Any, codes: Any, codec: Any, batch: int) -> float:
-    """toks [windows, L]; codes None: the dense cache. The scored half's perplexity."""
-    import torch
-    from transformers import DynamicCache
-
-    windows, length = int(toks.shape[0]), int(toks.shape[1])
-    half = length // 2
-    nll = 0.0
-    with torch.inference_mode():
-        for w0 in range(0, windows, batch):
-            x = toks[w0:w0 + batch]
-            cache = DynamicCache()
-            lm(input_ids=x[:, :half], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            if codes is not None:
-                coded = DynamicCache()
-                for layer, held in enumerate(cache.layers):
-                    ks, vs = [], []
-                    for b in range(int(x.shape[0])):
-                        run = codes.encoder(layer, codec).append(held.keys[b].to(torch.float16).numpy(),
-                                                                 held.values[b].to(torch.float16).numpy())
-                        dk, dv = codes.decode_encoded(run)
-                        ks.append(torch.from_numpy(np.asarray(dk)))
-                        vs.append(torch.from_numpy(np.asarray(dv)))
-                    coded.update(torch.stack(ks).to(lm.dtype), torch.stack(vs).to(lm.dtype), layer)
-                cache = coded
-            out = lm(input_ids=x[:, half:length - 1], past_key_values=cache, use_cache=True)
-            lp = torch.log_softmax(out.logits.double(), dim=-1)
-            nll -= float(lp.gather(-1, x[:, half + 1:].unsqueeze(-1)).sum())
-            print(f"\r  windows {min(w0 + batch, windows)}/{windows}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    return math.exp(nll / (windows * (length - 1 - half)))
 
 
 def main() -> int:
@@ -97,7 +64,7 @@ def main() -> int:
     import kvq.codes
     import kvq.hf
     from kvq.hf.calibration import load_checkpoint, read_tokens
-    from kvq.hf.codec_choice import codec_of_name, codec_perplexity
+    from kvq.hf.codec_choice import codec_of_name, codec_perplexity, stored_prefix_perplexity
 
     data = Path(os.environ.get("KVQ_DATA_DIR") or REPO.parent / "shared/data")
     text = args.text or str(data / "wikitext-2/wiki.test.raw")
@@ -113,14 +80,20 @@ def main() -> int:
         finally:
             server.terminate()
             server.wait()
+    half = args.window_len // 2
+
+    def progress(done: int) -> None:
+        print(f"\r  windows {done}/{args.windows}", end="" if done < args.windows else "\n", file=sys.stderr,
+              flush=True)
+
     rows: List[Dict[str, Any]] = []
     t0 = time.monotonic()
-    dense = stored_prefix_perplexity(lm, toks, None, None, args.batch)
+    dense = stored_prefix_perplexity(lm, toks, half, batch=args.batch, on_window=progress)
     print(f"dense {dense:.4f} ({time.monotonic() - t0:.0f} s)", flush=True)
     for name in [n for n in args.codecs.split(",") if n]:
         codec = codes.default_codec if name == "default" else codes.codec(codec_of_name(name)[0])
         t0 = time.monotonic()
-        stored = stored_prefix_perplexity(lm, toks, codes, codec, args.batch)
+        stored = stored_prefix_perplexity(lm, toks, half, codes, codec, batch=args.batch, on_window=progress)
         faithful = codec_perplexity(lm, codes, codec, ids, args.windows, args.window_len, batch=args.batch)
         rows.append({"codec": name, "settings": str(codec), "dense": dense, "stored_prefix": stored,
                      "decode_faithful": faithful, "stored_vs_dense": stored / dense - 1,

@@ -13,8 +13,8 @@ request each, then
   does not compute). Its cost over recomputing the prefix is the codec's cost on the same tokens
   within TOLERANCE, that cost measured here in transformers (fp32): the prefix computed exactly,
   its K/V of every layer encoded and decoded in-process with the same codec and basis
-  (kvq.codes: the server's blocks byte for byte, decoded as GetBlocks decodes them), the
-  continuation computed on them, against the same without the codec. So whatever vLLM's path
+  (kvq.hf.codec_choice.stored_prefix_perplexity: kvq.codes, the server's blocks byte for byte),
+  the continuation computed on them, against the same without the codec. So whatever vLLM's path
   adds (the save, the load, the paged layout, bf16) stays within TOLERANCE.
 Measured (docs/BENCHMARKS.md): vLLM +7.30%, the codec in-process +7.45%.
 """
@@ -25,18 +25,18 @@ import math
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("vllm.config", reason="vllm is not installed in this venv: scripts/test-vllm.sh makes "
                     "the vLLM venv and runs these tests")
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import kvq  # noqa: E402
 import kvq.codes  # noqa: E402
 import kvq.hf  # noqa: E402
+from kvq.hf.codec_choice import stored_prefix_perplexity  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[4]
 BASIS = REPO / "tests/fixtures/frontend/basis-r4"  # SmolLM2-135M's calibrated basis (GGUF order)
@@ -62,32 +62,6 @@ def _perplexity(results: list) -> float:
     lps = [lp for r in results for lp in r["scored"]]
     assert len(lps) == PROMPTS * SCORED and all(math.isfinite(x) for x in lps)
     return math.exp(-sum(lps) / len(lps))
-
-
-def _in_process_perplexity(lm, seqs: list, codes=None) -> float:
-    """The scored tokens' perplexity in transformers: each prefix computed exactly, its K/V of
-    every layer (with `codes`) encoded and decoded by the model's default codec, then the
-    continuation's first CONTINUATION - 1 tokens computed on them, whose logits score the last
-    SCORED tokens (what vLLM computes after a prefix loaded from kvq)."""
-    nll = 0.0
-    with torch.inference_mode():
-        for item in seqs:
-            x = torch.tensor([item["ids"]], dtype=torch.int64)
-            cache = DynamicCache()
-            lm(input_ids=x[:, :PREFIX], past_key_values=cache, use_cache=True, logits_to_keep=1)
-            if codes is not None:
-                coded = DynamicCache()
-                for layer in range(len(cache.layers)):
-                    k, v = (t[0].to(torch.float16).numpy() for t in (cache.layers[layer].keys,
-                                                                     cache.layers[layer].values))
-                    run = codes.encoder(layer, codes.default_codec).append(k, v)
-                    dk, dv = (torch.from_numpy(np.asarray(a))[None].to(lm.dtype) for a in codes.decode_encoded(run))
-                    coded.update(dk, dv, layer)
-                cache = coded
-            out = lm(input_ids=x[:, PREFIX:-1], past_key_values=cache, use_cache=True)
-            lp = torch.log_softmax(out.logits[0].double(), dim=-1)
-            nll -= float(lp.gather(-1, x[0, PREFIX + 1:].unsqueeze(-1)).sum())
-    return math.exp(nll / (len(seqs) * SCORED))
 
 
 def test_default_codec_prefixes_keep_greedy_tokens_and_perplexity(vllm_model, kvq_server, engine_run, tmp_path,
@@ -118,8 +92,11 @@ def test_default_codec_prefixes_keep_greedy_tokens_and_perplexity(vllm_model, kv
     with kvq.Client(kvq_server.address) as c:
         codes = kvq.codes.ModelCodes(c.get_basis(info.model))
     lm = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32).eval()
-    dense = _in_process_perplexity(lm, scored)
-    coded = _in_process_perplexity(lm, scored, codes)
+    # Each scored prompt is a window: its prefix stored, CONTINUATION - 1 tokens computed over
+    # it (no further group sealed), whose logits score the last SCORED tokens.
+    toks = torch.tensor([item["ids"] for item in scored], dtype=torch.int64)
+    dense = stored_prefix_perplexity(lm, toks, PREFIX)
+    coded = stored_prefix_perplexity(lm, toks, PREFIX, codes, codes.default_codec)
     codec_cost = coded / dense - 1
     with capsys.disabled():
         print(f"\nvLLM with default-codec prefixes from kvq: greedy agreement {agree:.3f} ({same}/{PROMPTS * NEW}), "

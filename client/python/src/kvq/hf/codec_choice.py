@@ -55,7 +55,8 @@ from ..types import CodecSettings
 
 __all__ = ["CANDIDATES", "KEY_LEVERS", "LEVER_PROBE", "NOISE_MARGIN", "SINK_LEVER", "SPARSE_LEVER_MIN_GAIN",
            "SPARSE_LEVER_PERMILLE", "CodecChoice", "CodecRow", "choose_codec", "choose_within",
-           "codec_of_name", "model_codes", "plan_rows", "with_key_lever", "with_sparse_lever"]
+           "codec_of_name", "codec_perplexity", "model_codes", "plan_rows", "stored_prefix_perplexity",
+           "with_key_lever", "with_sparse_lever"]
 
 # kvq-calibrate's candidate list (codec_search.cc CodecSearchCandidates), kvq-eval config names
 # of full-KV codecs; bits per element at head_dim 64 in codec_search.cc's comments.
@@ -382,6 +383,47 @@ def codec_perplexity(lm: Any, codes: Any, codec: Any, tokens: Sequence[int], win
             if on_window:
                 on_window(w0 + nb)
     return math.exp(nll / (windows * (window_len - 1 - first)))
+
+
+def stored_prefix_perplexity(lm: Any, toks: Any, prefix: int, codes: Any = None, codec: Any = None, *,
+                             batch: int = 8, on_window: Optional[Callable[[int], None]] = None) -> float:
+    """The perplexity of the text after a stored prefix, as a serving engine that loads
+    prefixes from kvq sees it (kvq.vllm, LMCache): for each window of `toks` (torch int64
+    [windows, L]) its first `prefix` tokens computed exactly, every layer's K/V of them then
+    encoded and decoded by `codec` of `codes` (kvq.codes.ModelCodes; None: kept dense), and the
+    tokens prefix .. L-2 computed over that, their own K/V exact; their logits score tokens
+    prefix + 1 .. L-1. Unlike codec_perplexity, the prefix's own forward never attends over
+    codes. Windows go `batch` at a time; on_window(windows done) reports progress."""
+    from transformers import DynamicCache
+
+    windows, length = int(toks.shape[0]), int(toks.shape[1])
+    if not 0 < prefix < length - 1:
+        raise ValueError(f"prefix {prefix}: must leave tokens to score in windows of {length}")
+    nll = 0.0
+    with torch.inference_mode():
+        for w0 in range(0, windows, batch):
+            x = toks[w0:w0 + batch]
+            cache = DynamicCache()
+            lm(input_ids=x[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if codes is not None:
+                coded = DynamicCache()
+                for layer, held in enumerate(cache.layers):
+                    keys, values = cast(Any, held).keys, cast(Any, held).values  # a dense layer's
+                    ks, vs = [], []
+                    for b in range(int(x.shape[0])):
+                        run = codes.encoder(layer, codec).append(keys[b].to(torch.float16).numpy(),
+                                                                 values[b].to(torch.float16).numpy())
+                        dk, dv = codes.decode_encoded(run)
+                        ks.append(torch.from_numpy(np.asarray(dk)))
+                        vs.append(torch.from_numpy(np.asarray(dv)))
+                    coded.update(torch.stack(ks).to(lm.dtype), torch.stack(vs).to(lm.dtype), layer)
+                cache = coded
+            out = lm(input_ids=x[:, prefix:length - 1], past_key_values=cache, use_cache=True)
+            lp = torch.log_softmax(out.logits.double(), dim=-1)
+            nll -= float(lp.gather(-1, x[:, prefix + 1:].unsqueeze(-1)).sum())
+            if on_window:
+                on_window(min(w0 + batch, windows))
+    return math.exp(nll / (windows * (length - 1 - prefix)))
 
 
 @dataclass
